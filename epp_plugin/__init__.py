@@ -1,0 +1,1 @@
+"""Router side of llmd-timeslice: Envoy ext_proc services (time-slice gate, EPP-protocol picker)."""

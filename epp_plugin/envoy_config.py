@@ -1,0 +1,204 @@
+"""Rendering of the local Envoy bootstrap: gate ext_proc -> EPP ext_proc -> ORIGINAL_DST cluster.
+
+The same filter chain as the llm-d router (DESIGN.md §3). Facts this relies on (Envoy 1.40,
+checked on this machine, DESIGN.md §7):
+
+* ext_proc answers may be delayed for as long as ``message_timeout`` (default 200 ms), which is
+  therefore raised above the gate's ``max_hold_s``; ``max_message_timeout`` caps server overrides
+  (Envoy allows at most 3600 s).
+* dynamic metadata written by the first ext_proc filter is accepted only for namespaces listed in
+  its ``metadata_options.receiving_namespaces`` and forwarded to the second filter only for
+  namespaces in that filter's ``forwarding_namespaces`` (the subset hint needs both).
+* ``response_attributes: [upstream.address]`` puts the served endpoint into the gate's
+  response-headers message.
+* with ``response_trailer_mode: SEND`` Envoy keeps the gate's ext_proc stream open until the
+  response ends, even when the upstream sends no trailers (with SKIP it closes the stream right
+  after response headers, so a streaming (SSE) response would leave the in-flight count early);
+  the drain barrier counts on this.
+* the HTTP connection manager's ``stream_idle_timeout`` (default 300 s) would reset a held request
+  with no body traffic, so it is raised above the hold limit too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epp_plugin import protocol
+
+EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+MAX_MESSAGE_TIMEOUT_S = 3600
+
+# Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
+# open ext_proc stream to the gate.
+_BIG_THRESHOLDS = {
+    "thresholds": [
+        {"priority": "DEFAULT", "max_connections": 100_000, "max_pending_requests": 100_000,
+         "max_requests": 100_000, "max_retries": 10}
+    ]
+}
+
+
+@dataclass
+class EnvoyRouterConfig:
+    """What the rendered router needs; durations in seconds, ports on loopback by default."""
+
+    listen_port: int
+    admin_port: int
+    gate_port: int | None
+    epp_port: int
+    pool: str = "default"
+    host: str = "127.0.0.1"
+    max_hold_s: float = 600.0
+    upstream_timeout_s: float = 600.0
+    epp_message_timeout_s: float = 5.0
+    gate_failure_mode_allow: bool = False
+    extra_pools_by_prefix: dict[str, str] = field(default_factory=dict)
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds:.3f}s"
+
+
+def _grpc_cluster(name: str, host: str, port: int) -> dict:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": HTTP_OPTIONS_TYPE,
+                "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 2_147_483_647}},
+            }
+        },
+        "circuit_breakers": _BIG_THRESHOLDS,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}
+            ],
+        },
+    }
+
+
+def gate_filter(cluster: str, pool: str, max_hold_s: float, failure_mode_allow: bool = False) -> dict:
+    """The gate's ext_proc filter: headers only, hold-capable timeout, receives the subset hint."""
+    return {
+        "name": "envoy.filters.http.ext_proc.timeslice_gate",
+        "typed_config": {
+            "@type": EXT_PROC_TYPE,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": cluster},
+                "initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}],
+            },
+            "failure_mode_allow": failure_mode_allow,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SEND",
+            },
+            "message_timeout": _dur(min(max_hold_s + 10, MAX_MESSAGE_TIMEOUT_S)),
+            "max_message_timeout": f"{MAX_MESSAGE_TIMEOUT_S}s",
+            "metadata_options": {"receiving_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
+            "response_attributes": [protocol.UPSTREAM_ADDRESS_ATTRIBUTE],
+        },
+    }
+
+
+def epp_filter(cluster: str, pool: str, message_timeout_s: float = 5.0) -> dict:
+    """The EPP's ext_proc filter: request headers only, forwards the subset hint, receives ``envoy.lb``."""
+    return {
+        "name": "envoy.filters.http.ext_proc.epp",
+        "typed_config": {
+            "@type": EXT_PROC_TYPE,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": cluster},
+                "initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}],
+            },
+            "failure_mode_allow": False,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SKIP",
+                "request_body_mode": "NONE",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "message_timeout": _dur(message_timeout_s),
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [protocol.DESTINATION_NAMESPACE]},
+            },
+        },
+    }
+
+
+def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
+    """Envoy bootstrap (as a dict, JSON-serialisable) for the local router.
+
+    With ``cfg.gate_port`` None the chain is picker-only (the baseline of the router benchmark).
+    """
+    filters = []
+    if cfg.gate_port is not None:
+        filters.append(gate_filter("timeslice_gate", cfg.pool, cfg.max_hold_s, cfg.gate_failure_mode_allow))
+    filters.append(epp_filter("epp", cfg.pool, cfg.epp_message_timeout_s))
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}})
+    hcm = {
+        "@type": HCM_TYPE,
+        "stat_prefix": "inference",
+        "stream_idle_timeout": _dur(cfg.max_hold_s + cfg.upstream_timeout_s),
+        "route_config": {
+            "name": "inference",
+            "virtual_hosts": [
+                {
+                    "name": "inference",
+                    "domains": ["*"],
+                    "routes": [
+                        {"match": {"prefix": "/"}, "route": {"cluster": "endpoints", "timeout": _dur(cfg.upstream_timeout_s)}}
+                    ],
+                }
+            ],
+        },
+        "http_filters": filters,
+    }
+    clusters = [
+        _grpc_cluster("epp", cfg.host, cfg.epp_port),
+        {
+            "name": "endpoints",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "5s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
+            "circuit_breakers": _BIG_THRESHOLDS,
+        },
+    ]
+    if cfg.gate_port is not None:
+        clusters.insert(0, _grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
+    return {
+        "admin": {"address": {"socket_address": {"address": cfg.host, "port_value": cfg.admin_port}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "inference",
+                    "address": {"socket_address": {"address": cfg.host, "port_value": cfg.listen_port}},
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def write_bootstrap(cfg: EnvoyRouterConfig, path: Path) -> Path:
+    """Render and write the bootstrap as JSON (Envoy reads JSON as YAML). Returns ``path``."""
+    path.write_text(json.dumps(render_bootstrap(cfg), indent=1))
+    return path

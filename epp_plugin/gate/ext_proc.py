@@ -1,0 +1,165 @@
+"""The gate's Envoy ``ExternalProcessor`` servicer (ext_proc, headers only).
+
+Per HTTP request Envoy opens one gRPC stream and sends, with the processing mode rendered by
+:mod:`epp_plugin.envoy_config`: ``request_headers`` (answered once the request is admitted, i.e.
+possibly after a hold) and ``response_headers`` (carrying the ``upstream.address`` attribute,
+which names the endpoint that served it). The stream's end, whatever the reason, ends the
+request's in-flight count. This module only translates protobuf messages into calls on
+:class:`~epp_plugin.gate.pool_state.PoolState`; it holds no policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+
+from epp_plugin import protocol
+from epp_plugin.gate import metrics
+from epp_plugin.gate.pool_state import AdmissionRefused, PoolState, UnknownPool
+
+log = logging.getLogger(__name__)
+
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_CONTINUE = {
+    "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+
+
+def refusal_response(err: AdmissionRefused) -> pb.ProcessingResponse:
+    """ImmediateResponse for a refused request: status, reason header, ``retry-after``, JSON body."""
+    headers = [
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=protocol.REASON_HEADER, raw_value=err.reason.encode())),
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")),
+    ]
+    if err.retry_after_s is not None:
+        headers.append(
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=str(err.retry_after_s).encode()))
+        )
+    body = json.dumps({"error": {"type": err.reason, "message": err.message}}).encode()
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=err.http_status),
+            headers=pb.HeaderMutation(set_headers=headers),
+            body=body,
+            details=err.reason,
+        )
+    )
+
+
+class _HintCache:
+    """Prebuilt request-headers responses per candidate tuple (the subset hint), so the common case
+    allocates nothing. Bounded: cleared when it grows past ``limit`` entries."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._by_candidates: dict[tuple[str, ...], pb.ProcessingResponse] = {}
+        self._limit = limit
+
+    def get(self, candidates: tuple[str, ...]) -> pb.ProcessingResponse:
+        resp = self._by_candidates.get(candidates)
+        if resp is None:
+            if len(self._by_candidates) >= self._limit:
+                self._by_candidates.clear()
+            resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            hint = resp.dynamic_metadata.fields[protocol.SUBSET_HINT_NAMESPACE].struct_value
+            hint.fields[protocol.SUBSET_HINT_KEY].list_value.values.add().string_value = candidates[0]
+            values = hint.fields[protocol.SUBSET_HINT_KEY].list_value.values
+            for addr in candidates[1:]:
+                values.add().string_value = addr
+            self._by_candidates[candidates] = resp
+        return resp
+
+
+def _header(headers: pb.HttpHeaders, name: str) -> str | None:
+    for h in headers.headers.headers:
+        if h.key == name:
+            return h.raw_value.decode() if h.raw_value else h.value
+    return None
+
+
+class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """ext_proc servicer of the time-slice gate.
+
+    Args:
+        pools: pool name -> :class:`PoolState` (shared with the control servicer).
+        default_pool: pool used when Envoy sends no ``x-llmd-timeslice-pool`` metadata.
+    """
+
+    def __init__(self, pools: Mapping[str, PoolState], default_pool: str) -> None:
+        self._pools = pools
+        self._default_pool = default_pool
+        self._hints = _HintCache()
+
+    def _pool_name(self, context) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == protocol.POOL_METADATA_KEY:
+                return value
+        return self._default_pool
+
+    async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        pool_name = self._pool_name(context)
+        pool = self._pools.get(pool_name)
+        adm = None
+        try:
+            async for req in request_iterator:
+                which = req.WhichOneof("request")
+                if which == "request_headers":
+                    if adm is not None:
+                        log.warning("pool=%s duplicate request_headers on one stream; ignored", pool_name)
+                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                        continue
+                    try:
+                        if pool is None:
+                            raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
+                        min_version = 0
+                        raw = _header(req.request_headers, protocol.MIN_WEIGHT_VERSION_HEADER)
+                        if raw is not None:
+                            try:
+                                min_version = int(raw)
+                            except ValueError:
+                                err = AdmissionRefused(
+                                    f"{protocol.MIN_WEIGHT_VERSION_HEADER} must be an integer, got {raw[:64]!r}"
+                                )
+                                err.http_status, err.reason = 400, "bad_min_weight_version"
+                                raise err from None
+                        adm = await pool.admit(min_version)
+                    except AdmissionRefused as err:
+                        metrics.REFUSED.labels(pool=pool_name, reason=err.reason).inc()
+                        yield refusal_response(err)
+                        return
+                    metrics.ADMITTED.labels(pool=pool_name).inc()
+                    if adm.hold_s > 0:
+                        metrics.HOLD_SECONDS.labels(pool=pool_name).observe(adm.hold_s)
+                    yield self._hints.get(adm.candidates)
+                elif which == "response_headers":
+                    if adm is None:
+                        yield _CONTINUE_RESPONSE_HEADERS
+                        continue
+                    attrs = req.attributes.get(protocol.EXT_PROC_ATTRIBUTES_NAMESPACE)
+                    if attrs is not None:
+                        served = attrs.fields.get(protocol.UPSTREAM_ADDRESS_ATTRIBUTE)
+                        if served is not None and served.string_value:
+                            pool.on_served(adm, served.string_value)
+                    if adm.hold_s > 0:
+                        resp = pb.ProcessingResponse()
+                        resp.response_headers.response.header_mutation.set_headers.add(
+                            header=base_pb2.HeaderValue(
+                                key=protocol.HOLD_MS_HEADER, raw_value=str(round(adm.hold_s * 1000)).encode()
+                            )
+                        )
+                        yield resp
+                    else:
+                        yield _CONTINUE_RESPONSE_HEADERS
+                elif which in _CONTINUE:
+                    yield _CONTINUE[which]
+        finally:
+            if adm is not None:
+                pool.finish(adm)

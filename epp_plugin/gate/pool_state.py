@@ -1,0 +1,364 @@
+"""Core of the time-slice gate: per-InferencePool endpoint states, hold queue and drain barrier.
+
+No I/O here. The ext_proc servicer turns Envoy messages into calls on :class:`PoolState`
+(``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream end);
+the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
+
+Invariants held here (DESIGN.md §5):
+1. a request is admitted only with a non-empty list of SERVING endpoints (its *candidates*),
+   which becomes the subset hint; with none SERVING it waits in a FIFO queue;
+3. held requests are released FIFO, only to SERVING endpoints at the required weight version;
+4. a held request that is cancelled leaves the queue at once;
+5. the queue length and hold time are bounded; beyond them admission raises a typed error.
+
+Drain barrier: every live request counts against each endpoint it could still reach (its
+candidates until the served endpoint is learned on the response path, then that endpoint
+alone). An endpoint set DRAINING at epoch E is never a candidate of a request admitted at or
+after E, so "drained" is simply "no live request counts against it".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+class EndpointState(enum.Enum):
+    """Gate view of one model-server endpoint (DESIGN.md §4)."""
+
+    SERVING = "SERVING"
+    DRAINING = "DRAINING"
+    ASLEEP = "ASLEEP"
+    WAKING = "WAKING"
+
+
+class AdmissionRefused(Exception):
+    """Base of the typed refusals; ``http_status`` and ``reason`` go to the client."""
+
+    http_status = 503
+    reason = "refused"
+    retry_after_s: int | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class QueueFull(AdmissionRefused):
+    """The pool already holds ``max_held`` requests (HTTP 429)."""
+
+    http_status = 429
+    reason = "hold_queue_full"
+    retry_after_s = 1
+
+
+class HoldExpired(AdmissionRefused):
+    """The request waited ``max_hold_s`` without a SERVING endpoint (HTTP 503)."""
+
+    http_status = 503
+    reason = "hold_expired"
+    retry_after_s = 5
+
+
+class UnknownPool(AdmissionRefused):
+    """The request names a pool this gate does not know (HTTP 503, a configuration error)."""
+
+    http_status = 503
+    reason = "unknown_pool"
+
+
+class GateShuttingDown(AdmissionRefused):
+    """The gate is stopping; held requests are refused rather than left hanging (HTTP 503)."""
+
+    http_status = 503
+    reason = "gate_shutting_down"
+    retry_after_s = 1
+
+
+@dataclass
+class Endpoint:
+    """One endpoint (``ip:port``) of a pool; ``in_flight`` counts live requests that may reach it."""
+
+    address: str
+    state: EndpointState
+    weight_version: int = 0
+    in_flight: int = 0
+
+
+@dataclass(eq=False)
+class Admission:
+    """One admitted request, from request headers to stream end.
+
+    ``candidates`` are the endpoints it may reach (the subset hint it was given, then the served
+    endpoint once known). ``hold_s`` is the time it waited in the queue, in seconds.
+    """
+
+    pool: str
+    candidates: tuple[str, ...]
+    epoch: int
+    hold_s: float
+    served: str | None = None
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Held:
+    min_version: int
+    enqueued_at: float
+    future: asyncio.Future = field(repr=False)
+
+
+class PoolState:
+    """Endpoints, hold queue and live admissions of one InferencePool.
+
+    Args:
+        name: pool name (the value Envoy sends in the pool metadata key).
+        max_held: most requests held at once; one more raises :class:`QueueFull`.
+        max_hold_s: most seconds a request is held before :class:`HoldExpired`.
+        release_rate_per_s: held requests released per second when an endpoint turns SERVING
+            (0 = no bound); releases go in bursts of ``release_burst``.
+        clock: monotonic clock in seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_held: int = 10_000,
+        max_hold_s: float = 600.0,
+        release_rate_per_s: float = 5_000.0,
+        release_burst: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.max_held = max_held
+        self.max_hold_s = max_hold_s
+        self.release_rate_per_s = release_rate_per_s
+        self.release_burst = max(1, release_burst)
+        self._clock = clock
+        self.endpoints: dict[str, Endpoint] = {}
+        self.epoch = 0
+        self._held: deque[_Held] = deque()
+        self._live: set[Admission] = set()
+        self._changed = asyncio.Condition()
+        self._releaser: asyncio.Task | None = None
+        self._drain_waiters = 0
+        self.admitted_total = 0
+        self.released_total = 0
+        self.refused_total = 0
+        self.closed = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def held(self) -> int:
+        """Requests waiting in the hold queue now."""
+        return len(self._held)
+
+    @property
+    def live(self) -> int:
+        """Admitted requests whose stream has not ended."""
+        return len(self._live)
+
+    def serving(self, min_version: int = 0) -> tuple[str, ...]:
+        """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order."""
+        return tuple(
+            ep.address
+            for ep in self.endpoints.values()
+            if ep.state is EndpointState.SERVING and ep.weight_version >= min_version
+        )
+
+    # ---------------------------------------------------------------- data path
+    async def admit(self, min_version: int = 0) -> Admission:
+        """Admit one request: return at once when an endpoint serves, else hold it (FIFO).
+
+        Raises:
+            QueueFull: ``max_held`` requests are already held.
+            HoldExpired: no eligible endpoint turned SERVING within ``max_hold_s`` seconds.
+            GateShuttingDown: the gate stopped while the request was held.
+            asyncio.CancelledError: the caller (Envoy stream) went away; the entry is removed.
+        """
+        if self.closed:
+            self.refused_total += 1
+            raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
+        candidates = self.serving(min_version)
+        if candidates and not self._held:
+            return self._start(candidates, 0.0)
+        if len(self._held) >= self.max_held:
+            self.refused_total += 1
+            raise QueueFull(f"pool {self.name!r} already holds {len(self._held)} requests (max_held)")
+        loop = asyncio.get_running_loop()
+        entry = _Held(min_version, self._clock(), loop.create_future())
+        self._held.append(entry)
+        if candidates:
+            self._kick_releaser()
+        try:
+            candidates = await asyncio.wait_for(entry.future, self.max_hold_s)
+        except TimeoutError:
+            self._drop(entry)
+            self.refused_total += 1
+            raise HoldExpired(
+                f"no endpoint of pool {self.name!r} at weight version >= {min_version} "
+                f"turned SERVING within {self.max_hold_s:g} s"
+            ) from None
+        except asyncio.CancelledError:
+            self._drop(entry)
+            raise
+        except AdmissionRefused:
+            self.refused_total += 1
+            raise
+        return self._start(candidates, self._clock() - entry.enqueued_at)
+
+    def _drop(self, entry: _Held) -> None:
+        # A released-but-abandoned entry was never counted in flight (that happens in _start).
+        try:
+            self._held.remove(entry)
+        except ValueError:
+            pass
+        if not entry.future.done():
+            entry.future.cancel()
+
+    def _start(self, candidates: tuple[str, ...], hold_s: float) -> Admission:
+        adm = Admission(self.name, candidates, self.epoch, hold_s)
+        for addr in candidates:
+            self.endpoints[addr].in_flight += 1
+        self._live.add(adm)
+        self.admitted_total += 1
+        return adm
+
+    def on_served(self, adm: Admission, address: str) -> None:
+        """The response path names the endpoint that served ``adm``; it alone stays counted."""
+        if adm.finished or adm.served is not None:
+            return
+        adm.served = address
+        if address not in adm.candidates:
+            # Served outside the hint (an EPP that ignored it): count it where it really went.
+            ep = self.endpoints.get(address)
+            if ep is not None:
+                ep.in_flight += 1
+            dropped = adm.candidates
+            adm.candidates = (address,) if ep is not None else ()
+        else:
+            dropped = tuple(a for a in adm.candidates if a != address)
+            adm.candidates = (address,)
+        for addr in dropped:
+            self._uncount(addr)
+        if dropped:
+            self._notify()
+
+    def finish(self, adm: Admission) -> None:
+        """The request's stream ended (complete, reset or client gone). Idempotent."""
+        if adm.finished:
+            return
+        adm.finished = True
+        self._live.discard(adm)
+        for addr in adm.candidates:
+            self._uncount(addr)
+        if adm.candidates:
+            self._notify()
+
+    def _uncount(self, addr: str) -> None:
+        ep = self.endpoints.get(addr)
+        if ep is not None and ep.in_flight > 0:
+            ep.in_flight -= 1
+
+    # ------------------------------------------------------------- control path
+    def set_states(self, updates: Iterable[tuple[str, EndpointState, int | None]]) -> int:
+        """Apply ``(address, state, weight_version or None)`` updates; return the new epoch.
+
+        Endpoints not named keep their state. A change that makes an endpoint SERVING starts the
+        release of held requests.
+        """
+        changed = False
+        for address, state, version in updates:
+            ep = self.endpoints.get(address)
+            if ep is None:
+                self.endpoints[address] = Endpoint(address, state, version or 0)
+                changed = True
+                continue
+            if ep.state is not state or (version is not None and version != ep.weight_version):
+                ep.state = state
+                if version is not None:
+                    ep.weight_version = version
+                changed = True
+        if changed:
+            self.epoch += 1
+            if self._held and self.serving():
+                self._kick_releaser()
+            self._notify()
+        return self.epoch
+
+    def in_flight(self, addresses: Iterable[str]) -> dict[str, int]:
+        """Live requests that may still reach each address."""
+        return {a: (self.endpoints[a].in_flight if a in self.endpoints else 0) for a in addresses}
+
+    async def wait_drained(self, addresses: Iterable[str], timeout_s: float) -> tuple[bool, dict[str, int]]:
+        """Wait until no live request may reach ``addresses`` (the drain barrier).
+
+        Returns ``(drained, in_flight per address)``; ``drained`` is False after ``timeout_s``
+        seconds. Woken by request ends, not by polling.
+        """
+        addrs = list(addresses)
+
+        def drained() -> bool:
+            return all(v == 0 for v in self.in_flight(addrs).values())
+
+        if drained():
+            return True, self.in_flight(addrs)
+        self._drain_waiters += 1
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(drained), max(0.0, timeout_s))
+            return True, self.in_flight(addrs)
+        except TimeoutError:
+            return False, self.in_flight(addrs)
+        finally:
+            self._drain_waiters -= 1
+
+    def close(self) -> None:
+        """Refuse every held request with :class:`GateShuttingDown` and admit nothing more."""
+        self.closed = True
+        while self._held:
+            entry = self._held.popleft()
+            if not entry.future.done():
+                entry.future.set_exception(GateShuttingDown(f"gate stopped while pool {self.name!r} held the request"))
+        if self._releaser is not None:
+            self._releaser.cancel()
+
+    # ---------------------------------------------------------------- internals
+    def _notify(self) -> None:
+        if self._drain_waiters:  # skip a task when nobody waits (hot path)
+            asyncio.get_running_loop().create_task(self._notify_all())
+
+    async def _notify_all(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _kick_releaser(self) -> None:
+        if self._releaser is None or self._releaser.done():
+            self._releaser = asyncio.get_running_loop().create_task(self._release_held())
+
+    async def _release_held(self) -> None:
+        """Release held requests FIFO in bursts, at most ``release_rate_per_s`` per second."""
+        pause = self.release_burst / self.release_rate_per_s if self.release_rate_per_s > 0 else 0.0
+        while self._held:
+            released = 0
+            skipped: list[_Held] = []
+            while self._held and released < self.release_burst:
+                entry = self._held.popleft()
+                if entry.future.done():
+                    continue
+                candidates = self.serving(entry.min_version)
+                if not candidates:
+                    skipped.append(entry)  # waits for a newer weight version; keeps its place
+                    continue
+                entry.future.set_result(candidates)
+                released += 1
+            self._held.extendleft(reversed(skipped))
+            self.released_total += released
+            if released == 0:
+                return
+            await asyncio.sleep(pause)

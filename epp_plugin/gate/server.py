@@ -1,0 +1,107 @@
+"""Assembly of the gate process: ext_proc data-plane server, control server, metrics.
+
+The data-plane port serves only ``envoy.service.ext_proc.v3.ExternalProcessor`` and gRPC health
+(invariant 8); the control port serves ``GateControlService`` behind bearer-token auth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pydantic import BaseModel, Field
+
+from epp_plugin.gate import metrics
+from epp_plugin.gate.control import GateControl
+from epp_plugin.gate.ext_proc import GateExternalProcessor
+from epp_plugin.gate.pool_state import PoolState
+from llmd_timeslice import auth
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_concurrent_streams", 100_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class GateConfig(BaseModel):
+    """Configuration of one gate process (all durations in seconds)."""
+
+    host: str = Field("127.0.0.1", description="Address both servers bind to.")
+    ext_proc_port: int = Field(9002, description="Data-plane port (ext_proc + health only).")
+    control_port: int = Field(9003, description="Control port (GateControlService, authenticated).")
+    pools: list[str] = Field(default_factory=lambda: ["default"], description="InferencePools this gate serves.")
+    default_pool: str = Field("default", description="Pool for streams without pool metadata.")
+    accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
+    max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429.")
+    max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds held; then 503 (Envoy caps at 3600).")
+    release_rate_per_s: float = Field(5_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
+    token: str | None = Field(None, description="Bearer token required on the control port.", repr=False)
+
+
+class GateServer:
+    """The gate's servers in this event loop. ``await start()``, ``await stop()``."""
+
+    def __init__(self, config: GateConfig) -> None:
+        self.config = config
+        self.pools: dict[str, PoolState] = {}
+        for name in {*config.pools, config.default_pool}:
+            self.pools[name] = self._new_pool(name)
+        self._data: aio.Server | None = None
+        self._control: aio.Server | None = None
+        self.ext_proc_port = config.ext_proc_port
+        self.control_port = config.control_port
+
+    def _new_pool(self, name: str) -> PoolState:
+        pool = PoolState(
+            name,
+            max_held=self.config.max_held,
+            max_hold_s=self.config.max_hold_s,
+            release_rate_per_s=self.config.release_rate_per_s,
+        )
+        metrics.HELD.labels(pool=name).set_function(lambda p=pool: p.held)
+        return pool
+
+    async def start(self) -> None:
+        cfg = self.config
+        self._data = aio.server(options=GRPC_OPTIONS)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._data)
+        self.ext_proc_port = self._data.add_insecure_port(f"{cfg.host}:{cfg.ext_proc_port}")
+
+        self._control = aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors(cfg.token))
+        factory = self._new_pool if cfg.accept_new_pools else None
+        gate_control_pb2_grpc.add_GateControlServiceServicer_to_server(GateControl(self.pools, factory), self._control)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._control)
+        self.control_port = self._control.add_insecure_port(f"{cfg.host}:{cfg.control_port}")
+        await self._data.start()
+        await self._control.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("gate ext_proc=%s:%d control=%s:%d pools=%s", cfg.host, self.ext_proc_port, cfg.host,
+                 self.control_port, sorted(self.pools))
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Refuse held requests (503 gate_shutting_down), then stop both servers."""
+        for pool in self.pools.values():
+            pool.close()
+        await asyncio.sleep(0)
+        if self._data is not None:
+            await self._data.stop(grace_s)
+        if self._control is not None:
+            await self._control.stop(0)
+
+
+async def serve(config: GateConfig) -> None:
+    """Run the gate until cancelled (SIGINT/SIGTERM handled by the caller)."""
+    server = GateServer(config)
+    await server.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()

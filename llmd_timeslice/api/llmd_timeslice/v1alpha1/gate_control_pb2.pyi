@@ -1,0 +1,118 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EndpointState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENDPOINT_STATE_UNSPECIFIED: _ClassVar[EndpointState]
+    ENDPOINT_STATE_SERVING: _ClassVar[EndpointState]
+    ENDPOINT_STATE_DRAINING: _ClassVar[EndpointState]
+    ENDPOINT_STATE_ASLEEP: _ClassVar[EndpointState]
+    ENDPOINT_STATE_WAKING: _ClassVar[EndpointState]
+ENDPOINT_STATE_UNSPECIFIED: EndpointState
+ENDPOINT_STATE_SERVING: EndpointState
+ENDPOINT_STATE_DRAINING: EndpointState
+ENDPOINT_STATE_ASLEEP: EndpointState
+ENDPOINT_STATE_WAKING: EndpointState
+
+class EndpointUpdate(_message.Message):
+    __slots__ = ("address", "state", "weight_version")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: EndpointState
+    weight_version: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class SetEndpointStatesRequest(_message.Message):
+    __slots__ = ("pool", "endpoints")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    endpoints: _containers.RepeatedCompositeFieldContainer[EndpointUpdate]
+    def __init__(self, pool: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[EndpointUpdate, _Mapping]]] = ...) -> None: ...
+
+class SetEndpointStatesResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class WaitDrainedRequest(_message.Message):
+    __slots__ = ("pool", "addresses", "epoch", "timeout_s")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    epoch: int
+    timeout_s: float
+    def __init__(self, pool: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitDrainedResponse(_message.Message):
+    __slots__ = ("drained", "in_flight")
+    class InFlightEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    in_flight: _containers.ScalarMap[str, int]
+    def __init__(self, drained: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GetPoolStatusRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class EndpointStatus(_message.Message):
+    __slots__ = ("address", "state", "weight_version", "in_flight")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: EndpointState
+    weight_version: int
+    in_flight: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., weight_version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "epoch", "endpoints", "held", "admitted_total", "released_total", "refused_total")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    epoch: int
+    endpoints: _containers.RepeatedCompositeFieldContainer[EndpointStatus]
+    held: int
+    admitted_total: int
+    released_total: int
+    refused_total: int
+    def __init__(self, pool: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[EndpointStatus, _Mapping]]] = ..., held: _Optional[int] = ..., admitted_total: _Optional[int] = ..., released_total: _Optional[int] = ..., refused_total: _Optional[int] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pools: _Optional[_Iterable[str]] = ...) -> None: ...

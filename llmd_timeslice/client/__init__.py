@@ -1,0 +1,23 @@
+"""TimeSlice client used inside RL loops: ``acquire`` / ``release`` and ``on_accelerators``."""
+
+from llmd_timeslice.client.client import (
+    AcquireResult,
+    AcquireTimeout,
+    AsyncTimeSliceOrchestratorClient,
+    LeaseError,
+    OrchestratorUnavailable,
+    TimeSliceError,
+    TimeSliceOrchestratorClient,
+    YieldResult,
+)
+
+__all__ = [
+    "AcquireResult",
+    "AcquireTimeout",
+    "AsyncTimeSliceOrchestratorClient",
+    "LeaseError",
+    "OrchestratorUnavailable",
+    "TimeSliceError",
+    "TimeSliceOrchestratorClient",
+    "YieldResult",
+]

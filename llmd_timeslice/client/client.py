@@ -1,0 +1,260 @@
+"""TimeSlice client: acquire/yield a group's accelerators from inside an RL loop.
+
+Names match the upstream llm-d client where they overlap: ``TimeSliceOrchestratorClient(target,
+job_id=None, group_id=None, channel_options=None)``, ``acquire()`` -> ``AcquireResult(success,
+waited_ms, context_restored)``, ``release()`` -> ``YieldResult(success, pending_waiters,
+snapshot_deferred)`` (``yield`` is a keyword), ``on_accelerators(job_id, group_id, timeout_sec)``
+as context manager and decorator. Configuration falls back to the environment:
+``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_JOB_ID``, ``TIMESLICE_TRAINER_GROUP``; the bearer token to
+``LLMD_TIMESLICE_TOKEN(_FILE)``.
+
+A ``state`` offloader (e.g. :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`)
+passed to ``on_accelerators`` is restored right after the grant and offloaded right before the
+yield, so trainer state is resident exactly while the lease is held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from grpc import aio
+
+from llmd_timeslice import auth
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+class TimeSliceError(Exception):
+    """Base of the client's errors."""
+
+
+class AcquireTimeout(TimeSliceError):
+    """Timed out waiting for the group (the lock was not granted)."""
+
+
+class OrchestratorUnavailable(TimeSliceError):
+    """The orchestrator could not be reached (address, network, or it is down)."""
+
+
+class LeaseError(TimeSliceError):
+    """The orchestrator refused the call (unknown group, not the holder, failed switch...)."""
+
+
+@dataclass
+class AcquireResult:
+    success: bool
+    waited_ms: int
+    context_restored: bool
+
+
+@dataclass
+class YieldResult:
+    success: bool
+    pending_waiters: int
+    snapshot_deferred: bool
+
+
+class StateOffloader(Protocol):
+    offloaded: bool
+
+    def offload(self): ...
+    def restore(self): ...
+
+
+def _translate(exc: grpc.RpcError, what: str) -> TimeSliceError:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return AcquireTimeout(f"{what}: timed out waiting ({exc.details()})")
+    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+        return OrchestratorUnavailable(f"{what}: orchestrator unreachable: {exc.details()}")
+    return LeaseError(f"{what}: {code.name}: {exc.details()}")
+
+
+def _defaults(target, job_id, group_id):
+    return (
+        target or os.environ.get("TIMESLICE_ORCH_ADDR") or DEFAULT_TARGET,
+        job_id or os.environ.get("TIMESLICE_JOB_ID"),
+        group_id or os.environ.get("TIMESLICE_TRAINER_GROUP"),
+    )
+
+
+class TimeSliceOrchestratorClient:
+    """Synchronous client.
+
+    Args:
+        target: orchestrator ``host:port`` (default ``$TIMESLICE_ORCH_ADDR`` or 127.0.0.1:50051).
+        job_id: this job's id (default ``$TIMESLICE_JOB_ID``).
+        group_id: default group (default ``$TIMESLICE_TRAINER_GROUP``).
+        channel_options: extra gRPC channel options.
+        token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``).
+    """
+
+    def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
+                 channel_options: list | None = None, token: str | None = None) -> None:
+        self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
+        self._md = auth.call_metadata(token if token is not None else auth.load_token())
+        self._channel = grpc.insecure_channel(self.target, options=channel_options or [])
+        self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
+
+    def _ids(self, job_id, group_id) -> tuple[str, str]:
+        job, group = job_id or self.job_id, group_id or self.group_id
+        if not job or not group:
+            raise TimeSliceError("job_id and group_id are required (arguments or TIMESLICE_JOB_ID / "
+                                 "TIMESLICE_TRAINER_GROUP)")
+        return job, group
+
+    def acquire(self, job_id: str | None = None, group_id: str | None = None,
+                timeout_sec: float | None = None) -> AcquireResult:
+        """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
+        job, group = self._ids(job_id, group_id)
+        try:
+            r = self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec,
+                                   metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _translate(exc, f"acquire {group!r} as {job!r}") from None
+        return AcquireResult(r.success, r.waited_ms, r.context_restored)
+
+    def release(self, job_id: str | None = None, group_id: str | None = None) -> YieldResult:
+        """Yield the group (returns at once). Raises LeaseError (not the holder), OrchestratorUnavailable."""
+        job, group = self._ids(job_id, group_id)
+        try:
+            r = self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _translate(exc, f"yield {group!r} as {job!r}") from None
+        return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
+
+    yield_ = release
+
+    def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
+        """Raw ``GetGroupStatusResponse`` of the group."""
+        try:
+            return self._stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""),
+                                             timeout=10, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "group status") from None
+
+    def list_groups(self) -> list[str]:
+        try:
+            return list(self._stub.ListGroups(pb.ListGroupsRequest(), timeout=10, metadata=self._md).group_ids)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "list groups") from None
+
+    def on_accelerators(self, job_id: str | None = None, group_id: str | None = None,
+                        timeout_sec: float | None = None, state: StateOffloader | None = None) -> _Held:
+        """Hold the group for a block or a function: ``with c.on_accelerators(...):`` or ``@c.on_accelerators(...)``.
+
+        With ``state``, trainer state is restored after the grant and offloaded before the yield.
+        """
+        return _Held(self, job_id, group_id, timeout_sec, state)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TimeSliceOrchestratorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncTimeSliceOrchestratorClient:
+    """asyncio variant with the same methods (awaitable) and ``on_accelerators`` as async context manager/decorator."""
+
+    def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
+                 channel_options: list | None = None, token: str | None = None) -> None:
+        self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
+        tok = token if token is not None else auth.load_token()
+        self._channel = aio.insecure_channel(self.target, options=channel_options or [],
+                                             interceptors=auth.client_interceptors(tok))
+        self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
+
+    _ids = TimeSliceOrchestratorClient._ids
+
+    async def acquire(self, job_id=None, group_id=None, timeout_sec=None) -> AcquireResult:
+        job, group = self._ids(job_id, group_id)
+        try:
+            r = await self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec)
+        except grpc.RpcError as exc:
+            raise _translate(exc, f"acquire {group!r} as {job!r}") from None
+        return AcquireResult(r.success, r.waited_ms, r.context_restored)
+
+    async def release(self, job_id=None, group_id=None) -> YieldResult:
+        job, group = self._ids(job_id, group_id)
+        try:
+            r = await self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30)
+        except grpc.RpcError as exc:
+            raise _translate(exc, f"yield {group!r} as {job!r}") from None
+        return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
+
+    yield_ = release
+
+    def on_accelerators(self, job_id=None, group_id=None, timeout_sec=None,
+                        state: StateOffloader | None = None) -> _AsyncHeld:
+        """``async with c.on_accelerators(...):`` or ``@c.on_accelerators(...)`` on a coroutine function."""
+        return _AsyncHeld(self, job_id, group_id, timeout_sec, state)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class _Held(contextlib.ContextDecorator):
+    """Context manager and decorator of :meth:`TimeSliceOrchestratorClient.on_accelerators`."""
+
+    def __init__(self, client, job_id, group_id, timeout_sec, state) -> None:
+        self.client, self.job_id, self.group_id, self.timeout_sec, self.state = client, job_id, group_id, timeout_sec, state
+
+    def __enter__(self):
+        self.client.acquire(self.job_id, self.group_id, self.timeout_sec)
+        try:
+            if self.state is not None and self.state.offloaded:
+                self.state.restore()
+        except BaseException:
+            self.client.release(self.job_id, self.group_id)
+            raise
+        return self.client
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.state is not None and not self.state.offloaded:
+                self.state.offload()
+        finally:
+            self.client.release(self.job_id, self.group_id)
+
+
+class _AsyncHeld:
+    """Async context manager and decorator of :meth:`AsyncTimeSliceOrchestratorClient.on_accelerators`."""
+
+    def __init__(self, client, job_id, group_id, timeout_sec, state) -> None:
+        self.client, self.job_id, self.group_id, self.timeout_sec, self.state = client, job_id, group_id, timeout_sec, state
+
+    async def __aenter__(self):
+        await self.client.acquire(self.job_id, self.group_id, self.timeout_sec)
+        try:
+            if self.state is not None and self.state.offloaded:
+                self.state.restore()
+        except BaseException:
+            await self.client.release(self.job_id, self.group_id)
+            raise
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            if self.state is not None and not self.state.offloaded:
+                self.state.offload()
+        finally:
+            await self.client.release(self.job_id, self.group_id)
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        async def wrapper(*a, **kw):
+            async with _AsyncHeld(self.client, self.job_id, self.group_id, self.timeout_sec, self.state):
+                return await fn(*a, **kw)
+
+        return wrapper

@@ -1,0 +1,209 @@
+"""Build a tiny, randomly initialised Llama model that vLLM can serve on CPU.
+
+No model hub is reachable from the demo/test machines, so the model is created
+locally: a ``transformers`` ``LlamaForCausalLM`` with random weights and a small
+byte-level BPE tokenizer trained with the ``tokenizers`` library on an English
+corpus generated in code. The output is a normal Hugging Face model directory
+(``config.json``, ``generation_config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` when
+transformers writes it) that ``vllm serve``/the OpenAI API server can load.
+
+The text it generates is gibberish; it exists only to exercise serving paths.
+
+Model shape (all sizes in elements, not bytes):
+
+* ``hidden_size`` 128, ``num_attention_heads`` 2 → ``head_dim`` 64. vLLM's CPU
+  attention kernels refuse small head sizes such as 16, so 64 is required.
+* ``num_key_value_heads`` 2, ``num_hidden_layers`` 2, ``intermediate_size`` 256.
+* ``max_position_embeddings`` 512 tokens.
+* ``vocab_size`` = the trained tokenizer's vocabulary size (≤ ``VOCAB_SIZE``).
+* weights stored as float32 (~0.5 M parameters, ~2 MB on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+#: Target BPE vocabulary size (tokens), special tokens included.
+VOCAB_SIZE = 768
+#: Special tokens; ids 0, 1, 2 in this order.
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+#: Written last; its presence (with a matching seed) marks a complete build.
+_MARKER = ".tiny_llama_complete.json"
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+_BUILD_VERSION = 1
+
+_SUBJECTS = (
+    "the cat", "a dog", "my friend", "the teacher", "our neighbour", "the old man",
+    "a young girl", "the farmer", "the pilot", "a small bird", "the river",
+    "the engineer", "the server", "a student", "the captain", "the baker",
+)
+_VERBS = (
+    "runs", "walks", "sings", "reads", "writes", "jumps", "sleeps", "waits",
+    "listens", "answers", "builds", "paints", "carries", "finds", "opens",
+    "watches", "helps", "cooks", "counts", "moves",
+)
+_OBJECTS = (
+    "a book", "the door", "a letter", "the window", "some bread", "a song",
+    "the garden", "a red apple", "the long road", "a quiet room", "the map",
+    "a warm coat", "the blue sky", "a wooden box", "the morning news",
+)
+_ADVERBS = (
+    "slowly", "quickly", "today", "again", "every morning", "at night",
+    "in the park", "near the sea", "after lunch", "before dinner", "with care",
+    "without a word", "in the rain", "under the tree", "by the window",
+)
+_EXTRA = (
+    "hello world. hello there. good morning. good night. thank you very much.",
+    "one two three four five six seven eight nine ten eleven twelve.",
+    "monday tuesday wednesday thursday friday saturday sunday.",
+    "spring summer autumn winter. north south east west.",
+    "the quick brown fox jumps over the lazy dog.",
+    "a model serves tokens; a request waits in the queue; the engine sleeps.",
+    "The Server Is Awake. The Server Is Asleep. Time Slice, Wake Up!",
+)
+
+
+def _corpus(seed: int, n_sentences: int = 400) -> list[str]:
+    """Deterministic English-like training text: ``n_sentences`` lines.
+
+    Roughly 6 words per sentence, so the default is a few thousand words built
+    from a vocabulary of a few hundred distinct words.
+    """
+    rng = random.Random(seed)
+    lines = list(_EXTRA)
+    for _ in range(n_sentences):
+        sentence = (
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} "
+            f"{rng.choice(_OBJECTS)} {rng.choice(_ADVERBS)}."
+        )
+        lines.append(sentence.capitalize() if rng.random() < 0.5 else sentence)
+    return lines
+
+
+def _is_complete(out_dir: Path, seed: int) -> bool:
+    """True if ``out_dir`` holds a finished build for ``seed``."""
+    marker = out_dir / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if meta != {"seed": seed, "version": _BUILD_VERSION}:
+        return False
+    return all((out_dir / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _train_tokenizer(seed: int):
+    """Train a byte-level BPE tokenizer; returns a ``PreTrainedTokenizerFast``.
+
+    Vocabulary: ≤ ``VOCAB_SIZE`` tokens, ids 0/1/2 are ``<pad>``/``<s>``/``</s>``.
+    A ``<s>`` (bos) token is prepended to every encoded sequence, as for Llama.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    """Create (or reuse) a tiny random Llama model directory for vLLM.
+
+    Args:
+        out_dir: destination directory; created if missing. Files written:
+            ``config.json``, ``generation_config.json``, ``model.safetensors``,
+            ``tokenizer.json``, ``tokenizer_config.json`` (+ whatever else
+            ``save_pretrained`` emits) and a completion marker.
+        seed: seeds both the training corpus and the weight initialisation;
+            the same seed yields byte-identical files.
+
+    Returns:
+        ``out_dir`` (as a ``Path``). If it already holds a complete build for
+        ``seed`` the function returns immediately without importing torch.
+
+    Files are first written to a temporary sibling directory and then moved
+    into ``out_dir`` one by one, with the marker last, so an interrupted build
+    is never mistaken for a complete one.
+    """
+    out_dir = Path(out_dir)
+    if _is_complete(out_dir, seed):
+        return out_dir
+
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _train_tokenizer(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        tmp_dir = Path(tmp)
+        model.save_pretrained(tmp_dir, safe_serialization=True)
+        generation_config.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        (out_dir / _MARKER).unlink(missing_ok=True)
+        for src in sorted(tmp_dir.iterdir()):
+            os.replace(src, out_dir / src.name)
+    (out_dir / _MARKER).write_text(json.dumps({"seed": seed, "version": _BUILD_VERSION}))
+    return out_dir

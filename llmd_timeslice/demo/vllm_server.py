@@ -1,0 +1,322 @@
+"""Run a real vLLM OpenAI API server (CPU build) as a child process.
+
+Design choice: plain ``subprocess.Popen`` + ``httpx`` polling of ``GET /health``
+rather than ``mirakuru``. Reasons:
+
+* the server must run in its *own process group* (vLLM forks an engine-core
+  process and an executor worker); stopping has to signal the whole group,
+  which ``Popen(start_new_session=True)`` + ``os.killpg`` does directly;
+* on failure we want the *tail of the vLLM log* in the exception, and we want
+  to notice immediately when the child exits during start-up instead of waiting
+  for a generic readiness timeout;
+* several servers must be started concurrently (:func:`start_many`), which is
+  simplest with non-blocking ``Popen`` plus one polling thread per server.
+
+The interpreter is ``<repo>/.venv-vllm/bin/python`` by default (the vLLM CPU
+build lives in its own virtual environment), overridable with the environment
+variable ``LLMD_TIMESLICE_VLLM_PYTHON`` or the ``python`` argument. The server
+is started as ``python -m vllm.entrypoints.openai.api_server``.
+
+Environment given to the server (on top of the caller's environment):
+
+* ``VLLM_SERVER_DEV_MODE=1`` – exposes ``/sleep``, ``/wake_up``,
+  ``/is_sleeping`` (on CPU, sleep pauses the scheduler; weights stay resident).
+* ``VLLM_CPU_KVCACHE_SPACE=1`` – 1 GiB KV cache instead of an auto-sized one.
+  Together with ``--enforce-eager`` this also lets vLLM skip its warm-up pass.
+* ``VLLM_CPU_OMP_THREADS_BIND=nobind`` – vLLM's default ``auto`` pins the
+  worker's OpenMP threads to fixed cores; with several servers on a 2-core box
+  they would all pin to the same core.
+* ``OMP_NUM_THREADS=1`` – avoids OpenMP oversubscription between servers.
+* ``VLLM_LOGGING_LEVEL=INFO``, ``PYTHONUNBUFFERED=1`` – usable logs.
+* ``HF_HUB_OFFLINE=1``, ``TRANSFORMERS_OFFLINE=1``, ``VLLM_NO_USAGE_STATS=1``,
+  ``DO_NOT_TRACK=1`` – no network access is attempted.
+
+* ``TMPDIR``, ``VLLM_RPC_BASE_PATH``, ``VLLM_CACHE_ROOT``,
+  ``TORCHINDUCTOR_CACHE_DIR`` → a private runtime directory
+  (``tempfile.mkdtemp(prefix="vllm-<port>-")``) removed by :meth:`VllmServer.stop`.
+  vLLM otherwise leaves ZMQ IPC sockets and ``vllm_dist_*`` files in ``/tmp``
+  and caches in ``~/.cache/vllm`` after every run. Caller-set values of the two
+  cache variables are kept.
+
+``--enable-sleep-mode`` is deliberately not passed: the CPU platform rejects it.
+On CPU, ``POST /sleep`` only pauses the scheduler (the CPU worker logs "sleep
+mode is not supported on CPU, ignore it."); memory is not released.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Self
+
+import httpx
+
+#: Repository root (``<repo>/llmd_timeslice/demo/vllm_server.py`` → ``<repo>``).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Environment variable overriding the interpreter that runs vLLM.
+PYTHON_ENV_VAR = "LLMD_TIMESLICE_VLLM_PYTHON"
+#: Name under which the model is served (``"model"`` field of API requests).
+SERVED_MODEL_NAME = "tiny"
+
+#: Default CLI flags. ``--max-model-len 512`` matches the tiny model;
+#: ``--max-num-seqs 8`` and ``--max-num-batched-tokens 512`` keep scheduler
+#: buffers small; ``--enforce-eager`` skips torch.compile/inductor (which costs
+#: minutes on 2 cores) and, with a fixed KV-cache size, the warm-up pass;
+#: ``--dtype float32`` matches the checkpoint (vLLM's ``auto`` would otherwise
+#: downcast float32 checkpoints to bfloat16 on CPU).
+DEFAULT_ARGS: tuple[str, ...] = (
+    "--served-model-name", SERVED_MODEL_NAME,
+    "--max-model-len", "512",
+    "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "512",
+    "--dtype", "float32",
+    "--enforce-eager",
+)
+
+_SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def default_python() -> str:
+    """Interpreter for vLLM: ``$LLMD_TIMESLICE_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``.
+
+    The venv path is returned unresolved: resolving the ``bin/python`` symlink
+    would escape the virtual environment.
+    """
+    return os.environ.get(PYTHON_ENV_VAR) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def _tail(path: Path, max_bytes: int = 8000) -> str:
+    """Last ``max_bytes`` bytes of ``path`` decoded as text ('' if unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - max_bytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server bound to ``127.0.0.1:port``.
+
+    Args:
+        model_dir: Hugging Face model directory (e.g. from ``build_tiny_llama``).
+        port: TCP port to listen on.
+        log_path: file receiving the server's stdout+stderr (appended to).
+        python: interpreter with vLLM installed; ``None`` → :func:`default_python`.
+        extra_args: extra CLI flags appended after :data:`DEFAULT_ARGS` (later
+            flags win in argparse, so they can override the defaults).
+
+    Usable as a context manager: ``with VllmServer(...) as s:`` starts the
+    server (default timeout) and always stops it on exit.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int,
+        log_path: Path,
+        python: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = int(port)
+        self.log_path = Path(log_path)
+        self.python = python or default_python()
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        #: Private TMPDIR/cache directory of the running server (see module doc).
+        self.runtime_dir: Path | None = None
+        #: Seconds from spawn until ``/health`` answered 200 (set by ``start``).
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL without trailing slash, e.g. ``http://127.0.0.1:8000``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the API-server process (also its process-group id)."""
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        """Full argv used to launch the server."""
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            *DEFAULT_ARGS,
+            *self.extra_args,
+        ]
+
+    def spawn(self) -> None:
+        """Launch the process without waiting for readiness (no-op if running)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no model directory (config.json) at {self.model_dir}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"vllm-{self.port}-"))
+        env = {**os.environ, **_SERVER_ENV}
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(self.runtime_dir)
+        env.setdefault("VLLM_CACHE_ROOT", str(self.runtime_dir / "cache"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.runtime_dir / "inductor"))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group → killpg in stop()
+            )
+        self._spawned_at = time.monotonic()
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        """Poll ``GET /health`` every 0.5 s until it returns 200.
+
+        Raises:
+            RuntimeError: the process exited, or ``timeout_s`` seconds elapsed;
+                the message contains the tail of the log. On timeout the server
+                is stopped before raising.
+        """
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("VllmServer.wait_ready() called before spawn()")
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self.proc is not proc:
+                    raise RuntimeError(f"vLLM server on port {self.port} was stopped during start-up")
+                rc = proc.poll()
+                if rc is not None:
+                    raise RuntimeError(
+                        f"vLLM server on port {self.port} exited with code {rc} during "
+                        f"start-up; log {self.log_path} ends with:\n{_tail(self.log_path)}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        self.startup_s = time.monotonic() - self._spawned_at
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"vLLM server on port {self.port} not healthy after {timeout_s:.0f} s; "
+                        f"log {self.log_path} ends with:\n{_tail(self.log_path)}"
+                    )
+                time.sleep(0.5)
+
+    def start(self, timeout_s: float = 300) -> Self:
+        """Spawn the server and block until ``/health`` is 200 (~20-70 s on 2 cores).
+
+        Raises:
+            RuntimeError: see :meth:`wait_ready`.
+        """
+        self.spawn()
+        self.wait_ready(timeout_s)
+        return self
+
+    def stop(self, grace_s: float = 15) -> None:
+        """SIGTERM the whole process group, SIGKILL it after ``grace_s`` seconds.
+
+        Idempotent. Also reaps the API-server process.
+        """
+        proc, self.proc = self.proc, None
+        if proc is None:
+            self._remove_runtime_dir()
+            return
+        pgid = proc.pid  # start_new_session=True → pgid == pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._remove_runtime_dir()
+
+    def _remove_runtime_dir(self) -> None:
+        runtime_dir, self.runtime_dir = self.runtime_dir, None
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VllmServer(model_dir={str(self.model_dir)!r}, port={self.port}, pid={self.pid})"
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any process is left in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_many(servers: Iterable[VllmServer], timeout_s: float = 300) -> list[VllmServer]:
+    """Start several servers concurrently and wait until all are healthy.
+
+    All processes are spawned first, then readiness is awaited in parallel, so
+    total wall time ≈ the slowest single start-up rather than the sum. If any
+    server fails, every server in ``servers`` is stopped and the first error is
+    re-raised.
+    """
+    servers = list(servers)
+    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)))
+    try:
+        for server in servers:
+            server.spawn()
+        futures = [pool.submit(s.wait_ready, timeout_s) for s in servers]
+        for future in as_completed(futures):
+            future.result()  # first failure raises here
+    except BaseException:
+        for server in servers:
+            server.stop()  # makes the other wait_ready() calls return promptly
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return servers

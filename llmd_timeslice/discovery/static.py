@@ -1,0 +1,79 @@
+"""Static inventory file: groups, their samplers (endpoint + sidecar) and the gates to drive.
+
+YAML (or JSON) shape, validated with unknown keys refused::
+
+    gates: ["127.0.0.1:9003"]          # control ports of the gate replicas
+    groups:
+      - group_id: rollout-0
+        sleep_level: 1                 # 1 = offload weights to host, 2 = discard
+        drain_timeout_s: 60
+        samplers:
+          - {pool: default, address: "127.0.0.1:8001", sidecar: "127.0.0.1:9101", job_id: sampler-0}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return value
+
+
+class SamplerEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pool: str = "default"
+    address: str = Field(description="ip:port the EPP routes to (vLLM's OpenAI server).")
+    sidecar: str = Field(description="host:port of the sampler's snapshot sidecar.")
+    job_id: str = Field(description="Sampler job id the sidecar serves.")
+
+    _check = field_validator("address", "sidecar")(classmethod(lambda cls, v: _host_port(v)))
+
+
+class GroupEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_id: str = Field(min_length=1)
+    sleep_level: int = Field(1, ge=1, le=2)
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    samplers: list[SamplerEntry] = Field(default_factory=list)
+
+
+class Inventory(BaseModel):
+    """The whole inventory file."""
+
+    model_config = ConfigDict(extra="forbid")
+    gates: list[str] = Field(default_factory=list)
+    groups: list[GroupEntry] = Field(min_length=1)
+
+    _check = field_validator("gates")(classmethod(lambda cls, v: [_host_port(x) for x in v]))
+
+    def group_specs(self) -> list[GroupSpec]:
+        return [
+            GroupSpec(
+                g.group_id,
+                [SamplerEndpoint(s.pool, s.address, s.sidecar, s.job_id) for s in g.samplers],
+                g.sleep_level,
+                g.drain_timeout_s,
+            )
+            for g in self.groups
+        ]
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    """Parse and validate an inventory file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        pydantic.ValidationError: unknown keys, missing fields or malformed addresses (the
+            message names each offending field).
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    return Inventory.model_validate(data or {})

@@ -1,0 +1,1 @@
+"""Orchestrator: accelerator groups, FIFO locks, phase-switch state machine."""

@@ -1,0 +1,174 @@
+"""Phase-switch actions over gRPC: the gate's control API and the snapshot sidecars.
+
+Suspend (samplers -> job): publish DRAINING on every gate (each call returns once that gate
+applied it: the ack), wait on each gate's drain barrier (an event on the gate, not a poll),
+ask each sidecar to sleep its engine and wait for the operation's completion event
+(``WaitOperation``, a project extension; the reference design polls ``GetOperation`` each
+second), then publish ASLEEP. Resume (job -> samplers): publish WAKING, wake each engine, and
+publish each endpoint SERVING as soon as its own wake is verified, so held requests start
+leaving before the slowest engine is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+import grpc
+from grpc import aio
+
+from llmd_timeslice import auth
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
+from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
+from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
+from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint, SwitchRecord
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0
+
+
+class GrpcSwitchActions:
+    """:class:`~llmd_timeslice.orchestrator.groups.SwitchActions` over the project's gRPC services.
+
+    Args:
+        gate_targets: ``host:port`` of each gate replica's control port.
+        token: bearer token for the control APIs (None: no auth).
+        operation_timeout_s: most seconds one sleep or wake may take before the switch fails.
+    """
+
+    def __init__(self, gate_targets: list[str], token: str | None = None, operation_timeout_s: float = 300.0) -> None:
+        self._gate_targets = list(gate_targets)
+        self._token = token
+        self._op_timeout = operation_timeout_s
+        self._channels: dict[str, aio.Channel] = {}
+        self.sampler_states: dict[str, str] = {}
+
+    def _channel(self, target: str) -> aio.Channel:
+        ch = self._channels.get(target)
+        if ch is None:
+            ch = self._channels[target] = aio.insecure_channel(target, interceptors=auth.client_interceptors(self._token))
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    # ------------------------------------------------------------------- gates
+    async def _publish(self, samplers: list[SamplerEndpoint], state: int, weight_version: int | None = None) -> dict[str, int]:
+        """Set ``state`` for ``samplers`` on every gate; returns pool -> epoch (the highest seen)."""
+        by_pool: dict[str, list[SamplerEndpoint]] = defaultdict(list)
+        for s in samplers:
+            by_pool[s.pool].append(s)
+        calls = []
+        for target in self._gate_targets:
+            stub = gpb_grpc.GateControlServiceStub(self._channel(target))
+            for pool, eps in by_pool.items():
+                req = gpb.SetEndpointStatesRequest(
+                    pool=pool,
+                    endpoints=[gpb.EndpointUpdate(address=e.address, state=state, weight_version=weight_version or 0)
+                               for e in eps],
+                )
+                calls.append((pool, stub.SetEndpointStates(req, timeout=RPC_TIMEOUT_S)))
+        epochs: dict[str, int] = {}
+        results = await asyncio.gather(*(c for _, c in calls))
+        for (pool, _), resp in zip(calls, results, strict=True):
+            epochs[pool] = max(epochs.get(pool, 0), resp.epoch)
+        return epochs
+
+    async def _wait_drained(self, samplers: list[SamplerEndpoint], epochs: dict[str, int], timeout_s: float) -> bool:
+        by_pool: dict[str, list[str]] = defaultdict(list)
+        for s in samplers:
+            by_pool[s.pool].append(s.address)
+        calls = []
+        for target in self._gate_targets:
+            stub = gpb_grpc.GateControlServiceStub(self._channel(target))
+            for pool, addrs in by_pool.items():
+                req = gpb.WaitDrainedRequest(pool=pool, addresses=addrs, epoch=epochs.get(pool, 0), timeout_s=timeout_s)
+                calls.append(stub.WaitDrained(req, timeout=timeout_s + RPC_TIMEOUT_S))
+        results = await asyncio.gather(*calls)
+        drained = all(r.drained for r in results)
+        if not drained:
+            left = {k: v for r in results for k, v in r.in_flight.items() if v}
+            log.warning("drain deadline (%.1f s) passed with requests still in flight: %s; the engines' own "
+                        "sleep(mode=wait) finishes them", timeout_s, left)
+        return drained
+
+    # ---------------------------------------------------------------- sidecars
+    async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig) -> None:
+        ch = self._channel(sampler.sidecar)
+        stub = spb_grpc.SnapshotAgentServiceStub(ch)
+        req_cls = spb.SnapshotRequest if kind == "sleep" else spb.RestoreRequest
+        call = stub.Snapshot if kind == "sleep" else stub.Restore
+        try:
+            resp = await call(req_cls(job_id=sampler.job_id, group=group, backend_config=config), timeout=RPC_TIMEOUT_S)
+            waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
+            op = await waiter.WaitOperation(
+                xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout),
+                timeout=self._op_timeout + RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.sampler_states[sampler.address] = "FAULTED"
+            raise RuntimeError(f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {exc.code().name}: "
+                               f"{exc.details()}") from exc
+        if op.status != spb.OPERATION_STATUS_COMPLETE:
+            self.sampler_states[sampler.address] = "FAULTED"
+            why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
+            raise RuntimeError(f"{kind} of {sampler.address} failed: {why}")
+
+    @staticmethod
+    def _config(spec: GroupSpec) -> spb.BackendConfig:
+        mode = spb.SUSPEND_MODE_DISCARD if spec.sleep_level == 2 else spb.SUSPEND_MODE_OFFLOAD
+        return spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=spb.APP_VLLM, mode=mode))
+
+    # ------------------------------------------------------------ SwitchActions
+    async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
+        t = time.monotonic()
+        epochs = await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
+        record.phases["publish_draining"] = time.monotonic() - t
+        t = time.monotonic()
+        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, epochs, spec.drain_timeout_s))
+        record.phases["drain"] = time.monotonic() - t
+        t = time.monotonic()
+        for s in spec.samplers:
+            self.sampler_states[s.address] = "TRANSITIONING"
+        cfg = self._config(spec)
+        await asyncio.gather(*(self._operation(s, spec.group_id, "sleep", cfg) for s in spec.samplers))
+        for s in spec.samplers:
+            self.sampler_states[s.address] = "SAVED"
+        record.phases["sleep"] = time.monotonic() - t
+        await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
+
+    async def resume_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
+        t = time.monotonic()
+        await self._publish(spec.samplers, gpb.ENDPOINT_STATE_WAKING)
+        cfg = self._config(spec)
+
+        async def wake(s: SamplerEndpoint) -> None:
+            self.sampler_states[s.address] = "TRANSITIONING"
+            try:
+                await self._operation(s, spec.group_id, "wake", cfg)
+            except Exception:
+                await self._publish([s], gpb.ENDPOINT_STATE_ASLEEP)  # out of service, never half-awake
+                raise
+            await self._publish([s], gpb.ENDPOINT_STATE_SERVING)
+            self.sampler_states[s.address] = "RUNNING"
+
+        results = await asyncio.gather(*(wake(s) for s in spec.samplers), return_exceptions=True)
+        record.phases["wake"] = time.monotonic() - t
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    async def reconcile(self, specs: list[GroupSpec], record_for) -> None:
+        """At start-up: wake (a no-op on an awake engine) and verify every sampler, then publish it
+        SERVING; an engine that fails verification stays out of service."""
+        await asyncio.gather(
+            *(self.resume_samplers(spec, record_for(spec)) for spec in specs if spec.samplers), return_exceptions=True
+        )

@@ -1,0 +1,70 @@
+"""Assembly of the orchestrator process: inventory, switch actions, gRPC server, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from llmd_timeslice import auth
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
+from llmd_timeslice.orchestrator.service import OrchestratorService, export_switch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051  # upstream default
+
+
+class OrchestratorServer:
+    """Orchestrator gRPC server in this event loop.
+
+    Args:
+        inventory: groups, samplers and gates.
+        host, port: bind address (port 0 picks a free one; ``self.port`` tells which).
+        token: bearer token required from callers (None: auth off, warned).
+        actions: switch actions (default: over gRPC to the inventory's gates and sidecars).
+        reconcile_on_start: wake/verify samplers and publish them SERVING at start-up.
+    """
+
+    def __init__(self, inventory: Inventory, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 token: str | None = None, actions: SwitchActions | None = None,
+                 reconcile_on_start: bool = True) -> None:
+        self.inventory = inventory
+        self.host = host
+        self.port = port
+        self.token = token
+        self.actions = actions or GrpcSwitchActions(inventory.gates, token)
+        self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch)
+        self._reconcile = reconcile_on_start
+        self._server: aio.Server | None = None
+        self.ready = asyncio.Event()
+
+    async def start(self) -> None:
+        self._server = aio.server(interceptors=auth.server_interceptors(self.token))
+        states = getattr(self.actions, "sampler_states", None)
+        pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
+            OrchestratorService(self.orchestrator, states), self._server
+        )
+        hs = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        await self._server.start()
+        if self._reconcile and hasattr(self.actions, "reconcile"):
+            specs = [g.spec for g in self.orchestrator.groups.values()]
+            await self.actions.reconcile(specs, lambda s: SwitchRecord(s.group_id, "reconcile", "", time.time()))
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.ready.set()
+        log.info("orchestrator %s:%d groups=%s", self.host, self.port, sorted(self.orchestrator.groups))
+
+    async def stop(self) -> None:
+        await self.orchestrator.close()
+        if self._server is not None:
+            await self._server.stop(1.0)
+        if hasattr(self.actions, "close"):
+            await self.actions.close()

@@ -1,0 +1,120 @@
+"""gRPC edge of the orchestrator: the upstream-compatible ``TimeSliceOrchestratorService``.
+
+Wire format: ``timeslice_orchestrator.v1alpha1`` (shared/upstream-api.md). Acquire has no
+timeout field upstream; the caller's gRPC deadline is the acquire timeout. Typed core errors map
+to status codes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+from llmd_timeslice.orchestrator import groups as core
+
+# Upstream metric names where the meaning is the same (shared/upstream-api.md).
+QUEUE_DEPTH = Gauge("timeslice_orchestrator_queue_depth", "Jobs waiting for the group.", ["group_id"])
+ACQUIRE_WAIT = Histogram(
+    "timeslice_orchestrator_acquire_wait_duration_seconds", "Seconds from Acquire to grant.", ["group_id"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+DEFERRED = Counter("timeslice_orchestrator_deferred_snapshots_total", "Yields that deferred the snapshot.", ["group_id"])
+SWITCH_PHASE = Histogram(
+    "llmd_timeslice_orchestrator_switch_phase_seconds", "Seconds per phase-switch step.", ["group_id", "phase"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+
+_STATE = {
+    core.GroupState.IDLE: pb.GroupStatus.STATE_IDLE,
+    core.GroupState.IDLE_YIELDED: pb.GroupStatus.STATE_IDLE_YIELDED,
+    core.GroupState.LOCKED: pb.GroupStatus.STATE_LOCKED,
+    core.GroupState.SWITCHING: pb.GroupStatus.STATE_SWITCHING,
+}
+_JOB_STATE = {
+    "IDLE": pb.SnapshotAgentJobState.STATE_IDLE,
+    "RUNNING": pb.SnapshotAgentJobState.STATE_RUNNING,
+    "TRANSITIONING": pb.SnapshotAgentJobState.STATE_TRANSITIONING,
+    "SAVED": pb.SnapshotAgentJobState.STATE_SAVED,
+    "FAULTED": pb.SnapshotAgentJobState.STATE_FAULTED,
+}
+_CODES = {
+    core.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    core.UnknownGroup: grpc.StatusCode.NOT_FOUND,
+    core.NotHolder: grpc.StatusCode.FAILED_PRECONDITION,
+    core.AcquireTimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
+    core.SwitchFailed: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def _abort(context, exc: core.OrchestratorError):
+    await context.abort(_CODES.get(type(exc), grpc.StatusCode.INTERNAL), str(exc))
+
+
+class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
+    """Servicer over :class:`~llmd_timeslice.orchestrator.groups.Orchestrator`."""
+
+    def __init__(self, orch: core.Orchestrator, sampler_states: dict[str, str] | None = None) -> None:
+        self._orch = orch
+        self._sampler_states = sampler_states if sampler_states is not None else {}
+
+    async def Acquire(self, request, context):  # noqa: N802
+        remaining = context.time_remaining()
+        timeout = None if remaining is None else max(0.0, remaining - 0.05)
+        g = request.group_id
+        try:
+            if g in self._orch.groups:
+                QUEUE_DEPTH.labels(group_id=g).set(len(self._orch.groups[g].waiters) + 1)
+            res = await self._orch.acquire(request.job_id, g, timeout)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        finally:
+            if g in self._orch.groups:
+                QUEUE_DEPTH.labels(group_id=g).set(len(self._orch.groups[g].waiters))
+        ACQUIRE_WAIT.labels(group_id=g).observe(res.waited_ms / 1000)
+        return pb.AcquireResponse(success=True, waited_ms=res.waited_ms, context_restored=res.context_restored)
+
+    async def Yield(self, request, context):  # noqa: N802
+        try:
+            res = self._orch.yield_(request.job_id, request.group_id)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        if res.snapshot_deferred:
+            DEFERRED.labels(group_id=request.group_id).inc()
+        return pb.YieldResponse(success=True, pending_waiters=res.pending_waiters, snapshot_deferred=res.snapshot_deferred)
+
+    async def ListGroups(self, request, context):  # noqa: N802
+        return pb.ListGroupsResponse(group_ids=sorted(self._orch.groups))
+
+    async def GetGroupStatus(self, request, context):  # noqa: N802
+        try:
+            g = self._orch.group(request.group_id)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        ts = Timestamp()
+        ts.FromNanoseconds(int(g.state_since * 1e9))
+        status = pb.GroupStatus(
+            group_id=g.spec.group_id,
+            group_state=_STATE[g.state],
+            state_timestamp=ts,
+            locking_job=g.holder or "",
+            active_job=g.holder or (g.loaded_job if g.loaded_job and g.loaded_job != core.SAMPLERS else ""),
+            waiter_queue_depth=len(g.waiters),
+            loaded_job=g.loaded_job if g.loaded_job and g.loaded_job != core.SAMPLERS else "",
+        )
+        agents = [
+            pb.SnapshotAgentJobState(agent=s.sidecar, job_id=s.job_id,
+                                     job_state=_JOB_STATE.get(self._sampler_states.get(s.address, "RUNNING"),
+                                                              pb.SnapshotAgentJobState.STATE_UNSPECIFIED))
+            for s in g.spec.samplers
+        ]
+        return pb.GetGroupStatusResponse(group=status, agent_job_states=agents)
+
+
+def export_switch(record: core.SwitchRecord) -> None:
+    """``on_switch`` hook of the core: phase durations into the histogram."""
+    for phase, secs in record.phases.items():
+        if phase != "drained_in_time":
+            SWITCH_PHASE.labels(group_id=record.group_id, phase=phase).observe(secs)

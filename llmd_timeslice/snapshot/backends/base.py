@@ -1,0 +1,71 @@
+"""The snapshot backend interface: suspend / resume / state, with capability flags and a factory.
+
+Shaped like vLLM's sleep-mode backends: callers can ask what a backend supports (class-level
+``supported_modes``) without building it, and a registry maps names to classes.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+class SuspendMode(enum.Enum):
+    """What happens to device state (upstream ``SuspendMode``)."""
+
+    OFFLOAD = 1  # kept in host memory (vLLM sleep level 1)
+    DISCARD = 2  # dropped; the app re-provisions (vLLM sleep level 2, then weight reload/sync)
+
+
+class BackendError(Exception):
+    """A backend step failed or its verification did not hold; the message says what to do."""
+
+
+@dataclass
+class SuspendResult:
+    """Bytes figures are optional: ``None`` where the backend cannot measure them."""
+
+    storage_bytes: int | None = None
+    device_bytes_freed: int | None = None
+
+
+class SnapshotBackend(abc.ABC):
+    """One workload's suspend/resume. Every call verifies its effect before returning."""
+
+    name: ClassVar[str]
+    supported_modes: ClassVar[tuple[SuspendMode, ...]] = (SuspendMode.OFFLOAD,)
+
+    @abc.abstractmethod
+    async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
+        """Free the accelerator; raise :class:`BackendError` unless verified suspended."""
+
+    @abc.abstractmethod
+    async def resume(self, tags: list[str]) -> None:
+        """Bring the workload back; raise :class:`BackendError` unless verified serving."""
+
+    @abc.abstractmethod
+    async def is_suspended(self) -> bool:
+        """Current state as read from the workload itself."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release clients and connections."""
+
+
+_REGISTRY: dict[str, type[SnapshotBackend]] = {}
+
+
+def register_backend(cls: type[SnapshotBackend]) -> type[SnapshotBackend]:
+    """Class decorator: make ``cls`` available to :func:`create_backend` under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def create_backend(name: str, **kwargs) -> SnapshotBackend:
+    """Build a backend by name. Raises ``ValueError`` naming the known backends."""
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown snapshot backend {name!r}; known: {sorted(_REGISTRY)}") from None
+    return cls(**kwargs)

@@ -1,0 +1,165 @@
+"""Trainer state offload/restore: parameters, gradients and optimizer state of a torch model.
+
+``offload()`` copies every tensor into host buffers that are allocated once and reused on every
+cycle (pinned when CUDA is available: re-allocating pinned buffers per cycle is a known
+multi-second cost, DESIGN.md §8), records a checksum of the bytes, and frees the device storage
+(the tensors keep their Python identity, so optimizers and hooks stay valid). ``restore()``
+copies the bytes back into fresh device storage and verifies the checksum: a difference raises
+:class:`StateChecksumMismatch` and the state is left offloaded (never half-restored).
+
+On this CPU-only machine the "device" is the CPU: offload still moves the bytes into the
+reusable host buffers and frees the working storage, through the same code as on a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class StateChecksumMismatch(RuntimeError):
+    """Restored bytes differ from what was offloaded; restart the job from its last checkpoint."""
+
+
+class StateNotOffloaded(RuntimeError):
+    """``restore()`` was called while the state is resident."""
+
+
+@dataclass
+class OffloadStats:
+    """Figures of the last offload or restore: ``bytes`` moved, ``seconds`` taken."""
+
+    bytes: int
+    seconds: float
+    checksum: str
+    allocated_buffers: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor that makes up trainer state, in a fixed order (parameters, grads, optimizer)."""
+    out: list[torch.Tensor] = []
+    for p in model.parameters():
+        out.append(p)
+        if p.grad is not None:
+            out.append(p.grad)
+    for b in model.buffers():
+        out.append(b)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for v in optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and v.numel() > 0:
+                        out.append(v)
+    return out
+
+
+def state_checksum(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """BLAKE2b over the raw bytes of every state tensor (bit-exact comparison)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in _tensors(model, optimizer):
+        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+class TorchStateOffloader:
+    """Offload/restore the state of ``model`` (+ ``optimizer``) with reusable host buffers.
+
+    Args:
+        model: the trainer's module.
+        optimizer: its optimizer (state created lazily by the first ``step()`` is picked up on
+            each offload).
+        pin_memory: pin host buffers (default: when CUDA is available).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 pin_memory: bool | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._host: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor, torch.Size, torch.device]] = []
+        self._checksum: str | None = None
+        self.allocations = 0
+        self.cycles = 0
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._offloaded)
+
+    def _buffer(self, numel: int, dtype: torch.dtype, index: dict) -> torch.Tensor:
+        """The ``index[key]``-th reusable host buffer of that size and dtype (allocated on first use)."""
+        key = (numel, dtype)
+        pool = self._host.setdefault(key, [])
+        i = index.get(key, 0)
+        index[key] = i + 1
+        if i == len(pool):
+            pool.append(torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory))
+            self.allocations += 1
+        return pool[i]
+
+    def offload(self) -> OffloadStats:
+        """Move state to host buffers, free device storage; returns the figures.
+
+        Raises:
+            RuntimeError: already offloaded.
+        """
+        if self._offloaded:
+            raise RuntimeError("trainer state is already offloaded")
+        t0 = time.perf_counter()
+        h = hashlib.blake2b(digest_size=16)
+        index: dict = {}
+        moved = 0
+        for t in _tensors(self.model, self.optimizer):
+            flat = t.detach().reshape(-1)
+            buf = self._buffer(flat.numel(), t.dtype, index)
+            buf.copy_(flat, non_blocking=self.pin_memory)
+            self._offloaded.append((t, buf, t.shape, t.device))
+            moved += t.numel() * t.element_size()
+        if self.pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for _, buf, _, _ in self._offloaded:
+            h.update(buf.view(torch.uint8).numpy().data)
+        with torch.no_grad():
+            for t, _, _, device in self._offloaded:
+                t.set_(torch.empty(0, dtype=t.dtype, device=device))  # free the working storage
+        self._checksum = h.hexdigest()
+        self.cycles += 1
+        return OffloadStats(moved, time.perf_counter() - t0, self._checksum, self.allocations)
+
+    def restore(self) -> OffloadStats:
+        """Copy state back into fresh device storage and verify the checksum.
+
+        Raises:
+            StateNotOffloaded: nothing is offloaded.
+            StateChecksumMismatch: the host copy changed; the state stays offloaded.
+        """
+        if not self._offloaded:
+            raise StateNotOffloaded("restore() called but the trainer state is not offloaded")
+        t0 = time.perf_counter()
+        h = hashlib.blake2b(digest_size=16)
+        for _, buf, _, _ in self._offloaded:
+            h.update(buf.view(torch.uint8).numpy().data)
+        got = h.hexdigest()
+        if got != self._checksum:
+            raise StateChecksumMismatch(
+                f"trainer state checksum {got} differs from the offloaded {self._checksum}; "
+                "host memory was corrupted or modified: restart the job from its last checkpoint"
+            )
+        moved = 0
+        with torch.no_grad():
+            for t, buf, shape, device in self._offloaded:
+                fresh = torch.empty(shape, dtype=t.dtype, device=device)
+                fresh.view(-1).copy_(buf, non_blocking=self.pin_memory)
+                t.set_(fresh)
+                moved += buf.numel() * buf.element_size()
+        if self.pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._offloaded.clear()
+        return OffloadStats(moved, time.perf_counter() - t0, got, self.allocations)

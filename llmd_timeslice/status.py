@@ -1,0 +1,59 @@
+"""``llmd-timeslice status``: groups from the orchestrator and endpoint states from gates, as tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from llmd_timeslice import auth
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+
+
+def print_status(orchestrator: str, gates: list[str], token_file: Path | None = None, console: Console | None = None) -> int:
+    """Print the tables; returns 0, or 1 when a component could not be reached (its error is shown)."""
+    console = console or Console()
+    md = auth.call_metadata(auth.load_token(token_file))
+    rc = 0
+    with grpc.insecure_channel(orchestrator) as ch:
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(ch)
+        try:
+            groups = stub.ListGroups(opb.ListGroupsRequest(), timeout=5, metadata=md).group_ids
+            t = Table(title=f"groups @ {orchestrator}")
+            for col in ("group", "state", "holder", "loaded", "waiters", "samplers"):
+                t.add_column(col)
+            for gid in groups:
+                s = stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=gid), timeout=5, metadata=md)
+                agents = ", ".join(f"{a.job_id}:{opb.SnapshotAgentJobState.State.Name(a.job_state)[6:]}"
+                                   for a in s.agent_job_states)
+                t.add_row(gid, opb.GroupStatus.State.Name(s.group.group_state)[6:], s.group.locking_job or "-",
+                          s.group.loaded_job or "samplers", str(s.group.waiter_queue_depth), agents)
+            console.print(t)
+        except grpc.RpcError as exc:
+            console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")
+            rc = 1
+    for gate in gates:
+        with grpc.insecure_channel(gate) as ch:
+            stub = gpb_grpc.GateControlServiceStub(ch)
+            try:
+                pools = stub.ListPools(gpb.ListPoolsRequest(), timeout=5, metadata=md).pools
+                t = Table(title=f"gate @ {gate}")
+                for col in ("pool", "epoch", "endpoint", "state", "weight version", "in flight", "held"):
+                    t.add_column(col)
+                for p in pools:
+                    s = stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=p), timeout=5, metadata=md)
+                    if not s.endpoints:
+                        t.add_row(p, str(s.epoch), "-", "-", "-", "-", str(s.held))
+                    for e in s.endpoints:
+                        t.add_row(p, str(s.epoch), e.address, gpb.EndpointState.Name(e.state)[15:],
+                                  str(e.weight_version), str(e.in_flight), str(s.held))
+                console.print(t)
+            except grpc.RpcError as exc:
+                console.print(f"[red]gate {gate}: {exc.code().name}: {exc.details()}[/red]")
+                rc = 1
+    return rc

@@ -1,0 +1,46 @@
+"""Shared fixtures: real servers on free loopback ports, logs kept under test-artifacts/."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import port_for
+import pytest
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def free_port() -> int:
+    return port_for.select_random()
+
+
+@pytest.fixture
+def artifacts(request) -> Path:
+    d = ARTIFACTS / request.node.name.replace("/", "_")[:80]
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class LoopThread:
+    """An asyncio loop in a background thread, for running the project's aio servers from sync tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._t = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._t.start()
+
+    def run(self, coro, timeout: float | None = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._t.join(5)
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()

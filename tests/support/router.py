@@ -1,0 +1,48 @@
+"""A real router stack for tests: gate + picker (in the test's event loop) + the real Envoy binary."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import port_for
+
+from epp_plugin.envoy_config import EnvoyRouterConfig
+from epp_plugin.envoy_launcher import EnvoyProcess
+from epp_plugin.gate.server import GateConfig, GateServer
+from epp_plugin.picker.server import PickerConfig, PickerServer
+
+
+@dataclass
+class RouterStack:
+    gate: GateServer
+    picker: PickerServer
+    envoy: EnvoyProcess
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url
+
+    def pool(self, name: str = "default"):
+        return self.gate.pools[name]
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.envoy.stop)
+        await self.gate.stop(0.5)
+        await self.picker.stop(0.5)
+
+
+async def start_router(workdir: Path, endpoints: list[str], pool: str = "default", **gate_kw) -> RouterStack:
+    """Start gate, picker and Envoy on free loopback ports; Envoy logs go to ``workdir``."""
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, pools=[pool], default_pool=pool, **gate_kw))
+    await gate.start()
+    picker = PickerServer(PickerConfig(port=0, pools={pool: endpoints}, default_pool=pool))
+    await picker.start()
+    cfg = EnvoyRouterConfig(
+        listen_port=port_for.select_random(), admin_port=port_for.select_random(), gate_port=gate.ext_proc_port,
+        epp_port=picker.port, pool=pool, max_hold_s=gate.config.max_hold_s,
+    )
+    envoy = EnvoyProcess(cfg, workdir)
+    await asyncio.to_thread(envoy.start)
+    return RouterStack(gate, picker, envoy)

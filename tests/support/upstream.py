@@ -1,0 +1,80 @@
+"""A small real HTTP upstream for router tests: answers with its own address, can stream (SSE).
+
+Runs a stdlib ``ThreadingHTTPServer`` in a background thread. ``GET/POST /`` returns JSON
+``{"served_by": "ip:port", "body_bytes": n, "body_sha256": ...}``; ``/stream?chunks=N&gap_ms=M``
+sends N SSE events M ms apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _handle(self) -> None:
+        body = self._body()
+        server: UpstreamServer = self.server.owner  # type: ignore[attr-defined]
+        server.hits += 1
+        url = urlparse(self.path)
+        if url.path == "/stream":
+            q = parse_qs(url.query)
+            chunks = int(q.get("chunks", ["5"])[0])
+            gap = int(q.get("gap_ms", ["100"])[0]) / 1000
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for i in range(chunks):
+                data = f"data: {json.dumps({'i': i, 'served_by': server.address})}\n\n".encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                time.sleep(gap)
+            done = b"data: [DONE]\n\n"
+            self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
+            self.wfile.flush()
+            return
+        payload = json.dumps(
+            {"served_by": server.address, "body_bytes": len(body), "body_sha256": hashlib.sha256(body).hexdigest()}
+        ).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = _handle
+    do_POST = _handle
+
+
+class UpstreamServer:
+    """Background HTTP server on ``127.0.0.1:port``; ``address`` is ``ip:port``."""
+
+    def __init__(self, port: int = 0) -> None:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self._httpd.daemon_threads = True
+        self._httpd.owner = self  # type: ignore[attr-defined]
+        self.address = f"127.0.0.1:{self._httpd.server_address[1]}"
+        self.hits = 0
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def start(self) -> UpstreamServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

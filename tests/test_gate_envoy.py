@@ -1,0 +1,131 @@
+"""The gate behind the real Envoy binary, with the picker as EPP and real HTTP upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+import httpx
+import pytest
+
+from epp_plugin import protocol
+from epp_plugin.gate.pool_state import EndpointState
+from tests.support.router import start_router
+from tests.support.upstream import UpstreamServer
+
+pytestmark = pytest.mark.envoy
+
+
+@pytest.fixture
+async def two_upstreams():
+    ups = [UpstreamServer().start(), UpstreamServer().start()]
+    yield ups
+    for u in ups:
+        u.stop()
+
+
+@pytest.fixture
+async def router(artifacts, two_upstreams):
+    stack = await start_router(artifacts, [u.address for u in two_upstreams], max_hold_s=30)
+    yield stack
+    await stack.stop()
+
+
+async def test_request_to_sleeping_pool_is_held_and_released_on_wake_with_body_intact(router, two_upstreams):
+    up = two_upstreams[0]
+    router.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
+    body = bytes(range(256)) * 4096  # 1 MiB
+    async with httpx.AsyncClient(timeout=30) as c:
+        req = asyncio.create_task(c.post(router.url + "/v1/completions", content=body))
+        await asyncio.sleep(1.0)
+        assert not req.done(), "request to a pool with no SERVING endpoint must be held, not answered"
+        assert router.pool().held == 1
+        router.pool().set_states([(up.address, EndpointState.SERVING, 0)])
+        r = await asyncio.wait_for(req, 10)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["served_by"] == up.address
+    assert got["body_sha256"] == hashlib.sha256(body).hexdigest(), "held request body arrived altered"
+    assert int(r.headers[protocol.HOLD_MS_HEADER]) >= 900
+
+
+async def test_subset_hint_reaches_the_picker_and_it_never_picks_outside_it(router, two_upstreams):
+    asleep, serving = two_upstreams
+    router.pool().set_states([(asleep.address, EndpointState.ASLEEP, 0), (serving.address, EndpointState.SERVING, 0)])
+    async with httpx.AsyncClient(timeout=10) as c:
+        rs = await asyncio.gather(*(c.get(router.url + "/") for _ in range(30)))
+    served = {r.json()["served_by"] for r in rs}
+    assert served == {serving.address}, f"picker routed outside the subset hint: {served}"
+    assert asleep.hits == 0
+    # Both SERVING: the picker spreads over both (round-robin), proving the hint is what limited it.
+    router.pool().set_states([(asleep.address, EndpointState.SERVING, 0)])
+    async with httpx.AsyncClient(timeout=10) as c:
+        rs = [await c.get(router.url + "/") for _ in range(6)]
+    assert {r.json()["served_by"] for r in rs} == {asleep.address, serving.address}
+
+
+async def test_streaming_response_stays_in_flight_until_it_ends_so_drain_waits(router, two_upstreams):
+    up = two_upstreams[0]
+    pool = router.pool()
+    pool.set_states([(up.address, EndpointState.SERVING, 0)])
+    events = []
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("GET", router.url + "/stream?chunks=8&gap_ms=150") as r:
+            it = r.aiter_lines()
+            async for line in it:
+                if line.startswith("data"):
+                    events.append(line)
+                    break
+            pool.set_states([(up.address, EndpointState.DRAINING, 0)])
+            drained, in_flight = await pool.wait_drained([up.address], 0.2)
+            assert not drained and in_flight[up.address] == 1, "a streaming response must count until it ends"
+            waiter = asyncio.create_task(pool.wait_drained([up.address], 10))
+            async for line in it:
+                if line.startswith("data"):
+                    events.append(line)
+        drained, _ = await asyncio.wait_for(waiter, 5)
+    assert drained
+    assert events[-1] == "data: [DONE]" and len(events) == 9, "the stream must finish intact while draining"
+
+
+async def test_hold_expiry_gives_503_with_retry_after_and_reason(artifacts, two_upstreams):
+    stack = await start_router(artifacts, [two_upstreams[0].address], max_hold_s=0.5)
+    try:
+        stack.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.get(stack.url + "/")
+        assert r.status_code == 503
+        assert r.headers[protocol.REASON_HEADER] == "hold_expired"
+        assert r.headers["retry-after"]
+        assert json.loads(r.text)["error"]["type"] == "hold_expired"
+        assert stack.pool().held == 0
+    finally:
+        await stack.stop()
+
+
+async def test_queue_full_gives_429(artifacts, two_upstreams):
+    stack = await start_router(artifacts, [two_upstreams[0].address], max_held=2, max_hold_s=10)
+    try:
+        stack.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
+        async with httpx.AsyncClient(timeout=20) as c:
+            held = [asyncio.create_task(c.get(stack.url + "/")) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            r = await c.get(stack.url + "/")
+            assert r.status_code == 429 and r.headers[protocol.REASON_HEADER] == "hold_queue_full"
+            stack.pool().set_states([(two_upstreams[0].address, EndpointState.SERVING, 0)])
+            assert [x.status_code for x in await asyncio.gather(*held)] == [200, 200]
+    finally:
+        await stack.stop()
+
+
+async def test_client_disconnect_while_held_leaves_the_queue(router, two_upstreams):
+    router.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
+    async with httpx.AsyncClient(timeout=0.7) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.get(router.url + "/")
+    for _ in range(50):
+        if router.pool().held == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert router.pool().held == 0, "a client gone while held must leave the hold queue"

@@ -1,0 +1,106 @@
+"""Unit tests of the gate core (no I/O)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from epp_plugin.gate.pool_state import EndpointState, HoldExpired, PoolState, QueueFull
+
+S, D, A = EndpointState.SERVING, EndpointState.DRAINING, EndpointState.ASLEEP
+
+
+async def test_admits_at_once_with_serving_endpoints_as_candidates():
+    pool = PoolState("p")
+    pool.set_states([("10.0.0.1:8000", S, 1), ("10.0.0.2:8000", A, 1)])
+    adm = await pool.admit()
+    assert adm.candidates == ("10.0.0.1:8000",)
+    assert adm.hold_s == 0
+
+
+async def test_request_to_sleeping_pool_is_held_then_released_in_fifo_order():
+    pool = PoolState("p", release_rate_per_s=0)
+    pool.set_states([("e1:1", A, 0)])
+    order = []
+
+    async def one(i):
+        adm = await pool.admit()
+        order.append(i)
+        return adm
+
+    tasks = [asyncio.create_task(one(i)) for i in range(20)]
+    await asyncio.sleep(0.05)
+    assert pool.held == 20 and not order
+    pool.set_states([("e1:1", S, 0)])
+    adms = await asyncio.gather(*tasks)
+    assert order == list(range(20)), f"release order {order} is not FIFO"
+    assert all(a.candidates == ("e1:1",) for a in adms)
+    assert pool.held == 0
+
+
+async def test_cancelled_held_request_leaves_the_queue_at_once():
+    pool = PoolState("p")
+    pool.set_states([("e1:1", A, 0)])
+    t = asyncio.create_task(pool.admit())
+    await asyncio.sleep(0.01)
+    assert pool.held == 1
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert pool.held == 0
+
+
+async def test_queue_full_and_hold_expiry_raise_typed_refusals():
+    pool = PoolState("p", max_held=1, max_hold_s=0.05)
+    pool.set_states([("e1:1", A, 0)])
+    t = asyncio.create_task(pool.admit())
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull) as full:
+        await pool.admit()
+    assert full.value.http_status == 429
+    with pytest.raises(HoldExpired) as expired:
+        await t
+    assert expired.value.http_status == 503 and expired.value.retry_after_s
+    assert pool.held == 0
+
+
+async def test_drain_barrier_waits_for_requests_admitted_before_draining():
+    pool = PoolState("p")
+    pool.set_states([("e1:1", S, 0), ("e2:1", S, 0)])
+    old = await pool.admit()  # may reach either endpoint
+    pool.set_states([("e1:1", D, 0)])
+    new = await pool.admit()
+    assert new.candidates == ("e2:1",), "a request admitted after DRAINING must not be steered to it"
+    drained, in_flight = await pool.wait_drained(["e1:1"], 0.05)
+    assert not drained and in_flight == {"e1:1": 1}
+    waiter = asyncio.create_task(pool.wait_drained(["e1:1"], 5))
+    await asyncio.sleep(0.01)
+    pool.on_served(old, "e2:1")  # the response path says it went to e2: e1 is free
+    drained, in_flight = await asyncio.wait_for(waiter, 1)
+    assert drained and in_flight == {"e1:1": 0}
+    pool.finish(old)
+    pool.finish(new)
+    assert pool.in_flight(["e1:1", "e2:1"]) == {"e1:1": 0, "e2:1": 0}
+
+
+async def test_min_weight_version_holds_until_an_endpoint_at_that_version_serves():
+    pool = PoolState("p", release_rate_per_s=0)
+    pool.set_states([("e1:1", S, 3)])
+    t = asyncio.create_task(pool.admit(min_version=4))
+    await asyncio.sleep(0.01)
+    assert not t.done() and pool.held == 1
+    pool.set_states([("e2:1", S, 4)])
+    adm = await asyncio.wait_for(t, 1)
+    assert adm.candidates == ("e2:1",)
+
+
+async def test_close_refuses_held_requests():
+    pool = PoolState("p")
+    pool.set_states([("e1:1", A, 0)])
+    t = asyncio.create_task(pool.admit())
+    await asyncio.sleep(0.01)
+    pool.close()
+    with pytest.raises(Exception) as err:
+        await t
+    assert getattr(err.value, "reason", "") == "gate_shutting_down"

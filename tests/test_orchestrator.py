@@ -1,0 +1,146 @@
+"""Orchestrator core and its gRPC edge with the TimeSlice client (in-memory switch actions)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from llmd_timeslice.client import AcquireTimeout, LeaseError, TimeSliceOrchestratorClient
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.groups import GroupState, NotHolder, Orchestrator, SwitchFailed, UnknownGroup
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+
+
+class RecordingActions:
+    """Switch actions that record calls; ``fail_suspend`` makes the next suspend raise."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail_suspend = False
+
+    async def suspend_samplers(self, spec, record):
+        await asyncio.sleep(0.01)
+        if self.fail_suspend:
+            self.fail_suspend = False
+            raise RuntimeError("sidecar said no")
+        self.calls.append("suspend")
+
+    async def resume_samplers(self, spec, record):
+        await asyncio.sleep(0.01)
+        self.calls.append("resume")
+
+
+INVENTORY = Inventory.model_validate({
+    "gates": [],
+    "groups": [
+        {"group_id": "g0", "samplers": [{"pool": "default", "address": "127.0.0.1:8001",
+                                         "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}]},
+        {"group_id": "trainers-only"},
+    ],
+})
+
+
+async def test_switch_sequence_suspend_grant_yield_resume():
+    acts = RecordingActions()
+    orch = Orchestrator(INVENTORY.group_specs(), acts)
+    await orch.acquire("trainer", "g0")
+    g = orch.groups["g0"]
+    assert acts.calls == ["suspend"] and g.state is GroupState.LOCKED and g.holder == "trainer"
+    res = orch.yield_("trainer", "g0")
+    assert res.pending_waiters == 0 and not res.snapshot_deferred
+    for _ in range(100):
+        if g.state is GroupState.IDLE:
+            break
+        await asyncio.sleep(0.01)
+    assert acts.calls == ["suspend", "resume"] and g.state is GroupState.IDLE
+
+
+async def test_errors_name_the_problem():
+    orch = Orchestrator(INVENTORY.group_specs(), RecordingActions())
+    with pytest.raises(UnknownGroup, match="known groups"):
+        await orch.acquire("j", "nope")
+    with pytest.raises(NotHolder, match="does not hold"):
+        orch.yield_("j", "g0")
+    await orch.acquire("j", "g0")
+    with pytest.raises(NotHolder, match="already holds"):
+        await orch.acquire("j", "g0")
+
+
+async def test_failed_suspend_fails_the_acquire_and_wakes_samplers_again():
+    acts = RecordingActions()
+    acts.fail_suspend = True
+    orch = Orchestrator(INVENTORY.group_specs(), acts)
+    with pytest.raises(SwitchFailed, match="sidecar said no"):
+        await orch.acquire("trainer", "g0")
+    await asyncio.sleep(0.1)
+    assert acts.calls == ["resume"] and orch.groups["g0"].holder is None
+
+
+async def test_group_without_samplers_defers_snapshot_and_same_job_reacquires_at_once():
+    orch = Orchestrator(INVENTORY.group_specs(), RecordingActions())
+    await orch.acquire("a", "trainers-only")
+    res = orch.yield_("a", "trainers-only")
+    assert res.snapshot_deferred and orch.groups["trainers-only"].state is GroupState.IDLE_YIELDED
+    r = await orch.acquire("a", "trainers-only")
+    assert r.waited_ms == 0
+
+
+@pytest.fixture
+def orchestrator_server(loop_thread):
+    srv = OrchestratorServer(INVENTORY, port=0, actions=RecordingActions(), token="s3cret")
+    loop_thread.run(srv.start())
+    yield srv
+    loop_thread.run(srv.stop())
+
+
+def test_two_jobs_contending_for_one_group_are_served_fifo(orchestrator_server):
+    target = f"127.0.0.1:{orchestrator_server.port}"
+    order: list[str] = []
+    lock = threading.Lock()
+    first = TimeSliceOrchestratorClient(target, job_id="job-a", group_id="g0", token="s3cret")
+    first.acquire()
+
+    def contender(job: str, delay: float) -> None:
+        time.sleep(delay)
+        c = TimeSliceOrchestratorClient(target, job_id=job, group_id="g0", token="s3cret")
+        with c.on_accelerators(timeout_sec=30):
+            with lock:
+                order.append(job)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=contender, args=(j, d)) for j, d in (("job-b", 0.0), ("job-c", 0.2))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    status = first.group_status()
+    assert status.group.locking_job == "job-a" and status.group.waiter_queue_depth == 2
+    res = first.release()
+    assert res.pending_waiters == 2
+    for t in threads:
+        t.join(10)
+    assert order == ["job-b", "job-c"], f"grants were not FIFO: {order}"
+
+
+def test_client_errors_say_what_happened(orchestrator_server):
+    target = f"127.0.0.1:{orchestrator_server.port}"
+    holder = TimeSliceOrchestratorClient(target, job_id="h", group_id="g0", token="s3cret")
+    holder.acquire()
+    waiter = TimeSliceOrchestratorClient(target, job_id="w", group_id="g0", token="s3cret")
+    with pytest.raises(AcquireTimeout):
+        waiter.acquire(timeout_sec=0.3)
+    with pytest.raises(LeaseError, match="NOT_FOUND"):
+        waiter.acquire(group_id="missing", timeout_sec=1)
+    with pytest.raises(LeaseError, match="FAILED_PRECONDITION"):
+        waiter.release()
+    holder.release()
+
+
+def test_call_without_or_with_wrong_token_is_unauthenticated(orchestrator_server):
+    target = f"127.0.0.1:{orchestrator_server.port}"
+    for token in ("", "wrong"):
+        c = TimeSliceOrchestratorClient(target, job_id="x", group_id="g0", token=token)
+        with pytest.raises(LeaseError, match="UNAUTHENTICATED"):
+            c.list_groups()
