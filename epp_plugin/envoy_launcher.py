@@ -70,6 +70,7 @@ class EnvoyProcess:
         ]
         self._exec = HTTPExecutor(
             cmd, url=f"http://{self.cfg.host}:{self.cfg.admin_port}/ready", status=200, timeout=timeout_s,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         self._exec.start()
         return self

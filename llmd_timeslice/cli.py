@@ -186,8 +186,9 @@ def status(
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Folder for summary.json, timeline.png and logs.")] = Path("demo-out"),
-    iterations: Annotated[int, typer.Option(help="RL iterations (each one phase switch).", min=1)] = 4,
-    load_rps: Annotated[float, typer.Option(help="Background load: requests per second through Envoy.")] = 3.0,
+    iterations: Annotated[int, typer.Option(help="RL iterations (each a switch to the trainer and back).", min=1)] = 5,
+    load_rps: Annotated[float, typer.Option(help="Background load: requests per second through Envoy.", min=0.1)] = 6.0,
+    train_s: Annotated[float, typer.Option(help="Least seconds of training per iteration.", min=0)] = 4.0,
     log_level: LogLevel = "warning",
 ) -> None:
     """Run the whole stack on this machine (Envoy, gate, picker, orchestrator, 2 vLLM + sidecars)
@@ -195,7 +196,7 @@ def demo(
     from llmd_timeslice.demo.run import run_demo
 
     _setup_logging(log_level)
-    raise typer.Exit(run_demo(out, iterations=iterations, load_rps=load_rps))
+    raise typer.Exit(run_demo(out, iterations=iterations, load_rps=load_rps, train_s=train_s))
 
 
 @app.command("render-envoy")

@@ -5,8 +5,7 @@ locally: a ``transformers`` ``LlamaForCausalLM`` with random weights and a small
 byte-level BPE tokenizer trained with the ``tokenizers`` library on an English
 corpus generated in code. The output is a normal Hugging Face model directory
 (``config.json``, ``generation_config.json``, ``model.safetensors``,
-``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` when
-transformers writes it) that ``vllm serve``/the OpenAI API server can load.
+``tokenizer.json``, ``tokenizer_config.json``) that ``vllm serve``/the OpenAI API server can load.
 
 The text it generates is gibberish; it exists only to exercise serving paths.
 
@@ -204,6 +203,7 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         tokenizer.save_pretrained(tmp_dir)
         (out_dir / _MARKER).unlink(missing_ok=True)
         for src in sorted(tmp_dir.iterdir()):
+            src.chmod(0o644)  # safetensors writes 0600 files
             os.replace(src, out_dir / src.name)
     (out_dir / _MARKER).write_text(json.dumps({"seed": seed, "version": _BUILD_VERSION}))
     return out_dir

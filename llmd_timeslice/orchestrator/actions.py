@@ -169,6 +169,10 @@ class GrpcSwitchActions:
     async def reconcile(self, specs: list[GroupSpec], record_for) -> None:
         """At start-up: wake (a no-op on an awake engine) and verify every sampler, then publish it
         SERVING; an engine that fails verification stays out of service."""
-        await asyncio.gather(
-            *(self.resume_samplers(spec, record_for(spec)) for spec in specs if spec.samplers), return_exceptions=True
+        with_samplers = [spec for spec in specs if spec.samplers]
+        results = await asyncio.gather(
+            *(self.resume_samplers(spec, record_for(spec)) for spec in with_samplers), return_exceptions=True
         )
+        for spec, res in zip(with_samplers, results, strict=True):
+            if isinstance(res, BaseException):
+                log.error("group=%s start-up reconcile: %s", spec.group_id, res)

@@ -4,7 +4,12 @@ vLLM facts used here (vLLM 0.32, server started with ``VLLM_SERVER_DEV_MODE=1``;
 CPU build, DESIGN.md §7): ``POST /sleep?level=N&mode=wait`` (level 1 offloads weights to host,
 level 2 discards them), ``POST /wake_up`` with optional ``?tags=weights`` / ``?tags=kv_cache``,
 ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``, and on ``GET /metrics`` the gauges
-``vllm:engine_sleep_state``, ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``.
+``vllm:engine_sleep_state{sleep_state="awake"|"weights_offloaded"|"discard_all"}`` (1.0 on the
+current state's series), ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``. The
+default sleep mode is ``abort`` (requests in flight end with ``finish_reason: abort``), so this
+backend always sends ``mode=wait`` (vLLM finishes them first). On the CPU build sleep frees no
+memory (it pauses the scheduler), but the reported state and the hang of requests sent to a
+sleeping engine are real.
 An HTTP 200 from ``/sleep`` proves nothing by itself, so every step is verified afterwards: the
 engine must report sleeping (``/is_sleeping``, and the sleep-state gauge where exported) after a
 sleep; after a wake it must report awake and answer a one-token probe completion.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,21 +36,32 @@ from llmd_timeslice.snapshot.backends.base import (
 log = logging.getLogger(__name__)
 
 
-def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Sum of each ``vllm:`` gauge over its label sets, from Prometheus text exposition.
+SLEEP_STATE_FOR_LEVEL = {1: "weights_offloaded", 2: "discard_all"}
 
-    Keys are the metric names without the ``vllm:`` prefix (e.g. ``num_requests_running``,
-    ``engine_sleep_state``). Metrics absent from ``text`` are absent from the result.
-    """
-    out: dict[str, float] = {}
+
+@dataclass
+class EngineMetrics:
+    """What the backend reads from vLLM's ``/metrics``: request counts (summed over engines) and
+    the engine sleep state (the ``sleep_state`` label whose series is 1; None if not exported)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    sleep_state: str | None = None
+
+
+def parse_engine_metrics(text: str) -> EngineMetrics:
+    """Parse Prometheus text exposition from vLLM (prometheus-client's parser)."""
+    m = EngineMetrics()
     for fam in text_string_to_metric_families(text):
-        if not fam.name.startswith("vllm:"):
-            continue
-        for sample in fam.samples:
-            if sample.name == fam.name:
-                key = fam.name.removeprefix("vllm:")
-                out[key] = out.get(key, 0.0) + sample.value
-    return out
+        if fam.name == "vllm:num_requests_running":
+            m.running = sum(s.value for s in fam.samples if s.name == fam.name)
+        elif fam.name == "vllm:num_requests_waiting":
+            m.waiting = sum(s.value for s in fam.samples if s.name == fam.name)
+        elif fam.name == "vllm:engine_sleep_state":
+            for s in fam.samples:
+                if s.value >= 1 and "sleep_state" in s.labels:
+                    m.sleep_state = s.labels["sleep_state"]
+    return m
 
 
 @register_backend
@@ -91,8 +108,8 @@ class VllmBackend(SnapshotBackend):
                                "is the server started with VLLM_SERVER_DEV_MODE=1 (and sleep mode enabled on GPU)?")
         return r
 
-    async def metrics(self) -> dict[str, float]:
-        """Current ``vllm:`` gauges (see :func:`parse_engine_metrics`)."""
+    async def metrics(self) -> EngineMetrics:
+        """Current engine figures (see :func:`parse_engine_metrics`)."""
         r = await self._get("/metrics")
         return parse_engine_metrics(r.text)
 
@@ -107,7 +124,7 @@ class VllmBackend(SnapshotBackend):
         deadline = time.monotonic() + self.idle_timeout_s
         while True:
             m = await self.metrics()
-            if m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0:
+            if m.running + m.waiting == 0:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -122,9 +139,10 @@ class VllmBackend(SnapshotBackend):
             raise BackendError(f"vLLM {self.base_url} answered /sleep with 200 but /is_sleeping says awake; "
                                "the engine is left out of service")
         m = await self.metrics()
-        if "engine_sleep_state" in m and m["engine_sleep_state"] <= 0:
-            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m['engine_sleep_state']} after "
-                               "sleep; the engine is left out of service")
+        if m.sleep_state is not None and m.sleep_state != SLEEP_STATE_FOR_LEVEL[level]:
+            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m.sleep_state!r} after sleep "
+                               f"level {level} (expected {SLEEP_STATE_FOR_LEVEL[level]!r}); the engine is left out of "
+                               "service")
         return SuspendResult()
 
     async def resume(self, tags: list[str]) -> None:
@@ -136,9 +154,9 @@ class VllmBackend(SnapshotBackend):
             raise BackendError(f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
                                "asleep; the endpoint stays out of service")
         m = await self.metrics()
-        if m.get("engine_sleep_state", 0) > 0:
-            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m['engine_sleep_state']} after "
-                               "wake-up; the endpoint stays out of service")
+        if m.sleep_state is not None and m.sleep_state != "awake":
+            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m.sleep_state!r} after wake-up; "
+                               "the endpoint stays out of service")
         if self.probe:
             await self._probe()
 

@@ -1,0 +1,121 @@
+"""Open-loop load through the router: OpenAI completions at a fixed rate, some streaming (SSE).
+
+Each request is recorded with its outcome; a request counts as completed only when it returned
+200 and, for streams, ended with ``data: [DONE]``. The gate's ``x-llmd-timeslice-hold-ms``
+response header gives the time it was held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from epp_plugin import protocol
+
+PROMPTS = [
+    "the quick brown fox", "once upon a time", "a small model on a slow machine",
+    "training and sampling take turns", "the router holds the request", "hello world",
+]
+
+
+@dataclass
+class RequestRecord:
+    """One request: times in seconds since the demo's start, ``hold_ms`` from the gate."""
+
+    kind: str  # "load" or "rollout"
+    stream: bool
+    sent_at: float
+    done_at: float = 0.0
+    status: int = 0
+    hold_ms: int = 0
+    ok: bool = False
+    error: str = ""
+    text: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("text")
+        return d
+
+
+async def send_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str, *, stream: bool,
+                          kind: str, t0: float, max_tokens: int = 12, temperature: float = 0.8) -> RequestRecord:
+    """Send one completion through the router and record what the client saw."""
+    rec = RequestRecord(kind, stream, time.monotonic() - t0)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": stream}
+    try:
+        if stream:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                rec.status = r.status_code
+                rec.hold_ms = int(r.headers.get(protocol.HOLD_MS_HEADER, 0))
+                done = False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        rec.text += choices[0].get("text", "")
+                rec.ok = r.status_code == 200 and done
+                if r.status_code == 200 and not done:
+                    rec.error = "stream ended without [DONE]"
+                elif r.status_code != 200:
+                    rec.error = f"HTTP {r.status_code}"
+        else:
+            r = await client.post(url + "/v1/completions", json=body)
+            rec.status = r.status_code
+            rec.hold_ms = int(r.headers.get(protocol.HOLD_MS_HEADER, 0))
+            rec.ok = r.status_code == 200 and bool(r.json().get("choices"))
+            if rec.ok:
+                rec.text = r.json()["choices"][0]["text"]
+            else:
+                rec.error = f"HTTP {r.status_code}: {r.text[:200]}"
+    except (httpx.HTTPError, ValueError) as exc:
+        rec.error = repr(exc)
+    rec.done_at = time.monotonic() - t0
+    return rec
+
+
+class LoadGenerator:
+    """Sends ``rps`` requests per second until stopped; every ``stream_every``-th one streams."""
+
+    def __init__(self, url: str, model: str, rps: float, t0: float, stream_every: int = 3) -> None:
+        self.url, self.model, self.rps, self.t0, self.stream_every = url, model, rps, t0, stream_every
+        self.records: list[RequestRecord] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        i = 0
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            stream = self.stream_every > 0 and i % self.stream_every == 0
+            task = asyncio.create_task(send_completion(client, self.url, self.model, PROMPTS[i % len(PROMPTS)],
+                                                       stream=stream, kind="load", t0=self.t0))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+            i += 1
+            next_at += 1 / self.rps
+            try:
+                await asyncio.wait_for(self._stop.wait(), max(0.0, next_at - time.monotonic()))
+            except TimeoutError:
+                pass
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            self.records.append(task.result())
+
+    async def stop(self, drain_timeout_s: float = 120.0) -> None:
+        """Stop sending and wait for the requests still in flight (bounded)."""
+        self._stop.set()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)

@@ -1,0 +1,66 @@
+"""The demo's pictures: phases of each sampler and the trainer over time, with held requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+STATE_COLORS = {"SERVING": "#2ca02c", "DRAINING": "#ff7f0e", "ASLEEP": "#7f7f7f", "WAKING": "#1f77b4"}
+TRAINER_COLORS = {"rollout": "#c7e9c0", "switch to trainer": "#ff7f0e", "train": "#d62728", "idle": "#ffffff"}
+
+
+def _spans(samples: list[tuple[float, str]]) -> list[tuple[float, float, str]]:
+    spans = []
+    for (t, s), (t2, _) in zip(samples, [*samples[1:], (samples[-1][0] + 0.1, "")], strict=True):
+        if spans and spans[-1][2] == s:
+            spans[-1] = (spans[-1][0], t2, s)
+        else:
+            spans.append((t, t2, s))
+    return spans
+
+
+def plot_timeline(path: Path, monitor: list[dict], trainer_phases: list[tuple[float, float, str]],
+                  requests: list[dict]) -> Path:
+    """Write the PNG: a lane per sampler (gate endpoint state) and the trainer, held requests below.
+
+    ``monitor``: samples ``{"t": s, "held": n, "endpoints": {address: state}}``; ``trainer_phases``:
+    ``(start_s, end_s, phase)``; ``requests``: request records (``sent_at``, ``done_at``, ``hold_ms``, ``ok``).
+    """
+    fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True,
+                                       gridspec_kw={"height_ratios": [2.2, 1.2, 1.2]})
+    addresses = sorted({a for m in monitor for a in m["endpoints"]})
+    lanes = [*(f"sampler {a}" for a in addresses), "trainer"]
+    for i, a in enumerate(addresses):
+        for start, end, state in _spans([(m["t"], m["endpoints"].get(a, "")) for m in monitor]):
+            if state:
+                ax.barh(i, end - start, left=start, color=STATE_COLORS.get(state, "k"), height=0.6)
+    ti = len(addresses)
+    for start, end, phase in trainer_phases:
+        ax.barh(ti, end - start, left=start, color=TRAINER_COLORS.get(phase, "k"), height=0.6,
+                edgecolor="k", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
+    handles += [plt.Rectangle((0, 0), 1, 1, color=TRAINER_COLORS[k]) for k in ("rollout", "switch to trainer", "train")]
+    ax.legend(handles, [*STATE_COLORS, "rollout", "switch to trainer", "train"], ncol=7, fontsize=8,
+              loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle("llmd-timeslice demo: gate endpoint state per sampler, trainer phases, held requests, latency")
+    ax2.step([m["t"] for m in monitor], [m["held"] for m in monitor], where="post", color="#9467bd")
+    ax2.set_ylabel("held at gate")
+    ok = [r for r in requests if r["ok"]]
+    bad = [r for r in requests if not r["ok"]]
+    ax3.scatter([r["done_at"] for r in ok], [max(1.0, (r["done_at"] - r["sent_at"]) * 1000) for r in ok], s=6,
+                c=["#d62728" if r["hold_ms"] else "#1f77b4" for r in ok], label="completed (red: was held)")
+    if bad:
+        ax3.scatter([r["done_at"] for r in bad], [1000] * len(bad), marker="x", c="k", label="failed")
+    ax3.set_yscale("log")
+    ax3.set_ylabel("latency ms")
+    ax3.set_xlabel("seconds since start of load")
+    ax3.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
