@@ -161,7 +161,12 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
                     "name": "inference",
                     "domains": ["*"],
                     "routes": [
-                        {"match": {"prefix": "/"}, "route": {"cluster": "endpoints", "timeout": _dur(cfg.upstream_timeout_s)}}
+                        {"match": {"prefix": "/"}, "route": {
+                            "cluster": "endpoints",
+                            "timeout": _dur(cfg.upstream_timeout_s),
+                            # Safe to retry: the request never reached the engine.
+                            "retry_policy": {"retry_on": "reset-before-request", "num_retries": 2},
+                        }}
                     ],
                 }
             ],
@@ -175,6 +180,15 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "5s",
+            # Below uvicorn's 5 s keep-alive (vLLM's server): Envoy must not reuse a connection the
+            # engine is closing (seen as 503 "connection termination" after idle training phases).
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": HTTP_OPTIONS_TYPE,
+                    "common_http_protocol_options": {"idle_timeout": "3s"},
+                    "explicit_http_config": {"http_protocol_options": {}},
+                }
+            },
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
             "circuit_breakers": _BIG_THRESHOLDS,
         },

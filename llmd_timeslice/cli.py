@@ -68,6 +68,9 @@ def gate(
     max_held: Annotated[int, typer.Option(help="Most requests held per pool; more get 429.")] = 10_000,
     max_hold_s: Annotated[float, typer.Option(help="Most seconds a request is held; then 503 + retry-after.")] = 600.0,
     release_rate: Annotated[float, typer.Option(help="Held requests released per second (0 = unbounded).")] = 5000.0,
+    orchestrator: Annotated[str | None, typer.Option(
+        help="Orchestrator host:port to subscribe to for endpoint states (unset: only the control API sets them).")] = None,
+    gate_id: Annotated[str | None, typer.Option(help="Stable id of this replica on the state stream (default host-pid).")] = None,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -80,7 +83,8 @@ def gate(
     _metrics(metrics_port)
     cfg = GateConfig(host=host, ext_proc_port=ext_proc_port, control_port=control_port, pools=pool,
                      default_pool=default_pool, max_held=max_held, max_hold_s=max_hold_s,
-                     release_rate_per_s=release_rate, token=load_token(token_file))
+                     release_rate_per_s=release_rate, token=load_token(token_file), orchestrator=orchestrator,
+                     **({"gate_id": gate_id} if gate_id else {}))
     _run(lambda: serve(cfg))
 
 
@@ -109,7 +113,7 @@ def picker(
 
 @app.command()
 def orchestrator(
-    inventory: Annotated[Path, typer.Option(help="Static inventory file (groups, samplers, gates).", exists=True)],
+    inventory: Annotated[Path, typer.Option(help="Static inventory file (groups and their samplers).", exists=True)],
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).")] = 50051,
     token_file: TokenFile = None,

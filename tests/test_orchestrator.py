@@ -34,7 +34,6 @@ class RecordingActions:
 
 
 INVENTORY = Inventory.model_validate({
-    "gates": [],
     "groups": [
         {"group_id": "g0", "samplers": [{"pool": "default", "address": "127.0.0.1:8001",
                                          "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}]},

@@ -71,16 +71,16 @@ async def test_without_the_gate_a_request_to_sleeping_vllm_does_not_complete(vll
 
 async def test_through_envoy_and_gate_a_request_sent_while_asleep_completes_after_wake(vllm_server, artifacts):
     engine = vllm_server.url.removeprefix("http://")
-    router = await start_router(artifacts, [engine], max_hold_s=120)
     sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token="t0k")
     await sidecar.start()
     inv = Inventory.model_validate({
-        "gates": [f"127.0.0.1:{router.gate.control_port}"],
         "groups": [{"group_id": "g", "samplers": [{"pool": "default", "address": engine,
                                                     "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}],
     })
     orch = OrchestratorServer(inv, port=0, token="t0k")
     await orch.start()  # wakes/verifies the engine and publishes it SERVING
+    router = await start_router(artifacts, [engine], max_hold_s=120, orchestrator=f"127.0.0.1:{orch.port}", token="t0k")
+    await asyncio.wait_for(router.gate.subscription.connected.wait(), 10)
     ts = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token="t0k")
     try:
         assert router.pool().serving() == (engine,)

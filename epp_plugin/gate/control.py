@@ -6,24 +6,26 @@ orchestrator's calls into :class:`~epp_plugin.gate.pool_state.PoolState` calls.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, MutableMapping
 
 import grpc
 
-from epp_plugin.gate import metrics
 from epp_plugin.gate.pool_state import EndpointState, PoolState
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as pb_grpc
 
-_TO_CORE = {
+TO_CORE = {
     pb.ENDPOINT_STATE_SERVING: EndpointState.SERVING,
     pb.ENDPOINT_STATE_DRAINING: EndpointState.DRAINING,
     pb.ENDPOINT_STATE_ASLEEP: EndpointState.ASLEEP,
     pb.ENDPOINT_STATE_WAKING: EndpointState.WAKING,
 }
-_TO_WIRE = {v: k for k, v in _TO_CORE.items()}
+_TO_WIRE = {v: k for k, v in TO_CORE.items()}
 
 MAX_DRAIN_WAIT_S = 3600.0
+
+log = logging.getLogger(__name__)
 
 
 class GateControl(pb_grpc.GateControlServiceServicer):
@@ -45,15 +47,15 @@ class GateControl(pb_grpc.GateControlServiceServicer):
         pool = await self._pool(request.pool, context, create=True)
         updates = []
         for ep in request.endpoints:
-            if ep.state not in _TO_CORE:
+            if ep.state not in TO_CORE:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"endpoint {ep.address!r}: state must be set (got {ep.state})"
                 )
             if not ep.address or ":" not in ep.address:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"endpoint address must be ip:port, got {ep.address!r}")
-            updates.append((ep.address, _TO_CORE[ep.state], ep.weight_version))
+            updates.append((ep.address, TO_CORE[ep.state], ep.weight_version))
         epoch = pool.set_states(updates)
-        _export(pool)
+        export_pool(pool)
         return pb.SetEndpointStatesResponse(epoch=epoch)
 
     async def WaitDrained(self, request, context):  # noqa: N802
@@ -89,8 +91,7 @@ def pool_status(pool: PoolState) -> pb.PoolStatus:
     )
 
 
-def _export(pool: PoolState) -> None:
-    metrics.STATE_EPOCH.labels(pool=pool.name).set(pool.epoch)
-    for ep in pool.endpoints.values():
-        for st in EndpointState:
-            metrics.ENDPOINT_STATE.labels(pool=pool.name, endpoint=ep.address, state=st.value).set(1 if ep.state is st else 0)
+def export_pool(pool: PoolState) -> None:
+    """Hook after a state change (metrics are read at scrape time; kept for logging)."""
+    log.info("pool=%s epoch=%d endpoints=%s", pool.name, pool.epoch,
+             {e.address: f"{e.state.value}@v{e.weight_version}" for e in pool.endpoints.values()})

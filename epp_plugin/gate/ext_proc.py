@@ -135,7 +135,6 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         metrics.REFUSED.labels(pool=pool_name, reason=err.reason).inc()
                         yield refusal_response(err)
                         return
-                    metrics.ADMITTED.labels(pool=pool_name).inc()
                     if adm.hold_s > 0:
                         metrics.HOLD_SECONDS.labels(pool=pool_name).observe(adm.hold_s)
                     yield self._hints.get(adm.candidates)

@@ -1,20 +1,63 @@
-"""Prometheus metrics of the gate (prefix ``llmd_timeslice_gate_``)."""
+"""Prometheus metrics of the gate (prefix ``llmd_timeslice_gate_``).
 
-from prometheus_client import Counter, Gauge, Histogram
+Per-request counters on the hot path would cost CPU on every request, so pool figures (held now,
+admitted, released, in flight per endpoint, endpoint state, state epoch) are read from the pools
+at scrape time by :class:`PoolCollector`; only refusals and hold durations (rare paths) are
+counted as they happen.
+"""
 
-ADMITTED = Counter("llmd_timeslice_gate_admitted_total", "Requests admitted (forwarded with a subset hint).", ["pool"])
-REFUSED = Counter("llmd_timeslice_gate_refused_total", "Requests refused with 429/503, by reason.", ["pool", "reason"])
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from epp_plugin.gate.pool_state import EndpointState, PoolState
+
+REFUSED = Counter("llmd_timeslice_gate_refused_total", "Requests refused with 4xx/503, by reason.", ["pool", "reason"])
 HOLD_SECONDS = Histogram(
     "llmd_timeslice_gate_hold_seconds",
     "Seconds a held request waited before admission (held requests only).",
     ["pool"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
 )
-HELD = Gauge("llmd_timeslice_gate_held", "Requests held now.", ["pool"])
-IN_FLIGHT = Gauge("llmd_timeslice_gate_in_flight", "Live requests that may reach the endpoint.", ["pool", "endpoint"])
-ENDPOINT_STATE = Gauge(
-    "llmd_timeslice_gate_endpoint_state",
-    "1 for the endpoint's current state (SERVING, DRAINING, ASLEEP, WAKING), 0 otherwise.",
-    ["pool", "endpoint", "state"],
-)
-STATE_EPOCH = Gauge("llmd_timeslice_gate_state_epoch", "Current state epoch of the pool.", ["pool"])
+ORCHESTRATOR_EPOCH = Gauge("llmd_timeslice_gate_orchestrator_epoch", "Last state epoch received from the orchestrator.")
+
+
+class PoolCollector(Collector):
+    """Reads the figures of every registered gate's pools at scrape time."""
+
+    def __init__(self) -> None:
+        self.pool_maps: list[Mapping[str, PoolState]] = []
+
+    def _pools(self):
+        for pools in list(self.pool_maps):
+            yield from list(pools.items())
+
+    def collect(self):
+        held = GaugeMetricFamily("llmd_timeslice_gate_held", "Requests held now.", labels=["pool"])
+        admitted = CounterMetricFamily("llmd_timeslice_gate_admitted", "Requests admitted (forwarded with a subset hint).",
+                                       labels=["pool"])
+        released = CounterMetricFamily("llmd_timeslice_gate_released", "Held requests released.", labels=["pool"])
+        epoch = GaugeMetricFamily("llmd_timeslice_gate_state_epoch", "State epoch of the pool.", labels=["pool"])
+        in_flight = GaugeMetricFamily("llmd_timeslice_gate_in_flight", "Live requests that may reach the endpoint.",
+                                      labels=["pool", "endpoint"])
+        state = GaugeMetricFamily("llmd_timeslice_gate_endpoint_state",
+                                  "1 for the endpoint's current state, 0 for the others.",
+                                  labels=["pool", "endpoint", "state"])
+        for name, pool in self._pools():
+            held.add_metric([name], pool.held)
+            admitted.add_metric([name], pool.admitted_total)
+            released.add_metric([name], pool.released_total)
+            epoch.add_metric([name], pool.epoch)
+            for ep in list(pool.endpoints.values()):
+                in_flight.add_metric([name, ep.address], ep.in_flight)
+                for st in EndpointState:
+                    state.add_metric([name, ep.address, st.value], 1 if ep.state is st else 0)
+        yield from (held, admitted, released, epoch, in_flight, state)
+
+
+COLLECTOR = PoolCollector()
+REGISTRY.register(COLLECTOR)

@@ -291,6 +291,21 @@ class PoolState:
             self._notify()
         return self.epoch
 
+    def replace_states(self, items: Iterable[tuple[str, EndpointState, int | None]]) -> int:
+        """Make ``items`` the whole endpoint list (a full snapshot); returns the new epoch.
+
+        Endpoints not listed are removed when nothing is in flight to them, else set DRAINING
+        (never a target again; removed on a later snapshot).
+        """
+        items = list(items)
+        listed = {a for a, _, _ in items}
+        for addr in [a for a in self.endpoints if a not in listed]:
+            if self.endpoints[addr].in_flight == 0:
+                del self.endpoints[addr]
+            else:
+                items.append((addr, EndpointState.DRAINING, None))
+        return self.set_states(items)
+
     def in_flight(self, addresses: Iterable[str]) -> dict[str, int]:
         """Live requests that may still reach each address."""
         return {a: (self.endpoints[a].in_flight if a in self.endpoints else 0) for a in addresses}

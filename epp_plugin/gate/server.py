@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
@@ -18,10 +20,14 @@ from epp_plugin.gate import metrics
 from epp_plugin.gate.control import GateControl
 from epp_plugin.gate.ext_proc import GateExternalProcessor
 from epp_plugin.gate.pool_state import PoolState
+from epp_plugin.gate.subscription import StateSubscription
 from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
+"""gRPC health service name that turns SERVING once the first state snapshot is applied."""
 
 GRPC_OPTIONS = [
     ("grpc.max_concurrent_streams", 100_000),
@@ -41,7 +47,10 @@ class GateConfig(BaseModel):
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429.")
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds held; then 503 (Envoy caps at 3600).")
     release_rate_per_s: float = Field(5_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
-    token: str | None = Field(None, description="Bearer token required on the control port.", repr=False)
+    token: str | None = Field(None, description="Bearer token for the control port and the orchestrator.", repr=False)
+    orchestrator: str | None = Field(None, description="Orchestrator host:port to subscribe to (None: control API only).")
+    gate_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+                         description="Stable id of this replica on the state stream (e.g. the pod name).")
 
 
 class GateServer:
@@ -53,6 +62,9 @@ class GateServer:
         for name in {*config.pools, config.default_pool}:
             self.pools[name] = self._new_pool(name)
         self._data: aio.Server | None = None
+        self.subscription: StateSubscription | None = None
+        self._sub_task: asyncio.Task | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._control: aio.Server | None = None
         self.ext_proc_port = config.ext_proc_port
         self.control_port = config.control_port
@@ -64,7 +76,6 @@ class GateServer:
             max_hold_s=self.config.max_hold_s,
             release_rate_per_s=self.config.release_rate_per_s,
         )
-        metrics.HELD.labels(pool=name).set_function(lambda p=pool: p.held)
         return pool
 
     async def start(self) -> None:
@@ -83,11 +94,29 @@ class GateServer:
         await self._data.start()
         await self._control.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health = health_servicer
+        metrics.COLLECTOR.pool_maps.append(self.pools)
+        if cfg.orchestrator:
+            await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.subscription = StateSubscription(cfg.orchestrator, cfg.gate_id, self.pools, self._new_pool, cfg.token,
+                                                  on_synced=self._synced)
+            self._sub_task = asyncio.get_running_loop().create_task(self.subscription.run())
+        else:
+            await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("gate ext_proc=%s:%d control=%s:%d pools=%s", cfg.host, self.ext_proc_port, cfg.host,
                  self.control_port, sorted(self.pools))
 
+    def _synced(self) -> None:
+        if self._health is not None:
+            asyncio.get_running_loop().create_task(
+                self._health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
+
     async def stop(self, grace_s: float = 2.0) -> None:
         """Refuse held requests (503 gate_shutting_down), then stop both servers."""
+        if self._sub_task is not None:
+            self._sub_task.cancel()
+        if self.pools in metrics.COLLECTOR.pool_maps:
+            metrics.COLLECTOR.pool_maps.remove(self.pools)
         for pool in self.pools.values():
             pool.close()
         await asyncio.sleep(0)

@@ -124,7 +124,6 @@ class LocalStack:
 
     def write_inventory(self) -> Path:
         inv = {
-            "gates": [self.gate_control_addr],
             "groups": [{
                 "group_id": self.group_id,
                 "sleep_level": 1,
@@ -146,7 +145,8 @@ class LocalStack:
         p, tok = self.ports, ["--token-file", str(self.token_file)]
         progress("gate")
         self._start("gate", ["gate", "--ext-proc-port", str(p.gate_ext_proc), "--control-port", str(p.gate_control),
-                             "--max-hold-s", str(self.max_hold_s), "--metrics-port", str(p.gate_metrics), *tok],
+                             "--max-hold-s", str(self.max_hold_s), "--metrics-port", str(p.gate_metrics),
+                             "--orchestrator", self.orchestrator_addr, "--gate-id", "gate-0", *tok],
                     p.gate_control)
         progress("picker")
         eps = [a for s in self.samplers for a in ("--endpoint", f"{s.pool}={s.address}")]

@@ -1,8 +1,9 @@
-"""Static inventory file: groups, their samplers (endpoint + sidecar) and the gates to drive.
+"""Static inventory file: groups and their samplers (endpoint + sidecar).
+
+Gates are not listed: each gate replica subscribes to the orchestrator (``--orchestrator``).
 
 YAML (or JSON) shape, validated with unknown keys refused::
 
-    gates: ["127.0.0.1:9003"]          # control ports of the gate replicas
     groups:
       - group_id: rollout-0
         sleep_level: 1                 # 1 = offload weights to host, 2 = discard
@@ -50,10 +51,20 @@ class Inventory(BaseModel):
     """The whole inventory file."""
 
     model_config = ConfigDict(extra="forbid")
-    gates: list[str] = Field(default_factory=list)
     groups: list[GroupEntry] = Field(min_length=1)
 
-    _check = field_validator("gates")(classmethod(lambda cls, v: [_host_port(x) for x in v]))
+    @field_validator("groups")
+    @classmethod
+    def _unique(cls, groups: list[GroupEntry]) -> list[GroupEntry]:
+        ids = [g.group_id for g in groups]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"duplicate group_id {dup}")
+        addrs = [s.address for g in groups for s in g.samplers]
+        dup = sorted({a for a in addrs if addrs.count(a) > 1})
+        if dup:
+            raise ValueError(f"sampler address listed twice: {dup}")
+        return groups
 
     def group_specs(self) -> list[GroupSpec]:
         return [

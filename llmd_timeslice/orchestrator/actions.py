@@ -1,7 +1,7 @@
 """Phase-switch actions over gRPC: the gate's control API and the snapshot sidecars.
 
-Suspend (samplers -> job): publish DRAINING on every gate (each call returns once that gate
-applied it: the ack), wait on each gate's drain barrier (an event on the gate, not a poll),
+Suspend (samplers -> job): publish DRAINING on the gate state stream (returns once every
+connected gate acked the epoch), wait on each gate's drain barrier (an event on the gate, not a poll),
 ask each sidecar to sleep its engine and wait for the operation's completion event
 (``WaitOperation``, a project extension; the reference design polls ``GetOperation`` each
 second), then publish ASLEEP. Resume (job -> samplers): publish WAKING, wake each engine, and
@@ -21,11 +21,11 @@ from grpc import aio
 
 from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
-from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
+from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint, SwitchRecord
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,16 @@ RPC_TIMEOUT_S = 10.0
 
 
 class GrpcSwitchActions:
-    """:class:`~llmd_timeslice.orchestrator.groups.SwitchActions` over the project's gRPC services.
+    """:class:`~llmd_timeslice.orchestrator.groups.SwitchActions` over the gate state stream and the sidecars.
 
     Args:
-        gate_targets: ``host:port`` of each gate replica's control port.
-        token: bearer token for the control APIs (None: no auth).
+        hub: the gate state hub (gates subscribe to it).
+        token: bearer token for the sidecars (None: no auth).
         operation_timeout_s: most seconds one sleep or wake may take before the switch fails.
     """
 
-    def __init__(self, gate_targets: list[str], token: str | None = None, operation_timeout_s: float = 300.0) -> None:
-        self._gate_targets = list(gate_targets)
+    def __init__(self, hub: GateHub, token: str | None = None, operation_timeout_s: float = 300.0) -> None:
+        self.hub = hub
         self._token = token
         self._op_timeout = operation_timeout_s
         self._channels: dict[str, aio.Channel] = {}
@@ -61,41 +61,22 @@ class GrpcSwitchActions:
         self._channels.clear()
 
     # ------------------------------------------------------------------- gates
-    async def _publish(self, samplers: list[SamplerEndpoint], state: int, weight_version: int | None = None) -> dict[str, int]:
-        """Set ``state`` for ``samplers`` on every gate; returns pool -> epoch (the highest seen)."""
+    async def _publish(self, samplers: list[SamplerEndpoint], state: int, weight_version: int | None = None) -> None:
+        """Set ``state`` for ``samplers`` and wait until every connected gate acked it."""
         by_pool: dict[str, list[SamplerEndpoint]] = defaultdict(list)
         for s in samplers:
             by_pool[s.pool].append(s)
-        calls = []
-        for target in self._gate_targets:
-            stub = gpb_grpc.GateControlServiceStub(self._channel(target))
-            for pool, eps in by_pool.items():
-                req = gpb.SetEndpointStatesRequest(
-                    pool=pool,
-                    endpoints=[gpb.EndpointUpdate(address=e.address, state=state, weight_version=weight_version or 0)
-                               for e in eps],
-                )
-                calls.append((pool, stub.SetEndpointStates(req, timeout=RPC_TIMEOUT_S)))
-        epochs: dict[str, int] = {}
-        results = await asyncio.gather(*(c for _, c in calls))
-        for (pool, _), resp in zip(calls, results, strict=True):
-            epochs[pool] = max(epochs.get(pool, 0), resp.epoch)
-        return epochs
+        for pool, eps in by_pool.items():
+            await self.hub.publish(pool, [(e.address, state, weight_version) for e in eps])
 
-    async def _wait_drained(self, samplers: list[SamplerEndpoint], epochs: dict[str, int], timeout_s: float) -> bool:
+    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float) -> bool:
         by_pool: dict[str, list[str]] = defaultdict(list)
         for s in samplers:
             by_pool[s.pool].append(s.address)
-        calls = []
-        for target in self._gate_targets:
-            stub = gpb_grpc.GateControlServiceStub(self._channel(target))
-            for pool, addrs in by_pool.items():
-                req = gpb.WaitDrainedRequest(pool=pool, addresses=addrs, epoch=epochs.get(pool, 0), timeout_s=timeout_s)
-                calls.append(stub.WaitDrained(req, timeout=timeout_s + RPC_TIMEOUT_S))
-        results = await asyncio.gather(*calls)
-        drained = all(r.drained for r in results)
+        results = await asyncio.gather(*(self.hub.wait_drained(p, a, timeout_s) for p, a in by_pool.items()))
+        drained = all(d for d, _ in results)
         if not drained:
-            left = {k: v for r in results for k, v in r.in_flight.items() if v}
+            left = {k: v for _, m in results for k, v in m.items() if v}
             log.warning("drain deadline (%.1f s) passed with requests still in flight: %s; the engines' own "
                         "sleep(mode=wait) finishes them", timeout_s, left)
         return drained
@@ -130,10 +111,10 @@ class GrpcSwitchActions:
     # ------------------------------------------------------------ SwitchActions
     async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         t = time.monotonic()
-        epochs = await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
+        await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
         record.phases["publish_draining"] = time.monotonic() - t
         t = time.monotonic()
-        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, epochs, spec.drain_timeout_s))
+        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s))
         record.phases["drain"] = time.monotonic() - t
         t = time.monotonic()
         for s in spec.samplers:

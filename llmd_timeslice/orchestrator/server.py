@@ -10,9 +10,11 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmd_timeslice import auth
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
 from llmd_timeslice.orchestrator.service import OrchestratorService, export_switch
 
@@ -25,7 +27,7 @@ class OrchestratorServer:
     """Orchestrator gRPC server in this event loop.
 
     Args:
-        inventory: groups, samplers and gates.
+        inventory: groups and their samplers (gates subscribe to this server's GateStateService).
         host, port: bind address (port 0 picks a free one; ``self.port`` tells which).
         token: bearer token required from callers (None: auth off, warned).
         actions: switch actions (default: over gRPC to the inventory's gates and sidecars).
@@ -39,7 +41,8 @@ class OrchestratorServer:
         self.host = host
         self.port = port
         self.token = token
-        self.actions = actions or GrpcSwitchActions(inventory.gates, token)
+        self.hub = GateHub()
+        self.actions = actions or GrpcSwitchActions(self.hub, token)
         self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch)
         self._reconcile = reconcile_on_start
         self._server: aio.Server | None = None
@@ -51,6 +54,7 @@ class OrchestratorServer:
         pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
             OrchestratorService(self.orchestrator, states), self._server
         )
+        gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
@@ -64,6 +68,8 @@ class OrchestratorServer:
 
     async def stop(self) -> None:
         await self.orchestrator.close()
+        self.hub.close_all()
+        await asyncio.sleep(0)
         if self._server is not None:
             await self._server.stop(1.0)
         if hasattr(self.actions, "close"):

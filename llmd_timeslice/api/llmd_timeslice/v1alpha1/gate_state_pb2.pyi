@@ -1,0 +1,87 @@
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as _gate_control_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GateHello(_message.Message):
+    __slots__ = ("gate_id", "pools")
+    GATE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    gate_id: str
+    pools: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gate_id: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EpochAck(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class DrainResult(_message.Message):
+    __slots__ = ("query_id", "drained", "in_flight")
+    class InFlightEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    query_id: str
+    drained: bool
+    in_flight: _containers.ScalarMap[str, int]
+    def __init__(self, query_id: _Optional[str] = ..., drained: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GateMessage(_message.Message):
+    __slots__ = ("hello", "ack", "drain_result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: GateHello
+    ack: EpochAck
+    drain_result: DrainResult
+    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ...) -> None: ...
+
+class PoolEndpoints(_message.Message):
+    __slots__ = ("pool", "endpoints")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    endpoints: _containers.RepeatedCompositeFieldContainer[_gate_control_pb2.EndpointUpdate]
+    def __init__(self, pool: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[_gate_control_pb2.EndpointUpdate, _Mapping]]] = ...) -> None: ...
+
+class StateUpdate(_message.Message):
+    __slots__ = ("epoch", "full_snapshot", "pools")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FULL_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    full_snapshot: bool
+    pools: _containers.RepeatedCompositeFieldContainer[PoolEndpoints]
+    def __init__(self, epoch: _Optional[int] = ..., full_snapshot: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolEndpoints, _Mapping]]] = ...) -> None: ...
+
+class DrainQuery(_message.Message):
+    __slots__ = ("query_id", "pool", "addresses", "timeout_s")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    query_id: str
+    pool: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    def __init__(self, query_id: _Optional[str] = ..., pool: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GateCommand(_message.Message):
+    __slots__ = ("state", "drain")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    state: StateUpdate
+    drain: DrainQuery
+    def __init__(self, state: _Optional[_Union[StateUpdate, _Mapping]] = ..., drain: _Optional[_Union[DrainQuery, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,188 @@
+"""The orchestrator's side of the gate state stream (project service ``GateStateService``).
+
+The hub owns the desired endpoint state of every pool (the source of truth) and the set of
+connected gate replicas. ``publish`` applies a change, starts a new state epoch, sends it to every
+connected gate and waits until each acked that epoch (the gate applied it, so it no longer
+steers to a DRAINING endpoint). ``wait_drained`` asks every connected gate for its drain barrier
+and waits for all answers. A gate that connects (or reconnects) first gets a full snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import Gauge
+
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CONNECTED_GATES = Gauge("llmd_timeslice_orchestrator_connected_gates", "Gate replicas subscribed to the state stream.")
+
+
+@dataclass(eq=False)
+class _GateConn:
+    gate_id: str
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    acked_epoch: int = -1
+    acked: asyncio.Condition = field(default_factory=asyncio.Condition)
+    drains: dict[str, asyncio.Future] = field(default_factory=dict)
+    closed: bool = False
+
+
+class GateHub(pb_grpc.GateStateServiceServicer):
+    """Endpoint state per pool and the gates subscribed to it.
+
+    Args:
+        ack_timeout_s: most seconds ``publish`` waits for each gate's ack; a gate that does not
+            ack in time is logged and reported by ``publish`` (it keeps its stream).
+    """
+
+    def __init__(self, ack_timeout_s: float = 5.0) -> None:
+        self.ack_timeout_s = ack_timeout_s
+        self.epoch = 0
+        self.state: dict[str, dict[str, tuple[int, int]]] = {}  # pool -> address -> (wire state, weight version)
+        self._gates: dict[str, _GateConn] = {}
+        self._ids = itertools.count()
+
+    @property
+    def gate_ids(self) -> list[str]:
+        return sorted(self._gates)
+
+    # ------------------------------------------------------------ gRPC service
+    async def Connect(self, request_iterator, context):  # noqa: N802
+        try:
+            first = await request_iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("message") != "hello" or not first.hello.gate_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be GateHello with a gate_id")
+        conn = _GateConn(first.hello.gate_id)
+        old = self._gates.get(conn.gate_id)
+        if old is not None:
+            self._close(old, "replaced by a new stream from the same gate_id")
+        self._gates[conn.gate_id] = conn
+        CONNECTED_GATES.set(len(self._gates))
+        log.info("gate %s connected (pools %s); sending snapshot at epoch %d", conn.gate_id, list(first.hello.pools),
+                 self.epoch)
+        conn.outbox.put_nowait(pb.GateCommand(state=self._snapshot()))
+        reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
+        try:
+            while True:
+                cmd = await conn.outbox.get()
+                if cmd is None:
+                    return
+                yield cmd
+        finally:
+            reader.cancel()
+            if self._gates.get(conn.gate_id) is conn:
+                del self._gates[conn.gate_id]
+                CONNECTED_GATES.set(len(self._gates))
+            self._close(conn, "stream ended")
+            log.info("gate %s disconnected", conn.gate_id)
+
+    async def _read(self, conn: _GateConn, request_iterator) -> None:
+        try:
+            async for msg in request_iterator:
+                which = msg.WhichOneof("message")
+                if which == "ack":
+                    async with conn.acked:
+                        conn.acked_epoch = max(conn.acked_epoch, msg.ack.epoch)
+                        conn.acked.notify_all()
+                elif which == "drain_result":
+                    fut = conn.drains.pop(msg.drain_result.query_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg.drain_result)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            conn.outbox.put_nowait(None)
+
+    def _close(self, conn: _GateConn, why: str) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        conn.outbox.put_nowait(None)
+        for fut in conn.drains.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"gate {conn.gate_id}: {why}"))
+        conn.drains.clear()
+
+    def close_all(self) -> None:
+        """End every gate stream cleanly (orchestrator shutdown); gates keep their state and reconnect."""
+        for conn in list(self._gates.values()):
+            self._close(conn, "orchestrator shutting down")
+
+    # ------------------------------------------------------------------ state
+    def _snapshot(self) -> pb.StateUpdate:
+        return pb.StateUpdate(epoch=self.epoch, full_snapshot=True, pools=[
+            pb.PoolEndpoints(pool=pool, endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v)
+                                                   for a, (s, v) in eps.items()])
+            for pool, eps in self.state.items()
+        ])
+
+    async def publish(self, pool: str, updates: list[tuple[str, int, int | None]]) -> tuple[int, list[str]]:
+        """Apply ``(address, wire state, weight version or None)`` updates to ``pool``; send them to every gate
+        and wait for each gate's ack. Returns ``(epoch, gate ids that did not ack in time)``."""
+        eps = self.state.setdefault(pool, {})
+        wire = []
+        for address, state, version in updates:
+            prev_version = eps.get(address, (0, 0))[1]
+            v = prev_version if version is None else version
+            eps[address] = (state, v)
+            wire.append(gpb.EndpointUpdate(address=address, state=state, weight_version=v))
+        self.epoch += 1
+        epoch = self.epoch
+        cmd = pb.GateCommand(state=pb.StateUpdate(epoch=epoch, pools=[pb.PoolEndpoints(pool=pool, endpoints=wire)]))
+        conns = list(self._gates.values())
+        for c in conns:
+            c.outbox.put_nowait(cmd)
+        results = await asyncio.gather(*(self._wait_ack(c, epoch) for c in conns))
+        laggards = [c.gate_id for c, ok in zip(conns, results, strict=True) if not ok]
+        if laggards:
+            log.warning("epoch %d: no ack within %.1f s from gates %s", epoch, self.ack_timeout_s, laggards)
+        return epoch, laggards
+
+    async def _wait_ack(self, conn: _GateConn, epoch: int) -> bool:
+        try:
+            async with conn.acked:
+                await asyncio.wait_for(conn.acked.wait_for(lambda: conn.acked_epoch >= epoch or conn.closed),
+                                       self.ack_timeout_s)
+            return conn.acked_epoch >= epoch
+        except TimeoutError:
+            return False
+
+    async def wait_drained(self, pool: str, addresses: list[str], timeout_s: float) -> tuple[bool, dict[str, int]]:
+        """Ask every connected gate for its drain barrier on ``addresses``; True when all report drained.
+
+        A gate that disconnects while asked counts as not drained (its requests may still be in flight)."""
+        conns = list(self._gates.values())
+        if not conns:
+            return True, {}
+        loop = asyncio.get_running_loop()
+        futs = []
+        for c in conns:
+            qid = f"{c.gate_id}-{next(self._ids)}"
+            fut = loop.create_future()
+            c.drains[qid] = fut
+            futs.append(fut)
+            c.outbox.put_nowait(pb.GateCommand(drain=pb.DrainQuery(query_id=qid, pool=pool, addresses=addresses,
+                                                                   timeout_s=timeout_s)))
+        done = await asyncio.gather(*(asyncio.wait_for(f, timeout_s + self.ack_timeout_s) for f in futs),
+                                    return_exceptions=True)
+        drained = True
+        left: dict[str, int] = {}
+        for r in done:
+            if isinstance(r, BaseException):
+                drained = False
+                continue
+            drained &= r.drained
+            for k, v in r.in_flight.items():
+                left[k] = left.get(k, 0) + v
+        return drained, left
