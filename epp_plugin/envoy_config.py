@@ -32,6 +32,9 @@ HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection
 ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 MAX_MESSAGE_TIMEOUT_S = 3600
+PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+GATE_FILTER_NAME = "envoy.filters.http.ext_proc.timeslice_gate"
+EPP_FILTER_NAME = "envoy.filters.http.ext_proc.epp"
 
 # Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
 # open ext_proc stream to the gate.
@@ -57,7 +60,9 @@ class EnvoyRouterConfig:
     upstream_timeout_s: float = 600.0
     epp_message_timeout_s: float = 5.0
     gate_failure_mode_allow: bool = False
-    extra_pools_by_prefix: dict[str, str] = field(default_factory=dict)
+    pools_by_prefix: dict[str, str] = field(default_factory=dict)
+    """Extra routes: path prefix -> pool. Each sends its pool to both ext_proc services through the
+    per-route override ``ExtProcPerRoute.overrides.grpc_initial_metadata``; ``/`` goes to ``pool``."""
 
 
 def _dur(seconds: float) -> str:
@@ -88,7 +93,7 @@ def _grpc_cluster(name: str, host: str, port: int) -> dict:
 def gate_filter(cluster: str, pool: str, max_hold_s: float, failure_mode_allow: bool = False) -> dict:
     """The gate's ext_proc filter: headers only, hold-capable timeout, receives the subset hint."""
     return {
-        "name": "envoy.filters.http.ext_proc.timeslice_gate",
+        "name": GATE_FILTER_NAME,
         "typed_config": {
             "@type": EXT_PROC_TYPE,
             "grpc_service": {
@@ -115,7 +120,7 @@ def gate_filter(cluster: str, pool: str, max_hold_s: float, failure_mode_allow: 
 def epp_filter(cluster: str, pool: str, message_timeout_s: float = 5.0) -> dict:
     """The EPP's ext_proc filter: request headers only, forwards the subset hint, receives ``envoy.lb``."""
     return {
-        "name": "envoy.filters.http.ext_proc.epp",
+        "name": EPP_FILTER_NAME,
         "typed_config": {
             "@type": EXT_PROC_TYPE,
             "grpc_service": {
@@ -140,6 +145,24 @@ def epp_filter(cluster: str, pool: str, message_timeout_s: float = 5.0) -> dict:
     }
 
 
+def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig) -> dict:
+    route: dict = {
+        "match": {"prefix": prefix},
+        "route": {
+            "cluster": "endpoints",
+            "timeout": _dur(cfg.upstream_timeout_s),
+            # Safe to retry: the request never reached the engine.
+            "retry_policy": {"retry_on": "reset-before-request", "num_retries": 2},
+        },
+    }
+    if pool is not None:
+        override = {"@type": PER_ROUTE_TYPE, "overrides": {
+            "grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]}}
+        names = [EPP_FILTER_NAME] + ([GATE_FILTER_NAME] if cfg.gate_port is not None else [])
+        route["typed_per_filter_config"] = {n: override for n in names}
+    return route
+
+
 def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
     """Envoy bootstrap (as a dict, JSON-serialisable) for the local router.
 
@@ -161,12 +184,8 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
                     "name": "inference",
                     "domains": ["*"],
                     "routes": [
-                        {"match": {"prefix": "/"}, "route": {
-                            "cluster": "endpoints",
-                            "timeout": _dur(cfg.upstream_timeout_s),
-                            # Safe to retry: the request never reached the engine.
-                            "retry_policy": {"retry_on": "reset-before-request", "num_retries": 2},
-                        }}
+                        *(_route(prefix, pool, cfg) for prefix, pool in cfg.pools_by_prefix.items()),
+                        _route("/", None, cfg),
                     ],
                 }
             ],

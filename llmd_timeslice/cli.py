@@ -23,7 +23,7 @@ TokenFile = Annotated[
     Path | None,
     typer.Option("--token-file", help="File holding the control-plane bearer token (else $LLMD_TIMESLICE_TOKEN)."),
 ]
-MetricsPort = Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port (0 = off).")]
+MetricsPort = Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port on --host (0 = off).")]
 
 
 def _setup_logging(level: str) -> None:
@@ -35,11 +35,12 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _metrics(port: int) -> None:
+def _metrics(port: int, host: str) -> None:
+    """Serve Prometheus /metrics on ``host:port`` (the component's own bind address) unless port is 0."""
     if port:
         from prometheus_client import start_http_server
 
-        start_http_server(port, addr="127.0.0.1" if port else "")
+        start_http_server(port, addr=host)
 
 
 def _run(coro_factory) -> None:
@@ -80,7 +81,7 @@ def gate(
     from llmd_timeslice.auth import load_token
 
     _setup_logging(log_level)
-    _metrics(metrics_port)
+    _metrics(metrics_port, host)
     cfg = GateConfig(host=host, ext_proc_port=ext_proc_port, control_port=control_port, pools=pool,
                      default_pool=default_pool, max_held=max_held, max_hold_s=max_hold_s,
                      release_rate_per_s=release_rate, token=load_token(token_file), orchestrator=orchestrator,
@@ -101,7 +102,7 @@ def picker(
     from epp_plugin.picker.server import PickerConfig, serve
 
     _setup_logging(log_level)
-    _metrics(metrics_port)
+    _metrics(metrics_port, host)
     pools: dict[str, list[str]] = {}
     for item in endpoint:
         name, sep, addr = item.rpartition("=")
@@ -126,7 +127,7 @@ def orchestrator(
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
     _setup_logging(log_level)
-    _metrics(metrics_port)
+    _metrics(metrics_port, host)
     inv = load_inventory(inventory)
 
     async def main() -> None:
@@ -160,7 +161,7 @@ def sidecar(
     from llmd_timeslice.snapshot.server import SidecarServer
 
     _setup_logging(log_level)
-    _metrics(metrics_port)
+    _metrics(metrics_port, host)
 
     async def main() -> None:
         b = create_backend(backend, base_url=engine_url, idle_timeout_s=idle_timeout_s)

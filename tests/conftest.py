@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import threading
 from pathlib import Path
 
@@ -10,6 +11,17 @@ import port_for
 import pytest
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def _raise_open_file_limit() -> None:
+    """Thousands of held requests are thousands of sockets (client, Envoy): lift the soft limit (1024 here)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+_raise_open_file_limit()
 
 
 def free_port() -> int:

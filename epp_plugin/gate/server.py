@@ -23,16 +23,13 @@ from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.subscription import StateSubscription
 from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
+from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
 READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
 """gRPC health service name that turns SERVING once the first state snapshot is applied."""
 
-GRPC_OPTIONS = [
-    ("grpc.max_concurrent_streams", 100_000),
-    ("grpc.so_reuseport", 0),
-]
 
 
 class GateConfig(BaseModel):
@@ -80,13 +77,13 @@ class GateServer:
 
     async def start(self) -> None:
         cfg = self.config
-        self._data = aio.server(options=GRPC_OPTIONS)
+        self._data = aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._data)
         self.ext_proc_port = self._data.add_insecure_port(f"{cfg.host}:{cfg.ext_proc_port}")
 
-        self._control = aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors(cfg.token))
+        self._control = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(cfg.token))
         factory = self._new_pool if cfg.accept_new_pools else None
         gate_control_pb2_grpc.add_GateControlServiceServicer_to_server(GateControl(self.pools, factory), self._control)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._control)

@@ -27,6 +27,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
 from epp_plugin import protocol
+from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class PickerServer:
         self._server: aio.Server | None = None
 
     async def start(self) -> None:
-        self._server = aio.server(options=[("grpc.max_concurrent_streams", 100_000)])
+        self._server = aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.config), self._server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)

@@ -13,6 +13,7 @@ from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
@@ -49,7 +50,7 @@ class OrchestratorServer:
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
-        self._server = aio.server(interceptors=auth.server_interceptors(self.token))
+        self._server = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(self.token))
         states = getattr(self.actions, "sampler_states", None)
         pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
             OrchestratorService(self.orchestrator, states), self._server

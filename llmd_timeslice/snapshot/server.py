@@ -24,6 +24,7 @@ from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.snapshot.backends.base import BackendError, SnapshotBackend, SuspendMode
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class SidecarServer:
         self._server: aio.Server | None = None
 
     async def start(self) -> None:
-        self._server = aio.server(interceptors=auth.server_interceptors(self.token))
+        self._server = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(self.token))
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(self.servicer, self._server)
         xpb_grpc.add_SnapshotOperationsServiceServicer_to_server(self.servicer, self._server)
         hs = health.aio.HealthServicer()

@@ -33,15 +33,24 @@ class RouterStack:
         await self.picker.stop(0.5)
 
 
-async def start_router(workdir: Path, endpoints: list[str], pool: str = "default", **gate_kw) -> RouterStack:
-    """Start gate, picker and Envoy on free loopback ports; Envoy logs go to ``workdir``."""
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, pools=[pool], default_pool=pool, **gate_kw))
+async def start_router(workdir: Path, endpoints: list[str], pool: str = "default", *,
+                       extra_pools: dict[str, tuple[str, list[str]]] | None = None, epp_message_timeout_s: float = 5.0,
+                       **gate_kw) -> RouterStack:
+    """Start gate, picker and Envoy on free loopback ports; Envoy logs go to ``workdir``.
+
+    ``extra_pools``: pool -> (path prefix, endpoints), routed per prefix (per-route ext_proc metadata).
+    """
+    extra_pools = extra_pools or {}
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, pools=[pool, *extra_pools], default_pool=pool,
+                                 **gate_kw))
     await gate.start()
-    picker = PickerServer(PickerConfig(port=0, pools={pool: endpoints}, default_pool=pool))
+    picker = PickerServer(PickerConfig(port=0, pools={pool: endpoints, **{p: e for p, (_, e) in extra_pools.items()}},
+                                       default_pool=pool))
     await picker.start()
     cfg = EnvoyRouterConfig(
         listen_port=port_for.select_random(), admin_port=port_for.select_random(), gate_port=gate.ext_proc_port,
         epp_port=picker.port, pool=pool, max_hold_s=gate.config.max_hold_s,
+        pools_by_prefix={prefix: p for p, (prefix, _) in extra_pools.items()}, epp_message_timeout_s=epp_message_timeout_s,
     )
     envoy = EnvoyProcess(cfg, workdir)
     await asyncio.to_thread(envoy.start)

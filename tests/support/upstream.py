@@ -60,11 +60,15 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = _handle
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 4096  # listen backlog: thousands of released requests connect at once
+
+
 class UpstreamServer:
     """Background HTTP server on ``127.0.0.1:port``; ``address`` is ``ip:port``."""
 
     def __init__(self, port: int = 0) -> None:
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self._httpd = _Server(("127.0.0.1", port), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.owner = self  # type: ignore[attr-defined]
         self.address = f"127.0.0.1:{self._httpd.server_address[1]}"

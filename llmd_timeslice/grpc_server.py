@@ -1,0 +1,12 @@
+"""gRPC server options shared by every server of the project (gate, picker, orchestrator, sidecar)."""
+
+SERVER_OPTIONS = [
+    ("grpc.max_concurrent_streams", 100_000),
+    # Never share a port with a stale process (tests restart servers on the same port).
+    ("grpc.so_reuseport", 0),
+    # A burst of new streams (thousands of held requests at once, each one ext_proc stream) waits in
+    # gRPC core until the asyncio server picks each up; with the defaults (1000 pending, then a hard
+    # limit) the excess was cancelled and Envoy answered 500 (seen with 2,000 requests, grpcio 1.85).
+    ("grpc.server.max_pending_requests", 100_000),
+    ("grpc.server.max_pending_requests_hard_limit", 200_000),
+]
