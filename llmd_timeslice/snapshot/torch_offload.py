@@ -1,11 +1,18 @@
 """Trainer state offload/restore: parameters, gradients and optimizer state of a torch model.
 
-``offload()`` copies every tensor into host buffers that are allocated once and reused on every
+``offload()`` computes a checksum of every tensor where it lives (on the device: torch reductions
+at device bandwidth), copies it into host buffers that are allocated once and reused on every
 cycle (pinned when CUDA is available: re-allocating pinned buffers per cycle is a known
-multi-second cost, DESIGN.md §8), records a checksum of the bytes, and frees the device storage
-(the tensors keep their Python identity, so optimizers and hooks stay valid). ``restore()``
-copies the bytes back into fresh device storage and verifies the checksum: a difference raises
-:class:`StateChecksumMismatch` and the state is left offloaded (never half-restored).
+multi-second cost, DESIGN.md §8), and frees the device storage (the tensors keep their Python
+identity, so optimizers and hooks stay valid). ``restore()`` copies the bytes back into fresh
+device storage and recomputes the checksum there, so the whole round trip (device -> host ->
+device) is covered: a difference raises :class:`StateChecksumMismatch` and the state is left
+offloaded (never half-restored).
+
+The checksum is two wrapping 64-bit sums per tensor over its raw bytes (a plain sum and a sum
+weighted by 4 KiB-chunk position), not a cryptographic hash: it detects corrupted or misplaced
+chunks, bit flips and partial copies, and costs a reduction instead of hashing every byte on one
+host core (BLAKE2b ran at 0.88 GB/s here, 28 s per direction for a 7B trainer's state).
 
 On this CPU-only machine the "device" is the CPU: offload still moves the bytes into the
 reusable host buffers and frees the working storage, through the same code as on a GPU.
@@ -60,12 +67,47 @@ def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) ->
     return out
 
 
-def state_checksum(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
-    """BLAKE2b over the raw bytes of every state tensor (bit-exact comparison)."""
+_CHUNK_WORDS = 512  # 4 KiB of int64 words
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes as the widest integer words that divide its size (no copy)."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if raw.numel() % size == 0:
+            return raw.view(dtype)
+    return raw
+
+
+def tensor_checksum(t: torch.Tensor) -> tuple[int, int]:
+    """``(sum, chunk-position-weighted sum)`` of the tensor's raw words, wrapping at 64 bits.
+
+    Computed on the tensor's own device; only two integers cross to the host.
+    """
+    w = _words(t)
+    n = w.numel()
+    full = n - n % _CHUNK_WORDS
+    total = torch.sum(w, dtype=torch.int64)
+    if full:
+        per_chunk = torch.sum(w[:full].view(-1, _CHUNK_WORDS), dim=1, dtype=torch.int64)
+        weights = torch.arange(1, per_chunk.numel() + 1, device=w.device, dtype=torch.int64)
+        weighted = torch.sum(per_chunk * weights)
+    else:
+        weighted = torch.zeros((), dtype=torch.int64, device=w.device)
+    tail = torch.sum(w[full:], dtype=torch.int64) * (full // _CHUNK_WORDS + 1)
+    return int(total), int(weighted + tail)
+
+
+def _combine(sums: list[tuple[int, int]]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    for t in _tensors(model, optimizer):
-        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
+    for i, (a, b) in enumerate(sums):
+        h.update(i.to_bytes(8, "little") + (a & (2**64 - 1)).to_bytes(8, "little") + (b & (2**64 - 1)).to_bytes(8, "little"))
     return h.hexdigest()
+
+
+def state_checksum(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """Checksum of every state tensor's raw bytes (see :func:`tensor_checksum`), as hex."""
+    return _combine([tensor_checksum(t) for t in _tensors(model, optimizer)])
 
 
 class TorchStateOffloader:
@@ -113,10 +155,11 @@ class TorchStateOffloader:
         if self._offloaded:
             raise RuntimeError("trainer state is already offloaded")
         t0 = time.perf_counter()
-        h = hashlib.blake2b(digest_size=16)
         index: dict = {}
         moved = 0
-        for t in _tensors(self.model, self.optimizer):
+        tensors = _tensors(self.model, self.optimizer)
+        self._checksum = _combine([tensor_checksum(t) for t in tensors])  # on the device, before copy-out
+        for t in tensors:
             flat = t.detach().reshape(-1)
             buf = self._buffer(flat.numel(), t.dtype, index)
             buf.copy_(flat, non_blocking=self.pin_memory)
@@ -124,12 +167,9 @@ class TorchStateOffloader:
             moved += t.numel() * t.element_size()
         if self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()
-        for _, buf, _, _ in self._offloaded:
-            h.update(buf.view(torch.uint8).numpy().data)
         with torch.no_grad():
             for t, _, _, device in self._offloaded:
                 t.set_(torch.empty(0, dtype=t.dtype, device=device))  # free the working storage
-        self._checksum = h.hexdigest()
         self.cycles += 1
         return OffloadStats(moved, time.perf_counter() - t0, self._checksum, self.allocations)
 
@@ -143,23 +183,23 @@ class TorchStateOffloader:
         if not self._offloaded:
             raise StateNotOffloaded("restore() called but the trainer state is not offloaded")
         t0 = time.perf_counter()
-        h = hashlib.blake2b(digest_size=16)
-        for _, buf, _, _ in self._offloaded:
-            h.update(buf.view(torch.uint8).numpy().data)
-        got = h.hexdigest()
+        moved = 0
+        fresh_tensors = []
+        for t, buf, shape, device in self._offloaded:
+            fresh = torch.empty(shape, dtype=t.dtype, device=device)
+            fresh.view(-1).copy_(buf, non_blocking=self.pin_memory)
+            fresh_tensors.append(fresh)
+            moved += buf.numel() * buf.element_size()
+        if self.pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        got = _combine([tensor_checksum(f) for f in fresh_tensors])  # on the device, after copy-in
         if got != self._checksum:
             raise StateChecksumMismatch(
                 f"trainer state checksum {got} differs from the offloaded {self._checksum}; "
                 "host memory was corrupted or modified: restart the job from its last checkpoint"
             )
-        moved = 0
         with torch.no_grad():
-            for t, buf, shape, device in self._offloaded:
-                fresh = torch.empty(shape, dtype=t.dtype, device=device)
-                fresh.view(-1).copy_(buf, non_blocking=self.pin_memory)
+            for (t, _, _, _), fresh in zip(self._offloaded, fresh_tensors, strict=True):
                 t.set_(fresh)
-                moved += buf.numel() * buf.element_size()
-        if self.pin_memory and torch.cuda.is_available():
-            torch.cuda.synchronize()
         self._offloaded.clear()
         return OffloadStats(moved, time.perf_counter() - t0, got, self.allocations)

@@ -1,0 +1,169 @@
+"""Fast unit tests of the RL rollout duty-cycle model (benchmarks/rl_model.py) and the real run's helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from benchmarks import rl_model as m
+from benchmarks.rl_real import phase_delta, scrape_phases
+
+
+def _inp(**values) -> dict[str, m.Input]:
+    inp = m.default_inputs()
+    for k, v in values.items():
+        inp[k] = replace(inp[k], value=v)
+    return inp
+
+
+def _run(inp, name, **wl):
+    workload = m.make_workload(inp, **wl)
+    return m.simulate(m.make_strategy(name, inp, workload.model_b, workload.group_size), workload), workload
+
+
+@pytest.mark.parametrize(("frac", "gap", "size"), [(0.5, 3.0, 7), (0.3, 10.0, 7), (0.7, 0.0, 14), (0.5, 25.0, 1.5)])
+def test_dedicated_duty_cycle_equals_the_analytic_value(frac, gap, size):
+    res, wl = _run(m.default_inputs(), "dedicated", rollout_fraction=frac, cpu_gap_s=gap, model_b=size)
+    assert res["duty_cycle"] == pytest.approx(m.analytic_dedicated(wl), rel=1e-9)
+    assert res["duty_cycle"] == pytest.approx((wl.rollout_s + wl.train_s) / (2 * (wl.rollout_s + wl.train_s + wl.gap_s)))
+    assert res["training_step_s"] == pytest.approx(wl.train_s)  # never waits, never switches
+    assert res["accelerators"] == 16  # two jobs, 4 + 4 accelerators each
+
+
+@pytest.mark.parametrize("frac", [0.25, 0.4, 0.5, 0.6, 0.75])
+def test_zero_cost_switch_reaches_the_ceiling(frac):
+    res, wl = _run(m.default_inputs(), "ceiling", rollout_fraction=frac)
+    assert res["duty_cycle"] == pytest.approx(m.analytic_ceiling(wl), rel=1e-3)
+    # this project's strategy with every switch cost set to zero lands on the same ceiling
+    zero = _inp(**{k: 0.0 for k in ("ts_drain_s", "ts_sleep_control_s", "ts_wake_control_s", "ts_release_s", "ts_grant_s",
+                                    "vllm_sleep_fixed_s", "vllm_wake_fixed_s")},
+                vllm_sleep_wake_gbps=1e12, pcie_gbps=1e12, verify_gbps=1e12)
+    ours, _ = _run(zero, "llmd_timeslice", rollout_fraction=frac)
+    assert ours["duty_cycle"] == pytest.approx(res["duty_cycle"], rel=1e-6)
+
+
+def test_time_slicing_doubles_at_most_the_dedicated_duty_cycle():
+    """Two jobs, phases keep their allotment: the ceiling is 2x dedicated (41% -> at most 82%)."""
+    inp = m.default_inputs()
+    gap = m.gap_for_dedicated_duty(inp, 0.41)
+    ded, _ = _run(inp, "dedicated", cpu_gap_s=gap)
+    ceil, _ = _run(inp, "ceiling", cpu_gap_s=gap)
+    assert ded["duty_cycle"] == pytest.approx(0.41, abs=1e-6)
+    assert ceil["duty_cycle"] == pytest.approx(0.82, abs=1e-3)
+
+
+def _components(name, model_b, role, suspend=True, **values):
+    inp = _inp(**values)
+    s = m.make_strategy(name, inp, model_b, 4)
+    return {c.name: c.seconds for c in (s.suspend(role) if suspend else s.resume(role))}
+
+
+def test_byte_costs_scale_with_the_bytes_moved():
+    small, big = _components("llmd_timeslice", 1.0, "trainer"), _components("llmd_timeslice", 2.0, "trainer")
+    for name in ("trainer offload: state/PCIe into reused pinned buffers", "trainer offload: checksum of the state"):
+        assert big[name] == pytest.approx(2 * small[name])
+    assert small["trainer offload: state/PCIe into reused pinned buffers"] == pytest.approx(1e9 * 16 / 4 / 50e9)
+    # vLLM level-1 sleep: fixed part + weights / bandwidth
+    s1, s2 = _components("llmd_timeslice", 1.0, "sampler"), _components("llmd_timeslice", 2.0, "sampler")
+    key = "sampler vLLM level-1 sleep (fixed + weights/15 GB/s)"
+    assert s2[key] - 0.9 == pytest.approx(2 * (s1[key] - 0.9))
+    # doubling the PCIe bandwidth halves the transfer
+    fast = _components("llmd_timeslice", 1.0, "trainer", pcie_gbps=100.0)
+    assert fast["trainer offload: state/PCIe into reused pinned buffers"] == pytest.approx(
+        small["trainer offload: state/PCIe into reused pinned buffers"] / 2)
+
+
+def test_process_checkpoint_moves_the_whole_footprint_whatever_the_model():
+    a, b = _components("reference", 1.5, "trainer"), _components("reference", 14, "trainer")
+    assert a == b
+    raw = a["trainer cuda-checkpoint checkpoint (process start + fixed + footprint/PCIe)"]
+    assert raw == pytest.approx(2.7 + 1.0 + 0.9 * 80e9 / 50e9)
+    assert a["trainer checkpoint: 1 s operation poll"] == pytest.approx(6.0 - raw)  # observed at the next 1 s poll
+
+
+def test_device_resident_trainer_state_is_capped_by_the_footprint():
+    by = m.Bytes(m.default_inputs(), 70, 4)
+    assert not by.trainer_state_fits
+    assert by.trainer_state == pytest.approx(0.9 * 80e9)
+    assert m.Bytes(m.default_inputs(), 7, 4).trainer_state_fits
+
+
+def test_poll_rounds_up_to_the_next_tick():
+    assert m._poll(5.14, 1.0) == pytest.approx(6.0)
+    assert m._poll(2.0, 1.0) == pytest.approx(2.0)
+    assert m._poll(0.3, 0.0) == pytest.approx(0.3)
+
+
+def test_training_step_is_dedicated_plus_one_handover_when_phases_are_balanced():
+    inp = m.default_inputs()
+    ours, wl = _run(inp, "llmd_timeslice_device_checksum")
+    s = m.make_strategy("llmd_timeslice_device_checksum", inp, wl.model_b, wl.group_size)
+    handover = sum(c.seconds for c in s.suspend("trainer") + s.resume("trainer"))
+    assert ours["training_step_s"] == pytest.approx(wl.train_s + handover, rel=1e-6)
+    assert ours["rollout_wait_s_mean"] >= 0
+
+
+def test_strategies_order_and_targets_on_the_default_workload():
+    cfg = m.run_config(m.default_inputs())
+    r = {n: v["duty_cycle"] for n, v in cfg["results"].items()}
+    assert r["dedicated"] < r["reference"] < r["llmd_timeslice_device_checksum"] < r["ceiling"] <= 1.0
+    assert r["reference"] < r["reference_vllm_sleep"]  # checkpointing samplers costs more than sleeping them
+    dev = cfg["results"]["llmd_timeslice_device_checksum"]
+    assert dev["duty_cycle"] >= 0.90 and dev["training_step_vs_dedicated"] <= 1.05
+    assert cfg["results"]["dedicated"]["training_step_vs_dedicated"] == pytest.approx(1.0)
+
+
+def test_with_measured_replaces_only_measured_inputs():
+    real = {"run_id": "x", "model_inputs": {"ts_drain_s": {"value": 0.5}, "pcie_gbps": {"value": 1.0},
+                                            "blake2b_gbps_this_machine": {"value": 0.3}}}
+    inp = m.with_measured(m.default_inputs(), real)
+    assert inp["ts_drain_s"].value == 0.5 and "(x)" in inp["ts_drain_s"].source
+    assert inp["pcie_gbps"].value == 50  # published inputs are never overwritten
+    assert all(i.kind in ("published", "measured here", "assumption") for i in inp.values())
+    assert all(i.source for i in inp.values())
+
+
+def test_model_cli_writes_json_with_provenance_and_png(tmp_path):
+    from benchmarks.rl_rollout import main
+
+    assert main(["--mode", "model", "--out", str(tmp_path), "--no-sweep"]) == 0
+    rep = json.loads((tmp_path / "rl_model.json").read_text())
+    assert set(rep["duty_cycle"]) == {"dedicated", "reference", "llmd_timeslice"}
+    for key in ("rollout_throughput_req_per_s_per_8_acc", "training_step_s", "rollout_p99_latency_s"):
+        assert set(rep[key]) == {"dedicated", "reference", "llmd_timeslice"}
+    assert rep["provenance"]["published_inputs"] and rep["provenance"]["measured_here"]
+    assert rep["inputs"]["probe_drain_s"]["kind"] == "published"
+    assert "trace" not in rep["scenarios"]["default"]["results"]["reference"]
+    assert (tmp_path / "rl_model.png").stat().st_size > 10_000
+
+
+def test_scrape_and_delta_of_the_orchestrator_histogram():
+    name = "llmd_timeslice_orchestrator_switch_phase_seconds"
+
+    def text(drain_sum, count):
+        return (
+            "# HELP llmd_timeslice_orchestrator_switch_phase_seconds Seconds per phase-switch step.\n"
+            "# TYPE llmd_timeslice_orchestrator_switch_phase_seconds histogram\n"
+            f'{name}_bucket{{group_id="rollout-group",phase="drain",le="+Inf"}} {count}\n'
+            f'{name}_count{{group_id="rollout-group",phase="drain"}} {count}\n'
+            f'{name}_sum{{group_id="rollout-group",phase="drain"}} {drain_sum}\n'
+            f'{name}_count{{group_id="other",phase="drain"}} 9.0\n'
+            f'{name}_sum{{group_id="other",phase="drain"}} 9.0\n'
+        )
+
+    pages = iter([text(0.5, 2.0), text(0.8, 3.0)])
+
+    async def go():
+        transport = httpx.MockTransport(lambda req: httpx.Response(200, text=next(pages)))
+        async with httpx.AsyncClient(transport=transport) as c:
+            return await scrape_phases(c, "http://x/metrics"), await scrape_phases(c, "http://x/metrics")
+
+    before, after = asyncio.run(go())
+    assert before["drain"] == [0.5, 2.0]
+    assert phase_delta(before, after, "drain") == pytest.approx(0.3)
+    assert phase_delta(before, after, "wake") is None
+    assert phase_delta(after, after, "drain") is None
