@@ -101,6 +101,9 @@ def gate_filter(cluster: str, pool: str, max_hold_s: float, failure_mode_allow: 
                 "initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}],
             },
             "failure_mode_allow": failure_mode_allow,
+            # Gate unreachable or crashed (failure_mode_allow false): the client gets 503 (retryable)
+            # at once, not Envoy's default 500, and never an unsteered request to a sleeping engine.
+            "status_on_error": {"code": 503},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",

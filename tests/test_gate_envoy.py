@@ -204,3 +204,54 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
         assert stack.pool().held == 0 and stack.pool().live == 0, "every ext_proc stream must end (nothing leaks)"
     finally:
         await stack.stop()
+
+
+async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(router, two_upstreams):
+    """grpc.aio leaks native memory when a handler swallows CancelledError after a cancel; the gate must not."""
+    import psutil
+
+    router.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
+    proc = psutil.Process()
+    rss, tasks = [], []
+    for _ in range(5):
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=1.0, limits=limits) as c:
+            rs = await asyncio.gather(*(c.get(router.url + "/") for _ in range(300)), return_exceptions=True)
+        assert all(isinstance(r, httpx.TimeoutException) for r in rs)
+        for _ in range(100):
+            if router.pool().held == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert router.pool().held == 0 and router.pool().live == 0
+        await asyncio.sleep(0.2)
+        rss.append(proc.memory_info().rss)
+        tasks.append(len(asyncio.all_tasks()))
+    assert tasks[-1] <= tasks[1], f"asyncio tasks grow with each round of cancelled holds: {tasks}"
+    growth = (rss[-1] - rss[1]) / rss[1]
+    assert growth < 0.05, f"memory grew {growth:.1%} over 3 rounds of 300 cancelled holds: {rss}"
+
+
+async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstreams):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    up = two_upstreams[0]
+    stack = await start_router(artifacts, [up.address], pool="metrics-pool", max_hold_s=0.3)
+    try:
+        stack.pool("metrics-pool").set_states([(up.address, EndpointState.ASLEEP, 7)])
+        async with httpx.AsyncClient(timeout=10) as c:
+            assert (await c.get(stack.url + "/")).status_code == 503
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(generate_latest().decode()) for s in f.samples}
+
+        def value(name, **labels):
+            return samples.get((name, tuple(sorted(labels.items()))))
+
+        assert value("llmd_timeslice_gate_endpoint_state", pool="metrics-pool", endpoint=up.address, state="ASLEEP") == 1
+        assert value("llmd_timeslice_gate_endpoint_state", pool="metrics-pool", endpoint=up.address, state="SERVING") == 0
+        assert value("llmd_timeslice_gate_refused_total", pool="metrics-pool", reason="hold_expired") == 1
+        assert value("llmd_timeslice_gate_held", pool="metrics-pool") == 0
+        assert value("llmd_timeslice_gate_state_epoch", pool="metrics-pool") >= 1
+        assert value("llmd_timeslice_gate_in_flight", pool="metrics-pool", endpoint=up.address) == 0
+    finally:
+        await stack.stop()

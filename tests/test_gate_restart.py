@@ -1,0 +1,75 @@
+"""The gate process dies and comes back while requests are held (real Envoy, gate as a real process).
+
+What the client sees (Envoy 1.40, the rendered config: failure_mode_allow false, status_on_error 503):
+held requests end at once with 503, requests sent while the gate is down get 503 at once (never
+an unsteered request to a sleeping engine, never a hang); the restarted gate resyncs its endpoint
+states from the orchestrator's state stream and serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import port_for
+import pytest
+
+from epp_plugin.envoy_config import EnvoyRouterConfig
+from epp_plugin.envoy_launcher import EnvoyProcess
+from epp_plugin.picker.server import PickerConfig, PickerServer
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
+from llmd_timeslice.demo.stack import ComponentProcess
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.support.upstream import UpstreamServer
+
+pytestmark = pytest.mark.envoy
+
+
+async def test_gate_crash_while_held_gives_503_at_once_and_restart_resyncs(artifacts):
+    up = UpstreamServer().start()
+    orch = OrchestratorServer(Inventory.model_validate({"groups": [{"group_id": "g"}]}), port=0, token="tok",
+                              reconcile_on_start=False)
+    await orch.start()
+    await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_ASLEEP, 0)])
+    token_file = artifacts / "token"
+    token_file.write_text("tok")
+    ext_proc_port, control_port = port_for.select_random(), port_for.select_random()
+    args = ["gate", "--ext-proc-port", str(ext_proc_port), "--control-port", str(control_port), "--orchestrator",
+            f"127.0.0.1:{orch.port}", "--gate-id", "gate-0", "--token-file", str(token_file), "--log-level", "info"]
+    gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
+    picker = PickerServer(PickerConfig(port=0, pools={"default": [up.address]}))
+    await picker.start()
+    envoy = EnvoyProcess(EnvoyRouterConfig(listen_port=port_for.select_random(), admin_port=port_for.select_random(),
+                                           gate_port=ext_proc_port, epp_port=picker.port), artifacts)
+    await asyncio.to_thread(envoy.start)
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            held = asyncio.create_task(c.get(envoy.url + "/"))
+            await asyncio.sleep(1.5)
+            assert not held.done()
+            t = time.monotonic()
+            os.kill(gate.pid, signal.SIGKILL)
+            r = await asyncio.wait_for(held, 10)
+            assert r.status_code == 503, f"held request after a gate crash: {r.status_code} {r.text!r}"
+            assert time.monotonic() - t < 2, "the client must learn at once, not after a timeout"
+            r = await c.get(envoy.url + "/")
+            assert r.status_code == 503, "with the gate down, requests fail fast (failure_mode_allow false)"
+            assert up.hits == 0, "nothing reached the sleeping endpoint"
+            gate.stop()
+            gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
+            held = asyncio.create_task(c.get(envoy.url + "/"))  # the restarted gate resyncs: ASLEEP -> held
+            await asyncio.sleep(1.5)
+            assert not held.done(), "after resync the endpoint is still ASLEEP: the request must be held"
+            await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_SERVING, 0)])
+            r = await asyncio.wait_for(held, 10)
+            assert r.status_code == 200 and r.json()["served_by"] == up.address
+    finally:
+        await asyncio.to_thread(envoy.stop)
+        gate.stop()
+        await picker.stop()
+        await orch.stop()
+        up.stop()
