@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-fast lint protos clean
+.PHONY: setup demo test test-fast lint protos clean bench-deps
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -37,6 +37,10 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# wrk drives the router benchmark (Debian package).
+bench-deps:
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 
 protos: $(STAMP)
 	$(VENV)/bin/python llmd_timeslice/api/generate.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import signal
 import sys
@@ -18,17 +19,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-LogLevel = Annotated[str, typer.Option("--log-level", help="Log level: debug, info, warning, error.")]
+class _Level(enum.StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+LogLevel = Annotated[_Level, typer.Option("--log-level", help="Log level (logs go to stderr, key=value).")]
 TokenFile = Annotated[
     Path | None,
     typer.Option("--token-file", help="File holding the control-plane bearer token (else $LLMD_TIMESLICE_TOKEN)."),
 ]
-MetricsPort = Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port on --host (0 = off).")]
+MetricsPort = Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port on --host (0 = off).",
+                                          min=0, max=65535)]
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: _Level | str) -> None:
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.WARNING),
+        level=getattr(logging, str(getattr(level, "value", level)).upper(), logging.WARNING),
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
         stream=sys.stderr,
     )
@@ -62,8 +71,10 @@ def _run(coro_factory) -> None:
 @app.command()
 def gate(
     host: Annotated[str, typer.Option(help="Bind address of both ports.")] = "127.0.0.1",
-    ext_proc_port: Annotated[int, typer.Option(help="Data-plane port: Envoy's ext_proc (and gRPC health) only.")] = 9002,
-    control_port: Annotated[int, typer.Option(help="Control port for the orchestrator (authenticated).")] = 9003,
+    ext_proc_port: Annotated[int, typer.Option(help="Data-plane port: Envoy's ext_proc (and gRPC health) only.",
+                                               min=0, max=65535)] = 9002,
+    control_port: Annotated[int, typer.Option(help="Control port (GateControlService, authenticated).",
+                                              min=0, max=65535)] = 9003,
     pool: Annotated[list[str], typer.Option(help="InferencePool served (repeatable).")] = ["default"],  # noqa: B006
     default_pool: Annotated[str, typer.Option(help="Pool for ext_proc streams without pool metadata.")] = "default",
     max_held: Annotated[int, typer.Option(help="Most requests held per pool; more get 429.")] = 10_000,
@@ -93,7 +104,7 @@ def gate(
 def picker(
     endpoint: Annotated[list[str], typer.Option(help="POOL=ip:port of a model server (repeatable).")],
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="ext_proc port for Envoy's EPP filter.")] = 9004,
+    port: Annotated[int, typer.Option(help="ext_proc port for Envoy's EPP filter.", min=0, max=65535)] = 9004,
     default_pool: Annotated[str, typer.Option(help="Pool for streams without pool metadata.")] = "default",
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -106,7 +117,8 @@ def picker(
     pools: dict[str, list[str]] = {}
     for item in endpoint:
         name, sep, addr = item.rpartition("=")
-        if not sep:
+        host, colon, port_s = addr.rpartition(":")
+        if not sep or not name or not colon or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
             raise typer.BadParameter(f"expected POOL=ip:port, got {item!r}", param_hint="--endpoint")
         pools.setdefault(name, []).append(addr)
     _run(lambda: serve(PickerConfig(host=host, port=port, pools=pools, default_pool=default_pool)))
@@ -116,7 +128,7 @@ def picker(
 def orchestrator(
     inventory: Annotated[Path, typer.Option(help="Static inventory file (groups and their samplers).", exists=True)],
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).")] = 50051,
+    port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).", min=0, max=65535)] = 50051,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -147,7 +159,7 @@ def sidecar(
     engine_url: Annotated[str, typer.Option(help="URL of the vLLM server in the pod.")] = "http://127.0.0.1:8000",
     backend: Annotated[str, typer.Option(help="Snapshot backend: vllm.")] = "vllm",
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port (SnapshotAgentService).")] = 9001,
+    port: Annotated[int, typer.Option(help="gRPC port (SnapshotAgentService).", min=0, max=65535)] = 9001,
     idle_timeout_s: Annotated[float, typer.Option(help="Seconds to wait for the engine to go idle before sleep.")] = 60.0,
     operation_timeout_s: Annotated[float, typer.Option(help="Seconds one sleep/wake may take.")] = 300.0,
     token_file: TokenFile = None,
@@ -207,10 +219,10 @@ def demo(
 @app.command("render-envoy")
 def render_envoy(
     out: Annotated[Path, typer.Option(help="Where to write the bootstrap JSON.")],
-    listen_port: Annotated[int, typer.Option(help="Inference listener port.")] = 8080,
-    admin_port: Annotated[int, typer.Option(help="Envoy admin port.")] = 9901,
-    gate_port: Annotated[int, typer.Option(help="Gate ext_proc port.")] = 9002,
-    epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.")] = 9004,
+    listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=0, max=65535)] = 8080,
+    admin_port: Annotated[int, typer.Option(help="Envoy admin port.", min=0, max=65535)] = 9901,
+    gate_port: Annotated[int, typer.Option(help="Gate ext_proc port.", min=0, max=65535)] = 9002,
+    epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=0, max=65535)] = 9004,
     pool: Annotated[str, typer.Option(help="Pool name sent to both ext_proc services.")] = "default",
     max_hold_s: Annotated[float, typer.Option(help="Gate hold limit; Envoy timeouts are sized above it.")] = 600.0,
     validate: Annotated[bool, typer.Option(help="Check it with `envoy --mode validate`.")] = True,
@@ -226,7 +238,20 @@ def render_envoy(
 
 
 def main() -> None:
-    app()
+    """Entry point: user errors (bad files, ports, tokens) print one line and exit 2, no traceback."""
+    import pydantic
+    import yaml
+
+    try:
+        app()
+    except (pydantic.ValidationError, yaml.YAMLError, OSError, ValueError) as exc:
+        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        raise SystemExit(2) from None
+    except RuntimeError as exc:
+        if "bind" not in str(exc).lower():
+            raise
+        typer.echo(f"llmd-timeslice: error: {exc} (is the port already in use?)", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

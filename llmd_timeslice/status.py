@@ -49,9 +49,10 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                     s = stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=p), timeout=5, metadata=md)
                     if not s.endpoints:
                         t.add_row(p, str(s.epoch), "-", "-", "-", "-", str(s.held))
-                    for e in s.endpoints:
-                        t.add_row(p, str(s.epoch), e.address, gpb.EndpointState.Name(e.state)[15:],
-                                  str(e.weight_version), str(e.in_flight), str(s.held))
+                    for i, e in enumerate(s.endpoints):  # pool-wide figures on the pool's first row only
+                        t.add_row(p if i == 0 else "", str(s.epoch) if i == 0 else "", e.address,
+                                  gpb.EndpointState.Name(e.state)[15:], str(e.weight_version), str(e.in_flight),
+                                  str(s.held) if i == 0 else "")
                 console.print(t)
             except grpc.RpcError as exc:
                 console.print(f"[red]gate {gate}: {exc.code().name}: {exc.details()}[/red]")

@@ -16,6 +16,8 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -88,8 +90,11 @@ class GateMonitor:
             except TimeoutError:
                 pass
 
-    async def stop(self) -> None:
+    async def stop(self, task: asyncio.Task | None = None) -> None:
+        """Stop sampling: let the running ``task`` finish its current call, then close the channel."""
         self._stop.set()
+        if task is not None:
+            await task
         await self._ch.close()
 
 
@@ -141,7 +146,8 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
     from llmd_timeslice.demo.vllm_server import VllmServer, start_many
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
+    shutil.rmtree(out / "logs", ignore_errors=True)  # one run's logs only
+    (out / "logs").mkdir()
     token = secrets.token_urlsafe(24)
     token_file = out / "control-token"
     token_file.write_text(token)
@@ -164,7 +170,8 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
         monitor = GateMonitor(stack.gate_control_addr, token, t0)
         await monitor.wait_serving(len(samplers), 120)
         console.print(f"[green]stack up[/green]: router {stack.router_url}, orchestrator {stack.orchestrator_addr}; "
-                      f"logs in {out / 'logs'}")
+                      f"logs in {out / 'logs'}\n  look from another shell: .venv/bin/llmd-timeslice status --orchestrator "
+                      f"{stack.orchestrator_addr} --gate {stack.gate_control_addr} --token-file {token_file}")
         mon_task = asyncio.create_task(monitor.run())
         phases: list = []
         iters: list = []
@@ -180,8 +187,7 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
             with console.status("waiting for the last requests ..."):
                 await load.stop()
                 await load_task
-        await monitor.stop()
-        await mon_task
+        await monitor.stop(mon_task)
         records = [r.to_json() for r in load.records + rollout_records]
         summary = _summary(records, iters, load_rps, time.monotonic() - t0)
         (out / "requests.json").write_text(json.dumps(records))
@@ -223,6 +229,15 @@ def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: fl
     }
 
 
+async def _cancel_on_signals(coro):
+    """Run ``coro``; SIGTERM/SIGHUP cancel it like Ctrl-C does, so every child is stopped on the way out."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, task.cancel)
+    return await task
+
+
 def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: float = 4.0) -> int:
     """Run the demo; returns the exit code (0 when no request failed).
 
@@ -233,7 +248,11 @@ def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: flo
         train_s: least seconds of training per iteration (optimizer steps repeat until then).
     """
     t = time.monotonic()
-    summary = asyncio.run(_demo(out, iterations, load_rps, train_s))
+    try:
+        summary = asyncio.run(_cancel_on_signals(_demo(out, iterations, load_rps, train_s)))
+    except asyncio.CancelledError:
+        console.print("[yellow]stopped by a signal; every process of the stack was stopped[/yellow]")
+        return 143
     table = Table(title=f"llmd-timeslice demo ({time.monotonic() - t:.0f} s)")
     table.add_column("figure")
     table.add_column("value", justify="right")

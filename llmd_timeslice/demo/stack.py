@@ -47,7 +47,7 @@ class ComponentProcess:
         self._exec: TCPExecutor | None = None
 
     def start(self, timeout_s: float = 60.0) -> ComponentProcess:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the child's lifetime; one run per file
         cmd = [sys.executable, "-m", "llmd_timeslice.cli", *self._args]
         self._exec = TCPExecutor(cmd, host="127.0.0.1", port=self.port, timeout=timeout_s,
                                  stdout=self._log, stderr=subprocess.STDOUT)

@@ -183,7 +183,7 @@ class VllmServer:
         env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(self.runtime_dir)
         env.setdefault("VLLM_CACHE_ROOT", str(self.runtime_dir / "cache"))
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.runtime_dir / "inductor"))
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(),
                 stdin=subprocess.DEVNULL,
