@@ -7,6 +7,12 @@ ask each sidecar to sleep its engine and wait for the operation's completion eve
 second), then publish ASLEEP. Resume (job -> samplers): publish WAKING, wake each engine, and
 publish each endpoint SERVING as soon as its own wake is verified, so held requests start
 leaving before the slowest engine is back.
+
+Optional serving label (the label fallback, for gateways that cannot run the gate): with a
+``labeler``, each sampler is labelled not serving when it is published DRAINING (before the drain
+wait; a failure fails the switch, since without the label the router keeps sending to it) and
+serving once its wake is verified, just before it is published SERVING (a failure leaves it out of
+service, like a failed wake).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from typing import Protocol
 
 import grpc
 from grpc import aio
@@ -33,6 +40,13 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0
 
 
+class ServingLabeler(Protocol):
+    """Marks a sampler serving or not outside the gate (e.g. :class:`~llmd_timeslice.discovery.kubernetes.PodLabeler`,
+    the pod label ``timeslice.io/serving``). Raises on failure."""
+
+    async def set_serving(self, sampler: SamplerEndpoint, serving: bool) -> None: ...
+
+
 class GrpcSwitchActions:
     """:class:`~llmd_timeslice.orchestrator.groups.SwitchActions` over the gate state stream and the sidecars.
 
@@ -40,10 +54,13 @@ class GrpcSwitchActions:
         hub: the gate state hub (gates subscribe to it).
         token: bearer token for the sidecars (None: no auth).
         operation_timeout_s: most seconds one sleep or wake may take before the switch fails.
+        labeler: optional serving-label hook (None: gates only).
     """
 
-    def __init__(self, hub: GateHub, token: str | None = None, operation_timeout_s: float = 300.0) -> None:
+    def __init__(self, hub: GateHub, token: str | None = None, operation_timeout_s: float = 300.0,
+                 labeler: ServingLabeler | None = None) -> None:
         self.hub = hub
+        self.labeler = labeler
         self._token = token
         self._op_timeout = operation_timeout_s
         self._channels: dict[str, aio.Channel] = {}
@@ -81,6 +98,15 @@ class GrpcSwitchActions:
                         "sleep(mode=wait) finishes them", timeout_s, left)
         return drained
 
+    async def _set_serving(self, samplers: list[SamplerEndpoint], serving: bool) -> None:
+        """Serving label on each sampler (no-op without a labeler); raises the first failure."""
+        if self.labeler is None or not samplers:
+            return
+        results = await asyncio.gather(*(self.labeler.set_serving(s, serving) for s in samplers), return_exceptions=True)
+        errors = [f"{s.address}: {r}" for s, r in zip(samplers, results, strict=True) if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(f"serving label {str(serving).lower()}: " + "; ".join(errors))
+
     # ---------------------------------------------------------------- sidecars
     async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig) -> None:
         ch = self._channel(sampler.sidecar)
@@ -112,6 +138,7 @@ class GrpcSwitchActions:
     async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         t = time.monotonic()
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
+        await self._set_serving(spec.samplers, False)
         record.phases["publish_draining"] = time.monotonic() - t
         t = time.monotonic()
         record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s))
@@ -135,8 +162,14 @@ class GrpcSwitchActions:
             self.sampler_states[s.address] = "TRANSITIONING"
             try:
                 await self._operation(s, spec.group_id, "wake", cfg)
+                await self._set_serving([s], True)
             except Exception:
                 await self._publish([s], gpb.ENDPOINT_STATE_ASLEEP)  # out of service, never half-awake
+                if self.labeler is not None:
+                    try:
+                        await self._set_serving([s], False)
+                    except Exception as exc:
+                        log.error("serving label of %s could not be cleared: %s", s.address, exc)
                 raise
             await self._publish([s], gpb.ENDPOINT_STATE_SERVING)
             self.sampler_states[s.address] = "RUNNING"

@@ -1,0 +1,591 @@
+"""Kubernetes discovery: sampler pods found by label and **watched** (not polled); the serving label.
+
+What a pod must carry (the label contract of ``manifests/guides/time-slicing``):
+
+==========================================  ======================================================
+``timeslice.io/group`` (label)              the accelerator group (upstream topology label); the
+                                            default label selector is just this key
+``timeslice.io/role`` (label)               ``sampler`` (set by the ``modelserver/sampler``
+                                            component): the pod is one of the group's samplers.
+                                            Any other role (``trainer``) only makes the group exist
+``timeslice.io/job-id`` (label, optional)   the sampler's job id (upstream label); default: the pod
+                                            name, which is what the sidecar patch passes as
+                                            ``--job-id=$(POD_NAME)``
+``timeslice.io/pool`` (annotation, opt.)    the InferencePool; default ``default_pool``
+``timeslice.io/engine-port`` (annotation)   port the EPP routes to on the pod IP; default: the
+                                            first port of the container named ``vllm`` (else
+                                            ``engine_port``, 8000)
+``timeslice.io/sidecar-port`` (annotation)  the snapshot sidecar's gRPC port; default: the
+                                            container port named ``ts-grpc`` (else
+                                            ``sidecar_port``, 9001)
+``timeslice.io/sleep-level``,               per-group settings (annotations on the group's sampler
+``timeslice.io/drain-timeout-s``            pods; the lexically first pod wins on conflict)
+``timeslice.io/serving`` (label)            written by :class:`PodLabeler` (label fallback)
+==========================================  ======================================================
+
+A pod becomes a member once it is Running with a pod IP and **Ready** (its engine loaded and its
+sidecar answering); it stays one, whatever its readiness later (a sleeping engine may fail its
+probe), until it is deleted, terminating, finished, or its IP or contract labels change.
+
+Threading. The official ``kubernetes`` client is synchronous (urllib3): a watch is a blocking
+read on a long-lived HTTP response. It runs in **one dedicated daemon thread** that lists, watches
+(resuming from the last ``resourceVersion``, bookmarks on), re-lists on ``410 Gone`` and backs
+off on errors, keeps the pod cache, and hands each *changed* group snapshot (immutable values)
+to the event loop with ``loop.call_soon_threadsafe``. Why not ``asyncio.to_thread`` per call: a
+watch blocks for minutes, so it would pin a worker of the loop's default executor for the
+process's life, and stopping it would still need a second thread to close its socket; one owned
+thread keeps the cache single-threaded, is stopped by shutting its socket down
+(``Watch.stop()``), and leaves the executor to short calls. The PATCHes of :class:`PodLabeler`
+are such short calls and do use ``asyncio.to_thread``. (Release 37 of the client also ships an
+aiohttp-based ``kubernetes.aio`` package; it is new in that line, so the long-stable synchronous
+API is used here.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint
+
+log = logging.getLogger(__name__)
+
+LABEL_GROUP = "timeslice.io/group"
+LABEL_ROLE = "timeslice.io/role"
+LABEL_JOB_ID = "timeslice.io/job-id"
+LABEL_SERVING = "timeslice.io/serving"
+ANNOTATION_POOL = "timeslice.io/pool"
+ANNOTATION_ENGINE_PORT = "timeslice.io/engine-port"
+ANNOTATION_SIDECAR_PORT = "timeslice.io/sidecar-port"
+ANNOTATION_SLEEP_LEVEL = "timeslice.io/sleep-level"
+ANNOTATION_DRAIN_TIMEOUT = "timeslice.io/drain-timeout-s"
+ROLE_SAMPLER = "sampler"
+SIDECAR_PORT_NAME = "ts-grpc"
+ENGINE_CONTAINER = "vllm"
+DEFAULT_LABEL_SELECTOR = LABEL_GROUP
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+RBAC_HINT = "Role llmd-timeslice-orchestrator in manifests/guides/time-slicing/base/orchestrator/rbac.yaml"
+
+RELISTS = Counter("llmd_timeslice_discovery_relists_total", "Full pod lists (start, 410 Gone, errors).")
+WATCH_ERRORS = Counter("llmd_timeslice_discovery_errors_total", "Kubernetes API errors of discovery.", ["reason"])
+MEMBER_PODS = Gauge("llmd_timeslice_discovery_pods", "Pods that are members of a group, by role.", ["role"])
+SERVING_PATCHES = Counter("llmd_timeslice_serving_label_patches_total", "Serving label patches.", ["result"])
+
+
+class KubernetesError(RuntimeError):
+    """A Kubernetes API call failed; the message says which call, why and what to fix."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def explain_api_error(exc: Exception, verb: str, what: str, namespace: str) -> KubernetesError:
+    """One clear message for a failed call (``verb`` is the RBAC verb the call needs)."""
+    status = getattr(exc, "status", None)
+    detail = _api_message(exc)
+    if status == 403:
+        msg = (f"kubernetes API refused to {verb} {what} in namespace {namespace!r} (403 Forbidden: {detail}); the "
+               f"orchestrator's ServiceAccount needs the RBAC verb {verb!r} on pods there ({RBAC_HINT}"
+               + ("; `patch` is added by gateways/label-fallback" if verb == "patch" else "") + ")")
+    elif status == 401:
+        msg = f"kubernetes API did not accept our credentials to {verb} {what} (401 Unauthorized: {detail})"
+    elif status == 404:
+        msg = f"kubernetes API: {what} not found in namespace {namespace!r} (404: {detail})"
+    elif status is not None:
+        msg = f"kubernetes API: {verb} {what} in namespace {namespace!r} failed: {status} {detail}"
+    else:
+        msg = f"kubernetes API unreachable to {verb} {what} in namespace {namespace!r}: {type(exc).__name__}: {exc}"
+    return KubernetesError(msg, status)
+
+
+def _api_message(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            return json.loads(body).get("message") or str(body)[:200]
+        except (ValueError, AttributeError):
+            return str(body)[:200]
+    return str(getattr(exc, "reason", "") or exc)
+
+
+# --------------------------------------------------------------------------- api client
+def default_namespace() -> str:
+    """The pod's own namespace in a cluster, else the kubeconfig context's, else ``default``."""
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            ns = f.read().strip()
+            if ns:
+                return ns
+    except OSError:
+        pass
+    try:
+        from kubernetes import config
+
+        _, active = config.list_kube_config_contexts()
+        return (active or {}).get("context", {}).get("namespace") or "default"
+    except Exception:
+        return "default"
+
+
+def make_api_client(kubeconfig: str | os.PathLike | None = None, host: str | None = None):
+    """An ``ApiClient``: ``host`` (tests, ``kubectl proxy``), else in-cluster config, else a kubeconfig.
+
+    Raises:
+        KubernetesError: no usable configuration.
+    """
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    if host:
+        cfg.host = host
+        return client.ApiClient(cfg)
+    if kubeconfig is None:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+            return client.ApiClient(cfg)
+        except config.ConfigException:
+            pass
+    try:
+        config.load_kube_config(config_file=str(kubeconfig) if kubeconfig else None, client_configuration=cfg)
+    except (config.ConfigException, OSError, TypeError) as exc:
+        raise KubernetesError(f"no Kubernetes configuration: not in a cluster and no usable kubeconfig "
+                              f"({kubeconfig or os.environ.get('KUBECONFIG') or '~/.kube/config'}): {exc}") from exc
+    return client.ApiClient(cfg)
+
+
+# --------------------------------------------------------------------------- pods -> groups
+@dataclass(frozen=True)
+class DiscoveryDefaults:
+    """What a pod does not say itself (durations in seconds)."""
+
+    default_pool: str = "default"
+    engine_port: int = 8000
+    sidecar_port: int = 9001
+    sleep_level: int = 1
+    drain_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PodMember:
+    """One member pod, as discovery understood it."""
+
+    name: str
+    group: str
+    role: str
+    sampler: SamplerEndpoint | None
+    sleep_level: int | None
+    drain_timeout_s: float | None
+
+
+def _meta(pod: dict) -> dict:
+    return pod.get("metadata") or {}
+
+
+def _port(value: Any) -> int | None:
+    try:
+        p = int(str(value))
+    except (TypeError, ValueError):
+        return None
+    return p if 0 < p < 65536 else None
+
+
+def _container_port(pod: dict, container: str | None, port_name: str | None) -> int | None:
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if container is not None and c.get("name") != container:
+            continue
+        for p in c.get("ports") or []:
+            if port_name is None or p.get("name") == port_name:
+                return _port(p.get("containerPort"))
+    return None
+
+
+def _is_ready(pod: dict) -> bool:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
+    """The member a pod makes (readiness not considered), or None when it cannot be one."""
+    meta = _meta(pod)
+    name = meta.get("name") or ""
+    labels = meta.get("labels") or {}
+    ann = meta.get("annotations") or {}
+    status = pod.get("status") or {}
+    group = labels.get(LABEL_GROUP)
+    if not group or meta.get("deletionTimestamp") or status.get("phase") != "Running":
+        return None
+    role = labels.get(LABEL_ROLE, "")
+    sleep_level = drain = None
+    if ANNOTATION_SLEEP_LEVEL in ann:
+        sleep_level = {"1": 1, "2": 2}.get(str(ann[ANNOTATION_SLEEP_LEVEL]).strip())
+        if sleep_level is None:
+            log.warning("pod %s: annotation %s=%r is not 1 or 2; ignored", name, ANNOTATION_SLEEP_LEVEL,
+                        ann[ANNOTATION_SLEEP_LEVEL])
+    if ANNOTATION_DRAIN_TIMEOUT in ann:
+        try:
+            drain = float(ann[ANNOTATION_DRAIN_TIMEOUT])
+            if not 0 < drain <= 3600:
+                raise ValueError
+        except ValueError:
+            log.warning("pod %s: annotation %s=%r is not seconds in (0, 3600]; ignored", name, ANNOTATION_DRAIN_TIMEOUT,
+                        ann[ANNOTATION_DRAIN_TIMEOUT])
+            drain = None
+    if role != ROLE_SAMPLER:
+        return PodMember(name, group, role, None, sleep_level, drain)
+    ip = status.get("podIP")
+    if not ip:
+        return None
+    engine_port = (_port(ann.get(ANNOTATION_ENGINE_PORT)) or _container_port(pod, ENGINE_CONTAINER, "http")
+                   or _container_port(pod, ENGINE_CONTAINER, None) or defaults.engine_port)
+    sidecar_port = (_port(ann.get(ANNOTATION_SIDECAR_PORT)) or _container_port(pod, None, SIDECAR_PORT_NAME)
+                    or defaults.sidecar_port)
+    host = f"[{ip}]" if ":" in ip else ip
+    sampler = SamplerEndpoint(
+        pool=ann.get(ANNOTATION_POOL) or defaults.default_pool,
+        address=f"{host}:{engine_port}",
+        sidecar=f"{host}:{sidecar_port}",
+        job_id=labels.get(LABEL_JOB_ID) or name,
+    )
+    return PodMember(name, group, role, sampler, sleep_level, drain)
+
+
+def build_groups(members: Iterable[PodMember], defaults: DiscoveryDefaults) -> list[GroupSpec]:
+    """Group specs from member pods: samplers sorted by pod name, groups by id."""
+    by_group: dict[str, list[PodMember]] = {}
+    for m in sorted(members, key=lambda m: m.name):
+        by_group.setdefault(m.group, []).append(m)
+    specs = []
+    for gid in sorted(by_group):
+        ms = by_group[gid]
+        levels = {m.name: m.sleep_level for m in ms if m.sleep_level is not None}
+        drains = {m.name: m.drain_timeout_s for m in ms if m.drain_timeout_s is not None}
+        for what, vals in (("sleep level", levels), ("drain timeout", drains)):
+            if len(set(vals.values())) > 1:
+                log.warning("group %s: pods disagree on the %s (%s); using pod %s's", gid, what, vals, min(vals))
+        samplers, seen = [], set()
+        for m in ms:
+            if m.sampler is None:
+                continue
+            if m.sampler.address in seen:
+                log.warning("group %s: pod %s has the address %s of another pod; skipped", gid, m.name, m.sampler.address)
+                continue
+            seen.add(m.sampler.address)
+            samplers.append(m.sampler)
+        specs.append(GroupSpec(
+            gid, samplers,
+            levels[min(levels)] if levels else defaults.sleep_level,
+            drains[min(drains)] if drains else defaults.drain_timeout_s,
+        ))
+    return specs
+
+
+# --------------------------------------------------------------------------- discovery
+OnChange = Callable[[list[GroupSpec]], Awaitable[None] | None]
+
+
+class KubernetesDiscovery:
+    """Groups of sampler pods in one namespace, kept current by a list + watch.
+
+    ``await start()`` lists once (and raises :class:`KubernetesError` if that fails: a missing RBAC
+    verb, no API server), then a thread watches. Every change of the group snapshot is passed to
+    ``on_change`` (sync or async, called in the event loop) and to each ``changes()`` iterator.
+
+    Args:
+        namespace: where the pods are.
+        api_client: a ``kubernetes.client.ApiClient`` (see :func:`make_api_client`).
+        label_selector: server-side selector of candidate pods.
+        defaults: what pods do not say themselves.
+        watch_timeout_s: server-side timeout of one watch request; the next one resumes from the
+            last ``resourceVersion`` (the client's read timeout is 30 s above it).
+        backoff_s / backoff_max_s: first and longest wait after an API error (doubling, jittered).
+    """
+
+    def __init__(self, namespace: str, api_client, *, label_selector: str = DEFAULT_LABEL_SELECTOR,
+                 defaults: DiscoveryDefaults | None = None, on_change: OnChange | None = None,
+                 watch_timeout_s: float = 300.0, backoff_s: float = 0.5, backoff_max_s: float = 30.0,
+                 page_size: int = 500) -> None:
+        from kubernetes import client
+
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.defaults = defaults or DiscoveryDefaults()
+        self.on_change = on_change
+        self.watch_timeout_s = watch_timeout_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.page_size = page_size
+        self._core = client.CoreV1Api(api_client)
+        # Owned by the watch thread (and by start() before the thread exists).
+        self._pods: dict[str, dict] = {}
+        self._admitted: set[str] = set()  # uids that were Ready once
+        self._rv: str | None = None
+        self._last_sent: tuple | None = None
+        # Read in the event loop.
+        self._groups: list[GroupSpec] = []
+        self._pod_by_address: dict[str, str] = {}
+        self._subscribers: list[asyncio.Queue] = []
+        self.relists = 0
+        self.last_error: str = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._watch = None
+
+    # ------------------------------------------------------------------ public
+    def groups(self) -> list[GroupSpec]:
+        """The current group snapshot (each call returns fresh copies)."""
+        return [GroupSpec(g.group_id, list(g.samplers), g.sleep_level, g.drain_timeout_s) for g in self._groups]
+
+    def pod_for(self, sampler: SamplerEndpoint | str) -> str | None:
+        """Name of the pod behind a sampler (or its address), if known."""
+        address = sampler if isinstance(sampler, str) else sampler.address
+        return self._pod_by_address.get(address)
+
+    async def start(self) -> list[GroupSpec]:
+        """List the pods (raises :class:`KubernetesError`), then start watching; returns the groups."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(self._relist)
+        except Exception as exc:
+            raise explain_api_error(exc, "list", "pods", self.namespace) from exc
+        snapshot = self._snapshot()
+        self._last_sent = snapshot[0]
+        self._deliver_now(snapshot)
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name=f"k8s-watch-{self.namespace}", daemon=True)
+        self._thread.start()
+        log.info("kubernetes discovery: namespace=%s selector=%r groups=%s", self.namespace, self.label_selector,
+                 {g.group_id: [s.address for s in g.samplers] for g in self._groups})
+        return self.groups()
+
+    async def stop(self) -> None:
+        """Stop the watch (closes its connection) and end every ``changes()`` iterator."""
+        self._stopping.set()
+        w = self._watch
+        if w is not None:
+            w.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+            self._thread = None
+        for q in self._subscribers:
+            q.put_nowait(None)
+
+    async def changes(self) -> AsyncIterator[list[GroupSpec]]:
+        """Each new group snapshot, from now on, until :meth:`stop`."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(q)
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            self._subscribers.remove(q)
+
+    # ------------------------------------------------------------ watch thread
+    def _relist(self) -> None:
+        """Full list (paged); replaces the cache and the resourceVersion."""
+        pods: dict[str, dict] = {}
+        cont = None
+        while True:
+            kwargs: dict[str, Any] = {"label_selector": self.label_selector, "limit": self.page_size,
+                                      "_preload_content": False, "_request_timeout": (10, 60)}
+            if cont:
+                kwargs["_continue"] = cont
+            resp = self._core.list_namespaced_pod(self.namespace, **kwargs)
+            try:
+                if not 200 <= resp.status <= 299:
+                    from kubernetes.client.exceptions import ApiException
+
+                    raise ApiException(http_resp=resp)
+                body = json.loads(resp.data)
+            finally:
+                resp.release_conn()
+            for pod in body.get("items") or []:
+                pods[_meta(pod).get("uid") or _meta(pod).get("name")] = pod
+            meta = body.get("metadata") or {}
+            cont = meta.get("continue")
+            if not cont:
+                self._rv = meta.get("resourceVersion")
+                break
+        self._pods = pods
+        self._admitted &= set(pods)
+        self.relists += 1
+        RELISTS.inc()
+
+    def _watch_once(self) -> None:
+        from kubernetes import watch
+
+        w = watch.Watch()
+        self._watch = w
+        if self._stopping.is_set():
+            return
+        try:
+            for ev in w.stream(self._core.list_namespaced_pod, self.namespace, label_selector=self.label_selector,
+                               resource_version=self._rv, allow_watch_bookmarks=True,
+                               timeout_seconds=max(1, int(self.watch_timeout_s)),
+                               _request_timeout=(10, self.watch_timeout_s + 30)):
+                if self._stopping.is_set():
+                    return
+                kind, obj = ev.get("type"), ev.get("raw_object") or {}
+                rv = _meta(obj).get("resourceVersion")
+                if kind == "BOOKMARK":
+                    self._rv = rv or self._rv
+                    continue
+                key = _meta(obj).get("uid") or _meta(obj).get("name")
+                if kind in ("ADDED", "MODIFIED"):
+                    self._pods[key] = obj
+                elif kind == "DELETED":
+                    self._pods.pop(key, None)
+                    self._admitted.discard(key)
+                self._rv = rv or self._rv
+                self._publish()
+        finally:
+            self._watch = None
+
+    def _run(self) -> None:
+        delay = self.backoff_s
+        while not self._stopping.is_set():
+            try:
+                if self._rv is None:
+                    self._relist()
+                    self._publish()
+                self._watch_once()
+                delay = self.backoff_s
+                continue
+            except Exception as exc:
+                if self._stopping.is_set():
+                    return
+                status = getattr(exc, "status", None)
+                if status == 410:
+                    log.info("kubernetes discovery: watch expired (410 Gone: %s); re-listing", _api_message(exc))
+                    WATCH_ERRORS.labels(reason="gone").inc()
+                    self._rv = None
+                    continue
+                err = explain_api_error(exc, "watch" if self._rv else "list", "pods", self.namespace)
+                self.last_error = str(err)
+                WATCH_ERRORS.labels(reason=str(status or type(exc).__name__)).inc()
+                log.warning("%s; retrying in %.1f s", err, delay)
+            if self._stopping.wait(delay * random.uniform(0.8, 1.2)):
+                return
+            delay = min(delay * 2, self.backoff_max_s)
+
+    def _snapshot(self) -> tuple[tuple, list[GroupSpec], dict[str, str]]:
+        members = []
+        for key, pod in self._pods.items():
+            m = pod_member(pod, self.defaults)
+            if m is None:
+                self._admitted.discard(key)
+                continue
+            if key not in self._admitted:
+                if not _is_ready(pod):
+                    continue
+                self._admitted.add(key)
+            members.append(m)
+        specs = build_groups(members, self.defaults)
+        by_address = {m.sampler.address: m.name for m in members if m.sampler is not None}
+        for role in {m.role or "none" for m in members} | {"sampler"}:
+            MEMBER_PODS.labels(role=role).set(sum(1 for m in members if (m.role or "none") == role))
+        key = tuple((g.group_id, tuple(g.samplers), g.sleep_level, g.drain_timeout_s) for g in specs)
+        return key, specs, by_address
+
+    def _publish(self) -> None:
+        """From the watch thread: hand a changed snapshot to the loop."""
+        snapshot = self._snapshot()
+        if snapshot[0] == self._last_sent:
+            return
+        self._last_sent = snapshot[0]
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._deliver_now, snapshot)
+            except RuntimeError:  # loop closed meanwhile
+                pass
+
+    def _deliver_now(self, snapshot: tuple[tuple, list[GroupSpec], dict[str, str]]) -> None:
+        _, specs, by_address = snapshot
+        self._groups = specs
+        self._pod_by_address = by_address
+        if self._thread is None:
+            return  # start(): the caller gets the groups as the return value
+        log.info("kubernetes discovery: groups now %s", {g.group_id: [s.address for s in g.samplers] for g in specs})
+        for q in self._subscribers:
+            q.put_nowait(self.groups())
+        if self.on_change is not None:
+            res = self.on_change(self.groups())
+            if asyncio.iscoroutine(res):
+                task = asyncio.get_running_loop().create_task(res)
+                task.add_done_callback(_log_failure)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("discovery on_change failed: %s", task.exception(), exc_info=task.exception())
+
+
+# --------------------------------------------------------------------------- serving label
+class PodLabeler:
+    """Keeps ``timeslice.io/serving`` on sampler pods (strategic merge patch on the pod's labels).
+
+    Args:
+        namespace: the pods' namespace.
+        api_client: a ``kubernetes.client.ApiClient``.
+        pod_for: sampler -> pod name (e.g. :meth:`KubernetesDiscovery.pod_for`).
+        attempts / backoff_s: tries for transient failures (5xx, 429, connection), doubling wait.
+
+    A 403 is never retried: its message names the missing RBAC verb (``patch``). A pod that is gone
+    (404) is logged and skipped: a deleted pod serves nothing either way.
+    """
+
+    def __init__(self, namespace: str, api_client, pod_for: Callable[[SamplerEndpoint], str | None] | None = None,
+                 attempts: int = 3, backoff_s: float = 0.2) -> None:
+        from kubernetes import client
+
+        self.namespace = namespace
+        self._core = client.CoreV1Api(api_client)
+        self._pod_for = pod_for
+        self.attempts = max(1, attempts)
+        self.backoff_s = backoff_s
+
+    def patch_serving(self, pod: str, serving: bool) -> None:
+        """Set the label on one pod (blocking). Raises :class:`KubernetesError`."""
+        body = {"metadata": {"labels": {LABEL_SERVING: "true" if serving else "false"}}}
+        delay = self.backoff_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self._core.patch_namespaced_pod(pod, self.namespace, body, _content_type=STRATEGIC_MERGE_PATCH,
+                                                _request_timeout=(5, 10))
+                SERVING_PATCHES.labels(result="ok").inc()
+                return
+            except Exception as exc:
+                status = getattr(exc, "status", None)
+                if status == 404:
+                    SERVING_PATCHES.labels(result="gone").inc()
+                    log.warning("serving label: pod %s/%s is gone; nothing to label", self.namespace, pod)
+                    return
+                transient = status is None or status == 429 or status >= 500
+                if not transient or attempt == self.attempts:
+                    SERVING_PATCHES.labels(result="error").inc()
+                    raise explain_api_error(exc, "patch", f"pod {pod!r}", self.namespace) from exc
+                time.sleep(delay)
+                delay *= 2
+
+    async def set_serving(self, sampler: SamplerEndpoint, serving: bool) -> None:
+        """The :class:`~llmd_timeslice.orchestrator.actions.ServingLabeler` hook."""
+        pod = self._pod_for(sampler) if self._pod_for is not None else None
+        if pod is None:
+            raise KubernetesError(f"serving label: no pod known for sampler {sampler.address} (job {sampler.job_id})")
+        await asyncio.to_thread(self.patch_serving, pod, serving)
