@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 STATE_COLORS = {"SERVING": "#2ca02c", "DRAINING": "#ff7f0e", "ASLEEP": "#7f7f7f", "WAKING": "#1f77b4"}
-TRAINER_COLORS = {"rollout": "#c7e9c0", "switch to trainer": "#ff7f0e", "train": "#d62728", "idle": "#ffffff"}
+TRAINER_COLORS = {"rollout": "#c7e9c0", "switch to trainer": "#e377c2", "train": "#d62728", "idle": "#ffffff"}
 
 
 def _spans(samples: list[tuple[float, str]]) -> list[tuple[float, float, str]]:
@@ -52,13 +52,15 @@ def plot_timeline(path: Path, monitor: list[dict], trainer_phases: list[tuple[fl
     ax2.set_ylabel("held at gate")
     ok = [r for r in requests if r["ok"]]
     bad = [r for r in requests if not r["ok"]]
-    ax3.scatter([r["done_at"] for r in ok], [max(1.0, (r["done_at"] - r["sent_at"]) * 1000) for r in ok], s=6,
-                c=["#d62728" if r["hold_ms"] else "#1f77b4" for r in ok], label="completed (red: was held)")
+    for subset, color, label in (([r for r in ok if not r["hold_ms"]], "#1f77b4", "completed"),
+                                 ([r for r in ok if r["hold_ms"]], "#d62728", "completed, was held by the gate")):
+        ax3.scatter([r["done_at"] for r in subset], [max(1.0, (r["done_at"] - r["sent_at"]) * 1000) for r in subset],
+                    s=6, c=color, label=label)
     if bad:
         ax3.scatter([r["done_at"] for r in bad], [1000] * len(bad), marker="x", c="k", label="failed")
     ax3.set_yscale("log")
     ax3.set_ylabel("latency ms")
-    ax3.set_xlabel("seconds since start of load")
+    ax3.set_xlabel("seconds since the stack was up (vLLM start-up not shown)")
     ax3.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
