@@ -124,9 +124,29 @@ def picker(
     _run(lambda: serve(PickerConfig(host=host, port=port, pools=pools, default_pool=default_pool)))
 
 
+class _Discovery(enum.StrEnum):
+    static = "static"
+    kubernetes = "kubernetes"
+
+
 @app.command()
 def orchestrator(
-    inventory: Annotated[Path, typer.Option(help="Static inventory file (groups and their samplers).", exists=True)],
+    inventory: Annotated[Path | None, typer.Option(
+        help="Static inventory file (groups and their samplers); required with --discovery static.", exists=True)] = None,
+    discovery: Annotated[_Discovery, typer.Option(
+        help="Where groups and samplers come from: the --inventory file, or Kubernetes pod labels (list + watch).")
+    ] = _Discovery.static,
+    namespace: Annotated[str | None, typer.Option(
+        help="kubernetes: namespace of the pods (default: the orchestrator's own, else the kubeconfig context's).")] = None,
+    label_selector: Annotated[str, typer.Option(
+        help="kubernetes: label selector of candidate pods; samplers carry timeslice.io/role=sampler.")
+    ] = "timeslice.io/group",
+    default_pool: Annotated[str, typer.Option(
+        help="kubernetes: pool of sampler pods without the timeslice.io/pool annotation.")] = "default",
+    manage_serving_label: Annotated[bool, typer.Option(
+        "--manage-serving-label/--no-manage-serving-label",
+        help="kubernetes: keep the pod label timeslice.io/serving current (label fallback; needs RBAC patch on pods).")
+    ] = False,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).", min=0, max=65535)] = 50051,
     token_file: TokenFile = None,
@@ -138,6 +158,19 @@ def orchestrator(
     from llmd_timeslice.discovery.static import load_inventory
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
+    if discovery is _Discovery.kubernetes:
+        if inventory is not None:
+            raise typer.BadParameter("is for --discovery static; with kubernetes the pods are the inventory",
+                                     param_hint="--inventory")
+        _setup_logging(log_level)
+        _metrics(metrics_port, host)
+        _orchestrator_kubernetes(namespace, label_selector, default_pool, manage_serving_label, host, port,
+                                 load_token(token_file))
+        return
+    if inventory is None:
+        raise typer.BadParameter("required with --discovery static", param_hint="--inventory")
+    if manage_serving_label:
+        raise typer.BadParameter("needs --discovery kubernetes", param_hint="--manage-serving-label")
     _setup_logging(log_level)
     _metrics(metrics_port, host)
     inv = load_inventory(inventory)
@@ -151,6 +184,47 @@ def orchestrator(
             await srv.stop()
 
     _run(main)
+
+
+def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default_pool: str, manage_serving_label: bool,
+                             host: str, port: int, token: str | None) -> None:
+    """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
+    from llmd_timeslice.discovery import kubernetes as k8s
+    from llmd_timeslice.discovery.sync import InventorySync, SerializedActions, inventory_from_specs
+    from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+    from llmd_timeslice.orchestrator.server import OrchestratorServer
+
+    async def main() -> None:
+        api = k8s.make_api_client()
+        ns = namespace or k8s.default_namespace()
+        changes: asyncio.Queue = asyncio.Queue()
+        disc = k8s.KubernetesDiscovery(ns, api, label_selector=label_selector,
+                                       defaults=k8s.DiscoveryDefaults(default_pool=default_pool),
+                                       on_change=changes.put_nowait)
+        specs = await disc.start()
+        actions = SerializedActions()
+        srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, actions=actions)
+        labeler = k8s.PodLabeler(ns, api, disc.pod_for) if manage_serving_label else None
+        actions.inner = GrpcSwitchActions(srv.hub, token, labeler=labeler)
+        sync = InventorySync(srv.orchestrator, actions)
+        try:
+            await srv.start()
+            while True:
+                latest = await changes.get()
+                while not changes.empty():
+                    latest = changes.get_nowait()
+                await sync.apply(latest)
+        finally:
+            await sync.close()
+            await disc.stop()
+            await srv.stop()
+            api.close()
+
+    try:
+        _run(main)
+    except k8s.KubernetesError as exc:
+        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -235,6 +309,48 @@ def render_envoy(
     if validate:
         envoy_launcher.validate(out)
     typer.echo(f"wrote {out}")
+
+
+config_app = typer.Typer(help="Check a configuration file, print its JSON schema or its reference.",
+                         no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("check")
+def config_check(
+    file: Annotated[Path, typer.Argument(help="YAML (or JSON) configuration file; LLMD_TIMESLICE_* variables apply on top.")],
+    env: Annotated[bool, typer.Option(help="Apply LLMD_TIMESLICE_<SECTION>__<FIELD> environment variables.")] = True,
+) -> None:
+    """Validate FILE: prints OK and a summary, or one line per error (exit 2)."""
+    from llmd_timeslice.config import ConfigError, load_config, summary_lines
+
+    try:
+        cfg = load_config(file, env=env)
+    except ConfigError as exc:
+        for line in exc.errors:
+            typer.echo(f"{file}: {line}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"OK {file}: {', '.join(cfg.configured()) or 'no component'} configured")
+    for line in summary_lines(cfg):
+        typer.echo(f"  {line}")
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON schema of the configuration file."""
+    import json
+
+    from llmd_timeslice.config import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))
+
+
+@config_app.command("reference")
+def config_reference() -> None:
+    """Print the Markdown reference (docs/configuration.md)."""
+    from llmd_timeslice.config import reference_markdown
+
+    typer.echo(reference_markdown(), nl=False)
 
 
 def main() -> None:

@@ -353,12 +353,13 @@ def test_gate_and_orchestrator_settings_agree():
     assert find(docs, "Service", S.gate_service)["spec"]["ports"][0]["port"] == S.gate_ext_proc_port
 
 
-def test_inventory_configmap_is_a_valid_inventory():
-    from llmd_timeslice.discovery.static import Inventory
-
-    cm = find(built("base"), "ConfigMap", "llmd-timeslice-inventory")
-    inv = Inventory.model_validate(yaml.safe_load(cm["data"]["inventory.yaml"]))
-    assert {s.pool for g in inv.groups for s in g.samplers} == {S.pool}
+def test_orchestrator_discovers_pods_and_fallback_manages_the_serving_label():
+    orch = find(built("base"), "Deployment", "llmd-timeslice-orchestrator")
+    args = orch["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--discovery=kubernetes" in args and "--namespace=$(POD_NAMESPACE)" in args
+    assert "--manage-serving-label" not in args, "only the label fallback writes pod labels"
+    fb = find(built("gateways/label-fallback"), "Deployment", "llmd-timeslice-orchestrator")
+    assert "--manage-serving-label" in fb["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_orchestrator_rbac_is_limited_to_pods():

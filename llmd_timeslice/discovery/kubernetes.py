@@ -374,11 +374,17 @@ class KubernetesDiscovery:
     async def stop(self) -> None:
         """Stop the watch (closes its connection) and end every ``changes()`` iterator."""
         self._stopping.set()
-        w = self._watch
-        if w is not None:
-            w.stop()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5.0)
+            # Watch.stop() shuts the socket of an open response; repeated, since the thread may be
+            # between creating the Watch and opening its request.
+            deadline = time.monotonic() + 5.0
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                w = self._watch
+                if w is not None:
+                    w.stop()
+                await asyncio.to_thread(self._thread.join, 0.05)
+            if self._thread.is_alive():
+                log.warning("kubernetes discovery: the watch thread did not stop within 5 s (left as a daemon)")
             self._thread = None
         for q in self._subscribers:
             q.put_nowait(None)

@@ -131,6 +131,10 @@ class InventorySync:
     async def _apply_group(self, gid: str) -> None:
         want = self._desired[gid]
         g = self.orch.groups.get(gid)
+        if g is not None and gid not in self._pending and (
+                g.spec.samplers, g.spec.sleep_level, g.spec.drain_timeout_s) == (
+                want.samplers, want.sleep_level, want.drain_timeout_s):
+            return  # unchanged: do not wait for a switch of this group
         if g is None:
             g = Group(GroupSpec(gid, [], want.sleep_level, want.drain_timeout_s))
             self.orch.groups[gid] = g

@@ -1,0 +1,664 @@
+"""Kubernetes discovery and the serving label, through the real ``kubernetes`` client's HTTP layer.
+
+The API server is a small fake (stdlib ``http.server`` in a thread) behind the same interface as the
+real one: ``GET /api/v1/namespaces/NS/pods`` lists (with ``labelSelector``) or, with ``watch=true``,
+streams newline-delimited JSON events over chunked HTTP/1.1 from ``resourceVersion`` (410 Gone
+when that is older than its history); ``PATCH .../pods/NAME`` applies a label patch. 403 answers
+carry a Kubernetes ``Status`` body, like the real server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import grpc
+import pytest
+
+from llmd_timeslice.discovery.kubernetes import (
+    LABEL_SERVING,
+    STRATEGIC_MERGE_PATCH,
+    DiscoveryDefaults,
+    KubernetesDiscovery,
+    KubernetesError,
+    PodLabeler,
+    make_api_client,
+)
+from llmd_timeslice.discovery.sync import InventorySync, SerializedActions
+from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+from llmd_timeslice.orchestrator.groups import GroupSpec, GroupState, Orchestrator, SamplerEndpoint, SwitchRecord
+
+NS = "llm-d-timeslice"
+
+
+# --------------------------------------------------------------------------- fake API server
+def make_pod(name: str, group: str | None, role: str = "sampler", ip: str = "10.0.0.1", ready: bool = True,
+             phase: str = "Running", annotations: dict | None = None, labels: dict | None = None,
+             terminating: bool = False) -> dict:
+    lab = {"app": "vllm-sampler", **({"timeslice.io/group": group} if group else {}),
+           **({"timeslice.io/role": role} if role else {}), **(labels or {})}
+    meta = {"name": name, "namespace": NS, "uid": f"uid-{name}", "labels": lab, "annotations": annotations or {}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
+        "spec": {"containers": [
+            {"name": "vllm", "image": "vllm", "ports": [{"name": "http", "containerPort": 8000}]},
+            {"name": "timeslice-sidecar", "image": "ts", "ports": [{"name": "ts-grpc", "containerPort": 9001},
+                                                                   {"name": "ts-metrics", "containerPort": 9095}]},
+        ]},
+        "status": {"phase": phase, "podIP": ip,
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def _matches(pod: dict, selector: str) -> bool:
+    labels = pod["metadata"].get("labels") or {}
+    for term in filter(None, selector.split(",")):
+        key, eq, value = term.partition("=")
+        if eq and labels.get(key) != value:
+            return False
+        if not eq and key not in labels:
+            return False
+    return True
+
+
+class FakeKube:
+    """The pods of one namespace, their event history, and switches to make the API misbehave."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict] = {}
+        self.rv = 100
+        self.events: list[tuple[int, str, dict]] = []
+        self.oldest_rv = 0  # a watch from an older resourceVersion gets 410 Gone
+        self.forbid: set[str] = set()  # RBAC verbs refused with 403
+        self.fail_next_watch: list[int] = []  # statuses for the next watch requests
+        self.requests: list[dict] = []
+        self.cond = threading.Condition()
+        self.generation = 0  # bump to end every open watch stream
+        self.stopping = False
+        self._server: ThreadingHTTPServer | None = None
+
+    # ------------------------------------------------------------ state
+    def _change(self, kind: str, pod: dict, record: bool = True) -> None:
+        with self.cond:
+            self.rv += 1
+            pod["metadata"]["resourceVersion"] = str(self.rv)
+            if kind == "DELETED":
+                self.pods.pop(pod["metadata"]["name"], None)
+            else:
+                self.pods[pod["metadata"]["name"]] = pod
+            if record:
+                self.events.append((self.rv, kind, copy.deepcopy(pod)))
+            self.cond.notify_all()
+
+    def add(self, pod: dict, record: bool = True) -> None:
+        self._change("ADDED", pod, record)
+
+    def modify(self, name: str, fn) -> None:
+        pod = copy.deepcopy(self.pods[name])
+        fn(pod)
+        self._change("MODIFIED", pod)
+
+    def delete(self, name: str) -> None:
+        self._change("DELETED", copy.deepcopy(self.pods[name]))
+
+    def expire_history(self) -> None:
+        """Forget every event so far (etcd compaction) and end open watches: resuming gets 410 Gone."""
+        with self.cond:
+            self.oldest_rv = self.rv
+            self.events.clear()
+            self.generation += 1
+            self.cond.notify_all()
+
+    def end_watches(self) -> None:
+        """End open watch streams (as a server-side timeout would); history kept."""
+        with self.cond:
+            self.generation += 1
+            self.cond.notify_all()
+
+    def seen(self, method: str, watch: bool | None = None) -> list[dict]:
+        return [r for r in self.requests if r["method"] == method and (watch is None or r["watch"] == watch)]
+
+    # ------------------------------------------------------------ server
+    def start(self) -> str:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _json(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _status(self, code: int, reason: str, message: str) -> None:
+                self._json(code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                  "message": message, "reason": reason, "code": code})
+
+            def _forbidden(self, verb: str, ns: str) -> None:
+                self._status(403, "Forbidden", f'pods is forbidden: User "system:serviceaccount:{ns}:'
+                                               f'llmd-timeslice-orchestrator" cannot {verb} resource "pods" in API '
+                                               f'group "" in the namespace "{ns}"')
+
+            def do_GET(self):
+                url = urlparse(self.path)
+                q = {k: v[0] for k, v in parse_qs(url.query).items()}
+                m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", url.path)
+                if not m:
+                    return self._status(404, "NotFound", f"no route {url.path}")
+                ns = m.group(1)
+                watch = q.get("watch") in ("true", "1", "True")
+                fake.requests.append({"method": "GET", "path": url.path, "query": q, "watch": watch,
+                                      "headers": dict(self.headers)})
+                verb = "watch" if watch else "list"
+                if verb in fake.forbid:
+                    return self._forbidden(verb, ns)
+                selector = q.get("labelSelector", "")
+                if not watch:
+                    with fake.cond:
+                        items = [copy.deepcopy(p) for p in fake.pods.values() if _matches(p, selector)]
+                        rv = fake.rv
+                    return self._json(200, {"kind": "PodList", "apiVersion": "v1",
+                                            "metadata": {"resourceVersion": str(rv)}, "items": items})
+                if fake.fail_next_watch:
+                    return self._status(fake.fail_next_watch.pop(0), "InternalError", "etcd is having a bad day")
+                self._stream(q, selector)
+
+            def _chunk(self, obj: dict) -> None:
+                data = (json.dumps(obj) + "\n").encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def _stream(self, q: dict, selector: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                since = int(q.get("resourceVersion") or 0)
+                deadline = time.monotonic() + float(q.get("timeoutSeconds") or 30)
+                with fake.cond:
+                    gen = fake.generation
+                    if since < fake.oldest_rv:
+                        self._chunk({"type": "ERROR", "object": {
+                            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                            "message": f"too old resource version: {since} ({fake.oldest_rv})", "reason": "Expired",
+                            "code": 410}})
+                        self.wfile.write(b"0\r\n\r\n")
+                        return
+                try:
+                    while True:
+                        with fake.cond:
+                            todo = [(rv, k, p) for rv, k, p in fake.events if rv > since]
+                            if not todo:
+                                ended = fake.stopping or fake.generation != gen or time.monotonic() > deadline
+                                if not ended:
+                                    fake.cond.wait(0.1)
+                                    continue
+                        if not todo:
+                            if q.get("allowWatchBookmarks") in ("true", "True"):
+                                self._chunk({"type": "BOOKMARK", "object": {
+                                    "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(since)}}})
+                            self.wfile.write(b"0\r\n\r\n")
+                            self.wfile.flush()
+                            return
+                        for rv, kind, pod in todo:
+                            since = rv
+                            if _matches(pod, selector):
+                                self._chunk({"type": kind, "object": pod})
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    return
+
+            def do_PATCH(self):
+                url = urlparse(self.path)
+                m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", url.path)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fake.requests.append({"method": "PATCH", "path": url.path, "watch": False,
+                                      "content_type": self.headers.get("Content-Type"), "body": json.loads(body or b"{}")})
+                if not m:
+                    return self._status(404, "NotFound", "no route")
+                ns, name = m.groups()
+                if "patch" in fake.forbid:
+                    return self._forbidden("patch", ns)
+                if name not in fake.pods:
+                    return self._status(404, "NotFound", f'pods "{name}" not found')
+                patch = json.loads(body)
+                fake.modify(name, lambda p: p["metadata"]["labels"].update(patch["metadata"]["labels"]))
+                self._json(200, fake.pods[name])
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self.url
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def kube():
+    fake = FakeKube()
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def api(kube):
+    client = make_api_client(host=kube.url)
+    yield client
+    client.close()
+
+
+async def next_change(it, predicate=lambda specs: True, timeout: float = 5.0) -> list[GroupSpec]:
+    deadline = time.monotonic() + timeout
+    while True:
+        specs = await asyncio.wait_for(it.__anext__(), max(0.01, deadline - time.monotonic()))
+        if predicate(specs):
+            return specs
+
+
+def by_id(specs: list[GroupSpec]) -> dict[str, GroupSpec]:
+    return {g.group_id: g for g in specs}
+
+
+DEFAULTS = DiscoveryDefaults(default_pool="sampler-pool")
+
+
+# --------------------------------------------------------------------------- discovery
+async def test_discovery_builds_groups_from_labelled_pods(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    kube.add(make_pod("s1", "g0", ip="10.0.0.2", labels={"timeslice.io/job-id": "job-1"},
+                      annotations={"timeslice.io/pool": "other", "timeslice.io/engine-port": "8200",
+                                   "timeslice.io/sidecar-port": "9101", "timeslice.io/sleep-level": "2",
+                                   "timeslice.io/drain-timeout-s": "15"}))
+    kube.add(make_pod("t0", "g1", role="trainer", ip="10.0.0.9"))
+    kube.add(make_pod("not-ready", "g0", ip="10.0.0.3", ready=False))
+    kube.add(make_pod("pending", "g0", ip="", phase="Pending", ready=False))
+    kube.add(make_pod("leaving", "g0", ip="10.0.0.4", terminating=True))
+    kube.add(make_pod("unlabelled", None, ip="10.0.0.5"))
+
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
+    try:
+        specs = await disc.start()
+    finally:
+        await disc.stop()
+    assert specs == [
+        GroupSpec("g0", [SamplerEndpoint("sampler-pool", "10.0.0.1:8000", "10.0.0.1:9001", "s0"),
+                         SamplerEndpoint("other", "10.0.0.2:8200", "10.0.0.2:9101", "job-1")], 2, 15.0),
+        GroupSpec("g1", [], 1, 60.0),
+    ]
+    assert disc.pod_for("10.0.0.2:8200") == "s1" and disc.pod_for("10.9.9.9:1") is None
+    lists = kube.seen("GET", watch=False)
+    assert lists and lists[0]["query"]["labelSelector"] == "timeslice.io/group"
+
+
+async def test_watch_added_modified_deleted_update_groups(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    kube.add(make_pod("s1", "g0", ip="10.0.0.2", ready=False))
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
+    specs = await disc.start()
+    list_rv = str(kube.rv)
+    it = disc.changes()
+    try:
+        assert [s.address for s in specs[0].samplers] == ["10.0.0.1:8000"]
+        # ADDED: a ready sampler of a new group.
+        kube.add(make_pod("s2", "g2", ip="10.0.0.7"))
+        got = await next_change(it, lambda s: "g2" in by_id(s))
+        assert [s.address for s in by_id(got)["g2"].samplers] == ["10.0.0.7:8000"]
+        watch = kube.seen("GET", watch=True)[0]["query"]
+        assert watch["resourceVersion"] == list_rv and watch["allowWatchBookmarks"] in ("true", "True")
+        # MODIFIED: s1 turns Ready -> joins; s2 moves to another pool.
+        kube.modify("s1", lambda p: p["status"]["conditions"][0].update(status="True"))
+        got = await next_change(it, lambda s: len(by_id(s)["g0"].samplers) == 2)
+        assert [s.address for s in by_id(got)["g0"].samplers] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+        kube.modify("s2", lambda p: p["metadata"]["annotations"].update({"timeslice.io/pool": "p2"}))
+        got = await next_change(it, lambda s: by_id(s)["g2"].samplers[0].pool == "p2")
+        # Readiness lost later (e.g. a sleeping engine) does not remove a member.
+        kube.modify("s1", lambda p: p["status"]["conditions"][0].update(status="False"))
+        # DELETED.
+        kube.delete("s0")
+        got = await next_change(it, lambda s: len(by_id(s)["g0"].samplers) == 1)
+        assert [s.address for s in by_id(got)["g0"].samplers] == ["10.0.0.2:8000"]
+        assert disc.relists == 1  # all of it from one list + the watch
+    finally:
+        await disc.stop()
+    assert disc.groups() == got
+
+
+async def test_410_gone_triggers_a_relist(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS, backoff_s=0.05)
+    await disc.start()
+    it = disc.changes()
+    try:
+        for _ in range(100):
+            if kube.seen("GET", watch=True):
+                break
+            await asyncio.sleep(0.02)
+        # A pod appears while the client's resourceVersion falls out of the history: no event for it.
+        kube.add(make_pod("s1", "g0", ip="10.0.0.2"), record=False)
+        kube.expire_history()
+        got = await next_change(it, lambda s: len(by_id(s)["g0"].samplers) == 2)
+        assert [s.address for s in got[0].samplers] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+        assert disc.relists == 2 and len(kube.seen("GET", watch=False)) == 2
+        # And it watches on from the new list's resourceVersion.
+        kube.add(make_pod("s2", "g0", ip="10.0.0.3"))
+        await next_change(it, lambda s: len(by_id(s)["g0"].samplers) == 3)
+        # 410 as the HTTP status of the watch request itself (not an ERROR event): also a re-list.
+        kube.fail_next_watch = [410]
+        kube.add(make_pod("s3", "g0", ip="10.0.0.4"), record=False)  # only a re-list can see it
+        kube.end_watches()
+        await next_change(it, lambda s: len(by_id(s)["g0"].samplers) == 4)
+        assert disc.relists == 3
+    finally:
+        await disc.stop()
+
+
+async def test_watch_errors_back_off_then_resume(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    kube.fail_next_watch = [500, 500]
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS, backoff_s=0.05)
+    await disc.start()
+    it = disc.changes()
+    try:
+        kube.add(make_pod("s1", "g0", ip="10.0.0.2"))
+        await next_change(it, lambda s: len(s[0].samplers) == 2)
+        assert "500" in disc.last_error and "watch" in disc.last_error
+        watches = kube.seen("GET", watch=True)
+        assert len(watches) >= 3 and len(kube.seen("GET", watch=False)) == 1  # resumed, no re-list
+    finally:
+        await disc.stop()
+
+
+async def test_list_forbidden_at_start_names_the_rbac_verb(kube, api):
+    kube.forbid = {"list"}
+    disc = KubernetesDiscovery(NS, api)
+    with pytest.raises(KubernetesError) as err:
+        await disc.start()
+    msg = str(err.value)
+    assert err.value.status == 403 and "'list'" in msg and NS in msg and "cannot list resource" in msg, msg
+
+
+# --------------------------------------------------------------------------- labeler
+async def test_labeler_sends_a_strategic_merge_patch(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
+    specs = await disc.start()
+    try:
+        labeler = PodLabeler(NS, api, disc.pod_for)
+        sampler = specs[0].samplers[0]
+        await labeler.set_serving(sampler, False)
+        patch = kube.seen("PATCH")[-1]
+        assert patch["path"] == f"/api/v1/namespaces/{NS}/pods/s0"
+        assert patch["content_type"] == STRATEGIC_MERGE_PATCH
+        assert patch["body"] == {"metadata": {"labels": {LABEL_SERVING: "false"}}}
+        assert kube.pods["s0"]["metadata"]["labels"][LABEL_SERVING] == "false"
+        await labeler.set_serving(sampler, True)
+        assert kube.seen("PATCH")[-1]["body"] == {"metadata": {"labels": {LABEL_SERVING: "true"}}}
+        assert disc.groups() == specs  # the label is not part of the contract: no group change
+    finally:
+        await disc.stop()
+
+
+async def test_labeler_403_names_the_missing_verb_and_404_is_skipped(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    labeler = PodLabeler(NS, api, lambda s: "s0", backoff_s=0.01)
+    kube.forbid = {"patch"}
+    with pytest.raises(KubernetesError) as err:
+        await labeler.set_serving(SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "s0"), False)
+    msg = str(err.value)
+    assert "403" in msg and "RBAC verb 'patch'" in msg and NS in msg and "label-fallback" in msg, msg
+    assert len(kube.seen("PATCH")) == 1  # not retried
+    kube.forbid = set()
+    PodLabeler(NS, api, lambda s: "gone").patch_serving("gone", True)  # 404: logged, no error
+    with pytest.raises(KubernetesError, match="no pod known"):
+        await PodLabeler(NS, api, lambda s: None).set_serving(SamplerEndpoint("p", "1.2.3.4:1", "1.2.3.4:2", "j"), True)
+
+
+# --------------------------------------------------------------------------- actions hook
+class FakeHub:
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.state: dict[str, dict] = {}
+
+    async def publish(self, pool, updates):
+        for address, state, _ in updates:
+            self.state.setdefault(pool, {})[address] = state
+            self.log.append(("publish", address, state))
+        return 1, []
+
+    async def wait_drained(self, pool, addresses, timeout_s):
+        self.log.append(("drain", tuple(addresses)))
+        return True, {}
+
+
+class RecordingLabeler:
+    def __init__(self, log: list, fail: bool = False) -> None:
+        self.log, self.fail = log, fail
+
+    async def set_serving(self, sampler, serving):
+        self.log.append(("label", sampler.address, serving))
+        if self.fail:
+            raise KubernetesError("403 no patch for you", 403)
+
+
+SPEC = GroupSpec("g0", [SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "s0"),
+                        SamplerEndpoint("p", "10.0.0.2:8000", "10.0.0.2:9001", "s1")])
+
+
+async def _no_sidecar(self, sampler, group, kind, config):
+    self.sampler_states[sampler.address] = "ok"
+
+
+async def test_switch_actions_label_draining_false_and_serving_true(monkeypatch):
+    from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
+
+    monkeypatch.setattr(GrpcSwitchActions, "_operation", _no_sidecar)
+    log: list = []
+    acts = GrpcSwitchActions(FakeHub(log), labeler=RecordingLabeler(log))
+    await acts.suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    draining = [i for i, e in enumerate(log) if e[0] == "publish" and e[2] == gpb.ENDPOINT_STATE_DRAINING]
+    labels = [i for i, e in enumerate(log) if e[0] == "label"]
+    drain = next(i for i, e in enumerate(log) if e[0] == "drain")
+    assert {log[i][1:] for i in labels} == {("10.0.0.1:8000", False), ("10.0.0.2:8000", False)}
+    assert max(draining) < min(labels) and max(labels) < drain  # after DRAINING, before the drain barrier
+    log.clear()
+    await acts.resume_samplers(SPEC, SwitchRecord("g0", "to_samplers", "t", 0))
+    for addr in ("10.0.0.1:8000", "10.0.0.2:8000"):
+        label = log.index(("label", addr, True))
+        assert log.index(("publish", addr, gpb.ENDPOINT_STATE_SERVING)) > label  # labelled, then SERVING
+
+    # A failed label fails the suspend (the router would keep sending) and leaves a woken sampler out of service.
+    log.clear()
+    acts = GrpcSwitchActions(FakeHub(log), labeler=RecordingLabeler(log, fail=True))
+    with pytest.raises(RuntimeError, match="serving label false"):
+        await acts.suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    with pytest.raises(RuntimeError, match="serving label true"):
+        await acts.resume_samplers(SPEC, SwitchRecord("g0", "to_samplers", "t", 0))
+    assert acts.hub.state["p"] == {"10.0.0.1:8000": gpb.ENDPOINT_STATE_ASLEEP, "10.0.0.2:8000": gpb.ENDPOINT_STATE_ASLEEP}
+    # Without a labeler nothing is labelled.
+    log.clear()
+    await GrpcSwitchActions(FakeHub(log)).suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    assert not [e for e in log if e[0] == "label"]
+
+
+# --------------------------------------------------------------------------- runtime group changes
+class InnerActions:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[str]]] = []
+        self.hub = FakeHub([])
+        self.sampler_states: dict[str, str] = {}
+
+    async def suspend_samplers(self, spec, record):
+        self.calls.append(("suspend", spec.group_id, [s.address for s in spec.samplers]))
+        await asyncio.sleep(0.01)
+
+    async def resume_samplers(self, spec, record):
+        self.calls.append(("resume", spec.group_id, [s.address for s in spec.samplers]))
+        for s in spec.samplers:
+            await self.hub.publish(s.pool, [(s.address, 1, None)])
+        await asyncio.sleep(0.01)
+
+
+def sampler(i: int, pool: str = "p") -> SamplerEndpoint:
+    return SamplerEndpoint(pool, f"10.0.0.{i}:8000", f"10.0.0.{i}:9001", f"s{i}")
+
+
+async def wait_state(g, state, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while g.state is not state:
+        assert time.monotonic() < deadline, g.state
+        await asyncio.sleep(0.005)
+
+
+async def test_sync_adds_and_removes_samplers_without_racing_switches():
+    inner = InnerActions()
+    actions = SerializedActions(inner)
+    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], actions)
+    sync = InventorySync(orch, actions)
+    g = orch.groups["g0"]
+
+    # Idle group: the new sampler is woken/verified (resume of just it), then serves.
+    await sync.apply([GroupSpec("g0", [sampler(1), sampler(2)])])
+    assert inner.calls == [("resume", "g0", ["10.0.0.2:8000"])]
+    assert [s.address for s in g.spec.samplers] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+
+    # A trainer holds the group: a new sampler joins the spec but is not resumed now...
+    await orch.acquire("trainer", "g0")
+    assert inner.calls[-1] == ("suspend", "g0", ["10.0.0.1:8000", "10.0.0.2:8000"])
+    await sync.apply([GroupSpec("g0", [sampler(1), sampler(2), sampler(3)], sleep_level=2)])
+    assert inner.calls[-1][0] == "suspend" and g.spec.sleep_level == 1  # settings deferred
+    # ...the resume after the yield wakes and publishes it with the others, then the settings apply.
+    orch.yield_("trainer", "g0")
+    await wait_state(g, GroupState.IDLE)
+    assert inner.calls[-1] == ("resume", "g0", ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"])
+    for _ in range(100):
+        if g.spec.sleep_level == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert g.spec.sleep_level == 2
+
+    # Removed (pod deleted): out of service at the gates, gone from the spec; the next switch skips it.
+    await sync.apply([GroupSpec("g0", [sampler(2), sampler(3)], sleep_level=2)])
+    assert inner.hub.state["p"]["10.0.0.1:8000"] == 3  # ASLEEP
+    await orch.acquire("trainer", "g0")
+    assert inner.calls[-1] == ("suspend", "g0", ["10.0.0.2:8000", "10.0.0.3:8000"])
+    orch.yield_("trainer", "g0")
+    await wait_state(g, GroupState.IDLE)
+
+    # A new group appears with a sampler: created and its sampler served.
+    await sync.apply([GroupSpec("g0", [sampler(2), sampler(3)], sleep_level=2), GroupSpec("g1", [sampler(5, "q")])])
+    assert inner.calls[-1] == ("resume", "g1", ["10.0.0.5:8000"]) and "g1" in orch.groups
+    await orch.close()
+
+
+async def test_sync_change_during_a_switch_waits_for_the_switch():
+    inner = InnerActions()
+    gate = asyncio.Event()
+
+    async def slow_suspend(spec, record):
+        inner.calls.append(("suspend", spec.group_id, [s.address for s in spec.samplers]))
+        await gate.wait()
+
+    inner.suspend_samplers = slow_suspend
+    actions = SerializedActions(inner)
+    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], actions)
+    sync = InventorySync(orch, actions)
+    acquire = asyncio.create_task(orch.acquire("trainer", "g0"))
+    while not inner.calls:
+        await asyncio.sleep(0.001)
+    apply = asyncio.create_task(sync.apply([GroupSpec("g0", [sampler(1), sampler(2)])]))
+    await asyncio.sleep(0.05)
+    assert not apply.done() and len(orch.groups["g0"].spec.samplers) == 1  # waits for the suspend
+    gate.set()
+    await acquire
+    await apply
+    # Added while LOCKED: in the spec, not resumed (not served) until the yield.
+    assert [c[0] for c in inner.calls] == ["suspend"] and len(orch.groups["g0"].spec.samplers) == 2
+    await orch.close()
+
+
+# --------------------------------------------------------------------------- the CLI, end to end
+def _kubeconfig(tmp_path, url: str) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{url}"}}}}]
+users: [{{name: u, user: {{token: t}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: u, namespace: {NS}}}}}]
+current-context: fake
+""")
+    return str(path)
+
+
+def _cli_env(tmp_path, url: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "LLMD_TIMESLICE_"))}
+    env["KUBECONFIG"] = _kubeconfig(tmp_path, url)
+    return env
+
+
+def test_cli_orchestrator_with_kubernetes_discovery(kube, tmp_path):
+    from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
+    from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+    from tests.conftest import free_port
+
+    kube.add(make_pod("t0", "g0", role="trainer", ip="10.0.0.9"))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--discovery", "kubernetes",
+                             "--port", str(port), "--log-level", "info"],
+                            env=_cli_env(tmp_path, kube.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.TimeSliceOrchestratorServiceStub(ch)
+            groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=20, wait_for_ready=True).group_ids
+            assert list(groups) == ["g0"]
+            kube.add(make_pod("t1", "g-new", role="trainer", ip="10.0.0.10"))
+            deadline = time.monotonic() + 10
+            while "g-new" not in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).group_ids:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert kube.seen("GET", watch=True)[0]["query"]["resourceVersion"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+
+
+def test_cli_kubernetes_errors_are_one_line(kube, tmp_path):
+    kube.forbid = {"list"}
+    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--discovery", "kubernetes",
+                        "--port", "0"], env=_cli_env(tmp_path, kube.url), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "RBAC verb 'list'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--manage-serving-label",
+                        "--inventory", __file__], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--discovery kubernetes" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "--inventory" in r.stderr and "required" in r.stderr
