@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import threading
 from pathlib import Path
 
 import port_for
 import pytest
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before any grpc import (see llmd_timeslice/__init__.py)
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
