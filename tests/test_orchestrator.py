@@ -143,3 +143,64 @@ def test_call_without_or_with_wrong_token_is_unauthenticated(orchestrator_server
         c = TimeSliceOrchestratorClient(target, job_id="x", group_id="g0", token=token)
         with pytest.raises(LeaseError, match="UNAUTHENTICATED"):
             c.list_groups()
+
+
+LEASE_INV = Inventory.model_validate({"groups": [{"group_id": "g0", "lease_ttl_s": 0.3}]})
+
+
+async def test_lease_expires_only_after_heartbeats_stop_and_the_group_is_reclaimed():
+    orch = Orchestrator(LEASE_INV.group_specs(), RecordingActions())
+    await orch.acquire("upstream-client", "g0")
+    await asyncio.sleep(0.5)
+    assert orch.groups["g0"].holder == "upstream-client", "a holder that never heartbeats is never expired"
+    orch.yield_("upstream-client", "g0")
+    await orch.acquire("trainer", "g0")
+    token = orch.lease("trainer", "g0").token
+    for _ in range(4):  # heartbeats keep it alive past the TTL
+        orch.heartbeat("trainer", "g0", token)
+        await asyncio.sleep(0.15)
+    assert orch.groups["g0"].holder == "trainer"
+    waiter = asyncio.create_task(orch.acquire("next", "g0"))
+    await asyncio.sleep(0.5)  # heartbeats stopped: expired, reclaimed, granted to the waiter
+    await asyncio.wait_for(waiter, 2)
+    assert orch.groups["g0"].holder == "next"
+    with pytest.raises(NotHolder, match=r"lease .* expired"):
+        orch.yield_("trainer", "g0")
+
+
+async def test_stale_fencing_token_is_rejected_on_every_call():
+    from llmd_timeslice.orchestrator.groups import StaleFencingToken
+
+    orch = Orchestrator(LEASE_INV.group_specs(), RecordingActions())
+    await orch.acquire("job", "g0")
+    old = orch.lease("job", "g0").token
+    orch.yield_("job", "g0", old)
+    await orch.acquire("job", "g0")
+    new = orch.lease("job", "g0").token
+    assert new > old
+    with pytest.raises(StaleFencingToken, match="stale"):
+        orch.heartbeat("job", "g0", old)
+    with pytest.raises(StaleFencingToken, match="stale"):
+        orch.yield_("job", "g0", old)
+    orch.yield_("job", "g0", new)
+
+
+def test_client_heartbeats_keep_the_lease_and_a_silent_holder_loses_it(loop_thread):
+    srv = OrchestratorServer(LEASE_INV, port=0, actions=RecordingActions(), token="s3cret")
+    loop_thread.run(srv.start())
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        a = TimeSliceOrchestratorClient(target, job_id="a", group_id="g0", token="s3cret")
+        a.acquire()
+        time.sleep(1.0)  # > 3 TTLs: the background heartbeats renew it
+        assert a.group_status().group.locking_job == "a"
+        a.release()
+        b = TimeSliceOrchestratorClient(target, job_id="b", group_id="g0", token="s3cret")
+        b.acquire()
+        b._beats[("b", "g0")].stop()  # the holder hangs: no more heartbeats
+        time.sleep(0.8)
+        assert b.group_status().group.locking_job == ""
+        with pytest.raises(LeaseError, match="expired"):
+            b.release()
+    finally:
+        loop_thread.run(srv.stop())

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,10 +28,14 @@ import grpc
 from grpc import aio
 
 from llmd_timeslice import auth
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 
+_log = logging.getLogger(__name__)
+
 DEFAULT_TARGET = "127.0.0.1:50051"
+FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"  # same as llmd_timeslice.orchestrator.service
 
 
 class TimeSliceError(Exception):
@@ -45,6 +52,11 @@ class OrchestratorUnavailable(TimeSliceError):
 
 class LeaseError(TimeSliceError):
     """The orchestrator refused the call (unknown group, not the holder, failed switch...)."""
+
+
+class LeaseLost(LeaseError):
+    """This job's lease was reclaimed (heartbeats stopped or a newer grant exists): stop using the
+    accelerators, restart from the last checkpoint and acquire again."""
 
 
 @dataclass
@@ -97,11 +109,14 @@ class TimeSliceOrchestratorClient:
     """
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list | None = None, token: str | None = None) -> None:
+                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         self._md = auth.call_metadata(token if token is not None else auth.load_token())
         self._channel = grpc.insecure_channel(self.target, options=channel_options or [])
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
+        self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
+        self.heartbeats = heartbeats
+        self._beats: dict[tuple[str, str], _Heartbeat] = {}
 
     def _ids(self, job_id, group_id) -> tuple[str, str]:
         job, group = job_id or self.job_id, group_id or self.group_id
@@ -119,15 +134,50 @@ class TimeSliceOrchestratorClient:
                                    metadata=self._md)
         except grpc.RpcError as exc:
             raise _translate(exc, f"acquire {group!r} as {job!r}") from None
+        if self.heartbeats:
+            self._start_heartbeats(job, group)
         return AcquireResult(r.success, r.waited_ms, r.context_restored)
 
-    def release(self, job_id: str | None = None, group_id: str | None = None) -> YieldResult:
-        """Yield the group (returns at once). Raises LeaseError (not the holder), OrchestratorUnavailable."""
-        job, group = self._ids(job_id, group_id)
+    def _start_heartbeats(self, job: str, group: str) -> None:
         try:
-            r = self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=self._md)
+            lease = self._leases_stub.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), timeout=10,
+                                               metadata=self._md)
         except grpc.RpcError as exc:
-            raise _translate(exc, f"yield {group!r} as {job!r}") from None
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return  # an orchestrator without the lease extension (upstream): nothing to renew
+            raise _translate(exc, f"lease of {group!r} as {job!r}") from None
+        beat = _Heartbeat(self._leases_stub, self._md, job, group, lease.fencing_token, lease.ttl_s)
+        old = self._beats.pop((job, group), None)
+        if old is not None:
+            old.stop()
+        self._beats[(job, group)] = beat
+        beat.start()
+
+    def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
+        """The fencing token of this job's current grant (None without heartbeats)."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        return beat.token if beat else None
+
+    def release(self, job_id: str | None = None, group_id: str | None = None) -> YieldResult:
+        """Yield the group (returns at once).
+
+        Raises:
+            LeaseLost: the lease was reclaimed before this call (heartbeats failed or stopped).
+            LeaseError: not the holder; OrchestratorUnavailable.
+        """
+        job, group = self._ids(job_id, group_id)
+        beat = self._beats.pop((job, group), None)
+        md = self._md
+        if beat is not None:
+            beat.stop()
+            md = (*md, (FENCING_TOKEN_METADATA, str(beat.token)))
+        try:
+            r = self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=md)
+        except grpc.RpcError as exc:
+            err = _translate(exc, f"yield {group!r} as {job!r}")
+            if beat is not None and beat.lost is not None:
+                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
+            raise err from None
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 
     yield_ = release
@@ -155,6 +205,9 @@ class TimeSliceOrchestratorClient:
         return _Held(self, job_id, group_id, timeout_sec, state)
 
     def close(self) -> None:
+        for beat in self._beats.values():
+            beat.stop()
+        self._beats.clear()
         self._channel.close()
 
     def __enter__(self) -> TimeSliceOrchestratorClient:
@@ -258,3 +311,45 @@ class _AsyncHeld:
                 return await fn(*a, **kw)
 
         return wrapper
+
+
+class _Heartbeat:
+    """Background thread renewing one lease every ttl/3 seconds (LeaseService.Heartbeat).
+
+    A refusal (stale token, not the holder) or an unreachable orchestrator past the TTL records
+    ``lost`` and stops; ``release()`` then reports :class:`LeaseLost`.
+    """
+
+    def __init__(self, stub, md, job: str, group: str, token: int, ttl_s: float) -> None:
+        self._stub, self._md, self.job, self.group, self.token, self.ttl_s = stub, md, job, group, token, ttl_s
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{group}", daemon=True)
+
+    def start(self) -> None:
+        if self.ttl_s > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = max(0.05, self.ttl_s / 3)
+        last_ok = time.monotonic()
+        while True:
+            try:
+                self._stub.Heartbeat(lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group,
+                                                                fencing_token=self.token),
+                                     timeout=max(0.5, period), metadata=self._md)
+                last_ok = time.monotonic()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self.lost = exc.details()
+                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+                    return
+                if time.monotonic() - last_ok > self.ttl_s:
+                    self.lost = f"no heartbeat reached the orchestrator for {self.ttl_s:g} s ({exc.code().name})"
+                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+                    return
+            if self._stop.wait(period):
+                return

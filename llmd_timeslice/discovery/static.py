@@ -44,6 +44,7 @@ class GroupEntry(BaseModel):
     group_id: str = Field(min_length=1)
     sleep_level: int = Field(1, ge=1, le=2)
     drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    lease_ttl_s: float = Field(30.0, ge=0, le=3600, description="Lease TTL once the holder heartbeats (0: never expire).")
     samplers: list[SamplerEntry] = Field(default_factory=list)
 
 
@@ -73,6 +74,7 @@ class Inventory(BaseModel):
                 [SamplerEndpoint(s.pool, s.address, s.sidecar, s.job_id) for s in g.samplers],
                 g.sleep_level,
                 g.drain_timeout_s,
+                g.lease_ttl_s,
             )
             for g in self.groups
         ]

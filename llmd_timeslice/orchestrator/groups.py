@@ -62,6 +62,21 @@ class SwitchFailed(OrchestratorError):
     """A phase switch step failed; the message says which and what state the group is in (UNAVAILABLE)."""
 
 
+class StaleFencingToken(OrchestratorError):
+    """A call carries a fencing token that is not the group's current one (FAILED_PRECONDITION)."""
+
+
+@dataclass
+class Lease:
+    """The current grant of a group: ``token`` increases with every grant; ``expires_at`` is a
+    monotonic time once armed by a heartbeat (None before: the holder is never expired)."""
+
+    job_id: str
+    token: int
+    ttl_s: float
+    expires_at: float | None = None
+
+
 @dataclass(frozen=True)
 class SamplerEndpoint:
     """One sampler: a vLLM server behind the gate and its snapshot sidecar.
@@ -84,6 +99,7 @@ class GroupSpec:
     samplers: list[SamplerEndpoint] = field(default_factory=list)
     sleep_level: int = 1
     drain_timeout_s: float = 60.0
+    lease_ttl_s: float = 30.0
 
 
 @dataclass
@@ -143,7 +159,11 @@ class Group:
         self.history: deque[SwitchRecord] = deque(maxlen=50)
         self.sampler_states: dict[str, str] = {s.address: "RUNNING" for s in spec.samplers}
         self.last_error = ""
+        self.lease: Lease | None = None
+        self.last_token = 0
+        self.expired_jobs: dict[str, str] = {}  # job -> why its lease was reclaimed
         self._driver: asyncio.Task | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
 
     def set_state(self, state: GroupState) -> None:
         if state is not self.state:
@@ -194,8 +214,7 @@ class Orchestrator:
         t0 = time.monotonic()
         # Deferred snapshot: the same job's context is still loaded and nobody else is queued.
         if g.state is GroupState.IDLE_YIELDED and g.loaded_job == job_id and not g.waiters:
-            g.holder = job_id
-            g.set_state(GroupState.LOCKED)
+            self._grant(g, job_id)
             return AcquireResult(0, False)
         waiter = _Waiter(job_id, t0, asyncio.get_running_loop().create_future())
         g.waiters.append(waiter)
@@ -227,21 +246,77 @@ class Orchestrator:
         elif not waiter.future.done():
             waiter.future.cancel()
 
-    def yield_(self, job_id: str, group_id: str) -> YieldResult:
+    def yield_(self, job_id: str, group_id: str, fencing_token: int | None = None) -> YieldResult:
         """Give the group up; returns at once (the switch back runs in the background).
 
         Raises:
-            InvalidArgument, UnknownGroup, NotHolder (the job does not hold the group).
+            InvalidArgument, UnknownGroup, NotHolder (the job does not hold the group; the message
+            says when its lease was reclaimed), StaleFencingToken.
         """
+        g = self._holder_group(job_id, group_id, fencing_token)
+        return self._release(g, job_id)
+
+    # ------------------------------------------------------------------ leases
+    def _holder_group(self, job_id: str, group_id: str, fencing_token: int | None) -> Group:
         if not job_id:
             raise InvalidArgument("job_id is required")
         g = self.group(group_id)
         if g.holder != job_id:
-            raise NotHolder(f"job {job_id!r} does not hold group {group_id!r} (holder: {g.holder!r})")
-        return self._release(g, job_id)
+            why = g.expired_jobs.get(job_id)
+            raise NotHolder(f"job {job_id!r} does not hold group {group_id!r} (holder: {g.holder!r})"
+                            + (f"; {why}" if why else ""))
+        if fencing_token and g.lease is not None and fencing_token != g.lease.token:
+            raise StaleFencingToken(f"fencing token {fencing_token} of job {job_id!r} is stale: group {group_id!r} "
+                                    f"is at token {g.lease.token}; this holder must stop and acquire again")
+        return g
+
+    def _grant(self, g: Group, job_id: str) -> None:
+        g.holder = job_id
+        g.last_token += 1
+        g.lease = Lease(job_id, g.last_token, g.spec.lease_ttl_s)
+        g.expired_jobs.pop(job_id, None)
+        g.set_state(GroupState.LOCKED)
+
+    def lease(self, job_id: str, group_id: str) -> Lease:
+        """The holder's current lease. Raises InvalidArgument, UnknownGroup, NotHolder."""
+        return self._holder_group(job_id, group_id, None).lease  # type: ignore[return-value]
+
+    def heartbeat(self, job_id: str, group_id: str, fencing_token: int) -> Lease:
+        """Renew (and arm) the holder's lease for ``lease_ttl_s`` seconds.
+
+        Raises:
+            InvalidArgument, UnknownGroup, NotHolder (lease reclaimed or never held), StaleFencingToken.
+        """
+        if fencing_token <= 0:
+            raise InvalidArgument(f"fencing_token must be a positive integer from GetLease, got {fencing_token}")
+        g = self._holder_group(job_id, group_id, fencing_token)
+        lease = g.lease
+        assert lease is not None
+        if lease.ttl_s > 0:
+            loop = asyncio.get_running_loop()
+            lease.expires_at = loop.time() + lease.ttl_s
+            if g._lease_timer is not None:
+                g._lease_timer.cancel()
+            g._lease_timer = loop.call_at(lease.expires_at, self._expire, g, lease.token)
+        return lease
+
+    def _expire(self, g: Group, token: int) -> None:
+        lease = g.lease
+        if lease is None or lease.token != token or g.holder != lease.job_id:
+            return
+        why = (f"its lease (token {token}) expired: no heartbeat for {lease.ttl_s:g} s, so the group was reclaimed; "
+               "restart the job from its last checkpoint and acquire again")
+        log.error("group=%s job=%s %s", g.spec.group_id, lease.job_id, why)
+        g.expired_jobs[lease.job_id] = why
+        g.last_error = f"job {lease.job_id!r}: {why}"
+        self._release(g, lease.job_id)
 
     def _release(self, g: Group, job_id: str) -> YieldResult:
         g.holder = None
+        g.lease = None
+        if g._lease_timer is not None:
+            g._lease_timer.cancel()
+            g._lease_timer = None
         pending = sum(1 for w in g.waiters if not w.future.done())
         deferred = not g.spec.samplers and pending == 0
         if deferred:
@@ -285,8 +360,7 @@ class Orchestrator:
                 if waiter.future.done():
                     continue  # gave up during the switch; the next waiter (or the samplers) get it
                 g.loaded_job = waiter.job_id
-                g.holder = waiter.job_id
-                g.set_state(GroupState.LOCKED)
+                self._grant(g, waiter.job_id)
                 waiter.future.set_result(False)  # trainer state is restored by the client
                 return
             # Nobody waits: the accelerators go back to the samplers.

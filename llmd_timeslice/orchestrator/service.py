@@ -7,10 +7,13 @@ to status codes here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.orchestrator import groups as core
@@ -46,7 +49,21 @@ _CODES = {
     core.NotHolder: grpc.StatusCode.FAILED_PRECONDITION,
     core.AcquireTimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
     core.SwitchFailed: grpc.StatusCode.UNAVAILABLE,
+    core.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
 }
+
+FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"
+"""Optional call metadata on Yield (project clients): the holder's fencing token, checked against the group's."""
+
+
+def _token_from(context) -> int | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == FENCING_TOKEN_METADATA:
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return None
 
 
 async def _abort(context, exc: core.OrchestratorError):
@@ -77,8 +94,11 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
         return pb.AcquireResponse(success=True, waited_ms=res.waited_ms, context_restored=res.context_restored)
 
     async def Yield(self, request, context):  # noqa: N802
+        token = _token_from(context)
+        if token is not None and token <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{FENCING_TOKEN_METADATA} must be a positive integer")
         try:
-            res = self._orch.yield_(request.job_id, request.group_id)
+            res = self._orch.yield_(request.job_id, request.group_id, token)
         except core.OrchestratorError as exc:
             await _abort(context, exc)
         if res.snapshot_deferred:
@@ -118,3 +138,30 @@ def export_switch(record: core.SwitchRecord) -> None:
     for phase, secs in record.phases.items():
         if phase != "drained_in_time":
             SWITCH_PHASE.labels(group_id=record.group_id, phase=phase).observe(secs)
+
+
+class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
+    """Project extension: fenced leases with heartbeats (``llmd_timeslice.v1alpha1.LeaseService``)."""
+
+    def __init__(self, orch: core.Orchestrator) -> None:
+        self._orch = orch
+
+    @staticmethod
+    def _wire(lease: core.Lease, group_id: str, now: float) -> lease_pb2.Lease:
+        left = max(0.0, lease.expires_at - now) if lease.expires_at is not None else 0.0
+        return lease_pb2.Lease(job_id=lease.job_id, group_id=group_id, fencing_token=lease.token, ttl_s=lease.ttl_s,
+                               expires_in_s=left)
+
+    async def GetLease(self, request, context):  # noqa: N802
+        try:
+            lease = self._orch.lease(request.job_id, request.group_id)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        return self._wire(lease, request.group_id, asyncio.get_running_loop().time())
+
+    async def Heartbeat(self, request, context):  # noqa: N802
+        try:
+            lease = self._orch.heartbeat(request.job_id, request.group_id, request.fencing_token)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        return self._wire(lease, request.group_id, asyncio.get_running_loop().time())
