@@ -204,3 +204,16 @@ def test_client_heartbeats_keep_the_lease_and_a_silent_holder_loses_it(loop_thre
             b.release()
     finally:
         loop_thread.run(srv.stop())
+
+
+async def test_lock_order_trainer_group_before_sampler_group():
+    from llmd_timeslice.orchestrator.groups import LockOrderViolation
+
+    orch = Orchestrator(INVENTORY.group_specs(), RecordingActions())
+    await orch.acquire("job", "trainers-only")  # trainer group first: fine
+    await orch.acquire("job", "g0")  # then the sampler group: fine (weight sync holds both)
+    orch.yield_("job", "g0")
+    orch.yield_("job", "trainers-only")
+    await orch.acquire("other", "g0")
+    with pytest.raises(LockOrderViolation, match="take the trainer group first"):
+        await orch.acquire("other", "trainers-only")

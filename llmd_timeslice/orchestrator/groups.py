@@ -62,6 +62,10 @@ class SwitchFailed(OrchestratorError):
     """A phase switch step failed; the message says which and what state the group is in (UNAVAILABLE)."""
 
 
+class LockOrderViolation(OrchestratorError):
+    """A job holding (or waiting for) a sampler group asks for a trainer group (FAILED_PRECONDITION)."""
+
+
 class StaleFencingToken(OrchestratorError):
     """A call carries a fencing token that is not the group's current one (FAILED_PRECONDITION)."""
 
@@ -211,6 +215,14 @@ class Orchestrator:
             raise NotHolder(f"job {job_id!r} already holds group {group_id!r}; yield before acquiring again")
         if any(w.job_id == job_id for w in g.waiters):
             raise NotHolder(f"job {job_id!r} is already waiting for group {group_id!r}")
+        if not g.spec.samplers:
+            held = [o.spec.group_id for o in self.groups.values() if o.spec.samplers and
+                    (o.holder == job_id or any(w.job_id == job_id for w in o.waiters))]
+            if held:
+                raise LockOrderViolation(
+                    f"lock order: job {job_id!r} holds or waits for sampler group(s) {held} and asks for trainer group "
+                    f"{group_id!r}; take the trainer group first, then the sampler group (weight sync holds both), "
+                    "so that no two jobs can deadlock")
         t0 = time.monotonic()
         # Deferred snapshot: the same job's context is still loaded and nobody else is queued.
         if g.state is GroupState.IDLE_YIELDED and g.loaded_job == job_id and not g.waiters:

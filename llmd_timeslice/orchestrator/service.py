@@ -50,6 +50,7 @@ _CODES = {
     core.AcquireTimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
     core.SwitchFailed: grpc.StatusCode.UNAVAILABLE,
     core.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
+    core.LockOrderViolation: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"
