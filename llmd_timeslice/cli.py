@@ -149,6 +149,8 @@ def orchestrator(
     ] = False,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).", min=0, max=65535)] = 50051,
+    state_file: Annotated[Path | None, typer.Option(
+        help="Local state file: holders, leases and group states survive a restart (unset: kept in memory only).")] = None,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -156,8 +158,10 @@ def orchestrator(
     """Run the orchestrator (acquire/yield locks, phase switches)."""
     from llmd_timeslice.auth import load_token
     from llmd_timeslice.discovery.static import load_inventory
+    from llmd_timeslice.orchestrator.persistence import FileStateStore
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
+    store = FileStateStore(state_file) if state_file is not None else None
     if discovery is _Discovery.kubernetes:
         if inventory is not None:
             raise typer.BadParameter("is for --discovery static; with kubernetes the pods are the inventory",
@@ -165,7 +169,7 @@ def orchestrator(
         _setup_logging(log_level)
         _metrics(metrics_port, host)
         _orchestrator_kubernetes(namespace, label_selector, default_pool, manage_serving_label, host, port,
-                                 load_token(token_file))
+                                 load_token(token_file), store)
         return
     if inventory is None:
         raise typer.BadParameter("required with --discovery static", param_hint="--inventory")
@@ -176,7 +180,7 @@ def orchestrator(
     inv = load_inventory(inventory)
 
     async def main() -> None:
-        srv = OrchestratorServer(inv, host=host, port=port, token=load_token(token_file))
+        srv = OrchestratorServer(inv, host=host, port=port, token=load_token(token_file), state_store=store)
         await srv.start()
         try:
             await asyncio.Event().wait()
@@ -187,7 +191,7 @@ def orchestrator(
 
 
 def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default_pool: str, manage_serving_label: bool,
-                             host: str, port: int, token: str | None) -> None:
+                             host: str, port: int, token: str | None, store=None) -> None:
     """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
     from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.sync import InventorySync, SerializedActions, inventory_from_specs
@@ -203,7 +207,8 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
                                        on_change=changes.put_nowait)
         specs = await disc.start()
         actions = SerializedActions()
-        srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, actions=actions)
+        srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, actions=actions,
+                                 state_store=store)
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if manage_serving_label else None
         actions.inner = GrpcSwitchActions(srv.hub, token, labeler=labeler)
         sync = InventorySync(srv.orchestrator, actions)
@@ -231,28 +236,65 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
 def sidecar(
     job_id: Annotated[str, typer.Option(help="Job id of the engine this sidecar serves.")],
     engine_url: Annotated[str, typer.Option(help="URL of the vLLM server in the pod.")] = "http://127.0.0.1:8000",
-    backend: Annotated[str, typer.Option(help="Snapshot backend: vllm.")] = "vllm",
+    backend: Annotated[str, typer.Option(
+        help="Default snapshot backend of the job: vllm, sglang (ENGINE_URL is the SGLang server), cuda "
+             "(cuda-checkpoint on --pid; needs shareProcessNamespace + SYS_PTRACE) or workload_channel "
+             "(the job registers itself over WorkloadChannel).")] = "vllm",
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port (SnapshotAgentService).", min=0, max=65535)] = 9001,
     idle_timeout_s: Annotated[float, typer.Option(help="Seconds to wait for the engine to go idle before sleep.")] = 60.0,
     operation_timeout_s: Annotated[float, typer.Option(help="Seconds one sleep/wake may take.")] = 300.0,
+    pause_mode: Annotated[str, typer.Option(
+        help="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until wake), "
+             "abort (end them with finish_reason abort).")] = "wait",
+    min_freed_fraction: Annotated[float, typer.Option(
+        help="Where NVML is present: fail a sleep that frees less than this fraction of used device memory "
+             "(0: only report).", min=0.0, max=1.0)] = 0.0,
+    pid: Annotated[list[int], typer.Option("--pid", help="cuda backend: a process to checkpoint (repeatable).")] = [],  # noqa: B006
+    annotation: Annotated[list[str], typer.Option(
+        "--annotation", help="A pod annotation KEY=VALUE for per-job backend resolution (repeatable), e.g. "
+                             "snapshot.timeslice.io/backend=sglang; see docs/snapshot.md.")] = [],  # noqa: B006
+    command_timeout_s: Annotated[float, typer.Option(
+        help="Seconds a WorkloadChannel workload may take to answer a command.")] = 300.0,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
 ) -> None:
     """Run a snapshot sidecar for one engine (sleep / wake, verified)."""
     from llmd_timeslice.auth import load_token
-    from llmd_timeslice.snapshot.backends import vllm as _vllm  # noqa: F401 - registers the backend
+    from llmd_timeslice.snapshot import resolve as _resolve  # noqa: F401 - registers the backends
     from llmd_timeslice.snapshot.backends.base import create_backend
     from llmd_timeslice.snapshot.server import SidecarServer
 
+    annotations = {}
+    for a in annotation:
+        key, sep, value = a.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{a!r} is not KEY=VALUE", param_hint="--annotation")
+        annotations[key] = value
+    if backend == "cuda" and not pid:
+        raise typer.BadParameter("the cuda backend needs at least one --pid", param_hint="--pid")
+    if pause_mode not in ("wait", "keep", "abort"):
+        raise typer.BadParameter(f"{pause_mode!r}: choose wait, keep or abort", param_hint="--pause-mode")
+    if backend not in ("vllm", "sglang", "cuda", "workload_channel"):
+        raise typer.BadParameter(f"{backend!r}: choose vllm, sglang, cuda or workload_channel", param_hint="--backend")
     _setup_logging(log_level)
     _metrics(metrics_port, host)
+    engine_kwargs = {"min_freed_fraction": min_freed_fraction}
 
     async def main() -> None:
-        b = create_backend(backend, base_url=engine_url, idle_timeout_s=idle_timeout_s)
-        srv = SidecarServer({job_id: b}, host=host, port=port, token=load_token(token_file),
-                            operation_timeout_s=operation_timeout_s)
+        if backend == "vllm":
+            defaults = {job_id: create_backend(backend, base_url=engine_url, idle_timeout_s=idle_timeout_s,
+                                               pause_mode=pause_mode, **engine_kwargs)}
+        elif backend == "sglang":
+            defaults = {job_id: create_backend(backend, base_url=engine_url, **engine_kwargs)}
+        elif backend == "cuda":
+            defaults = {job_id: create_backend(backend, pids=pid)}
+        else:
+            defaults = {}  # the job registers over WorkloadChannel
+        srv = SidecarServer(defaults, host=host, port=port, token=load_token(token_file),
+                            operation_timeout_s=operation_timeout_s, annotations=annotations,
+                            command_timeout_s=command_timeout_s, backend_kwargs=engine_kwargs)
         await srv.start()
         try:
             await asyncio.Event().wait()

@@ -190,6 +190,8 @@ class OrchestratorSettings(_Section):
                                                     description="Used with `discovery: kubernetes`.")
     host: str = _host()
     port: Port = Field(50051, description="gRPC port (TimeSliceOrchestratorService and GateStateService).")
+    state_file: Path | None = Field(None, description="Local state file: holders, leases and group states survive a "
+                                    "restart (unset: kept in memory only).")
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()

@@ -217,3 +217,57 @@ async def test_lock_order_trainer_group_before_sampler_group():
     await orch.acquire("other", "g0")
     with pytest.raises(LockOrderViolation, match="take the trainer group first"):
         await orch.acquire("other", "trainers-only")
+
+
+class _SamplerInventory:
+    INV = Inventory.model_validate({"groups": [
+        {"group_id": "g0", "lease_ttl_s": 30, "samplers": [{"pool": "default", "address": "127.0.0.1:8001",
+                                                            "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}]},
+        {"group_id": "g1", "samplers": [{"pool": "default", "address": "127.0.0.1:8002",
+                                         "sidecar": "127.0.0.1:9102", "job_id": "sampler-1"}]},
+    ]})
+
+
+class ReconcilingActions(RecordingActions):
+    async def reconcile(self, specs, record_for):
+        self.calls.append(("reconcile", sorted(s.group_id for s in specs)))
+
+    async def publish_asleep(self, specs):
+        self.calls.append(("asleep", sorted(s.group_id for s in specs)))
+
+
+async def test_orchestrator_restart_keeps_holders_and_fencing_tokens_and_wakes_only_free_groups(tmp_path):
+    from llmd_timeslice.orchestrator.persistence import FileStateStore
+
+    store = FileStateStore(tmp_path / "state.json")
+    first = OrchestratorServer(_SamplerInventory.INV, port=0, actions=ReconcilingActions(), state_store=store)
+    await first.start()
+    await first.orchestrator.acquire("trainer", "g0")
+    token = first.orchestrator.lease("trainer", "g0").token
+    first.orchestrator.heartbeat("trainer", "g0", token)
+    await first.stop()  # "crash": the trainer never yielded
+
+    acts = ReconcilingActions()
+    second = OrchestratorServer(_SamplerInventory.INV, port=0, actions=acts, state_store=store)
+    await second.start()
+    try:
+        g0 = second.orchestrator.groups["g0"]
+        assert g0.holder == "trainer" and g0.state.value == "LOCKED"
+        assert ("asleep", ["g0"]) in acts.calls, "a held group's samplers stay asleep after a restart"
+        assert ("reconcile", ["g1"]) in acts.calls, "free groups' samplers are woken and verified"
+        second.orchestrator.heartbeat("trainer", "g0", token)  # same fencing token still valid
+        assert g0.lease.expires_at is not None, "an armed lease keeps expiring after a restart"
+        second.orchestrator.yield_("trainer", "g0", token)
+        await asyncio.sleep(0.1)
+        assert "resume" in acts.calls
+    finally:
+        await second.stop()
+
+
+def test_corrupt_state_file_is_refused_with_its_path(tmp_path):
+    from llmd_timeslice.orchestrator.persistence import FileStateStore
+
+    f = tmp_path / "state.json"
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match=r"state\.json"):
+        FileStateStore(f).load()

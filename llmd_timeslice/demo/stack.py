@@ -157,8 +157,11 @@ class LocalStack:
                                                 f"http://{s.address}", "--port", str(s.sidecar_port), *tok],
                         s.sidecar_port)
         progress("orchestrator (wakes and verifies the samplers)")
+        state = self.workdir / "orchestrator-state.json"
+        state.unlink(missing_ok=True)  # a fresh demo: no holder carried over from an earlier run
         self._start("orchestrator", ["orchestrator", "--inventory", str(self.write_inventory()), "--port",
-                                     str(p.orchestrator), "--metrics-port", str(p.orchestrator_metrics), *tok],
+                                     str(p.orchestrator), "--metrics-port", str(p.orchestrator_metrics),
+                                     "--state-file", str(state), *tok],
                     p.orchestrator)
         progress("envoy")
         self.envoy = EnvoyProcess(

@@ -180,6 +180,14 @@ class GrpcSwitchActions:
         if errors:
             raise RuntimeError("; ".join(errors))
 
+    async def publish_asleep(self, specs: list[GroupSpec]) -> None:
+        """At start-up, for groups a job still holds: their samplers stay asleep and out of service."""
+        samplers = [s for spec in specs for s in spec.samplers]
+        if samplers:
+            await self._publish(samplers, gpb.ENDPOINT_STATE_ASLEEP)
+            for s in samplers:
+                self.sampler_states[s.address] = "SAVED"
+
     async def reconcile(self, specs: list[GroupSpec], record_for) -> None:
         """At start-up: wake (a no-op on an awake engine) and verify every sampler, then publish it
         SERVING; an engine that fails verification stays out of service."""

@@ -168,11 +168,14 @@ class Group:
         self.expired_jobs: dict[str, str] = {}  # job -> why its lease was reclaimed
         self._driver: asyncio.Task | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
+        self.on_change: Callable[[Group], None] | None = None
 
     def set_state(self, state: GroupState) -> None:
         if state is not self.state:
             self.state = state
             self.state_since = time.time()
+            if self.on_change is not None:
+                self.on_change(self)
 
 
 class Orchestrator:
@@ -288,6 +291,8 @@ class Orchestrator:
         g.lease = Lease(job_id, g.last_token, g.spec.lease_ttl_s)
         g.expired_jobs.pop(job_id, None)
         g.set_state(GroupState.LOCKED)
+        if g.on_change is not None:
+            g.on_change(g)  # a new token even if the state did not change
 
     def lease(self, job_id: str, group_id: str) -> Lease:
         """The holder's current lease. Raises InvalidArgument, UnknownGroup, NotHolder."""
@@ -306,7 +311,10 @@ class Orchestrator:
         assert lease is not None
         if lease.ttl_s > 0:
             loop = asyncio.get_running_loop()
+            first = lease.expires_at is None
             lease.expires_at = loop.time() + lease.ttl_s
+            if first and g.on_change is not None:
+                g.on_change(g)  # armed: persisted, so a restarted orchestrator keeps expiring it
             if g._lease_timer is not None:
                 g._lease_timer.cancel()
             g._lease_timer = loop.call_at(lease.expires_at, self._expire, g, lease.token)
@@ -394,6 +402,56 @@ class Orchestrator:
             log.error("group=%s %s", g.spec.group_id, g.last_error)
             g.loaded_job = None
         self._record(g, record)
+
+    # ------------------------------------------------------------- persistence
+    def snapshot(self) -> dict:
+        """What survives a restart, JSON-serialisable: per group holder, lease, loaded job, state."""
+        out = {}
+        for gid, g in self.groups.items():
+            lease = g.lease
+            out[gid] = {
+                "state": g.state.value, "holder": g.holder, "loaded_job": g.loaded_job, "last_token": g.last_token,
+                "lease": None if lease is None else {"job_id": lease.job_id, "token": lease.token, "ttl_s": lease.ttl_s,
+                                                    "armed": lease.expires_at is not None},
+                "expired_jobs": dict(g.expired_jobs),
+            }
+        return {"version": 1, "groups": out}
+
+    def restore(self, data: dict) -> dict[str, str]:
+        """Load a :meth:`snapshot`; returns group id -> what the caller must reconcile:
+        ``"held"`` (a job holds it: samplers stay asleep), ``"wake"`` (samplers must be woken and
+        published: idle, or a switch was cut halfway and is rolled back) or ``"none"`` (no samplers).
+        Groups unknown to the inventory are ignored. Armed leases restart their TTL now."""
+        todo: dict[str, str] = {}
+        loop = asyncio.get_running_loop()
+        for gid, g in self.groups.items():
+            d = (data.get("groups") or {}).get(gid)
+            g.on_change, notify = None, g.on_change
+            if d:
+                g.last_token = int(d.get("last_token", 0))
+                g.expired_jobs = dict(d.get("expired_jobs") or {})
+                lease = d.get("lease")
+                if d.get("holder") and lease:
+                    g.holder = d["holder"]
+                    g.lease = Lease(lease["job_id"], int(lease["token"]), float(lease["ttl_s"]))
+                    g.loaded_job = d["holder"]
+                    g.set_state(GroupState.LOCKED)
+                    if lease.get("armed") and g.lease.ttl_s > 0:
+                        g.lease.expires_at = loop.time() + g.lease.ttl_s
+                        g._lease_timer = loop.call_at(g.lease.expires_at, self._expire, g, g.lease.token)
+                elif d.get("state") == GroupState.IDLE_YIELDED.value and not g.spec.samplers and d.get("loaded_job"):
+                    g.loaded_job = d["loaded_job"]
+                    g.set_state(GroupState.IDLE_YIELDED)
+            if g.holder is not None:
+                todo[gid] = "held"
+            elif g.spec.samplers:
+                g.loaded_job = SAMPLERS
+                g.set_state(GroupState.IDLE)
+                todo[gid] = "wake"
+            else:
+                todo[gid] = "none"
+            g.on_change = notify
+        return todo
 
     async def close(self) -> None:
         """Stop drivers; pending acquires fail with SwitchFailed."""

@@ -17,6 +17,7 @@ from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
+from llmd_timeslice.orchestrator.persistence import StateStore
 from llmd_timeslice.orchestrator.service import LeaseServicer, OrchestratorService, export_switch
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,14 @@ class OrchestratorServer:
         host, port: bind address (port 0 picks a free one; ``self.port`` tells which).
         token: bearer token required from callers (None: auth off, warned).
         actions: switch actions (default: over gRPC to the inventory's gates and sidecars).
-        reconcile_on_start: wake/verify samplers and publish them SERVING at start-up.
+        reconcile_on_start: wake/verify samplers and publish them SERVING at start-up (groups a job
+            still holds according to ``state_store`` keep their samplers asleep, published ASLEEP).
+        state_store: where holders, leases and states survive a restart (None: nowhere).
     """
 
     def __init__(self, inventory: Inventory, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None = None, actions: SwitchActions | None = None,
-                 reconcile_on_start: bool = True) -> None:
+                 reconcile_on_start: bool = True, state_store: StateStore | None = None) -> None:
         self.inventory = inventory
         self.host = host
         self.port = port
@@ -46,6 +49,7 @@ class OrchestratorServer:
         self.actions = actions or GrpcSwitchActions(self.hub, token)
         self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch)
         self._reconcile = reconcile_on_start
+        self.state_store = state_store
         self._server: aio.Server | None = None
         self.ready = asyncio.Event()
 
@@ -61,9 +65,25 @@ class OrchestratorServer:
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         await self._server.start()
+        todo = {gid: "wake" for gid in self.orchestrator.groups}
+        if self.state_store is not None:
+            saved = self.state_store.load()
+            if saved:
+                todo = self.orchestrator.restore(saved)
+                log.info("restored state: %s", todo)
+
+            def persist(_group) -> None:
+                self.state_store.save(self.orchestrator.snapshot())
+
+            for g in self.orchestrator.groups.values():
+                g.on_change = persist
+            persist(None)
         if self._reconcile and hasattr(self.actions, "reconcile"):
-            specs = [g.spec for g in self.orchestrator.groups.values()]
-            await self.actions.reconcile(specs, lambda s: SwitchRecord(s.group_id, "reconcile", "", time.time()))
+            wake = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "wake"]
+            await self.actions.reconcile(wake, lambda s: SwitchRecord(s.group_id, "reconcile", "", time.time()))
+            held = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "held"]
+            if held and hasattr(self.actions, "publish_asleep"):
+                await self.actions.publish_asleep(held)
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("orchestrator %s:%d groups=%s", self.host, self.port, sorted(self.orchestrator.groups))
