@@ -210,12 +210,22 @@ class SidecarSettings(_Section):
 
     job_id: str = Field(min_length=1, description="Job id of the engine this sidecar serves (the pod name in Kubernetes).")
     engine_url: Url = Field("http://127.0.0.1:8000", description="URL of the vLLM server in the pod.")
-    backend: Literal["vllm"] = Field("vllm", description="Snapshot backend.")
+    backend: Literal["vllm", "sglang", "cuda", "workload_channel"] = Field(
+        "vllm", description="Default snapshot backend of the job (docs/snapshot.md).")
     host: str = _host()
     port: Port = Field(9001, description="gRPC port (SnapshotAgentService).")
     idle_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Time to wait for the engine to go idle "
                                                                       "before sleep.")
     operation_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time one sleep or wake may take.")
+    pause_mode: Literal["wait", "keep", "abort"] = Field(
+        "wait", description="vLLM /sleep mode for requests still in flight: wait, keep or abort.")
+    min_freed_fraction: float = Field(0.0, ge=0, le=1, description="Where NVML is present: fail a sleep that frees "
+                                                                   "less than this fraction of used device memory.")
+    pid: list[int] = Field(default_factory=list, description="cuda backend: processes to checkpoint.")
+    annotation: dict[str, str] = Field(default_factory=dict, description="Pod annotations for per-job backend "
+                                                                         "resolution (docs/snapshot.md).")
+    command_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time a WorkloadChannel workload may "
+                                                                          "take to answer a command.")
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()

@@ -42,3 +42,28 @@ def test_corrupted_host_copy_is_refused_and_state_stays_offloaded():
     with pytest.raises(StateChecksumMismatch, match="last checkpoint"):
         off.restore()
     assert off.offloaded
+
+
+def test_fifty_cycles_bit_exact_with_no_growth_of_host_memory():
+    import psutil
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))  # ~8 MB of parameters
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    off = TorchStateOffloader(model, opt)
+    proc = psutil.Process()
+    rss = []
+    for cycle in range(50):
+        before = state_checksum(model, opt)
+        off.offload()
+        off.restore()
+        assert state_checksum(model, opt) == before, f"cycle {cycle}"
+        if cycle == 0:
+            first_allocations = off.allocations
+        if cycle in (5, 49):
+            rss.append(proc.memory_info().rss)
+    assert off.allocations == first_allocations, "host buffers are allocated in the first cycle only"
+    growth = (rss[1] - rss[0]) / rss[0]
+    assert growth < 0.05, f"host memory grew {growth:.1%} between cycle 5 and 50"

@@ -6,6 +6,10 @@ background; ``GetOperation`` reads the result and ``WaitOperation`` (project ext
 as soon as the operation ends, so the orchestrator waits on an event instead of polling.
 
 Job states follow the Snapshot Agent's vocabulary: RUNNING, TRANSITIONING, SAVED, FAULTED.
+
+The backend of each operation is resolved per request (:mod:`llmd_timeslice.snapshot.resolve`):
+explicit request config, then a workload registered on ``WorkloadChannel``
+(:mod:`llmd_timeslice.snapshot.channel`), then the pod's annotations, then the job's default.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,7 +30,10 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
+from llmd_timeslice.snapshot.accelerators import AcceleratorReader, nvml_accelerators
 from llmd_timeslice.snapshot.backends.base import BackendError, SnapshotBackend, SuspendMode
+from llmd_timeslice.snapshot.channel import WorkloadRegistry
+from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,8 @@ class Operation:
     status: int = pb.OPERATION_STATUS_PENDING
     elapsed_ms: int = 0
     error: str | None = None
+    storage_bytes: int | None = None
+    device_bytes: int | None = None  # device memory the snapshot freed, where measured (NVML)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def to_pb(self) -> pb.GetOperationResponse:
@@ -60,6 +70,10 @@ class Operation:
         resp = pb.GetOperationResponse(status=self.status, elapsed_ms=elapsed)
         if self.error is not None:
             resp.error = self.error
+        if self.storage_bytes is not None:
+            resp.storage_bytes = self.storage_bytes
+        if self.device_bytes is not None:
+            resp.snapshot_device_bytes = self.device_bytes
         return resp
 
 
@@ -67,44 +81,43 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
     """Servicer for one pod's jobs.
 
     Args:
-        backends: job id -> backend that suspends/resumes it.
+        backends: job id -> default backend that suspends/resumes it.
         operation_timeout_s: most seconds a backend call may take before the operation FAILS.
+        annotations: the pod's annotations (see :mod:`llmd_timeslice.snapshot.resolve`).
+        command_timeout_s: most seconds a registered workload may take to answer a command.
+        backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
     """
 
-    def __init__(self, backends: dict[str, SnapshotBackend], operation_timeout_s: float = 300.0) -> None:
+    def __init__(self, backends: dict[str, SnapshotBackend], operation_timeout_s: float = 300.0,
+                 annotations: dict[str, str] | None = None, command_timeout_s: float = 300.0,
+                 backend_kwargs: dict | None = None) -> None:
         self.backends = backends
+        self.workloads = WorkloadRegistry()
+        self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
         self.states: dict[str, str] = {job: "RUNNING" for job in backends}
         self.operations: dict[str, Operation] = {}
-        self._locks = {job: asyncio.Lock() for job in backends}
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._timeout = operation_timeout_s
         self._tasks: set[asyncio.Task] = set()
+        self.last_resolution: dict[str, str] = {}  # job id -> source of its last operation's backend
+        self.accelerator_reader: AcceleratorReader | None = nvml_accelerators()
 
     async def _start(self, request, context, kind: str) -> str:
         if not request.job_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
-        backend = self.backends.get(request.job_id)
-        if backend is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"unknown job {request.job_id!r} on this sidecar; it serves {sorted(self.backends)}")
-        which = request.backend_config.WhichOneof("backend") if request.HasField("backend_config") else None
-        if which not in (None, "app_endpoint"):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"backend config {which!r} is not served by this sidecar (it serves app_endpoint)")
-        mode = SuspendMode.OFFLOAD
-        tags: list[str] = []
-        if which == "app_endpoint":
-            cfg = request.backend_config.app_endpoint
-            if cfg.mode == pb.SUSPEND_MODE_DISCARD:
-                mode = SuspendMode.DISCARD
-            elif cfg.mode not in (pb.SUSPEND_MODE_UNSPECIFIED, pb.SUSPEND_MODE_OFFLOAD):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown suspend mode {cfg.mode}")
-            tags = list(cfg.tags)
-            if mode not in backend.supported_modes:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"backend {backend.name!r} does not support mode {mode.name}")
+        cfg = request.backend_config if request.HasField("backend_config") else None
+        try:
+            res = self.resolver.resolve(request.job_id, cfg)
+        except ResolveError as exc:
+            await context.abort(exc.code, str(exc))
+        if kind == "snapshot" and res.mode not in res.backend.supported_modes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"backend {res.backend.name!r} does not support mode {res.mode.name}")
+        self.states.setdefault(request.job_id, "RUNNING")
+        self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
-        task = asyncio.get_running_loop().create_task(self._run(op, backend, mode, tags))
+        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return op.id
@@ -121,7 +134,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             self.states[op.job_id] = "TRANSITIONING"
             try:
                 if op.kind == "snapshot":
-                    await asyncio.wait_for(backend.suspend(mode, tags), self._timeout)
+                    res = await asyncio.wait_for(backend.suspend(mode, tags), self._timeout)
+                    if res is not None:
+                        op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
                     self.states[op.job_id] = "SAVED"
                 else:
                     await asyncio.wait_for(backend.resume(tags), self._timeout)
@@ -171,23 +186,67 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         return op.to_pb()
 
     async def Status(self, request, context):  # noqa: N802
+        accelerators = []
+        if self.accelerator_reader is not None:
+            try:
+                accelerators = [pb.AcceleratorStatus(id=a.id, memory_used_bytes=a.memory_used_bytes,
+                                                     memory_total_bytes=a.memory_total_bytes)
+                                for a in await asyncio.to_thread(self.accelerator_reader)]
+            except Exception as exc:
+                log.warning("reading accelerator memory failed: %r", exc)
         return pb.StatusResponse(
-            job_statuses=[pb.JobStatus(job_id=j, state=_JOB_STATE[s]) for j, s in sorted(self.states.items())]
+            job_statuses=[pb.JobStatus(job_id=j, state=_JOB_STATE[s]) for j, s in sorted(self.states.items())],
+            accelerator_statuses=accelerators,
         )
 
     async def WorkloadChannel(self, request_iterator, context):  # noqa: N802
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "WorkloadChannel is not served by this sidecar version; trainers offload through the "
-                            "TimeSlice client (on_accelerators(state=...))")
-        yield  # pragma: no cover - makes this an async generator
+        """Upstream WorkloadChannel: register, then receive commands and answer each with a result."""
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("message") != "register" or not first.register.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first WorkloadMessage must be RegisterWorkload with a job_id")
+        ch = self.workloads.register(first.register)
+        if self.states.get(ch.job_id) not in ("RUNNING", "SAVED"):
+            self.states[ch.job_id] = "RUNNING"
+
+        async def read_results() -> None:
+            try:
+                async for msg in it:
+                    if msg.WhichOneof("message") == "result":
+                        ch.on_result(msg.result)
+                    else:
+                        log.warning("job %s: RegisterWorkload on an already registered stream ignored", ch.job_id)
+                ch.close(f"the workload of job {ch.job_id!r} disconnected (its stream ended)")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                ch.close(f"the stream of job {ch.job_id!r} broke: {exc!r}")
+
+        reader = asyncio.get_running_loop().create_task(read_results())
+        try:
+            while True:
+                cmd = await ch.outbox.get()
+                if cmd is None:
+                    break
+                yield cmd
+        finally:
+            reader.cancel()
+            ch.close(f"the workload of job {ch.job_id!r} disconnected")
+            self.workloads.unregister(ch)
 
 
 class SidecarServer:
     """The sidecar's gRPC server in this event loop."""
 
     def __init__(self, backends: dict[str, SnapshotBackend], host: str = "127.0.0.1", port: int = 9001,
-                 token: str | None = None, operation_timeout_s: float = 300.0) -> None:
-        self.servicer = SnapshotSidecar(backends, operation_timeout_s)
+                 token: str | None = None, operation_timeout_s: float = 300.0,
+                 annotations: dict[str, str] | None = None, command_timeout_s: float = 300.0,
+                 backend_kwargs: dict | None = None) -> None:
+        self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs)
         self.host, self.port, self.token = host, port, token
         self._server: aio.Server | None = None
 
@@ -205,5 +264,4 @@ class SidecarServer:
     async def stop(self) -> None:
         if self._server is not None:
             await self._server.stop(1.0)
-        for b in self.servicer.backends.values():
-            await b.close()
+        await self.servicer.resolver.close()

@@ -87,14 +87,16 @@ def tensor_checksum(t: torch.Tensor) -> tuple[int, int]:
     w = _words(t)
     n = w.numel()
     full = n - n % _CHUNK_WORDS
-    total = torch.sum(w, dtype=torch.int64)
-    if full:
+    tail_sum = torch.sum(w[full:], dtype=torch.int64)
+    if full:  # one read pass over the bytes: the total is the sum of the chunk sums (same wrapping value)
         per_chunk = torch.sum(w[:full].view(-1, _CHUNK_WORDS), dim=1, dtype=torch.int64)
         weights = torch.arange(1, per_chunk.numel() + 1, device=w.device, dtype=torch.int64)
         weighted = torch.sum(per_chunk * weights)
+        total = torch.sum(per_chunk) + tail_sum
     else:
         weighted = torch.zeros((), dtype=torch.int64, device=w.device)
-    tail = torch.sum(w[full:], dtype=torch.int64) * (full // _CHUNK_WORDS + 1)
+        total = tail_sum
+    tail = tail_sum * (full // _CHUNK_WORDS + 1)
     return int(total), int(weighted + tail)
 
 

@@ -10,6 +10,21 @@ default sleep mode is ``abort`` (requests in flight end with ``finish_reason: ab
 backend always sends ``mode=wait`` (vLLM finishes them first). On the CPU build sleep frees no
 memory (it pauses the scheduler), but the reported state and the hang of requests sent to a
 sleeping engine are real.
+
+Pause modes (``/sleep?mode=``): ``abort`` (vLLM's default) ends requests in flight with
+``finish_reason: abort``; ``wait`` blocks the sleep call until they finish; ``keep`` freezes them
+and resumes them on wake. The drain fallback picks one (``pause_mode``, default ``wait``).
+
+After a level-2 sleep (weights discarded) vLLM needs, before serving again: ``wake_up?tags=weights``
+(``/is_sleeping`` stays true: a partial wake), ``POST /collective_rpc {"method": "reload_weights"}``
+(reload from the model directory: the weight sync point), ``wake_up?tags=kv_cache``, then
+``POST /reset_prefix_cache`` (cached prefixes were computed with the old weights). All checked on
+vLLM 0.32 CPU.
+
+Where NVML is present (``nvidia-ml-py``, import guarded) the backend reads device memory before
+and after a sleep and fails it unless at least ``min_freed_fraction`` of the used memory was freed;
+any ``memory_reader`` callable can stand in for NVML (tests inject one).
+
 An HTTP 200 from ``/sleep`` proves nothing by itself, so every step is verified afterwards: the
 engine must report sleeping (``/is_sleeping``, and the sleep-state gauge where exported) after a
 sleep; after a wake it must report awake and answer a one-token probe completion.
@@ -20,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -37,6 +53,37 @@ log = logging.getLogger(__name__)
 
 
 SLEEP_STATE_FOR_LEVEL = {1: "weights_offloaded", 2: "discard_all"}
+PAUSE_MODES = ("wait", "keep", "abort")
+
+MemoryReader = Callable[[], "int | None"]
+"""Returns the device memory in use, in bytes (None: unknown)."""
+
+
+def nvml_memory_reader(device_indices: list[int] | None = None) -> MemoryReader | None:
+    """A reader of used device memory summed over ``device_indices`` (default: all), through NVML.
+
+    Returns None when ``nvidia-ml-py`` is not installed or NVML cannot start (no driver, no GPU).
+    """
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception as exc:  # pynvml.NVMLError and friends: no driver / no device
+        log.info("NVML unavailable (%r); device memory is not verified", exc)
+        return None
+    indices = list(range(count)) if device_indices is None else device_indices
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+
+    def read() -> int | None:
+        try:
+            return sum(int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles)
+        except Exception:
+            return None
+
+    return read
 
 
 @dataclass
@@ -75,13 +122,33 @@ class VllmBackend(SnapshotBackend):
         idle_poll_s: period of that metric poll, in seconds (a poll: vLLM has no idle event).
         probe: send a one-token completion after each wake and fail the wake if it errors.
         request_timeout_s: timeout of each HTTP call, in seconds.
+        pause_mode: ``/sleep?mode=`` (``wait``: finish requests in flight; ``keep``: freeze them
+            until wake; ``abort``: end them with ``finish_reason: abort``).
+        reload_weights: after a level-2 sleep, reload weights (``collective_rpc reload_weights``)
+            between the weights and kv_cache wake-ups.
+        reset_prefix_cache: after a level-2 wake, ``POST /reset_prefix_cache``.
+        memory_reader: device memory in use, bytes (default: NVML where present, else none).
+        min_freed_fraction: with a reader, a sleep must free at least this fraction of the memory
+            in use before it (0 disables the check; the freed bytes are still reported).
     """
 
     name = "vllm"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
 
     def __init__(self, base_url: str, idle_timeout_s: float = 60.0, idle_poll_s: float = 0.05,
-                 probe: bool = True, request_timeout_s: float = 120.0) -> None:
+                 probe: bool = True, request_timeout_s: float = 120.0, pause_mode: str = "wait",
+                 reload_weights: bool = True, reset_prefix_cache: bool = True,
+                 memory_reader: MemoryReader | None = None, min_freed_fraction: float = 0.0) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
+        if not 0.0 <= min_freed_fraction <= 1.0:
+            raise ValueError("min_freed_fraction must be in [0, 1]")
+        self.pause_mode = pause_mode
+        self.reload_weights = reload_weights
+        self.reset_prefix_cache = reset_prefix_cache
+        self.memory_reader = memory_reader if memory_reader is not None else nvml_memory_reader()
+        self.min_freed_fraction = min_freed_fraction
+        self.level: int | None = None  # level of the current sleep (None: awake or unknown)
         self.base_url = base_url.rstrip("/")
         self.idle_timeout_s = idle_timeout_s
         self.idle_poll_s = idle_poll_s
@@ -96,13 +163,15 @@ class VllmBackend(SnapshotBackend):
         try:
             return await self._http.get(path)
         except httpx.HTTPError as exc:
-            raise BackendError(f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up?") from exc
+            raise BackendError(f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
+                               "The endpoint stays out of service: restart the engine (or its pod), then restore") from exc
 
     async def _post(self, path: str, **kw) -> httpx.Response:
         try:
             r = await self._http.post(path, **kw)
         except httpx.HTTPError as exc:
-            raise BackendError(f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up?") from exc
+            raise BackendError(f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
+                               "The endpoint stays out of service: restart the engine (or its pod), then restore") from exc
         if r.status_code != 200:
             raise BackendError(f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
                                "is the server started with VLLM_SERVER_DEV_MODE=1 (and sleep mode enabled on GPU)?")
@@ -130,33 +199,84 @@ class VllmBackend(SnapshotBackend):
                 return False
             await asyncio.sleep(self.idle_poll_s)
 
+    def _read_memory(self) -> int | None:
+        return self.memory_reader() if self.memory_reader is not None else None
+
+    async def sleep(self, level: int, mode: str | None = None) -> None:
+        """``POST /sleep?level=N&mode=M`` (no waiting for idle, no verification)."""
+        await self._post("/sleep", params={"level": level, "mode": mode or self.pause_mode})
+
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
         level = 2 if mode is SuspendMode.DISCARD else 1
         if not await self.wait_idle():
-            log.warning("engine %s still busy after %.1f s; sleeping with mode=wait", self.base_url, self.idle_timeout_s)
-        await self._post("/sleep", params={"level": level, "mode": "wait"})
+            log.warning("engine %s still busy after %.1f s; sleeping with mode=%s", self.base_url, self.idle_timeout_s,
+                        self.pause_mode)
+        before = self._read_memory()
+        await self.sleep(level)
+        self.level = level
         if not await self.is_suspended():
             raise BackendError(f"vLLM {self.base_url} answered /sleep with 200 but /is_sleeping says awake; "
-                               "the engine is left out of service")
+                               "the engine is left out of service: check its logs, then retry the snapshot")
         m = await self.metrics()
         if m.sleep_state is not None and m.sleep_state != SLEEP_STATE_FOR_LEVEL[level]:
             raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m.sleep_state!r} after sleep "
                                f"level {level} (expected {SLEEP_STATE_FOR_LEVEL[level]!r}); the engine is left out of "
                                "service")
-        return SuspendResult()
+        after = self._read_memory()
+        freed = before - after if before is not None and after is not None else None
+        if freed is not None and self.min_freed_fraction > 0 and before > 0 and freed < self.min_freed_fraction * before:
+            raise BackendError(f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
+                               f"bytes (freed {freed / before:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
+                               "(--enable-sleep-mode)? the engine is left out of service")
+        return SuspendResult(device_bytes_freed=freed)
+
+    async def _current_level(self) -> int | None:
+        if self.level is None:  # e.g. the sidecar restarted while the engine slept: ask the engine
+            state = (await self.metrics()).sleep_state
+            self.level = {v: k for k, v in SLEEP_STATE_FOR_LEVEL.items()}.get(state or "")
+        return self.level
+
+    async def _verify_still_asleep(self, step: str) -> None:
+        if not await self.is_suspended():
+            raise BackendError(f"vLLM {self.base_url}: /is_sleeping says awake after {step}, but the kv cache is not "
+                               "woken yet; the endpoint stays out of service")
 
     async def resume(self, tags: list[str]) -> None:
-        params = [("tags", t) for t in tags] if tags else None
-        await self._post("/wake_up", params=params)
-        if tags and "kv_cache" not in tags:
-            return  # a partial wake (weights only) is verified by the caller's next step
+        """Wake up. ``tags`` empty: the whole sequence; ``["weights"]`` then ``["kv_cache"]``: in two steps.
+
+        After a level-2 sleep, the weights step also reloads the weights and the kv_cache step resets
+        the prefix cache (see the module doc).
+        """
+        tags = list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise BackendError(f"unknown vLLM wake-up tags {sorted(unknown)}; known: weights, kv_cache")
+        level = await self._current_level()
+        if level == 2 and not tags:
+            tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
+        if not tags:
+            await self._post("/wake_up")
+        if "weights" in tags:
+            await self._post("/wake_up", params={"tags": "weights"})
+            if level == 2 and self.reload_weights:
+                await self._verify_still_asleep("wake_up?tags=weights")
+                await self._post("/collective_rpc", json={"method": "reload_weights"})
+            if "kv_cache" not in tags:
+                await self._verify_still_asleep("wake_up?tags=weights")
+                return  # a partial wake: the caller wakes kv_cache next
+        if "kv_cache" in tags:
+            await self._post("/wake_up", params={"tags": "kv_cache"})
+            if level == 2 and self.reset_prefix_cache:
+                await self._post("/reset_prefix_cache")
         if await self.is_suspended():
             raise BackendError(f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
-                               "asleep; the endpoint stays out of service")
+                               "asleep; the endpoint stays out of service: check the engine's logs, then retry the "
+                               "restore")
         m = await self.metrics()
         if m.sleep_state is not None and m.sleep_state != "awake":
             raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m.sleep_state!r} after wake-up; "
                                "the endpoint stays out of service")
+        self.level = None
         if self.probe:
             await self._probe()
 

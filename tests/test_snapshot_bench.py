@@ -1,0 +1,27 @@
+"""The snapshot benchmarks run end to end (tiny sizes) and the GPU one exits cleanly without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks import snapshot
+from benchmarks.gpu import snapshot_gpu
+
+
+def test_snapshot_benchmark_writes_ratio_to_copy_and_first_vs_steady(tmp_path):
+    out = tmp_path / "s.json"
+    assert snapshot.main(["--out", str(out), "--params-m", "0.5", "--cycles", "3", "--device", "cpu"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["ratio_to_copy"]) == {"offload", "restore"} and res["target_ratio"] == 0.9
+    assert res["first_cycle"]["offload_gbps"] > 0 and res["steady_state"]["restore_gbps"] > 0
+    assert res["host_buffers_allocated_at_end"] == res["host_buffers_allocated_after_first_cycle"], "buffers reused"
+
+
+def test_gpu_benchmark_exits_cleanly_without_cuda(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    assert snapshot_gpu.main(["--out", str(out)]) == 0
+    if not torch.cuda.is_available():
+        assert "skipped" in json.loads(out.read_text())
+        assert "CUDA is not available" in capsys.readouterr().out
