@@ -14,6 +14,7 @@ Both run a stdlib ``ThreadingHTTPServer`` in a background thread and record ever
 
 from __future__ import annotations
 
+import abc
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -53,7 +54,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
 
-class _FakeEngine:
+class _FakeEngine(abc.ABC):
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, object]] = []
         self.lock = threading.Lock()
@@ -77,8 +78,9 @@ class _FakeEngine:
     def paths(self, method: str = "POST") -> list[str]:
         return [p for m, p, _ in self.calls if m == method]
 
+    @abc.abstractmethod
     def handle(self, method: str, path: str, query: dict, body) -> tuple[int, object, str]:
-        raise NotImplementedError
+        """Answer one request: ``(status, JSON body or text, content type)``."""
 
 
 class FakeVllm(_FakeEngine):
