@@ -1,0 +1,74 @@
+"""An "existing llm-d client": uses only stubs generated from tests/compat/upstream_orchestrator.proto.
+
+Runs in its own process (the project's own stubs define the same proto package, so both cannot share one
+descriptor pool). Usage: python upstream_client.py STUBS_DIR TARGET SCENARIO; exits 0 when every check holds,
+else prints what was seen and exits 1.
+"""
+
+import sys
+import threading
+import time
+
+sys.path.insert(0, sys.argv[1])
+import grpc
+import upstream_orchestrator_pb2 as pb
+import upstream_orchestrator_pb2_grpc as pb_grpc
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}")
+        sys.exit(1)
+
+
+def basic(stub):
+    check(list(stub.ListGroups(pb.ListGroupsRequest()).group_ids) == ["g0", "trainers"], "ListGroups")
+    check(stub.Acquire(pb.AcquireRequest(job_id="trainer-0", group_id="g0"), timeout=10).success, "Acquire")
+    s = stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g0"))
+    check(s.group.group_state == pb.GroupStatus.STATE_LOCKED and s.group.locking_job == "trainer-0", f"status {s}")
+    check([a.job_id for a in s.agent_job_states] == ["sampler-0"], "agent_job_states")
+    y = stub.Yield(pb.YieldRequest(job_id="trainer-0", group_id="g0"))
+    check(y.success and y.pending_waiters == 0 and not y.snapshot_deferred, f"Yield {y}")
+    stub.Acquire(pb.AcquireRequest(job_id="t", group_id="trainers"), timeout=10)
+    check(stub.Yield(pb.YieldRequest(job_id="t", group_id="trainers")).snapshot_deferred, "deferred snapshot")
+    s = stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="trainers"))
+    check(s.group.group_state == pb.GroupStatus.STATE_IDLE_YIELDED and s.group.loaded_job == "t", f"status {s}")
+    check(stub.Acquire(pb.AcquireRequest(job_id="t", group_id="trainers"), timeout=10).waited_ms == 0, "re-acquire")
+    try:
+        stub.Acquire(pb.AcquireRequest(job_id="x", group_id="nope"), timeout=5)
+        check(False, "unknown group accepted")
+    except grpc.RpcError as err:
+        check(err.code() == grpc.StatusCode.NOT_FOUND, f"unknown group -> {err.code()}")
+
+
+def twenty(stub):
+    order, lock = [], threading.Lock()
+    stub.Acquire(pb.AcquireRequest(job_id="holder", group_id="g0"), timeout=10)
+
+    def job(name):
+        stub.Acquire(pb.AcquireRequest(job_id=name, group_id="g0"), timeout=60)
+        with lock:
+            order.append(name)
+        time.sleep(0.01)
+        stub.Yield(pb.YieldRequest(job_id=name, group_id="g0"))
+
+    names = [f"job-{i:02d}" for i in range(20)]
+    threads = []
+    for i, name in enumerate(names):  # enqueue one by one so the FIFO order is known
+        t = threading.Thread(target=job, args=(name,))
+        t.start()
+        threads.append(t)
+        for _ in range(400):
+            if stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g0")).group.waiter_queue_depth == i + 1:
+                break
+            time.sleep(0.005)
+    check(stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g0")).group.waiter_queue_depth == 20, "20 waiting")
+    stub.Yield(pb.YieldRequest(job_id="holder", group_id="g0"))
+    for t in threads:
+        t.join(30)
+    check(order == names, f"grants were not FIFO: {order}")
+
+
+with grpc.insecure_channel(sys.argv[2]) as channel:
+    {"basic": basic, "twenty": twenty}[sys.argv[3]](pb_grpc.TimeSliceOrchestratorServiceStub(channel))
+print("OK")
