@@ -271,3 +271,27 @@ def test_corrupt_state_file_is_refused_with_its_path(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ValueError, match=r"state\.json"):
         FileStateStore(f).load()
+
+
+async def test_async_client_heartbeats_keep_the_lease_and_report_loss():
+    from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseLost
+
+    srv = OrchestratorServer(LEASE_INV, port=0, actions=RecordingActions(), token="s3cret")
+    await srv.start()
+    try:
+        c = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{srv.port}", job_id="a", group_id="g0", token="s3cret")
+        async with c.on_accelerators():
+            await asyncio.sleep(1.0)  # > 3 TTLs: renewed in the background
+            assert srv.orchestrator.groups["g0"].holder == "a"
+        await c.acquire()
+        await asyncio.sleep(0.15)  # the first heartbeat arms the lease
+        beat = c._beats[("a", "g0")]
+        beat.stop()  # then the holder hangs
+        await asyncio.sleep(0.8)
+        assert srv.orchestrator.groups["g0"].holder is None
+        beat.lost = "stopped by the test"
+        with pytest.raises(LeaseLost):
+            await c.release()
+        await c.close()
+    finally:
+        await srv.stop()

@@ -15,6 +15,7 @@ yield, so trainer state is resident exactly while the lease is held.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -218,15 +219,22 @@ class TimeSliceOrchestratorClient:
 
 
 class AsyncTimeSliceOrchestratorClient:
-    """asyncio variant with the same methods (awaitable) and ``on_accelerators`` as async context manager/decorator."""
+    """asyncio variant with the same methods (awaitable) and ``on_accelerators`` as async context manager/decorator.
+
+    Like the sync client it renews the lease in the background (an asyncio task per held group) and
+    passes its fencing token on yield; ``release()`` raises :class:`LeaseLost` when the lease was lost.
+    """
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list | None = None, token: str | None = None) -> None:
+                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         tok = token if token is not None else auth.load_token()
         self._channel = aio.insecure_channel(self.target, options=channel_options or [],
                                              interceptors=auth.client_interceptors(tok))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
+        self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
+        self.heartbeats = heartbeats
+        self._beats: dict[tuple[str, str], _AsyncHeartbeat] = {}
 
     _ids = TimeSliceOrchestratorClient._ids
 
@@ -236,13 +244,33 @@ class AsyncTimeSliceOrchestratorClient:
             r = await self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec)
         except grpc.RpcError as exc:
             raise _translate(exc, f"acquire {group!r} as {job!r}") from None
+        if self.heartbeats:
+            try:
+                lease = await self._leases_stub.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group),
+                                                         timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # upstream orchestrator: nothing to renew
+                    raise _translate(exc, f"lease of {group!r} as {job!r}") from None
+            else:
+                old = self._beats.pop((job, group), None)
+                if old is not None:
+                    old.stop()
+                self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token,
+                                                            lease.ttl_s)
         return AcquireResult(r.success, r.waited_ms, r.context_restored)
 
     async def release(self, job_id=None, group_id=None) -> YieldResult:
         job, group = self._ids(job_id, group_id)
+        beat = self._beats.pop((job, group), None)
+        md = None
+        if beat is not None:
+            beat.stop()
+            md = ((FENCING_TOKEN_METADATA, str(beat.token)),)
         try:
-            r = await self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30)
+            r = await self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=md)
         except grpc.RpcError as exc:
+            if beat is not None and beat.lost is not None:
+                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
             raise _translate(exc, f"yield {group!r} as {job!r}") from None
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 
@@ -254,7 +282,43 @@ class AsyncTimeSliceOrchestratorClient:
         return _AsyncHeld(self, job_id, group_id, timeout_sec, state)
 
     async def close(self) -> None:
+        for beat in self._beats.values():
+            beat.stop()
+        self._beats.clear()
         await self._channel.close()
+
+
+class _AsyncHeartbeat:
+    """An asyncio task renewing one lease every ttl/3 seconds; records ``lost`` like :class:`_Heartbeat`."""
+
+    def __init__(self, stub, job: str, group: str, token: int, ttl_s: float) -> None:
+        self._stub, self.job, self.group, self.token, self.ttl_s = stub, job, group, token, ttl_s
+        self.lost: str | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run()) if ttl_s > 0 else None
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        period = max(0.05, self.ttl_s / 3)
+        last_ok = time.monotonic()
+        while True:
+            try:
+                await self._stub.Heartbeat(lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group,
+                                                                      fencing_token=self.token),
+                                           timeout=max(0.5, period))
+                last_ok = time.monotonic()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self.lost = exc.details()
+                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+                    return
+                if time.monotonic() - last_ok > self.ttl_s:
+                    self.lost = f"no heartbeat reached the orchestrator for {self.ttl_s:g} s ({exc.code().name})"
+                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+                    return
+            await asyncio.sleep(period)
 
 
 class _Held(contextlib.ContextDecorator):
