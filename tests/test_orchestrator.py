@@ -295,3 +295,34 @@ async def test_async_client_heartbeats_keep_the_lease_and_report_loss():
         await c.close()
     finally:
         await srv.stop()
+
+
+async def _grant_order(policy: str, priorities: dict | None = None, warmup: tuple = ()) -> list[str]:
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "policy": policy,
+                                                "job_priorities": priorities or {}}]})
+    orch = Orchestrator(inv.group_specs(), RecordingActions())
+    for job in warmup:  # earlier grants (round-robin remembers them)
+        await orch.acquire(job, "g")
+        orch.yield_(job, "g")
+    await orch.acquire("holder", "g")
+    order: list[str] = []
+
+    async def one(job):
+        await orch.acquire(job, "g", timeout_s=5)
+        order.append(job)
+        orch.yield_(job, "g")
+
+    tasks = []
+    for job in ("a", "b", "c"):
+        tasks.append(asyncio.create_task(one(job)))
+        await asyncio.sleep(0.01)  # arrival order a, b, c
+    orch.yield_("holder", "g")
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_scheduling_policies_fifo_priority_round_robin():
+    assert await _grant_order("fifo") == ["a", "b", "c"]
+    assert await _grant_order("priority", {"c": 5, "b": 1}) == ["c", "b", "a"]
+    # a and b were granted before; c never: round-robin serves c first, then the least recently granted.
+    assert await _grant_order("round_robin", warmup=("b", "a")) == ["c", "b", "a"]

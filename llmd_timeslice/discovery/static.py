@@ -15,6 +15,7 @@ YAML (or JSON) shape, validated with unknown keys refused::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -45,6 +46,8 @@ class GroupEntry(BaseModel):
     sleep_level: int = Field(1, ge=1, le=2)
     drain_timeout_s: float = Field(60.0, gt=0, le=3600)
     lease_ttl_s: float = Field(30.0, ge=0, le=3600, description="Lease TTL once the holder heartbeats (0: never expire).")
+    policy: Literal["fifo", "priority", "round_robin"] = Field("fifo", description="Scheduling policy of the waiters.")
+    job_priorities: dict[str, int] = Field(default_factory=dict, description="Per-job priority (priority policy).")
     samplers: list[SamplerEntry] = Field(default_factory=list)
 
 
@@ -75,6 +78,8 @@ class Inventory(BaseModel):
                 g.sleep_level,
                 g.drain_timeout_s,
                 g.lease_ttl_s,
+                g.policy,
+                dict(g.job_priorities),
             )
             for g in self.groups
         ]

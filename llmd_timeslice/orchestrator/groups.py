@@ -104,6 +104,11 @@ class GroupSpec:
     sleep_level: int = 1
     drain_timeout_s: float = 60.0
     lease_ttl_s: float = 30.0
+    policy: str = "fifo"
+    """Scheduling policy of the waiters: ``fifo``, ``priority`` (highest ``job_priorities`` first, FIFO
+    among equals) or ``round_robin`` (the job granted least recently first: phase-level multiplexing of
+    several RL jobs on one set of accelerators)."""
+    job_priorities: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +171,8 @@ class Group:
         self.lease: Lease | None = None
         self.last_token = 0
         self.expired_jobs: dict[str, str] = {}  # job -> why its lease was reclaimed
+        self.grants = 0
+        self.last_granted: dict[str, int] = {}  # job -> number of its last grant (round-robin)
         self._driver: asyncio.Task | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
         self.on_change: Callable[[Group], None] | None = None
@@ -176,6 +183,20 @@ class Group:
             self.state_since = time.time()
             if self.on_change is not None:
                 self.on_change(self)
+
+
+POLICIES = ("fifo", "priority", "round_robin")
+
+
+def pick_waiter(g: Group) -> _Waiter:
+    """The next waiter of ``g`` by its policy (``g.waiters`` is in arrival order and not empty)."""
+    policy = g.spec.policy
+    if policy == "priority":
+        prio = g.spec.job_priorities
+        return max(g.waiters, key=lambda w: prio.get(w.job_id, 0))  # max() keeps the first (FIFO) among equals
+    if policy == "round_robin":
+        return min(g.waiters, key=lambda w: g.last_granted.get(w.job_id, 0))
+    return g.waiters[0]
 
 
 class Orchestrator:
@@ -286,6 +307,8 @@ class Orchestrator:
         return g
 
     def _grant(self, g: Group, job_id: str) -> None:
+        g.grants += 1
+        g.last_granted[job_id] = g.grants
         g.holder = job_id
         g.last_token += 1
         g.lease = Lease(job_id, g.last_token, g.spec.lease_ttl_s)
@@ -353,12 +376,13 @@ class Orchestrator:
             g._driver = asyncio.get_running_loop().create_task(self._run_group(g), name=f"group-{g.spec.group_id}")
 
     async def _run_group(self, g: Group) -> None:
-        """Serialises every switch of one group: grants waiters FIFO, else hands back to samplers."""
+        """Serialises every switch of one group: grants waiters (by the group's scheduling policy), else
+        hands back to samplers."""
         while g.holder is None and not self._closing:
-            while g.waiters and g.waiters[0].future.done():
-                g.waiters.popleft()  # abandoned
+            for w in [w for w in g.waiters if w.future.done()]:
+                g.waiters.remove(w)  # abandoned
             if g.waiters:
-                waiter = g.waiters[0]
+                waiter = pick_waiter(g)
                 if g.loaded_job == SAMPLERS:
                     record = SwitchRecord(g.spec.group_id, "to_job", waiter.job_id, time.time())
                     g.set_state(GroupState.SWITCHING)
@@ -369,14 +393,15 @@ class Orchestrator:
                         self._record(g, record)
                         g.last_error = f"switch to job {waiter.job_id!r} failed: {exc}"
                         log.error("group=%s %s", g.spec.group_id, g.last_error)
-                        g.waiters.popleft()
+                        g.waiters.remove(waiter)
                         if not waiter.future.done():
                             waiter.future.set_exception(SwitchFailed(g.last_error + "; samplers are being woken again"))
                         await self._resume(g, waiter.job_id)
                         continue
                     self._record(g, record)
                     g.loaded_job = None  # samplers asleep, nobody loaded yet
-                g.waiters.popleft()
+                if waiter in g.waiters:
+                    g.waiters.remove(waiter)
                 if waiter.future.done():
                     continue  # gave up during the switch; the next waiter (or the samplers) get it
                 g.loaded_job = waiter.job_id
