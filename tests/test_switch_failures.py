@@ -1,0 +1,84 @@
+"""A sidecar/engine failure during a phase switch, through the real gRPC path (orchestrator, gate state
+stream, sidecars): the acquire fails with the reason, the group ends in a stated, recoverable state, and no
+engine that failed verification is ever published SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from epp_plugin.gate.pool_state import EndpointState
+from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.server import SidecarServer
+from tests.support.fake_engines import FakeVllm
+
+
+@pytest.fixture
+async def stack():
+    engines = [FakeVllm().start(), FakeVllm().start()]
+    sidecars = [SidecarServer({f"sampler-{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token="t")
+                for i, e in enumerate(engines)]
+    for s in sidecars:
+        await s.start()
+    addrs = [e.url.removeprefix("http://") for e in engines]
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
+        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"sampler-{i}"}
+        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]}]})
+    orch = OrchestratorServer(inv, port=0, token="t")
+    await orch.start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token="t"))
+    await gate.start()
+    await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token="t")
+    yield engines, addrs, orch, gate, client
+    await client.close()
+    await gate.stop()
+    await orch.stop()
+    for s in sidecars:
+        await s.stop()
+    for e in engines:
+        e.stop()
+
+
+async def _until(pred, timeout=10.0):
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_engine_that_lies_about_sleeping_fails_the_acquire_and_the_group_recovers(stack):
+    engines, addrs, orch, gate, client = stack
+    pool = gate.pools["default"]
+    assert set(pool.serving()) == set(addrs)
+    engines[1].lie_on_sleep = True  # answers 200 to /sleep but keeps running
+    with pytest.raises(LeaseError, match=r"UNAVAILABLE.*is_sleeping says awake"):
+        await client.acquire(timeout_sec=30)
+    g = orch.orchestrator.groups["g"]
+    assert g.holder is None and "failed" in g.last_error
+    # Rolled back: both engines woken and verified again, SERVING at the gate.
+    await _until(lambda: set(pool.serving()) == set(addrs) and g.state.value == "IDLE")
+    engines[1].lie_on_sleep = False
+    await client.acquire(timeout_sec=30)  # recoverable without a human
+    assert pool.serving() == ()
+    await client.release()
+    await _until(lambda: set(pool.serving()) == set(addrs))
+
+
+async def test_engine_that_lies_about_waking_stays_out_of_service(stack):
+    engines, addrs, orch, gate, client = stack
+    pool = gate.pools["default"]
+    await client.acquire(timeout_sec=30)
+    engines[0].lie_on_wake = True  # 200 on /wake_up, still asleep
+    await client.release()
+    await _until(lambda: pool.serving() == (addrs[1],))
+    await asyncio.sleep(0.3)
+    assert pool.endpoints[addrs[0]].state is EndpointState.ASLEEP, "never half-awake in the pool"
+    g = orch.orchestrator.groups["g"]
+    assert "waking the samplers failed" in g.last_error and "out of service" in g.last_error
