@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -11,6 +12,8 @@ from rich.table import Table
 from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2_grpc as info_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 
@@ -33,6 +36,17 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                                    for a in s.agent_job_states)
                 t.add_row(gid, opb.GroupStatus.State.Name(s.group.group_state)[6:], s.group.locking_job or "-",
                           s.group.loaded_job or "samplers", str(s.group.waiter_queue_depth), agents)
+            console.print(t)
+            info = info_grpc.OrchestratorInfoServiceStub(ch)
+            switches = info.ListSwitches(info_pb.ListSwitchesRequest(limit=10), timeout=5, metadata=md).switches
+            t = Table(title="recent switches (newest first)")
+            for col in ("when", "group", "kind", "job", "ok", "phases (s)", "error"):
+                t.add_column(col)
+            for sw in switches:
+                when = time.strftime("%H:%M:%S", time.localtime(sw.started_at_unix_s))
+                phases = " ".join(f"{k}={v:.3f}" for k, v in sw.phase_seconds.items())
+                t.add_row(when, sw.group_id, sw.kind, sw.job_id or "-", "yes" if sw.ok else "[red]no[/red]", phases,
+                          sw.error[:80])
             console.print(t)
         except grpc.RpcError as exc:
             console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")

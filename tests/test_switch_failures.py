@@ -82,3 +82,23 @@ async def test_engine_that_lies_about_waking_stays_out_of_service(stack):
     assert pool.endpoints[addrs[0]].state is EndpointState.ASLEEP, "never half-awake in the pool"
     g = orch.orchestrator.groups["g"]
     assert "waking the samplers failed" in g.last_error and "out of service" in g.last_error
+
+
+async def test_status_shows_groups_endpoints_and_recent_switches(stack, tmp_path):
+    from rich.console import Console
+
+    from llmd_timeslice.status import print_status
+
+    engines, addrs, orch, gate, client = stack
+    await client.acquire(timeout_sec=30)
+    token = tmp_path / "token"
+    token.write_text("t")
+    console = Console(record=True, width=200)
+    rc = await asyncio.to_thread(print_status, f"127.0.0.1:{orch.port}", [f"127.0.0.1:{gate.control_port}"], token,
+                                 console)
+    text = console.export_text()
+    assert rc == 0
+    assert "LOCKED" in text and "trainer" in text, text
+    assert "recent switches" in text and "to_job" in text and "drain=" in text, text
+    assert "ASLEEP" in text and addrs[0] in text, text
+    await client.release()

@@ -10,7 +10,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmd_timeslice import auth
-from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc, lease_pb2_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc, lease_pb2_grpc, orchestrator_info_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
@@ -18,7 +18,7 @@ from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
 from llmd_timeslice.orchestrator.persistence import StateStore
-from llmd_timeslice.orchestrator.service import LeaseServicer, OrchestratorService, export_switch
+from llmd_timeslice.orchestrator.service import LeaseServicer, OrchestratorInfo, OrchestratorService, export_switch
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class OrchestratorServer:
         )
         gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
         lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator), self._server)
+        orchestrator_info_pb2_grpc.add_OrchestratorInfoServiceServicer_to_server(OrchestratorInfo(self.orchestrator),
+                                                                                 self._server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")

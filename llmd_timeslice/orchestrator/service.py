@@ -13,7 +13,12 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter, Gauge, Histogram
 
-from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
+    lease_pb2,
+    lease_pb2_grpc,
+    orchestrator_info_pb2,
+    orchestrator_info_pb2_grpc,
+)
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.orchestrator import groups as core
@@ -166,3 +171,28 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         except core.OrchestratorError as exc:
             await _abort(context, exc)
         return self._wire(lease, request.group_id, asyncio.get_running_loop().time())
+
+
+class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceServicer):
+    """Project extension: recent phase switches per group (``llmd_timeslice.v1alpha1.OrchestratorInfoService``)."""
+
+    def __init__(self, orch: core.Orchestrator) -> None:
+        self._orch = orch
+
+    async def ListSwitches(self, request, context):  # noqa: N802
+        if request.limit < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be >= 0, got {request.limit}")
+        if request.group_id:
+            try:
+                groups = [self._orch.group(request.group_id)]
+            except core.OrchestratorError as exc:
+                await _abort(context, exc)
+        else:
+            groups = list(self._orch.groups.values())
+        records = sorted((r for g in groups for r in g.history), key=lambda r: r.started_at, reverse=True)
+        return orchestrator_info_pb2.ListSwitchesResponse(switches=[
+            orchestrator_info_pb2.SwitchInfo(
+                group_id=r.group_id, kind=r.kind, job_id=r.job_id, started_at_unix_s=r.started_at, ok=r.ok,
+                error=r.error, phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"})
+            for r in records[: request.limit or 10]
+        ])

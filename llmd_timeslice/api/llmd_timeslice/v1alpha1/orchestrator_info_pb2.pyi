@@ -1,0 +1,46 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListSwitchesRequest(_message.Message):
+    __slots__ = ("group_id", "limit")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    limit: int
+    def __init__(self, group_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SwitchInfo(_message.Message):
+    __slots__ = ("group_id", "kind", "job_id", "started_at_unix_s", "ok", "error", "phase_seconds")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    kind: str
+    job_id: str
+    started_at_unix_s: float
+    ok: bool
+    error: str
+    phase_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, group_id: _Optional[str] = ..., kind: _Optional[str] = ..., job_id: _Optional[str] = ..., started_at_unix_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ListSwitchesResponse(_message.Message):
+    __slots__ = ("switches",)
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    switches: _containers.RepeatedCompositeFieldContainer[SwitchInfo]
+    def __init__(self, switches: _Optional[_Iterable[_Union[SwitchInfo, _Mapping]]] = ...) -> None: ...
