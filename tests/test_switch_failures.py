@@ -89,7 +89,7 @@ async def test_status_shows_groups_endpoints_and_recent_switches(stack, tmp_path
 
     from llmd_timeslice.status import print_status
 
-    engines, addrs, orch, gate, client = stack
+    _engines, addrs, orch, gate, client = stack
     await client.acquire(timeout_sec=30)
     token = tmp_path / "token"
     token.write_text("t")
