@@ -151,6 +151,9 @@ def orchestrator(
     port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).", min=0, max=65535)] = 50051,
     state_file: Annotated[Path | None, typer.Option(
         help="Local state file: holders, leases and group states survive a restart (unset: kept in memory only).")] = None,
+    state_configmap: Annotated[str | None, typer.Option(
+        help="kubernetes: ConfigMap (in --namespace) that keeps holders, leases and group states across restarts.")
+    ] = None,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -161,7 +164,12 @@ def orchestrator(
     from llmd_timeslice.orchestrator.persistence import FileStateStore
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
+    if state_file is not None and state_configmap is not None:
+        raise typer.BadParameter("choose one of --state-file and --state-configmap", param_hint="--state-configmap")
     store = FileStateStore(state_file) if state_file is not None else None
+    if state_configmap is not None and discovery is not _Discovery.kubernetes:
+        raise typer.BadParameter("needs --discovery kubernetes (use --state-file otherwise)",
+                                 param_hint="--state-configmap")
     if discovery is _Discovery.kubernetes:
         if inventory is not None:
             raise typer.BadParameter("is for --discovery static; with kubernetes the pods are the inventory",
@@ -169,7 +177,7 @@ def orchestrator(
         _setup_logging(log_level)
         _metrics(metrics_port, host)
         _orchestrator_kubernetes(namespace, label_selector, default_pool, manage_serving_label, host, port,
-                                 load_token(token_file), store)
+                                 load_token(token_file), store, state_configmap)
         return
     if inventory is None:
         raise typer.BadParameter("required with --discovery static", param_hint="--inventory")
@@ -191,7 +199,8 @@ def orchestrator(
 
 
 def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default_pool: str, manage_serving_label: bool,
-                             host: str, port: int, token: str | None, store=None) -> None:
+                             host: str, port: int, token: str | None, store=None,
+                             state_configmap: str | None = None) -> None:
     """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
     from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.sync import InventorySync, SerializedActions, inventory_from_specs
@@ -201,6 +210,11 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
     async def main() -> None:
         api = k8s.make_api_client()
         ns = namespace or k8s.default_namespace()
+        state_store = store
+        if state_configmap:
+            from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
+
+            state_store = ConfigMapStateStore(api, ns, state_configmap)
         changes: asyncio.Queue = asyncio.Queue()
         disc = k8s.KubernetesDiscovery(ns, api, label_selector=label_selector,
                                        defaults=k8s.DiscoveryDefaults(default_pool=default_pool),
@@ -208,7 +222,7 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
         specs = await disc.start()
         actions = SerializedActions()
         srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, actions=actions,
-                                 state_store=store)
+                                 state_store=state_store)
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if manage_serving_label else None
         actions.inner = GrpcSwitchActions(srv.hub, token, labeler=labeler)
         sync = InventorySync(srv.orchestrator, actions)

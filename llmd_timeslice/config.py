@@ -192,6 +192,8 @@ class OrchestratorSettings(_Section):
     port: Port = Field(50051, description="gRPC port (TimeSliceOrchestratorService and GateStateService).")
     state_file: Path | None = Field(None, description="Local state file: holders, leases and group states survive a "
                                     "restart (unset: kept in memory only).")
+    state_configmap: str | None = Field(None, description="With `discovery: kubernetes`: ConfigMap that keeps holders, "
+                                                          "leases and group states across restarts.")
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()

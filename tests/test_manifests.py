@@ -362,13 +362,23 @@ def test_orchestrator_discovers_pods_and_fallback_manages_the_serving_label():
     assert "--manage-serving-label" in fb["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def test_orchestrator_rbac_is_limited_to_pods():
+STATE_RULES = [
+    {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["llmd-timeslice-orchestrator-state"],
+     "verbs": ["get", "update"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+]
+
+
+def test_orchestrator_rbac_is_limited_to_pods_and_its_state_configmap():
     base_role = find(built("base"), "Role", "llmd-timeslice-orchestrator")
-    assert base_role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert base_role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                                  *STATE_RULES]
+    orch = find(built("base"), "Deployment", "llmd-timeslice-orchestrator")
+    assert "--state-configmap=llmd-timeslice-orchestrator-state" in orch["spec"]["template"]["spec"]["containers"][0]["args"]
     fallback = find(built("gateways/label-fallback"), "Role", "llmd-timeslice-orchestrator")
-    verbs = {v for r in fallback["rules"] for v in r["verbs"]}
-    assert verbs == {"get", "list", "watch", "patch"}
-    assert all(r["resources"] == ["pods"] and r["apiGroups"] == [""] for r in fallback["rules"])
+    pod_rules = [r for r in fallback["rules"] if r not in STATE_RULES]
+    assert {v for r in pod_rules for v in r["verbs"]} == {"get", "list", "watch", "patch"}
+    assert all(r["resources"] == ["pods"] and r["apiGroups"] == [""] for r in pod_rules)
     kinds = {d["kind"] for o in OVERLAYS for d in built(o)}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
 

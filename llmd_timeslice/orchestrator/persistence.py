@@ -2,8 +2,8 @@
 
 ``FileStateStore`` (local and Slurm-style set-ups) writes the JSON snapshot of
 :meth:`~llmd_timeslice.orchestrator.groups.Orchestrator.snapshot` atomically (temporary file +
-``os.replace``) on every change of a group's holder, lease or state. A Kubernetes object store
-(ConfigMap/Lease through the official client) is the cluster-mode counterpart; it is not written yet.
+``os.replace``) on every change of a group's holder, lease or state. ``ConfigMapStateStore`` is
+the cluster-mode counterpart (a ConfigMap through the official ``kubernetes`` client).
 """
 
 from __future__ import annotations
@@ -52,3 +52,63 @@ class FileStateStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+class ConfigMapStateStore:
+    """Cluster mode: the snapshot in a ConfigMap (key ``state.json``) through the official ``kubernetes``
+    client. RBAC: ``get``, ``create``, ``update`` on that ConfigMap (the guide's Role names it).
+
+    Writes are synchronous HTTP calls from the event loop: they happen once per group state change
+    (a few per phase switch), not per request. A write that fails is logged and raises, so the switch
+    that caused it fails loudly instead of running on state that would not survive a restart.
+
+    Args:
+        api_client: a ``kubernetes.client.ApiClient`` (see ``discovery.kubernetes.make_api_client``).
+        namespace, name: where the ConfigMap lives.
+    """
+
+    KEY = "state.json"
+
+    def __init__(self, api_client, namespace: str, name: str = "llmd-timeslice-orchestrator-state") -> None:
+        from kubernetes import client
+
+        self._api = client.CoreV1Api(api_client)
+        self.namespace, self.name = namespace, name
+
+    def load(self) -> dict | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            cm = self._api.read_namespaced_config_map(self.name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise RuntimeError(f"reading ConfigMap {self.namespace}/{self.name}: HTTP {exc.status} {exc.reason}"
+                               + (" (RBAC: the orchestrator needs `get` on configmaps)" if exc.status == 403 else "")
+                               ) from None
+        raw = (cm.data or {}).get(self.KEY)
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"ConfigMap {self.namespace}/{self.name} key {self.KEY} is not valid JSON ({exc}); "
+                             "fix or delete it (deleting forgets current holders)") from exc
+
+    def save(self, state: dict) -> None:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        body = client.V1ConfigMap(metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace,
+                                                               labels={"app.kubernetes.io/name": "llmd-timeslice"}),
+                                  data={self.KEY: json.dumps(state)})
+        try:
+            self._api.replace_namespaced_config_map(self.name, self.namespace, body)
+        except ApiException as exc:
+            if exc.status != 404:
+                log.error("saving orchestrator state to ConfigMap %s/%s failed: HTTP %s", self.namespace, self.name,
+                          exc.status)
+                raise RuntimeError(f"saving state to ConfigMap {self.namespace}/{self.name}: HTTP {exc.status}"
+                                   + (" (RBAC: needs `update`/`create` on configmaps)" if exc.status == 403 else "")
+                                   ) from None
+            self._api.create_namespaced_config_map(self.namespace, body)
