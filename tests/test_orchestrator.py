@@ -326,3 +326,37 @@ async def test_scheduling_policies_fifo_priority_round_robin():
     assert await _grant_order("priority", {"c": 5, "b": 1}) == ["c", "b", "a"]
     # a and b were granted before; c never: round-robin serves c first, then the least recently granted.
     assert await _grant_order("round_robin", warmup=("b", "a")) == ["c", "b", "a"]
+
+
+def test_client_config_from_environment_and_both_groups_in_lock_order(monkeypatch):
+    monkeypatch.setenv("TIMESLICE_ORCH_ADDR", "127.0.0.1:1")
+    monkeypatch.setenv("TIMESLICE_JOB_ID", "env-job")
+    monkeypatch.setenv("TIMESLICE_TRAINER_GROUP", "trainers-only")
+    monkeypatch.setenv("TIMESLICE_SAMPLER_GROUP", "g0")
+    c = TimeSliceOrchestratorClient()
+    assert (c.target, c.job_id, c.group_id, c.sampler_group_id) == ("127.0.0.1:1", "env-job", "trainers-only", "g0")
+    c.close()
+
+
+def test_on_both_groups_takes_trainer_then_sampler_group(loop_thread):
+    srv = OrchestratorServer(INVENTORY, port=0, actions=RecordingActions(), token="s3cret")
+    loop_thread.run(srv.start())
+    try:
+        c = TimeSliceOrchestratorClient(f"127.0.0.1:{srv.port}", job_id="sync-job", group_id="trainers-only",
+                                        sampler_group_id="g0", token="s3cret")
+        with c.on_both_groups(timeout_sec=10):
+            groups = srv.orchestrator.groups
+            assert groups["trainers-only"].holder == "sync-job" and groups["g0"].holder == "sync-job"
+        assert srv.orchestrator.groups["g0"].holder is None
+        c.close()
+    finally:
+        loop_thread.run(srv.stop())
+
+
+def test_unreachable_orchestrator_is_reported_as_such():
+    from llmd_timeslice.client import OrchestratorUnavailable
+
+    c = TimeSliceOrchestratorClient("127.0.0.1:1", job_id="j", group_id="g", token="x")
+    with pytest.raises(OrchestratorUnavailable, match="unreachable"):
+        c.acquire(timeout_sec=5)
+    c.close()

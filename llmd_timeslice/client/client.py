@@ -5,8 +5,10 @@ job_id=None, group_id=None, channel_options=None)``, ``acquire()`` -> ``AcquireR
 waited_ms, context_restored)``, ``release()`` -> ``YieldResult(success, pending_waiters,
 snapshot_deferred)`` (``yield`` is a keyword), ``on_accelerators(job_id, group_id, timeout_sec)``
 as context manager and decorator. Configuration falls back to the environment:
-``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_JOB_ID``, ``TIMESLICE_TRAINER_GROUP``; the bearer token to
-``LLMD_TIMESLICE_TOKEN(_FILE)``.
+``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_JOB_ID``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``
+(for ``on_both_groups``, which takes the trainer group before the sampler group); the bearer token to
+``LLMD_TIMESLICE_TOKEN(_FILE)``. Calls are retried on UNAVAILABLE (service config on the upstream service
+name, exponential back-off, 5 attempts).
 
 A ``state`` offloader (e.g. :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`)
 passed to ``on_accelerators`` is restored right after the grant and offloaded right before the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -90,6 +93,22 @@ def _translate(exc: grpc.RpcError, what: str) -> TimeSliceError:
     return LeaseError(f"{what}: {code.name}: {exc.details()}")
 
 
+# Retries on the upstream service name (transient UNAVAILABLE: orchestrator restarting, connection reset).
+# Acquire is safe to retry: a waiter whose call died is dropped from the queue by the orchestrator.
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"},
+                 {"service": "llmd_timeslice.v1alpha1.LeaseService"}],
+        "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+})
+
+
+def _channel_options(extra: list | None) -> list:
+    return [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1), *(extra or [])]
+
+
 def _defaults(target, job_id, group_id):
     return (
         target or os.environ.get("TIMESLICE_ORCH_ADDR") or DEFAULT_TARGET,
@@ -110,10 +129,12 @@ class TimeSliceOrchestratorClient:
     """
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True) -> None:
+                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
+                 sampler_group_id: str | None = None) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
+        self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
         self._md = auth.call_metadata(token if token is not None else auth.load_token())
-        self._channel = grpc.insecure_channel(self.target, options=channel_options or [])
+        self._channel = grpc.insecure_channel(self.target, options=_channel_options(channel_options))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self.heartbeats = heartbeats
@@ -205,6 +226,17 @@ class TimeSliceOrchestratorClient:
         """
         return _Held(self, job_id, group_id, timeout_sec, state)
 
+    @contextlib.contextmanager
+    def on_both_groups(self, job_id: str | None = None, timeout_sec: float | None = None):
+        """Hold the trainer group, then the sampler group (the lock order), e.g. for a weight sync;
+        yields in reverse order. Groups from the client (``group_id``, ``sampler_group_id`` /
+        ``$TIMESLICE_SAMPLER_GROUP``). Raises TimeSliceError when no sampler group is configured."""
+        if not self.sampler_group_id:
+            raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
+        with self.on_accelerators(job_id, self.group_id, timeout_sec), \
+                self.on_accelerators(job_id, self.sampler_group_id, timeout_sec):
+            yield self
+
     def close(self) -> None:
         for beat in self._beats.values():
             beat.stop()
@@ -229,7 +261,7 @@ class AsyncTimeSliceOrchestratorClient:
                  channel_options: list | None = None, token: str | None = None, heartbeats: bool = True) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         tok = token if token is not None else auth.load_token()
-        self._channel = aio.insecure_channel(self.target, options=channel_options or [],
+        self._channel = aio.insecure_channel(self.target, options=_channel_options(channel_options),
                                              interceptors=auth.client_interceptors(tok))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
