@@ -199,7 +199,10 @@ def test_client_heartbeats_keep_the_lease_and_a_silent_holder_loses_it(loop_thre
         b.acquire()
         b._beats[("b", "g0")].stop()  # the holder hangs: no more heartbeats
         time.sleep(0.8)
-        assert b.group_status().group.locking_job == ""
+        status = b.group_status()
+        assert status.group.locking_job == ""
+        assert [(a.job_id, a.job_state) for a in status.agent_job_states] == [
+            ("b", status.agent_job_states[0].STATE_FAULTED)], "the expired job is reported FAULTED"
         with pytest.raises(LeaseError, match="expired"):
             b.release()
     finally:

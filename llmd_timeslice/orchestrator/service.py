@@ -136,6 +136,10 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
                                                               pb.SnapshotAgentJobState.STATE_UNSPECIFIED))
             for s in g.spec.samplers
         ]
+        # Jobs whose lease expired are FAULTED until they acquire again (the message says what to do).
+        agents += [pb.SnapshotAgentJobState(agent="orchestrator", job_id=job,
+                                            job_state=pb.SnapshotAgentJobState.STATE_FAULTED)
+                   for job in sorted(g.expired_jobs)]
         return pb.GetGroupStatusResponse(group=status, agent_job_states=agents)
 
 
