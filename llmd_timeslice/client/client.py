@@ -320,39 +320,6 @@ class AsyncTimeSliceOrchestratorClient:
         await self._channel.close()
 
 
-class _AsyncHeartbeat:
-    """An asyncio task renewing one lease every ttl/3 seconds; records ``lost`` like :class:`_Heartbeat`."""
-
-    def __init__(self, stub, job: str, group: str, token: int, ttl_s: float) -> None:
-        self._stub, self.job, self.group, self.token, self.ttl_s = stub, job, group, token, ttl_s
-        self.lost: str | None = None
-        self._task = asyncio.get_running_loop().create_task(self._run()) if ttl_s > 0 else None
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _run(self) -> None:
-        period = max(0.05, self.ttl_s / 3)
-        last_ok = time.monotonic()
-        while True:
-            try:
-                await self._stub.Heartbeat(lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group,
-                                                                      fencing_token=self.token),
-                                           timeout=max(0.5, period))
-                last_ok = time.monotonic()
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    self.lost = exc.details()
-                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
-                    return
-                if time.monotonic() - last_ok > self.ttl_s:
-                    self.lost = f"no heartbeat reached the orchestrator for {self.ttl_s:g} s ({exc.code().name})"
-                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
-                    return
-            await asyncio.sleep(period)
-
-
 class _Held(contextlib.ContextDecorator):
     """Context manager and decorator of :meth:`TimeSliceOrchestratorClient.on_accelerators`."""
 
@@ -409,16 +376,39 @@ class _AsyncHeld:
         return wrapper
 
 
-class _Heartbeat:
-    """Background thread renewing one lease every ttl/3 seconds (LeaseService.Heartbeat).
+class _LeaseRenewal:
+    """What the sync and async heartbeat loops share: the request, the period (ttl/3) and the rule
+    for giving up. A refusal (stale token, not the holder) or an orchestrator unreachable for longer
+    than the TTL records ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`."""
 
-    A refusal (stale token, not the holder) or an unreachable orchestrator past the TTL records
-    ``lost`` and stops; ``release()`` then reports :class:`LeaseLost`.
-    """
+    def __init__(self, job: str, group: str, token: int, ttl_s: float) -> None:
+        self.job, self.group, self.token, self.ttl_s = job, group, token, ttl_s
+        self.period = max(0.05, ttl_s / 3)
+        self.rpc_timeout = max(0.5, self.period)
+        self.lost: str | None = None
+        self.last_ok = time.monotonic()
+
+    def request(self) -> lease_pb2.HeartbeatRequest:
+        return lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group, fencing_token=self.token)
+
+    def failed(self, exc: grpc.RpcError) -> bool:
+        """Record a failed renewal; True when the lease is lost and renewing must stop."""
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            self.lost = exc.details()
+        elif time.monotonic() - self.last_ok > self.ttl_s:
+            self.lost = f"no heartbeat reached the orchestrator for {self.ttl_s:g} s ({exc.code().name})"
+        else:
+            return False
+        _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+        return True
+
+
+class _Heartbeat(_LeaseRenewal):
+    """Background thread renewing one lease every ttl/3 seconds (see :class:`_LeaseRenewal`)."""
 
     def __init__(self, stub, md, job: str, group: str, token: int, ttl_s: float) -> None:
-        self._stub, self._md, self.job, self.group, self.token, self.ttl_s = stub, md, job, group, token, ttl_s
-        self.lost: str | None = None
+        super().__init__(job, group, token, ttl_s)
+        self._stub, self._md = stub, md
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{group}", daemon=True)
 
@@ -430,22 +420,37 @@ class _Heartbeat:
         self._stop.set()
 
     def _run(self) -> None:
-        period = max(0.05, self.ttl_s / 3)
-        last_ok = time.monotonic()
+        self.last_ok = time.monotonic()
         while True:
             try:
-                self._stub.Heartbeat(lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group,
-                                                                fencing_token=self.token),
-                                     timeout=max(0.5, period), metadata=self._md)
-                last_ok = time.monotonic()
+                self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout, metadata=self._md)
+                self.last_ok = time.monotonic()
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    self.lost = exc.details()
-                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+                if self.failed(exc):
                     return
-                if time.monotonic() - last_ok > self.ttl_s:
-                    self.lost = f"no heartbeat reached the orchestrator for {self.ttl_s:g} s ({exc.code().name})"
-                    _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
-                    return
-            if self._stop.wait(period):
+            if self._stop.wait(self.period):
                 return
+
+
+class _AsyncHeartbeat(_LeaseRenewal):
+    """An asyncio task renewing one lease every ttl/3 seconds (see :class:`_LeaseRenewal`)."""
+
+    def __init__(self, stub, job: str, group: str, token: int, ttl_s: float) -> None:
+        super().__init__(job, group, token, ttl_s)
+        self._stub = stub
+        self._task = asyncio.get_running_loop().create_task(self._run()) if ttl_s > 0 else None
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        self.last_ok = time.monotonic()
+        while True:
+            try:
+                await self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout)
+                self.last_ok = time.monotonic()
+            except grpc.RpcError as exc:
+                if self.failed(exc):
+                    return
+            await asyncio.sleep(self.period)
