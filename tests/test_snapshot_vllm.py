@@ -11,7 +11,6 @@ import os
 import signal
 
 import httpx
-import port_for
 import pytest
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
@@ -21,7 +20,7 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc a
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.conftest import ARTIFACTS
+from tests.support.vllm import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
@@ -32,16 +31,7 @@ LOAD_SETTLE_S = 0.25
 
 @pytest.fixture(scope="module")
 def vllm_server():
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    model = build_tiny_llama(ARTIFACTS / "tiny-llama")
-    server = VllmServer(model, port_for.select_random(), ARTIFACTS / "vllm-snapshot-test.log")
-    server.start(timeout_s=400)
-    server.model_name = SERVED_MODEL_NAME
-    yield server
-    server.stop()
+    yield from running_vllm("vllm-snapshot-test.log")
 
 
 async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):

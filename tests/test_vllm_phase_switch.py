@@ -9,7 +9,6 @@ import asyncio
 import time
 
 import httpx
-import port_for
 import pytest
 
 from epp_plugin import protocol
@@ -19,8 +18,8 @@ from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.base import SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.conftest import ARTIFACTS
 from tests.support.router import start_router
+from tests.support.vllm import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -29,16 +28,7 @@ COMPLETION = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0
 
 @pytest.fixture(scope="module")
 def vllm_server():
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    model = build_tiny_llama(ARTIFACTS / "tiny-llama")
-    server = VllmServer(model, port_for.select_random(), ARTIFACTS / "vllm-test.log")
-    server.start(timeout_s=400)
-    server.model_name = SERVED_MODEL_NAME
-    yield server
-    server.stop()
+    yield from running_vllm("vllm-test.log")
 
 
 async def test_verified_sleep_and_wake_of_real_vllm(vllm_server):
