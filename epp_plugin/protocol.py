@@ -22,5 +22,8 @@ HOLD_MS_HEADER = "x-llmd-timeslice-hold-ms"
 """Response header added by the gate: milliseconds the request was held before admission."""
 REASON_HEADER = "x-llmd-timeslice-reason"
 """Response header on a refusal (429/503): the machine-readable reason."""
+WEIGHT_VERSION_HEADER = "x-llmd-timeslice-weight-version"
+"""Response header set by the gate: the weight version of the endpoint that served the request (as the gate
+saw it when the response headers passed; the orchestrator publishes it with each SERVING state)."""
 EXT_PROC_ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"

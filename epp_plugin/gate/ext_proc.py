@@ -3,13 +3,15 @@
 Per HTTP request Envoy opens one gRPC stream and sends, with the processing mode rendered by
 :mod:`epp_plugin.envoy_config`: ``request_headers`` (answered once the request is admitted, i.e.
 possibly after a hold) and ``response_headers`` (carrying the ``upstream.address`` attribute,
-which names the endpoint that served it). The stream's end, whatever the reason, ends the
+which names the endpoint that served it; the answer sets ``x-llmd-timeslice-weight-version``, the
+weight version of that endpoint, and after a hold ``x-llmd-timeslice-hold-ms``). The stream's end, whatever the reason, ends the
 request's in-flight count. This module only translates protobuf messages into calls on
 :class:`~epp_plugin.gate.pool_state.PoolState`; it holds no policy.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -32,6 +34,15 @@ _CONTINUE = {
     "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
     "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
 }
+
+
+@functools.lru_cache(maxsize=256)
+def _version_response(version: int) -> pb.ProcessingResponse:
+    """Response-headers answer that sets the weight-version header (prebuilt per version)."""
+    resp = pb.ProcessingResponse()
+    resp.response_headers.response.header_mutation.set_headers.add(
+        header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER, raw_value=str(version).encode()))
+    return resp
 
 
 def refusal_response(err: AdmissionRefused) -> pb.ProcessingResponse:
@@ -142,19 +153,23 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     if adm is None:
                         yield _CONTINUE_RESPONSE_HEADERS
                         continue
+                    version = None
                     attrs = req.attributes.get(protocol.EXT_PROC_ATTRIBUTES_NAMESPACE)
                     if attrs is not None:
                         served = attrs.fields.get(protocol.UPSTREAM_ADDRESS_ATTRIBUTE)
                         if served is not None and served.string_value:
-                            pool.on_served(adm, served.string_value)
+                            version = pool.on_served(adm, served.string_value)
                     if adm.hold_s > 0:
                         resp = pb.ProcessingResponse()
-                        resp.response_headers.response.header_mutation.set_headers.add(
-                            header=base_pb2.HeaderValue(
-                                key=protocol.HOLD_MS_HEADER, raw_value=str(round(adm.hold_s * 1000)).encode()
-                            )
-                        )
+                        hdrs = resp.response_headers.response.header_mutation.set_headers
+                        hdrs.add(header=base_pb2.HeaderValue(key=protocol.HOLD_MS_HEADER,
+                                                             raw_value=str(round(adm.hold_s * 1000)).encode()))
+                        if version is not None:
+                            hdrs.add(header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER,
+                                                                 raw_value=str(version).encode()))
                         yield resp
+                    elif version is not None:
+                        yield _version_response(version)
                     else:
                         yield _CONTINUE_RESPONSE_HEADERS
                 elif which in _CONTINUE:

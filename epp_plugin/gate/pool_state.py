@@ -229,10 +229,14 @@ class PoolState:
         self.admitted_total += 1
         return adm
 
-    def on_served(self, adm: Admission, address: str) -> None:
-        """The response path names the endpoint that served ``adm``; it alone stays counted."""
+    def on_served(self, adm: Admission, address: str) -> int | None:
+        """The response path names the endpoint that served ``adm``; it alone stays counted.
+
+        Returns the served endpoint's weight version (None if the endpoint is unknown to the pool)."""
+        ep = self.endpoints.get(address)
+        version = ep.weight_version if ep is not None else None
         if adm.finished or adm.served is not None:
-            return
+            return version
         adm.served = address
         if address not in adm.candidates:
             # Served outside the hint (an EPP that ignored it): count it where it really went.
@@ -248,6 +252,7 @@ class PoolState:
             self._uncount(addr)
         if dropped:
             self._notify()
+        return version
 
     def finish(self, adm: Admission) -> None:
         """The request's stream ended (complete, reset or client gone). Idempotent."""

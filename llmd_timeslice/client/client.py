@@ -32,14 +32,16 @@ import grpc
 from grpc import aio
 
 from llmd_timeslice import auth
-from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+from llmd_timeslice.weights.update import WeightUpdate
 
 _log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"  # same as llmd_timeslice.orchestrator.service
+WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"  # same as llmd_timeslice.orchestrator.service
 
 
 class TimeSliceError(Exception):
@@ -68,6 +70,17 @@ class AcquireResult:
     success: bool
     waited_ms: int
     context_restored: bool
+    weight_sync_error: str = ""
+    """Non-empty when the weight version this job published last did not load on every sampler (those
+    stay out of service at their old version): publish a good version again."""
+
+
+def _weight_sync_error(trailing) -> str:
+    for key, value in trailing or ():
+        if key == WEIGHT_SYNC_ERROR_METADATA:
+            _log.error("the last published weight version did not load: %s", value)
+            return value
+    return ""
 
 
 @dataclass
@@ -137,6 +150,7 @@ class TimeSliceOrchestratorClient:
         self._channel = grpc.insecure_channel(self.target, options=_channel_options(channel_options))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
+        self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _Heartbeat] = {}
 
@@ -152,13 +166,13 @@ class TimeSliceOrchestratorClient:
         """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
         job, group = self._ids(job_id, group_id)
         try:
-            r = self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec,
-                                   metadata=self._md)
+            r, call = self._stub.Acquire.with_call(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec,
+                                                   metadata=self._md)
         except grpc.RpcError as exc:
             raise _translate(exc, f"acquire {group!r} as {job!r}") from None
         if self.heartbeats:
             self._start_heartbeats(job, group)
-        return AcquireResult(r.success, r.waited_ms, r.context_restored)
+        return AcquireResult(r.success, r.waited_ms, r.context_restored, _weight_sync_error(call.trailing_metadata()))
 
     def _start_heartbeats(self, job: str, group: str) -> None:
         try:
@@ -180,14 +194,47 @@ class TimeSliceOrchestratorClient:
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
 
-    def release(self, job_id: str | None = None, group_id: str | None = None) -> YieldResult:
-        """Yield the group (returns at once).
+    def publish_weights(self, weights: WeightUpdate, job_id: str | None = None,
+                        group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
+        """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
+        the group is yielded (wake weights -> load -> wake kv_cache -> reset prefix cache -> verify).
+
+        Raises:
+            LeaseError: not the holder, a version not newer than the group's, a malformed update, a
+                group without samplers (the message says which); LeaseLost; OrchestratorUnavailable.
+        """
+        job, group = self._ids(job_id, group_id)
+        beat = self._beats.get((job, group))
+        req = weights_pb2.PublishWeightVersionRequest(job_id=job, group_id=group, weights=weights.to_pb(),
+                                                      fencing_token=beat.token if beat else 0)
+        try:
+            return self._weights_stub.PublishWeightVersion(req, timeout=30, metadata=self._md)
+        except grpc.RpcError as exc:
+            if beat is not None and beat.lost is not None:
+                raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
+            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}") from None
+
+    def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
+        """Weight versions of the group's samplers (serving, pending, failures)."""
+        try:
+            return self._weights_stub.GetWeightVersion(
+                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.sampler_group_id or self.group_id or ""),
+                timeout=10, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "weight status") from None
+
+    def release(self, job_id: str | None = None, group_id: str | None = None,
+                weights: WeightUpdate | None = None) -> YieldResult:
+        """Yield the group (returns at once); with ``weights``, publish that weight version first
+        (see :meth:`publish_weights`), so the samplers wake with it.
 
         Raises:
             LeaseLost: the lease was reclaimed before this call (heartbeats failed or stopped).
             LeaseError: not the holder; OrchestratorUnavailable.
         """
         job, group = self._ids(job_id, group_id)
+        if weights is not None:
+            self.publish_weights(weights, job, group)
         beat = self._beats.pop((job, group), None)
         md = self._md
         if beat is not None:
@@ -265,6 +312,7 @@ class AsyncTimeSliceOrchestratorClient:
                                              interceptors=auth.client_interceptors(tok))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
+        self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _AsyncHeartbeat] = {}
 
@@ -273,7 +321,9 @@ class AsyncTimeSliceOrchestratorClient:
     async def acquire(self, job_id=None, group_id=None, timeout_sec=None) -> AcquireResult:
         job, group = self._ids(job_id, group_id)
         try:
-            r = await self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec)
+            call = self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec)
+            r = await call
+            sync_error = _weight_sync_error(await call.trailing_metadata())
         except grpc.RpcError as exc:
             raise _translate(exc, f"acquire {group!r} as {job!r}") from None
         if self.heartbeats:
@@ -289,10 +339,25 @@ class AsyncTimeSliceOrchestratorClient:
                     old.stop()
                 self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token,
                                                             lease.ttl_s)
-        return AcquireResult(r.success, r.waited_ms, r.context_restored)
+        return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
 
-    async def release(self, job_id=None, group_id=None) -> YieldResult:
+    async def publish_weights(self, weights: WeightUpdate, job_id=None, group_id=None) -> weights_pb2.WeightVersionStatus:
+        """See :meth:`TimeSliceOrchestratorClient.publish_weights`."""
         job, group = self._ids(job_id, group_id)
+        beat = self._beats.get((job, group))
+        req = weights_pb2.PublishWeightVersionRequest(job_id=job, group_id=group, weights=weights.to_pb(),
+                                                      fencing_token=beat.token if beat else 0)
+        try:
+            return await self._weights_stub.PublishWeightVersion(req, timeout=30)
+        except grpc.RpcError as exc:
+            if beat is not None and beat.lost is not None:
+                raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
+            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}") from None
+
+    async def release(self, job_id=None, group_id=None, weights: WeightUpdate | None = None) -> YieldResult:
+        job, group = self._ids(job_id, group_id)
+        if weights is not None:
+            await self.publish_weights(weights, job, group)
         beat = self._beats.pop((job, group), None)
         md = None
         if beat is not None:

@@ -26,6 +26,7 @@ It reaches into :class:`~llmd_timeslice.orchestrator.groups.Group` (``spec``, ``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -87,7 +88,7 @@ class SerializedActions:
 
 
 def _copy(spec: GroupSpec) -> GroupSpec:
-    return GroupSpec(spec.group_id, list(spec.samplers), spec.sleep_level, spec.drain_timeout_s)
+    return dataclasses.replace(spec, samplers=list(spec.samplers))
 
 
 class InventorySync:

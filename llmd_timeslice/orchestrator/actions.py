@@ -8,6 +8,12 @@ second), then publish ASLEEP. Resume (job -> samplers): publish WAKING, wake eac
 publish each endpoint SERVING as soon as its own wake is verified, so held requests start
 leaving before the slowest engine is back.
 
+Weight sync: when the switch record carries a weight version, each sampler is woken with
+``RestoreWithWeights`` (wake weights, load, wake kv_cache, reset prefix cache, verify the version)
+and published SERVING *at that version*; a sampler whose load fails is published ASLEEP (out of
+service) and keeps its old version. The sleep level of a switch to a job is the record's (the
+group's per-job policy), else the group's.
+
 Optional serving label (the label fallback, for gateways that cannot run the gate): with a
 ``labeler``, each sampler is labelled not serving when it is published DRAINING (before the drain
 wait; a failure fails the switch, since without the label the router keeps sending to it) and
@@ -34,6 +40,7 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint, SwitchRecord
+from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +115,22 @@ class GrpcSwitchActions:
             raise RuntimeError(f"serving label {str(serving).lower()}: " + "; ".join(errors))
 
     # ---------------------------------------------------------------- sidecars
-    async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig) -> None:
+    async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig,
+                         weights: WeightUpdate | None = None) -> None:
         ch = self._channel(sampler.sidecar)
         stub = spb_grpc.SnapshotAgentServiceStub(ch)
-        req_cls = spb.SnapshotRequest if kind == "sleep" else spb.RestoreRequest
-        call = stub.Snapshot if kind == "sleep" else stub.Restore
+        waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
         try:
-            resp = await call(req_cls(job_id=sampler.job_id, group=group, backend_config=config), timeout=RPC_TIMEOUT_S)
-            waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
+            if kind == "sleep":
+                resp = await stub.Snapshot(spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config),
+                                           timeout=RPC_TIMEOUT_S)
+            else:
+                restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config)
+                if weights is None:
+                    resp = await stub.Restore(restore, timeout=RPC_TIMEOUT_S)
+                else:
+                    resp = await waiter.RestoreWithWeights(
+                        xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()), timeout=RPC_TIMEOUT_S)
             op = await waiter.WaitOperation(
                 xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout),
                 timeout=self._op_timeout + RPC_TIMEOUT_S,
@@ -130,8 +145,8 @@ class GrpcSwitchActions:
             raise RuntimeError(f"{kind} of {sampler.address} failed: {why}")
 
     @staticmethod
-    def _config(spec: GroupSpec) -> spb.BackendConfig:
-        mode = spb.SUSPEND_MODE_DISCARD if spec.sleep_level == 2 else spb.SUSPEND_MODE_OFFLOAD
+    def _config(level: int) -> spb.BackendConfig:
+        mode = spb.SUSPEND_MODE_DISCARD if level == 2 else spb.SUSPEND_MODE_OFFLOAD
         return spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=spb.APP_VLLM, mode=mode))
 
     # ------------------------------------------------------------ SwitchActions
@@ -146,7 +161,7 @@ class GrpcSwitchActions:
         t = time.monotonic()
         for s in spec.samplers:
             self.sampler_states[s.address] = "TRANSITIONING"
-        cfg = self._config(spec)
+        cfg = self._config(record.sleep_level or spec.sleep_level)
         await asyncio.gather(*(self._operation(s, spec.group_id, "sleep", cfg) for s in spec.samplers))
         for s in spec.samplers:
             self.sampler_states[s.address] = "SAVED"
@@ -156,14 +171,16 @@ class GrpcSwitchActions:
     async def resume_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         t = time.monotonic()
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_WAKING)
-        cfg = self._config(spec)
+        cfg = self._config(spec.sleep_level)
+        weights = record.weights
 
         async def wake(s: SamplerEndpoint) -> None:
             self.sampler_states[s.address] = "TRANSITIONING"
             try:
-                await self._operation(s, spec.group_id, "wake", cfg)
+                await self._operation(s, spec.group_id, "wake", cfg, weights)
                 await self._set_serving([s], True)
-            except Exception:
+            except Exception as exc:
+                record.sampler_errors[s.address] = str(exc)
                 await self._publish([s], gpb.ENDPOINT_STATE_ASLEEP)  # out of service, never half-awake
                 if self.labeler is not None:
                     try:
@@ -171,7 +188,9 @@ class GrpcSwitchActions:
                     except Exception as exc:
                         log.error("serving label of %s could not be cleared: %s", s.address, exc)
                 raise
-            await self._publish([s], gpb.ENDPOINT_STATE_SERVING)
+            if weights is not None:
+                record.sampler_versions[s.address] = weights.version
+            await self._publish([s], gpb.ENDPOINT_STATE_SERVING, record.sampler_versions.get(s.address))
             self.sampler_states[s.address] = "RUNNING"
 
         results = await asyncio.gather(*(wake(s) for s in spec.samplers), return_exceptions=True)

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
+
 log = logging.getLogger(__name__)
 
 SAMPLERS = "<samplers>"
@@ -64,6 +66,10 @@ class SwitchFailed(OrchestratorError):
 
 class LockOrderViolation(OrchestratorError):
     """A job holding (or waiting for) a sampler group asks for a trainer group (FAILED_PRECONDITION)."""
+
+
+class StaleWeightVersion(OrchestratorError):
+    """A published weight version is not newer than the group's latest one (FAILED_PRECONDITION)."""
 
 
 class StaleFencingToken(OrchestratorError):
@@ -109,6 +115,19 @@ class GroupSpec:
     among equals) or ``round_robin`` (the job granted least recently first: phase-level multiplexing of
     several RL jobs on one set of accelerators)."""
     job_priorities: dict[str, int] = field(default_factory=dict)
+    sleep_level_policy: str = "fixed"
+    """``fixed``: samplers sleep at ``sleep_level`` for every job. ``auto``: level 2 (discard: no host copy of
+    weights about to be replaced) for a job that published a weight version at its previous grant of this
+    group, ``sleep_level`` otherwise. ``job_sleep_levels`` overrides both per job."""
+    job_sleep_levels: dict[str, int] = field(default_factory=dict)
+
+    def sleep_level_for(self, job_id: str, publishes_weights: bool) -> int:
+        """The sleep level the samplers take when ``job_id`` acquires the group."""
+        if job_id in self.job_sleep_levels:
+            return self.job_sleep_levels[job_id]
+        if self.sleep_level_policy == "auto" and publishes_weights:
+            return 2
+        return self.sleep_level
 
 
 @dataclass
@@ -122,6 +141,14 @@ class SwitchRecord:
     phases: dict[str, float] = field(default_factory=dict)
     ok: bool = True
     error: str = ""
+    sleep_level: int = 0
+    """to_job: the level the samplers sleep at (0: the group's ``sleep_level``)."""
+    weights: WeightUpdate | None = None
+    """to_samplers: the weight version to load while waking (None: wake with the weights they have)."""
+    sampler_versions: dict[str, int] = field(default_factory=dict)
+    """to_samplers: address -> weight version; the actions update it for each sampler woken (and loaded)."""
+    sampler_errors: dict[str, str] = field(default_factory=dict)
+    """to_samplers: address -> why its wake (or weight load) failed; it stays out of service."""
 
 
 class SwitchActions(Protocol):
@@ -147,6 +174,8 @@ class AcquireResult:
 
     waited_ms: int
     context_restored: bool
+    weight_sync_error: str = ""
+    """Why the weight version this job published last could not be loaded into every sampler ("" if it was)."""
 
 
 @dataclass
@@ -176,6 +205,18 @@ class Group:
         self._driver: asyncio.Task | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
         self.on_change: Callable[[Group], None] | None = None
+        self.weights: WeightUpdate | None = None  # the latest published weight version (the samplers' target)
+        self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
+        self.sampler_errors: dict[str, str] = {}
+        self.publishers: set[str] = set()  # jobs that published a weight version at their last grant
+        self.published_in_grant = False
+        self.weights_publisher: str | None = None
+        self.weight_sync_errors: dict[str, str] = {}  # job -> why its version failed to load (told at next acquire)
+
+    @property
+    def serving_version(self) -> int:
+        """Highest weight version any sampler of the group serves (0: the initial weights)."""
+        return max((v for a, v in self.sampler_versions.items() if a not in self.sampler_errors), default=0)
 
     def set_state(self, state: GroupState) -> None:
         if state is not self.state:
@@ -251,7 +292,7 @@ class Orchestrator:
         # Deferred snapshot: the same job's context is still loaded and nobody else is queued.
         if g.state is GroupState.IDLE_YIELDED and g.loaded_job == job_id and not g.waiters:
             self._grant(g, job_id)
-            return AcquireResult(0, False)
+            return AcquireResult(0, False, g.weight_sync_errors.pop(job_id, ""))
         waiter = _Waiter(job_id, t0, asyncio.get_running_loop().create_future())
         g.waiters.append(waiter)
         self._drive(g)
@@ -268,7 +309,8 @@ class Orchestrator:
         except asyncio.CancelledError:
             self._abandon(g, waiter)
             raise
-        return AcquireResult(int((time.monotonic() - t0) * 1000), waiter.future.result())
+        return AcquireResult(int((time.monotonic() - t0) * 1000), waiter.future.result(),
+                             g.weight_sync_errors.pop(job_id, ""))
 
     def _abandon(self, g: Group, waiter: _Waiter) -> None:
         try:
@@ -292,6 +334,32 @@ class Orchestrator:
         g = self._holder_group(job_id, group_id, fencing_token)
         return self._release(g, job_id)
 
+    def publish_weights(self, job_id: str, group_id: str, weights: WeightUpdate,
+                        fencing_token: int | None = None) -> Group:
+        """Record ``weights`` as the group's next weight version; the samplers load it when they wake.
+
+        Raises:
+            InvalidArgument (a group without samplers, or a malformed update), UnknownGroup,
+            NotHolder, StaleFencingToken, StaleWeightVersion (not newer than the latest one).
+        """
+        g = self._holder_group(job_id, group_id, fencing_token)
+        if not g.spec.samplers:
+            raise InvalidArgument(f"group {group_id!r} has no samplers to load weights into; publish on the "
+                                  "sampler group")
+        if not isinstance(weights, WeightUpdate):
+            raise InvalidArgument("weights must be a WeightUpdate")
+        latest = max(g.weights.version if g.weights else 0, max(g.sampler_versions.values(), default=0))
+        if weights.version <= latest:
+            raise StaleWeightVersion(f"weight version {weights.version} is not newer than group {group_id!r}'s "
+                                     f"latest ({latest}); versions must increase")
+        g.weights = weights
+        g.weights_publisher = job_id
+        g.publishers.add(job_id)
+        g.published_in_grant = True
+        if g.on_change is not None:
+            g.on_change(g)
+        return g
+
     # ------------------------------------------------------------------ leases
     def _holder_group(self, job_id: str, group_id: str, fencing_token: int | None) -> Group:
         if not job_id:
@@ -307,6 +375,7 @@ class Orchestrator:
         return g
 
     def _grant(self, g: Group, job_id: str) -> None:
+        g.published_in_grant = False
         g.grants += 1
         g.last_granted[job_id] = g.grants
         g.holder = job_id
@@ -355,6 +424,8 @@ class Orchestrator:
         self._release(g, lease.job_id)
 
     def _release(self, g: Group, job_id: str) -> YieldResult:
+        if not g.published_in_grant:
+            g.publishers.discard(job_id)  # the auto sleep policy keeps level 2 for jobs that keep publishing
         g.holder = None
         g.lease = None
         if g._lease_timer is not None:
@@ -385,6 +456,7 @@ class Orchestrator:
                 waiter = pick_waiter(g)
                 if g.loaded_job == SAMPLERS:
                     record = SwitchRecord(g.spec.group_id, "to_job", waiter.job_id, time.time())
+                    record.sleep_level = g.spec.sleep_level_for(waiter.job_id, waiter.job_id in g.publishers)
                     g.set_state(GroupState.SWITCHING)
                     try:
                         await self._actions.suspend_samplers(g.spec, record)
@@ -416,7 +488,7 @@ class Orchestrator:
                 return
 
     async def _resume(self, g: Group, after_job: str) -> None:
-        record = SwitchRecord(g.spec.group_id, "to_samplers", after_job, time.time())
+        record = self.resume_record(g.spec.group_id, "to_samplers", after_job)
         g.set_state(GroupState.SWITCHING)
         try:
             await self._actions.resume_samplers(g.spec, record)
@@ -426,7 +498,40 @@ class Orchestrator:
             g.last_error = f"waking the samplers failed: {exc}; they stay out of service"
             log.error("group=%s %s", g.spec.group_id, g.last_error)
             g.loaded_job = None
+        finally:
+            self.merge_resume(record)
         self._record(g, record)
+
+    def resume_record(self, group_id: str, kind: str = "to_samplers", after_job: str = "") -> SwitchRecord:
+        """A record for waking ``group_id``'s samplers: their weight versions, and the version to load
+        (the latest published) when any sampler is below it."""
+        g = self.groups[group_id]
+        record = SwitchRecord(group_id, kind, after_job, time.time())
+        for smp in g.spec.samplers:
+            record.sampler_versions[smp.address] = g.sampler_versions.get(smp.address, 0)
+        target = g.weights
+        if target is not None and any(v < target.version for v in record.sampler_versions.values()):
+            record.weights = target
+        return record
+
+    def merge_resume(self, record: SwitchRecord) -> None:
+        """Take the outcome of a wake (versions loaded, samplers that failed) into the group's state;
+        a failed load is kept for the publisher's next acquire."""
+        g = self.groups.get(record.group_id)
+        if g is None:
+            return
+        g.sampler_versions.update(record.sampler_versions)
+        for address in record.sampler_versions:
+            if address not in record.sampler_errors:
+                g.sampler_errors.pop(address, None)
+        g.sampler_errors.update(record.sampler_errors)
+        if record.weights is not None and record.sampler_errors:
+            g.weight_sync_errors[g.weights_publisher or record.job_id] = (
+                f"weight version {record.weights.version} did not load on {len(record.sampler_errors)} of "
+                f"{len(g.spec.samplers)} sampler(s), which stay out of service at their old version: "
+                + "; ".join(f"{a}: {e}" for a, e in sorted(record.sampler_errors.items())))
+        if g.on_change is not None:
+            g.on_change(g)  # versions are persisted
 
     # ------------------------------------------------------------- persistence
     def snapshot(self) -> dict:
@@ -439,6 +544,8 @@ class Orchestrator:
                 "lease": None if lease is None else {"job_id": lease.job_id, "token": lease.token, "ttl_s": lease.ttl_s,
                                                     "armed": lease.expires_at is not None},
                 "expired_jobs": dict(g.expired_jobs),
+                "weights": None if g.weights is None else g.weights.to_json(),
+                "sampler_versions": dict(g.sampler_versions), "publishers": sorted(g.publishers),
             }
         return {"version": 1, "groups": out}
 
@@ -455,6 +562,13 @@ class Orchestrator:
             if d:
                 g.last_token = int(d.get("last_token", 0))
                 g.expired_jobs = dict(d.get("expired_jobs") or {})
+                try:
+                    g.weights = WeightUpdate.from_json(d["weights"]) if d.get("weights") else None
+                except (InvalidWeightUpdate, KeyError, TypeError, ValueError) as exc:
+                    log.error("group=%s persisted weight version ignored: %s", gid, exc)
+                known = {s.address for s in g.spec.samplers}
+                g.sampler_versions.update({a: int(v) for a, v in (d.get("sampler_versions") or {}).items() if a in known})
+                g.publishers = set(d.get("publishers") or [])
                 lease = d.get("lease")
                 if d.get("holder") and lease:
                     g.holder = d["holder"]

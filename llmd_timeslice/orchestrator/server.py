@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmd_timeslice import auth
-from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc, lease_pb2_grpc, orchestrator_info_pb2_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
+    gate_state_pb2_grpc,
+    lease_pb2_grpc,
+    orchestrator_info_pb2_grpc,
+    weights_pb2_grpc,
+)
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
@@ -18,7 +22,13 @@ from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
 from llmd_timeslice.orchestrator.persistence import StateStore
-from llmd_timeslice.orchestrator.service import LeaseServicer, OrchestratorInfo, OrchestratorService, export_switch
+from llmd_timeslice.orchestrator.service import (
+    LeaseServicer,
+    OrchestratorInfo,
+    OrchestratorService,
+    WeightVersionServicer,
+    export_switch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,7 @@ class OrchestratorServer:
         )
         gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
         lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator), self._server)
+        weights_pb2_grpc.add_WeightVersionServiceServicer_to_server(WeightVersionServicer(self.orchestrator), self._server)
         orchestrator_info_pb2_grpc.add_OrchestratorInfoServiceServicer_to_server(OrchestratorInfo(self.orchestrator),
                                                                                  self._server)
         hs = health.aio.HealthServicer()
@@ -82,7 +93,15 @@ class OrchestratorServer:
             persist(None)
         if self._reconcile and hasattr(self.actions, "reconcile"):
             wake = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "wake"]
-            await self.actions.reconcile(wake, lambda s: SwitchRecord(s.group_id, "reconcile", "", time.time()))
+            records: list[SwitchRecord] = []
+
+            def record_for(spec) -> SwitchRecord:
+                records.append(self.orchestrator.resume_record(spec.group_id, "reconcile"))
+                return records[-1]
+
+            await self.actions.reconcile(wake, record_for)
+            for record in records:
+                self.orchestrator.merge_resume(record)
             held = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "held"]
             if held and hasattr(self.actions, "publish_asleep"):
                 await self.actions.publish_asleep(held)

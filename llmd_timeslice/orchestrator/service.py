@@ -18,10 +18,13 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     lease_pb2_grpc,
     orchestrator_info_pb2,
     orchestrator_info_pb2_grpc,
+    weights_pb2,
+    weights_pb2_grpc,
 )
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.orchestrator import groups as core
+from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 # Upstream metric names where the meaning is the same (shared/upstream-api.md).
 QUEUE_DEPTH = Gauge("timeslice_orchestrator_queue_depth", "Jobs waiting for the group.", ["group_id"])
@@ -56,7 +59,14 @@ _CODES = {
     core.SwitchFailed: grpc.StatusCode.UNAVAILABLE,
     core.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
     core.LockOrderViolation: grpc.StatusCode.FAILED_PRECONDITION,
+    core.StaleWeightVersion: grpc.StatusCode.FAILED_PRECONDITION,
 }
+WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"
+"""Trailing metadata of an Acquire granted to a job whose last published weight version failed to load."""
+WEIGHT_VERSION = Gauge("llmd_timeslice_orchestrator_sampler_weight_version",
+                       "Weight version each sampler serves (or last served, while out of service).", ["group_id", "address"])
+WEIGHT_SYNC_FAILED = Gauge("llmd_timeslice_orchestrator_sampler_weight_sync_failed",
+                           "1 while a sampler is out of service because its weight load failed.", ["group_id", "address"])
 
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"
 """Optional call metadata on Yield (project clients): the holder's fencing token, checked against the group's."""
@@ -97,6 +107,8 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
             if g in self._orch.groups:
                 QUEUE_DEPTH.labels(group_id=g).set(len(self._orch.groups[g].waiters))
         ACQUIRE_WAIT.labels(group_id=g).observe(res.waited_ms / 1000)
+        if res.weight_sync_error:
+            context.set_trailing_metadata(((WEIGHT_SYNC_ERROR_METADATA, res.weight_sync_error[:4000]),))
         return pb.AcquireResponse(success=True, waited_ms=res.waited_ms, context_restored=res.context_restored)
 
     async def Yield(self, request, context):  # noqa: N802
@@ -148,6 +160,9 @@ def export_switch(record: core.SwitchRecord) -> None:
     for phase, secs in record.phases.items():
         if phase != "drained_in_time":
             SWITCH_PHASE.labels(group_id=record.group_id, phase=phase).observe(secs)
+    for address, version in record.sampler_versions.items():
+        WEIGHT_VERSION.labels(group_id=record.group_id, address=address).set(version)
+        WEIGHT_SYNC_FAILED.labels(group_id=record.group_id, address=address).set(int(address in record.sampler_errors))
 
 
 class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
@@ -200,3 +215,46 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
                 error=r.error, phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"})
             for r in records[: request.limit or 10]
         ])
+
+
+def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:
+    """The wire status of ``g``'s weight versions."""
+    pending = g.weights if g.weights is not None and any(
+        v < g.weights.version for v in g.sampler_versions.values()) else None
+    return weights_pb2.WeightVersionStatus(
+        group_id=g.spec.group_id, serving_version=g.serving_version,
+        pending=pending.to_pb() if pending is not None else None,
+        samplers=[weights_pb2.SamplerWeightVersion(address=a, version=v, in_service=a not in g.sampler_errors,
+                                                   error=g.sampler_errors.get(a, ""))
+                  for a, v in sorted(g.sampler_versions.items())],
+        last_error=g.last_error,
+    )
+
+
+class WeightVersionServicer(weights_pb2_grpc.WeightVersionServiceServicer):
+    """Project ``WeightVersionService``: a holder publishes the next weight version; anyone reads status."""
+
+    def __init__(self, orch: core.Orchestrator) -> None:
+        self._orch = orch
+
+    async def PublishWeightVersion(self, request, context):  # noqa: N802
+        if not request.HasField("weights"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "weights is required")
+        if request.fencing_token < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fencing_token must be >= 0")
+        try:
+            update = WeightUpdate.from_pb(request.weights)
+        except InvalidWeightUpdate as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            g = self._orch.publish_weights(request.job_id, request.group_id, update, request.fencing_token or None)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        return weight_status(g)
+
+    async def GetWeightVersion(self, request, context):  # noqa: N802
+        try:
+            g = self._orch.group(request.group_id)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        return weight_status(g)

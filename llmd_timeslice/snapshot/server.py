@@ -34,6 +34,7 @@ from llmd_timeslice.snapshot.accelerators import AcceleratorReader, nvml_acceler
 from llmd_timeslice.snapshot.backends.base import BackendError, SnapshotBackend, SuspendMode
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
+from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self.last_resolution: dict[str, str] = {}  # job id -> source of its last operation's backend
         self.accelerator_reader: AcceleratorReader | None = nvml_accelerators()
 
-    async def _start(self, request, context, kind: str) -> str:
+    async def _start(self, request, context, kind: str, weights: WeightUpdate | None = None) -> str:
         if not request.job_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
         cfg = request.backend_config if request.HasField("backend_config") else None
@@ -113,11 +114,15 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         if kind == "snapshot" and res.mode not in res.backend.supported_modes:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"backend {res.backend.name!r} does not support mode {res.mode.name}")
+        if weights is not None and not res.backend.supports_weight_sync:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"backend {res.backend.name!r} of job {request.job_id!r} cannot load weights "
+                                "(weight sync needs the vllm backend)")
         self.states.setdefault(request.job_id, "RUNNING")
         self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
-        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags))
+        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return op.id
@@ -129,7 +134,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 if self.operations[old].done.is_set():
                     del self.operations[old]
 
-    async def _run(self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str]) -> None:
+    async def _run(self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str],
+                   weights: WeightUpdate | None = None) -> None:
         async with self._locks[op.job_id]:
             self.states[op.job_id] = "TRANSITIONING"
             try:
@@ -138,6 +144,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     if res is not None:
                         op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
                     self.states[op.job_id] = "SAVED"
+                elif weights is not None:
+                    await asyncio.wait_for(backend.resume_with_weights(tags, weights), self._timeout)
+                    op.storage_bytes = int(getattr(backend, "last_sync", {}).get("bytes", 0)) or None
+                    self.states[op.job_id] = "RUNNING"
                 else:
                     await asyncio.wait_for(backend.resume(tags), self._timeout)
                     self.states[op.job_id] = "RUNNING"
@@ -165,6 +175,16 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
 
     async def Restore(self, request, context):  # noqa: N802
         return pb.RestoreResponse(operation_id=await self._start(request, context, "restore"))
+
+    async def RestoreWithWeights(self, request, context):  # noqa: N802
+        """Project extension: Restore with a weight sync (weights.proto, snapshot_ext.proto)."""
+        if not request.HasField("weights"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "weights is required (use Restore without a sync)")
+        try:
+            weights = WeightUpdate.from_pb(request.weights)
+        except InvalidWeightUpdate as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.RestoreResponse(operation_id=await self._start(request.restore, context, "restore", weights))
 
     async def _op(self, operation_id: str, context) -> Operation:
         op = self.operations.get(operation_id)

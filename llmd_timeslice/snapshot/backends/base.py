@@ -9,7 +9,10 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from llmd_timeslice.weights.update import WeightUpdate
 
 
 class SuspendMode(enum.Enum):
@@ -36,6 +39,8 @@ class SnapshotBackend(abc.ABC):
 
     name: ClassVar[str]
     supported_modes: ClassVar[tuple[SuspendMode, ...]] = (SuspendMode.OFFLOAD,)
+    supports_weight_sync: ClassVar[bool] = False
+    """Whether :meth:`resume_with_weights` can load a new weight version between the wake-ups."""
 
     @abc.abstractmethod
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
@@ -44,6 +49,11 @@ class SnapshotBackend(abc.ABC):
     @abc.abstractmethod
     async def resume(self, tags: list[str]) -> None:
         """Bring the workload back; raise :class:`BackendError` unless verified serving."""
+
+    async def resume_with_weights(self, tags: list[str], weights: WeightUpdate) -> None:
+        """Wake, loading weight version ``weights`` before the workload serves again; raise
+        :class:`BackendError` unless verified serving that version (only where ``supports_weight_sync``)."""
+        raise BackendError(f"backend {self.name!r} cannot load weights; use a backend with weight sync (vllm)")
 
     @abc.abstractmethod
     async def is_suspended(self) -> bool:

@@ -21,6 +21,12 @@ After a level-2 sleep (weights discarded) vLLM needs, before serving again: ``wa
 ``POST /reset_prefix_cache`` (cached prefixes were computed with the old weights). All checked on
 vLLM 0.32 CPU.
 
+Weight sync (:meth:`VllmBackend.resume_with_weights`): wake weights -> load the new version with a
+loader of :mod:`llmd_timeslice.snapshot.backends.vllm_weights` -> ``POST /update_weight_version`` ->
+wake kv_cache -> ``POST /reset_prefix_cache`` -> verify awake, ``GET /weight_info`` reports the version,
+probe. A load that fails leaves the engine asleep and marks its weights unusable: a later plain wake
+reloads the last good version first (never serves a mix) or, without one, refuses.
+
 Where NVML is present (``nvidia-ml-py``, import guarded) the backend reads device memory before
 and after a sleep and fails it unless at least ``min_freed_fraction`` of the used memory was freed;
 any ``memory_reader`` callable can stand in for NVML (tests inject one).
@@ -37,6 +43,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,6 +57,10 @@ from llmd_timeslice.snapshot.backends.base import (
 )
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader
+    from llmd_timeslice.weights.update import WeightUpdate
 
 
 SLEEP_STATE_FOR_LEVEL = {1: "weights_offloaded", 2: "discard_all"}
@@ -130,21 +141,25 @@ class VllmBackend(SnapshotBackend):
         memory_reader: device memory in use, bytes (default: NVML where present, else none).
         min_freed_fraction: with a reader, a sleep must free at least this fraction of the memory
             in use before it (0 disables the check; the freed bytes are still reported).
+        weight_loaders: weight source name -> loader (default:
+            :func:`~llmd_timeslice.snapshot.backends.vllm_weights.default_loaders`).
     """
 
     name = "vllm"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
+    supports_weight_sync = True
 
     def __init__(self, base_url: str, idle_timeout_s: float = 60.0, idle_poll_s: float = 0.05,
                  probe: bool = True, request_timeout_s: float = 120.0, pause_mode: str = "wait",
                  reload_weights: bool = True, reset_prefix_cache: bool = True,
-                 memory_reader: MemoryReader | None = None, min_freed_fraction: float = 0.0) -> None:
+                 memory_reader: MemoryReader | None = None, min_freed_fraction: float = 0.0,
+                 weight_loaders: dict[str, WeightLoader] | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         if not 0.0 <= min_freed_fraction <= 1.0:
             raise ValueError("min_freed_fraction must be in [0, 1]")
         self.pause_mode = pause_mode
-        self.reload_weights = reload_weights
+        self.reload = reload_weights
         self.reset_prefix_cache = reset_prefix_cache
         self.memory_reader = memory_reader if memory_reader is not None else nvml_memory_reader()
         self.min_freed_fraction = min_freed_fraction
@@ -155,6 +170,15 @@ class VllmBackend(SnapshotBackend):
         self.probe = probe
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s)
         self._model: str | None = None
+        if weight_loaders is None:
+            from llmd_timeslice.snapshot.backends.vllm_weights import default_loaders
+
+            weight_loaders = default_loaders()
+        self.weight_loaders = weight_loaders
+        self.weight_version = 0  # the version this engine serves (0: the one it started with)
+        self.weights_location: str | None = None  # directory of the last good ``files`` version
+        self.weights_unusable: str | None = None  # why the weights in the engine cannot be served
+        self.last_sync: dict[str, float] = {}  # figures of the last weight sync (seconds, bytes)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -176,6 +200,27 @@ class VllmBackend(SnapshotBackend):
             raise BackendError(f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
                                "is the server started with VLLM_SERVER_DEV_MODE=1 (and sleep mode enabled on GPU)?")
         return r
+
+    async def post_checked(self, path: str, **kw) -> httpx.Response:
+        """``POST path`` that must answer 200 (else :class:`BackendError`)."""
+        return await self._post(path, **kw)
+
+    async def reload_weights(self, weights_path: str | None = None) -> None:
+        """``POST /collective_rpc reload_weights`` (from ``weights_path``, or the model's own path)."""
+        body: dict = {"method": "reload_weights"}
+        if weights_path is not None:
+            body["kwargs"] = {"weights_path": weights_path}
+        await self._post("/collective_rpc", json=body)
+
+    async def served_weight_version(self) -> str | None:
+        """``GET /weight_info`` -> the engine's weight version label (None where the route is absent)."""
+        r = await self._get("/weight_info")
+        if r.status_code == 404:
+            return None
+        try:
+            return str(r.json()["weight_version"])
+        except (ValueError, KeyError) as exc:
+            raise BackendError(f"vLLM {self.base_url} /weight_info answered {r.status_code}: {r.text[:200]}") from exc
 
     async def metrics(self) -> EngineMetrics:
         """Current engine figures (see :func:`parse_engine_metrics`)."""
@@ -252,15 +297,15 @@ class VllmBackend(SnapshotBackend):
         if unknown:
             raise BackendError(f"unknown vLLM wake-up tags {sorted(unknown)}; known: weights, kv_cache")
         level = await self._current_level()
-        if level == 2 and not tags:
+        if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
         if not tags:
             await self._post("/wake_up")
         if "weights" in tags:
             await self._post("/wake_up", params={"tags": "weights"})
-            if level == 2 and self.reload_weights:
+            if self.weights_unusable is not None or (level == 2 and self.reload):
                 await self._verify_still_asleep("wake_up?tags=weights")
-                await self._post("/collective_rpc", json={"method": "reload_weights"})
+                await self._reload_last_good()
             if "kv_cache" not in tags:
                 await self._verify_still_asleep("wake_up?tags=weights")
                 return  # a partial wake: the caller wakes kv_cache next
@@ -268,6 +313,61 @@ class VllmBackend(SnapshotBackend):
             await self._post("/wake_up", params={"tags": "kv_cache"})
             if level == 2 and self.reset_prefix_cache:
                 await self._post("/reset_prefix_cache")
+        await self._verify_awake()
+
+    async def _reload_last_good(self) -> None:
+        """Reload the last good version (after a level-2 sleep or a failed load)."""
+        if self.weights_unusable is not None and self.weights_location is None and self.weight_version:
+            raise BackendError(f"vLLM {self.base_url}: {self.weights_unusable}; no earlier version can be reloaded "
+                               "from files, so the engine stays out of service: publish a weight version again")
+        await self.reload_weights(self.weights_location)
+        self.weights_unusable = None
+
+    async def resume_with_weights(self, tags: list[str], weights: WeightUpdate) -> None:
+        """Wake, loading weight version ``weights`` between the weights and kv_cache wake-ups (module doc).
+
+        ``tags`` must be empty (the whole sequence). Raises BackendError: unknown source, load failed
+        (the engine stays asleep, its weights marked unusable), or the engine does not serve the
+        version afterwards. ``last_sync`` gets the figures (``load_s``, ``total_s``, ``bytes``).
+        """
+        if tags:
+            raise BackendError("a weight sync wakes the whole engine; send no wake-up tags with it")
+        loader = self.weight_loaders.get(weights.source)
+        if loader is None:
+            raise BackendError(f"vLLM backend has no loader for weight source {weights.source!r}; "
+                               f"known: {sorted(self.weight_loaders)}")
+        t0 = time.perf_counter()
+        if not await self.is_suspended():
+            # Awake (e.g. reconciled after a restart): pause it the verified way first.
+            await self.suspend(SuspendMode.OFFLOAD, [])
+        await self._post("/wake_up", params={"tags": "weights"})
+        await self._verify_still_asleep("wake_up?tags=weights")
+        old = self.weight_version
+        t1 = time.perf_counter()
+        try:
+            nbytes = await loader.load(self, weights)
+        except BackendError as exc:
+            self.weights_unusable = f"loading weight version {weights.version} failed ({exc})"
+            raise BackendError(f"vLLM {self.base_url}: loading weight version {weights.version} failed; the engine "
+                               f"stays out of service (last good version {old}): {exc}") from None
+        load_s = time.perf_counter() - t1
+        self.weights_unusable = None
+        self.weight_version = weights.version
+        if weights.source == "files":
+            self.weights_location = weights.location
+        r = await self._http.post("/update_weight_version", json={"new_version": str(weights.version)})
+        if r.status_code not in (200, 404):  # 404: a vLLM without the RL routes; our record stands
+            raise BackendError(f"vLLM POST /update_weight_version answered {r.status_code}: {r.text[:200]}")
+        await self._post("/wake_up", params={"tags": "kv_cache"})
+        await self._post("/reset_prefix_cache")  # cached prefixes were computed with the old weights
+        await self._verify_awake()
+        served = await self.served_weight_version()
+        if served is not None and served != str(weights.version):
+            raise BackendError(f"vLLM {self.base_url} reports weight version {served!r} after loading "
+                               f"{weights.version}; the endpoint stays out of service")
+        self.last_sync = {"load_s": load_s, "total_s": time.perf_counter() - t0, "bytes": float(nbytes or 0)}
+
+    async def _verify_awake(self) -> None:
         if await self.is_suspended():
             raise BackendError(f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
                                "asleep; the endpoint stays out of service: check the engine's logs, then retry the "

@@ -23,17 +23,20 @@ _sym_db = _symbol_database.Default()
 
 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2 as llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/snapshot_ext.proto\x12\x17llmd_timeslice.v1alpha1\x1a?llmd_timeslice/api/snapshot_agent/v1alpha1/snapshot_agent.proto\"?\n\x14WaitOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x32\x8a\x01\n\x19SnapshotOperationsService\x12m\n\rWaitOperation\x12-.llmd_timeslice.v1alpha1.WaitOperationRequest\x1a-.snapshot_agent.v1alpha1.GetOperationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/snapshot_ext.proto\x12\x17llmd_timeslice.v1alpha1\x1a?llmd_timeslice/api/snapshot_agent/v1alpha1/snapshot_agent.proto\x1a\x38llmd_timeslice/api/llmd_timeslice/v1alpha1/weights.proto\"\x8d\x01\n\x19RestoreWithWeightsRequest\x12\x38\n\x07restore\x18\x01 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreRequest\x12\x36\n\x07weights\x18\x02 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\"?\n\x14WaitOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x32\xfe\x01\n\x19SnapshotOperationsService\x12m\n\rWaitOperation\x12-.llmd_timeslice.v1alpha1.WaitOperationRequest\x1a-.snapshot_agent.v1alpha1.GetOperationResponse\x12r\n\x12RestoreWithWeights\x12\x32.llmd_timeslice.v1alpha1.RestoreWithWeightsRequest\x1a(.snapshot_agent.v1alpha1.RestoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmd_timeslice.api.llmd_timeslice.v1alpha1.snapshot_ext_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WAITOPERATIONREQUEST']._serialized_start=155
-  _globals['_WAITOPERATIONREQUEST']._serialized_end=218
-  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_start=221
-  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_end=359
+  _globals['_RESTOREWITHWEIGHTSREQUEST']._serialized_start=214
+  _globals['_RESTOREWITHWEIGHTSREQUEST']._serialized_end=355
+  _globals['_WAITOPERATIONREQUEST']._serialized_start=357
+  _globals['_WAITOPERATIONREQUEST']._serialized_end=420
+  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_start=423
+  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_end=677
 # @@protoc_insertion_point(module_scope)

@@ -1,9 +1,19 @@
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as _snapshot_agent_pb2
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2 as _weights_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RestoreWithWeightsRequest(_message.Message):
+    __slots__ = ("restore", "weights")
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    restore: _snapshot_agent_pb2.RestoreRequest
+    weights: _weights_pb2.WeightUpdate
+    def __init__(self, restore: _Optional[_Union[_snapshot_agent_pb2.RestoreRequest, _Mapping]] = ..., weights: _Optional[_Union[_weights_pb2.WeightUpdate, _Mapping]] = ...) -> None: ...
 
 class WaitOperationRequest(_message.Message):
     __slots__ = ("operation_id", "timeout_s")

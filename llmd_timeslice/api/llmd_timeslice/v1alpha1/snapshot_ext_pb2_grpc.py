@@ -40,6 +40,11 @@ class SnapshotOperationsServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GetOperationResponse.FromString,
                 _registered_method=True)
+        self.RestoreWithWeights = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.SnapshotOperationsService/RestoreWithWeights',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class SnapshotOperationsServiceServicer:
@@ -52,6 +57,14 @@ class SnapshotOperationsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreWithWeights(self, request, context):
+        """Restore with a weight sync between the weights and kv_cache wake-ups (see weights.proto);
+        INVALID_ARGUMENT when the job's backend cannot load weights or the update is malformed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
                     servicer.WaitOperation,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GetOperationResponse.SerializeToString,
+            ),
+            'RestoreWithWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreWithWeights,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class SnapshotOperationsService:
             '/llmd_timeslice.v1alpha1.SnapshotOperationsService/WaitOperation',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GetOperationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreWithWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.SnapshotOperationsService/RestoreWithWeights',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
