@@ -354,6 +354,14 @@ class AsyncTimeSliceOrchestratorClient:
                 raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
             raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}") from None
 
+    async def weight_status(self, group_id=None) -> weights_pb2.WeightVersionStatus:
+        """See :meth:`TimeSliceOrchestratorClient.weight_status`."""
+        try:
+            return await self._weights_stub.GetWeightVersion(
+                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.group_id or ""), timeout=10)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "weight status") from None
+
     async def release(self, job_id=None, group_id=None, weights: WeightUpdate | None = None) -> YieldResult:
         job, group = self._ids(job_id, group_id)
         if weights is not None:

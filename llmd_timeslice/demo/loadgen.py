@@ -2,7 +2,8 @@
 
 Each request is recorded with its outcome; a request counts as completed only when it returned
 200 and, for streams, ended with ``data: [DONE]``. The gate's ``x-llmd-timeslice-hold-ms``
-response header gives the time it was held.
+response header gives the time it was held, ``x-llmd-timeslice-weight-version`` the weight version
+of the engine that served it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class RequestRecord:
     done_at: float = 0.0
     status: int = 0
     hold_ms: int = 0
+    weight_version: int = -1  # -1: the gate did not say
+    min_weight_version: int = 0
     ok: bool = False
     error: str = ""
     text: str = ""
@@ -42,17 +45,25 @@ class RequestRecord:
         return d
 
 
+def _read_gate_headers(rec: RequestRecord, headers: httpx.Headers) -> None:
+    rec.hold_ms = int(headers.get(protocol.HOLD_MS_HEADER, 0))
+    rec.weight_version = int(headers.get(protocol.WEIGHT_VERSION_HEADER, -1))
+
+
 async def send_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str, *, stream: bool,
-                          kind: str, t0: float, max_tokens: int = 12, temperature: float = 0.8) -> RequestRecord:
-    """Send one completion through the router and record what the client saw."""
-    rec = RequestRecord(kind, stream, time.monotonic() - t0)
+                          kind: str, t0: float, max_tokens: int = 12, temperature: float = 0.8,
+                          min_weight_version: int = 0) -> RequestRecord:
+    """Send one completion through the router and record what the client saw; with ``min_weight_version``
+    the gate holds it until an engine at that weight version (or newer) serves."""
+    rec = RequestRecord(kind, stream, time.monotonic() - t0, min_weight_version=min_weight_version)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "stream": stream}
+    headers = {protocol.MIN_WEIGHT_VERSION_HEADER: str(min_weight_version)} if min_weight_version else None
     try:
         if stream:
-            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
                 rec.status = r.status_code
-                rec.hold_ms = int(r.headers.get(protocol.HOLD_MS_HEADER, 0))
+                _read_gate_headers(rec, r.headers)
                 done = False
                 async for line in r.aiter_lines():
                     if line == "data: [DONE]":
@@ -66,9 +77,9 @@ async def send_completion(client: httpx.AsyncClient, url: str, model: str, promp
                 elif r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}"
         else:
-            r = await client.post(url + "/v1/completions", json=body)
+            r = await client.post(url + "/v1/completions", json=body, headers=headers)
             rec.status = r.status_code
-            rec.hold_ms = int(r.headers.get(protocol.HOLD_MS_HEADER, 0))
+            _read_gate_headers(rec, r.headers)
             rec.ok = r.status_code == 200 and bool(r.json().get("choices"))
             if rec.ok:
                 rec.text = r.json()["choices"][0]["text"]

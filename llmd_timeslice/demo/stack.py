@@ -127,6 +127,7 @@ class LocalStack:
             "groups": [{
                 "group_id": self.group_id,
                 "sleep_level": 1,
+                "sleep_level_policy": "auto",  # the trainer publishes weights each step: its samplers discard them
                 "drain_timeout_s": 30,
                 "samplers": [{"pool": s.pool, "address": s.address, "sidecar": f"127.0.0.1:{s.sidecar_port}",
                               "job_id": s.job_id} for s in self.samplers],

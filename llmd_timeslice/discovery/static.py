@@ -7,6 +7,7 @@ YAML (or JSON) shape, validated with unknown keys refused::
     groups:
       - group_id: rollout-0
         sleep_level: 1                 # 1 = offload weights to host, 2 = discard
+        sleep_level_policy: auto       # fixed (default) | auto: level 2 for jobs that publish weight versions
         drain_timeout_s: 60
         samplers:
           - {pool: default, address: "127.0.0.1:8001", sidecar: "127.0.0.1:9101", job_id: sampler-0}
@@ -48,6 +49,11 @@ class GroupEntry(BaseModel):
     lease_ttl_s: float = Field(30.0, ge=0, le=3600, description="Lease TTL once the holder heartbeats (0: never expire).")
     policy: Literal["fifo", "priority", "round_robin"] = Field("fifo", description="Scheduling policy of the waiters.")
     job_priorities: dict[str, int] = Field(default_factory=dict, description="Per-job priority (priority policy).")
+    sleep_level_policy: Literal["fixed", "auto"] = Field(
+        "fixed", description="fixed: sleep_level for every job; auto: level 2 (discard) for a job that published a "
+                             "weight version at its previous grant (the weights will be replaced anyway), else sleep_level.")
+    job_sleep_levels: dict[str, Literal[1, 2]] = Field(default_factory=dict,
+                                                       description="Per-job sleep level (overrides the policy).")
     samplers: list[SamplerEntry] = Field(default_factory=list)
 
 
@@ -80,6 +86,8 @@ class Inventory(BaseModel):
                 g.lease_ttl_s,
                 g.policy,
                 dict(g.job_priorities),
+                g.sleep_level_policy,
+                dict(g.job_sleep_levels),
             )
             for g in self.groups
         ]

@@ -92,6 +92,9 @@ class FakeVllm(_FakeEngine):
         self.lie_on_sleep, self.lie_on_wake, self.export_sleep_state = lie_on_sleep, lie_on_wake, export_sleep_state
         self.level = 0  # 0 awake, else the sleep level
         self.asleep_tags = {"weights", "kv_cache"}
+        self.weight_version = "default"  # vLLM's label before any update
+        self.weights_path: str | None = None  # last reload_weights(weights_path=...)
+        self.transfer_updates: list = []  # update_info of each /update_weights
 
     def _state(self) -> str:
         return {0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.level]
@@ -122,7 +125,24 @@ class FakeVllm(_FakeEngine):
                     self.level = 0
             return 200, {"status": "awake" if self.level == 0 else "sleeping", "tags": tags}, "application/json"
         if path == "/collective_rpc":
+            if (body or {}).get("method") == "reload_weights":
+                if "weights" in self.asleep_tags and self.level:
+                    return 500, {"error": "weights are asleep"}, "application/json"
+                self.weights_path = ((body or {}).get("kwargs") or {}).get("weights_path", self.weights_path)
             return 200, {"results": [None]}, "application/json"
+        if path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+            return 200, {"success": True, "new_version": body["new_version"]}, "application/json"
+        if path == "/weight_info":
+            return 200, {"weight_version": self.weight_version}, "application/json"
+        if path in ("/init_weight_transfer_engine", "/start_weight_update"):
+            return 200, {"message": "ok"}, "application/json"
+        if path == "/update_weights":
+            self.transfer_updates.append(body["update_info"])
+            return 200, {"message": "Weights updated"}, "application/json"
+        if path == "/finish_weight_update":
+            self.weight_version = body.get("weight_version") or self.weight_version
+            return 200, {"message": "Weight update finished"}, "application/json"
         if path == "/reset_prefix_cache":
             return 200, {"success": True}, "application/json"
         if path == "/v1/models":

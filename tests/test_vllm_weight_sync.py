@@ -1,0 +1,108 @@
+"""Proof that the samplers roll out with the policy the trainer just produced (real vLLM on CPU).
+
+One training step of the tiny Llama with ``transformers`` (float32), published as weight version 1,
+loaded by the switch back (orchestrator -> sidecar -> vLLM ``reload_weights``), served through Envoy
+and the gate at that version: vLLM's greedy tokens for fixed prompts equal ``transformers`` greedy
+decoding of the trained weights (first 8 tokens) and differ from version 0's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from epp_plugin import protocol
+from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.server import SidecarServer
+from llmd_timeslice.weights.manifest import save_weight_version
+from tests.support.router import start_router
+from tests.support.vllm import running_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "a small model"]
+N_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def vllm_server():
+    yield from running_vllm("vllm-weight-sync.log")
+
+
+async def _greedy_via_router(c: httpx.AsyncClient, url: str, model: str, min_version: int) -> list[tuple]:
+    out = []
+    for p in PROMPTS:
+        r = await c.post(url + "/v1/completions", headers={protocol.MIN_WEIGHT_VERSION_HEADER: str(min_version)},
+                         json={"model": model, "prompt": p, "max_tokens": N_TOKENS, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert int(r.headers[protocol.WEIGHT_VERSION_HEADER]) >= min_version
+        ch = r.json()["choices"][0]
+        version = int(r.headers[protocol.WEIGHT_VERSION_HEADER])
+        out.append((tuple(ch["prompt_token_ids"]), tuple(ch["token_ids"][:N_TOKENS]), version))
+    return out
+
+
+def _train_one_step(model_dir) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    enc = tok(["zebra zebra zebra zebra zebra zebra"] * 2, return_tensors="pt")
+    loss = model(**enc, labels=enc["input_ids"]).loss
+    loss.backward()
+    opt.step()
+    return model.eval()
+
+
+def _greedy_transformers(model, prompt_ids: tuple) -> tuple:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS,
+                             do_sample=False, pad_token_id=0)
+    return tuple(out[0, len(prompt_ids):].tolist())
+
+
+async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_published(vllm_server, artifacts, tmp_path):
+    engine = vllm_server.url.removeprefix("http://")
+    sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token="t")
+    await sidecar.start()
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "sleep_level_policy": "auto", "samplers": [
+        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}]})
+    orch = OrchestratorServer(inv, port=0, token="t")
+    await orch.start()
+    router = await start_router(artifacts, [engine], max_hold_s=120, orchestrator=f"127.0.0.1:{orch.port}", token="t")
+    await asyncio.wait_for(router.gate.subscription.connected.wait(), 10)
+    ts = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token="t")
+    model_dir = vllm_server.model_dir
+    try:
+        async with httpx.AsyncClient(timeout=120) as c:
+            before = await _greedy_via_router(c, router.url, vllm_server.model_name, 0)
+            assert {v for *_, v in before} == {0}
+            await ts.acquire(timeout_sec=120)
+            trained = await asyncio.to_thread(_train_one_step, model_dir)
+            update = await asyncio.to_thread(save_weight_version, trained, tmp_path / "weights", 1)
+            await ts.release(weights=update)
+            # Sent at once: the gate holds them until the sampler serves version 1.
+            after = await _greedy_via_router(c, router.url, vllm_server.model_name, 1)
+        assert {v for *_, v in after} == {1}
+        expected = [await asyncio.to_thread(_greedy_transformers, trained, ids) for ids, *_ in after]
+        assert [toks for _, toks, _ in after] == expected, "vLLM serves exactly the published weights"
+        assert [toks for _, toks, _ in after] != [toks for _, toks, _ in before], "and not version 0's"
+        status = await ts.weight_status("g")
+        assert status.serving_version == 1 and [s.in_service for s in status.samplers] == [True]
+    finally:
+        await ts.close()
+        await orch.stop()
+        await sidecar.stop()
+        await router.stop()
+        # Leave the module's engine on its original weights for any later test.
+        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:
+            await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})

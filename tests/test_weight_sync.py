@@ -1,0 +1,352 @@
+"""Weight versions through the real gRPC path (client -> orchestrator -> sidecar -> engine HTTP), with a
+vLLM HTTP look-alike: publish, load during the switch back, SERVING at the version on the gate, failures
+kept out of service and told to the publisher, per-job sleep level. The proof against real vLLM is in
+tests/test_vllm_weight_sync.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+import torch
+
+from epp_plugin.gate.pool_state import EndpointState
+from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2
+from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
+from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceOrchestratorClient
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.backends.vllm_weights import WeightTransferLoader
+from llmd_timeslice.snapshot.server import SidecarServer
+from llmd_timeslice.weights.manifest import MANIFEST_NAME, WeightManifestError, save_weight_version, verify_weights
+from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
+from tests.support.fake_engines import FakeSglang, FakeVllm
+
+TOKEN = "t"
+
+
+def _weights(root, version: int, seed: int = 0) -> WeightUpdate:
+    g = torch.Generator().manual_seed(seed + version)
+    return save_weight_version({"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}, root, version)
+
+
+# ----------------------------------------------------------------------------------------------- manifest
+def test_saved_version_verifies_and_reports_its_bytes(tmp_path):
+    update = _weights(tmp_path, 3)
+    assert update == WeightUpdate(3, "files", str(tmp_path / "v3"))
+    assert verify_weights(update.location, 3) > 64 * 64 * 4
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory is left"
+    with pytest.raises(FileExistsError):
+        _weights(tmp_path, 3)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("flip_byte", "does not match its sha256"),
+    ("truncate", "the manifest says"),
+    ("delete_file", "missing"),
+    ("delete_manifest", "weights-manifest.json does not exist"),
+    ("bad_manifest_json", "cannot be read"),
+    ("wrong_version", "is version 1, the update says 2"),
+])
+def test_damaged_weight_directory_is_refused_naming_the_problem(tmp_path, damage, message):
+    d = tmp_path / "v1"
+    _weights(tmp_path, 1)
+    f = d / "model.safetensors"
+    expect_version = 1
+    if damage == "flip_byte":
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        f.write_bytes(f.read_bytes()[:-10])
+    elif damage == "delete_file":
+        f.unlink()
+    elif damage == "delete_manifest":
+        (d / MANIFEST_NAME).unlink()
+    elif damage == "bad_manifest_json":
+        (d / MANIFEST_NAME).write_text("{not json")
+    elif damage == "wrong_version":
+        expect_version = 2
+    with pytest.raises(WeightManifestError, match=message):
+        verify_weights(d, expect_version)
+
+
+def test_missing_weight_directory_is_refused(tmp_path):
+    with pytest.raises(WeightManifestError, match="does not exist"):
+        verify_weights(tmp_path / "nowhere", 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"version": 0, "location": "/w"}, "weight version must be"),
+    ({"version": -4, "location": "/w"}, "weight version must be"),
+    ({"version": True, "location": "/w"}, "weight version must be"),
+    ({"version": 1, "source": "s3", "location": "/w"}, "unknown weight source 's3'"),
+    ({"version": 1, "source": "files"}, "needs a location"),
+    ({"version": 1, "source": "vllm_weight_transfer"}, "needs update_info"),
+])
+def test_malformed_weight_update_is_refused(kwargs, message):
+    with pytest.raises(InvalidWeightUpdate, match=message):
+        WeightUpdate(**kwargs)
+
+
+def test_update_info_that_is_not_a_json_object_is_refused():
+    for raw in ("{oops", "[1, 2]"):
+        with pytest.raises(InvalidWeightUpdate, match="update_info_json"):
+            WeightUpdate.from_pb(weights_pb2.WeightUpdate(version=1, source="vllm_weight_transfer",
+                                                          update_info_json=raw))
+
+
+# ------------------------------------------------------------------------------------------------ backend
+async def test_backend_sync_order_is_wake_weights_load_version_kv_cache_reset(tmp_path):
+    engine = FakeVllm().start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1)
+    try:
+        await backend.suspend(SuspendMode.DISCARD, [])
+        engine.calls.clear()
+        update = _weights(tmp_path, 1)
+        await backend.resume_with_weights([], update)
+        posts = [(p, b) for m, p, b in engine.calls if m == "POST"]
+        order = [p for p, _ in posts]
+        assert order[:5] == ["/wake_up", "/collective_rpc", "/update_weight_version", "/wake_up", "/reset_prefix_cache"]
+        assert posts[0][1] == {"tags": "weights"} and posts[3][1] == {"tags": "kv_cache"}
+        assert posts[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": update.location}}
+        assert engine.weight_version == "1" and engine.level == 0
+        assert backend.weight_version == 1 and backend.last_sync["bytes"] > 0
+    finally:
+        await backend.close()
+        engine.stop()
+
+
+async def test_backend_never_hands_a_corrupt_version_to_vllm_and_recovers_with_the_last_good_one(tmp_path):
+    engine = FakeVllm().start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1)
+    try:
+        good = _weights(tmp_path, 1)
+        await backend.suspend(SuspendMode.DISCARD, [])
+        await backend.resume_with_weights([], good)
+        bad = _weights(tmp_path, 2)
+        (tmp_path / "v2" / "model.safetensors").write_bytes(b"\0" * 10)
+        await backend.suspend(SuspendMode.DISCARD, [])
+        engine.calls.clear()
+        with pytest.raises(BackendError, match=r"weight version 2 failed.*last good version 1"):
+            await backend.resume_with_weights([], bad)
+        assert engine.level != 0, "the engine stays asleep (out of service)"
+        assert not [c for c in engine.calls if c[1] == "/collective_rpc"], "vLLM never saw the corrupt directory"
+        # A plain wake afterwards reloads the last good version before serving (never a mix).
+        engine.calls.clear()
+        await backend.resume([])
+        reloads = [b for m, p, b in engine.calls if p == "/collective_rpc"]
+        assert reloads == [{"method": "reload_weights", "kwargs": {"weights_path": good.location}}]
+        assert engine.level == 0 and backend.weight_version == 1
+    finally:
+        await backend.close()
+        engine.stop()
+
+
+async def test_weight_transfer_loader_follows_vllms_start_update_finish_sequence():
+    engine = FakeVllm().start()
+    loader = WeightTransferLoader({"master_address": "10.0.0.1", "master_port": 29500, "world_size": 2})
+    backend = VllmBackend(engine.url, idle_timeout_s=1, weight_loaders={"vllm_weight_transfer": loader})
+    info = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 4]]}
+    try:
+        await backend.suspend(SuspendMode.OFFLOAD, [])
+        for v in (1, 2):
+            await backend.resume_with_weights([], WeightUpdate(v, "vllm_weight_transfer", update_info=info))
+            await backend.suspend(SuspendMode.OFFLOAD, [])
+        paths = [p for m, p, _ in engine.calls if m == "POST" and "weight" in p]
+        assert paths == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                         "/finish_weight_update", "/update_weight_version",
+                         "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version"]
+        assert engine.transfer_updates == [info, info] and engine.weight_version == "2"
+        with pytest.raises(BackendError, match="no loader for weight source 'files'"):
+            await backend.resume_with_weights([], WeightUpdate(3, "files", "/w"))
+    finally:
+        await backend.close()
+        engine.stop()
+
+
+# ----------------------------------------------------------------------------------------- through gRPC
+@pytest.fixture
+async def stack(tmp_path):
+    engines = [FakeVllm().start(), FakeVllm().start()]
+    sidecars = [SidecarServer({f"sampler-{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+                for i, e in enumerate(engines)]
+    for s in sidecars:
+        await s.start()
+    addrs = [e.url.removeprefix("http://") for e in engines]
+    inv = Inventory.model_validate({"groups": [
+        {"group_id": "g", "sleep_level_policy": "auto", "samplers": [
+            {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"sampler-{i}"}
+            for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]},
+        {"group_id": "trainers"}]})
+    orch = OrchestratorServer(inv, port=0, token=TOKEN)
+    await orch.start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
+    await gate.start()
+    await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    yield engines, addrs, orch, gate, client, sidecars
+    await client.close()
+    await gate.stop()
+    await orch.stop()
+    for s in sidecars:
+        await s.stop()
+    for e in engines:
+        e.stop()
+
+
+async def _until(pred, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_yield_with_a_weight_version_wakes_samplers_serving_that_version(stack, tmp_path):
+    engines, addrs, orch, gate, client, _ = stack
+    pool = gate.pools["default"]
+    await client.acquire(timeout_sec=30)
+    assert all(e.level == 1 for e in engines), "first grant: nothing published yet -> level 1"
+    await client.release(weights=_weights(tmp_path, 1))
+    await _until(lambda: pool.serving(min_version=1) == tuple(addrs))
+    assert [e.weight_version for e in engines] == ["1", "1"]
+    assert all(e.weights_path == str(tmp_path / "v1") for e in engines)
+    # auto policy: the job published, so its next grant discards the weights (level 2) ...
+    await client.acquire(timeout_sec=30)
+    assert all(e.level == 2 for e in engines)
+    await client.release(weights=_weights(tmp_path, 2))
+    await _until(lambda: pool.serving(min_version=2) == tuple(addrs))
+    # ... and a grant without publishing goes back to level 1 at the next one.
+    await client.acquire(timeout_sec=30)
+    await client.release()
+    await _until(lambda: pool.serving() == tuple(addrs))
+    assert pool.serving(min_version=2) == tuple(addrs), "a yield without weights keeps the version"
+    await client.acquire(timeout_sec=30)
+    assert all(e.level == 1 for e in engines)
+    await client.release()
+    await _until(lambda: pool.serving() == tuple(addrs))
+    sync = TimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    try:
+        status = await asyncio.to_thread(sync.weight_status, "g")  # the sync client, off the server's loop
+    finally:
+        sync.close()
+    assert status.serving_version == 2 and not status.HasField("pending")
+    assert [(s.version, s.in_service) for s in status.samplers] == [(2, True), (2, True)]
+
+
+async def test_failed_load_keeps_that_sampler_out_of_service_and_the_next_acquire_is_told(stack, tmp_path):
+    _, addrs, orch, gate, client, _ = stack
+    pool = gate.pools["default"]
+    await client.acquire(timeout_sec=30)
+    await client.release(weights=_weights(tmp_path, 1))
+    await _until(lambda: pool.serving(min_version=1) == tuple(addrs))
+    bad = _weights(tmp_path, 2)
+    (tmp_path / "v2" / "model.safetensors").write_bytes(b"corrupt")
+    await client.acquire(timeout_sec=30)
+    await client.release(weights=bad)
+    await _until(lambda: orch.orchestrator.groups["g"].state.value == "IDLE")
+    assert pool.serving() == (), "no sampler serves a version it failed to load, nor its old one"
+    assert {pool.endpoints[a].state for a in addrs} == {EndpointState.ASLEEP}
+    assert {pool.endpoints[a].weight_version for a in addrs} == {1}
+    res = await client.acquire(timeout_sec=30)
+    assert "weight version 2 did not load on 2 of 2" in res.weight_sync_error
+    assert "does not match its sha256" in res.weight_sync_error or "bytes" in res.weight_sync_error
+    # Recover without a human: publish a good version.
+    await client.release(weights=_weights(tmp_path, 3))
+    await _until(lambda: pool.serving(min_version=3) == tuple(addrs))
+    res = await client.acquire(timeout_sec=30)
+    assert res.weight_sync_error == ""
+    await client.release()
+
+
+async def test_publish_is_refused_with_a_reason(stack, tmp_path):
+    _, _, orch, _, client, _ = stack
+    with pytest.raises(LeaseError, match="does not hold group 'g'"):
+        await client.publish_weights(_weights(tmp_path, 1))
+    await client.acquire(timeout_sec=30)
+    await client.publish_weights(_weights(tmp_path, 5))
+    with pytest.raises(LeaseError, match=r"FAILED_PRECONDITION.*not newer"):
+        await client.publish_weights(WeightUpdate(5, "files", str(tmp_path / "v5")))
+    with pytest.raises(LeaseError, match="unknown group 'nope'"):
+        await client.publish_weights(_weights(tmp_path, 6), group_id="nope")
+    await client.release()
+    other = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="trainers",
+                                             token=TOKEN)
+    try:
+        await other.acquire(timeout_sec=30)
+        with pytest.raises(LeaseError, match=r"INVALID_ARGUMENT.*no samplers"):
+            await other.publish_weights(_weights(tmp_path, 7))
+        await other.release()
+    finally:
+        await other.close()
+
+
+async def test_sidecar_refuses_a_weight_sync_it_cannot_do(stack):
+    _, _, _, _, _, sidecars = stack
+    engine = FakeSglang().start()
+    from llmd_timeslice.snapshot.backends.sglang import SglangBackend
+
+    side = SidecarServer({"sg": SglangBackend(engine.url)}, port=0, token=TOKEN)
+    await side.start()
+    from llmd_timeslice import auth
+
+    try:
+        for target, job, weights, message in [
+            (side.port, "sg", weights_pb2.WeightUpdate(version=1, source="files", location="/w"), "cannot load weights"),
+            (sidecars[0].port, "sampler-0", weights_pb2.WeightUpdate(version=0, source="files", location="/w"),
+             "weight version must be"),
+            (sidecars[0].port, "sampler-0", weights_pb2.WeightUpdate(version=1, source="ftp", location="/w"),
+             "unknown weight source"),
+        ]:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{target}",
+                                                 interceptors=auth.client_interceptors(TOKEN)) as ch:
+                stub = xpb_grpc.SnapshotOperationsServiceStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.RestoreWithWeights(xpb.RestoreWithWeightsRequest(
+                        restore=spb.RestoreRequest(job_id=job, group="g"), weights=weights), timeout=10)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert message in ei.value.details()
+    finally:
+        await side.stop()
+        engine.stop()
+
+
+async def test_weight_versions_survive_an_orchestrator_restart(tmp_path):
+    engine = FakeVllm().start()
+    sidecar = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await sidecar.start()
+    addr = engine.url.removeprefix("http://")
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
+        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s"}]}]})
+    state = tmp_path / "state.json"
+    from llmd_timeslice.orchestrator.persistence import FileStateStore
+
+    orch = OrchestratorServer(inv, port=0, token=TOKEN, state_store=FileStateStore(state))
+    await orch.start()
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    try:
+        await client.acquire(timeout_sec=30)
+        await client.release(weights=_weights(tmp_path / "w", 4))
+        await _until(lambda: orch.orchestrator.groups["g"].serving_version == 4)
+        await orch.stop()
+        saved = json.loads(state.read_text())["groups"]["g"]
+        assert saved["sampler_versions"] == {addr: 4} and saved["weights"]["version"] == 4
+        orch = OrchestratorServer(inv, port=orch.port, token=TOKEN, state_store=FileStateStore(state))
+        await orch.start()
+        assert orch.hub.state["default"][addr][1] == 4, "republished SERVING at version 4"
+        await client.acquire(timeout_sec=30)
+        with pytest.raises(LeaseError, match="not newer"):
+            await client.publish_weights(WeightUpdate(3, "files", str(tmp_path / "w" / "v4")))
+        await client.release()
+    finally:
+        await client.close()
+        await orch.stop()
+        await sidecar.stop()
+        engine.stop()
