@@ -14,8 +14,31 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2_grpc as info_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2 as wpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2_grpc as wpb_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+
+
+def _weights_table(console: Console, ch: grpc.Channel, groups, md) -> None:
+    """Weight versions per sampler (groups with samplers only; skipped on an orchestrator without the service)."""
+    stub = wpb_grpc.WeightVersionServiceStub(ch)
+    t = Table(title="weight versions")
+    for col in ("group", "serving", "pending", "sampler", "version", "in service", "error"):
+        t.add_column(col)
+    for gid in groups:
+        try:
+            w = stub.GetWeightVersion(wpb.GetWeightVersionRequest(group_id=gid), timeout=5, metadata=md)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return
+            raise
+        for i, smp in enumerate(w.samplers):
+            t.add_row(gid if i == 0 else "", str(w.serving_version) if i == 0 else "",
+                      (str(w.pending.version) if w.pending.version else "-") if i == 0 else "", smp.address,
+                      str(smp.version), "yes" if smp.in_service else "[red]no[/red]", smp.error[:80])
+    if t.row_count:
+        console.print(t)
 
 
 def print_status(orchestrator: str, gates: list[str], token_file: Path | None = None, console: Console | None = None) -> int:
@@ -37,6 +60,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                 t.add_row(gid, opb.GroupStatus.State.Name(s.group.group_state)[6:], s.group.locking_job or "-",
                           s.group.loaded_job or "samplers", str(s.group.waiter_queue_depth), agents)
             console.print(t)
+            _weights_table(console, ch, groups, md)
             info = info_grpc.OrchestratorInfoServiceStub(ch)
             switches = info.ListSwitches(info_pb.ListSwitchesRequest(limit=10), timeout=5, metadata=md).switches
             t = Table(title="recent switches (newest first)")

@@ -471,7 +471,7 @@ SPEC = GroupSpec("g0", [SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "
                         SamplerEndpoint("p", "10.0.0.2:8000", "10.0.0.2:9001", "s1")])
 
 
-async def _no_sidecar(self, sampler, group, kind, config):
+async def _no_sidecar(self, sampler, group, kind, config, weights=None):
     self.sampler_states[sampler.address] = "ok"
 
 

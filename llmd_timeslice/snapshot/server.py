@@ -167,7 +167,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             finally:
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
                 op.done.set()
-                log.info("operation=%s job=%s kind=%s status=%s elapsed_ms=%d%s", op.id, op.job_id, op.kind,
+                log.info("operation=%s job=%s kind=%s%s status=%s elapsed_ms=%d%s", op.id, op.job_id, op.kind,
+                         f" weight_version={weights.version}" if weights is not None else "",
                          pb.OperationStatus.Name(op.status), op.elapsed_ms, f" error={op.error}" if op.error else "")
 
     async def Snapshot(self, request, context):  # noqa: N802

@@ -114,12 +114,43 @@ def verify_weights(directory: str | os.PathLike, version: int | None = None) -> 
     return sum(int(e["bytes"]) for _, e in entries)
 
 
-def save_weight_version(model_or_state_dict, root: str | os.PathLike, version: int) -> WeightUpdate:
+DEFAULT_SHARD_BYTES = 256 << 20
+"""Shards of at most this many bytes: the manifest check hashes shards on parallel threads (one file would be
+one core's SHA-256 speed)."""
+
+
+def _save_state_dict(state: Mapping, directory: Path, shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in state.items():
+        t = t.detach().contiguous().cpu()
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def save_weight_version(model_or_state_dict, root: str | os.PathLike, version: int,
+                        shard_bytes: int = DEFAULT_SHARD_BYTES) -> WeightUpdate:
     """Write weight version ``version`` under ``root/v{version}`` (safetensors + manifest), atomically.
 
     ``model_or_state_dict``: a ``transformers`` model (saved with ``save_pretrained``, config
     included) or a mapping of parameter name -> tensor (saved with ``safetensors.torch.save_file``).
-    Returns the :class:`WeightUpdate` to publish. Raises ``FileExistsError`` if that version exists.
+    Files are sharded at ``shard_bytes`` (bytes). Returns the :class:`WeightUpdate` to publish.
+    Raises ``FileExistsError`` if that version exists.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -129,12 +160,9 @@ def save_weight_version(model_or_state_dict, root: str | os.PathLike, version: i
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
     try:
         if isinstance(model_or_state_dict, Mapping):
-            from safetensors.torch import save_file
-
-            save_file({k: v.detach().contiguous().cpu() for k, v in model_or_state_dict.items()},
-                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            _save_state_dict(model_or_state_dict, tmp, shard_bytes)
         else:
-            model_or_state_dict.save_pretrained(tmp, safe_serialization=True)
+            model_or_state_dict.save_pretrained(tmp, safe_serialization=True, max_shard_size=shard_bytes)
         write_manifest(tmp, version)
         os.chmod(tmp, 0o755)
         tmp.rename(final)
