@@ -318,16 +318,58 @@ def sidecar(
     _run(main)
 
 
+StackFileOpt = Annotated[Path, typer.Option("--file", "-f", help="Stack file (see examples/cpu-stack.yaml).",
+                                            exists=True, dir_okay=False)]
+WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
+
+
 @app.command()
 def status(
     orchestrator_addr: Annotated[str, typer.Option("--orchestrator", help="Orchestrator host:port.")] = "127.0.0.1:50051",
     gate_addr: Annotated[list[str], typer.Option("--gate", help="Gate control host:port (repeatable).")] = [],  # noqa: B006
     token_file: TokenFile = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", help="Stack file of a stack run by `up`: its components, then its groups and gate "
+                             "(addresses and token from the stack; the other options are ignored).",
+        exists=True, dir_okay=False)] = None,
+    workdir: WorkdirOpt = None,
 ) -> None:
-    """Show groups (holder, waiters, state) and, per gate, endpoint states and held requests."""
+    """Show groups (holder, waiters, state, weight versions) and, per gate, endpoint states and held requests."""
+    if file is not None:
+        from llmd_timeslice.local.up import print_stack_status
+
+        raise typer.Exit(print_stack_status(file, workdir))
     from llmd_timeslice.status import print_status
 
     raise typer.Exit(print_status(orchestrator_addr, gate_addr, token_file))
+
+
+@app.command()
+def up(
+    file: StackFileOpt,
+    workdir: WorkdirOpt = None,
+    live: Annotated[bool | None, typer.Option(
+        help="Live status table (default: when stdout is a terminal; else a line per event).")] = None,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Start the whole stack of a stack file and supervise it until Ctrl-C / SIGTERM / `down`.
+
+    Starts the vLLM engines it lists (or uses running ones given by URL), a snapshot sidecar per engine,
+    the orchestrator, the gate, the picker and Envoy; prints the router URL, the orchestrator address and
+    metrics URLs; restarts a component that dies (back-off 1 s to 30 s); writes logs to WORKDIR/logs.
+    On stop, held requests get 503 (gate_shutting_down), engines it did not start are woken, the rest stopped."""
+    from llmd_timeslice.local.up import run_up
+
+    _setup_logging(log_level)
+    raise typer.Exit(run_up(file, workdir, live))
+
+
+@app.command()
+def down(file: StackFileOpt, workdir: WorkdirOpt = None) -> None:
+    """Stop a stack started with `up` (from another shell) and check that none of its processes is left."""
+    from llmd_timeslice.local.up import run_down
+
+    raise typer.Exit(run_down(file, workdir))
 
 
 @app.command()
@@ -414,8 +456,14 @@ def main() -> None:
     import pydantic
     import yaml
 
+    from llmd_timeslice.local.stack_file import StackError
+
     try:
         app()
+    except StackError as exc:
+        for line in exc.errors:
+            typer.echo(f"{exc.path or 'stack file'}: {line}", err=True)
+        raise SystemExit(2) from None
     except (pydantic.ValidationError, yaml.YAMLError, OSError, ValueError) as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise SystemExit(2) from None

@@ -126,6 +126,8 @@ class VllmServer:
         python: interpreter with vLLM installed; ``None`` → :func:`default_python`.
         extra_args: extra CLI flags appended after :data:`DEFAULT_ARGS` (later
             flags win in argparse, so they can override the defaults).
+        default_args: False: only ``--served-model-name`` before ``extra_args`` (e.g. on a GPU, where
+            the CPU-sized defaults do not fit).
 
     Usable as a context manager: ``with VllmServer(...) as s:`` starts the
     server (default timeout) and always stops it on exit.
@@ -138,12 +140,14 @@ class VllmServer:
         log_path: Path,
         python: str | None = None,
         extra_args: Sequence[str] = (),
+        default_args: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = int(port)
         self.log_path = Path(log_path)
         self.python = python or default_python()
         self.extra_args = list(extra_args)
+        self.default_args = default_args
         self.proc: subprocess.Popen[bytes] | None = None
         #: Private TMPDIR/cache directory of the running server (see module doc).
         self.runtime_dir: Path | None = None
@@ -167,9 +171,18 @@ class VllmServer:
             "--model", str(self.model_dir),
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            *DEFAULT_ARGS,
+            *(DEFAULT_ARGS if self.default_args else ("--served-model-name", SERVED_MODEL_NAME)),
             *self.extra_args,
         ]
+
+    def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The server's environment (module doc); creates its private runtime directory (``runtime_dir``)."""
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"vllm-{self.port}-"))
+        env = {**os.environ, **_SERVER_ENV, **(extra or {})}
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(self.runtime_dir)
+        env.setdefault("VLLM_CACHE_ROOT", str(self.runtime_dir / "cache"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.runtime_dir / "inductor"))
+        return env
 
     def spawn(self) -> None:
         """Launch the process without waiting for readiness (no-op if running)."""
@@ -178,11 +191,7 @@ class VllmServer:
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no model directory (config.json) at {self.model_dir}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"vllm-{self.port}-"))
-        env = {**os.environ, **_SERVER_ENV}
-        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(self.runtime_dir)
-        env.setdefault("VLLM_CACHE_ROOT", str(self.runtime_dir / "cache"))
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.runtime_dir / "inductor"))
+        env = self.environment()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(),

@@ -1,0 +1,104 @@
+"""A short GRPO-style RL loop against a running stack, using only the public client API.
+
+    .venv/bin/llmd-timeslice up -f examples/cpu-stack.yaml            # in one shell
+    .venv/bin/python examples/rl_loop.py --iterations 2                # in another
+
+Per iteration: a rollout batch through the router (asking for the latest weight version), then the
+trainer acquires the sampler group (samplers drain and sleep), trains, and yields. With ``--model-dir``
+(a Hugging Face model directory, e.g. the stack's ``.llmd-timeslice/cpu/tiny-llama``) it really trains
+that model one step with ``transformers`` and publishes the new weights as version N+1, which the
+samplers load before serving again; without it, training is a sleep and no version is published.
+
+Addresses default to the environment the stack prints (``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``).
+Exit code 0 when every rollout request completed at the version it asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from llmd_timeslice.client import TimeSliceOrchestratorClient
+from llmd_timeslice.weights.manifest import save_weight_version
+
+PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "a small model"]
+
+
+def rollout(router: str, model: str, min_version: int) -> list[dict]:
+    out = []
+    with httpx.Client(timeout=300) as c:
+        for p in PROMPTS:
+            r = c.post(f"{router}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 8},
+                       headers={"x-llmd-timeslice-min-weight-version": str(min_version)})
+            out.append({"status": r.status_code, "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text,
+                        "weight_version": int(r.headers.get("x-llmd-timeslice-weight-version", -1))})
+    return out
+
+
+def train_step(model_dir: Path | None, state: dict) -> None:
+    if model_dir is None:
+        time.sleep(1.0)  # stands in for a training step
+        return
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if "model" not in state:
+        state["tok"] = AutoTokenizer.from_pretrained(model_dir)
+        state["model"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        state["opt"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-3)
+    enc = state["tok"](PROMPTS, return_tensors="pt", padding=True)
+    loss = state["model"](**enc, labels=enc["input_ids"]).loss
+    loss.backward()
+    state["opt"].step()
+    state["opt"].zero_grad()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--router", default="http://127.0.0.1:8080", help="router URL (OpenAI-style API)")
+    ap.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCH_ADDR", "127.0.0.1:50051"))
+    ap.add_argument("--token-file", default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"), help="control-plane token file")
+    ap.add_argument("--job-id", default="trainer-0")
+    ap.add_argument("--group", default="rollout-group", help="the sampler group the trainer time-slices with")
+    ap.add_argument("--model", default="tiny", help="served model name")
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--model-dir", type=Path, help="train this model for real and publish its weights")
+    ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
+    a = ap.parse_args(argv)
+    token = Path(a.token_file).read_text().strip() if a.token_file else None
+    client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token=token)
+    version, state, ok = 0, {}, True
+    try:
+        for it in range(a.iterations):
+            recs = rollout(a.router, a.model, version)
+            served = sorted({r["weight_version"] for r in recs})
+            good = all(r["status"] == 200 and r["weight_version"] >= version for r in recs)
+            ok &= good
+            print(f"iteration {it}: rollout {sum(r['status'] == 200 for r in recs)}/{len(recs)} ok at weight "
+                  f"version(s) {served} (asked >= {version})", flush=True)
+            t = time.monotonic()
+            res = client.acquire(timeout_sec=300)
+            print(f"  acquired the group in {(time.monotonic() - t) * 1000:.0f} ms"
+                  + (f"; last weight sync failed: {res.weight_sync_error}" if res.weight_sync_error else ""), flush=True)
+            train_step(a.model_dir, state)
+            weights = None
+            if a.model_dir is not None:
+                version += 1
+                weights = save_weight_version(state["model"], a.weights_dir, version)
+            client.release(weights=weights)
+            print(f"  trained; yielded{f' with weight version {version}' if weights else ''}", flush=True)
+        recs = rollout(a.router, a.model, version)
+        ok &= all(r["status"] == 200 and r["weight_version"] >= version for r in recs)
+        print(f"final rollout at weight version(s) {sorted({r['weight_version'] for r in recs})}", flush=True)
+    finally:
+        client.close()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

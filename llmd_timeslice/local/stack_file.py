@@ -1,0 +1,261 @@
+"""The stack file of ``llmd-timeslice up``: components, ports, engines, pools, groups and jobs in one YAML.
+
+Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are refused)::
+
+    stack:   {name, host, workdir, token_file, max_hold_s, log_level, ports: {router, router_admin, gate_ext_proc,
+              gate_control, gate_metrics, picker, orchestrator, orchestrator_metrics}}
+    pools:   [{name, path_prefix}]                    # Envoy routes path_prefix to the pool ("/" -> the first)
+    groups:  [{group_id, sleep_level, sleep_level_policy, drain_timeout_s, lease_ttl_s, policy}]
+    jobs:    [{job_id, groups, priority, sleep_level}]  # optional: per-job scheduling priority and sleep level
+    engines: [{name, pool, group, sidecar_port, url | vllm: {model, port, args, cpu_defaults, python, env}}]
+
+An engine is either **started** by the stack (``vllm:``; ``model`` a directory or ``builtin:tiny-llama``,
+built locally) or **already running** at ``url``. Checks beyond the types: unique names, every reference
+(pool, group) known, no port used twice, model directories present.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmd_timeslice.discovery.static import Inventory
+
+BUILTIN_TINY = "builtin:tiny-llama"
+
+Port = Field(ge=1, le=65535)
+
+
+class StackError(Exception):
+    """A stack file is unusable; ``errors`` holds one line per problem (``where: what``)."""
+
+    def __init__(self, errors: list[str], path: Path | None = None) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+        self.path = path
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StackPorts(_Strict):
+    router: int = Field(8080, ge=1, le=65535, description="Envoy listener: OpenAI-style requests.")
+    router_admin: int = Field(9901, ge=1, le=65535, description="Envoy admin (/ready, /stats/prometheus).")
+    gate_ext_proc: int = Field(9002, ge=1, le=65535, description="Gate data-plane port (ext_proc + health only).")
+    gate_control: int = Field(9003, ge=1, le=65535, description="Gate control API (authenticated).")
+    gate_metrics: int = Field(9090, ge=1, le=65535, description="Gate Prometheus /metrics.")
+    picker: int = Field(9004, ge=1, le=65535, description="EPP-protocol picker (ext_proc).")
+    orchestrator: int = Field(50051, ge=1, le=65535, description="Orchestrator gRPC (TimeSlice clients connect here).")
+    orchestrator_metrics: int = Field(9091, ge=1, le=65535, description="Orchestrator Prometheus /metrics.")
+
+
+class StackSettings(_Strict):
+    name: str = Field("local", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    host: str = Field("127.0.0.1", description="Bind address of every component.")
+    workdir: Path | None = Field(None, description="Logs, state, token, rendered configs (default: "
+                                                   "<stack file folder>/.llmd-timeslice/<name>).")
+    token_file: Path | None = Field(None, description="Control-plane bearer token file (default: generated in workdir).")
+    max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds the gate holds a request.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    ports: StackPorts = Field(default_factory=StackPorts)
+
+
+class PoolEntry(_Strict):
+    name: str = Field(min_length=1)
+    path_prefix: str | None = Field(None, description="Requests under this path go to the pool (first pool: '/').")
+
+
+class GroupEntry(_Strict):
+    group_id: str = Field(min_length=1)
+    sleep_level: Literal[1, 2] = 1
+    sleep_level_policy: Literal["fixed", "auto"] = "fixed"
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    lease_ttl_s: float = Field(30.0, ge=0, le=3600)
+    policy: Literal["fifo", "priority", "round_robin"] = "fifo"
+
+
+class JobEntry(_Strict):
+    job_id: str = Field(min_length=1)
+    groups: list[str] = Field(default_factory=list, description="Groups the settings below apply to (empty: all).")
+    priority: int = 0
+    sleep_level: Literal[1, 2] | None = None
+
+
+class VllmLaunch(_Strict):
+    model: str = Field(description=f"Model directory, or {BUILTIN_TINY!r} (a tiny Llama built locally, CPU demo).")
+    port: int = Field(ge=1, le=65535)
+    args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags (e.g. --enable-sleep-mode on GPU).")
+    cpu_defaults: bool = Field(True, description="Prepend the CPU-sized defaults of the demo (max-model-len 512, "
+                                                 "float32, enforce-eager); false on GPUs.")
+    python: str | None = Field(None, description="Interpreter with vLLM (default: .venv-vllm/bin/python or "
+                                                 "$LLMD_TIMESLICE_VLLM_PYTHON).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment (e.g. CUDA_VISIBLE_DEVICES).")
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
+class EngineEntry(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Also the sampler job id.")
+    pool: str = "default"
+    group: str
+    sidecar_port: int = Field(ge=1, le=65535)
+    url: str | None = Field(None, description="An engine already running (http://host:port); not started or stopped.")
+    vllm: VllmLaunch | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EngineEntry:
+        if (self.url is None) == (self.vllm is None):
+            raise ValueError("give exactly one of 'url' (a running engine) or 'vllm' (started by the stack)")
+        if self.url is not None:
+            u = urlparse(self.url)
+            if u.scheme != "http" or not u.hostname or not u.port:
+                raise ValueError(f"url must be http://host:port, got {self.url!r}")
+        return self
+
+    @property
+    def address(self) -> str:
+        """``ip:port`` the picker routes to."""
+        if self.url is not None:
+            u = urlparse(self.url)
+            return f"{u.hostname}:{u.port}"
+        return f"127.0.0.1:{self.vllm.port}"  # type: ignore[union-attr]
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/") if self.url else f"http://{self.address}"
+
+
+class StackFile(_Strict):
+    stack: StackSettings = Field(default_factory=StackSettings)
+    pools: list[PoolEntry] = Field(default_factory=lambda: [PoolEntry(name="default")], min_length=1)
+    groups: list[GroupEntry] = Field(min_length=1)
+    jobs: list[JobEntry] = Field(default_factory=list)
+    engines: list[EngineEntry] = Field(min_length=1)
+
+    def problems(self, base_dir: Path) -> list[str]:
+        """Cross-field checks: duplicates, unknown references, port clashes, missing model directories."""
+        out: list[str] = []
+
+        def dupes(kind: str, names: list[str]) -> None:
+            for n in sorted({n for n in names if names.count(n) > 1}):
+                out.append(f"{kind}: {n!r} is declared more than once")
+
+        dupes("pools", [p.name for p in self.pools])
+        dupes("groups", [g.group_id for g in self.groups])
+        dupes("engines", [e.name for e in self.engines])
+        dupes("jobs", [j.job_id for j in self.jobs])
+        pools, groups = {p.name for p in self.pools}, {g.group_id for g in self.groups}
+        for i, e in enumerate(self.engines):
+            if e.pool not in pools:
+                out.append(f"engines[{i}] ({e.name}).pool: unknown pool {e.pool!r}; declared: {sorted(pools)}")
+            if e.group not in groups:
+                out.append(f"engines[{i}] ({e.name}).group: unknown group {e.group!r}; declared: {sorted(groups)}")
+            if e.vllm is not None and e.vllm.model != BUILTIN_TINY:
+                model = self.resolve(base_dir, e.vllm.model)
+                if not (model / "config.json").is_file():
+                    out.append(f"engines[{i}] ({e.name}).vllm.model: no model directory (config.json) at {model}")
+        for j, job in enumerate(self.jobs):
+            for g in job.groups:
+                if g not in groups:
+                    out.append(f"jobs[{j}] ({job.job_id}).groups: unknown group {g!r}; declared: {sorted(groups)}")
+        used: dict[int, str] = {}
+        local = {"127.0.0.1", "localhost", "0.0.0.0", self.stack.host}
+        ports = [(f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items()]
+        for i, e in enumerate(self.engines):
+            ports.append((f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
+            if e.vllm is not None:
+                ports.append((f"engines[{i}] ({e.name}).vllm.port", e.vllm.port))
+            elif urlparse(e.url).hostname in local:  # type: ignore[arg-type]
+                ports.append((f"engines[{i}] ({e.name}).url", urlparse(e.url).port))  # type: ignore[arg-type]
+        for where, port in ports:
+            if port in used:
+                out.append(f"{where}: port {port} is also {used[port]}")
+            else:
+                used[port] = where
+        prefixes = [p.path_prefix for p in self.pools[1:]]
+        for i, p in enumerate(self.pools[1:], 1):
+            if not p.path_prefix or not p.path_prefix.startswith("/"):
+                out.append(f"pools[{i}] ({p.name}).path_prefix: pools after the first need a path prefix starting "
+                           "with '/' (the first pool serves '/')")
+        dupes("pools.path_prefix", [p for p in prefixes if p])
+        return out
+
+    @staticmethod
+    def resolve(base_dir: Path, path: str | os.PathLike) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (base_dir / p).resolve()
+
+    def workdir(self, base_dir: Path) -> Path:
+        if self.stack.workdir is not None:
+            return self.resolve(base_dir, self.stack.workdir)
+        return base_dir / ".llmd-timeslice" / self.stack.name
+
+    def inventory(self) -> Inventory:
+        """The orchestrator's static inventory: groups with their samplers and per-job settings."""
+        groups = []
+        sidecar_host = "127.0.0.1" if self.stack.host in ("0.0.0.0", "::") else self.stack.host
+        for g in self.groups:
+            jobs = [j for j in self.jobs if not j.groups or g.group_id in j.groups]
+            groups.append({
+                **g.model_dump(),
+                "job_priorities": {j.job_id: j.priority for j in jobs if j.priority},
+                "job_sleep_levels": {j.job_id: j.sleep_level for j in jobs if j.sleep_level is not None},
+                "samplers": [{"pool": e.pool, "address": e.address, "sidecar": f"{sidecar_host}:{e.sidecar_port}",
+                              "job_id": e.name} for e in self.engines if e.group == g.group_id],
+            })
+        return Inventory.model_validate({"groups": groups})
+
+
+def _loc(err: dict) -> str:
+    parts = []
+    for p in err["loc"]:
+        if isinstance(p, int):
+            parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]
+        elif p not in ("function-after",) and not str(p).startswith("function-"):
+            parts.append(str(p))
+    return ".".join(parts) or "(top level)"
+
+
+def load_stack_file(path: str | os.PathLike) -> StackFile:
+    """Parse and check a stack file.
+
+    Raises:
+        StackError: one line per problem (YAML syntax, unknown keys, wrong types, duplicates, unknown
+            pools or groups, port clashes, missing model directories).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    try:
+        return _load(path)
+    except StackError as exc:
+        exc.path = path
+        raise
+
+
+def _load(path: Path) -> StackFile:
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise StackError([f"not valid YAML: {exc}".replace("\n", " ")]) from None
+    if not isinstance(data, dict):
+        raise StackError(["the file must be a mapping with stack, pools, groups, jobs, engines"])
+    try:
+        sf = StackFile.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            msg = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "extra_forbidden":
+                msg = "unknown key (check the spelling; see examples/cpu-stack.yaml)"
+            lines.append(f"{_loc(e)}: {msg}")
+        raise StackError(lines) from None
+    problems = sf.problems(path.resolve().parent)
+    if problems:
+        raise StackError(problems)
+    return sf

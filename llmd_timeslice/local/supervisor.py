@@ -1,0 +1,242 @@
+"""Child processes of ``llmd-timeslice up``: started in stages, probed until ready, restarted with back-off.
+
+Each child runs in its own process group (``start_new_session``), so stopping it (SIGTERM, then SIGKILL
+after ``stop_grace_s``) also stops what it spawned (vLLM's engine-core and worker processes). On Linux each
+child also gets SIGTERM from the kernel if the supervisor itself dies, even by SIGKILL
+(``prctl(PR_SET_PDEATHSIG)``), so a killed ``up`` leaves no orphans running. A child
+that exits while the stack runs is logged, marked ``backoff`` and started again after 1, 2, 4 ... 30 s
+(the delay resets once it stayed up for ``healthy_reset_s``).
+
+Why not supervisord or circus: they are daemons with their own configuration files and control
+sockets; here the stack needs in-process knowledge of each child (its readiness probe, its stage in
+the start order, its restarts) to render the status table and the stack state file. See
+docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+Probe = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class ChildSpec:
+    """How to run one component. ``probe`` answers True once it serves (None: still running after
+    ``settle_s`` seconds is ready)."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    port: int | None = None
+    env: dict[str, str] | None = None
+    probe: Probe | None = None
+    start_timeout_s: float = 60.0
+    stop_grace_s: float = 10.0
+    settle_s: float = 1.0
+    env_factory: Callable[[], dict[str, str]] | None = None
+    """Called before each start (e.g. a fresh vLLM runtime directory); wins over ``env``."""
+
+
+@dataclass(eq=False)
+class Child:
+    spec: ChildSpec
+    state: str = "pending"  # pending | starting | ready | backoff | stopping | stopped | failed
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    last_exit: str = ""
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+    def to_json(self) -> dict:
+        return {"name": self.spec.name, "state": self.state, "pid": self.pid, "port": self.spec.port,
+                "restarts": self.restarts, "uptime_s": round(time.monotonic() - self.started_at, 1)
+                if self.pid else 0.0, "last_exit": self.last_exit, "log": str(self.spec.log_path)}
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """``prctl(PR_SET_PDEATHSIG, SIGTERM)`` where libc has it (Linux); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class StartFailed(Exception):
+    """A child did not become ready; the message names it, says why and where its log is."""
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Supervisor:
+    """Starts children stage by stage, keeps them running, stops them in reverse order.
+
+    Args:
+        stages: lists of children; a stage starts once every child of the previous one is ready.
+        max_backoff_s: longest delay before a restart, in seconds.
+        healthy_reset_s: a child up this many seconds gets its back-off reset.
+        on_event: called with (child name, message) for starts, exits and restarts.
+    """
+
+    def __init__(self, stages: list[list[ChildSpec]], max_backoff_s: float = 30.0, healthy_reset_s: float = 60.0,
+                 on_event: Callable[[str, str], None] | None = None) -> None:
+        self.stages = [[Child(s) for s in stage] for stage in stages]
+        self.children = [c for stage in self.stages for c in stage]
+        self.max_backoff_s = max_backoff_s
+        self.healthy_reset_s = healthy_reset_s
+        self.on_event = on_event or (lambda name, msg: log.info("component=%s %s", name, msg))
+        self.stopping = False
+        self._watchers: list[asyncio.Task] = []
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.spec.name == name)
+
+    async def _spawn(self, c: Child) -> None:
+        spec = c.spec
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = spec.env_factory() if spec.env_factory else ({**os.environ, **spec.env} if spec.env else None)
+        with open(spec.log_path, "ab") as logf:
+            logf.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start #{c.restarts + 1}: {' '.join(spec.argv)}\n"
+                       .encode())
+            logf.flush()
+            c.proc = await asyncio.create_subprocess_exec(*spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf,
+                                                          stderr=asyncio.subprocess.STDOUT, env=env,
+                                                          start_new_session=True, preexec_fn=_die_with_parent)
+        c.started_at = time.monotonic()
+        c.state = "starting"
+
+    async def _wait_ready(self, c: Child) -> None:
+        spec = c.spec
+        deadline = time.monotonic() + spec.start_timeout_s
+        while True:
+            if c.proc is None or c.proc.returncode is not None:
+                rc = c.proc.returncode if c.proc is not None else None
+                raise StartFailed(f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n"
+                                  f"{_tail(spec.log_path)}")
+            if spec.probe is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(c.proc.wait()), spec.settle_s)
+                if c.proc.returncode is None:
+                    c.state = "ready"
+                    c.ready_event.set()
+                    return
+                continue
+            try:
+                if await spec.probe():
+                    c.state = "ready"
+                    c.ready_event.set()
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise StartFailed(f"{spec.name} was not ready within {spec.start_timeout_s:g} s; last lines of "
+                                  f"{spec.log_path}:\n{_tail(spec.log_path)}")
+            await asyncio.sleep(0.2)
+
+    async def start(self, progress: Callable[[str], None] = lambda msg: None) -> None:
+        """Start every stage in order and begin watching. Raises StartFailed (everything started is stopped)."""
+        try:
+            for stage in self.stages:
+                progress("starting " + ", ".join(c.spec.name for c in stage))
+                for c in stage:
+                    await self._spawn(c)
+                await asyncio.gather(*(self._wait_ready(c) for c in stage))
+                for c in stage:
+                    self.on_event(c.spec.name, f"ready (pid {c.pid})")
+                    self._watchers.append(asyncio.get_running_loop().create_task(self._watch(c)))
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _watch(self, c: Child) -> None:
+        backoff = 1.0
+        while not self.stopping:
+            assert c.proc is not None
+            rc = await c.proc.wait()
+            if self.stopping:
+                return
+            up = time.monotonic() - c.started_at
+            if up >= self.healthy_reset_s:
+                backoff = 1.0
+            c.last_exit = f"exit code {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
+            c.state = "backoff"
+            c.ready_event.clear()
+            self.on_event(c.spec.name, f"exited ({c.last_exit}) after {up:.0f} s; restarting in {backoff:g} s")
+            await self._kill_group(c, 0.0)  # whatever it left behind in its process group
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_backoff_s)
+            if self.stopping:
+                return
+            c.restarts += 1
+            try:
+                await self._spawn(c)
+                await self._wait_ready(c)
+                self.on_event(c.spec.name, f"restarted (pid {c.pid}, restart #{c.restarts})")
+            except StartFailed as exc:
+                self.on_event(c.spec.name, f"restart failed: {str(exc).splitlines()[0]}")
+                with contextlib.suppress(ProcessLookupError):
+                    await self._kill_group(c, 0.0)
+
+    async def _kill_group(self, c: Child, grace_s: float) -> None:
+        proc = c.proc
+        if proc is None:
+            return
+        pgid = proc.pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)  # the group: vLLM's engine-core and workers too
+        with contextlib.suppress(ProcessLookupError):
+            await proc.wait()
+
+    async def stop_child(self, name: str) -> None:
+        """Stop one child now (SIGTERM, grace, SIGKILL), without restarting it."""
+        c = self.child(name)
+        c.state = "stopping"
+        await self._kill_group(c, c.spec.stop_grace_s)
+        c.state = "stopped"
+
+    async def stop(self, order: list[str] | None = None) -> None:
+        """Stop every child: those named in ``order`` first (one after another), then the rest in reverse
+        start order, stage by stage (each stage in parallel)."""
+        self.stopping = True
+        for t in self._watchers:
+            t.cancel()
+        done: set[str] = set()
+        for name in order or []:
+            await self.stop_child(name)
+            done.add(name)
+        for stage in reversed(self.stages):
+            left = [c for c in stage if c.spec.name not in done and c.proc is not None]
+            await asyncio.gather(*(self.stop_child(c.spec.name) for c in left))
+        for c in self.children:
+            if c.state == "pending":
+                c.state = "stopped"
+
+    def snapshot(self) -> list[dict]:
+        return [c.to_json() for c in self.children]

@@ -1,0 +1,397 @@
+"""``llmd-timeslice up | down | status -f STACK.yaml``: run the local stack as a supervised service.
+
+``up`` starts, in stages: the vLLM engines the file asks for (in parallel), one snapshot sidecar per
+engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING), the gate, the
+picker and Envoy; prints what to connect to; shows a live status table; restarts children that die.
+It keeps ``WORKDIR/stack.json`` current (pids, states, endpoints) for ``status`` and ``down`` from another
+shell, and writes each component's log to ``WORKDIR/logs/<name>.log``.
+
+Stop (Ctrl-C, SIGTERM or ``down``), bounded by ``STOP_BOUND_S``: the gate first (held requests get 503
+``gate_shutting_down`` through Envoy, which is still up), then engines the stack did not start are woken
+if asleep (they keep serving after the stack is gone), then the orchestrator, sidecars, picker, Envoy, and
+the engines the stack started (each process group SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
+from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "stack.json"
+STOP_BOUND_S = 60.0
+"""Most seconds a stop takes: gate, engine wake-ups, then every process group (SIGKILL after its grace)."""
+
+
+def http_probe(url: str) -> callable:
+    async def probe() -> bool:
+        async with httpx.AsyncClient(timeout=2) as c:
+            return (await c.get(url)).status_code == 200
+
+    return probe
+
+
+def grpc_health_probe(target: str) -> callable:
+    async def probe() -> bool:
+        async with grpc.aio.insecure_channel(target) as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    return probe
+
+
+class Stack:
+    """The children of one stack file and the files they need, under ``workdir``."""
+
+    def __init__(self, sf: StackFile, base_dir: Path, workdir: Path | None = None) -> None:
+        self.sf = sf
+        self.base_dir = base_dir
+        self.workdir = (workdir or sf.workdir(base_dir)).resolve()
+        self.logdir = self.workdir / "logs"
+        self.token_file = sf.resolve(base_dir, sf.stack.token_file) if sf.stack.token_file else self.workdir / "control-token"
+
+    # ------------------------------------------------------------------ endpoints
+    @property
+    def host(self) -> str:
+        return self.sf.stack.host
+
+    def endpoints(self) -> dict[str, str]:
+        p, h = self.sf.stack.ports, self.host
+        eps = {
+            "router": f"http://{h}:{p.router}",
+            "orchestrator": f"{h}:{p.orchestrator}",
+            "gate_control": f"{h}:{p.gate_control}",
+            "token_file": str(self.token_file),
+            "metrics_gate": f"http://{h}:{p.gate_metrics}/metrics",
+            "metrics_orchestrator": f"http://{h}:{p.orchestrator_metrics}/metrics",
+            "metrics_envoy": f"http://{h}:{p.router_admin}/stats/prometheus",
+        }
+        for e in self.sf.engines:
+            eps[f"metrics_{e.name}"] = f"{e.base_url}/metrics"
+        return eps
+
+    # ------------------------------------------------------------------ children
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "llmd_timeslice.cli", *args, "--log-level", self.sf.stack.log_level]
+
+    def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
+        """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
+        from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
+        from epp_plugin.envoy_launcher import envoy_binary
+        from llmd_timeslice.demo.vllm_server import VllmServer
+
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        if not self.token_file.exists():
+            self.token_file.parent.mkdir(parents=True, exist_ok=True)
+            self.token_file.write_text(secrets.token_urlsafe(24))
+            os.chmod(self.token_file, 0o600)
+        tok = ["--token-file", str(self.token_file)]
+        s, p, h = self.sf.stack, self.sf.stack.ports, self.host
+
+        engines: list[ChildSpec] = []
+        for e in self.sf.engines:
+            if e.vllm is None:
+                continue
+            v = e.vllm
+            if v.model == BUILTIN_TINY:
+                from llmd_timeslice.demo.tiny_model import build_tiny_llama
+
+                progress(f"building the tiny Llama for {e.name} (local, no download)")
+                model = build_tiny_llama(self.workdir / "tiny-llama")
+            else:
+                model = self.sf.resolve(self.base_dir, v.model)
+            server = VllmServer(model, v.port, self.logdir / f"vllm-{e.name}.log", python=v.python, extra_args=v.args,
+                                default_args=v.cpu_defaults)
+            engines.append(ChildSpec(f"vllm-{e.name}", server.command(), server.log_path, v.port,
+                                     probe=http_probe(f"{e.base_url}/health"), start_timeout_s=v.startup_timeout_s,
+                                     stop_grace_s=15.0, env_factory=lambda srv=server, env=v.env: srv.environment(env)))
+        sidecars = [ChildSpec(f"sidecar-{e.name}", self._cli("sidecar", "--job-id", e.name, "--engine-url", e.base_url,
+                                                              "--host", h, "--port", str(e.sidecar_port), *tok),
+                              self.logdir / f"sidecar-{e.name}.log", e.sidecar_port,
+                              probe=grpc_health_probe(f"{h}:{e.sidecar_port}"))
+                    for e in self.sf.engines]
+        inventory = self.workdir / "inventory.yaml"
+        import yaml
+
+        inventory.write_text(yaml.safe_dump(self.sf.inventory().model_dump(mode="json"), sort_keys=False))
+        orch = ChildSpec("orchestrator", self._cli("orchestrator", "--inventory", str(inventory), "--host", h, "--port",
+                                                   str(p.orchestrator), "--metrics-port", str(p.orchestrator_metrics),
+                                                   "--state-file", str(self.workdir / "orchestrator-state.json"), *tok),
+                         self.logdir / "orchestrator.log", p.orchestrator,
+                         probe=grpc_health_probe(f"{h}:{p.orchestrator}"), start_timeout_s=300.0)
+        pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
+        gate = ChildSpec("gate", self._cli("gate", "--host", h, "--ext-proc-port", str(p.gate_ext_proc), "--control-port",
+                                           str(p.gate_control), "--metrics-port", str(p.gate_metrics), "--max-hold-s",
+                                           str(s.max_hold_s), "--orchestrator", f"{h}:{p.orchestrator}", "--gate-id",
+                                           f"{s.name}-gate", "--default-pool", self.sf.pools[0].name, *pools, *tok),
+                         self.logdir / "gate.log", p.gate_ext_proc, probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"))
+        eps = [a for e in self.sf.engines for a in ("--endpoint", f"{e.pool}={e.address}")]
+        picker = ChildSpec("picker", self._cli("picker", "--host", h, "--port", str(p.picker), "--default-pool",
+                                               self.sf.pools[0].name, *eps),
+                           self.logdir / "picker.log", p.picker, probe=grpc_health_probe(f"{h}:{p.picker}"))
+        cfg = EnvoyRouterConfig(listen_port=p.router, admin_port=p.router_admin, gate_port=p.gate_ext_proc,
+                                epp_port=p.picker, pool=self.sf.pools[0].name, host=h, max_hold_s=s.max_hold_s,
+                                pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:]
+                                                 if pool.path_prefix})
+        bootstrap = self.workdir / "envoy.json"
+        write_bootstrap(cfg, bootstrap)
+        envoy = ChildSpec("envoy", [str(envoy_binary()), "-c", str(bootstrap), "--concurrency", "2", "--log-level", "warn",
+                                    "--use-dynamic-base-id", "--disable-hot-restart"],
+                          self.logdir / "envoy.log", p.router, probe=http_probe(f"http://{h}:{p.router_admin}/ready"))
+        stages = [engines, sidecars, [orch], [gate, picker], [envoy]]
+        return [st for st in stages if st]
+
+    # ------------------------------------------------------------------ state file
+    def write_state(self, sup: Supervisor | None, phase: str) -> None:
+        state = {"name": self.sf.stack.name, "pid": os.getpid(), "phase": phase, "updated_unix_s": time.time(),
+                 "endpoints": self.endpoints(), "workdir": str(self.workdir),
+                 "components": sup.snapshot() if sup else []}
+        tmp = self.workdir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.workdir / STATE_FILE)
+
+    async def wake_external_engines(self) -> None:
+        """Engines the stack did not start: wake any that sleep, so they serve after the stack is gone."""
+        from llmd_timeslice.snapshot.backends.base import BackendError
+        from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+
+        for e in self.sf.engines:
+            if e.vllm is not None:
+                continue
+            b = VllmBackend(e.base_url, request_timeout_s=20)
+            try:
+                if await b.is_suspended():
+                    await b.resume([])
+                    log.warning("engine %s was asleep at stop: woken", e.name)
+            except BackendError as exc:
+                log.error("engine %s could not be woken at stop: %s", e.name, exc)
+            finally:
+                await b.close()
+
+
+# ---------------------------------------------------------------------- up
+def _table(stack: Stack, sup: Supervisor) -> Table:
+    t = Table(title=f"llmd-timeslice stack {stack.sf.stack.name!r} ({stack.workdir})", title_justify="left")
+    t.add_column("component", no_wrap=True)
+    for col in ("state", "pid", "port", "restarts", "up (s)", "last exit"):
+        t.add_column(col)
+    colors = {"ready": "green", "starting": "yellow", "backoff": "red", "failed": "red"}
+    for c in sup.snapshot():
+        st = c["state"]
+        t.add_row(c["name"], f"[{colors.get(st, 'white')}]{st}[/]", str(c["pid"] or "-"), str(c["port"] or "-"),
+                  str(c["restarts"]), f"{c['uptime_s']:.0f}" if c["pid"] else "-", c["last_exit"] or "-")
+    return t
+
+
+def _print_endpoints(console: Console, stack: Stack) -> None:
+    e = stack.endpoints()
+    console.print(f"[bold green]stack up[/]: router (OpenAI API) [bold]{e['router']}[/]  orchestrator [bold]"
+                  f"{e['orchestrator']}[/]  gate control {e['gate_control']}")
+    console.print("  metrics: " + "  ".join(v for k, v in e.items() if k.startswith("metrics_")))
+    console.print(f"  for the TimeSlice client: export TIMESLICE_ORCH_ADDR={e['orchestrator']} "
+                  f"LLMD_TIMESLICE_TOKEN_FILE={e['token_file']}")
+    console.print(f"  logs: {stack.logdir}/   from another shell: llmd-timeslice status -f FILE | down -f FILE")
+
+
+async def _up(stack: Stack, console: Console, live_table: bool) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    stack.workdir.mkdir(parents=True, exist_ok=True)
+    sup: Supervisor | None = None
+    events: list[str] = []
+
+    def on_event(name: str, msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {name}: {msg}"
+        events.append(line)
+        log.info("component=%s %s", name, msg)
+        failure = any(w in msg for w in ("exited", "failed"))
+        if not live_table or (sup is not None and not sup.stopping and failure):
+            console.print(f"[red]{line}[/red]" if failure else line)
+
+    try:
+        with console.status("preparing ...") as st:
+            stages = await asyncio.to_thread(stack.prepare, st.update)
+            sup = Supervisor(stages, on_event=on_event)
+            stack.write_state(sup, "starting")
+            start = asyncio.ensure_future(sup.start(st.update))
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not start.done():
+                start.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StartFailed):
+                    await start
+                console.print("[yellow]stopped while starting[/yellow]")
+                return 130
+            stopper.cancel()
+            start.result()
+    except StartFailed as exc:
+        console.print(f"[red]llmd-timeslice up: {exc}[/red]")
+        if sup is not None:
+            stack.write_state(sup, "failed")
+        return 1
+    _print_endpoints(console, stack)
+    stack.write_state(sup, "running")
+    try:
+        if live_table:
+            with Live(_table(stack, sup), console=console, refresh_per_second=2, transient=False) as live:
+                while not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0)
+                    live.update(_table(stack, sup))
+                    stack.write_state(sup, "running")
+        else:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                stack.write_state(sup, "running")
+    finally:
+        console.print("stopping: gate first (held requests get 503 gate_shutting_down), then the rest ...")
+        stack.write_state(sup, "stopping")
+        t = time.monotonic()
+        try:
+            await asyncio.wait_for(_stop(stack, sup), STOP_BOUND_S)
+        except TimeoutError:
+            console.print(f"[red]stop took more than {STOP_BOUND_S:g} s; killing what is left[/red]")
+            for c in sup.children:
+                if c.proc is not None and c.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(c.proc.pid, signal.SIGKILL)
+        stack.write_state(sup, "stopped")
+        console.print(f"stack stopped in {time.monotonic() - t:.1f} s; nothing of it is left running")
+    return 0
+
+
+async def _stop(stack: Stack, sup: Supervisor) -> None:
+    sup.stopping = True
+    with contextlib.suppress(KeyError, StopIteration):
+        await sup.stop_child("gate")
+    await stack.wake_external_engines()
+    await sup.stop(order=["orchestrator"])
+
+
+def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None) -> int:
+    """``llmd-timeslice up``; returns the exit code (0 after a clean stop, 1 if the stack did not start)."""
+    from llmd_timeslice.local.stack_file import load_stack_file
+
+    sf = load_stack_file(file)
+    stack = Stack(sf, file.resolve().parent, workdir)
+    console = Console()
+    state = stack.workdir / STATE_FILE
+    if state.exists():
+        with contextlib.suppress(ValueError, OSError):
+            prev = json.loads(state.read_text())
+            if prev.get("phase") in ("starting", "running") and _alive(prev.get("pid")):
+                console.print(f"[red]a stack already runs from {stack.workdir} (pid {prev['pid']}); "
+                              "`llmd-timeslice down -f FILE` first[/red]")
+                return 2
+    return asyncio.run(_up(stack, console, sys.stdout.isatty() if live_table is None else live_table))
+
+
+# ---------------------------------------------------------------------- down / status
+def _alive(pid) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:  # no /proc (not Linux): kill(0) is all we know
+        return True
+
+
+def read_state(file: Path, workdir: Path | None = None) -> tuple[Path, dict | None]:
+    from llmd_timeslice.local.stack_file import load_stack_file
+
+    sf = load_stack_file(file)
+    wd = (workdir or sf.workdir(file.resolve().parent)).resolve()
+    try:
+        return wd, json.loads((wd / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return wd, None
+
+
+def run_down(file: Path, workdir: Path | None = None, timeout_s: float = STOP_BOUND_S + 15) -> int:
+    """Stop a stack started by ``up`` from another shell: SIGTERM to ``up``, wait, then check nothing is left."""
+    console = Console()
+    wd, state = read_state(file, workdir)
+    if state is None or not _alive(state.get("pid")):
+        console.print(f"no running stack in {wd}")
+        return 0 if state is None or state.get("phase") == "stopped" else _reap(console, state)
+    pid = int(state["pid"])
+    os.kill(pid, signal.SIGTERM)
+    with console.status(f"stopping the stack (pid {pid}) ..."):
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if _alive(pid):
+        console.print(f"[red]the stack (pid {pid}) did not stop within {timeout_s:g} s; killing it and its children[/red]")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return _reap(console, state) or 1
+    console.print("stack stopped")
+    return _reap(console, state)
+
+
+def _reap(console: Console, state: dict) -> int:
+    """Kill the process group of any component still alive (an ``up`` that was SIGKILLed); 0 if none was."""
+    left = [c for c in state.get("components", []) if _alive(c.get("pid"))]
+    for c in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(c["pid"]), signal.SIGKILL)
+        console.print(f"[yellow]killed {c['name']} (pid {c['pid']}), left behind[/yellow]")
+    return 0
+
+
+def print_stack_status(file: Path, workdir: Path | None = None) -> int:
+    """Components from the state file, then groups and gate tables from the running stack."""
+    from llmd_timeslice.status import print_status
+
+    console = Console()
+    wd, state = read_state(file, workdir)
+    if state is None:
+        console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
+        return 1
+    running = _alive(state.get("pid")) and state.get("phase") in ("starting", "running")
+    t = Table(title=f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
+              title_justify="left")
+    t.add_column("component", no_wrap=True)
+    for col in ("state", "pid", "port", "restarts", "last exit"):
+        t.add_column(col)
+    for c in state.get("components", []):
+        alive = _alive(c.get("pid"))
+        t.add_row(c["name"], c["state"] if running else ("orphan!" if alive else "stopped"), str(c["pid"] or "-"),
+                  str(c["port"] or "-"), str(c["restarts"]), c["last_exit"] or "-")
+    console.print(t)
+    console.print(f"logs: {Path(state['workdir']) / 'logs'}/<component>.log")
+    if not running:
+        return 1
+    e = state["endpoints"]
+    console.print(f"router {e['router']}  orchestrator {e['orchestrator']}")
+    return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console)

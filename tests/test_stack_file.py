@@ -1,0 +1,89 @@
+"""Stack files of ``llmd-timeslice up``: the examples load, and each kind of bad file gets its message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmd_timeslice.local.stack_file import StackError, load_stack_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, data: dict | str) -> Path:
+    p = tmp_path / "stack.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def _base() -> dict:
+    return yaml.safe_load((REPO / "examples" / "cpu-stack.yaml").read_text())
+
+
+def test_cpu_example_loads_and_gives_the_orchestrator_inventory():
+    sf = load_stack_file(REPO / "examples" / "cpu-stack.yaml")
+    inv = sf.inventory()
+    assert [g.group_id for g in inv.groups] == ["rollout-group"]
+    assert [s.job_id for s in inv.groups[0].samplers] == ["sampler-0", "sampler-1"]
+    assert inv.groups[0].sleep_level_policy == "auto"
+
+
+def test_gpu_example_is_valid_except_for_the_model_it_cannot_find_here():
+    with pytest.raises(StackError) as ei:
+        load_stack_file(REPO / "examples" / "gpu-node.yaml")
+    assert len(ei.value.errors) == 2
+    assert all("vllm.model: no model directory (config.json) at /models/Qwen2.5-7B-Instruct" in e for e in ei.value.errors)
+
+
+@pytest.mark.parametrize("case, mutate, message", [
+    ("unknown_key", lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key"),
+    ("unknown_engine_key", lambda d: d["engines"][0].update(gpu=1), "engines[0].gpu: unknown key"),
+    ("port_clash_stack", lambda d: d["stack"]["ports"].update(picker=9003),
+     "stack.ports.picker: port 9003 is also stack.ports.gate_control"),
+    ("port_clash_engine", lambda d: d["engines"][1]["vllm"].update(port=8001),
+     "engines[1] (sampler-1).vllm.port: port 8001 is also engines[0] (sampler-0).vllm.port"),
+    ("missing_model", lambda d: d["engines"][0]["vllm"].update(model="./no-such-model"),
+     "engines[0] (sampler-0).vllm.model: no model directory (config.json) at"),
+    ("unknown_group", lambda d: d["engines"][0].update(group="nope"),
+     "engines[0] (sampler-0).group: unknown group 'nope'; declared: ['rollout-group']"),
+    ("unknown_pool", lambda d: d["engines"][0].update(pool="nope"), "engines[0] (sampler-0).pool: unknown pool 'nope'"),
+    ("url_and_vllm", lambda d: d["engines"][0].update(url="http://127.0.0.1:7000"), "give exactly one of 'url'"),
+    ("bad_url", lambda d: (d["engines"][0].pop("vllm"), d["engines"][0].update(url="ftp://x")),
+     "url must be http://host:port"),
+    ("duplicate_engine", lambda d: d["engines"][1].update(name="sampler-0"), "engines: 'sampler-0' is declared more"),
+    ("job_unknown_group", lambda d: d["jobs"][0].update(groups=["zzz"]), "jobs[0] (trainer-0).groups: unknown group"),
+    ("bad_port", lambda d: d["stack"]["ports"].update(router=70000), "stack.ports.router: Input should be less than"),
+    ("no_groups", lambda d: d.update(groups=[]), "groups: List should have at least 1 item"),
+    ("second_pool_without_prefix", lambda d: d["pools"].append({"name": "other"}), "pools[1] (other).path_prefix"),
+])
+def test_bad_stack_file_gets_a_message_naming_the_field(tmp_path, case, mutate, message):
+    d = _base()
+    mutate(d)
+    with pytest.raises(StackError) as ei:
+        load_stack_file(_write(tmp_path, d))
+    assert any(message in e for e in ei.value.errors), (case, ei.value.errors)
+
+
+def test_not_yaml_and_not_a_mapping_are_refused(tmp_path):
+    with pytest.raises(StackError, match="not valid YAML"):
+        load_stack_file(_write(tmp_path, "stack: [unclosed"))
+    with pytest.raises(StackError, match="must be a mapping"):
+        load_stack_file(_write(tmp_path, "- a\n- b\n"))
+
+
+def test_cli_prints_one_line_per_problem_and_exits_2(tmp_path):
+    d = _base()
+    d["stack"]["ports"]["picker"] = 9003
+    d["engines"][0]["vllm"]["model"] = "./missing"
+    f = _write(tmp_path, d)
+    for cmd in ("up", "down", "status"):
+        r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", cmd, "-f", str(f)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 2 and all(ln.startswith(str(f)) for ln in lines), (cmd, r.stderr)
+        assert "Traceback" not in r.stderr
