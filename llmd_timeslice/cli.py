@@ -83,6 +83,10 @@ def gate(
     orchestrator: Annotated[str | None, typer.Option(
         help="Orchestrator host:port to subscribe to for endpoint states (unset: only the control API sets them).")] = None,
     gate_id: Annotated[str | None, typer.Option(help="Stable id of this replica on the state stream (default host-pid).")] = None,
+    stale_after_s: Annotated[float, typer.Option(
+        help="Seconds without the orchestrator's state stream before new requests are held rather than steered by a "
+             "possibly outdated view (0: never; then a partitioned gate may send requests to sleeping engines).",
+        min=0, max=600)] = 5.0,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -96,7 +100,7 @@ def gate(
     cfg = GateConfig(host=host, ext_proc_port=ext_proc_port, control_port=control_port, pools=pool,
                      default_pool=default_pool, max_held=max_held, max_hold_s=max_hold_s,
                      release_rate_per_s=release_rate, token=load_token(token_file), orchestrator=orchestrator,
-                     **({"gate_id": gate_id} if gate_id else {}))
+                     stale_after_s=stale_after_s, **({"gate_id": gate_id} if gate_id else {}))
     _run(lambda: serve(cfg))
 
 

@@ -9,4 +9,7 @@ SERVER_OPTIONS = [
     # limit) the excess was cancelled and Envoy answered 500 (seen with 2,000 requests, grpcio 1.85).
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.server.max_pending_requests_hard_limit", 200_000),
+    # Gates ping their state stream every 2 s (keepalive) to notice a black-holed connection.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
 ]

@@ -151,6 +151,9 @@ class PoolState:
         self.released_total = 0
         self.refused_total = 0
         self.closed = False
+        self.stale = False
+        """True while the gate has lost the orchestrator's state stream for longer than its grace: no
+        endpoint is steerable (new requests are held) until the stream resyncs."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -164,7 +167,9 @@ class PoolState:
         return len(self._live)
 
     def serving(self, min_version: int = 0) -> tuple[str, ...]:
-        """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order."""
+        """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order (none while stale)."""
+        if self.stale:
+            return ()
         return tuple(
             ep.address
             for ep in self.endpoints.values()
@@ -337,6 +342,14 @@ class PoolState:
             return False, self.in_flight(addrs)
         finally:
             self._drain_waiters -= 1
+
+    def set_stale(self, stale: bool) -> None:
+        """Enter or leave the stale state (see ``stale``); leaving it releases held requests."""
+        if stale == self.stale:
+            return
+        self.stale = stale
+        if not stale and self._held:
+            self._kick_releaser()
 
     def close(self) -> None:
         """Refuse every held request with :class:`GateShuttingDown` and admit nothing more."""

@@ -46,6 +46,8 @@ class GateConfig(BaseModel):
     release_rate_per_s: float = Field(5_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
     token: str | None = Field(None, description="Bearer token for the control port and the orchestrator.", repr=False)
     orchestrator: str | None = Field(None, description="Orchestrator host:port to subscribe to (None: control API only).")
+    stale_after_s: float = Field(5.0, ge=0, le=600, description="Seconds without the orchestrator's state stream before "
+                                 "new requests are held instead of steered by a possibly outdated view (0: never).")
     gate_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                          description="Stable id of this replica on the state stream (e.g. the pod name).")
 
@@ -96,7 +98,7 @@ class GateServer:
         if cfg.orchestrator:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.subscription = StateSubscription(cfg.orchestrator, cfg.gate_id, self.pools, self._new_pool, cfg.token,
-                                                  on_synced=self._synced)
+                                                  on_synced=self._synced, stale_after_s=cfg.stale_after_s)
             self._sub_task = asyncio.get_running_loop().create_task(self.subscription.run())
         else:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)

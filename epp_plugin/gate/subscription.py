@@ -1,9 +1,13 @@
 """The gate's subscription to the orchestrator's endpoint state (``GateStateService.Connect``).
 
 Applies snapshots and updates to the pools, acks each epoch once applied, answers drain queries
-from the pool's drain barrier. On a broken stream it keeps the last known state, reconnects with
-exponential back-off (0.2 s doubling to 5 s) and resyncs from the full snapshot the orchestrator
-sends first.
+from the pool's drain barrier and the orchestrator's keepalive (every second on an idle stream). When
+nothing has come from the orchestrator for ``stale_after_s`` seconds (broken stream, partition, stuck
+peer) it marks every pool **stale**: new requests are held, not steered by a view that may be out of
+date, because the orchestrator may meanwhile have put those engines to sleep (it waits that long for
+a gate it lost before it does). Until then the last known state serves, so an orchestrator restart
+passes unnoticed. It reconnects with exponential back-off (0.2 s doubling to 5 s) and resyncs from the
+full snapshot the orchestrator sends first, which ends the stale state.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb
 log = logging.getLogger(__name__)
 
 SUBSCRIBED = Gauge("llmd_timeslice_gate_subscribed", "1 while the gate's state stream to the orchestrator is up.")
+STALE = Gauge("llmd_timeslice_gate_state_stale", "1 while the gate holds new requests: its state stream has been "
+              "down longer than stale_after_s.")
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),  # transport pings too, so a dead TCP peer ends the stream
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 RESYNCS = Counter("llmd_timeslice_gate_resyncs_total", "Full snapshots applied (first connect and every reconnect).")
 
 
@@ -39,11 +51,12 @@ class StateSubscription:
         pool_factory: creates a pool the orchestrator names that this gate does not have yet.
         token: bearer token for the orchestrator.
         on_synced: called after the first full snapshot is applied (readiness).
+        stale_after_s: seconds without a stream before the pools go stale (0: never).
     """
 
     def __init__(self, target: str, gate_id: str, pools: MutableMapping[str, PoolState],
                  pool_factory: Callable[[str], PoolState], token: str | None = None,
-                 on_synced: Callable[[], None] | None = None) -> None:
+                 on_synced: Callable[[], None] | None = None, stale_after_s: float = 5.0) -> None:
         self.target, self.gate_id, self.pools = target, gate_id, pools
         self._factory = pool_factory
         self._token = token
@@ -53,10 +66,36 @@ class StateSubscription:
         self.resyncs = 0
         self._outbox: asyncio.Queue | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.stale_after_s = stale_after_s
+        self.last_rx: float | None = None  # monotonic time of the last command from the orchestrator
+        self.stale = False
 
     async def run(self) -> None:
         """Connect, apply, reconnect on failure; runs until cancelled."""
         backoff = 0.2
+        watchdog = asyncio.get_running_loop().create_task(self._watch_staleness())
+        try:
+            await self._run(backoff)
+        finally:
+            watchdog.cancel()
+
+    async def _watch_staleness(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0.1)
+            if (self.stale_after_s > 0 and not self.stale and self.last_rx is not None
+                    and loop.time() - self.last_rx >= self.stale_after_s):
+                self._set_stale(True)
+                log.warning("no state stream from %s for %.1f s: holding new requests until it resyncs (the "
+                            "orchestrator may have put engines to sleep meanwhile)", self.target, self.stale_after_s)
+
+    def _set_stale(self, stale: bool) -> None:
+        self.stale = stale
+        STALE.set(int(stale))
+        for pool in self.pools.values():
+            pool.set_stale(stale)
+
+    async def _run(self, backoff: float) -> None:
         while True:
             try:
                 await self._session()
@@ -77,7 +116,8 @@ class StateSubscription:
             backoff = min(backoff * 2, 5.0)
 
     async def _outgoing(self, outbox: asyncio.Queue):
-        yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools)))
+        yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools),
+                                                stale_after_s=self.stale_after_s))
         while True:
             msg = await outbox.get()
             if msg is None:
@@ -88,13 +128,17 @@ class StateSubscription:
         outbox: asyncio.Queue = asyncio.Queue()
         self._outbox = outbox
         # Metadata passed on the call: grpc.aio's stream-stream client interceptors do not add it (seen with 1.85).
-        async with aio.insecure_channel(self.target) as ch:
+        async with aio.insecure_channel(self.target, options=KEEPALIVE_OPTIONS) as ch:
             call = pb_grpc.GateStateServiceStub(ch).Connect(self._outgoing(outbox),
                                                             metadata=auth.call_metadata(self._token))
             try:
                 async for cmd in call:
+                    if self.connected.is_set():
+                        self.last_rx = asyncio.get_running_loop().time()
                     which = cmd.WhichOneof("command")
-                    if which == "state":
+                    if which == "keepalive":
+                        outbox.put_nowait(pb.GateMessage(keepalive=pb.KeepAlive()))
+                    elif which == "state":
                         self._apply(cmd.state)
                         outbox.put_nowait(pb.GateMessage(ack=pb.EpochAck(epoch=cmd.state.epoch)))
                     elif which == "drain":
@@ -113,6 +157,7 @@ class StateSubscription:
             pool = self.pools.get(pe.pool)
             if pool is None:
                 pool = self.pools[pe.pool] = self._factory(pe.pool)
+                pool.set_stale(self.stale)
             items = [(e.address, TO_CORE[e.state], e.weight_version) for e in pe.endpoints if e.state in TO_CORE]
             if update.full_snapshot:
                 pool.replace_states(items)
@@ -130,6 +175,10 @@ class StateSubscription:
                 log.info("gate %s synced with %s at epoch %d", self.gate_id, self.target, update.epoch)
             self.connected.set()
             SUBSCRIBED.set(1)
+            self.last_rx = asyncio.get_running_loop().time()
+            if self.stale:
+                self._set_stale(False)
+                log.warning("state stream to %s resynced: steering again", self.target)
             if self._on_synced is not None:
                 self._on_synced()
         self.synced_epoch = update.epoch

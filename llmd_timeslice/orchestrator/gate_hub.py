@@ -5,6 +5,12 @@ connected gate replicas. ``publish`` applies a change, starts a new state epoch,
 connected gate and waits until each acked that epoch (the gate applied it, so it no longer
 steers to a DRAINING endpoint). ``wait_drained`` asks every connected gate for its drain barrier
 and waits for all answers. A gate that connects (or reconnects) first gets a full snapshot.
+
+Gates the hub lost: a gate that does not ack in time has its stream closed, and ``publish`` then waits
+until every gate it heard from recently has either acked the epoch (after reconnecting) or been
+without a stream for the ``stale_after_s`` it announced in its hello, after which that gate holds new
+requests by itself. So an epoch is never treated as applied while some gate may still steer by an
+older one (a network partition between gate and orchestrator, a gate stuck or restarting).
 """
 
 from __future__ import annotations
@@ -34,6 +40,15 @@ class _GateConn:
     acked: asyncio.Condition = field(default_factory=asyncio.Condition)
     drains: dict[str, asyncio.Future] = field(default_factory=dict)
     closed: bool = False
+    stale_after_s: float = 3.0
+
+
+@dataclass
+class _Contact:
+    """When the hub last heard from a gate (monotonic seconds) and the grace the gate announced."""
+
+    at: float
+    stale_after_s: float
 
 
 class GateHub(pb_grpc.GateStateServiceServicer):
@@ -41,15 +56,19 @@ class GateHub(pb_grpc.GateStateServiceServicer):
 
     Args:
         ack_timeout_s: most seconds ``publish`` waits for each gate's ack; a gate that does not
-            ack in time is logged and reported by ``publish`` (it keeps its stream).
+            ack in time is logged, its stream closed, and ``publish`` waits for it to hold by itself.
+        keepalive_s: period of the keepalive command on an idle stream, in seconds.
     """
 
-    def __init__(self, ack_timeout_s: float = 5.0) -> None:
+    def __init__(self, ack_timeout_s: float = 5.0, keepalive_s: float = 1.0) -> None:
         self.ack_timeout_s = ack_timeout_s
+        self.keepalive_s = keepalive_s
         self.epoch = 0
         self.state: dict[str, dict[str, tuple[int, int]]] = {}  # pool -> address -> (wire state, weight version)
         self._gates: dict[str, _GateConn] = {}
         self._ids = itertools.count()
+        self._contacts: dict[str, _Contact] = {}
+        self.forget_after_s = 3600.0
 
     @property
     def gate_ids(self) -> list[str]:
@@ -63,7 +82,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             return
         if first.WhichOneof("message") != "hello" or not first.hello.gate_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be GateHello with a gate_id")
-        conn = _GateConn(first.hello.gate_id)
+        conn = _GateConn(first.hello.gate_id, stale_after_s=first.hello.stale_after_s)
+        self._touch(conn)
         old = self._gates.get(conn.gate_id)
         if old is not None:
             self._close(old, "replaced by a new stream from the same gate_id")
@@ -73,9 +93,13 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                  self.epoch)
         conn.outbox.put_nowait(pb.GateCommand(state=self._snapshot()))
         reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
+        keepalive = pb.GateCommand(keepalive=pb.KeepAlive())
         try:
             while True:
-                cmd = await conn.outbox.get()
+                try:
+                    cmd = await asyncio.wait_for(conn.outbox.get(), self.keepalive_s)
+                except TimeoutError:
+                    cmd = keepalive
                 if cmd is None:
                     return
                 yield cmd
@@ -90,6 +114,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
     async def _read(self, conn: _GateConn, request_iterator) -> None:
         try:
             async for msg in request_iterator:
+                self._touch(conn)
                 which = msg.WhichOneof("message")
                 if which == "ack":
                     async with conn.acked:
@@ -104,9 +129,14 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         finally:
             conn.outbox.put_nowait(None)
 
+    def _touch(self, conn: _GateConn) -> None:
+        self._contacts[conn.gate_id] = _Contact(asyncio.get_running_loop().time(), conn.stale_after_s)
+
     def _close(self, conn: _GateConn, why: str) -> None:
         if conn.closed:
             return
+        if self._gates.get(conn.gate_id) is conn:
+            self._touch(conn)  # its last contact: from here the gate's own grace runs
         conn.closed = True
         conn.outbox.put_nowait(None)
         for fut in conn.drains.values():
@@ -140,14 +170,50 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.epoch += 1
         epoch = self.epoch
         cmd = pb.GateCommand(state=pb.StateUpdate(epoch=epoch, pools=[pb.PoolEndpoints(pool=pool, endpoints=wire)]))
-        conns = list(self._gates.values())
+        conns = [c for c in self._gates.values() if not c.closed]
         for c in conns:
             c.outbox.put_nowait(cmd)
         results = await asyncio.gather(*(self._wait_ack(c, epoch) for c in conns))
         laggards = [c.gate_id for c, ok in zip(conns, results, strict=True) if not ok]
         if laggards:
-            log.warning("epoch %d: no ack within %.1f s from gates %s", epoch, self.ack_timeout_s, laggards)
+            log.warning("epoch %d: no ack within %.1f s from gates %s; closing their streams and waiting until they "
+                        "hold by themselves", epoch, self.ack_timeout_s, laggards)
+            for c, ok in zip(conns, results, strict=True):
+                if not ok:
+                    self._close(c, f"no ack of epoch {epoch} within {self.ack_timeout_s:g} s")
+        await self._wait_lost_gates(epoch)
         return epoch, laggards
+
+    async def _wait_lost_gates(self, epoch: int) -> None:
+        """Wait until every recently seen gate acked ``epoch`` or has been out of contact for its grace."""
+        loop = asyncio.get_running_loop()
+        logged: set[str] = set()
+        while True:
+            now = loop.time()
+            pending: dict[str, float] = {}
+            for gid, contact in list(self._contacts.items()):
+                conn = self._gates.get(gid)
+                if conn is not None and not conn.closed and conn.acked_epoch >= epoch:
+                    continue
+                if now - contact.at > self.forget_after_s:
+                    del self._contacts[gid]
+                    continue
+                if contact.stale_after_s <= 0:
+                    if gid not in logged:
+                        log.error("gate %s is out of contact and announced stale_after_s 0: it may keep steering by an "
+                                  "old state; proceeding without it", gid)
+                        logged.add(gid)
+                    continue
+                until = contact.at + contact.stale_after_s + 0.2
+                if until > now:
+                    pending[gid] = until
+            if not pending:
+                return
+            for gid in pending.keys() - logged:
+                log.warning("epoch %d: waiting up to %.1f s for gate %s (out of contact) to ack or hold by itself",
+                            epoch, pending[gid] - now, gid)
+                logged.add(gid)
+            await asyncio.sleep(min(0.05, max(0.0, min(pending.values()) - now)))
 
     async def _wait_ack(self, conn: _GateConn, epoch: int) -> bool:
         try:
@@ -161,8 +227,9 @@ class GateHub(pb_grpc.GateStateServiceServicer):
     async def wait_drained(self, pool: str, addresses: list[str], timeout_s: float) -> tuple[bool, dict[str, int]]:
         """Ask every connected gate for its drain barrier on ``addresses``; True when all report drained.
 
-        A gate that disconnects while asked counts as not drained (its requests may still be in flight)."""
-        conns = list(self._gates.values())
+        A gate that disconnects while asked counts as not drained (its requests may still be in flight).
+        Gates whose stream the hub closed are not asked (``publish`` already waited until they hold)."""
+        conns = [c for c in self._gates.values() if not c.closed]
         if not conns:
             return True, {}
         loop = asyncio.get_running_loop()

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GateHello(_message.Message):
-    __slots__ = ("gate_id", "pools")
+    __slots__ = ("gate_id", "pools", "stale_after_s")
     GATE_ID_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    STALE_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     gate_id: str
     pools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gate_id: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ...) -> None: ...
+    stale_after_s: float
+    def __init__(self, gate_id: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ..., stale_after_s: _Optional[float] = ...) -> None: ...
 
 class EpochAck(_message.Message):
     __slots__ = ("epoch",)
@@ -39,14 +41,20 @@ class DrainResult(_message.Message):
     def __init__(self, query_id: _Optional[str] = ..., drained: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GateMessage(_message.Message):
-    __slots__ = ("hello", "ack", "drain_result")
+    __slots__ = ("hello", "ack", "drain_result", "keepalive")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_RESULT_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     hello: GateHello
     ack: EpochAck
     drain_result: DrainResult
-    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ...) -> None: ...
+    keepalive: KeepAlive
+    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
+
+class KeepAlive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PoolEndpoints(_message.Message):
     __slots__ = ("pool", "endpoints")
@@ -79,9 +87,11 @@ class DrainQuery(_message.Message):
     def __init__(self, query_id: _Optional[str] = ..., pool: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class GateCommand(_message.Message):
-    __slots__ = ("state", "drain")
+    __slots__ = ("state", "drain", "keepalive")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     state: StateUpdate
     drain: DrainQuery
-    def __init__(self, state: _Optional[_Union[StateUpdate, _Mapping]] = ..., drain: _Optional[_Union[DrainQuery, _Mapping]] = ...) -> None: ...
+    keepalive: KeepAlive
+    def __init__(self, state: _Optional[_Union[StateUpdate, _Mapping]] = ..., drain: _Optional[_Union[DrainQuery, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...

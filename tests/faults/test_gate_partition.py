@@ -1,0 +1,107 @@
+"""Fault: the network between a gate and the orchestrator fails (black hole, then reset) while a trainer
+acquires. The orchestrator must not put an engine to sleep while a gate may still steer requests to it by
+its last known state: it waits until the lost gate holds by itself (stale_after_s). Found by this suite:
+before, the orchestrator went ahead after a 5 s ack timeout while the partitioned gate kept routing to the
+engine it was putting to sleep (the hazard case below shows it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.server import SidecarServer
+from tests.support.fake_engines import FakeVllm
+from tests.support.tcp_proxy import TcpProxy
+
+TOKEN = "t"
+
+
+async def _stack(stale_after_s: float):
+    engine = FakeVllm().start()
+    sidecar = SidecarServer({"s0": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await sidecar.start()
+    addr = engine.url.removeprefix("http://")
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
+        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}]}]})
+    orch = OrchestratorServer(inv, port=0, token=TOKEN)
+    orch.hub.ack_timeout_s = 1.0
+    await orch.start()
+    proxy = await TcpProxy("127.0.0.1", orch.port).start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN,
+                                 stale_after_s=stale_after_s))
+    await gate.start()
+    await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    return engine, addr, sidecar, orch, proxy, gate, client
+
+
+async def _teardown(engine, sidecar, orch, proxy, gate, client) -> None:
+    await client.close()
+    await gate.stop()
+    await proxy.stop()
+    await orch.stop()
+    await sidecar.stop()
+    engine.stop()
+
+
+async def _watch(engine, pool, marks: dict) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        if "stale" not in marks and pool.stale:
+            marks["stale"] = loop.time()
+        if "asleep" not in marks and engine.level != 0:
+            marks["asleep"] = loop.time()
+            marks["steerable_when_asleep"] = pool.serving()
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("cut", ["blackhole", "reset"])
+async def test_partitioned_gate_holds_before_its_engine_sleeps_and_recovers_after_heal(cut):
+    engine, addr, sidecar, orch, proxy, gate, client = await _stack(stale_after_s=1.0)
+    pool = gate.pools["default"]
+    marks: dict = {}
+    watcher = asyncio.create_task(_watch(engine, pool, marks))
+    try:
+        assert pool.serving() == (addr,)
+        proxy.blackhole() if cut == "blackhole" else proxy.cut()
+        await client.acquire(timeout_sec=30)
+        assert engine.level == 1
+        assert "stale" in marks and marks["stale"] <= marks["asleep"], marks
+        assert marks["steerable_when_asleep"] == (), "no request can be steered to the engine once it sleeps"
+        held = asyncio.create_task(pool.admit())
+        await asyncio.sleep(0.3)
+        assert not held.done(), "a stale gate holds new requests"
+        proxy.heal()
+        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+        await asyncio.sleep(0.3)
+        assert not pool.stale and not held.done(), "resynced: the engine is ASLEEP, so still held"
+        await client.release()
+        adm = await asyncio.wait_for(held, 10)
+        assert adm.candidates == (addr,) and engine.level == 0
+        pool.finish(adm)
+    finally:
+        watcher.cancel()
+        await _teardown(engine, sidecar, orch, proxy, gate, client)
+
+
+async def test_hazard_without_the_grace_is_logged_and_shows_what_the_grace_prevents(caplog):
+    """stale_after_s 0 (the old behaviour, still selectable): the partitioned gate keeps steering to the
+    engine that sleeps; the orchestrator says so in its log."""
+    engine, addr, sidecar, orch, proxy, gate, client = await _stack(stale_after_s=0)
+    pool = gate.pools["default"]
+    try:
+        proxy.blackhole()
+        with caplog.at_level(logging.ERROR):
+            await client.acquire(timeout_sec=30)
+        assert engine.level == 1 and pool.serving() == (addr,), "the hazard: a sleeping engine still steerable"
+        assert "announced stale_after_s 0" in caplog.text
+        await client.release()
+    finally:
+        await _teardown(engine, sidecar, orch, proxy, gate, client)

@@ -1,0 +1,71 @@
+"""A loopback TCP proxy that a test can cut (connections reset) or black-hole (bytes silently dropped,
+sockets kept open: a network partition), then heal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class TcpProxy:
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self.mode = "pass"  # pass | blackhole | refuse
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> TcpProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                if self.mode == "pass":
+                    writer.write(data)
+                    await writer.drain()
+        with contextlib.suppress(Exception):
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "refuse":
+            writer.close()
+            return
+        try:
+            ur, uw = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, uw}
+        await asyncio.gather(self._pipe(reader, uw), self._pipe(ur, writer))
+        self._writers -= {writer, uw}
+
+    def blackhole(self) -> None:
+        """Drop every byte from now on (both ways) while keeping connections open; refuse new ones."""
+        self.mode = "blackhole"
+
+    def cut(self) -> None:
+        """Reset every connection now and refuse new ones."""
+        self.mode = "refuse"
+        for w in list(self._writers):
+            with contextlib.suppress(Exception):
+                w.transport.abort()
+
+    def heal(self) -> None:
+        """Let bytes through again; black-holed connections stay dead (the peers must reconnect)."""
+        for w in list(self._writers):
+            with contextlib.suppress(Exception):
+                w.transport.abort()
+        self.mode = "pass"
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
