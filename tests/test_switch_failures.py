@@ -58,7 +58,7 @@ async def test_engine_that_lies_about_sleeping_fails_the_acquire_and_the_group_r
     pool = gate.pools["default"]
     assert set(pool.serving()) == set(addrs)
     engines[1].lie_on_sleep = True  # answers 200 to /sleep but keeps running
-    with pytest.raises(LeaseError, match=r"UNAVAILABLE.*is_sleeping says awake"):
+    with pytest.raises(LeaseError, match=r"ABORTED.*is_sleeping says awake"):
         await client.acquire(timeout_sec=30)
     g = orch.orchestrator.groups["g"]
     assert g.holder is None and "failed" in g.last_error

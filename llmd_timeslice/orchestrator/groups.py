@@ -15,6 +15,7 @@ does no I/O and is unit-tested with in-memory actions.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -61,7 +62,7 @@ class AcquireTimedOut(OrchestratorError):
 
 
 class SwitchFailed(OrchestratorError):
-    """A phase switch step failed; the message says which and what state the group is in (UNAVAILABLE)."""
+    """A phase switch step failed; the message says which and what state the group is in (ABORTED)."""
 
 
 class LockOrderViolation(OrchestratorError):
@@ -249,6 +250,7 @@ class Orchestrator:
         self._actions = actions
         self._on_switch = on_switch
         self._closing = False
+        self._repair: asyncio.Task | None = None
 
     def _record(self, g: Group, record: SwitchRecord) -> None:
         g.history.append(record)
@@ -497,7 +499,9 @@ class Orchestrator:
             record.ok, record.error = False, str(exc)
             g.last_error = f"waking the samplers failed: {exc}; they stay out of service"
             log.error("group=%s %s", g.spec.group_id, g.last_error)
-            g.loaded_job = None
+            # Some samplers may be awake (and any that failed may be half-awake): the next grant must put every
+            # one to sleep again, verified, before anyone else gets the accelerators.
+            g.loaded_job = SAMPLERS
         finally:
             self.merge_resume(record)
         self._record(g, record)
@@ -592,9 +596,68 @@ class Orchestrator:
             g.on_change = notify
         return todo
 
+    def start_repair(self, first_s: float = 2.0, max_s: float = 60.0) -> None:
+        """Retry, with back-off (``first_s`` doubling to ``max_s`` seconds), the wake of groups whose samplers
+        are out of service after a failed wake (dead engine or sidecar, failed weight load) while nobody
+        holds or waits for the group: recovery without a human once the part is back."""
+        if self._repair is None:
+            self._repair = asyncio.get_running_loop().create_task(self._repair_loop(first_s, max_s), name="repair")
+
+    def needs_repair(self, g: Group) -> bool:
+        return (bool(g.spec.samplers) and g.holder is None and not g.waiters and g.state is GroupState.IDLE
+                and (g.loaded_job != SAMPLERS or bool(g.sampler_errors)))
+
+    async def _repair_loop(self, first_s: float, max_s: float) -> None:
+        delay: dict[str, float] = {}
+        due: dict[str, float] = {}
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            await asyncio.sleep(0.5)
+            for gid, g in self.groups.items():
+                if not self.needs_repair(g):
+                    delay.pop(gid, None)
+                    due.pop(gid, None)
+                    continue
+                if gid not in due:
+                    delay[gid] = first_s
+                    due[gid] = loop.time() + first_s
+                elif loop.time() >= due[gid] and (g._driver is None or g._driver.done()):
+                    log.warning("group=%s samplers out of service (%s); retrying the wake", gid,
+                                g.last_error or ", ".join(sorted(g.sampler_errors)))
+                    g._driver = loop.create_task(self._repair_group(g), name=f"repair-{gid}")
+                    delay[gid] = min(delay[gid] * 2, max_s)
+                    due[gid] = loop.time() + delay[gid]
+
+    async def _repair_group(self, g: Group) -> None:
+        """Wake the samplers that are out of service (all of them if the whole wake failed); runs as the
+        group's driver, so an acquire arriving meanwhile waits for it."""
+        if g.loaded_job == SAMPLERS:
+            samplers = [smp for smp in g.spec.samplers if smp.address in g.sampler_errors]
+        else:
+            samplers = list(g.spec.samplers)
+        record = self.resume_record(g.spec.group_id, "repair")
+        g.set_state(GroupState.SWITCHING)
+        try:
+            await self._actions.resume_samplers(dataclasses.replace(g.spec, samplers=samplers), record)
+            g.loaded_job = SAMPLERS
+            g.last_error = ""
+            log.warning("group=%s repaired: %s back in service", g.spec.group_id, [smp.address for smp in samplers])
+        except Exception as exc:
+            record.ok, record.error = False, str(exc)
+            g.last_error = f"repair wake failed: {exc}; retrying with back-off"
+        finally:
+            self.merge_resume(record)
+            self._record(g, record)
+            g.set_state(GroupState.IDLE)
+        if g.waiters:
+            g._driver = None
+            self._drive(g)
+
     async def close(self) -> None:
         """Stop drivers; pending acquires fail with SwitchFailed."""
         self._closing = True
+        if self._repair is not None:
+            self._repair.cancel()
         for g in self.groups.values():
             for w in g.waiters:
                 if not w.future.done():

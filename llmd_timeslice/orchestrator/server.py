@@ -105,6 +105,7 @@ class OrchestratorServer:
             held = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "held"]
             if held and hasattr(self.actions, "publish_asleep"):
                 await self.actions.publish_asleep(held)
+        self.orchestrator.start_repair()
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("orchestrator %s:%d groups=%s", self.host, self.port, sorted(self.orchestrator.groups))

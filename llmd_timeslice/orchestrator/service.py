@@ -56,7 +56,9 @@ _CODES = {
     core.UnknownGroup: grpc.StatusCode.NOT_FOUND,
     core.NotHolder: grpc.StatusCode.FAILED_PRECONDITION,
     core.AcquireTimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
-    core.SwitchFailed: grpc.StatusCode.UNAVAILABLE,
+    # ABORTED, not UNAVAILABLE: clients retry UNAVAILABLE automatically, and a failed switch is not transient
+    # (a retry would drain and sleep every engine again only to fail the same way).
+    core.SwitchFailed: grpc.StatusCode.ABORTED,
     core.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
     core.LockOrderViolation: grpc.StatusCode.FAILED_PRECONDITION,
     core.StaleWeightVersion: grpc.StatusCode.FAILED_PRECONDITION,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -42,6 +43,9 @@ class _Handler(BaseHTTPRequestHandler):
         query = {k: v if len(v) > 1 else v[0] for k, v in parse_qs(url.query).items()}
         body = json.loads(raw) if raw else None
         engine: _FakeEngine = self.server.owner  # type: ignore[attr-defined]
+        if engine.dead:  # killed: kept-alive connections get nothing more, like a dead process's sockets
+            self.close_connection = True
+            return
         with engine.lock:
             engine.calls.append((method, url.path, body if body is not None else query))
         status, payload, ctype = engine.handle(method, url.path, query, body)
@@ -55,10 +59,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _FakeEngine(abc.ABC):
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.calls: list[tuple[str, str, object]] = []
         self.lock = threading.Lock()
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.dead = False
+        self._srv = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self._srv.owner = self  # type: ignore[attr-defined]
         self._srv.daemon_threads = True
         self._t = threading.Thread(target=self._srv.serve_forever, daemon=True)
@@ -75,6 +80,11 @@ class _FakeEngine(abc.ABC):
         self._srv.shutdown()
         self._srv.server_close()
 
+    def kill(self) -> None:
+        """Like a killed process: stop listening and answer nothing more on open connections."""
+        self.dead = True
+        self.stop()
+
     def paths(self, method: str = "POST") -> list[str]:
         return [p for m, p, _ in self.calls if m == method]
 
@@ -87,8 +97,11 @@ class FakeVllm(_FakeEngine):
     """vLLM's sleep endpoints. ``lie_on_sleep`` / ``lie_on_wake``: answer 200 but keep the state;
     ``export_sleep_state``: whether ``/metrics`` has ``vllm:engine_sleep_state``."""
 
-    def __init__(self, lie_on_sleep: bool = False, lie_on_wake: bool = False, export_sleep_state: bool = True) -> None:
-        super().__init__()
+    def __init__(self, lie_on_sleep: bool = False, lie_on_wake: bool = False, export_sleep_state: bool = True,
+                 port: int = 0, sleep_delay_s: float = 0.0, wake_delay_s: float = 0.0) -> None:
+        super().__init__(port)
+        self.sleep_delay_s, self.wake_delay_s = sleep_delay_s, wake_delay_s
+        self.completions_while_asleep = 0
         self.lie_on_sleep, self.lie_on_wake, self.export_sleep_state = lie_on_sleep, lie_on_wake, export_sleep_state
         self.level = 0  # 0 awake, else the sleep level
         self.asleep_tags = {"weights", "kv_cache"}
@@ -112,11 +125,13 @@ class FakeVllm(_FakeEngine):
                                  f'{1.0 if s == self._state() else 0.0}')
             return 200, "\n".join(lines) + "\n", "text/plain"
         if path == "/sleep":
+            time.sleep(self.sleep_delay_s)
             if not self.lie_on_sleep:
                 self.level = int(query.get("level", 1))
                 self.asleep_tags = {"weights", "kv_cache"}
             return 200, {"status": "sleeping", "level": int(query.get("level", 1))}, "application/json"
         if path == "/wake_up":
+            time.sleep(self.wake_delay_s)
             tags = query.get("tags")
             tags = [tags] if isinstance(tags, str) else (tags or ["weights", "kv_cache"])
             if not self.lie_on_wake:
@@ -148,6 +163,8 @@ class FakeVllm(_FakeEngine):
         if path == "/v1/models":
             return 200, {"data": [{"id": "fake"}]}, "application/json"
         if path == "/v1/completions":
+            if self.level != 0:
+                self.completions_while_asleep += 1  # a real vLLM would hang this request
             return 200, {"choices": [{"text": "x", "finish_reason": "length"}]}, "application/json"
         return 404, {"error": path}, "application/json"
 
