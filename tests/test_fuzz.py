@@ -1,0 +1,258 @@
+"""Bad input, generated (hypothesis): the gate's ExternalProcessor stream (malformed and out-of-order
+messages, huge headers, missing or unknown pools) and the control APIs (invalid ids, negative or absurd
+numbers, unknown enum values). Every call ends with a response or a gRPC status other than INTERNAL /
+UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call.
+Crashes found here become named tests (tests/test_bad_input.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as xp
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as xp_grpc
+from google.protobuf import struct_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from epp_plugin import protocol
+from epp_plugin.gate.pool_state import EndpointState
+from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as ipb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2_grpc as ipb_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
+from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
+from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.server import SidecarServer
+from tests.support.fake_engines import FakeVllm
+
+TOKEN = "fuzz"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+CRASH = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                         HealthCheck.too_slow])
+
+text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+ints = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 1, 2**31, -(2**31)]))
+
+
+class NoopActions:
+    async def suspend_samplers(self, spec, record) -> None:
+        await asyncio.sleep(0)
+
+    async def resume_samplers(self, spec, record) -> None:
+        await asyncio.sleep(0)
+
+
+class Servers:
+    """Gate, orchestrator and a sidecar in their own event loop thread (the tests call them with sync stubs)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    async def _start(self) -> None:
+        self.engine = FakeVllm().start()
+        self.gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, token=TOKEN, max_hold_s=0.3, max_held=50))
+        await self.gate.start()
+        self.gate.pools["default"].set_states([("10.0.0.1:8000", EndpointState.SERVING, 3)])
+        inv = Inventory.model_validate({"groups": [
+            {"group_id": "g", "samplers": [{"pool": "default", "address": "10.0.0.1:8000", "sidecar": "127.0.0.1:1",
+                                            "job_id": "s"}]},
+            {"group_id": "t"}]})
+        self.orch = OrchestratorServer(inv, port=0, token=TOKEN, actions=NoopActions())
+        await self.orch.start()
+        self.sidecar = SidecarServer({"s": VllmBackend(self.engine.url, idle_timeout_s=0.2)}, port=0, token=TOKEN,
+                                     operation_timeout_s=2)
+        await self.sidecar.start()
+
+    async def _stop(self) -> None:
+        await self.sidecar.stop()
+        await self.orch.stop()
+        await self.gate.stop()
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    s = Servers()
+    s.run(s._start())
+    chans = {
+        "ext_proc": grpc.insecure_channel(f"127.0.0.1:{s.gate.ext_proc_port}"),
+        "control": grpc.insecure_channel(f"127.0.0.1:{s.gate.control_port}"),
+        "orch": grpc.insecure_channel(f"127.0.0.1:{s.orch.port}"),
+        "sidecar": grpc.insecure_channel(f"127.0.0.1:{s.sidecar.port}"),
+    }
+    s.chans = chans
+    yield s
+    for ch in chans.values():
+        ch.close()
+    s.run(s._stop())
+    s.loop.call_soon_threadsafe(s.loop.stop)
+    s.thread.join(10)
+
+
+def _code(call) -> grpc.StatusCode:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        assert exc.code() not in CRASH, f"{exc.code().name}: {exc.details()}"
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+# ------------------------------------------------------------------------------------------ ext_proc
+def _headers(pairs, eos):
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs])
+    return xp.HttpHeaders(headers=hm, end_of_stream=eos)
+
+
+header_name = st.one_of(st.sampled_from([":path", ":method", "content-type", protocol.MIN_WEIGHT_VERSION_HEADER,
+                                         "x-request-id"]), st.from_regex(r"[a-z][a-z0-9-]{0,30}", fullmatch=True))
+header_value = st.one_of(st.binary(max_size=64), st.sampled_from([b"3", b"-1", b"99999999999999999999", b"", b"abc"]),
+                         st.integers(1, 200_000).map(lambda n: b"x" * n))
+headers = st.lists(st.tuples(header_name, header_value), max_size=6)
+served = st.one_of(st.none(), st.just("10.0.0.1:8000"), text)
+
+
+def _response_headers(addr) -> xp.ProcessingRequest:
+    req = xp.ProcessingRequest(response_headers=_headers([(":status", b"200")], False))
+    if addr is not None:
+        req.attributes[protocol.EXT_PROC_ATTRIBUTES_NAMESPACE].CopyFrom(
+            struct_pb2.Struct(fields={protocol.UPSTREAM_ADDRESS_ATTRIBUTE: struct_pb2.Value(string_value=addr)}))
+    return req
+
+
+message = st.one_of(
+    st.builds(lambda h, e: xp.ProcessingRequest(request_headers=_headers(h, e)), headers, st.booleans()),
+    st.builds(lambda b, e: xp.ProcessingRequest(request_body=xp.HttpBody(body=b, end_of_stream=e)),
+              st.binary(max_size=2048), st.booleans()),
+    st.just(xp.ProcessingRequest(request_trailers=xp.HttpTrailers())),
+    st.builds(_response_headers, served),
+    st.builds(lambda b: xp.ProcessingRequest(response_body=xp.HttpBody(body=b)), st.binary(max_size=256)),
+    st.just(xp.ProcessingRequest(response_trailers=xp.HttpTrailers())),
+    st.just(xp.ProcessingRequest()),  # no message set at all
+)
+pool_md = st.one_of(st.none(), st.sampled_from(["default", "", "nope"]), st.from_regex(r"[a-z0-9-]{1,20}", fullmatch=True))
+
+
+@FUZZ
+@given(msgs=st.lists(message, max_size=7), pool=pool_md)
+def test_fuzz_ext_proc_stream_never_crashes_and_leaves_nothing_behind(servers, msgs, pool):
+    stub = xp_grpc.ExternalProcessorStub(servers.chans["ext_proc"])
+    md = () if pool is None else ((protocol.POOL_METADATA_KEY, pool),)
+    try:
+        for resp in stub.Process(iter(msgs), metadata=md, timeout=5):
+            assert resp.WhichOneof("response") is not None
+    except grpc.RpcError as exc:
+        assert exc.code() not in CRASH, f"{exc.code().name}: {exc.details()}"
+    default = servers.gate.pools["default"]
+    servers.run(_settle(default))
+    assert default.live == 0 and default.held == 0
+
+
+async def _settle(pool, timeout_s: float = 3.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if pool.live == 0 and pool.held == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_after_fuzzing_ext_proc_a_well_formed_request_is_admitted(servers):
+    stub = xp_grpc.ExternalProcessorStub(servers.chans["ext_proc"])
+    msgs = [xp.ProcessingRequest(request_headers=_headers([(":path", b"/v1/completions")], True)),
+            _response_headers("10.0.0.1:8000")]
+    out = list(stub.Process(iter(msgs), metadata=((protocol.POOL_METADATA_KEY, "default"),), timeout=5))
+    hint = out[0].dynamic_metadata.fields[protocol.SUBSET_HINT_NAMESPACE].struct_value
+    assert [v.string_value for v in hint.fields[protocol.SUBSET_HINT_KEY].list_value.values] == ["10.0.0.1:8000"]
+    assert servers.gate.pools["default"].endpoints["10.0.0.1:8000"].weight_version == 3
+
+
+# ----------------------------------------------------------------------------------------- control APIs
+@FUZZ
+@given(pool=text, states=st.lists(st.tuples(text, st.integers(-5, 50), ints), max_size=4))
+def test_fuzz_gate_control_set_states(servers, pool, states):
+    stub = gpb_grpc.GateControlServiceStub(servers.chans["control"])
+    req = gpb.SetEndpointStatesRequest(pool=f"fz-{pool}" if pool else "",
+                                       endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v)
+                                                  for a, s, v in states])
+    code = _code(lambda: stub.SetEndpointStates(req, metadata=MD, timeout=5))
+    if any(s not in (1, 2, 3, 4) for _, s, _ in states):
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+    _code(lambda: stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=pool), metadata=MD, timeout=5))
+
+
+@FUZZ
+@given(job=text, group=st.one_of(text, st.sampled_from(["g", "t"])), timeout=st.floats(0.01, 0.3), token=ints,
+       token_md=st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=30)))
+def test_fuzz_orchestrator_acquire_yield_lease(servers, job, group, timeout, token, token_md):
+    stub = opb_grpc.TimeSliceOrchestratorServiceStub(servers.chans["orch"])
+    leases = lease_pb2_grpc.LeaseServiceStub(servers.chans["orch"])
+    md = MD if token_md is None else (*MD, ("x-llmd-timeslice-fencing-token", token_md))  # printable: gRPC's rule
+    got = _code(lambda: stub.Acquire(opb.AcquireRequest(job_id=job, group_id=group), metadata=MD, timeout=timeout))
+    _code(lambda: leases.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), metadata=MD, timeout=5))
+    _code(lambda: leases.Heartbeat(lease_pb2.HeartbeatRequest(job_id=job, group_id=group, fencing_token=token),
+                                   metadata=MD, timeout=5))
+    y = _code(lambda: stub.Yield(opb.YieldRequest(job_id=job, group_id=group), metadata=md, timeout=5))
+    if got is grpc.StatusCode.OK and y is not grpc.StatusCode.OK:  # keep the group free for the next example
+        _code(lambda: stub.Yield(opb.YieldRequest(job_id=job, group_id=group), metadata=MD, timeout=5))
+    _code(lambda: stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=group), metadata=MD, timeout=5))
+
+
+@FUZZ
+@given(job=text, group=st.sampled_from(["g", "t", "zz", ""]), version=ints, source=st.one_of(
+    text, st.sampled_from(["files", "vllm_weight_transfer"])), location=text,
+    info=st.one_of(text, st.dictionaries(text, st.integers(), max_size=3).map(json.dumps)), token=ints, limit=ints)
+def test_fuzz_weight_versions_and_switch_list(servers, job, group, version, source, location, info, token, limit):
+    stub = weights_pb2_grpc.WeightVersionServiceStub(servers.chans["orch"])
+    update = weights_pb2.WeightUpdate(version=version, source=source, location=location, update_info_json=info)
+    req = weights_pb2.PublishWeightVersionRequest(job_id=job, group_id=group, fencing_token=token, weights=update)
+    _code(lambda: stub.PublishWeightVersion(req, metadata=MD, timeout=5))
+    _code(lambda: stub.GetWeightVersion(weights_pb2.GetWeightVersionRequest(group_id=group), metadata=MD, timeout=5))
+    info_stub = ipb_grpc.OrchestratorInfoServiceStub(servers.chans["orch"])
+    _code(lambda: info_stub.ListSwitches(ipb.ListSwitchesRequest(limit=max(-(2**31), min(limit, 2**31 - 1)),
+                                                                 group_id=group), metadata=MD, timeout=5))
+
+
+@FUZZ
+@given(job=st.one_of(text, st.just("s")), app=st.integers(-3, 20), mode=st.integers(-3, 20), op=text,
+       wait=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-10, 0.05)),
+       version=ints, source=text)
+def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
+    stub = spb_grpc.SnapshotAgentServiceStub(servers.chans["sidecar"])
+    ext = xpb_grpc.SnapshotOperationsServiceStub(servers.chans["sidecar"])
+    cfg = spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=app, mode=mode))
+    for call in (stub.Snapshot, stub.Restore):
+        req_cls = spb.SnapshotRequest if call is stub.Snapshot else spb.RestoreRequest
+        _code(lambda c=call, r=req_cls: c(r(job_id=job, group="g", backend_config=cfg), metadata=MD, timeout=5))
+    _code(lambda: stub.GetOperation(spb.GetOperationRequest(operation_id=op), metadata=MD, timeout=5))
+    _code(lambda: ext.WaitOperation(xpb.WaitOperationRequest(operation_id=op, timeout_s=wait), metadata=MD, timeout=5))
+    _code(lambda: ext.RestoreWithWeights(xpb.RestoreWithWeightsRequest(
+        restore=spb.RestoreRequest(job_id=job, group="g"),
+        weights=weights_pb2.WeightUpdate(version=version, source=source, location="/nowhere")), metadata=MD, timeout=5))
+    _code(lambda: stub.Status(spb.StatusRequest(), metadata=MD, timeout=5))
+
+
+def test_after_fuzzing_the_control_apis_still_serve(servers):
+    stub = opb_grpc.TimeSliceOrchestratorServiceStub(servers.chans["orch"])
+    assert stub.Acquire(opb.AcquireRequest(job_id="after", group_id="t"), metadata=MD, timeout=10).success
+    assert stub.Yield(opb.YieldRequest(job_id="after", group_id="t"), metadata=MD, timeout=10).success
+    st_ = spb_grpc.SnapshotAgentServiceStub(servers.chans["sidecar"]).Status(spb.StatusRequest(), metadata=MD, timeout=5)
+    assert any(j.job_id == "s" for j in st_.job_statuses)
