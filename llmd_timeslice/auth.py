@@ -45,9 +45,76 @@ def load_token(token_file: str | os.PathLike | None = None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def load_job_tokens(path: str | os.PathLike) -> dict[str, str]:
+    """Per-job tokens from a YAML/JSON mapping ``{job_id: token}`` (a mounted Secret).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a mapping of non-empty strings, or a token used by two jobs.
+    """
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v.strip()
+                                             for k, v in data.items()):
+        raise ValueError(f"{path}: expected a mapping of job id -> non-empty token")
+    tokens = {k: v.strip() for k, v in data.items()}
+    if len(set(tokens.values())) != len(tokens):
+        raise ValueError(f"{path}: two jobs share a token; each job needs its own")
+    return tokens
+
+
+def bearer(context) -> str | None:
+    """The bearer token of a call (None if absent)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            v = value.decode() if isinstance(value, bytes) else value
+            return v[7:] if v.startswith("Bearer ") else None
+    return None
+
+
+class JobAuthorizer:
+    """Who may act for a job on job-scoped calls (Acquire, Yield, GetLease, Heartbeat, PublishWeightVersion).
+
+    With ``job_tokens``, a call carrying job B's token may act only for job B (PERMISSION_DENIED otherwise):
+    one job cannot yield or renew another's lease. The control token may act for any job unless
+    ``require_job_tokens`` (then jobs listed in ``job_tokens`` need their own token). Without job tokens
+    every caller with the control token may act for any job (one trust domain).
+    """
+
+    def __init__(self, job_tokens: dict[str, str] | None = None, require_job_tokens: bool = False) -> None:
+        self.job_tokens = dict(job_tokens or {})
+        self._owner = {t: j for j, t in self.job_tokens.items()}
+        self.require = require_job_tokens
+
+    def check(self, context, job_id: str) -> str | None:
+        """None when the caller may act for ``job_id``; else the reason to refuse (PERMISSION_DENIED)."""
+        if not self.job_tokens:
+            return None
+        token = bearer(context)
+        owner = self._owner.get(token or "")
+        if owner is not None:
+            if owner == job_id:
+                return None
+            PERMISSION_DENIED_CALLS.labels(reason="other_job").inc()
+            return f"the token of job {owner!r} cannot act for job {job_id!r}"
+        if self.require and job_id in self.job_tokens:
+            PERMISSION_DENIED_CALLS.labels(reason="job_token_required").inc()
+            return f"job {job_id!r} must call with its own job token (require_job_tokens)"
+        return None
+
+
+PERMISSION_DENIED_CALLS = Counter(
+    "llmd_timeslice_permission_denied_calls_total",
+    "Job-scoped calls refused: a job's token used for another job, or a job token required.",
+    ["reason"],
+)
+
+
 class _BearerTokenInterceptor(aio.ServerInterceptor):
-    def __init__(self, token: str, open_methods: frozenset[str]) -> None:
+    def __init__(self, token: str, open_methods: frozenset[str], extra_tokens: tuple[str, ...] = ()) -> None:
         self._expected = f"Bearer {token}".encode()
+        self._extra = tuple(f"Bearer {t}".encode() for t in extra_tokens)
         self._open = open_methods
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -57,7 +124,10 @@ class _BearerTokenInterceptor(aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
+                ok = hmac.compare_digest(got, self._expected)
+                for extra in self._extra:  # every comparison runs: no timing hint of which token matched
+                    ok |= hmac.compare_digest(got, extra)
+                if ok:
                     return await continuation(handler_call_details)
                 break
         UNAUTHENTICATED_CALLS.labels(method=method).inc()
@@ -72,13 +142,15 @@ def _deny_handler(method: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def server_interceptors(token: str | None, open_methods: tuple[str, ...] = ()) -> list[aio.ServerInterceptor]:
-    """Interceptors for a control-plane server; empty (auth off, warned) when ``token`` is None."""
+def server_interceptors(token: str | None, open_methods: tuple[str, ...] = (),
+                        extra_tokens: tuple[str, ...] = ()) -> list[aio.ServerInterceptor]:
+    """Interceptors for a control-plane server; empty (auth off, warned) when ``token`` is None.
+    ``extra_tokens`` (e.g. per-job tokens) are accepted too; what each may do is checked by the service."""
     if not token:
         log.warning("control API authentication is OFF: no token configured (set %s or --token-file)", TOKEN_FILE_ENV)
         return []
     open_methods = (*open_methods, "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
-    return [_BearerTokenInterceptor(token, frozenset(open_methods))]
+    return [_BearerTokenInterceptor(token, frozenset(open_methods), tuple(extra_tokens))]
 
 
 class _AddToken(

@@ -101,7 +101,9 @@ def gate(
                      default_pool=default_pool, max_held=max_held, max_hold_s=max_hold_s,
                      release_rate_per_s=release_rate, token=load_token(token_file), orchestrator=orchestrator,
                      stale_after_s=stale_after_s, **({"gate_id": gate_id} if gate_id else {}))
-    _run(lambda: serve(cfg))
+    from llmd_timeslice import tls
+
+    _run(lambda: serve(cfg, tls.from_env()))
 
 
 @app.command()
@@ -159,11 +161,18 @@ def orchestrator(
         help="kubernetes: ConfigMap (in --namespace) that keeps holders, leases and group states across restarts.")
     ] = None,
     token_file: TokenFile = None,
+    job_tokens_file: Annotated[Path | None, typer.Option(
+        help="YAML mapping job id -> that job's own token: a job's token may act only for that job (acquire, "
+             "yield, lease, weights), so one job cannot yield or renew another's lease.", exists=True)] = None,
+    require_job_tokens: Annotated[bool, typer.Option(
+        help="Jobs listed in --job-tokens-file must use their own token (the control token no longer acts for them).")
+    ] = False,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
 ) -> None:
-    """Run the orchestrator (acquire/yield locks, phase switches)."""
-    from llmd_timeslice.auth import load_token
+    """Run the orchestrator (acquire/yield locks, phase switches). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
+    from llmd_timeslice import tls
+    from llmd_timeslice.auth import load_job_tokens, load_token
     from llmd_timeslice.discovery.static import load_inventory
     from llmd_timeslice.orchestrator.persistence import FileStateStore
     from llmd_timeslice.orchestrator.server import OrchestratorServer
@@ -192,7 +201,9 @@ def orchestrator(
     inv = load_inventory(inventory)
 
     async def main() -> None:
-        srv = OrchestratorServer(inv, host=host, port=port, token=load_token(token_file), state_store=store)
+        srv = OrchestratorServer(inv, host=host, port=port, token=load_token(token_file), state_store=store,
+                                 job_tokens=load_job_tokens(job_tokens_file) if job_tokens_file else None,
+                                 require_job_tokens=require_job_tokens, tls_files=tls.from_env())
         await srv.start()
         try:
             await asyncio.Event().wait()
@@ -310,7 +321,9 @@ def sidecar(
             defaults = {job_id: create_backend(backend, pids=pid)}
         else:
             defaults = {}  # the job registers over WorkloadChannel
-        srv = SidecarServer(defaults, host=host, port=port, token=load_token(token_file),
+        from llmd_timeslice import tls
+
+        srv = SidecarServer(defaults, host=host, port=port, token=load_token(token_file), tls_files=tls.from_env(),
                             operation_timeout_s=operation_timeout_s, annotations=annotations,
                             command_timeout_s=command_timeout_s, backend_kwargs=engine_kwargs)
         await srv.start()

@@ -135,6 +135,8 @@ class GateSettings(_Section):
                                                             "(unset: only the control API sets them).")
     gate_id: str | None = Field(None, description="Stable id of this replica on the state stream (default host-pid; "
                                                   "the pod name in Kubernetes).")
+    stale_after_s: Duration = Field(5.0, ge=0, le=600, description="Time without the orchestrator's state stream before "
+                                    "new requests are held rather than steered by a possibly outdated view (0: never).")
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -195,6 +197,9 @@ class OrchestratorSettings(_Section):
     state_configmap: str | None = Field(None, description="With `discovery: kubernetes`: ConfigMap that keeps holders, "
                                                           "leases and group states across restarts.")
     token_file: Path | None = _token_file()
+    job_tokens_file: Path | None = Field(None, description="YAML mapping job id -> that job's own token: a job's token "
+                                                           "may act only for that job (acquire, yield, lease, weights).")
+    require_job_tokens: bool = Field(False, description="Jobs listed in `job_tokens_file` must use their own token.")
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
 

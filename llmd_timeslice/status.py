@@ -9,7 +9,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
@@ -45,8 +45,9 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
     """Print the tables; returns 0, or 1 when a component could not be reached (its error is shown)."""
     console = console or Console()
     md = auth.call_metadata(auth.load_token(token_file))
+    tls_files = tls.from_env()
     rc = 0
-    with grpc.insecure_channel(orchestrator) as ch:
+    with tls.channel(orchestrator, tls_files) as ch:
         stub = opb_grpc.TimeSliceOrchestratorServiceStub(ch)
         try:
             groups = stub.ListGroups(opb.ListGroupsRequest(), timeout=5, metadata=md).group_ids
@@ -76,7 +77,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")
             rc = 1
     for gate in gates:
-        with grpc.insecure_channel(gate) as ch:
+        with tls.channel(gate, tls_files) as ch:
             stub = gpb_grpc.GateControlServiceStub(ch)
             try:
                 pools = stub.ListPools(gpb.ListPoolsRequest(), timeout=5, metadata=md).pools

@@ -16,7 +16,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as xp
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as xp_grpc
 from google.protobuf import struct_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from epp_plugin import protocol
@@ -155,6 +155,8 @@ pool_md = st.one_of(st.none(), st.sampled_from(["default", "", "nope"]), st.from
 
 @FUZZ
 @given(msgs=st.lists(message, max_size=7), pool=pool_md)
+@example(msgs=[xp.ProcessingRequest(request_headers=_headers([(protocol.MIN_WEIGHT_VERSION_HEADER, b"\x80")], False))],
+         pool="default")  # found by this test; tests/test_bad_input.py
 def test_fuzz_ext_proc_stream_never_crashes_and_leaves_nothing_behind(servers, msgs, pool):
     stub = xp_grpc.ExternalProcessorStub(servers.chans["ext_proc"])
     md = () if pool is None else ((protocol.POOL_METADATA_KEY, pool),)

@@ -92,7 +92,9 @@ class _HintCache:
 def _header(headers: pb.HttpHeaders, name: str) -> str | None:
     for h in headers.headers.headers:
         if h.key == name:
-            return h.raw_value.decode() if h.raw_value else h.value
+            # Envoy passes header bytes as they came; a value that is not UTF-8 must not crash the stream
+            # (found by tests/test_fuzz.py: b"\x80" in the min-weight-version header).
+            return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return None
 
 

@@ -21,7 +21,7 @@ from epp_plugin.gate.control import GateControl
 from epp_plugin.gate.ext_proc import GateExternalProcessor
 from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.subscription import StateSubscription
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
@@ -55,8 +55,9 @@ class GateConfig(BaseModel):
 class GateServer:
     """The gate's servers in this event loop. ``await start()``, ``await stop()``."""
 
-    def __init__(self, config: GateConfig) -> None:
+    def __init__(self, config: GateConfig, tls_files: tls.TlsFiles | None = None) -> None:
         self.config = config
+        self.tls = tls_files  # mutual TLS of the control port and of the subscription (not the data plane)
         self.pools: dict[str, PoolState] = {}
         for name in {*config.pools, config.default_pool}:
             self.pools[name] = self._new_pool(name)
@@ -89,7 +90,7 @@ class GateServer:
         factory = self._new_pool if cfg.accept_new_pools else None
         gate_control_pb2_grpc.add_GateControlServiceServicer_to_server(GateControl(self.pools, factory), self._control)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._control)
-        self.control_port = self._control.add_insecure_port(f"{cfg.host}:{cfg.control_port}")
+        self.control_port = tls.add_port(self._control, f"{cfg.host}:{cfg.control_port}", self.tls)
         await self._data.start()
         await self._control.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -98,7 +99,8 @@ class GateServer:
         if cfg.orchestrator:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.subscription = StateSubscription(cfg.orchestrator, cfg.gate_id, self.pools, self._new_pool, cfg.token,
-                                                  on_synced=self._synced, stale_after_s=cfg.stale_after_s)
+                                                  on_synced=self._synced, stale_after_s=cfg.stale_after_s,
+                                                  tls_files=self.tls)
             self._sub_task = asyncio.get_running_loop().create_task(self.subscription.run())
         else:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -125,9 +127,9 @@ class GateServer:
             await self._control.stop(0)
 
 
-async def serve(config: GateConfig) -> None:
+async def serve(config: GateConfig, tls_files: tls.TlsFiles | None = None) -> None:
     """Run the gate until cancelled (SIGINT/SIGTERM handled by the caller)."""
-    server = GateServer(config)
+    server = GateServer(config, tls_files)
     await server.start()
     try:
         await asyncio.Event().wait()

@@ -17,13 +17,12 @@ import logging
 from collections.abc import Callable, MutableMapping
 
 import grpc
-from grpc import aio
 from prometheus_client import Counter, Gauge
 
 from epp_plugin.gate import metrics
 from epp_plugin.gate.control import TO_CORE, export_pool
 from epp_plugin.gate.pool_state import PoolState
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb_grpc
 
@@ -56,7 +55,9 @@ class StateSubscription:
 
     def __init__(self, target: str, gate_id: str, pools: MutableMapping[str, PoolState],
                  pool_factory: Callable[[str], PoolState], token: str | None = None,
-                 on_synced: Callable[[], None] | None = None, stale_after_s: float = 5.0) -> None:
+                 on_synced: Callable[[], None] | None = None, stale_after_s: float = 5.0,
+                 tls_files: tls.TlsFiles | None = None) -> None:
+        self._tls = tls_files
         self.target, self.gate_id, self.pools = target, gate_id, pools
         self._factory = pool_factory
         self._token = token
@@ -128,7 +129,7 @@ class StateSubscription:
         outbox: asyncio.Queue = asyncio.Queue()
         self._outbox = outbox
         # Metadata passed on the call: grpc.aio's stream-stream client interceptors do not add it (seen with 1.85).
-        async with aio.insecure_channel(self.target, options=KEEPALIVE_OPTIONS) as ch:
+        async with tls.aio_channel(self.target, self._tls, options=KEEPALIVE_OPTIONS) as ch:
             call = pb_grpc.GateStateServiceStub(ch).Connect(self._outgoing(outbox),
                                                             metadata=auth.call_metadata(self._token))
             try:

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-from grpc import aio
 
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
@@ -138,16 +137,18 @@ class TimeSliceOrchestratorClient:
         job_id: this job's id (default ``$TIMESLICE_JOB_ID``).
         group_id: default group (default ``$TIMESLICE_TRAINER_GROUP``).
         channel_options: extra gRPC channel options.
-        token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``).
+        token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``): the control token, or this job's own
+            token where the orchestrator has per-job tokens.
+        tls_files: mutual TLS (default: from ``LLMD_TIMESLICE_TLS_*_FILE``, see :mod:`llmd_timeslice.tls`).
     """
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
                  channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
-                 sampler_group_id: str | None = None) -> None:
+                 sampler_group_id: str | None = None, tls_files: tls.TlsFiles | None = None) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
         self._md = auth.call_metadata(token if token is not None else auth.load_token())
-        self._channel = grpc.insecure_channel(self.target, options=_channel_options(channel_options))
+        self._channel = tls.channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
@@ -305,10 +306,11 @@ class AsyncTimeSliceOrchestratorClient:
     """
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True) -> None:
+                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
+                 tls_files: tls.TlsFiles | None = None) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         tok = token if token is not None else auth.load_token()
-        self._channel = aio.insecure_channel(self.target, options=_channel_options(channel_options),
+        self._channel = tls.aio_channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options),
                                              interceptors=auth.client_interceptors(tok))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)

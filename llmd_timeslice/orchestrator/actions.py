@@ -32,7 +32,7 @@ from typing import Protocol
 import grpc
 from grpc import aio
 
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
@@ -65,7 +65,8 @@ class GrpcSwitchActions:
     """
 
     def __init__(self, hub: GateHub, token: str | None = None, operation_timeout_s: float = 300.0,
-                 labeler: ServingLabeler | None = None) -> None:
+                 labeler: ServingLabeler | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+        self._tls = tls_files
         self.hub = hub
         self.labeler = labeler
         self._token = token
@@ -76,7 +77,8 @@ class GrpcSwitchActions:
     def _channel(self, target: str) -> aio.Channel:
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = aio.insecure_channel(target, interceptors=auth.client_interceptors(self._token))
+            ch = self._channels[target] = tls.aio_channel(target, self._tls,
+                                                          interceptors=auth.client_interceptors(self._token))
         return ch
 
     async def close(self) -> None:

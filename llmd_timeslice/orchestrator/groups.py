@@ -334,6 +334,7 @@ class Orchestrator:
             says when its lease was reclaimed), StaleFencingToken.
         """
         g = self._holder_group(job_id, group_id, fencing_token)
+        self._require_token_if_armed(g, job_id, fencing_token)
         return self._release(g, job_id)
 
     def publish_weights(self, job_id: str, group_id: str, weights: WeightUpdate,
@@ -345,6 +346,7 @@ class Orchestrator:
             NotHolder, StaleFencingToken, StaleWeightVersion (not newer than the latest one).
         """
         g = self._holder_group(job_id, group_id, fencing_token)
+        self._require_token_if_armed(g, job_id, fencing_token)
         if not g.spec.samplers:
             raise InvalidArgument(f"group {group_id!r} has no samplers to load weights into; publish on the "
                                   "sampler group")
@@ -375,6 +377,14 @@ class Orchestrator:
             raise StaleFencingToken(f"fencing token {fencing_token} of job {job_id!r} is stale: group {group_id!r} "
                                     f"is at token {g.lease.token}; this holder must stop and acquire again")
         return g
+
+    @staticmethod
+    def _require_token_if_armed(g: Group, job_id: str, fencing_token: int | None) -> None:
+        """A holder that heartbeats (armed lease) knows its fencing token: a yield or publish for it without the
+        token is refused, so a caller that merely knows the job id cannot end or steer the lease."""
+        if not fencing_token and g.lease is not None and g.lease.expires_at is not None:
+            raise StaleFencingToken(f"group {g.spec.group_id!r}: job {job_id!r}'s lease is kept alive by heartbeats; "
+                                    "this call must carry its fencing token (x-llmd-timeslice-fencing-token)")
 
     def _grant(self, g: Group, job_id: str) -> None:
         g.published_in_grant = False

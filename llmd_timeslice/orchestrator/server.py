@@ -8,7 +8,7 @@ import logging
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     gate_state_pb2_grpc,
     lease_pb2_grpc,
@@ -46,17 +46,24 @@ class OrchestratorServer:
         reconcile_on_start: wake/verify samplers and publish them SERVING at start-up (groups a job
             still holds according to ``state_store`` keep their samplers asleep, published ASLEEP).
         state_store: where holders, leases and states survive a restart (None: nowhere).
+        job_tokens: job id -> that job's own token (see :class:`~llmd_timeslice.auth.JobAuthorizer`).
+        require_job_tokens: jobs listed in ``job_tokens`` must use their own token.
+        tls_files: mutual TLS for this server and its calls to sidecars (None: plain TCP).
     """
 
     def __init__(self, inventory: Inventory, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None = None, actions: SwitchActions | None = None,
-                 reconcile_on_start: bool = True, state_store: StateStore | None = None) -> None:
+                 reconcile_on_start: bool = True, state_store: StateStore | None = None,
+                 job_tokens: dict[str, str] | None = None, require_job_tokens: bool = False,
+                 tls_files: tls.TlsFiles | None = None) -> None:
         self.inventory = inventory
+        self.jobs = auth.JobAuthorizer(job_tokens, require_job_tokens)
+        self.tls = tls_files
         self.host = host
         self.port = port
         self.token = token
         self.hub = GateHub()
-        self.actions = actions or GrpcSwitchActions(self.hub, token)
+        self.actions = actions or GrpcSwitchActions(self.hub, token, tls_files=tls_files)
         self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch)
         self._reconcile = reconcile_on_start
         self.state_store = state_store
@@ -64,19 +71,21 @@ class OrchestratorServer:
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
-        self._server = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(self.token))
+        self._server = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(
+            self.token, extra_tokens=tuple(self.jobs.job_tokens.values())))
         states = getattr(self.actions, "sampler_states", None)
         pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
-            OrchestratorService(self.orchestrator, states), self._server
+            OrchestratorService(self.orchestrator, states, self.jobs), self._server
         )
         gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
-        lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator), self._server)
-        weights_pb2_grpc.add_WeightVersionServiceServicer_to_server(WeightVersionServicer(self.orchestrator), self._server)
+        lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator, self.jobs), self._server)
+        weights_pb2_grpc.add_WeightVersionServiceServicer_to_server(WeightVersionServicer(self.orchestrator, self.jobs),
+                                                                   self._server)
         orchestrator_info_pb2_grpc.add_OrchestratorInfoServiceServicer_to_server(OrchestratorInfo(self.orchestrator),
                                                                                  self._server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
         todo = {gid: "wake" for gid in self.orchestrator.groups}
         if self.state_store is not None:

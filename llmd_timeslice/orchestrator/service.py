@@ -23,6 +23,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
 )
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+from llmd_timeslice.auth import JobAuthorizer
 from llmd_timeslice.orchestrator import groups as core
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
@@ -88,14 +89,26 @@ async def _abort(context, exc: core.OrchestratorError):
     await context.abort(_CODES.get(type(exc), grpc.StatusCode.INTERNAL), str(exc))
 
 
+_ALLOW_ALL = JobAuthorizer()
+
+
+async def _authorize(jobs: JobAuthorizer, context, job_id: str) -> None:
+    why = jobs.check(context, job_id)
+    if why is not None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+
 class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
     """Servicer over :class:`~llmd_timeslice.orchestrator.groups.Orchestrator`."""
 
-    def __init__(self, orch: core.Orchestrator, sampler_states: dict[str, str] | None = None) -> None:
+    def __init__(self, orch: core.Orchestrator, sampler_states: dict[str, str] | None = None,
+                 jobs: JobAuthorizer = _ALLOW_ALL) -> None:
         self._orch = orch
         self._sampler_states = sampler_states if sampler_states is not None else {}
+        self._jobs = jobs
 
     async def Acquire(self, request, context):  # noqa: N802
+        await _authorize(self._jobs, context, request.job_id)
         remaining = context.time_remaining()
         timeout = None if remaining is None else max(0.0, remaining - 0.05)
         g = request.group_id
@@ -114,6 +127,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
         return pb.AcquireResponse(success=True, waited_ms=res.waited_ms, context_restored=res.context_restored)
 
     async def Yield(self, request, context):  # noqa: N802
+        await _authorize(self._jobs, context, request.job_id)
         token = _token_from(context)
         if token is not None and token <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{FENCING_TOKEN_METADATA} must be a positive integer")
@@ -170,8 +184,9 @@ def export_switch(record: core.SwitchRecord) -> None:
 class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     """Project extension: fenced leases with heartbeats (``llmd_timeslice.v1alpha1.LeaseService``)."""
 
-    def __init__(self, orch: core.Orchestrator) -> None:
+    def __init__(self, orch: core.Orchestrator, jobs: JobAuthorizer = _ALLOW_ALL) -> None:
         self._orch = orch
+        self._jobs = jobs
 
     @staticmethod
     def _wire(lease: core.Lease, group_id: str, now: float) -> lease_pb2.Lease:
@@ -180,6 +195,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
                                expires_in_s=left)
 
     async def GetLease(self, request, context):  # noqa: N802
+        await _authorize(self._jobs, context, request.job_id)
         try:
             lease = self._orch.lease(request.job_id, request.group_id)
         except core.OrchestratorError as exc:
@@ -187,6 +203,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         return self._wire(lease, request.group_id, asyncio.get_running_loop().time())
 
     async def Heartbeat(self, request, context):  # noqa: N802
+        await _authorize(self._jobs, context, request.job_id)
         try:
             lease = self._orch.heartbeat(request.job_id, request.group_id, request.fencing_token)
         except core.OrchestratorError as exc:
@@ -236,10 +253,12 @@ def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:
 class WeightVersionServicer(weights_pb2_grpc.WeightVersionServiceServicer):
     """Project ``WeightVersionService``: a holder publishes the next weight version; anyone reads status."""
 
-    def __init__(self, orch: core.Orchestrator) -> None:
+    def __init__(self, orch: core.Orchestrator, jobs: JobAuthorizer = _ALLOW_ALL) -> None:
         self._orch = orch
+        self._jobs = jobs
 
     async def PublishWeightVersion(self, request, context):  # noqa: N802
+        await _authorize(self._jobs, context, request.job_id)
         if not request.HasField("weights"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "weights is required")
         if request.fencing_token < 0:

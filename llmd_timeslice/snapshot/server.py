@@ -25,7 +25,7 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmd_timeslice import auth
+from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -266,9 +266,10 @@ class SidecarServer:
     def __init__(self, backends: dict[str, SnapshotBackend], host: str = "127.0.0.1", port: int = 9001,
                  token: str | None = None, operation_timeout_s: float = 300.0,
                  annotations: dict[str, str] | None = None, command_timeout_s: float = 300.0,
-                 backend_kwargs: dict | None = None) -> None:
+                 backend_kwargs: dict | None = None, tls_files: tls.TlsFiles | None = None) -> None:
         self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs)
         self.host, self.port, self.token = host, port, token
+        self.tls = tls_files
         self._server: aio.Server | None = None
 
     async def start(self) -> None:
@@ -277,7 +278,7 @@ class SidecarServer:
         xpb_grpc.add_SnapshotOperationsServiceServicer_to_server(self.servicer, self._server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("sidecar %s:%d jobs=%s", self.host, self.port, sorted(self.servicer.backends))
