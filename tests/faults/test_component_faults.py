@@ -181,3 +181,30 @@ async def test_slow_control_plane_delays_the_switch_but_loses_nothing(stack):
         pool.finish(a)
     assert pool.held == 0 and pool.live == 0
     assert sum(e.completions_while_asleep for e in engines) == 0
+
+
+async def test_orchestrator_restart_mid_switch_rolls_back_and_the_group_serves_again(stack):
+    engines, client, pool, addrs = stack["engines"], stack["client"], stack["pool"], stack["addrs"]
+    for e in engines:
+        e.sleep_delay_s = 1.0
+    old = stack["orch"]
+    acquire = asyncio.create_task(client.acquire(timeout_sec=60))
+    await _until(lambda: any(p == "/sleep" for e in engines for _, p, _ in e.calls), what="the sleep calls")
+    await old.stop()  # the orchestrator goes away with the switch half done
+    with pytest.raises(LeaseError):
+        await asyncio.wait_for(acquire, 30)
+    assert pool.serving() == (), "while it is gone the engines are DRAINING/asleep: nothing is steered to them"
+    held = asyncio.create_task(pool.admit())
+    new = OrchestratorServer(old.inventory, port=old.port, token=TOKEN)
+    stack["orch"] = new
+    await new.start()  # reconcile: wakes (verified) and publishes every free group's samplers
+    adm = await asyncio.wait_for(held, 30)
+    assert set(adm.candidates) <= set(addrs) and adm.candidates
+    pool.finish(adm)
+    await _until(lambda: set(pool.serving()) == set(addrs), what="both samplers serving")
+    assert all(e.level == 0 for e in engines)
+    for e in engines:
+        e.sleep_delay_s = 0
+    await client.acquire(timeout_sec=30)  # and the group works as before
+    await client.release()
+    assert sum(e.completions_while_asleep for e in engines) == 0
