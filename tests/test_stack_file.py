@@ -87,3 +87,20 @@ def test_cli_prints_one_line_per_problem_and_exits_2(tmp_path):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 2 and all(ln.startswith(str(f)) for ln in lines), (cmd, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+async def test_stop_wakes_engines_the_stack_did_not_start(tmp_path):
+    """An engine given by URL outlives the stack: if it sleeps when the stack stops, it is woken (verified)."""
+    from llmd_timeslice.local.up import Stack
+    from tests.support.fake_engines import FakeVllm
+
+    engine = FakeVllm().start()
+    engine.level = 1
+    try:
+        d = _base()
+        d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": engine.url}]
+        sf = load_stack_file(_write(tmp_path, d))
+        await Stack(sf, tmp_path).wake_external_engines()
+        assert engine.level == 0
+    finally:
+        engine.stop()
