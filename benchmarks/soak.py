@@ -25,6 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
+from llmd_timeslice.demo.loadgen import percentile as _pct
+
 
 def rss_kib(pid: int | None) -> int | None:
     """Resident memory of ``pid`` in KiB (``/proc/PID/status`` VmRSS), None if unknown."""
@@ -39,12 +41,6 @@ def rss_kib(pid: int | None) -> int | None:
     return None
 
 
-def _pct(values: list[float], q: int) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return float(values[0])
-    return float(statistics.quantiles(values, n=100, method="inclusive")[q - 1])
 
 
 async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: float, sample_every: int,

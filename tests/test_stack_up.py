@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from llmd_timeslice.client import TimeSliceOrchestratorClient
+from llmd_timeslice.local.up import alive
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -25,14 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "llmd_timeslice.cli"]
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _state(workdir: Path) -> dict:
@@ -127,7 +120,7 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
             up.kill()
             up.wait()
         out.close()
-    assert not [p for p in pids if _alive(p)], "no component is left running"
+    assert not [p for p in pids if alive(p)], "no component is left running"
     vllm_port = str(d["engines"][0]["vllm"]["port"])
     leftovers = []
     for proc in Path("/proc").iterdir():

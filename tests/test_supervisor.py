@@ -12,20 +12,7 @@ import port_for
 import pytest
 
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
-from llmd_timeslice.local.up import http_probe
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); read its state
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from llmd_timeslice.local.up import alive, http_probe
 
 
 async def _until(pred, timeout_s: float = 15.0) -> None:
@@ -57,11 +44,11 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
         assert any(n == "web" and "restarting in 2 s" in m for n, m in events)
         await _until(pidfile.exists)
         grandchild = int(pidfile.read_text())
-        assert _alive(grandchild)
+        assert alive(grandchild)
     finally:
         await sup.stop()
     pids = [c.proc.pid for c in sup.children]
-    assert not [p for p in [*pids, grandchild] if _alive(p)], "no child nor grandchild is left"
+    assert not [p for p in [*pids, grandchild] if alive(p)], "no child nor grandchild is left"
     assert {c.state for c in sup.children} == {"stopped"}
 
 
@@ -73,7 +60,7 @@ async def test_child_that_cannot_start_fails_the_start_with_its_log_and_stops_th
     sup = Supervisor([[ok], [bad]])
     with pytest.raises(StartFailed, match=r"(?s)bad exited with code 3 while starting.*no model here"):
         await sup.start()
-    assert not _alive(sup.child("ok").proc.pid)
+    assert not alive(sup.child("ok").proc.pid)
 
 
 async def test_child_not_ready_in_time_fails_the_start(tmp_path):
@@ -82,4 +69,4 @@ async def test_child_not_ready_in_time_fails_the_start(tmp_path):
     sup = Supervisor([[never]])
     with pytest.raises(StartFailed, match=r"never was not ready within 0\.5 s"):
         await sup.start()
-    assert not _alive(sup.child("never").proc.pid)
+    assert not alive(sup.child("never").proc.pid)

@@ -45,6 +45,17 @@ class RequestRecord:
         return d
 
 
+def percentile(values: list[float], q: int) -> float:
+    """The ``q``-th percentile (1..99, inclusive method) of ``values``; 0.0 for none."""
+    import statistics
+
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=100, method="inclusive")[q - 1])
+
+
 def _read_gate_headers(rec: RequestRecord, headers: httpx.Headers) -> None:
     rec.hold_ms = int(headers.get(protocol.HOLD_MS_HEADER, 0))
     rec.weight_version = int(headers.get(protocol.WEIGHT_VERSION_HEADER, -1))

@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import statistics
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.demo.loadgen import PROMPTS, LoadGenerator, send_completion
+from llmd_timeslice.demo.loadgen import percentile as _pct
 from llmd_timeslice.demo.stack import LocalStack, Sampler
 from llmd_timeslice.demo.timeline import plot_timeline
 from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
@@ -46,12 +46,6 @@ TRAINER_JOB = "trainer-0"
 console = Console()
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return float(values[0])
-    return float(statistics.quantiles(values, n=100, method="inclusive")[q - 1])
 
 
 class GateMonitor:

@@ -301,7 +301,7 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
     if state.exists():
         with contextlib.suppress(ValueError, OSError):
             prev = json.loads(state.read_text())
-            if prev.get("phase") in ("starting", "running") and _alive(prev.get("pid")):
+            if prev.get("phase") in ("starting", "running") and alive(prev.get("pid")):
                 console.print(f"[red]a stack already runs from {stack.workdir} (pid {prev['pid']}); "
                               "`llmd-timeslice down -f FILE` first[/red]")
                 return 2
@@ -309,7 +309,7 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
 
 
 # ---------------------------------------------------------------------- down / status
-def _alive(pid) -> bool:
+def alive(pid) -> bool:
     """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     if not pid:
         return False
@@ -341,16 +341,16 @@ def run_down(file: Path, workdir: Path | None = None, timeout_s: float = STOP_BO
     """Stop a stack started by ``up`` from another shell: SIGTERM to ``up``, wait, then check nothing is left."""
     console = Console()
     wd, state = read_state(file, workdir)
-    if state is None or not _alive(state.get("pid")):
+    if state is None or not alive(state.get("pid")):
         console.print(f"no running stack in {wd}")
         return 0 if state is None or state.get("phase") == "stopped" else _reap(console, state)
     pid = int(state["pid"])
     os.kill(pid, signal.SIGTERM)
     with console.status(f"stopping the stack (pid {pid}) ..."):
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-    if _alive(pid):
+    if alive(pid):
         console.print(f"[red]the stack (pid {pid}) did not stop within {timeout_s:g} s; killing it and its children[/red]")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -361,7 +361,7 @@ def run_down(file: Path, workdir: Path | None = None, timeout_s: float = STOP_BO
 
 def _reap(console: Console, state: dict) -> int:
     """Kill the process group of any component still alive (an ``up`` that was SIGKILLed); 0 if none was."""
-    left = [c for c in state.get("components", []) if _alive(c.get("pid"))]
+    left = [c for c in state.get("components", []) if alive(c.get("pid"))]
     for c in left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(int(c["pid"]), signal.SIGKILL)
@@ -378,15 +378,15 @@ def print_stack_status(file: Path, workdir: Path | None = None) -> int:
     if state is None:
         console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
         return 1
-    running = _alive(state.get("pid")) and state.get("phase") in ("starting", "running")
+    running = alive(state.get("pid")) and state.get("phase") in ("starting", "running")
     t = Table(title=f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
               title_justify="left")
     t.add_column("component", no_wrap=True)
     for col in ("state", "pid", "port", "restarts", "last exit"):
         t.add_column(col)
     for c in state.get("components", []):
-        alive = _alive(c.get("pid"))
-        t.add_row(c["name"], c["state"] if running else ("orphan!" if alive else "stopped"), str(c["pid"] or "-"),
+        is_alive = alive(c.get("pid"))
+        t.add_row(c["name"], c["state"] if running else ("orphan!" if is_alive else "stopped"), str(c["pid"] or "-"),
                   str(c["port"] or "-"), str(c["restarts"]), c["last_exit"] or "-")
     console.print(t)
     console.print(f"logs: {Path(state['workdir']) / 'logs'}/<component>.log")
