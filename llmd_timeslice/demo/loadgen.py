@@ -45,6 +45,20 @@ class RequestRecord:
         return d
 
 
+async def sse_lines(r: httpx.Response):
+    """Lines of a server-sent-events body, split on ``\n`` only. (httpx's ``aiter_lines`` follows
+    ``str.splitlines`` and also splits on U+2028, U+0085 and friends, which vLLM leaves raw inside its JSON
+    strings: one such completion in the soak run looked like a truncated event.)"""
+    buf = b""
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", "replace")
+
+
 def percentile(values: list[float], q: int) -> float:
     """The ``q``-th percentile (1..99, inclusive method) of ``values``; 0.0 for none."""
     import statistics
@@ -76,7 +90,7 @@ async def send_completion(client: httpx.AsyncClient, url: str, model: str, promp
                 rec.status = r.status_code
                 _read_gate_headers(rec, r.headers)
                 done = False
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r):
                     if line == "data: [DONE]":
                         done = True
                     elif line.startswith("data: "):
