@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -69,6 +70,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self._ids = itertools.count()
         self._contacts: dict[str, _Contact] = {}
         self.forget_after_s = 3600.0
+        self.on_gates_change = None  # called when a gate id is first heard from (the server persists the list)
 
     @property
     def gate_ids(self) -> list[str]:
@@ -130,7 +132,21 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             conn.outbox.put_nowait(None)
 
     def _touch(self, conn: _GateConn) -> None:
-        self._contacts[conn.gate_id] = _Contact(asyncio.get_running_loop().time(), conn.stale_after_s)
+        new = conn.gate_id not in self._contacts
+        self._contacts[conn.gate_id] = _Contact(time.monotonic(), conn.stale_after_s)
+        if new and self.on_gates_change is not None:
+            self.on_gates_change()
+
+    def known_gates(self) -> dict[str, float]:
+        """Gate id -> its announced ``stale_after_s``, for every gate heard from (persisted across restarts)."""
+        return {gid: c.stale_after_s for gid, c in self._contacts.items()}
+
+    def assume_recent(self, gates: dict[str, float]) -> None:
+        """After a restart: treat ``gates`` (from :meth:`known_gates`) as heard from just now, so no engine is
+        put to sleep until each has reconnected and acked, or stayed silent for its ``stale_after_s``."""
+        now = time.monotonic()
+        for gid, stale in (gates or {}).items():
+            self._contacts.setdefault(str(gid), _Contact(now, float(stale)))
 
     def _close(self, conn: _GateConn, why: str) -> None:
         if conn.closed:
@@ -186,10 +202,9 @@ class GateHub(pb_grpc.GateStateServiceServicer):
 
     async def _wait_lost_gates(self, epoch: int) -> None:
         """Wait until every recently seen gate acked ``epoch`` or has been out of contact for its grace."""
-        loop = asyncio.get_running_loop()
         logged: set[str] = set()
         while True:
-            now = loop.time()
+            now = time.monotonic()
             pending: dict[str, float] = {}
             for gid, contact in list(self._contacts.items()):
                 conn = self._gates.get(gid)

@@ -92,13 +92,15 @@ class OrchestratorServer:
             saved = self.state_store.load()
             if saved:
                 todo = self.orchestrator.restore(saved)
-                log.info("restored state: %s", todo)
+                self.hub.assume_recent(saved.get("gates") or {})
+                log.info("restored state: %s; gates known before the restart: %s", todo, sorted(saved.get("gates") or {}))
 
-            def persist(_group) -> None:
-                self.state_store.save(self.orchestrator.snapshot())
+            def persist(_group=None) -> None:
+                self.state_store.save({**self.orchestrator.snapshot(), "gates": self.hub.known_gates()})
 
             for g in self.orchestrator.groups.values():
                 g.on_change = persist
+            self.hub.on_gates_change = persist
             persist(None)
         if self._reconcile and hasattr(self.actions, "reconcile"):
             wake = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "wake"]

@@ -105,3 +105,40 @@ async def test_hazard_without_the_grace_is_logged_and_shows_what_the_grace_preve
         await client.release()
     finally:
         await _teardown(engine, sidecar, orch, proxy, gate, client)
+
+
+async def test_restarted_orchestrator_waits_for_gates_it_knew_before_sleeping_engines(tmp_path):
+    """The orchestrator restarts (state file) while the network to a gate is down: it must not put the engine
+    to sleep before that gate, which it knows only from its persisted state, holds by itself."""
+    from llmd_timeslice.orchestrator.persistence import FileStateStore
+
+    engine = FakeVllm().start()
+    sidecar = SidecarServer({"s0": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await sidecar.start()
+    addr = engine.url.removeprefix("http://")
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
+        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}]}]})
+    store = FileStateStore(tmp_path / "state.json")
+    orch = OrchestratorServer(inv, port=0, token=TOKEN, state_store=store)
+    await orch.start()
+    proxy = await TcpProxy("127.0.0.1", orch.port).start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN,
+                                 stale_after_s=1.5))
+    await gate.start()
+    await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+    pool = gate.pools["default"]
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    marks: dict = {}
+    watcher = asyncio.create_task(_watch(engine, pool, marks))
+    try:
+        proxy.blackhole()
+        await orch.stop()
+        orch = OrchestratorServer(inv, port=orch.port, token=TOKEN, state_store=FileStateStore(tmp_path / "state.json"))
+        await orch.start()
+        assert orch.hub.gate_ids == [] and gate.subscription.gate_id in orch.hub.known_gates()
+        await client.acquire(timeout_sec=30)
+        assert marks["stale"] <= marks["asleep"] and marks["steerable_when_asleep"] == (), marks
+        await client.release()
+    finally:
+        watcher.cancel()
+        await _teardown(engine, sidecar, orch, proxy, gate, client)
