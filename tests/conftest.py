@@ -27,6 +27,19 @@ def _raise_open_file_limit() -> None:
 _raise_open_file_limit()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _grpc_aio_stays_initialised():
+    """Keep one grpc.aio channel for the whole run. grpc.aio shuts its poller down (and joins the poller thread)
+    when the last aio channel or server of the process is garbage-collected; in full runs that happened inside
+    whatever test triggered the collection and blocked it for 300 s (py-spy: ``Thread.join`` under an unrelated
+    frame) until pytest-timeout's alarm woke the poll. Components are long-lived processes with one loop and do not
+    hit this; the test run creates and drops hundreds of loops."""
+    import grpc
+
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")
+    yield channel
+
+
 def free_port() -> int:
     return port_for.select_random()
 
