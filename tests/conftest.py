@@ -33,11 +33,31 @@ def _grpc_aio_stays_initialised():
     when the last aio channel or server of the process is garbage-collected; in full runs that happened inside
     whatever test triggered the collection and blocked it for 300 s (py-spy: ``Thread.join`` under an unrelated
     frame) until pytest-timeout's alarm woke the poll. Components are long-lived processes with one loop and do not
-    hit this; the test run creates and drops hundreds of loops."""
+    hit this; the test run creates and drops hundreds of loops. See ``pytest_unconfigure`` for the end of the run."""
     import grpc
 
     channel = grpc.aio.insecure_channel("127.0.0.1:9")
     yield channel
+
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config) -> None:
+    """End the process once pytest has reported: the final garbage collection would shut grpc.aio down and join
+    its poller thread, which can block for good on a completion queue that still has an operation of some
+    long-gone test loop (seen in CI as a hang after "N passed"). Every report has been written by now."""
+    if _EXIT_STATUS and os.environ.get("LLMD_TIMESLICE_TESTS_NORMAL_EXIT") != "1":
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
 
 
 def free_port() -> int:
