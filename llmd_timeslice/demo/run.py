@@ -96,10 +96,13 @@ class GateMonitor:
 
 async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: int, train_s: float, t0: float,
                    client: httpx.AsyncClient, phases: list, iters: list, rollout_records: list) -> None:
+    from transformers.utils import logging as hf_logging
+
     from llmd_timeslice.demo.trainer import Trainer
     from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
     from llmd_timeslice.weights.manifest import save_weight_version
 
+    hf_logging.disable_progress_bar()  # one "Writing model shards" bar per iteration would bury the demo's lines
     weights_root = model_dir.parent / "weights"
     shutil.rmtree(weights_root, ignore_errors=True)  # versions are immutable: a fresh run starts at 1
     version = 0
