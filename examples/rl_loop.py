@@ -9,8 +9,9 @@ trainer acquires the sampler group (samplers drain and sleep), trains, and yield
 that model one step with ``transformers`` and publishes the new weights as version N+1, which the
 samplers load before serving again; without it, training is a sleep and no version is published.
 
-Addresses default to the environment the stack prints (``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``).
-Exit code 0 when every rollout request completed at the version it asked for.
+Router, orchestrator and token come from the running stack of ``--stack`` (default: the CPU example next to
+this script, via its ``stack.json``); explicit flags or ``TIMESLICE_ORCH_ADDR`` / ``LLMD_TIMESLICE_TOKEN_FILE``
+win. Exit code 0 when every rollout request completed at the version it asked for.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from llmd_timeslice.client import TimeSliceOrchestratorClient
+from llmd_timeslice.client import TimeSliceError, TimeSliceOrchestratorClient
+from llmd_timeslice.local.up import read_state
 from llmd_timeslice.weights.manifest import save_weight_version
+
+HERE = Path(__file__).resolve().parent
 
 PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "a small model"]
 
@@ -60,9 +64,12 @@ def train_step(model_dir: Path | None, state: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--router", default="http://127.0.0.1:8080", help="router URL (OpenAI-style API)")
-    ap.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCH_ADDR", "127.0.0.1:50051"))
-    ap.add_argument("--token-file", default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"), help="control-plane token file")
+    ap.add_argument("--stack", type=Path, default=HERE / "cpu-stack.yaml",
+                    help="stack file of the running stack (its endpoints and token are used)")
+    ap.add_argument("--router", help="router URL (OpenAI-style API); default: the stack's")
+    ap.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCH_ADDR"), help="default: the stack's")
+    ap.add_argument("--token-file", default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"),
+                    help="control-plane token file; default: the stack's")
     ap.add_argument("--job-id", default="trainer-0")
     ap.add_argument("--group", default="rollout-group", help="the sampler group the trainer time-slices with")
     ap.add_argument("--model", default="tiny", help="served model name")
@@ -70,7 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, help="train this model for real and publish its weights")
     ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
     a = ap.parse_args(argv)
-    token = Path(a.token_file).read_text().strip() if a.token_file else None
+    _, state = read_state(a.stack) if a.stack.exists() else (None, None)
+    eps = (state or {}).get("endpoints", {})
+    a.router = a.router or eps.get("router") or "http://127.0.0.1:8080"
+    a.orchestrator = a.orchestrator or eps.get("orchestrator") or "127.0.0.1:50051"
+    a.token_file = a.token_file or eps.get("token_file")
+    if not a.token_file:
+        print(f"no token: start the stack (llmd-timeslice up -f {a.stack}) or pass --token-file", file=sys.stderr)
+        return 2
+    token = Path(a.token_file).read_text().strip()
     client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token=token)
     version, state, ok = 0, {}, True
     try:
@@ -95,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         recs = rollout(a.router, a.model, version)
         ok &= all(r["status"] == 200 and r["weight_version"] >= version for r in recs)
         print(f"final rollout at weight version(s) {sorted({r['weight_version'] for r in recs})}", flush=True)
+    except (TimeSliceError, httpx.HTTPError) as exc:
+        print(f"rl_loop: {exc}", file=sys.stderr)
+        return 1
     finally:
         client.close()
     return 0 if ok else 1

@@ -129,6 +129,9 @@ class Stack:
                               self.logdir / f"sidecar-{e.name}.log", e.sidecar_port,
                               probe=grpc_health_probe(f"{h}:{e.sidecar_port}"))
                     for e in self.sf.engines]
+        # Orchestrator state lives as long as one `up`: it carries the orchestrator over its own restarts (the
+        # supervisor restarts it), but a new `up` starts new engines, so holders and versions start over too.
+        (self.workdir / "orchestrator-state.json").unlink(missing_ok=True)
         inventory = self.workdir / "inventory.yaml"
         import yaml
 
@@ -204,12 +207,15 @@ def _table(stack: Stack, sup: Supervisor) -> Table:
 
 def _print_endpoints(console: Console, stack: Stack) -> None:
     e = stack.endpoints()
-    console.print(f"[bold green]stack up[/]: router (OpenAI API) [bold]{e['router']}[/]  orchestrator [bold]"
-                  f"{e['orchestrator']}[/]  gate control {e['gate_control']}")
-    console.print("  metrics: " + "  ".join(v for k, v in e.items() if k.startswith("metrics_")))
-    console.print(f"  for the TimeSlice client: export TIMESLICE_ORCH_ADDR={e['orchestrator']} "
-                  f"LLMD_TIMESLICE_TOKEN_FILE={e['token_file']}")
-    console.print(f"  logs: {stack.logdir}/   from another shell: llmd-timeslice status -f FILE | down -f FILE")
+    lines = [
+        f"[bold green]stack up[/]: router (OpenAI API) [bold]{e['router']}[/]  orchestrator [bold]{e['orchestrator']}[/]"
+        f"  gate control {e['gate_control']}",
+        "  metrics: " + "  ".join(v for k, v in e.items() if k.startswith("metrics_")),
+        f"  for the TimeSlice client: export TIMESLICE_ORCH_ADDR={e['orchestrator']} LLMD_TIMESLICE_TOKEN_FILE={e['token_file']}",
+        f"  logs: {stack.logdir}/   from another shell: llmd-timeslice status -f FILE | down -f FILE",
+    ]
+    for line in lines:
+        console.print(line, soft_wrap=True)  # never folded: the export line is meant to be copied
 
 
 async def _up(stack: Stack, console: Console, live_table: bool) -> int:

@@ -524,7 +524,9 @@ class Orchestrator:
         for smp in g.spec.samplers:
             record.sampler_versions[smp.address] = g.sampler_versions.get(smp.address, 0)
         target = g.weights
-        if target is not None and any(v < target.version for v in record.sampler_versions.values()):
+        if target is not None and (kind == "reconcile" or any(v < target.version for v in record.sampler_versions.values())):
+            # At start-up the versions are from the persisted state, not from the engines (a restarted engine has
+            # its initial weights again): load the target version into every sampler before publishing it.
             record.weights = target
         return record
 
