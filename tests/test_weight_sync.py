@@ -28,6 +28,7 @@ from llmd_timeslice.snapshot.server import SidecarServer
 from llmd_timeslice.weights.manifest import MANIFEST_NAME, WeightManifestError, save_weight_version, verify_weights
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 from tests.support.fake_engines import FakeSglang, FakeVllm
+from tests.support.one_sampler import one_sampler
 
 TOKEN = "t"
 
@@ -319,12 +320,7 @@ async def test_sidecar_refuses_a_weight_sync_it_cannot_do(stack):
 
 
 async def test_weight_versions_survive_an_orchestrator_restart(tmp_path):
-    engine = FakeVllm().start()
-    sidecar = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
-    await sidecar.start()
-    addr = engine.url.removeprefix("http://")
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
-        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s"}]}]})
+    engine, addr, sidecar, inv = await one_sampler(TOKEN)
     state = tmp_path / "state.json"
     from llmd_timeslice.orchestrator.persistence import FileStateStore
 

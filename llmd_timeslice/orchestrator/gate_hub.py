@@ -29,6 +29,8 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+# States whose publication need not wait for a lost gate to hold by itself: they put nothing out of service.
+_NO_WAIT_FOR_LOST_GATES = frozenset({gpb.ENDPOINT_STATE_SERVING, gpb.ENDPOINT_STATE_WAKING})
 
 CONNECTED_GATES = Gauge("llmd_timeslice_orchestrator_connected_gates", "Gate replicas subscribed to the state stream.")
 
@@ -197,7 +199,10 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             for c, ok in zip(conns, results, strict=True):
                 if not ok:
                     self._close(c, f"no ack of epoch {epoch} within {self.ack_timeout_s:g} s")
-        await self._wait_lost_gates(epoch)
+        if any(state not in _NO_WAIT_FOR_LOST_GATES for _, state, _ in updates):
+            # Only taking endpoints out of service needs every gate to stop steering to them; a lost gate that
+            # misses a WAKING or SERVING update merely keeps holding (or steering elsewhere) until it resyncs.
+            await self._wait_lost_gates(epoch)
         return epoch, laggards
 
     async def _wait_lost_gates(self, epoch: int) -> None:

@@ -13,23 +13,15 @@ import pytest
 
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
-from llmd_timeslice.snapshot.backends.vllm import VllmBackend
-from llmd_timeslice.snapshot.server import SidecarServer
-from tests.support.fake_engines import FakeVllm
+from tests.support.one_sampler import one_sampler
 from tests.support.tcp_proxy import TcpProxy
 
 TOKEN = "t"
 
 
 async def _stack(stale_after_s: float):
-    engine = FakeVllm().start()
-    sidecar = SidecarServer({"s0": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
-    await sidecar.start()
-    addr = engine.url.removeprefix("http://")
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
-        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}]}]})
+    engine, addr, sidecar, inv = await one_sampler(TOKEN)
     orch = OrchestratorServer(inv, port=0, token=TOKEN)
     orch.hub.ack_timeout_s = 1.0
     await orch.start()
@@ -112,12 +104,7 @@ async def test_restarted_orchestrator_waits_for_gates_it_knew_before_sleeping_en
     to sleep before that gate, which it knows only from its persisted state, holds by itself."""
     from llmd_timeslice.orchestrator.persistence import FileStateStore
 
-    engine = FakeVllm().start()
-    sidecar = SidecarServer({"s0": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
-    await sidecar.start()
-    addr = engine.url.removeprefix("http://")
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
-        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}]}]})
+    engine, _, sidecar, inv = await one_sampler(TOKEN)
     store = FileStateStore(tmp_path / "state.json")
     orch = OrchestratorServer(inv, port=0, token=TOKEN, state_store=store)
     await orch.start()
@@ -141,4 +128,36 @@ async def test_restarted_orchestrator_waits_for_gates_it_knew_before_sleeping_en
         await client.release()
     finally:
         watcher.cancel()
+        await _teardown(engine, sidecar, orch, proxy, gate, client)
+
+
+async def test_switch_back_to_serving_does_not_wait_for_a_lost_gate():
+    """Only taking an engine out of service must wait for a lost gate to hold by itself. Putting it back in
+    service must not: the partitioned gate keeps holding (it never saw the engine wake) until it resyncs, which
+    is safe, and every other gate serves at once."""
+    from llmd_timeslice.orchestrator.groups import SAMPLERS, GroupState
+
+    engine, addr, sidecar, orch, proxy, gate, client = await _stack(stale_after_s=8.0)
+    pool = gate.pools["default"]
+    g = orch.orchestrator.groups["g"]
+    try:
+        await client.acquire(timeout_sec=30)  # connected: acked at once
+        assert engine.level == 1 and pool.serving() == ()
+        proxy.blackhole()
+        await client.release()
+        for _ in range(1000):
+            if g.state is GroupState.IDLE and g.loaded_job == SAMPLERS:
+                break
+            await asyncio.sleep(0.01)
+        assert g.state is GroupState.IDLE and g.loaded_job == SAMPLERS and engine.level == 0
+        assert not pool.stale, "the switch back finished before the lost gate's stale_after_s (8 s) ran out"
+        assert pool.serving() == (), "the partitioned gate never saw the wake: it still holds"
+        proxy.heal()
+        await asyncio.wait_for(gate.subscription.connected.wait(), 15)
+        for _ in range(500):
+            if pool.serving() == (addr,):
+                break
+            await asyncio.sleep(0.01)
+        assert pool.serving() == (addr,), "resynced: serving again"
+    finally:
         await _teardown(engine, sidecar, orch, proxy, gate, client)
