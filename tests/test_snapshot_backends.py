@@ -6,6 +6,8 @@ Real vLLM is covered in tests/test_snapshot_vllm.py; these cover what it cannot 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -234,3 +236,28 @@ async def test_sidecar_reports_device_bytes_freed_and_faults_a_lying_engine(fake
     finally:
         await ch.close()
         await srv.stop()
+
+
+async def test_sidecar_stop_lets_a_running_operation_finish_then_cancels_one_past_the_grace(fake_vllm, caplog):
+    """Stopping the sidecar mid-operation: within the grace the sleep completes; past it the operation is
+    cancelled and reported FAILED (never left RUNNING, never a call on a closed HTTP client)."""
+    from grpc import aio
+
+    from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+    from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+    from llmd_timeslice.snapshot.server import SidecarServer
+
+    for grace_s, slow_s, want in ((5.0, 0.3, pb.OPERATION_STATUS_COMPLETE), (0.2, 3.0, pb.OPERATION_STATUS_FAILED)):
+        engine = fake_vllm(sleep_delay_s=slow_s)
+        srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=0.1)}, port=0)
+        await srv.start()
+        async with aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            op_id = (await pb_grpc.SnapshotAgentServiceStub(ch).Snapshot(pb.SnapshotRequest(job_id="s"))).operation_id
+        await asyncio.sleep(0.1)
+        with caplog.at_level(logging.ERROR, logger="llmd_timeslice.snapshot.server"):
+            await srv.stop(operation_grace_s=grace_s)
+        op = srv.servicer.operations[op_id]
+        assert op.done.is_set() and op.status == want, (grace_s, op.status, op.error)
+        assert "crashed" not in caplog.text
+        if want == pb.OPERATION_STATUS_FAILED:
+            assert "sidecar is stopping" in op.error and srv.servicer.states["s"] == "FAULTED"

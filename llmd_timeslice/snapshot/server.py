@@ -127,6 +127,18 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         task.add_done_callback(self._tasks.discard)
         return op.id
 
+    async def finish_operations(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` seconds for operations in flight, then cancel the rest (logged)."""
+        tasks = set(self._tasks)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            log.warning("stopping: cancelled %d operation(s) still running after %g s", len(pending), grace_s)
+            await asyncio.gather(*pending, return_exceptions=True)
+
     def _remember(self, op: Operation) -> None:
         self.operations[op.id] = op
         if len(self.operations) > MAX_OPERATIONS_KEPT:
@@ -160,6 +172,11 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
                 self.states[op.job_id] = "FAULTED"
+            except asyncio.CancelledError:
+                op.status, op.error = pb.OPERATION_STATUS_FAILED, (
+                    f"{op.kind} of job {op.job_id!r} was cancelled: the sidecar is stopping")
+                self.states[op.job_id] = "FAULTED"
+                raise
             except Exception as exc:
                 log.exception("operation %s crashed", op.id)
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, f"internal error: {exc!r}"
@@ -283,7 +300,10 @@ class SidecarServer:
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("sidecar %s:%d jobs=%s", self.host, self.port, sorted(self.servicer.backends))
 
-    async def stop(self) -> None:
+    async def stop(self, operation_grace_s: float = 5.0) -> None:
+        """Stop serving; operations in flight get ``operation_grace_s`` seconds to finish, then are cancelled
+        (their engines are left as the interrupted step left them), before the backends' clients close."""
         if self._server is not None:
             await self._server.stop(1.0)
+        await self.servicer.finish_operations(operation_grace_s)
         await self.servicer.resolver.close()
