@@ -167,6 +167,10 @@ def orchestrator(
     require_job_tokens: Annotated[bool, typer.Option(
         help="Jobs listed in --job-tokens-file must use their own token (the control token no longer acts for them).")
     ] = False,
+    engine_audit_interval_s: Annotated[float, typer.Option(
+        help="Every this many seconds, read the engines of idle groups through their sidecars (weight version "
+             "label, sleeping); one that restarted on its own (initial weights again) or sleeps while serving is "
+             "taken out of service and woken again at the group's weight version. 0: off.", min=0)] = 10.0,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -190,7 +194,7 @@ def orchestrator(
         _setup_logging(log_level)
         _metrics(metrics_port, host)
         _orchestrator_kubernetes(namespace, label_selector, default_pool, manage_serving_label, host, port,
-                                 load_token(token_file), store, state_configmap)
+                                 load_token(token_file), store, state_configmap, engine_audit_interval_s)
         return
     if inventory is None:
         raise typer.BadParameter("required with --discovery static", param_hint="--inventory")
@@ -203,7 +207,8 @@ def orchestrator(
     async def main() -> None:
         srv = OrchestratorServer(inv, host=host, port=port, token=load_token(token_file), state_store=store,
                                  job_tokens=load_job_tokens(job_tokens_file) if job_tokens_file else None,
-                                 require_job_tokens=require_job_tokens, tls_files=tls.from_env())
+                                 require_job_tokens=require_job_tokens, tls_files=tls.from_env(),
+                                 engine_audit_interval_s=engine_audit_interval_s)
         await srv.start()
         try:
             await asyncio.Event().wait()
@@ -215,7 +220,7 @@ def orchestrator(
 
 def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default_pool: str, manage_serving_label: bool,
                              host: str, port: int, token: str | None, store=None,
-                             state_configmap: str | None = None) -> None:
+                             state_configmap: str | None = None, engine_audit_interval_s: float = 10.0) -> None:
     """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
     from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.sync import InventorySync, SerializedActions, inventory_from_specs
@@ -237,7 +242,7 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
         specs = await disc.start()
         actions = SerializedActions()
         srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, actions=actions,
-                                 state_store=state_store)
+                                 state_store=state_store, engine_audit_interval_s=engine_audit_interval_s)
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if manage_serving_label else None
         actions.inner = GrpcSwitchActions(srv.hub, token, labeler=labeler)
         sync = InventorySync(srv.orchestrator, actions)

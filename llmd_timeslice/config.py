@@ -200,6 +200,10 @@ class OrchestratorSettings(_Section):
     job_tokens_file: Path | None = Field(None, description="YAML mapping job id -> that job's own token: a job's token "
                                                            "may act only for that job (acquire, yield, lease, weights).")
     require_job_tokens: bool = Field(False, description="Jobs listed in `job_tokens_file` must use their own token.")
+    engine_audit_interval_s: Duration = Field(
+        10.0, ge=0, le=3600, description="Between switches, read the engines of idle groups through their sidecars "
+        "every this many seconds; one that restarted on its own (initial weights again) or sleeps while serving is "
+        "taken out of service and woken again at the group's weight version. 0: off.")
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
 

@@ -98,6 +98,11 @@ async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_publis
         assert [toks for _, toks, _ in after] != [toks for _, toks, _ in before], "and not version 0's"
         status = await ts.weight_status("g")
         assert status.serving_version == 1 and [s.in_service for s in status.samplers] == [True]
+        # The engine audit reads the real engine's own label through the sidecar: version 1, awake, no fault.
+        g = orch.orchestrator.groups["g"]
+        readings = await orch.actions.read_engines(g.spec)
+        assert readings[engine].weight_version == "1" and not readings[engine].sleeping
+        assert orch.orchestrator.engine_faults(g, readings) == {}
     finally:
         await ts.close()
         await orch.stop()

@@ -346,3 +346,76 @@ async def test_weight_versions_survive_an_orchestrator_restart(tmp_path):
         await orch.stop()
         await sidecar.stop()
         engine.stop()
+
+
+async def test_engine_that_restarts_on_its_own_is_caught_by_the_audit_and_reloaded(tmp_path):
+    """A sampler engine restarts by itself (a pod restart) after loading version 1: it serves its initial
+    weights again while the orchestrator and the gate still say version 1. The engine audit reads the engine's
+    own label, takes it out of service and loads version 1 again; an engine put to sleep behind the
+    orchestrator's back is woken the same way. Both show in the engine-fault counter."""
+    from llmd_timeslice.orchestrator.service import ENGINE_FAULTS
+
+    engine, addr, sidecar, inv = await one_sampler(TOKEN)
+    orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=0.5)
+    await orch.start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
+    await gate.start()
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    pool, g = gate.pools["default"], orch.orchestrator.groups["g"]
+    faults = {r: ENGINE_FAULTS.labels(group_id="g", reason=r) for r in ("restarted", "asleep")}
+    before = {r: c._value.get() for r, c in faults.items()}
+    try:
+        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+        await client.acquire(timeout_sec=30)
+        await client.release(weights=_weights(tmp_path, 1))
+        await _until(lambda: pool.serving(min_version=1) == (addr,))
+        assert engine.weight_version == "1"
+
+        engine.restart()
+        engine.wake_delay_s = 0.4  # keeps the out-of-service window wide enough to be seen
+        await _until(lambda: pool.serving(min_version=1) == (), timeout_s=5)  # out of service first ...
+        await _until(lambda: pool.serving(min_version=1) == (addr,) and engine.weight_version == "1", timeout_s=10)
+        assert engine.weights_path == str(tmp_path / "v1"), "... then version 1 loaded again"
+        assert faults["restarted"]._value.get() == before["restarted"] + 1
+        repair = [r for r in g.history if r.kind == "repair"][-1]
+        assert repair.ok and repair.engine_faults == {addr: "restarted"} and not g.sampler_errors
+
+        engine.wake_delay_s = 0.0
+        engine.level, engine.asleep_tags = 1, {"weights", "kv_cache"}  # slept behind the orchestrator's back
+        await _until(lambda: faults["asleep"]._value.get() == before["asleep"] + 1, timeout_s=5)
+        await _until(lambda: engine.level == 0 and pool.serving(min_version=1) == (addr,), timeout_s=10)
+        assert g.sampler_versions[addr] == 1 and not g.sampler_errors
+        assert engine.completions_while_asleep == 0
+    finally:
+        await client.close()
+        await gate.stop()
+        await orch.stop()
+        await sidecar.stop()
+        engine.stop()
+
+
+async def test_engine_audit_leaves_healthy_and_unreadable_engines_alone(tmp_path):
+    """Engines that serve what is recorded, engines without the weight-version route and samplers whose
+    sidecar does not answer are never taken out of service by the audit."""
+    from llmd_timeslice.orchestrator.groups import EngineReading
+
+    engine, addr, sidecar, inv = await one_sampler(TOKEN)
+    orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=0.3)
+    await orch.start()
+    g = orch.orchestrator.groups["g"]
+    try:
+        core = orch.orchestrator
+        g.sampler_versions[addr] = 3
+        assert core.engine_faults(g, {addr: EngineReading("3", False)}) == {}
+        assert core.engine_faults(g, {addr: EngineReading(None, False)}) == {}, "no label: cannot judge the version"
+        assert core.engine_faults(g, {}) == {}, "sidecar did not answer: no reading, no verdict"
+        assert "restarted" in core.engine_faults(g, {addr: EngineReading("default", False)})[addr]
+        assert "sleeps" in core.engine_faults(g, {addr: EngineReading(None, True)})[addr]
+        g.sampler_versions[addr] = 0
+        assert core.engine_faults(g, {addr: EngineReading("default", False)}) == {}, "never synced: initial weights"
+        await sidecar.stop()  # unreadable from now on
+        await asyncio.sleep(1.0)  # three audits
+        assert not g.sampler_errors and not [r for r in g.history if r.kind == "repair"]
+    finally:
+        await orch.stop()
+        engine.stop()

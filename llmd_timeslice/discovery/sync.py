@@ -78,6 +78,16 @@ class SerializedActions:
                 # Runs after the orchestrator marks the group IDLE (no await between the two).
                 asyncio.get_running_loop().call_soon(self.after_resume, spec.group_id)
 
+    async def read_engines(self, spec: GroupSpec) -> dict:
+        """The engine audit's reading (empty where the inner actions cannot read engines)."""
+        if not hasattr(self.inner, "read_engines"):
+            return {}
+        return await self.inner.read_engines(spec)
+
+    async def take_out_of_service(self, spec: GroupSpec) -> None:
+        async with self._locks[spec.group_id]:
+            await self.inner.take_out_of_service(spec)
+
     async def reconcile(self, specs: list[GroupSpec], record_for) -> None:
         if hasattr(self.inner, "reconcile"):
             await self.inner.reconcile(specs, record_for)

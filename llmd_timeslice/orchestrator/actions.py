@@ -39,7 +39,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
 from llmd_timeslice.orchestrator.gate_hub import GateHub
-from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint, SwitchRecord
+from llmd_timeslice.orchestrator.groups import EngineReading, GroupSpec, SamplerEndpoint, SwitchRecord
 from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,32 @@ class GrpcSwitchActions:
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise RuntimeError("; ".join(errors))
+
+    # ------------------------------------------------------ EngineAuditActions
+    async def read_engines(self, spec: GroupSpec) -> dict[str, EngineReading]:
+        """Each sampler's engine as its sidecar reads it (``GetServedWeightVersion``, snapshot_ext.proto);
+        samplers whose sidecar cannot tell (another backend, no answer) are left out."""
+
+        async def read(s: SamplerEndpoint) -> EngineReading | None:
+            stub = xpb_grpc.SnapshotOperationsServiceStub(self._channel(s.sidecar))
+            try:
+                r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=s.job_id),
+                                                      timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("engine audit: %s via %s: %s %s", s.address, s.sidecar, exc.code().name, exc.details())
+                return None
+            return EngineReading(r.weight_version if r.known else None, r.sleeping)
+
+        readings = await asyncio.gather(*(read(s) for s in spec.samplers))
+        return {s.address: r for s, r in zip(spec.samplers, readings, strict=True) if r is not None}
+
+    async def take_out_of_service(self, spec: GroupSpec) -> None:
+        """Publish ``spec.samplers`` DRAINING (waits for every gate, lost ones included) and drop their serving
+        label; requests already on them finish."""
+        await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
+        for s in spec.samplers:
+            self.sampler_states[s.address] = "FAULTED"
+        await self._set_serving(spec.samplers, False)
 
     async def publish_asleep(self, specs: list[GroupSpec]) -> None:
         """At start-up, for groups a job still holds: their samplers stay asleep and out of service."""

@@ -136,7 +136,7 @@ class SwitchRecord:
     """One phase switch, for status and metrics: ``phases`` maps step name -> seconds."""
 
     group_id: str
-    kind: str  # "to_job" (samplers -> job), "to_samplers", "job_to_job"
+    kind: str  # "to_job" (samplers -> job), "to_samplers", "job_to_job", "repair", "reconcile"
     job_id: str
     started_at: float
     phases: dict[str, float] = field(default_factory=dict)
@@ -150,6 +150,8 @@ class SwitchRecord:
     """to_samplers: address -> weight version; the actions update it for each sampler woken (and loaded)."""
     sampler_errors: dict[str, str] = field(default_factory=dict)
     """to_samplers: address -> why its wake (or weight load) failed; it stays out of service."""
+    engine_faults: dict[str, str] = field(default_factory=dict)
+    """repair after an engine audit: address -> what the audit found ("restarted" or "asleep")."""
 
 
 class SwitchActions(Protocol):
@@ -160,6 +162,25 @@ class SwitchActions(Protocol):
 
     async def resume_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         """Wake and verify every sampler, then publish it SERVING; raise on failure."""
+
+
+class EngineAuditActions(Protocol):
+    """Optional part of :class:`SwitchActions`: read the engines themselves, so that an engine that restarted
+    on its own (initial weights again) or sleeps while it should serve is caught between switches."""
+
+    async def read_engines(self, spec: GroupSpec) -> dict[str, EngineReading]:
+        """Sampler address -> what its engine reports now (samplers that could not be read are left out)."""
+
+    async def take_out_of_service(self, spec: GroupSpec) -> None:
+        """Stop the gates from steering new requests to ``spec.samplers`` (published DRAINING)."""
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What an engine reports about itself: its weight version label (None: it has none) and whether it sleeps."""
+
+    weight_version: str | None
+    sleeping: bool
 
 
 @dataclass(eq=False)
@@ -209,6 +230,7 @@ class Group:
         self.weights: WeightUpdate | None = None  # the latest published weight version (the samplers' target)
         self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
         self.sampler_errors: dict[str, str] = {}
+        self.engine_faults = 0  # engines the audit caught restarted or asleep while serving, since start
         self.publishers: set[str] = set()  # jobs that published a weight version at their last grant
         self.published_in_grant = False
         self.weights_publisher: str | None = None
@@ -608,27 +630,40 @@ class Orchestrator:
             g.on_change = notify
         return todo
 
-    def start_repair(self, first_s: float = 2.0, max_s: float = 60.0) -> None:
+    def start_repair(self, first_s: float = 2.0, max_s: float = 60.0, audit_interval_s: float = 0.0) -> None:
         """Retry, with back-off (``first_s`` doubling to ``max_s`` seconds), the wake of groups whose samplers
         are out of service after a failed wake (dead engine or sidecar, failed weight load) while nobody
-        holds or waits for the group: recovery without a human once the part is back."""
+        holds or waits for the group: recovery without a human once the part is back.
+
+        ``audit_interval_s`` > 0 (and actions that can read engines, :class:`EngineAuditActions`): every that many
+        seconds, each quiet group's serving samplers are read; one whose engine reports another weight version
+        than the one recorded (it restarted on its own and serves its initial weights) or sleeps is taken out of
+        service and woken again at the group's weight version, as a repair."""
         if self._repair is None:
-            self._repair = asyncio.get_running_loop().create_task(self._repair_loop(first_s, max_s), name="repair")
+            self._repair = asyncio.get_running_loop().create_task(
+                self._repair_loop(first_s, max_s, audit_interval_s), name="repair")
 
     def needs_repair(self, g: Group) -> bool:
         return (bool(g.spec.samplers) and g.holder is None and not g.waiters and g.state is GroupState.IDLE
                 and (g.loaded_job != SAMPLERS or bool(g.sampler_errors)))
 
-    async def _repair_loop(self, first_s: float, max_s: float) -> None:
+    async def _repair_loop(self, first_s: float, max_s: float, audit_interval_s: float = 0.0) -> None:
         delay: dict[str, float] = {}
         due: dict[str, float] = {}
         loop = asyncio.get_running_loop()
+        can_audit = audit_interval_s > 0 and hasattr(self._actions, "read_engines")
+        audit_due = loop.time() + audit_interval_s
         while not self._closing:
             await asyncio.sleep(0.5)
+            audit = can_audit and loop.time() >= audit_due
+            if audit:
+                audit_due = loop.time() + audit_interval_s
             for gid, g in self.groups.items():
                 if not self.needs_repair(g):
                     delay.pop(gid, None)
                     due.pop(gid, None)
+                    if audit and self._quiet(g) and (g._driver is None or g._driver.done()):
+                        g._driver = loop.create_task(self._audit_group(g), name=f"audit-{gid}")
                     continue
                 if gid not in due:
                     delay[gid] = first_s
@@ -640,7 +675,62 @@ class Orchestrator:
                     delay[gid] = min(delay[gid] * 2, max_s)
                     due[gid] = loop.time() + delay[gid]
 
-    async def _repair_group(self, g: Group) -> None:
+    @staticmethod
+    def _quiet(g: Group) -> bool:
+        """Samplers serving, nobody holding, waiting or switching."""
+        return (bool(g.spec.samplers) and g.holder is None and not g.waiters and g.state is GroupState.IDLE
+                and g.loaded_job == SAMPLERS)
+
+    def engine_faults(self, g: Group, readings: dict[str, EngineReading]) -> dict[str, str]:
+        """Sampler address -> why its engine cannot be serving what the group records (none: all good).
+        Only samplers in service are judged; an engine without a weight version label is judged by sleep only."""
+        faults = {}
+        for smp in g.spec.samplers:
+            r = readings.get(smp.address)
+            if r is None or smp.address in g.sampler_errors:
+                continue
+            want = g.sampler_versions.get(smp.address, 0)
+            if r.sleeping:
+                faults[smp.address] = "its engine sleeps while it should serve"
+            elif want > 0 and r.weight_version is not None and r.weight_version != str(want):
+                faults[smp.address] = (f"its engine reports weight version {r.weight_version!r}, not {want} (it "
+                                       "restarted on its own and serves its initial weights)")
+        return faults
+
+    async def _audit_group(self, g: Group) -> None:
+        """Read the engines of a quiet group; take any that cannot be serving what is recorded out of service
+        and wake it again (at the group's weight version). Runs as the group's driver: an acquire waits."""
+        try:
+            readings = await self._actions.read_engines(g.spec)  # type: ignore[attr-defined]
+        except Exception as exc:  # a reading is advisory: the next audit tries again
+            log.warning("group=%s engine audit could not read the engines: %s", g.spec.group_id, exc)
+            readings = {}
+        faults = self.engine_faults(g, readings) if self._quiet(g) else {}
+        if faults:
+            bad = [smp for smp in g.spec.samplers if smp.address in faults]
+            for addr, why in faults.items():
+                log.error("group=%s sampler %s: %s; taking it out of service to wake it again", g.spec.group_id,
+                          addr, why)
+                g.sampler_errors[addr] = why
+                if "weight version" in why:
+                    g.sampler_versions[addr] = 0  # what a restarted engine serves: its initial weights
+            g.last_error = "; ".join(f"{a}: {w}" for a, w in sorted(faults.items()))
+            g.engine_faults += len(faults)
+            g.set_state(GroupState.SWITCHING)
+            try:
+                await self._actions.take_out_of_service(  # type: ignore[attr-defined]
+                    dataclasses.replace(g.spec, samplers=bad))
+            except Exception as exc:
+                log.error("group=%s taking %s out of service failed: %s", g.spec.group_id, sorted(faults), exc)
+            finally:
+                g.set_state(GroupState.IDLE)
+            await self._repair_group(g, {a: "asleep" if "sleeps" in w else "restarted" for a, w in faults.items()})
+            return
+        if g.waiters:
+            g._driver = None
+            self._drive(g)
+
+    async def _repair_group(self, g: Group, engine_faults: dict[str, str] | None = None) -> None:
         """Wake the samplers that are out of service (all of them if the whole wake failed); runs as the
         group's driver, so an acquire arriving meanwhile waits for it."""
         if g.loaded_job == SAMPLERS:
@@ -648,6 +738,7 @@ class Orchestrator:
         else:
             samplers = list(g.spec.samplers)
         record = self.resume_record(g.spec.group_id, "repair")
+        record.engine_faults = dict(engine_faults or {})
         g.set_state(GroupState.SWITCHING)
         try:
             await self._actions.resume_samplers(dataclasses.replace(g.spec, samplers=samplers), record)

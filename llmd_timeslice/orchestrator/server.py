@@ -49,14 +49,17 @@ class OrchestratorServer:
         job_tokens: job id -> that job's own token (see :class:`~llmd_timeslice.auth.JobAuthorizer`).
         require_job_tokens: jobs listed in ``job_tokens`` must use their own token.
         tls_files: mutual TLS for this server and its calls to sidecars (None: plain TCP).
+        engine_audit_interval_s: every that many seconds, read the engines of idle groups through their
+            sidecars and wake again any that restarted on their own or sleep while serving (0: off).
     """
 
     def __init__(self, inventory: Inventory, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None = None, actions: SwitchActions | None = None,
                  reconcile_on_start: bool = True, state_store: StateStore | None = None,
                  job_tokens: dict[str, str] | None = None, require_job_tokens: bool = False,
-                 tls_files: tls.TlsFiles | None = None) -> None:
+                 tls_files: tls.TlsFiles | None = None, engine_audit_interval_s: float = 10.0) -> None:
         self.inventory = inventory
+        self.engine_audit_interval_s = engine_audit_interval_s
         self.jobs = auth.JobAuthorizer(job_tokens, require_job_tokens)
         self.tls = tls_files
         self.host = host
@@ -116,7 +119,7 @@ class OrchestratorServer:
             held = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "held"]
             if held and hasattr(self.actions, "publish_asleep"):
                 await self.actions.publish_asleep(held)
-        self.orchestrator.start_repair()
+        self.orchestrator.start_repair(audit_interval_s=self.engine_audit_interval_s)
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("orchestrator %s:%d groups=%s", self.host, self.port, sorted(self.orchestrator.groups))

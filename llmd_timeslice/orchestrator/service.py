@@ -70,6 +70,9 @@ WEIGHT_VERSION = Gauge("llmd_timeslice_orchestrator_sampler_weight_version",
                        "Weight version each sampler serves (or last served, while out of service).", ["group_id", "address"])
 WEIGHT_SYNC_FAILED = Gauge("llmd_timeslice_orchestrator_sampler_weight_sync_failed",
                            "1 while a sampler is out of service because its weight load failed.", ["group_id", "address"])
+ENGINE_FAULTS = Counter("llmd_timeslice_orchestrator_engine_faults_total",
+                        "Serving samplers whose engine the audit found restarted (another weight version) or asleep; "
+                        "each was taken out of service and woken again.", ["group_id", "reason"])
 
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"
 """Optional call metadata on Yield (project clients): the holder's fencing token, checked against the group's."""
@@ -179,6 +182,8 @@ def export_switch(record: core.SwitchRecord) -> None:
     for address, version in record.sampler_versions.items():
         WEIGHT_VERSION.labels(group_id=record.group_id, address=address).set(version)
         WEIGHT_SYNC_FAILED.labels(group_id=record.group_id, address=address).set(int(address in record.sampler_errors))
+    for reason in record.engine_faults.values():
+        ENGINE_FAULTS.labels(group_id=record.group_id, reason=reason).inc()
 
 
 class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):

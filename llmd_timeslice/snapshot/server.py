@@ -26,6 +26,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmd_timeslice import auth, tls
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -203,6 +204,25 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         except InvalidWeightUpdate as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.RestoreResponse(operation_id=await self._start(request.restore, context, "restore", weights))
+
+    async def GetServedWeightVersion(self, request, context):  # noqa: N802
+        """Project extension (snapshot_ext.proto): the label the job's engine reports now, from the engine."""
+        if not request.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
+        try:
+            backend = self.resolver.resolve(request.job_id, None).backend
+        except ResolveError as exc:
+            await context.abort(exc.code, str(exc))
+        if not backend.supports_weight_sync:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"backend {backend.name!r} of job {request.job_id!r} has no weight version")
+        try:
+            label = await backend.served_weight_version()
+            sleeping = await backend.is_suspended()
+        except BackendError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return xpb.GetServedWeightVersionResponse(weight_version=label or "", known=label is not None,
+                                                  sleeping=sleeping)
 
     async def _op(self, operation_id: str, context) -> Operation:
         op = self.operations.get(operation_id)

@@ -112,6 +112,15 @@ class FakeVllm(_FakeEngine):
     def _state(self) -> str:
         return {0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.level]
 
+    def restart(self) -> None:
+        """Like the engine's process restarting on its own (a pod restart), same address: awake, with its
+        initial weights and weight version label again."""
+        with self.lock:
+            self.level = 0
+            self.asleep_tags = {"weights", "kv_cache"}
+            self.weight_version = "default"
+            self.weights_path = None
+
     def handle(self, method, path, query, body):
         if path == "/is_sleeping":
             return 200, {"is_sleeping": self.level != 0}, "application/json"

@@ -55,6 +55,11 @@ class SnapshotBackend(abc.ABC):
         :class:`BackendError` unless verified serving that version (only where ``supports_weight_sync``)."""
         raise BackendError(f"backend {self.name!r} cannot load weights; use a backend with weight sync (vllm)")
 
+    async def served_weight_version(self) -> str | None:
+        """The weight version label the workload reports now, read from the workload itself (None where it
+        has none). Raises :class:`BackendError` when the workload does not answer."""
+        return None
+
     @abc.abstractmethod
     async def is_suspended(self) -> bool:
         """Current state as read from the workload itself."""

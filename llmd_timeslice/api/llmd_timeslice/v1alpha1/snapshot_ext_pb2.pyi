@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetServedWeightVersionRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetServedWeightVersionResponse(_message.Message):
+    __slots__ = ("weight_version", "known", "sleeping")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    known: bool
+    sleeping: bool
+    def __init__(self, weight_version: _Optional[str] = ..., known: _Optional[bool] = ..., sleeping: _Optional[bool] = ...) -> None: ...
+
 class RestoreWithWeightsRequest(_message.Message):
     __slots__ = ("restore", "weights")
     RESTORE_FIELD_NUMBER: _ClassVar[int]

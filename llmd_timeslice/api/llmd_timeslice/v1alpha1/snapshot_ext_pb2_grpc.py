@@ -45,6 +45,11 @@ class SnapshotOperationsServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.GetServedWeightVersion = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.SnapshotOperationsService/GetServedWeightVersion',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionResponse.FromString,
+                _registered_method=True)
 
 
 class SnapshotOperationsServiceServicer:
@@ -65,6 +70,15 @@ class SnapshotOperationsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServedWeightVersion(self, request, context):
+        """The weight version label the job's engine reports now (vLLM GET /weight_info), read from the
+        engine itself: an engine that restarted on its own reports its initial label ("default") again.
+        FAILED_PRECONDITION when the job's backend cannot tell; UNAVAILABLE when the engine does not answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +91,11 @@ def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
                     servicer.RestoreWithWeights,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.RestoreResponse.SerializeToString,
+            ),
+            'GetServedWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServedWeightVersion,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +152,33 @@ class SnapshotOperationsService:
             '/llmd_timeslice.v1alpha1.SnapshotOperationsService/RestoreWithWeights',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServedWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.SnapshotOperationsService/GetServedWeightVersion',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
