@@ -260,6 +260,7 @@ def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
     _code(lambda: ext.RestoreWithWeights(xpb.RestoreWithWeightsRequest(
         restore=spb.RestoreRequest(job_id=job, group="g"),
         weights=weights_pb2.WeightUpdate(version=version, source=source, location="/nowhere")), metadata=MD, timeout=5))
+    _code(lambda: ext.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), metadata=MD, timeout=5))
     _code(lambda: stub.Status(spb.StatusRequest(), metadata=MD, timeout=5))
 
 

@@ -261,3 +261,33 @@ async def test_sidecar_stop_lets_a_running_operation_finish_then_cancels_one_pas
         assert "crashed" not in caplog.text
         if want == pb.OPERATION_STATUS_FAILED:
             assert "sidecar is stopping" in op.error and srv.servicer.states["s"] == "FAULTED"
+
+
+async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(fake_vllm, tmp_path):
+    """GetServedWeightVersion: empty job id -> INVALID_ARGUMENT, unknown job -> NOT_FOUND, a backend without
+    weight versions (cuda-checkpoint) -> FAILED_PRECONDITION, an engine that does not answer -> UNAVAILABLE;
+    a live engine -> its own label."""
+    import grpc
+    from grpc import aio
+
+    from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
+    from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
+    from llmd_timeslice.snapshot.server import SidecarServer
+
+    live, dead = fake_vllm(), fake_vllm()
+    dead.kill()
+    srv = SidecarServer({"live": VllmBackend(live.url), "dead": VllmBackend(dead.url),
+                         "cuda": CudaCheckpointBackend(pids=[1], binary=str(tmp_path / "none"))}, port=0)
+    await srv.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = xpb_grpc.SnapshotOperationsServiceStub(ch)
+            r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id="live"), timeout=10)
+            assert (r.weight_version, r.known, r.sleeping) == ("default", True, False)
+            for job, code in (("", grpc.StatusCode.INVALID_ARGUMENT), ("nobody", grpc.StatusCode.NOT_FOUND),
+                              ("cuda", grpc.StatusCode.FAILED_PRECONDITION), ("dead", grpc.StatusCode.UNAVAILABLE)):
+                with pytest.raises(aio.AioRpcError) as e:
+                    await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), timeout=10)
+                assert e.value.code() is code and e.value.details(), (job, e.value.code())
+    finally:
+        await srv.stop()
