@@ -265,8 +265,8 @@ async def test_sidecar_stop_lets_a_running_operation_finish_then_cancels_one_pas
 
 async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(fake_vllm, tmp_path):
     """GetServedWeightVersion: empty job id -> INVALID_ARGUMENT, unknown job -> NOT_FOUND, a backend without
-    weight versions (cuda-checkpoint) -> FAILED_PRECONDITION, an engine that does not answer -> UNAVAILABLE;
-    a live engine -> its own label."""
+    weight versions (cuda-checkpoint) -> FAILED_PRECONDITION, an engine that answers nonsense -> UNAVAILABLE
+    (no verdict); an engine that refuses connections -> engine_unreachable; a live engine -> its own label."""
     import grpc
     from grpc import aio
 
@@ -276,18 +276,23 @@ async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(
 
     live, dead = fake_vllm(), fake_vllm()
     dead.kill()
+    not_vllm = FakeSglang().start()  # no /weight_info, no /is_sleeping
     srv = SidecarServer({"live": VllmBackend(live.url), "dead": VllmBackend(dead.url),
+                         "odd": VllmBackend(not_vllm.url),
                          "cuda": CudaCheckpointBackend(pids=[1], binary=str(tmp_path / "none"))}, port=0)
     await srv.start()
     try:
         async with aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = xpb_grpc.SnapshotOperationsServiceStub(ch)
             r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id="live"), timeout=10)
-            assert (r.weight_version, r.known, r.sleeping) == ("default", True, False)
+            assert (r.weight_version, r.known, r.sleeping, r.engine_unreachable) == ("default", True, False, "")
+            r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id="dead"), timeout=10)
+            assert "did not answer" in r.engine_unreachable and not r.known
             for job, code in (("", grpc.StatusCode.INVALID_ARGUMENT), ("nobody", grpc.StatusCode.NOT_FOUND),
-                              ("cuda", grpc.StatusCode.FAILED_PRECONDITION), ("dead", grpc.StatusCode.UNAVAILABLE)):
+                              ("cuda", grpc.StatusCode.FAILED_PRECONDITION), ("odd", grpc.StatusCode.UNAVAILABLE)):
                 with pytest.raises(aio.AioRpcError) as e:
                     await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), timeout=10)
                 assert e.value.code() is code and e.value.details(), (job, e.value.code())
     finally:
         await srv.stop()
+        not_vllm.stop()

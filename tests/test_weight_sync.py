@@ -411,6 +411,7 @@ async def test_engine_audit_leaves_healthy_and_unreadable_engines_alone(tmp_path
         assert core.engine_faults(g, {}) == {}, "sidecar did not answer: no reading, no verdict"
         assert "restarted" in core.engine_faults(g, {addr: EngineReading("default", False)})[addr]
         assert "sleeps" in core.engine_faults(g, {addr: EngineReading(None, True)})[addr]
+        assert "refuses connections" in core.engine_faults(g, {addr: EngineReading(None, False, "refused")})[addr]
         g.sampler_versions[addr] = 0
         assert core.engine_faults(g, {addr: EngineReading("default", False)}) == {}, "never synced: initial weights"
         await sidecar.stop()  # unreadable from now on
@@ -418,4 +419,39 @@ async def test_engine_audit_leaves_healthy_and_unreadable_engines_alone(tmp_path
         assert not g.sampler_errors and not [r for r in g.history if r.kind == "repair"]
     finally:
         await orch.stop()
+        engine.stop()
+
+
+async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_back_by_itself(tmp_path):
+    """Between switches, a sampler's engine dies (its sidecar lives): the audit sees it refuse connections and
+    takes it out of service, so the gate stops steering to it; once an engine listens at that address again,
+    the repair loop wakes it, loads the group's version and serves it."""
+    from llmd_timeslice.orchestrator.service import ENGINE_FAULTS
+
+    engine, addr, sidecar, inv = await one_sampler(TOKEN)
+    port = int(addr.rsplit(":", 1)[1])
+    orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=0.3)
+    await orch.start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
+    await gate.start()
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    pool, g = gate.pools["default"], orch.orchestrator.groups["g"]
+    unreachable = ENGINE_FAULTS.labels(group_id="g", reason="unreachable")
+    before = unreachable._value.get()
+    try:
+        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+        await client.acquire(timeout_sec=30)
+        await client.release(weights=_weights(tmp_path, 1))
+        await _until(lambda: pool.serving(min_version=1) == (addr,))
+        engine.kill()
+        await _until(lambda: pool.serving() == (), timeout_s=5)
+        await _until(lambda: unreachable._value.get() == before + 1 and addr in g.sampler_errors, timeout_s=5)
+        engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
+        await _until(lambda: pool.serving(min_version=1) == (addr,), timeout_s=20)
+        assert engine.weight_version == "1" and engine.weights_path == str(tmp_path / "v1") and not g.sampler_errors
+    finally:
+        await client.close()
+        await gate.stop()
+        await orch.stop()
+        await sidecar.stop()
         engine.stop()

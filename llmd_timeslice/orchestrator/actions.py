@@ -214,7 +214,7 @@ class GrpcSwitchActions:
             except grpc.aio.AioRpcError as exc:
                 log.debug("engine audit: %s via %s: %s %s", s.address, s.sidecar, exc.code().name, exc.details())
                 return None
-            return EngineReading(r.weight_version if r.known else None, r.sleeping)
+            return EngineReading(r.weight_version if r.known else None, r.sleeping, r.engine_unreachable)
 
         readings = await asyncio.gather(*(read(s) for s in spec.samplers))
         return {s.address: r for s, r in zip(spec.samplers, readings, strict=True) if r is not None}

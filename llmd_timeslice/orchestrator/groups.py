@@ -151,7 +151,7 @@ class SwitchRecord:
     sampler_errors: dict[str, str] = field(default_factory=dict)
     """to_samplers: address -> why its wake (or weight load) failed; it stays out of service."""
     engine_faults: dict[str, str] = field(default_factory=dict)
-    """repair after an engine audit: address -> what the audit found ("restarted" or "asleep")."""
+    """repair after an engine audit: address -> what the audit found ("restarted", "asleep", "unreachable")."""
 
 
 class SwitchActions(Protocol):
@@ -177,10 +177,12 @@ class EngineAuditActions(Protocol):
 
 @dataclass(frozen=True)
 class EngineReading:
-    """What an engine reports about itself: its weight version label (None: it has none) and whether it sleeps."""
+    """What an engine reports about itself: its weight version label (None: it has none) and whether it sleeps;
+    or, in ``unreachable``, why it could not be read because it refused the connection."""
 
     weight_version: str | None
     sleeping: bool
+    unreachable: str = ""
 
 
 @dataclass(eq=False)
@@ -546,9 +548,11 @@ class Orchestrator:
         for smp in g.spec.samplers:
             record.sampler_versions[smp.address] = g.sampler_versions.get(smp.address, 0)
         target = g.weights
-        if target is not None and (kind == "reconcile" or any(v < target.version for v in record.sampler_versions.values())):
-            # At start-up the versions are from the persisted state, not from the engines (a restarted engine has
-            # its initial weights again): load the target version into every sampler before publishing it.
+        if target is not None and (kind in ("reconcile", "repair")
+                                   or any(v < target.version for v in record.sampler_versions.values())):
+            # At start-up the versions are from the persisted state, not from the engines, and a repaired sampler's
+            # engine may have restarted meanwhile (initial weights again): load the target version before
+            # publishing it.
             record.weights = target
         return record
 
@@ -690,7 +694,9 @@ class Orchestrator:
             if r is None or smp.address in g.sampler_errors:
                 continue
             want = g.sampler_versions.get(smp.address, 0)
-            if r.sleeping:
+            if r.unreachable:
+                faults[smp.address] = f"its engine refuses connections (down or restarting): {r.unreachable}"
+            elif r.sleeping:
                 faults[smp.address] = "its engine sleeps while it should serve"
             elif want > 0 and r.weight_version is not None and r.weight_version != str(want):
                 faults[smp.address] = (f"its engine reports weight version {r.weight_version!r}, not {want} (it "
@@ -724,7 +730,9 @@ class Orchestrator:
                 log.error("group=%s taking %s out of service failed: %s", g.spec.group_id, sorted(faults), exc)
             finally:
                 g.set_state(GroupState.IDLE)
-            await self._repair_group(g, {a: "asleep" if "sleeps" in w else "restarted" for a, w in faults.items()})
+            reasons = {a: "unreachable" if "refuses" in w else "asleep" if "sleeps" in w else "restarted"
+                       for a, w in faults.items()}
+            await self._repair_group(g, reasons)
             return
         if g.waiters:
             g._driver = None

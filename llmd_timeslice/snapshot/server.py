@@ -32,7 +32,7 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.snapshot.accelerators import AcceleratorReader, nvml_accelerators
-from llmd_timeslice.snapshot.backends.base import BackendError, SnapshotBackend, SuspendMode
+from llmd_timeslice.snapshot.backends.base import BackendError, EngineUnreachable, SnapshotBackend, SuspendMode
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
@@ -219,6 +219,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         try:
             label = await backend.served_weight_version()
             sleeping = await backend.is_suspended()
+        except EngineUnreachable as exc:
+            return xpb.GetServedWeightVersionResponse(engine_unreachable=str(exc))
         except BackendError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return xpb.GetServedWeightVersionResponse(weight_version=label or "", known=label is not None,

@@ -26,6 +26,10 @@ class BackendError(Exception):
     """A backend step failed or its verification did not hold; the message says what to do."""
 
 
+class EngineUnreachable(BackendError):
+    """The workload refused the connection: nothing listens at its address (down, or restarting)."""
+
+
 @dataclass
 class SuspendResult:
     """Bytes figures are optional: ``None`` where the backend cannot measure them."""

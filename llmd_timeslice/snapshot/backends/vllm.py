@@ -50,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
+    EngineUnreachable,
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
@@ -187,14 +188,16 @@ class VllmBackend(SnapshotBackend):
         try:
             return await self._http.get(path)
         except httpx.HTTPError as exc:
-            raise BackendError(f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
+            kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
+            raise kind(f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
                                "The endpoint stays out of service: restart the engine (or its pod), then restore") from exc
 
     async def _post(self, path: str, **kw) -> httpx.Response:
         try:
             r = await self._http.post(path, **kw)
         except httpx.HTTPError as exc:
-            raise BackendError(f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
+            kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
+            raise kind(f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
                                "The endpoint stays out of service: restart the engine (or its pod), then restore") from exc
         if r.status_code != 200:
             raise BackendError(f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "

@@ -14,14 +14,16 @@ class GetServedWeightVersionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class GetServedWeightVersionResponse(_message.Message):
-    __slots__ = ("weight_version", "known", "sleeping")
+    __slots__ = ("weight_version", "known", "sleeping", "engine_unreachable")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
     known: bool
     sleeping: bool
-    def __init__(self, weight_version: _Optional[str] = ..., known: _Optional[bool] = ..., sleeping: _Optional[bool] = ...) -> None: ...
+    engine_unreachable: str
+    def __init__(self, weight_version: _Optional[str] = ..., known: _Optional[bool] = ..., sleeping: _Optional[bool] = ..., engine_unreachable: _Optional[str] = ...) -> None: ...
 
 class RestoreWithWeightsRequest(_message.Message):
     __slots__ = ("restore", "weights")

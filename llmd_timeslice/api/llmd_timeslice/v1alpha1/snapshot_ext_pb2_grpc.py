@@ -73,7 +73,8 @@ class SnapshotOperationsServiceServicer:
     def GetServedWeightVersion(self, request, context):
         """The weight version label the job's engine reports now (vLLM GET /weight_info), read from the
         engine itself: an engine that restarted on its own reports its initial label ("default") again.
-        FAILED_PRECONDITION when the job's backend cannot tell; UNAVAILABLE when the engine does not answer.
+        FAILED_PRECONDITION when the job's backend cannot tell; UNAVAILABLE when the engine does not answer
+        in time or answers nonsense (no verdict); engine_unreachable when it refuses connections.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
