@@ -45,6 +45,17 @@ from llmd_timeslice.weights.update import WeightUpdate
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
+SIDECAR_CHANNEL_OPTIONS = (
+    # A restarted sidecar is reached again within 5 s: gRPC's default reconnect back-off grows to 120 s, and the
+    # engine audit keeps probing a dead sidecar, so without a cap a sidecar back after a minute stayed unreachable
+    # (fail-fast UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+)
+START_RPC_TIMEOUT_S = 6.0
+"""Deadline of the calls that start a sidecar operation; they wait for the channel to be ready (a sidecar that is
+reconnecting is reached within the 5 s back-off cap), so a dead sidecar fails the switch after this long."""
 
 
 class ServingLabeler(Protocol):
@@ -77,7 +88,7 @@ class GrpcSwitchActions:
     def _channel(self, target: str) -> aio.Channel:
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = tls.aio_channel(target, self._tls,
+            ch = self._channels[target] = tls.aio_channel(target, self._tls, options=SIDECAR_CHANNEL_OPTIONS,
                                                           interceptors=auth.client_interceptors(self._token))
         return ch
 
@@ -123,16 +134,18 @@ class GrpcSwitchActions:
         stub = spb_grpc.SnapshotAgentServiceStub(ch)
         waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
         try:
+            # wait_for_ready: a sidecar that is (re)connecting gets START_RPC_TIMEOUT_S, not a fail-fast error.
             if kind == "sleep":
                 resp = await stub.Snapshot(spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config),
-                                           timeout=RPC_TIMEOUT_S)
+                                           timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
             else:
                 restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config)
                 if weights is None:
-                    resp = await stub.Restore(restore, timeout=RPC_TIMEOUT_S)
+                    resp = await stub.Restore(restore, timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
                 else:
                     resp = await waiter.RestoreWithWeights(
-                        xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()), timeout=RPC_TIMEOUT_S)
+                        xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()),
+                        timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
             op = await waiter.WaitOperation(
                 xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout),
                 timeout=self._op_timeout + RPC_TIMEOUT_S,

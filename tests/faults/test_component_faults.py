@@ -208,3 +208,22 @@ async def test_orchestrator_restart_mid_switch_rolls_back_and_the_group_serves_a
     await client.acquire(timeout_sec=30)  # and the group works as before
     await client.release()
     assert sum(e.completions_while_asleep for e in engines) == 0
+
+
+async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_probed_it_while_dead(stack):
+    """The engine audit keeps calling a dead sidecar, which grows gRPC's reconnect back-off (to 120 s by default):
+    found by tests/test_stack_up.py, the first switch after the sidecar came back failed fast with UNAVAILABLE.
+    The orchestrator's sidecar channels cap the back-off and the switch RPCs wait for the channel to be ready."""
+    core, sidecars, client, pool, addrs = (stack["orch"].orchestrator, stack["sidecars"], stack["client"],
+                                           stack["pool"], stack["addrs"])
+    core._repair.cancel()
+    core._repair = None
+    core.start_repair(first_s=0.5, max_s=2.0, audit_interval_s=0.2)
+    sidecars[0].kill()
+    await asyncio.sleep(6)  # ~30 audit probes of the dead sidecar: no verdict on its engine, nothing changes
+    assert set(pool.serving()) == set(addrs) and not core.groups["g"].sampler_errors
+    await sidecars[0].start()
+    await client.acquire(timeout_sec=30)
+    assert all(e.level == 1 for e in stack["engines"])
+    await client.release()
+    await _until(lambda: set(pool.serving()) == set(addrs), what="serving again")
