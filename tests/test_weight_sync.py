@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import grpc
 import pytest
@@ -422,10 +423,11 @@ async def test_engine_audit_leaves_healthy_and_unreadable_engines_alone(tmp_path
         engine.stop()
 
 
-async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_back_by_itself(tmp_path):
+async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_back_by_itself(tmp_path, caplog):
     """Between switches, a sampler's engine dies (its sidecar lives): the audit sees it refuse connections and
     takes it out of service, so the gate stops steering to it; once an engine listens at that address again,
-    the repair loop wakes it, loads the group's version and serves it."""
+    the audit sees it answer and the repair runs at once (not at the end of its back-off): it wakes the engine,
+    loads the group's version and serves it."""
     from llmd_timeslice.orchestrator.service import ENGINE_FAULTS
 
     engine, addr, sidecar, inv = await one_sampler(TOKEN)
@@ -446,9 +448,12 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
         engine.kill()
         await _until(lambda: pool.serving() == (), timeout_s=5)
         await _until(lambda: unreachable._value.get() == before + 1 and addr in g.sampler_errors, timeout_s=5)
-        engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
-        await _until(lambda: pool.serving(min_version=1) == (addr,), timeout_s=20)
+        await asyncio.sleep(3)  # the repair's back-off grows (2 s, 4 s, ...) while the engine stays down
+        with caplog.at_level(logging.WARNING, logger="llmd_timeslice.orchestrator.groups"):
+            engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
+            await _until(lambda: pool.serving(min_version=1) == (addr,), timeout_s=20)
         assert engine.weight_version == "1" and engine.weights_path == str(tmp_path / "v1") and not g.sampler_errors
+        assert "its engine answers again; repairing now" in caplog.text
     finally:
         await client.close()
         await gate.stop()

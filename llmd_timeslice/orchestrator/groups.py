@@ -233,6 +233,7 @@ class Group:
         self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
         self.sampler_errors: dict[str, str] = {}
         self.engine_faults = 0  # engines the audit caught restarted or asleep while serving, since start
+        self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
         self.publishers: set[str] = set()  # jobs that published a weight version at their last grant
         self.published_in_grant = False
         self.weights_publisher: str | None = None
@@ -655,6 +656,7 @@ class Orchestrator:
         delay: dict[str, float] = {}
         due: dict[str, float] = {}
         loop = asyncio.get_running_loop()
+        probing: set[str] = set()
         can_audit = audit_interval_s > 0 and hasattr(self._actions, "read_engines")
         audit_due = loop.time() + audit_interval_s
         while not self._closing:
@@ -666,18 +668,48 @@ class Orchestrator:
                 if not self.needs_repair(g):
                     delay.pop(gid, None)
                     due.pop(gid, None)
+                    if self._quiet(g) and not g.sampler_errors:
+                        g.unreachable_engines.clear()
                     if audit and self._quiet(g) and (g._driver is None or g._driver.done()):
                         g._driver = loop.create_task(self._audit_group(g), name=f"audit-{gid}")
                     continue
                 if gid not in due:
                     delay[gid] = first_s
                     due[gid] = loop.time() + first_s
-                elif loop.time() >= due[gid] and (g._driver is None or g._driver.done()):
+                if audit and gid not in probing:
+                    # An engine seen down that answers again is repaired now, not at the end of its back-off.
+                    probing.add(gid)
+                    task = loop.create_task(self._engine_back(g), name=f"probe-{gid}")
+
+                    def probed(t: asyncio.Task, gid: str = gid) -> None:
+                        probing.discard(gid)
+                        if not t.cancelled() and t.result() and gid in due:
+                            due[gid] = loop.time()  # repaired at the next tick
+
+                    task.add_done_callback(probed)
+                if loop.time() >= due[gid] and (g._driver is None or g._driver.done()):
                     log.warning("group=%s samplers out of service (%s); retrying the wake", gid,
                                 g.last_error or ", ".join(sorted(g.sampler_errors)))
                     g._driver = loop.create_task(self._repair_group(g), name=f"repair-{gid}")
                     delay[gid] = min(delay[gid] * 2, max_s)
                     due[gid] = loop.time() + delay[gid]
+
+    async def _engine_back(self, g: Group) -> bool:
+        """Read the engines of out-of-service samplers; True when one that refused connections answers again."""
+        down = [smp for smp in g.spec.samplers if smp.address in g.sampler_errors or g.loaded_job != SAMPLERS]
+        try:
+            readings = await self._actions.read_engines(dataclasses.replace(g.spec, samplers=down))  # type: ignore[attr-defined]
+        except Exception:
+            return False
+        back = False
+        for addr, r in readings.items():
+            if r.unreachable:
+                g.unreachable_engines.add(addr)
+            elif addr in g.unreachable_engines:
+                g.unreachable_engines.discard(addr)
+                log.warning("group=%s sampler %s: its engine answers again; repairing now", g.spec.group_id, addr)
+                back = True
+        return back
 
     @staticmethod
     def _quiet(g: Group) -> bool:
@@ -720,6 +752,8 @@ class Orchestrator:
                 g.sampler_errors[addr] = why
                 if "weight version" in why:
                     g.sampler_versions[addr] = 0  # what a restarted engine serves: its initial weights
+                if "refuses" in why:
+                    g.unreachable_engines.add(addr)
             g.last_error = "; ".join(f"{a}: {w}" for a, w in sorted(faults.items()))
             g.engine_faults += len(faults)
             g.set_state(GroupState.SWITCHING)
