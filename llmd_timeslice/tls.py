@@ -67,15 +67,33 @@ def _creds(tls: TlsFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
 
 
+RECONNECT_BACKOFF_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+)
+"""gRPC's reconnect back-off grows to 120 s by default: a channel that keeps calling a dead peer (heartbeats, the
+engine audit) then fails fast for up to that long after the peer is back. Every channel here caps it at 5 s."""
+
+
+def _with_backoff(kwargs: dict) -> dict:
+    options = list(kwargs.get("options") or ())
+    given = {key for key, _ in options}
+    return {**kwargs, "options": [*(o for o in RECONNECT_BACKOFF_OPTIONS if o[0] not in given), *options]}
+
+
 def aio_channel(target: str, tls: TlsFiles | None = None, **kwargs) -> aio.Channel:
-    """An asyncio channel to ``target``: mTLS when ``tls`` is given, else plain."""
+    """An asyncio channel to ``target``: mTLS when ``tls`` is given, else plain; reconnect back-off capped at 5 s
+    (:data:`RECONNECT_BACKOFF_OPTIONS`, unless ``options`` sets them)."""
+    kwargs = _with_backoff(kwargs)
     if tls is None:
         return aio.insecure_channel(target, **kwargs)
     return aio.secure_channel(target, _creds(tls), **kwargs)
 
 
 def channel(target: str, tls: TlsFiles | None = None, **kwargs) -> grpc.Channel:
-    """A blocking channel to ``target``: mTLS when ``tls`` is given, else plain."""
+    """A blocking channel to ``target``: mTLS when ``tls`` is given, else plain; reconnect back-off capped at 5 s."""
+    kwargs = _with_backoff(kwargs)
     if tls is None:
         return grpc.insecure_channel(target, **kwargs)
     return grpc.secure_channel(target, _creds(tls), **kwargs)

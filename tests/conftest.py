@@ -33,11 +33,19 @@ def _grpc_aio_stays_initialised():
     when the last aio channel or server of the process is garbage-collected; in full runs that happened inside
     whatever test triggered the collection and blocked it for 300 s (py-spy: ``Thread.join`` under an unrelated
     frame) until pytest-timeout's alarm woke the poll. Components are long-lived processes with one loop and do not
-    hit this; the test run creates and drops hundreds of loops. See ``pytest_unconfigure`` for the end of the run."""
+    hit this; the test run creates and drops hundreds of loops. See ``pytest_unconfigure`` for the end of the run.
+
+    The channel is held at module level, not by the fixture: session fixtures are torn down before pytest's terminal
+    summary, and a garbage collection there (hypothesis's plugin imports hypothesis in its summary hook when no test
+    did) shut aio down and hung the run before the "N passed" line (py-spy: ``Thread.join`` under ``ast.parse``)."""
     import grpc
 
-    channel = grpc.aio.insecure_channel("127.0.0.1:9")
-    yield channel
+    if not _AIO_KEPT_ALIVE:
+        _AIO_KEPT_ALIVE.append(grpc.aio.insecure_channel("127.0.0.1:9"))
+    yield
+
+
+_AIO_KEPT_ALIVE: list = []  # until os._exit in pytest_unconfigure
 
 
 _EXIT_STATUS: list[int] = []

@@ -275,3 +275,13 @@ async def test_mutual_tls_end_to_end_and_peers_without_a_good_certificate_are_re
         await orch.stop()
         await sidecar.stop()
         engine.stop()
+
+
+def test_every_channel_caps_the_reconnect_backoff_unless_the_caller_sets_it():
+    from llmd_timeslice import tls
+
+    merged = dict(tls._with_backoff({"options": [("grpc.max_reconnect_backoff_ms", 1000), ("x", 1)]})["options"])
+    assert merged == {"grpc.initial_reconnect_backoff_ms": 500, "grpc.min_reconnect_backoff_ms": 500,
+                      "grpc.max_reconnect_backoff_ms": 1000, "x": 1}
+    assert dict(tls._with_backoff({})["options"])["grpc.max_reconnect_backoff_ms"] == 5000
+    tls.channel("127.0.0.1:1", options=[("x", 1)]).close()  # accepted by grpc as given

@@ -45,14 +45,6 @@ from llmd_timeslice.weights.update import WeightUpdate
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
-SIDECAR_CHANNEL_OPTIONS = (
-    # A restarted sidecar is reached again within 5 s: gRPC's default reconnect back-off grows to 120 s, and the
-    # engine audit keeps probing a dead sidecar, so without a cap a sidecar back after a minute stayed unreachable
-    # (fail-fast UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5000),
-)
 START_RPC_TIMEOUT_S = 6.0
 """Deadline of the calls that start a sidecar operation; they wait for the channel to be ready (a sidecar that is
 reconnecting is reached within the 5 s back-off cap), so a dead sidecar fails the switch after this long."""
@@ -88,7 +80,10 @@ class GrpcSwitchActions:
     def _channel(self, target: str) -> aio.Channel:
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = tls.aio_channel(target, self._tls, options=SIDECAR_CHANNEL_OPTIONS,
+            # tls.aio_channel caps the reconnect back-off at 5 s: the engine audit keeps probing a dead sidecar,
+            # and with gRPC's default (up to 120 s) a sidecar back after a minute stayed unreachable (fail-fast
+            # UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
+            ch = self._channels[target] = tls.aio_channel(target, self._tls,
                                                           interceptors=auth.client_interceptors(self._token))
         return ch
 
