@@ -232,7 +232,6 @@ class Group:
         self.weights: WeightUpdate | None = None  # the latest published weight version (the samplers' target)
         self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
         self.sampler_errors: dict[str, str] = {}
-        self.engine_faults = 0  # engines the audit caught restarted or asleep while serving, since start
         self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
         self.publishers: set[str] = set()  # jobs that published a weight version at their last grant
         self.published_in_grant = False
@@ -755,7 +754,6 @@ class Orchestrator:
                 if "refuses" in why:
                     g.unreachable_engines.add(addr)
             g.last_error = "; ".join(f"{a}: {w}" for a, w in sorted(faults.items()))
-            g.engine_faults += len(faults)
             g.set_state(GroupState.SWITCHING)
             try:
                 await self._actions.take_out_of_service(  # type: ignore[attr-defined]
