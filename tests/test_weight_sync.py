@@ -6,8 +6,10 @@ tests/test_vllm_weight_sync.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import types
 
 import grpc
 import pytest
@@ -349,6 +351,32 @@ async def test_weight_versions_survive_an_orchestrator_restart(tmp_path):
         engine.stop()
 
 
+@contextlib.asynccontextmanager
+async def _audited_sampler_at_v1(tmp_path, audit_interval_s: float):
+    """One fake vLLM + sidecar, an orchestrator auditing every ``audit_interval_s`` s, a subscribed gate, and a
+    trainer that published version 1, which the sampler serves. Yields a namespace; ``engine`` may be replaced
+    (the one there at the end is stopped)."""
+    engine, addr, sidecar, inv = await one_sampler(TOKEN)
+    orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=audit_interval_s)
+    await orch.start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
+    await gate.start()
+    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
+    st = types.SimpleNamespace(engine=engine, addr=addr, pool=gate.pools["default"], g=orch.orchestrator.groups["g"])
+    try:
+        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+        await client.acquire(timeout_sec=30)
+        await client.release(weights=_weights(tmp_path, 1))
+        await _until(lambda: st.pool.serving(min_version=1) == (addr,))
+        yield st
+    finally:
+        await client.close()
+        await gate.stop()
+        await orch.stop()
+        await sidecar.stop()
+        st.engine.stop()
+
+
 async def test_engine_that_restarts_on_its_own_is_caught_by_the_audit_and_reloaded(tmp_path):
     """A sampler engine restarts by itself (a pod restart) after loading version 1: it serves its initial
     weights again while the orchestrator and the gate still say version 1. The engine audit reads the engine's
@@ -356,20 +384,10 @@ async def test_engine_that_restarts_on_its_own_is_caught_by_the_audit_and_reload
     orchestrator's back is woken the same way. Both show in the engine-fault counter."""
     from llmd_timeslice.orchestrator.service import ENGINE_FAULTS
 
-    engine, addr, sidecar, inv = await one_sampler(TOKEN)
-    orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=0.5)
-    await orch.start()
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
-    await gate.start()
-    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
-    pool, g = gate.pools["default"], orch.orchestrator.groups["g"]
     faults = {r: ENGINE_FAULTS.labels(group_id="g", reason=r) for r in ("restarted", "asleep")}
     before = {r: c._value.get() for r, c in faults.items()}
-    try:
-        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
-        await client.acquire(timeout_sec=30)
-        await client.release(weights=_weights(tmp_path, 1))
-        await _until(lambda: pool.serving(min_version=1) == (addr,))
+    async with _audited_sampler_at_v1(tmp_path, 0.5) as st:
+        engine, addr, pool, g = st.engine, st.addr, st.pool, st.g
         assert engine.weight_version == "1"
 
         engine.restart()
@@ -387,12 +405,6 @@ async def test_engine_that_restarts_on_its_own_is_caught_by_the_audit_and_reload
         await _until(lambda: engine.level == 0 and pool.serving(min_version=1) == (addr,), timeout_s=10)
         assert g.sampler_versions[addr] == 1 and not g.sampler_errors
         assert engine.completions_while_asleep == 0
-    finally:
-        await client.close()
-        await gate.stop()
-        await orch.stop()
-        await sidecar.stop()
-        engine.stop()
 
 
 async def test_engine_audit_leaves_healthy_and_unreadable_engines_alone(tmp_path):
@@ -430,33 +442,17 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
     loads the group's version and serves it."""
     from llmd_timeslice.orchestrator.service import ENGINE_FAULTS
 
-    engine, addr, sidecar, inv = await one_sampler(TOKEN)
-    port = int(addr.rsplit(":", 1)[1])
-    orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=0.3)
-    await orch.start()
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
-    await gate.start()
-    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
-    pool, g = gate.pools["default"], orch.orchestrator.groups["g"]
     unreachable = ENGINE_FAULTS.labels(group_id="g", reason="unreachable")
     before = unreachable._value.get()
-    try:
-        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
-        await client.acquire(timeout_sec=30)
-        await client.release(weights=_weights(tmp_path, 1))
-        await _until(lambda: pool.serving(min_version=1) == (addr,))
+    async with _audited_sampler_at_v1(tmp_path, 0.3) as st:
+        engine, addr, pool, g = st.engine, st.addr, st.pool, st.g
+        port = int(addr.rsplit(":", 1)[1])
         engine.kill()
         await _until(lambda: pool.serving() == (), timeout_s=5)
         await _until(lambda: unreachable._value.get() == before + 1 and addr in g.sampler_errors, timeout_s=5)
         await asyncio.sleep(3)  # the repair's back-off grows (2 s, 4 s, ...) while the engine stays down
         with caplog.at_level(logging.WARNING, logger="llmd_timeslice.orchestrator.groups"):
-            engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
+            engine = st.engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
             await _until(lambda: pool.serving(min_version=1) == (addr,), timeout_s=20)
         assert engine.weight_version == "1" and engine.weights_path == str(tmp_path / "v1") and not g.sampler_errors
         assert "its engine answers again; repairing now" in caplog.text
-    finally:
-        await client.close()
-        await gate.stop()
-        await orch.stop()
-        await sidecar.stop()
-        engine.stop()
