@@ -155,24 +155,24 @@ def main() -> None:
     try:
         _set(stub, upstream.address, gpb.ENDPOINT_STATE_SERVING)
         for env in chains.values():
-            wrk(env.url + "/", 1, 2)  # warm-up
+            wrk(env.url + "/v1/completions", 1, 2)  # warm-up
         lat = {}
         for name, env in chains.items():
             cpu0 = sum(gate_ps.cpu_times()[:2])
-            lat[name] = wrk(env.url + "/", 1, args.seconds)
+            lat[name] = wrk(env.url + "/v1/completions", 1, args.seconds)
             if name == "gate":
                 cpu = sum(gate_ps.cpu_times()[:2]) - cpu0
                 result["gate_cpu_us_per_request"] = cpu / lat[name]["requests"] * 1e6
         result["latency_one_connection"] = lat
         result["gate_added_p50_ms"] = lat["gate"]["p50_ms"] - lat["picker_only"]["p50_ms"]
         result["gate_added_p99_ms"] = lat["gate"]["p99_ms"] - lat["picker_only"]["p99_ms"]
-        sat = {name: wrk(env.url + "/", 32, args.seconds) for name, env in chains.items()}
+        sat = {name: wrk(env.url + "/v1/completions", 32, args.seconds) for name, env in chains.items()}
         result["saturation_32_connections"] = sat
         result["throughput_ratio"] = sat["gate"]["rps"] / sat["picker_only"]["rps"]
 
         # Memory per held request, and the release of 1,000.
         _set(stub, upstream.address, gpb.ENDPOINT_STATE_ASLEEP)
-        url = chains["gate"].url + "/"
+        url = chains["gate"].url + "/v1/completions"
         rss0 = gate_ps.memory_info().rss
 
         async def measure_memory(tasks, n=2000):

@@ -17,6 +17,19 @@ checked on this machine, DESIGN.md §7):
   the drain barrier counts on this.
 * the HTTP connection manager's ``stream_idle_timeout`` (default 300 s) would reset a held request
   with no body traffic, so it is raised above the hold limit too.
+
+Routes: only the OpenAI API (``/v1/``, :data:`API_PREFIX`) reaches an engine. vLLM serves its admin
+endpoints (``/sleep``, ``/wake_up``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/is_sleeping``,
+``/pause``, the weight-transfer endpoints, ...) on the same port once ``VLLM_SERVER_DEV_MODE=1`` is set
+(vllm 0.32.0: ``vllm/entrypoints/launchers/api_server/routers.py`` registers ``vllm/entrypoints/serve/dev``
+and ``vllm/entrypoints/rl``), so every other path gets a 404 from Envoy itself, with both ext_proc filters
+disabled on that route (``ExtProcPerRoute.disabled``: a 404 is never held). The two admin endpoints under
+``/v1/`` (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, served with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) are answered 404 the same way (:data:`ADMIN_PATHS_UNDER_API`). Paths are
+normalized (RFC 3986 dot segments, merged slashes) before matching, and an escaped slash (``%2F``) is
+refused (400), so ``/v1/../sleep`` cannot reach the engine either. A pool's ``path_prefix`` is
+stripped on the way to the engine (``prefix_rewrite``): ``/b/v1/completions`` arrives as
+``/v1/completions``.
 """
 
 from __future__ import annotations
@@ -35,6 +48,10 @@ MAX_MESSAGE_TIMEOUT_S = 3600
 PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 GATE_FILTER_NAME = "envoy.filters.http.ext_proc.timeslice_gate"
 EPP_FILTER_NAME = "envoy.filters.http.ext_proc.epp"
+API_PREFIX = "/v1/"
+"""The only path prefix routed to engines (the OpenAI API); everything else is answered 404 by Envoy."""
+ADMIN_PATHS_UNDER_API = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""vLLM admin endpoints inside the API prefix: never routed either."""
 
 # Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
 # open ext_proc stream to the gate.
@@ -61,8 +78,9 @@ class EnvoyRouterConfig:
     epp_message_timeout_s: float = 5.0
     gate_failure_mode_allow: bool = False
     pools_by_prefix: dict[str, str] = field(default_factory=dict)
-    """Extra routes: path prefix -> pool. Each sends its pool to both ext_proc services through the
-    per-route override ``ExtProcPerRoute.overrides.grpc_initial_metadata``; ``/`` goes to ``pool``."""
+    """Extra routes: path prefix -> pool. ``<prefix>v1/...`` goes to that pool with the prefix stripped
+    (the engine sees ``/v1/...``); each sends its pool to both ext_proc services through the per-route
+    override ``ExtProcPerRoute.overrides.grpc_initial_metadata``; ``/v1/...`` goes to ``pool``."""
 
 
 def _dur(seconds: float) -> str:
@@ -148,7 +166,7 @@ def epp_filter(cluster: str, pool: str, message_timeout_s: float = 5.0) -> dict:
     }
 
 
-def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig) -> dict:
+def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig, prefix_rewrite: str | None = None) -> dict:
     route: dict = {
         "match": {"prefix": prefix},
         "route": {
@@ -158,12 +176,40 @@ def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig) -> dict:
             "retry_policy": {"retry_on": "reset-before-request", "num_retries": 2},
         },
     }
+    if prefix_rewrite is not None:
+        route["route"]["prefix_rewrite"] = prefix_rewrite
     if pool is not None:
         override = {"@type": PER_ROUTE_TYPE, "overrides": {
             "grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]}}
-        names = [EPP_FILTER_NAME] + ([GATE_FILTER_NAME] if cfg.gate_port is not None else [])
-        route["typed_per_filter_config"] = {n: override for n in names}
+        route["typed_per_filter_config"] = {n: override for n in _ext_proc_filter_names(cfg)}
     return route
+
+
+def _ext_proc_filter_names(cfg: EnvoyRouterConfig) -> list[str]:
+    return [EPP_FILTER_NAME] + ([GATE_FILTER_NAME] if cfg.gate_port is not None else [])
+
+
+def _routes(cfg: EnvoyRouterConfig) -> list[dict]:
+    """``<prefix>v1/`` per extra pool (prefix stripped), ``/v1/`` for the default pool, 404 for the rest."""
+    disabled = {"@type": PER_ROUTE_TYPE, "disabled": True}
+
+    def not_routed(match: dict) -> dict:
+        # Engine admin endpoints (VLLM_SERVER_DEV_MODE=1) and anything else: never forwarded, never held.
+        return {"match": match, "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
+                "typed_per_filter_config": {n: disabled for n in _ext_proc_filter_names(cfg)}}
+
+    bases = [prefix.rstrip("/") for prefix in cfg.pools_by_prefix] + [""]
+    routes = [not_routed({"path": base + p}) for base in bases for p in ADMIN_PATHS_UNDER_API]
+    routes += [_route(prefix.rstrip("/") + API_PREFIX, pool, cfg, prefix_rewrite=API_PREFIX)
+               for prefix, pool in cfg.pools_by_prefix.items()]
+    routes.append(_route(API_PREFIX, None, cfg))
+    routes.append(not_routed({"prefix": "/"}))
+    return routes
+
+
+NOT_ROUTED_BODY = (
+    '{"error": {"type": "not_routed", "message": "only the OpenAI API (/v1/...) is routed to model servers"}}'
+)
 
 
 def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
@@ -180,18 +226,13 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         "@type": HCM_TYPE,
         "stat_prefix": "inference",
         "stream_idle_timeout": _dur(cfg.max_hold_s + cfg.upstream_timeout_s),
+        # Route on the normalized path: /v1/../sleep is /sleep (404); %2F is refused, not decoded.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "route_config": {
             "name": "inference",
-            "virtual_hosts": [
-                {
-                    "name": "inference",
-                    "domains": ["*"],
-                    "routes": [
-                        *(_route(prefix, pool, cfg) for prefix, pool in cfg.pools_by_prefix.items()),
-                        _route("/", None, cfg),
-                    ],
-                }
-            ],
+            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(cfg)}],
         },
         "http_filters": filters,
     }

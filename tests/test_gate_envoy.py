@@ -54,14 +54,14 @@ async def test_subset_hint_reaches_the_picker_and_it_never_picks_outside_it(rout
     asleep, serving = two_upstreams
     router.pool().set_states([(asleep.address, EndpointState.ASLEEP, 0), (serving.address, EndpointState.SERVING, 0)])
     async with httpx.AsyncClient(timeout=10) as c:
-        rs = await asyncio.gather(*(c.get(router.url + "/") for _ in range(30)))
+        rs = await asyncio.gather(*(c.get(router.url + "/v1/completions") for _ in range(30)))
     served = {r.json()["served_by"] for r in rs}
     assert served == {serving.address}, f"picker routed outside the subset hint: {served}"
     assert asleep.hits == 0
     # Both SERVING: the picker spreads over both (round-robin), proving the hint is what limited it.
     router.pool().set_states([(asleep.address, EndpointState.SERVING, 0)])
     async with httpx.AsyncClient(timeout=10) as c:
-        rs = [await c.get(router.url + "/") for _ in range(6)]
+        rs = [await c.get(router.url + "/v1/completions") for _ in range(6)]
     assert {r.json()["served_by"] for r in rs} == {asleep.address, serving.address}
 
 
@@ -71,7 +71,7 @@ async def test_streaming_response_stays_in_flight_until_it_ends_so_drain_waits(r
     pool.set_states([(up.address, EndpointState.SERVING, 0)])
     events = []
     async with httpx.AsyncClient(timeout=30) as c:
-        async with c.stream("GET", router.url + "/stream?chunks=8&gap_ms=150") as r:
+        async with c.stream("GET", router.url + "/v1/stream?chunks=8&gap_ms=150") as r:
             it = r.aiter_lines()
             async for line in it:
                 if line.startswith("data"):
@@ -94,7 +94,7 @@ async def test_hold_expiry_gives_503_with_retry_after_and_reason(artifacts, two_
     try:
         stack.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
         async with httpx.AsyncClient(timeout=10) as c:
-            r = await c.get(stack.url + "/")
+            r = await c.get(stack.url + "/v1/completions")
         assert r.status_code == 503
         assert r.headers[protocol.REASON_HEADER] == "hold_expired"
         assert r.headers["retry-after"]
@@ -109,9 +109,9 @@ async def test_queue_full_gives_429(artifacts, two_upstreams):
     try:
         stack.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
         async with httpx.AsyncClient(timeout=20) as c:
-            held = [asyncio.create_task(c.get(stack.url + "/")) for _ in range(2)]
+            held = [asyncio.create_task(c.get(stack.url + "/v1/completions")) for _ in range(2)]
             await asyncio.sleep(0.5)
-            r = await c.get(stack.url + "/")
+            r = await c.get(stack.url + "/v1/completions")
             assert r.status_code == 429 and r.headers[protocol.REASON_HEADER] == "hold_queue_full"
             stack.pool().set_states([(two_upstreams[0].address, EndpointState.SERVING, 0)])
             assert [x.status_code for x in await asyncio.gather(*held)] == [200, 200]
@@ -123,7 +123,7 @@ async def test_client_disconnect_while_held_leaves_the_queue(router, two_upstrea
     router.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
     async with httpx.AsyncClient(timeout=0.7) as c:
         with pytest.raises(httpx.ReadTimeout):
-            await c.get(router.url + "/")
+            await c.get(router.url + "/v1/completions")
     for _ in range(50):
         if router.pool().held == 0:
             break
@@ -166,15 +166,15 @@ async def test_min_weight_version_header_holds_until_that_version_serves(router,
     old, new = two_upstreams
     router.pool().set_states([(old.address, EndpointState.SERVING, 1)])
     async with httpx.AsyncClient(timeout=20) as c:
-        r = await c.get(router.url + "/")
+        r = await c.get(router.url + "/v1/completions")
         assert r.json()["served_by"] == old.address
-        held = asyncio.create_task(c.get(router.url + "/", headers={protocol.MIN_WEIGHT_VERSION_HEADER: "2"}))
+        held = asyncio.create_task(c.get(router.url + "/v1/completions", headers={protocol.MIN_WEIGHT_VERSION_HEADER: "2"}))
         await asyncio.sleep(0.5)
         assert not held.done(), "a request asking for weight version 2 must wait while only version 1 serves"
         router.pool().set_states([(new.address, EndpointState.SERVING, 2)])
         r = await asyncio.wait_for(held, 10)
         assert r.json()["served_by"] == new.address, "only endpoints at the required version are in the subset hint"
-        bad = await c.get(router.url + "/", headers={protocol.MIN_WEIGHT_VERSION_HEADER: "two"})
+        bad = await c.get(router.url + "/v1/completions", headers={protocol.MIN_WEIGHT_VERSION_HEADER: "two"})
         assert bad.status_code == 400 and bad.headers[protocol.REASON_HEADER] == "bad_min_weight_version"
 
 
@@ -187,7 +187,7 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
         stack.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
         limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-            tasks = [asyncio.create_task(c.get(stack.url + "/")) for _ in range(2000)]
+            tasks = [asyncio.create_task(c.get(stack.url + "/v1/completions")) for _ in range(2000)]
             for _ in range(600):
                 if stack.pool().held == 2000:
                     break
@@ -216,7 +216,7 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
     for _ in range(5):
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=1.0, limits=limits) as c:
-            rs = await asyncio.gather(*(c.get(router.url + "/") for _ in range(300)), return_exceptions=True)
+            rs = await asyncio.gather(*(c.get(router.url + "/v1/completions") for _ in range(300)), return_exceptions=True)
         assert all(isinstance(r, httpx.TimeoutException) for r in rs)
         for _ in range(100):
             if router.pool().held == 0:
@@ -240,7 +240,7 @@ async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstream
     try:
         stack.pool("metrics-pool").set_states([(up.address, EndpointState.ASLEEP, 7)])
         async with httpx.AsyncClient(timeout=10) as c:
-            assert (await c.get(stack.url + "/")).status_code == 503
+            assert (await c.get(stack.url + "/v1/completions")).status_code == 503
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(generate_latest().decode()) for s in f.samples}
 

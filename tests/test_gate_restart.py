@@ -48,7 +48,7 @@ async def test_gate_crash_while_held_gives_503_at_once_and_restart_resyncs(artif
     await asyncio.to_thread(envoy.start)
     try:
         async with httpx.AsyncClient(timeout=30) as c:
-            held = asyncio.create_task(c.get(envoy.url + "/"))
+            held = asyncio.create_task(c.get(envoy.url + "/v1/completions"))
             await asyncio.sleep(1.5)
             assert not held.done()
             t = time.monotonic()
@@ -56,12 +56,12 @@ async def test_gate_crash_while_held_gives_503_at_once_and_restart_resyncs(artif
             r = await asyncio.wait_for(held, 10)
             assert r.status_code == 503, f"held request after a gate crash: {r.status_code} {r.text!r}"
             assert time.monotonic() - t < 2, "the client must learn at once, not after a timeout"
-            r = await c.get(envoy.url + "/")
+            r = await c.get(envoy.url + "/v1/completions")
             assert r.status_code == 503, "with the gate down, requests fail fast (failure_mode_allow false)"
             assert up.hits == 0, "nothing reached the sleeping endpoint"
             gate.stop()
             gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
-            held = asyncio.create_task(c.get(envoy.url + "/"))  # the restarted gate resyncs: ASLEEP -> held
+            held = asyncio.create_task(c.get(envoy.url + "/v1/completions"))  # the restarted gate resyncs: ASLEEP -> held
             await asyncio.sleep(1.5)
             assert not held.done(), "after resync the endpoint is still ASLEEP: the request must be held"
             await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_SERVING, 0)])

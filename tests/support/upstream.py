@@ -1,7 +1,7 @@
 """A small real HTTP upstream for router tests: answers with its own address, can stream (SSE).
 
 Runs a stdlib ``ThreadingHTTPServer`` in a background thread. ``GET/POST /`` returns JSON
-``{"served_by": "ip:port", "body_bytes": n, "body_sha256": ...}``; ``/stream?chunks=N&gap_ms=M``
+``{"served_by": "ip:port", "body_bytes": n, "body_sha256": ...}``; ``[/v1]/stream?chunks=N&gap_ms=M``
 sends N SSE events M ms apart.
 """
 
@@ -30,7 +30,7 @@ class _Handler(BaseHTTPRequestHandler):
         server: UpstreamServer = self.server.owner  # type: ignore[attr-defined]
         server.hits += 1
         url = urlparse(self.path)
-        if url.path == "/stream":
+        if url.path.endswith("/stream"):
             q = parse_qs(url.query)
             chunks = int(q.get("chunks", ["5"])[0])
             gap = int(q.get("gap_ms", ["100"])[0]) / 1000

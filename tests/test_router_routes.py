@@ -1,0 +1,87 @@
+"""What the local router (``epp_plugin.envoy_config.render_bootstrap``, real Envoy, real gate and picker) lets
+through to an engine: the OpenAI API only.
+
+The engine here is :class:`FakeVllm`, which records every request it receives, so "never reached" is a
+fact read from its log, not inferred from a status code. The real-vLLM counterpart (the engine stays
+awake) is ``tests/test_vllm_phase_switch.py::test_router_never_forwards_engine_admin_paths``.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from epp_plugin.envoy_config import ADMIN_PATHS_UNDER_API, API_PREFIX
+from epp_plugin.gate.pool_state import EndpointState
+from tests.support.fake_engines import FakeVllm
+from tests.support.router import start_router
+
+# vLLM 0.32.0 with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev, vllm/entrypoints/rl): a sample of each kind.
+ADMIN_POSTS = ["/sleep?level=2", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/pause", "/update_weights",
+               "/update_weight_version", *ADMIN_PATHS_UNDER_API]
+ADMIN_GETS = ["/is_sleeping", "/server_info", "/weight_info", "/metrics"]
+COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture
+async def engines():
+    a, b = FakeVllm().start(), FakeVllm().start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture
+async def two_pool_router(artifacts, engines):
+    addr = [e.url.removeprefix("http://") for e in engines]
+    stack = await start_router(artifacts, [addr[0]], pool="pool-a", extra_pools={"pool-b": ("/pool-b/", [addr[1]])})
+    stack.pool("pool-a").set_states([(addr[0], EndpointState.SERVING, 0)])
+    stack.pool("pool-b").set_states([(addr[1], EndpointState.SERVING, 0)])
+    yield stack
+    await stack.stop()
+
+
+async def test_engine_admin_paths_get_404_from_the_router_and_never_reach_the_engine(two_pool_router, engines):
+    a, b = engines
+    async with httpx.AsyncClient(timeout=10) as c:
+        for base in ("", "/pool-b"):
+            for path in ADMIN_POSTS:
+                r = await c.post(two_pool_router.url + base + path, json={"method": "reload_weights"})
+                assert r.status_code == 404, f"POST {base}{path}: {r.status_code} {r.text}"
+                assert r.json()["error"]["type"] == "not_routed"
+            for path in ADMIN_GETS:
+                r = await c.get(two_pool_router.url + base + path)
+                assert r.status_code == 404, f"GET {base}{path}: {r.status_code}"
+        # Tricks that would reach /sleep on a router matching raw paths.
+        for path in ("/v1/../sleep", "/v1/./../wake_up", "//sleep", "/pool-b/v1/../../sleep"):
+            r = await c.post(two_pool_router.url + path)
+            assert r.status_code == 404, f"POST {path}: {r.status_code}"
+        r = await c.post(two_pool_router.url + "/v1%2F..%2Fsleep")
+        assert r.status_code in (400, 404), f"an escaped slash must not reach the engine: {r.status_code}"
+        r = await c.post(two_pool_router.url + API_PREFIX + "completions", json=COMPLETION)
+        assert r.status_code == 200 and r.json()["choices"], r.text
+    assert a.level == b.level == 0, "both engines stay awake"
+    hits = [(m, p) for e in engines for m, p, _ in e.calls]
+    assert hits == [("POST", "/v1/completions")], f"only the completion may reach an engine, saw {hits}"
+    assert two_pool_router.pool("pool-a").held == two_pool_router.pool("pool-b").held == 0
+
+
+async def test_each_pool_route_strips_its_prefix_before_the_engine(two_pool_router, engines):
+    """Issue 15 item 8 at the router: /pool-b/v1/completions reaches pool-b's engine as /v1/completions."""
+    a, b = engines
+    async with httpx.AsyncClient(timeout=10) as c:
+        ra = await c.post(two_pool_router.url + "/v1/completions", json=COMPLETION)
+        rb = await c.post(two_pool_router.url + "/pool-b/v1/completions", json=COMPLETION)
+        rm = await c.get(two_pool_router.url + "/pool-b/v1/models")
+    assert ra.status_code == rb.status_code == rm.status_code == 200, (ra.text, rb.text, rm.text)
+    assert [(m, p) for m, p, _ in a.calls] == [("POST", "/v1/completions")]
+    assert [(m, p) for m, p, _ in b.calls] == [("POST", "/v1/completions"), ("GET", "/v1/models")]
+
+
+async def test_a_sleeping_pool_holds_its_requests_but_never_a_404(two_pool_router, engines):
+    """The 404 route bypasses the gate: an admin path is refused at once even while the pool holds."""
+    a, _ = engines
+    two_pool_router.pool("pool-a").set_states([(a.url.removeprefix("http://"), EndpointState.ASLEEP, 0)])
+    async with httpx.AsyncClient(timeout=5) as c:
+        r = await c.post(two_pool_router.url + "/sleep")
+    assert r.status_code == 404 and two_pool_router.pool("pool-a").held == 0
