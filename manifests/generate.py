@@ -1,28 +1,29 @@
-"""Render the manifests that carry Envoy configuration from ``epp_plugin/envoy_config.py``.
+"""Render every file of the time-slicing guide that carries a name or a limit, from ``settings.yaml``.
 
-The gate's ext_proc filter (processing modes, timeouts sized for holding, metadata options,
-pool metadata) is defined once, in ``epp_plugin.envoy_config.gate_filter()``. This script embeds
-that same filter in the files below, so the Kubernetes variants cannot drift from what the tests
-run against a real Envoy:
-
-* ``guides/time-slicing/router/standalone-envoy.yaml``: the llm-d standalone router's Envoy
-  bootstrap with the gate's ext_proc BEFORE the EPP's (``envoy --mode validate`` checks it);
-* ``guides/time-slicing/router/values-standalone.yaml``: Helm values for the
-  ``llm-d-router-standalone`` chart carrying that bootstrap;
-* ``guides/time-slicing/gateways/istio/envoyfilter.yaml``: the Istio EnvoyFilter.
+The ONE place to set the guide name, namespace, Gateway name, pool (InferencePool) name, accelerator
+group, image and limits is ``manifests/guides/time-slicing/settings.yaml``. This script writes every
+file that depends on them (the kustomizations that put names on the static manifests, the Envoy
+configurations, the gateway policies, the HTTPRoutes, the Helm values), so no file can disagree with
+another. The gate's ext_proc filter itself is defined once, in ``epp_plugin.envoy_config.gate_filter()``,
+and embedded here, so the Kubernetes variants cannot drift from what the tests run against a real Envoy.
 
 Usage::
 
-    .venv/bin/python manifests/generate.py          # rewrite the files
-    .venv/bin/python manifests/generate.py --check  # exit 1 if a file differs (the tests do this too)
+    python3 manifests/generate.py                 # rewrite the files from settings.yaml
+    python3 manifests/generate.py --check         # exit 1 if a file differs (the tests do this too)
+    python3 manifests/generate.py --settings my.yaml --out DIR
+                                                  # a full copy of the guide in DIR for other names
+
+Needs PyYAML and this repository (``epp_plugin``); nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -35,76 +36,203 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from epp_plugin import protocol  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
+    ADMIN_PATHS_UNDER_API,
+    API_PREFIX,
     EXT_PROC_TYPE,
     HCM_TYPE,
     HTTP_OPTIONS_TYPE,
+    NOT_ROUTED_BODY,
+    PER_ROUTE_TYPE,
     ROUTER_TYPE,
     gate_filter,
 )
 
 GUIDE = ROOT / "guides" / "time-slicing"
+SETTINGS_FILE = GUIDE / "settings.yaml"
+
+# --------------------------------------------------------------------------------------- settings
+
+# Upstream facts the defaults follow (cited in the guide's README):
+#   llm-d/llm-d guides/optimized-baseline (GUIDE_NAME, NAMESPACE=llm-d-<guide>, release and InferencePool
+#   named after the guide, model servers labelled llm-d.ai/guide=<guide>, Gateway llm-d-inference-gateway).
+LLMD_GUIDE_COMMIT = "05b03f75739f966c129498ad620aca5f18a30c99"
+DEFAULT_MODELSERVER = ("https://github.com/llm-d/llm-d//guides/optimized-baseline/modelserver/gpu/vllm/base"
+                       f"?ref={LLMD_GUIDE_COMMIT}")
 
 
 @dataclass(frozen=True)
 class GuideSettings:
-    """The few names and limits every file of the guide agrees on (the tests check that they do)."""
+    """Names and limits every file of the guide agrees on (``settings.yaml``; the tests check each use)."""
 
-    namespace: str = "llm-d-timeslice"
-    pool: str = "sampler-pool"
-    """InferencePool name; also the gate's pool (``--pool``/``--default-pool``, ``x-llmd-timeslice-pool``)."""
-    gate_service: str = "llmd-timeslice-gate"
-    gate_headless_service: str = "llmd-timeslice-gate-headless"
-    gate_ext_proc_port: int = 9002
+    guide: str = "optimized-baseline"
+    """``GUIDE_NAME`` of the llm-d guide: its model servers carry ``llm-d.ai/guide: <guide>``."""
+    namespace: str = "llm-d-optimized-baseline"
+    """``NAMESPACE`` of the guide: the router release, the model servers, the Gateway and this guide."""
+    gateway: str = "llm-d-inference-gateway"
+    """The Gateway (gateway mode; the llm-d gateway recipes name it so)."""
+    gateway_listener: str = "http"
+    """Envoy Gateway only: the Gateway listener serving the route (its Envoy listener is <ns>/<gw>/<listener>)."""
+    pool: str = "optimized-baseline"
+    """InferencePool = router release name (the llm-d guides install the release as GUIDE_NAME)."""
+    group: str = "rollout-0"
+    """Accelerator group the samplers and the trainer take turns on (``timeslice.io/group``)."""
+    accelerators: int = 1
+    """Devices in the group's shared ResourceClaim (each sampler pod and the trainer get all of them)."""
+    device_class: str = "gpu.nvidia.com"
+    """DRA DeviceClass of the shared ResourceClaim (NVIDIA's DRA driver)."""
+    image: str = "registry.invalid/llmd-timeslice:0.1.0"
+    """This project's image (gate, orchestrator, sidecar): build manifests/Dockerfile, push, set it here."""
+    modelserver: str = DEFAULT_MODELSERVER
+    """Kustomize resource of the guide's model servers (a local path or a pinned remote URL)."""
     max_hold_s: float = 600.0
-    """The gate's ``--max-hold-s``; every Envoy timeout on the request path is sized above it."""
-    generation_timeout_s: float = 600.0
-    """Route timeout once a request leaves the gate (it starts after the hold, in Envoy's router filter)."""
-    epp_port: int = 9002
-    """The llm-d EPP's ext_proc port (in the EPP pod; the standalone chart's Envoy reaches it on loopback)."""
-    gateway: str = "inference-gateway"
-    epp_service: str = "sampler-pool-epp"
+    """The gate's ``--max-hold-s``: the longest a request waits while every sampler sleeps."""
+    generation_timeout_s: float = 3600.0
+    """The longest generation (response) a client may wait for once admitted."""
 
     @property
-    def gate_fqdn(self) -> str:
-        return f"{self.gate_service}.{self.namespace}.svc.cluster.local"
+    def epp_service(self) -> str:
+        return f"{self.pool}-epp"  # llm-d-router routerlib _helpers.tpl: <release>-epp
 
     @property
-    def stream_idle_timeout_s(self) -> float:
-        return self.max_hold_s + self.generation_timeout_s
+    def route(self) -> str:
+        """Our HTTPRoute (only /v1/): not the chart's name, so the chart's own route (``/``) can be removed."""
+        return f"{self.pool}-v1"
 
     @property
     def request_timeout_s(self) -> float:
-        """HTTPRoute-level request timeout (counts the hold on gateways that start it at the first byte)."""
-        return self.max_hold_s + self.generation_timeout_s + 10
+        """Route and stream-idle timeouts: a held request (no bytes) then the longest generation, plus margin."""
+        return self.max_hold_s + self.generation_timeout_s + 60
+
+    @property
+    def gate_fqdn(self) -> str:
+        return f"{GATE_SERVICE}.{self.namespace}.svc.cluster.local"
+
+    def image_name_tag(self) -> tuple[str, str]:
+        name, _, tag = self.image.rpartition(":")
+        if not name or "/" in tag:
+            return self.image, "latest"
+        return name, tag
 
 
-SETTINGS = GuideSettings()
+GATE_SERVICE = "llmd-timeslice-gate"
+GATE_HEADLESS_SERVICE = "llmd-timeslice-gate-headless"
+GATE_EXT_PROC_PORT = 9002
+EPP_PORT = 9002  # llm-d-router routerlib values.yaml router.epp.extProcPort
+ENGINE_PORT = 8000  # routerlib values.yaml router.modelServers.targetPorts
+IMAGE_PLACEHOLDER = "llmd-timeslice"
+"""The image name the static manifests use; each kustomization's ``images:`` sets the real one."""
+SAMPLER_TARGET_KIND = "Deployment"
+ROUTE_RULE_INDEX = 0
 
 GATE_FILTER_NAME = "envoy.filters.http.ext_proc.timeslice_gate"
 EPP_FILTER_NAME = "envoy.filters.http.ext_proc"  # the name the llm-d chart and Istio give the EPP's filter
 GATE_READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
 HEALTH_CHECK_TYPE = "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck"
+TLS_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+RELEASE_NAME = "{{ .Release.Name }}"
+RELEASE_NAMESPACE = "{{ .Release.Namespace }}"
 
 HEADER = (
-    "# GENERATED by manifests/generate.py from epp_plugin/envoy_config.py (gate_filter): do not edit by hand.\n"
-    "# Change the generator or GuideSettings, then run: .venv/bin/python manifests/generate.py\n"
+    "# GENERATED by manifests/generate.py from settings.yaml: do not edit by hand.\n"
+    "# Change manifests/guides/time-slicing/settings.yaml, then run: python3 manifests/generate.py\n"
 )
+
+
+def load_settings(path: Path = SETTINGS_FILE) -> GuideSettings:
+    """Read ``settings.yaml``. Raises ValueError naming an unknown key or a bad value."""
+    data = yaml.safe_load(path.read_text()) or {}
+    known = {f.name: f for f in fields(GuideSettings)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; known: {sorted(known)}")
+    values = {}
+    for k, v in data.items():
+        kind = type(getattr(GuideSettings, k))
+        if kind is float and isinstance(v, int):
+            v = float(v)
+        if not isinstance(v, kind) or (kind is str and not v):
+            raise ValueError(f"{path}: {k} must be a non-empty {kind.__name__}, got {v!r}")
+        values[k] = v
+    s = GuideSettings(**values)
+    if s.max_hold_s + 10 > 3600:
+        raise ValueError(f"{path}: max_hold_s must be at most 3590 (Envoy caps ext_proc message timeouts at 3600 s)")
+    return s
 
 
 def _dur(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (inline patches) as literal blocks, so the generated files read like hand-written ones."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _dump(data) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def _doc(comment: str, *docs: dict) -> str:
+    lines = "".join(f"# {line}\n" if line else "#\n" for line in comment.strip("\n").splitlines())
+    return HEADER + lines + "---\n".join(_dump(d) for d in docs)
+
+
+def _indent(text: str, n: int) -> str:
+    pad = " " * n
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+def _images(s: GuideSettings) -> list[dict]:
+    name, tag = s.image_name_tag()
+    return [{"name": IMAGE_PLACEHOLDER, "newName": name, "newTag": tag}]
+
+
+def _kustomization(**fields_) -> dict:
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", **fields_}
+
+
+def _component(**fields_) -> dict:
+    return {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component", **fields_}
+
+
+def _json_patch(ops: list[dict]) -> str:
+    return _dump(ops)
+
+
+def _add_args(*args: str) -> str:
+    return _json_patch([{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a} for a in args])
+
+
+# ------------------------------------------------------------------------------ Envoy: standalone
+
+
+def _http2_options(max_streams: int = 2_147_483_647) -> dict:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": HTTP_OPTIONS_TYPE,
+            "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": max_streams}},
+        }
+    }
+
+
 def llmd_epp_filter(cluster: str) -> dict:
-    """The llm-d EPP's ext_proc filter as the llm-d-router-standalone chart renders it, plus the
-    metadata forwarding that lets the EPP see the gate's subset hint."""
+    """The llm-d EPP's ext_proc filter as the llm-d-router-standalone chart renders it (values.yaml,
+    proxy.presets.envoy), plus the metadata forwarding that lets the EPP see the gate's subset hint."""
     return {
         "name": EPP_FILTER_NAME,
         "typed_config": {
             "@type": EXT_PROC_TYPE,
-            "grpc_service": {"envoy_grpc": {"cluster_name": cluster, "authority": f"localhost:{SETTINGS.epp_port}"}},
-            # Same as the chart in sidecar mode: EPP down => 5xx, never an unpicked endpoint.
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster, "authority": f"localhost:{EPP_PORT}"},
+                             "timeout": "10s"},
+            # EPP down => 503, never an unpicked endpoint (the chart's sidecar default is fail closed too).
             "failure_mode_allow": False,
+            "status_on_error": {"code": 503},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
@@ -124,48 +252,46 @@ def llmd_epp_filter(cluster: str) -> dict:
     }
 
 
-def _http2_options(max_streams: int = 2_147_483_647) -> dict:
-    return {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": HTTP_OPTIONS_TYPE,
-            "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": max_streams}},
-        }
-    }
+def _standalone_routes(s: GuideSettings) -> list[dict]:
+    disabled = {"@type": PER_ROUTE_TYPE, "disabled": True}
+
+    def not_routed(match: dict) -> dict:
+        # vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1) and anything else: 404 from Envoy, gate and EPP skipped.
+        return {"match": match, "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
+                "typed_per_filter_config": {GATE_FILTER_NAME: disabled, EPP_FILTER_NAME: disabled}}
+
+    return [
+        *(not_routed({"path": p}) for p in ADMIN_PATHS_UNDER_API),
+        {"match": {"prefix": API_PREFIX},
+         "route": {"cluster": "original_destination_cluster", "timeout": _dur(s.request_timeout_s)}},
+        not_routed({"prefix": "/"}),
+    ]
 
 
-def standalone_bootstrap(s: GuideSettings = SETTINGS) -> dict:
-    """Envoy bootstrap for the llm-d standalone router (EPP in the same pod, sidecar mode)."""
-    gate = gate_filter("llmd_timeslice_gate", s.pool, s.max_hold_s, failure_mode_allow=False)
+def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict:
+    """Envoy bootstrap for the llm-d standalone router (EPP in the same pod, sidecar mode).
+
+    ``release``/``namespace``: the Helm release and its namespace; the values file passes the template
+    expressions ``{{ .Release.Name }}`` / ``{{ .Release.Namespace }}``, which the chart renders
+    (routerlib ``_helpers.tpl`` runs ``tpl`` over ``proxy.configMap.data["envoy.yaml"]``).
+    """
+    gate = gate_filter("llmd_timeslice_gate", release, s.max_hold_s, failure_mode_allow=False)
     gate["name"] = GATE_FILTER_NAME
     hcm = {
         "@type": HCM_TYPE,
         "stat_prefix": "http-8081",
-        # A held request sends no bytes; Envoy's default (300 s) would reset it mid-hold.
-        "stream_idle_timeout": _dur(s.stream_idle_timeout_s),
+        # A held request sends no bytes, nor does a long non-streamed generation: Envoy's default
+        # (300 s) would reset either.
+        "stream_idle_timeout": _dur(s.request_timeout_s),
         "use_remote_address": True,
+        # Route on the normalized path (/v1/../sleep is /sleep: 404); an escaped slash is refused.
         "normalize_path": True,
         "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
         "route_config": {
             "name": "vllm",
-            "virtual_hosts": [
-                {
-                    "name": "vllm-default",
-                    "domains": ["*"],
-                    "routes": [
-                        {
-                            # Only the OpenAI API: the samplers run with VLLM_SERVER_DEV_MODE=1, whose
-                            # /sleep, /wake_up and /collective_rpc must never be reachable from clients.
-                            "match": {"prefix": "/v1/"},
-                            "route": {
-                                "cluster": "original_destination_cluster",
-                                "timeout": _dur(s.generation_timeout_s),
-                            },
-                        },
-                        {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
-                    ],
-                }
-            ],
+            "virtual_hosts": [{"name": "vllm-default", "domains": ["*"], "routes": _standalone_routes(s)}],
         },
         # Order is the design: the gate holds/steers first, then the EPP picks inside the hint.
         "http_filters": [
@@ -235,16 +361,20 @@ def standalone_bootstrap(s: GuideSettings = SETTINGS) -> dict:
                     "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
                 },
                 {
-                    # The EPP, on loopback in the EPP pod (the chart's sidecar mode).
+                    # The EPP, on loopback in the EPP pod (the chart's sidecar mode). It serves TLS with a
+                    # self-signed certificate by default: TLS without verification, as the chart's own
+                    # Envoy does (values.yaml proxy.presets.envoy, transport_socket).
                     "name": "ext_proc",
                     "type": "STATIC",
                     "connect_timeout": "1s",
                     "lb_policy": "LEAST_REQUEST",
                     "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
                     "typed_extension_protocol_options": _http2_options(),
+                    "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                        "@type": TLS_TYPE, "common_tls_context": {"validation_context": {}}}},
                     "load_assignment": {
                         "cluster_name": "ext_proc",
-                        "endpoints": [{"lb_endpoints": [endpoint("127.0.0.1", s.epp_port)]}],
+                        "endpoints": [{"lb_endpoints": [endpoint("127.0.0.1", EPP_PORT)]}],
                     },
                 },
                 {
@@ -261,16 +391,8 @@ def standalone_bootstrap(s: GuideSettings = SETTINGS) -> dict:
                     "typed_extension_protocol_options": _http2_options(),
                     "load_assignment": {
                         "cluster_name": "llmd_timeslice_gate",
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    endpoint(
-                                        f"{s.gate_headless_service}.{s.namespace}.svc.cluster.local",
-                                        s.gate_ext_proc_port,
-                                    )
-                                ]
-                            }
-                        ],
+                        "endpoints": [{"lb_endpoints": [endpoint(
+                            f"{GATE_HEADLESS_SERVICE}.{namespace}.svc.cluster.local", GATE_EXT_PROC_PORT)]}],
                     },
                 },
             ],
@@ -278,67 +400,26 @@ def standalone_bootstrap(s: GuideSettings = SETTINGS) -> dict:
     }
 
 
-def _dump(data) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
-
-
-def _indent(text: str, n: int) -> str:
-    pad = " " * n
-    return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
-
-
-def epp_config_gate_path() -> dict:
-    """The EPP configuration for the gate path: llm-d's default scorers. The EPP honours the
-    gate's subset hint by itself (candidates are taken from ``envoy.lb.subset_hint``)."""
-    return {
-        "apiVersion": "llm-d.ai/v1alpha1",
-        "kind": "EndpointPickerConfig",
-        "plugins": [
-            {"type": "queue-scorer"},
-            {"type": "kv-cache-utilization-scorer"},
-            {"type": "prefix-cache-scorer"},
-        ],
-        "schedulingProfiles": [
-            {
-                "name": "default",
-                "plugins": [
-                    {"pluginRef": "queue-scorer", "weight": 2},
-                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
-                ],
-            }
-        ],
-    }
-
-
-def values_standalone(s: GuideSettings = SETTINGS) -> str:
-    envoy_yaml = _dump(standalone_bootstrap(s))
-    epp_yaml = _dump(epp_config_gate_path())
+def values_standalone(s: GuideSettings) -> str:
+    envoy_yaml = _dump(standalone_bootstrap(s, RELEASE_NAME, RELEASE_NAMESPACE))
     return (
         HEADER
-        + "# Helm values for the llm-d-router-standalone chart (llm-d/llm-d-router, config/charts/\n"
-        "# llm-d-router-standalone): the router with the time-slice gate in front of the EPP.\n"
-        "#   helm install sampler-pool <llm-d-router-standalone chart> -n "
-        + s.namespace
-        + " -f values-standalone.yaml\n"
+        + "# Helm values for the llm-d-router-standalone chart (llm-d/llm-d-router v0.9.0, config/charts/\n"
+        "# llm-d-router-standalone), LAYERED LAST on the guide's own values (they keep the guide's EPP\n"
+        "# plugins and its model-server selector):\n"
+        "#   helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-standalone --version v0.9.0 \\\n"
+        "#     -f <llm-d>/guides/recipes/router/base.values.yaml -f <llm-d>/guides/<guide>/router/<guide>.values.yaml \\\n"
+        "#     -f values-standalone.yaml -n <namespace>\n"
+        "# The chart renders {{ .Release.Name }} / {{ .Release.Namespace }} below (tpl over envoy.yaml).\n"
         "router:\n"
-        "  modelServers:\n"
-        "    matchLabels:\n"
-        "      llm-d.ai/inference-serving: \"true\"   # the samplers' pod label (ms values of your guide)\n"
         "  inferencePool:\n"
-        "    # EPP unreachable => fail closed: a fail-open router would send requests to sleeping engines.\n"
+        "    # Pool-level failure mode (CRD enum FailOpen|FailClose). The recipes' base values say FailOpen:\n"
+        "    # a fail-open router would send requests to sleeping engines.\n"
         "    failureMode: FailClose\n"
-        "  epp:\n"
-        "    flags:\n"
-        "      secure-serving: false   # Envoy reaches the EPP on loopback in the same pod (sidecar mode)\n"
-        "    pluginsConfigFile: timeslice-plugins.yaml\n"
-        "    pluginsCustomConfig:\n"
-        "      timeslice-plugins.yaml: |\n"
-        + _indent(epp_yaml, 8)
-        + "  proxy:\n"
+        "  proxy:\n"
         "    enabled: true\n"
         "    proxyType: envoy\n"
-        "    mode: sidecar\n"
+        "    mode: sidecar          # the bootstrap below reaches the EPP on loopback\n"
         "    failOpen: false\n"
         "    configMap:\n"
         "      name: envoy\n"
@@ -348,20 +429,144 @@ def values_standalone(s: GuideSettings = SETTINGS) -> str:
     )
 
 
-def istio_envoyfilter(s: GuideSettings = SETTINGS) -> str:
-    gate = gate_filter(f"outbound|{s.gate_ext_proc_port}||{s.gate_fqdn}", s.pool, s.max_hold_s, failure_mode_allow=False)
+def render_chart_envoy_yaml(values_text: str, release: str, namespace: str) -> dict:
+    """What the chart puts in its ConfigMap for our values (the two template expressions rendered)."""
+    tpl = yaml.safe_load(values_text)["router"]["proxy"]["configMap"]["data"]["envoy.yaml"]
+    rendered = tpl.replace(RELEASE_NAME, release).replace(RELEASE_NAMESPACE, namespace)
+    if "{{" in rendered:
+        raise ValueError("envoy.yaml has a template expression the test renderer does not know")
+    return yaml.safe_load(rendered)
+
+
+def values_gateway(s: GuideSettings) -> str:
+    doc = {
+        "router": {"inferencePool": {"failureMode": "FailClose"}},
+        "httpRoute": {"create": False},
+    }
+    return _doc(
+        "Helm values for the llm-d-router-gateway chart (llm-d/llm-d-router v0.9.0), LAYERED LAST on the\n"
+        "guide's own values, for every gateway variant:\n"
+        "  helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-gateway --version v0.9.0 \\\n"
+        "    -f <llm-d>/guides/recipes/router/base.values.yaml -f <llm-d>/guides/<guide>/router/<guide>.values.yaml \\\n"
+        "    -f values-gateway.yaml --set provider.name=<istio|agentgateway|none> -n <namespace>\n"
+        "* failureMode FailClose: the gateway never routes around the EPP (CRD enum FailOpen|FailClose).\n"
+        "* httpRoute.create false: the chart's HTTPRoute matches PathPrefix / (templates/httproute.yaml), which\n"
+        "  would expose vLLM's /sleep, /wake_up, /collective_rpc; each gateway overlay ships its own route\n"
+        f"  ({s.route}) for {API_PREFIX} only, with timeouts above the hold plus the longest generation.",
+        doc)
+
+
+def values_serving_label(s: GuideSettings) -> str:
+    doc = {"router": {
+        "modelServers": {"matchLabels": {"timeslice.io/serving": "true"}},
+        "epp": {"flags": {"disable-endpoint-subset-filter": True}},
+    }}
+    return _doc(
+        "Layer after values-gateway.yaml where the subset hint cannot reach the EPP (agentgateway, the label\n"
+        "fallback). The orchestrator (--manage-serving-label) keeps the pod label timeslice.io/serving\n"
+        "current: \"false\" from the start of a drain until the wake is verified.\n"
+        "* matchLabels: Helm merges maps, so the pool selects the guide's label AND serving=true: a draining\n"
+        "  or sleeping pod leaves the InferencePool and the EPP never picks it.\n"
+        "* disable-endpoint-subset-filter (EPP flag, llm-d-router v0.9.0 pkg/epp/server/options.go): requests\n"
+        "  queued while the pool was empty carry an empty subset and would never dispatch once pods return\n"
+        "  (kubernetes-sigs/gateway-api-inference-extension#2117); no gate writes a hint on these paths.",
+        doc)
+
+
+def values_flow_control(s: GuideSettings) -> str:
+    epc = {
+        "apiVersion": "llm-d.ai/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "featureGates": ["flowControl"],
+        # llm-d-router v0.9.0 apix/config/v1alpha1: one TTL for queued requests (noEndpointRequestTTL, which
+        # splits the empty-pool case off, is newer than v0.9.0).
+        "flowControl": {"defaultRequestTTL": _dur(s.max_hold_s)},
+        "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"},
+                    {"type": "prefix-cache-scorer"}],
+        "schedulingProfiles": [{"name": "default", "plugins": [
+            {"pluginRef": "queue-scorer", "weight": 2}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+            {"pluginRef": "prefix-cache-scorer", "weight": 3}]}],
+    }
+    text = _dump(epc)
+    return (
+        HEADER
+        + "# Label fallback only (no gate on the request path): the EPP's flow control holds requests while\n"
+        "# the pool is empty (every sampler asleep) for up to defaultRequestTTL, then answers 503.\n"
+        "# Layer after values-gateway.yaml and values-serving-label.yaml. This REPLACES the guide's\n"
+        "# EndpointPickerConfig (the chart takes one plugins file): copy your guide's plugins and\n"
+        "# schedulingProfiles over the three scorers below, keep featureGates and flowControl.\n"
+        "router:\n"
+        "  epp:\n"
+        "    pluginsConfigFile: timeslice-flow-control.yaml\n"
+        "    pluginsCustomConfig:\n"
+        "      timeslice-flow-control.yaml: |\n"
+        + _indent(text, 8)
+    )
+
+
+# ------------------------------------------------------------------------------ Gateway API route
+
+
+def httproute(s: GuideSettings, backend: dict) -> dict:
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": s.route, "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
+        "spec": {
+            "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway}],
+            "rules": [{
+                # Only the OpenAI API: vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1) stay unreachable.
+                "matches": [{"path": {"type": "PathPrefix", "value": API_PREFIX}}],
+                "backendRefs": [backend],
+                "timeouts": {"request": _dur(s.request_timeout_s)},
+            }],
+        },
+    }
+
+
+def _inference_pool_ref(s: GuideSettings) -> dict:
+    return {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": s.pool}
+
+
+# ------------------------------------------------------------------------------ Istio
+
+
+def istio_route_name(s: GuideSettings, route: str | None = None) -> str:
+    """Istio's Envoy route name for an unnamed HTTPRoute rule: ``<namespace>.<route>.<rule index>``
+    (istio/istio 1.29.2 pilot/pkg/config/kube/gateway/conversion.go, convertHTTPRoute)."""
+    return f"{s.namespace}.{route or s.route}.{ROUTE_RULE_INDEX}"
+
+
+def istio_gate_route_patch(s: GuideSettings, pool: str, route: str) -> dict:
+    """Per-route pool for the gate (ExtProcPerRoute.overrides.grpc_initial_metadata): one per pool's route."""
+    override = {"@type": PER_ROUTE_TYPE, "overrides": {
+        "grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]}}
+    return {
+        "applyTo": "HTTP_ROUTE",
+        "match": {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": istio_route_name(s, route)}}}},
+        "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": {GATE_FILTER_NAME: override}}},
+    }
+
+
+def istio_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | None = None) -> dict:
+    """``extra_pools``: pool -> its HTTPRoute, for more InferencePools behind the same Gateway."""
+    gate = gate_filter(f"outbound|{GATE_EXT_PROC_PORT}||{s.gate_fqdn}", s.pool, s.max_hold_s, failure_mode_allow=False)
     gate["name"] = GATE_FILTER_NAME
+    # No pool on the listener: each pool's route names its own (below); a route without one gets the
+    # gate's --default-pool. (A listener-level pool would send every pool's requests as this one's.)
+    gate["typed_config"]["grpc_service"].pop("initial_metadata", None)
     hcm_match = {"filter": {"name": "envoy.filters.network.http_connection_manager"}}
     epp_match = {
         "context": "GATEWAY",
         "listener": {"filterChain": {"filter": {**hcm_match["filter"], "subFilter": {"name": EPP_FILTER_NAME}}}},
     }
-    doc = {
+    pools = {s.pool: s.route, **(extra_pools or {})}
+    return {
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
         "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
         "spec": {
-            # The Gateway's pods (Istio labels them with the Gateway API name).
+            # The Gateway's pods: Istio labels them with the Gateway API name.
             "workloadSelector": {"labels": {"gateway.networking.k8s.io/gateway-name": s.gateway}},
             "configPatches": [
                 {
@@ -376,52 +581,404 @@ def istio_envoyfilter(s: GuideSettings = SETTINGS) -> str:
                     #    (MERGE appends to the repeated field).
                     "applyTo": "HTTP_FILTER",
                     "match": copy.deepcopy(epp_match),
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {
-                            "name": EPP_FILTER_NAME,
-                            "typed_config": {
-                                "@type": EXT_PROC_TYPE,
-                                "metadata_options": {
-                                    "forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}
-                                },
-                            },
-                        },
-                    },
+                    "patch": {"operation": "MERGE", "value": {"name": EPP_FILTER_NAME, "typed_config": {
+                        "@type": EXT_PROC_TYPE,
+                        "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
+                    }}},
                 },
                 {
-                    # 3. A held request sends no bytes: raise the stream idle timeout above the hold.
+                    # 3. A held request sends no bytes: raise the stream idle timeout above hold + generation.
                     "applyTo": "NETWORK_FILTER",
                     "match": {"context": "GATEWAY", "listener": {"filterChain": copy.deepcopy(hcm_match)}},
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {
-                            "name": "envoy.filters.network.http_connection_manager",
-                            "typed_config": {"@type": HCM_TYPE, "stream_idle_timeout": _dur(s.stream_idle_timeout_s)},
-                        },
-                    },
+                    "patch": {"operation": "MERGE", "value": {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {"@type": HCM_TYPE, "stream_idle_timeout": _dur(s.request_timeout_s)},
+                    }},
                 },
+                # 4. Each pool's route tells the gate its pool.
+                *(istio_gate_route_patch(s, pool, route) for pool, route in pools.items()),
             ],
         },
     }
-    return HEADER + "# Istio (Gateway API mode with ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true on istiod).\n" + _dump(doc)
 
 
-def rendered_files() -> dict[Path, str]:
-    """Every generated file, path -> content."""
+def istio_destinationrule(s: GuideSettings) -> dict:
     return {
-        GUIDE / "router" / "standalone-envoy.yaml": HEADER + _dump(standalone_bootstrap()),
-        GUIDE / "router" / "values-standalone.yaml": values_standalone(),
-        GUIDE / "gateways" / "istio" / "envoyfilter.yaml": istio_envoyfilter(),
+        "apiVersion": "networking.istio.io/v1",
+        "kind": "DestinationRule",
+        "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
+        "spec": {
+            "host": s.gate_fqdn,
+            "trafficPolicy": {"connectionPool": {
+                "tcp": {"maxConnections": 100_000},
+                "http": {"http2MaxRequests": 100_000, "http1MaxPendingRequests": 100_000,
+                         "maxRequestsPerConnection": 0},
+            }},
+        },
     }
+
+
+# ------------------------------------------------------------------------------ agentgateway
+
+
+def agentgateway_policy(s: GuideSettings) -> dict:
+    return {
+        "apiVersion": "agentgateway.dev/v1alpha1",
+        "kind": "AgentgatewayPolicy",
+        "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": s.route}],
+            "traffic": {
+                # Route policies run before the backend call, so the gate answers before agentgateway's
+                # inference router calls the EPP (crates/agentgateway/src/proxy/httpproxy.rs, v1.1.0).
+                "extProc": {"backendRef": {"name": GATE_SERVICE, "port": GATE_EXT_PROC_PORT}},
+                "timeouts": {"request": _dur(s.request_timeout_s)},
+            },
+        },
+    }
+
+
+# ------------------------------------------------------------------------------ Envoy Gateway
+
+
+def _eg_gate_filter_name(s: GuideSettings) -> str:
+    return f"envoy.filters.http.ext_proc/envoyextensionpolicy/{s.namespace}/llmd-timeslice/extproc/0"
+
+
+def envoy_gateway_docs(s: GuideSettings) -> dict[str, dict]:
+    samplers = f"{s.pool}-serving-samplers"
+    epp_backend = f"{s.epp_service}-tls"
+    ref_route = [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": s.route}]
+    part_of = {"app.kubernetes.io/part-of": "llmd-timeslice"}
+    eep = {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "EnvoyExtensionPolicy",
+        "metadata": {"name": "llmd-timeslice", "labels": part_of},
+        "spec": {"targetRefs": ref_route, "extProc": [
+            {
+                "backendRefs": [{"name": GATE_SERVICE, "port": GATE_EXT_PROC_PORT}],
+                # One open stream per held request.
+                "backendSettings": {"circuitBreaker": {"maxConnections": 100_000, "maxPendingRequests": 100_000,
+                                                       "maxParallelRequests": 100_000}},
+                "failOpen": False,
+                "messageTimeout": _dur(s.max_hold_s + 10),
+                "processingMode": {"request": {}, "response": {"attributes": [protocol.UPSTREAM_ADDRESS_ATTRIBUTE]}},
+                "metadata": {"writableNamespaces": [protocol.SUBSET_HINT_NAMESPACE]},
+            },
+            {
+                # The guide's EPP serves TLS (self-signed): reached through a Backend with TLS, not verified,
+                # as the llm-d chart's own Envoy and its Istio DestinationRule do.
+                "backendRefs": [{"group": "gateway.envoyproxy.io", "kind": "Backend", "name": epp_backend,
+                                 "port": EPP_PORT}],
+                "failOpen": False,
+                "messageTimeout": "1000s",
+                "processingMode": {"request": {"body": "FullDuplexStreamed"}, "response": {"body": "FullDuplexStreamed"}},
+                "metadata": {"accessibleNamespaces": [protocol.SUBSET_HINT_NAMESPACE],
+                             "writableNamespaces": [protocol.DESTINATION_NAMESPACE]},
+            },
+        ]},
+    }
+    backend = {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "Backend",
+        "metadata": {"name": epp_backend, "labels": part_of},
+        "spec": {"endpoints": [{"fqdn": {"hostname": f"{s.epp_service}.{s.namespace}.svc.cluster.local",
+                                         "port": EPP_PORT}}],
+                 "tls": {"insecureSkipVerify": True, "alpnProtocols": ["h2"]}},
+    }
+    gate_filter_path = f"..http_filters[?(@.name=='{_eg_gate_filter_name(s)}')]"
+    listener = f"{s.namespace}/{s.gateway}/{s.gateway_listener}"
+
+    def add(json_path: str, path: str, value) -> dict:
+        return {"type": "type.googleapis.com/envoy.config.listener.v3.Listener", "name": listener,
+                "operation": {"op": "add", "jsonPath": json_path, "path": path, "value": value}}
+
+    epp_patch = {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "EnvoyPatchPolicy",
+        "metadata": {"name": "llmd-timeslice-gate", "labels": part_of},
+        "spec": {
+            "targetRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway},
+            "type": "JSONPatch",
+            "jsonPatches": [
+                # Keep the gate's stream open until the response ends (SSE without trailers too).
+                add(gate_filter_path + ".typed_config.processing_mode", "response_trailer_mode", "SEND"),
+                add(gate_filter_path + ".typed_config", "max_message_timeout", "3600s"),
+                # Gate unreachable: 503 (retryable), not Envoy's default 500.
+                add(gate_filter_path + ".typed_config", "status_on_error", {"code": "ServiceUnavailable"}),
+            ],
+        },
+    }
+    btp = {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "BackendTrafficPolicy",
+        "metadata": {"name": s.route, "labels": part_of},
+        "spec": {
+            "targetRefs": ref_route,
+            "loadBalancer": {"type": "LeastRequest",
+                             # The endpoint the EPP wrote into x-gateway-destination-endpoint (EPP protocol).
+                             "endpointOverride": {"extractFrom": [{"header": protocol.DESTINATION_HEADER}]}},
+            "circuitBreaker": {"maxConnections": 100_000, "maxPendingRequests": 100_000,
+                               "maxParallelRequests": 100_000},
+        },
+    }
+    ctp = {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "ClientTrafficPolicy",
+        "metadata": {"name": f"{s.gateway}-timeslice", "labels": part_of},
+        "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway}],
+                 "timeout": {"http": {"streamIdleTimeout": _dur(s.request_timeout_s)}}},
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": samplers, "labels": part_of},
+        "spec": {
+            # The route's backend. Envoy Gateway falls back to its load balancer when the EPP's pick is not
+            # an endpoint of this Service (api/v1alpha1/loadbalancer_types.go, EndpointOverride): only
+            # SERVING samplers are, so a fallback can never reach a draining or sleeping engine.
+            "selector": {"llm-d.ai/guide": s.guide, "timeslice.io/serving": "true"},
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT, "appProtocol": "http"}],
+        },
+    }
+    route = httproute(s, {"name": samplers, "port": ENGINE_PORT})
+    return {"httproute.yaml": route, "serving-samplers.yaml": service, "epp-backend.yaml": backend,
+            "envoyextensionpolicy.yaml": eep, "envoypatchpolicy.yaml": epp_patch,
+            "backendtrafficpolicy.yaml": btp, "clienttrafficpolicy.yaml": ctp}
+
+
+# ------------------------------------------------------------------------------ model servers
+
+
+def _sampler_target(s: GuideSettings) -> dict:
+    return {"group": "apps", "version": "v1", "kind": SAMPLER_TARGET_KIND, "labelSelector": f"llm-d.ai/guide={s.guide}"}
+
+
+TRAINER_TARGET = {"group": "batch", "version": "v1", "kind": "Job", "labelSelector": "timeslice.io/role=trainer"}
+
+
+def sampler_component(s: GuideSettings) -> dict:
+    labels = {"apiVersion": "apps/v1", "kind": SAMPLER_TARGET_KIND, "metadata": {"name": "timeslice-sampler"},
+              "spec": {"template": {"metadata": {
+                  "labels": {"timeslice.io/group": s.group},
+                  "annotations": {"timeslice.io/pool": s.pool}}}}}
+    return _component(
+        images=_images(s),
+        patches=[
+            {"path": "sidecar-patch.yaml", "target": _sampler_target(s)},
+            {"path": "sleep-mode-patch.yaml", "target": _sampler_target(s)},
+            {"patch": _dump(labels), "target": _sampler_target(s)},
+        ],
+    )
+
+
+def trainer_component(s: GuideSettings) -> dict:
+    labels = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "timeslice-trainer"},
+              "spec": {"template": {"metadata": {"labels": {"timeslice.io/group": s.group}}}}}
+    return _component(patches=[
+        {"path": "trainer-patch.yaml", "target": TRAINER_TARGET},
+        {"patch": _dump(labels), "target": TRAINER_TARGET},
+    ])
+
+
+def claim_name(s: GuideSettings) -> str:
+    return f"{s.group}-accelerators"
+
+
+def resource_claim(s: GuideSettings) -> dict:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": claim_name(s), "labels": {"app.kubernetes.io/part-of": "llmd-timeslice",
+                                                       "timeslice.io/group": s.group}},
+        "spec": {"devices": {"requests": [{"name": "accelerators", "exactly": {
+            "deviceClassName": s.device_class, "allocationMode": "ExactCount", "count": s.accelerators}}]}},
+    }
+
+
+def shared_accelerator_component(s: GuideSettings) -> dict:
+    def pod_patch(api: str, kind: str, container: str, extra_spec: dict | None = None) -> str:
+        return _dump({"apiVersion": api, "kind": kind, "metadata": {"name": "shared-accelerator"}, "spec": {
+            **(extra_spec or {}),
+            "template": {"spec": {
+                "containers": [{"name": container, "resources": {
+                    # null deletes the device-plugin request: its grants are exclusive, so the sampler and the
+                    # trainer could never get the same device.
+                    "limits": {"nvidia.com/gpu": None}, "requests": {"nvidia.com/gpu": None},
+                    "claims": [{"name": "accelerators"}]}}],
+                "resourceClaims": [{"name": "accelerators", "resourceClaimName": claim_name(s)}],
+            }},
+        }})
+
+    return _component(
+        resources=["resourceclaim.yaml"],
+        patches=[
+            # One sampler pod per claim: every pod referencing a ResourceClaim gets all of its devices.
+            {"patch": pod_patch("apps/v1", SAMPLER_TARGET_KIND, "modelserver", {"replicas": 1}),
+             "target": _sampler_target(s)},
+            {"patch": pod_patch("batch/v1", "Job", "trainer"), "target": TRAINER_TARGET},
+        ],
+    )
+
+
+# ------------------------------------------------------------------------------ the file set
+
+
+def _settings_yaml(s: GuideSettings) -> str:
+    lines = [
+        "# The ONE place for the names and limits this guide shares with your llm-d deployment.",
+        "# After a change run `python3 manifests/generate.py`: it rewrites every file that uses them",
+        "# (tests/test_manifests.py checks that each file agrees with this one).",
+    ]
+    for f in fields(GuideSettings):
+        v = getattr(s, f.name)
+        lines.append(f"{f.name}: {yaml.safe_dump(v, default_flow_style=True, width=1000).strip().removesuffix('...').strip()}")
+    return "\n".join(lines) + "\n"
+
+
+def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
+    """Every generated file for ``s``, path -> content (paths under ``guide``)."""
+    ns = s.namespace
+    pool_args = [f"--pool={s.pool}", f"--default-pool={s.pool}"]
+    base = _kustomization(
+        namespace=ns,
+        labels=[{"pairs": {"app.kubernetes.io/part-of": "llmd-timeslice"}, "includeSelectors": False}],
+        resources=["gate", "orchestrator"],
+        images=_images(s),
+        patches=[
+            {"target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-gate"},
+             "patch": _add_args(*pool_args, f"--max-hold-s={s.max_hold_s:g}")},
+            {"target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-orchestrator"},
+             "patch": _add_args(f"--default-pool={s.pool}")},
+        ],
+    )
+
+    def overlay(*extra: str, components: tuple[str, ...] = ()) -> dict:
+        k = _kustomization(namespace=ns, resources=["../../base", *extra])
+        if components:
+            k["components"] = list(components)
+        return k
+
+    eg = envoy_gateway_docs(s)
+    out: dict[str, str] = {
+        "base/kustomization.yaml": _doc(
+            "The time-slicing control and data plane: gate + orchestrator, named from settings.yaml.\n"
+            "Every gateway overlay includes it; with the standalone router apply it on its own:\n"
+            "  kubectl apply -k manifests/guides/time-slicing/base", base),
+        "base/monitoring/kustomization.yaml": _doc(
+            "Optional: needs the prometheus-operator CRDs (monitoring.coreos.com).\n"
+            "  kubectl apply -k manifests/guides/time-slicing/base/monitoring",
+            _kustomization(namespace=ns, resources=["servicemonitors.yaml"])),
+        "router/values-standalone.yaml": values_standalone(s),
+        "router/standalone-envoy.yaml": HEADER + "# What the chart renders from values-standalone.yaml for release "
+                                        f"{s.pool!r} in {ns!r} (envoy --mode validate checks it).\n"
+                                        + _dump(standalone_bootstrap(s, s.pool, ns)),
+        "router/values-gateway.yaml": values_gateway(s),
+        "router/values-serving-label.yaml": values_serving_label(s),
+        "router/values-flow-control.yaml": values_flow_control(s),
+        "gateways/istio/kustomization.yaml": _doc(
+            "Istio (1.29, ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true on istiod): base + the gate before the\n"
+            "EPP on the Gateway's pods + the /v1/-only route.\n"
+            "  kubectl apply -k manifests/guides/time-slicing/gateways/istio",
+            overlay("httproute.yaml", "envoyfilter.yaml", "destinationrule.yaml")),
+        "gateways/istio/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
+                                              httproute(s, _inference_pool_ref(s))),
+        "gateways/istio/envoyfilter.yaml": _doc("Istio Gateway API mode with the inference extension.",
+                                                istio_envoyfilter(s)),
+        "gateways/istio/destinationrule.yaml": _doc(
+            "Each held request is one open ext_proc stream to the gate: raise Istio's connection pool limits.",
+            istio_destinationrule(s)),
+        "gateways/agentgateway/kustomization.yaml": _doc(
+            "agentgateway (v1.1, inferenceExtension.enabled=true): base + the gate as an AgentgatewayPolicy\n"
+            "extProc on the /v1/-only route. agentgateway sends the EPP no metadata from an earlier ext_proc,\n"
+            "so the subset hint cannot reach it: steering is paired with the serving label (install the\n"
+            "router with values-serving-label.yaml). The gate still holds and counts in-flight requests.\n"
+            "  kubectl apply -k manifests/guides/time-slicing/gateways/agentgateway",
+            overlay("httproute.yaml", "policy.yaml", components=("../../components/serving-label",))),
+        "gateways/agentgateway/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
+                                                     httproute(s, _inference_pool_ref(s))),
+        "gateways/agentgateway/policy.yaml": _doc("The gate on the route (fail closed: the controller always sets "
+                                                  "FAIL_CLOSED).", agentgateway_policy(s)),
+        "gateways/envoy-gateway/kustomization.yaml": _doc(
+            "Envoy Gateway (v1.9; no upstream llm-d path: this variant wires the EPP itself). Needs\n"
+            "extensionApis.enableEnvoyPatchPolicy and enableBackend in the Envoy Gateway configuration.\n"
+            "  kubectl apply -k manifests/guides/time-slicing/gateways/envoy-gateway",
+            overlay(*eg, components=("../../components/serving-label",))),
+        **{f"gateways/envoy-gateway/{name}": _doc("Envoy Gateway variant (see kustomization.yaml).", d)
+           for name, d in eg.items()},
+        "gateways/label-fallback/kustomization.yaml": _doc(
+            "For gateways that cannot chain an ext_proc before the EPP: no gate on the request path; the\n"
+            "orchestrator keeps timeslice.io/serving current and the pool selects serving pods only.\n"
+            "Install the router with values-gateway.yaml + values-serving-label.yaml + values-flow-control.yaml.\n"
+            "  kubectl apply -k manifests/guides/time-slicing/gateways/label-fallback",
+            overlay("httproute.yaml", components=("../../components/serving-label",))),
+        "gateways/label-fallback/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
+                                                       httproute(s, _inference_pool_ref(s))),
+        "modelserver/sampler/kustomization.yaml": _doc(
+            "Adds time-slicing to the guide's vLLM model servers (Deployments labelled llm-d.ai/guide=<guide>):\n"
+            "the snapshot sidecar, VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode on the container named\n"
+            "modelserver (the first container), and the pod labels the orchestrator and gates agree on.",
+            sampler_component(s)),
+        "modelserver/trainer/kustomization.yaml": _doc(
+            "Connects trainer Jobs (labelled timeslice.io/role=trainer, container named trainer) to the\n"
+            "orchestrator: address, group, token.", trainer_component(s)),
+        "modelserver/shared-accelerator/kustomization.yaml": _doc(
+            "The sampler and the trainer share ONE Dynamic Resource Allocation ResourceClaim (resource.k8s.io/v1),\n"
+            "as llm-d-incubation/llm-d-rl-time-slicing does; device-plugin grants (nvidia.com/gpu) are exclusive.\n"
+            "Needs Kubernetes 1.34+ and a DRA driver with the DeviceClass in settings.yaml (README).",
+            shared_accelerator_component(s)),
+        "modelserver/shared-accelerator/resourceclaim.yaml": _doc(
+            f"The accelerators of group {s.group}: every pod that references this claim gets the same devices.",
+            resource_claim(s)),
+        "modelserver/guide/kustomization.yaml": _doc(
+            "Your guide's model servers with time-slicing: the guide's own overlay (settings.yaml modelserver)\n"
+            "plus the sampler and shared-accelerator components.\n"
+            "  kubectl apply -k manifests/guides/time-slicing/modelserver/guide",
+            _kustomization(namespace=ns, resources=[s.modelserver],
+                           components=["../sampler", "../shared-accelerator"])),
+        "modelserver/example/llm-d-guide/kustomization.yaml": _doc(
+            "Stands for a guide's model-server overlay: labels the Deployment with llm-d.ai/guide the way the\n"
+            "llm-d guides do (guides/optimized-baseline/modelserver/gpu/vllm/base/kustomization.yaml).",
+            _kustomization(
+                resources=["vllm-sampler.yaml"],
+                labels=[{"pairs": {"llm-d.ai/guide": s.guide}, "includeSelectors": True, "includeTemplates": True}],
+            )),
+        "modelserver/example/kustomization.yaml": _doc(
+            "An upstream-shaped sampler Deployment (llm-d-guide/) and a trainer Job, with the components applied:\n"
+            "they share one ResourceClaim (the tests build and validate it).\n"
+            "  kubectl apply -k manifests/guides/time-slicing/modelserver/example",
+            _kustomization(
+                namespace=ns,
+                resources=["llm-d-guide", "trainer-job.yaml"],
+                components=["../sampler", "../trainer", "../shared-accelerator"],
+            )),
+    }
+    return {guide / k: v for k, v in out.items()}
+
+
+def render_tree(s: GuideSettings, dest: Path) -> Path:
+    """A full copy of the guide under ``dest`` for settings ``s`` (static files copied, the rest rendered)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(GUIDE, dest)
+    (dest / "settings.yaml").write_text(_settings_yaml(s))
+    for path, text in rendered_files(s, dest).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="Only compare; exit 1 if a file is out of date.")
+    parser.add_argument("--settings", type=Path, default=SETTINGS_FILE, help="Settings file (default: the guide's).")
+    parser.add_argument("--out", type=Path, help="Write a full copy of the guide there instead of in place.")
     args = parser.parse_args(argv)
+    try:
+        s = load_settings(args.settings)
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as exc:
+        print(f"generate.py: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        render_tree(s, args.out)
+        print(f"wrote the guide for {args.settings} to {args.out}")
+        return 0
     stale = []
-    for path, text in rendered_files().items():
+    for path, text in rendered_files(s).items():
         if path.exists() and path.read_text() == text:
             continue
         if args.check:
@@ -431,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path.relative_to(REPO)}")
     if stale:
-        print("out of date (run .venv/bin/python manifests/generate.py):", *map(str, stale), sep="\n  ")
+        print("out of date (run python3 manifests/generate.py):", *map(str, stale), sep="\n  ")
         return 1
     return 0
 

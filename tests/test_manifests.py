@@ -1,10 +1,14 @@
-"""The Kubernetes guide under manifests/: it builds, validates, and keeps the gate's contract.
+"""The Kubernetes guide under manifests/: it builds, validates, fits today's llm-d, and keeps the gate's contract.
 
-Real tools only: ``kubectl kustomize`` builds every overlay, kubernetes-validate checks built-in
-kinds strictly against the pinned Kubernetes schemas, the vendored upstream CRD schemas
-(manifests/crd-schemas) check the custom resources, and the real Envoy binary
-(``envoy --mode validate``) checks every Envoy configuration a variant produces. A missing tool is
-a failure, never a skip.
+Real tools only: ``kubectl kustomize`` builds every overlay, kubernetes-validate checks built-in kinds
+strictly against the Kubernetes 1.34 schemas (``resource.k8s.io/v1`` ResourceClaim included), the vendored
+upstream CRD schemas (manifests/crd-schemas, sources in extract.py) check the custom resources, and the
+real Envoy binary (``envoy --mode validate``) checks every Envoy configuration a variant produces. A
+missing tool is a failure, never a skip.
+
+The llm-d side is ``tests/fixtures/llm-d-guide``: a guide's model-server overlay and router values written
+in the shape of the upstream ones, so "our components fit an unmodified guide" is built, not assumed.
+Each defect of issue 14 has a test here named after what it checks.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -26,26 +32,29 @@ import pytest
 import yaml
 
 from epp_plugin import protocol
-from epp_plugin.envoy_config import EXT_PROC_TYPE, HCM_TYPE, ROUTER_TYPE, gate_filter
+from epp_plugin.envoy_config import EXT_PROC_TYPE, HCM_TYPE, PER_ROUTE_TYPE, ROUTER_TYPE, gate_filter
 from epp_plugin.envoy_launcher import envoy_binary
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO / "manifests"
 GUIDE = MANIFESTS / "guides" / "time-slicing"
 CRD_SCHEMAS = MANIFESTS / "crd-schemas"
+FIXTURE = REPO / "tests" / "fixtures" / "llm-d-guide"
 
-K8S_VERSION = "1.32.0"
-"""Kubernetes version the built-in kinds are validated against (kubernetes-validate, strict)."""
+K8S_VERSION = "1.34.0"
+"""Kubernetes version built-in kinds are validated against: DRA's resource.k8s.io/v1 is GA there, and the
+upstream time-slicing project requires 1.34+ (guides/timeslice-orchestrator/README.md)."""
 
 OVERLAYS = [
     "base",
+    "base/monitoring",
     "modelserver/example",
     "gateways/istio",
+    "gateways/agentgateway",
     "gateways/envoy-gateway",
-    "gateways/kgateway",
     "gateways/label-fallback",
 ]
-IMAGE = "ghcr.io/llm-d-incubation/llmd-timeslice:0.1.0"
+GATEWAYS = ["gateways/istio", "gateways/agentgateway", "gateways/envoy-gateway", "gateways/label-fallback"]
 SUBSET_NS = protocol.SUBSET_HINT_NAMESPACE
 BIG = 100_000
 
@@ -59,7 +68,8 @@ def _load_generator():
 
 
 gen = _load_generator()
-S = gen.SETTINGS
+S = gen.load_settings()
+IMAGE = S.image
 
 
 def _seconds(value: str) -> float:
@@ -68,21 +78,29 @@ def _seconds(value: str) -> float:
     return float(m[1]) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m[2]]
 
 
-@cache
-def built(overlay: str) -> tuple[dict, ...]:
+def kustomize(path: Path) -> tuple[dict, ...]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with kustomize) is required: it is on the project's machine image"
-    proc = subprocess.run([kubectl, "kustomize", str(GUIDE / overlay)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"kubectl kustomize {overlay} failed:\n{proc.stderr}"
+    proc = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
     docs = tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
-    assert docs, f"{overlay} built to nothing"
+    assert docs, f"{path} built to nothing"
     return docs
+
+
+@cache
+def built(overlay: str) -> tuple[dict, ...]:
+    return kustomize(GUIDE / overlay)
 
 
 def find(docs, kind: str, name: str | None = None) -> dict:
     hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
     assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
     return hits[0]
+
+
+def values(name: str) -> dict:
+    return yaml.safe_load((GUIDE / "router" / name).read_text())
 
 
 def envoy_validate_all(configs: dict[str, dict], tmp_path: Path) -> None:
@@ -102,22 +120,35 @@ def envoy_validate_all(configs: dict[str, dict], tmp_path: Path) -> None:
     assert not failures, "envoy --mode validate rejected: " + "\n".join(f"{n}: {o}" for n, o in failures)
 
 
-# --------------------------------------------------------------------------- parse + build
+# --------------------------------------------------------------------------- parse, generate, build
 
 
 def test_every_yaml_file_parses():
     files = sorted(MANIFESTS.rglob("*.yaml"))
-    assert len(files) > 20
+    assert len(files) > 30
     for f in files:
         docs = [d for d in yaml.safe_load_all(f.read_text()) if d is not None]
         assert docs, f"{f} is empty"
 
 
 def test_generated_files_are_current():
-    """router/*.yaml and the Istio EnvoyFilter are rendered from epp_plugin.envoy_config."""
-    for path, text in gen.rendered_files().items():
-        assert path.exists(), f"{path} missing: run .venv/bin/python manifests/generate.py"
-        assert path.read_text() == text, f"{path.relative_to(REPO)} is stale: run .venv/bin/python manifests/generate.py"
+    """Every file carrying a setting is rendered from settings.yaml (manifests/generate.py)."""
+    for path, text in gen.rendered_files(S).items():
+        assert path.exists(), f"{path} missing: run python3 manifests/generate.py"
+        assert path.read_text() == text, f"{path.relative_to(REPO)} is stale: run python3 manifests/generate.py"
+
+
+def test_settings_file_refuses_unknown_keys_and_bad_values(tmp_path):
+    for text, needle in (("guide: a\nnamspace: b\n", "namspace"), ("max_hold_s: lots\n", "max_hold_s"),
+                         ("max_hold_s: 3595\n", "3600"), ("pool: ''\n", "pool")):
+        p = tmp_path / "s.yaml"
+        p.write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            gen.load_settings(p)
+    p.write_text("guide: a\nnamspace: b\n")
+    proc = subprocess.run([sys.executable, str(MANIFESTS / "generate.py"), "--settings", str(p), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "namspace" in proc.stderr
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -134,12 +165,21 @@ CRD_GROUPS = {
     "gateway.networking.k8s.io",
     "networking.istio.io",
     "monitoring.coreos.com",
-    "gateway.kgateway.dev",
+    "agentgateway.dev",
+    "inference.networking.k8s.io",
 }
 
 
 def _group(api_version: str) -> str:
     return api_version.split("/")[0] if "/" in api_version else ""
+
+
+def validate_builtin(d: dict, where: str) -> None:
+    try:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(map(str, e.path))
+        pytest.fail(f"{where}: {d['kind']}/{d['metadata']['name']} at {path}: {e.message}")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -148,14 +188,9 @@ def test_builtin_kinds_validate_strictly(overlay):
     for d in built(overlay):
         if _group(d["apiVersion"]) in CRD_GROUPS:
             continue
-        try:
-            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            path = ".".join(map(str, e.path))
-            pytest.fail(f"{overlay}: {d['kind']}/{d['metadata']['name']} at {path}: {e.message}")
+        validate_builtin(d, overlay)
         checked += 1
-    # Only the pure custom-resource overlays (istio, envoy-gateway's policies) may have no built-in kind.
-    assert checked or overlay in ("gateways/istio", "gateways/kgateway"), f"{overlay}: nothing validated"
+    assert checked or overlay == "base/monitoring", f"{overlay}: nothing validated"
 
 
 def _openapi_to_jsonschema(node):
@@ -199,69 +234,30 @@ def crd_validator(group: str, kind: str, version: str):
     return jsonschema.Draft7Validator(schema)
 
 
-# kgateway publishes its CRDs only inside its Helm chart; these are the fields of the Go API
-# types (kgateway-dev/kgateway api/v1alpha1/kgateway: gateway_extensions_types.go,
-# ext_proc_types.go, traffic_policy_types.go, backend_config_policy_types.go) for what the guide uses.
-_DUR = re.compile(r"^([0-9]{1,5}(h|m|s|ms)){1,4}$")
-_KGW = {
-    "GatewayExtension.spec": {"type", "extAuth", "extProc", "rateLimit", "jwt", "oauth2"},
-    "GatewayExtension.spec.extProc": {"grpcService", "failOpen", "processingMode", "allowProcessingModeOverride",
-                                      "allowedProcessingModeOverrides", "messageTimeout", "maxMessageTimeout",
-                                      "statPrefix", "routeCacheAction", "metadataOptions"},
-    "GatewayExtension.spec.extProc.grpcService": {"backendRef", "authority", "requestTimeout", "retry"},
-    "GatewayExtension.spec.extProc.grpcService.backendRef": {"group", "kind", "name", "namespace", "port", "weight"},
-    "GatewayExtension.spec.extProc.processingMode": {"requestHeaderMode", "responseHeaderMode", "requestBodyMode",
-                                                     "responseBodyMode", "requestTrailerMode", "responseTrailerMode"},
-    "TrafficPolicy.spec": {"targetRefs", "targetSelectors", "extProc", "timeouts", "retry", "headerModifiers"},
-    "TrafficPolicy.spec.extProc": {"extensionRef", "processingMode", "disable", "stage"},
-    "TrafficPolicy.spec.extProc.extensionRef": {"name", "namespace"},
-    "TrafficPolicy.spec.timeouts": {"request", "streamIdle"},
-    "BackendConfigPolicy.spec": {"targetRefs", "targetSelectors", "circuitBreakers", "connectTimeout"},
-    "BackendConfigPolicy.spec.circuitBreakers": {"maxConnections", "maxPendingRequests", "maxRequests", "maxRetries"},
-}
-
-
-def _check_kgateway(d: dict) -> None:
-    assert d["apiVersion"] == "gateway.kgateway.dev/v1alpha1", d["apiVersion"]
-
-    def walk(prefix: str, obj):
-        allowed = _KGW.get(prefix)
-        if allowed is None or not isinstance(obj, dict):
-            return
-        unknown = set(obj) - allowed
-        assert not unknown, f"{d['kind']}/{d['metadata']['name']}: unknown fields {sorted(unknown)} under {prefix}"
-        for k, v in obj.items():
-            walk(f"{prefix}.{k}", v)
-
-    walk(f"{d['kind']}.spec", d["spec"])
-    if d["kind"] == "GatewayExtension":
-        pm = d["spec"]["extProc"]["processingMode"]
-        for k, v in pm.items():
-            allowed = {"NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED"} if "Body" in k \
-                else {"DEFAULT", "SEND", "SKIP"}
-            assert v in allowed, f"processingMode.{k}={v}"
-        for k in ("messageTimeout", "maxMessageTimeout"):
-            assert _DUR.match(d["spec"]["extProc"][k]), k
-    for ref in d["spec"].get("targetRefs", []):
-        assert {"group", "kind", "name"} <= set(ref), ref
-    for v in d["spec"].get("timeouts", {}).values():
-        assert _DUR.match(v), v
+def validate_custom(d: dict) -> None:
+    validator = crd_validator(_group(d["apiVersion"]), d["kind"], d["apiVersion"].split("/")[1])
+    assert validator is not None, f"no vendored CRD schema for {d['apiVersion']} {d['kind']} (manifests/crd-schemas)"
+    errors = sorted(validator.iter_errors(d), key=lambda e: list(e.path))
+    assert not errors, f"{d['kind']}/{d['metadata']['name']}: " + "; ".join(
+        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_custom_resources_validate_against_upstream_schemas(overlay):
     for d in built(overlay):
-        group = _group(d["apiVersion"])
-        if group not in CRD_GROUPS:
-            continue
-        if group == "gateway.kgateway.dev":
-            _check_kgateway(d)
-            continue
-        validator = crd_validator(group, d["kind"], d["apiVersion"].split("/")[1])
-        assert validator is not None, f"no vendored CRD schema for {d['apiVersion']} {d['kind']} (manifests/crd-schemas)"
-        errors = sorted(validator.iter_errors(d), key=lambda e: list(e.path))
-        assert not errors, f"{d['kind']}/{d['metadata']['name']}: " + "; ".join(
-            f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5])
+        if _group(d["apiVersion"]) in CRD_GROUPS:
+            validate_custom(d)
+
+
+def test_every_vendored_schema_records_its_pinned_source():
+    extract = importlib.util.spec_from_file_location("crd_extract", CRD_SCHEMAS / "extract.py")
+    mod = importlib.util.module_from_spec(extract)
+    sys.modules[extract.name] = mod  # dataclasses look their module up there
+    extract.loader.exec_module(mod)
+    for group, kind, version in mod.WANTED:
+        data = json.loads((CRD_SCHEMAS / f"{group}_{kind}_{version}.json").read_text())
+        src = mod.SOURCES[group]
+        assert data["source"].startswith(f"{src.repo} {src.tag} @ {src.commit[:12]}") or group == "monitoring.coreos.com"
 
 
 def test_crd_validation_is_strict():
@@ -270,6 +266,9 @@ def test_crd_validation_is_strict():
     d["spec"]["extProc"][0]["receivingNamespaces"] = [SUBSET_NS]
     v = crd_validator("gateway.envoyproxy.io", "EnvoyExtensionPolicy", "v1alpha1")
     assert any("receivingNamespaces" in e.message for e in v.iter_errors(d))
+    pol = copy.deepcopy(find(built("gateways/agentgateway"), "AgentgatewayPolicy"))
+    pol["spec"]["traffic"]["extProc"]["failOpen"] = False  # agentgateway v1.1 has no such field
+    assert list(crd_validator("agentgateway.dev", "AgentgatewayPolicy", "v1alpha1").iter_errors(pol))
 
 
 # ---------------------------------------------------------- our containers, security, CLI
@@ -324,42 +323,52 @@ def test_container_args_are_real_cli_flags_and_probes_match_ports(overlay):
             assert c["command"] == ["llmd-timeslice"]
             sub, *flags = c["args"]
             assert sub in opts, f"unknown subcommand {sub}"
-            values = {}
+            values_ = {}
             for f in flags:
                 name, _, value = f.partition("=")
                 assert name in opts[sub], f"{d['metadata']['name']}/{c['name']}: `llmd-timeslice {sub}` has no {name}"
-                values[name] = value
-            assert values.get("--host") == "0.0.0.0", "bind all interfaces: probes and peers use the pod IP"
-            assert values.get("--token-file", "").startswith("/var/run/secrets/llmd-timeslice/")
+                assert name not in values_, f"{c['name']}: {name} given twice"
+                values_[name] = value
+            assert values_.get("--host") == "0.0.0.0", "bind all interfaces: probes and peers use the pod IP"
+            assert values_.get("--token-file", "").startswith("/var/run/secrets/llmd-timeslice/")
             ports = {p["containerPort"] for p in c["ports"]}
-            grpc_port = int(values.get("--ext-proc-port") or values.get("--port"))
-            assert int(values["--metrics-port"]) in ports and grpc_port in ports
+            grpc_port = int(values_.get("--ext-proc-port") or values_.get("--port"))
+            assert int(values_["--metrics-port"]) in ports and grpc_port in ports
             for probe in ("readinessProbe", "livenessProbe"):
                 assert c[probe]["grpc"]["port"] == grpc_port, f"{c['name']} {probe} must use the native gRPC probe"
 
 
-def test_gate_and_orchestrator_settings_agree():
+def _args(container: dict) -> dict[str, str]:
+    return dict(a.partition("=")[::2] for a in container["args"][1:])
+
+
+def test_gate_and_orchestrator_take_their_names_from_settings():
     docs = built("base")
     gate = find(docs, "Deployment", "llmd-timeslice-gate")["spec"]["template"]["spec"]["containers"][0]
-    args = dict(a.partition("=")[::2] for a in gate["args"][1:])
+    args = _args(gate)
     assert args["--pool"] == args["--default-pool"] == S.pool
     assert float(args["--max-hold-s"]) == S.max_hold_s
-    assert int(args["--ext-proc-port"]) == S.gate_ext_proc_port
+    assert int(args["--ext-proc-port"]) == gen.GATE_EXT_PROC_PORT
     orch_host, orch_port = args["--orchestrator"].split(":")
     orch = find(docs, "Service", orch_host)
     assert int(orch_port) in {p["port"] for p in orch["spec"]["ports"]}
     assert gate["readinessProbe"]["grpc"]["service"] == gen.GATE_READINESS_SERVICE
-    assert find(docs, "Service", S.gate_headless_service)["spec"]["clusterIP"] == "None"
-    assert find(docs, "Service", S.gate_service)["spec"]["ports"][0]["port"] == S.gate_ext_proc_port
+    assert find(docs, "Service", gen.GATE_HEADLESS_SERVICE)["spec"]["clusterIP"] == "None"
+    assert find(docs, "Service", gen.GATE_SERVICE)["spec"]["ports"][0]["port"] == gen.GATE_EXT_PROC_PORT
+    orch_args = _args(find(docs, "Deployment", "llmd-timeslice-orchestrator")["spec"]["template"]["spec"]["containers"][0])
+    assert orch_args["--default-pool"] == S.pool
 
 
-def test_orchestrator_discovers_pods_and_fallback_manages_the_serving_label():
+def test_orchestrator_discovers_pods_and_only_label_managing_variants_patch_them():
     orch = find(built("base"), "Deployment", "llmd-timeslice-orchestrator")
     args = orch["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--discovery=kubernetes" in args and "--namespace=$(POD_NAMESPACE)" in args
-    assert "--manage-serving-label" not in args, "only the label fallback writes pod labels"
-    fb = find(built("gateways/label-fallback"), "Deployment", "llmd-timeslice-orchestrator")
-    assert "--manage-serving-label" in fb["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--manage-serving-label" not in args, "base alone never writes pod labels"
+    for overlay in ("gateways/label-fallback", "gateways/agentgateway", "gateways/envoy-gateway"):
+        o = find(built(overlay), "Deployment", "llmd-timeslice-orchestrator")
+        assert "--manage-serving-label" in o["spec"]["template"]["spec"]["containers"][0]["args"], overlay
+    assert "--manage-serving-label" not in find(built("gateways/istio"), "Deployment",
+                                                "llmd-timeslice-orchestrator")["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 STATE_RULES = [
@@ -379,56 +388,326 @@ def test_orchestrator_rbac_is_limited_to_pods_and_its_state_configmap():
     pod_rules = [r for r in fallback["rules"] if r not in STATE_RULES]
     assert {v for r in pod_rules for v in r["verbs"]} == {"get", "list", "watch", "patch"}
     assert all(r["resources"] == ["pods"] and r["apiGroups"] == [""] for r in pod_rules)
+    binding = find(built("base"), "RoleBinding", "llmd-timeslice-orchestrator")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llmd-timeslice-orchestrator",
+                                    "namespace": S.namespace}]
     kinds = {d["kind"] for o in OVERLAYS for d in built(o)}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
 
 
-# ------------------------------------------------------------------------ the sidecar patch
+# ------------------------------------------- defect 1: the sampler component on an upstream Deployment
 
 
-def test_sidecar_patch_adds_sleep_mode_and_the_snapshot_sidecar():
+def _guide_tree(tmp_path: Path, settings=S, fixture_guide: str | None = None) -> Path:
+    """The guide rendered for ``settings`` with its model-server resource pointing at the upstream-shaped
+    fixture (copied, its guide label set to ``fixture_guide``)."""
+    fixture = tmp_path / "llm-d-guide"
+    shutil.copytree(FIXTURE, fixture)
+    k = fixture / "modelserver" / "kustomization.yaml"
+    k.write_text(k.read_text().replace("llm-d.ai/guide: optimized-baseline",
+                                       f"llm-d.ai/guide: {fixture_guide or settings.guide}"))
+    # kustomize takes local resources relative to the kustomization (modelserver/guide), never absolute.
+    rel = os.path.relpath(fixture / "modelserver", tmp_path / "guide" / "modelserver" / "guide")
+    return gen.render_tree(replace(settings, modelserver=rel), tmp_path / "guide")
+
+
+def _assert_time_sliced_sampler(dep: dict, where: str) -> None:
+    spec = dep["spec"]["template"]["spec"]
+    names = [c["name"] for c in spec["containers"]]
+    assert names == ["modelserver", "timeslice-sidecar"], f"{where}: containers {names}"
+    assert all(c.get("image") for c in spec["containers"]), f"{where}: an image-less container"
+    ms = spec["containers"][0]
+    assert ms["args"][-1] == "--enable-sleep-mode" and ms["args"].count("--enable-sleep-mode") == 1, where
+    assert ms["command"] == ["vllm", "serve"], f"{where}: the guide's command is kept"
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in ms["env"], where
+    assert any(e["name"] == "HF_TOKEN" for e in ms["env"]), f"{where}: the guide's env is kept"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert labels["timeslice.io/role"] == "sampler" and labels["timeslice.io/group"] == S.group
+    assert labels["timeslice.io/serving"] == "true", "a pod starts awake (label fallback, Envoy Gateway)"
+    assert dep["spec"]["template"]["metadata"]["annotations"]["timeslice.io/pool"] == S.pool
+    assert "timeslice.io/job-id" not in labels, "the upstream orchestrator claims pods carrying a job id"
+
+
+def test_sampler_component_applies_to_an_upstream_shaped_guide_deployment(tmp_path):
+    tree = _guide_tree(tmp_path)
+    docs = kustomize(tree / "modelserver" / "guide")
+    deps = [d for d in docs if d["kind"] == "Deployment"]
+    assert len(deps) == 1, "exactly the guide's Deployment, patched in place"
+    dep = deps[0]
+    assert dep["metadata"]["name"] == "optimized-baseline-nvidia-gpu-vllm-decode"
+    assert dep["metadata"]["namespace"] == S.namespace
+    _assert_time_sliced_sampler(dep, "guide overlay")
+    for d in docs:
+        if _group(d["apiVersion"]) not in CRD_GROUPS:
+            validate_builtin(d, "modelserver/guide")
+
+
+def test_a_patch_naming_the_wrong_container_is_caught(tmp_path):
+    """Defect 1 as it was: the sidecar patch named the vLLM container `vllm`; on an upstream Deployment
+    that ADDS an image-less first container, and the sleep-mode patch then fails to build. The test
+    above fails on exactly that."""
+    tree = _guide_tree(tmp_path)
+    patch = tree / "modelserver" / "sampler" / "sidecar-patch.yaml"
+    patch.write_text(patch.read_text().replace("- name: modelserver", "- name: vllm"))
+    with pytest.raises(AssertionError, match=r"kustomize .* failed|containers|image-less"):
+        _assert_time_sliced_sampler(find(kustomize(tree / "modelserver" / "guide"), "Deployment"), "broken patch")
+
+
+# ------------------------------------------------------------- defect 2: the token is readable
+
+
+def _readable_by(spec: dict, container: dict, volume: dict) -> bool:
+    """Whether the container's user can read a Secret volume file (owner root, group fsGroup or root)."""
+    sc, pod_sc = container.get("securityContext", {}), spec.get("securityContext", {})
+    uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
+    gid = sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+    groups = {gid, *pod_sc.get("supplementalGroups", [])}
+    fs_group = pod_sc.get("fsGroup")
+    mode = volume["secret"].get("defaultMode", 0o644)
+    if uid == 0:
+        return True
+    file_gid = fs_group if fs_group is not None else 0
+    if file_gid in groups or (fs_group is not None):  # fsGroup is added to every container's groups
+        return bool(mode & 0o040) or bool(mode & 0o004)
+    return bool(mode & 0o004)
+
+
+@pytest.mark.parametrize("overlay", ["base", "modelserver/example"])
+def test_every_token_mount_is_readable_by_its_container(overlay):
+    seen = 0
+    for d, spec in _pod_specs(built(overlay)):
+        vols = {v["name"]: v for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName") == "llmd-timeslice-token"}
+        for c in spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                if m["name"] in vols:
+                    assert _readable_by(spec, c, vols[m["name"]]), f"{d['metadata']['name']}/{c['name']} cannot read the token"
+                    seen += 1
+    assert seen >= 2
+
+
+def test_token_readability_check_knows_the_old_failure():
+    spec = {"securityContext": {}, "containers": []}
+    sidecar = {"securityContext": {"runAsUser": 65532, "runAsGroup": 65532}}
+    assert not _readable_by(spec, sidecar, {"secret": {"defaultMode": 0o440}}), "0440 root:root, no fsGroup"
+    assert _readable_by({"securityContext": {"fsGroup": 65532}}, sidecar, {"secret": {"defaultMode": 0o440}})
+
+
+# ------------------------------------ defects 3, 6: router values layered on the guide's own
+
+
+def helm_coalesce(*layers: dict) -> dict:
+    """Helm's merge of values files given with -f: maps merge key by key, anything else is replaced."""
+    out: dict = {}
+    for layer in layers:
+        _coalesce(out, copy.deepcopy(layer))
+    return out
+
+
+def _coalesce(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _coalesce(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def chart_inference_pool(vals: dict, release: str, namespace: str) -> dict:
+    """The InferencePool llm-d-router v0.9.0 renders (config/charts/routerlib/templates/_inferencepool.yaml)."""
+    r = vals["router"]
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": release, "namespace": namespace},
+        "spec": {
+            "targetPorts": [{"number": 8000}],
+            "appProtocol": "http",
+            "selector": {"matchLabels": {k: str(v) for k, v in r["modelServers"]["matchLabels"].items()}},
+            "endpointPickerRef": {"name": f"{release}-epp", "port": {"number": 9002},
+                                  "failureMode": r.get("inferencePool", {}).get("failureMode", "FailOpen")},
+        },
+    }
+
+
+def _fixture_values(name: str) -> dict:
+    return yaml.safe_load((FIXTURE / "router" / name).read_text())
+
+
+@pytest.mark.parametrize("ours", [["values-standalone.yaml"], ["values-gateway.yaml"],
+                                  ["values-gateway.yaml", "values-serving-label.yaml"]])
+def test_our_router_values_layer_on_the_guides_and_keep_its_selector_and_plugins(ours):
+    guide = helm_coalesce(_fixture_values("base.values.yaml"), _fixture_values("guide.values.yaml"))
+    layered = helm_coalesce(guide, *(values(n) for n in ours))
+    r, g = layered["router"], guide["router"]
+    assert r["epp"]["pluginsConfigFile"] == g["epp"]["pluginsConfigFile"], "the guide's EPP plugins stay"
+    assert r["epp"]["pluginsCustomConfig"] == g["epp"]["pluginsCustomConfig"]
+    expected = dict(g["modelServers"]["matchLabels"])
+    if "values-serving-label.yaml" in ours:
+        expected["timeslice.io/serving"] = "true"
+    assert r["modelServers"]["matchLabels"] == expected, "no label the guide's pods do not carry"
+    pool = chart_inference_pool(layered, S.pool, S.namespace)
+    validate_custom(pool)
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    # The selected pods: the guide's model servers with our sampler component applied.
+    tpl = find(built("modelserver/example"), "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert all(tpl.get(k) == v for k, v in pool["spec"]["selector"]["matchLabels"].items())
+
+
+def test_our_values_set_no_model_server_label_and_no_plugins_of_their_own():
+    for name in ("values-standalone.yaml", "values-gateway.yaml"):
+        r = values(name).get("router", {})
+        assert "modelServers" not in r, f"{name}: the guide's values own the selector"
+        assert "pluginsConfigFile" not in r.get("epp", {}) and "pluginsCustomConfig" not in r.get("epp", {}), name
+
+
+# ------------------------------------------------------- defect 4: the Gateway's name everywhere
+
+
+def test_every_gateway_reference_names_the_guides_gateway():
+    refs = []
+    for overlay in GATEWAYS:
+        for d in built(overlay):
+            spec = d.get("spec", {})
+            for ref in [*spec.get("parentRefs", []), *spec.get("targetRefs", []), spec.get("targetRef", {})]:
+                if ref.get("kind") == "Gateway":
+                    refs.append((overlay, ref["name"]))
+            sel = spec.get("workloadSelector", {}).get("labels", {})
+            if "gateway.networking.k8s.io/gateway-name" in sel:
+                refs.append((overlay, sel["gateway.networking.k8s.io/gateway-name"]))
+    assert refs and {n for _, n in refs} == {S.gateway} == {"llm-d-inference-gateway"}, refs
+    assert {o for o, _ in refs} == set(GATEWAYS)
+
+
+# ----------------------------------------------------- defect 5: one place for every name
+
+
+ALT = replace(S, guide="qwen-guide", namespace="team-rl", gateway="edge-gw", pool="qwen-pool", group="grp-7",
+              image="registry.example.com/ml/llmd-timeslice:1.2.3", max_hold_s=300.0, generation_timeout_s=900.0)
+
+
+def test_one_settings_file_renames_everything(tmp_path):
+    tree = _guide_tree(tmp_path, ALT)
+    defaults = {S.guide, S.namespace, S.gateway, S.pool, S.group, S.image}
+    texts = {}
+    for overlay in [*OVERLAYS, "modelserver/guide"]:
+        docs = kustomize(tree / overlay)
+        # The guide's own Deployment name (its namePrefix) is upstream's, not a setting of ours.
+        texts[overlay] = yaml.safe_dump_all(docs).replace("optimized-baseline-nvidia-gpu-vllm-decode", "DEPLOYMENT")
+        for d in docs:
+            if overlay != "modelserver/guide":
+                assert d["metadata"]["namespace"] == ALT.namespace
+    for name in ("values-standalone.yaml", "values-gateway.yaml", "values-serving-label.yaml",
+                 "values-flow-control.yaml", "standalone-envoy.yaml"):
+        texts[name] = (tree / "router" / name).read_text()
+    for old in defaults:
+        leaks = [k for k, t in texts.items() if old in t]
+        assert not leaks, f"{old!r} (a default) still in {leaks} after renaming in settings.yaml"
+    assert ALT.pool in texts["gateways/istio"] and ALT.gateway in texts["gateways/istio"]
+    assert f"{ALT.namespace}.{ALT.pool}-v1.0" in texts["gateways/istio"], "Istio route name follows the names"
+    gate = find(kustomize(tree / "base"), "Deployment", "llmd-timeslice-gate")
+    assert _args(gate["spec"]["template"]["spec"]["containers"][0])["--max-hold-s"] == "300"
+    dep = find(kustomize(tree / "modelserver" / "guide"), "Deployment")
+    assert dep["spec"]["template"]["metadata"]["labels"]["timeslice.io/group"] == ALT.group
+    assert {c["image"] for c in dep["spec"]["template"]["spec"]["containers"]} >= {ALT.image}
+
+
+def test_the_sampler_component_targets_only_the_configured_guide(tmp_path):
+    """A model server of another guide is left alone (the component targets llm-d.ai/guide=<guide>)."""
+    tree = _guide_tree(tmp_path, S, fixture_guide="some-other-guide")
+    dep = find(kustomize(tree / "modelserver" / "guide"), "Deployment")
+    assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["modelserver"]
+
+
+# ----------------------------------------------- defect 7: only /v1/ reaches a model server
+
+
+@pytest.mark.parametrize("overlay", GATEWAYS)
+def test_every_route_we_ship_matches_only_the_openai_api(overlay):
+    routes = [d for d in built(overlay) if d["kind"] == "HTTPRoute"]
+    assert len(routes) == 1
+    for rule in routes[0]["spec"]["rules"]:
+        assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1/"}}], rule["matches"]
+    assert values("values-gateway.yaml")["httpRoute"]["create"] is False, "the chart's route matches /"
+
+
+def test_standalone_envoy_routes_only_the_openai_api_and_404s_the_rest():
+    boot = yaml.safe_load((GUIDE / "router" / "standalone-envoy.yaml").read_text())
+    routes = _hcm_filters(boot, "vllm")[0]["route_config"]["virtual_hosts"][0]["routes"]
+    forwarded = [r["match"] for r in routes if "route" in r]
+    assert forwarded == [{"prefix": "/v1/"}]
+    assert routes[-1]["match"] == {"prefix": "/"} and routes[-1]["direct_response"]["status"] == 404
+    for r in routes:
+        if "direct_response" in r:
+            assert all(v["disabled"] for v in r["typed_per_filter_config"].values()), "a 404 is never held"
+            assert set(r["typed_per_filter_config"]) == {gen.GATE_FILTER_NAME, gen.EPP_FILTER_NAME}
+    hcm = _hcm_filters(boot, "vllm")[0]
+    assert hcm["normalize_path"] and hcm["merge_slashes"] and hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
+
+
+# ------------------------------------------------------------- defects 10, 11: DRA and the image
+
+
+def test_example_sampler_and_trainer_share_one_resource_claim():
     docs = built("modelserver/example")
-    dep = find(docs, "Deployment", "vllm-sampler")
-    tpl = dep["spec"]["template"]
-    containers = {c["name"]: c for c in tpl["spec"]["containers"]}
-    vllm = containers["vllm"]
-    assert "--enable-sleep-mode" in vllm["args"]
-    assert vllm["args"][:2] == ["Qwen/Qwen3-0.6B", "--port=8000"], "the patch appends, it must not replace args"
-    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in vllm["env"]
-    side = containers["timeslice-sidecar"]
-    args = dict(a.partition("=")[::2] for a in side["args"][1:])
-    assert args["--engine-url"] == "http://127.0.0.1:8000" and args["--port"] == "9001"
-    assert args["--job-id"] == "$(POD_NAME)"
-    assert {p["name"]: p["containerPort"] for p in side["ports"]} == {"ts-grpc": 9001, "ts-metrics": 9095}
-    assert side["readinessProbe"]["grpc"]["port"] == side["livenessProbe"]["grpc"]["port"] == 9001
-    assert tpl["metadata"]["labels"]["timeslice.io/serving"] == "true"
-    assert tpl["metadata"]["labels"]["timeslice.io/role"] == "sampler"
-    vols = {v["name"] for v in tpl["spec"]["volumes"]}
-    assert {"llmd-timeslice-token", "llmd-timeslice-tmp"} <= vols
-
-    job = find(docs, "Job", "grpo-trainer")
-    trainer = job["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e for e in trainer["env"]}
-    assert env["TIMESLICE_ORCH_ADDR"]["value"] == "llmd-timeslice-orchestrator:50051"
-    assert env["TIMESLICE_TRAINER_GROUP"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['timeslice.io/group']"
-    assert env["LLMD_TIMESLICE_TOKEN_FILE"]["value"].startswith("/var/run/secrets/llmd-timeslice/")
+    claim = find(docs, "ResourceClaim")
+    validate_builtin(claim, "modelserver/example")
+    req = claim["spec"]["devices"]["requests"][0]["exactly"]
+    assert req["deviceClassName"] == "gpu.nvidia.com" and req["count"] == S.accelerators
+    users = {}
+    for d, spec in _pod_specs(docs):
+        (rc,) = spec["resourceClaims"]
+        assert rc["resourceClaimName"] == claim["metadata"]["name"], d["metadata"]["name"]
+        main = spec["containers"][0]
+        assert main["resources"]["claims"] == [{"name": rc["name"]}]
+        for section in ("limits", "requests"):
+            assert "nvidia.com/gpu" not in main["resources"].get(section, {}), "device-plugin grants are exclusive"
+        users[d["kind"]] = d
+    assert set(users) == {"Deployment", "Job"}
+    assert users["Deployment"]["spec"]["replicas"] == 1, "every pod referencing the claim gets all its devices"
 
 
-def test_podmonitor_selects_the_sidecar_metrics_port():
-    pm = find(built("base"), "PodMonitor")
-    tpl = find(built("modelserver/example"), "Deployment", "vllm-sampler")["spec"]["template"]
-    sel = pm["spec"]["selector"]["matchLabels"]
-    assert all(tpl["metadata"]["labels"].get(k) == v for k, v in sel.items())
-    ports = {p["name"] for c in tpl["spec"]["containers"] for p in c.get("ports", [])}
-    assert pm["spec"]["podMetricsEndpoints"][0]["port"] in ports
+def test_image_is_the_settings_image_and_not_another_projects_namespace():
+    images = {c["image"] for o in OVERLAYS for _, spec in _pod_specs(built(o)) for c in spec["containers"]}
+    ours = {i for i in images if "llmd-timeslice" in i}
+    assert ours == {S.image}
+    assert not any("llm-d-incubation" in i for i in images)
+    host = S.image.split("/")[0]
+    assert host.endswith(".invalid"), "the default must not resolve to anybody's registry (RFC 2606 .invalid)"
 
 
-# ------------------------------------------------ gate filter order + metadata forwarding
+# ------------------------------------------------------ defect 13: coexisting with the upstream orchestrator
 
 
-def _expected_gate(cluster: str) -> dict:
-    g = gate_filter(cluster, S.pool, S.max_hold_s, failure_mode_allow=False)
+def _selector_matches(selector: str, labels: dict) -> bool:
+    """Equality-based and existence terms of a Kubernetes label selector (all the guide uses)."""
+    for term in selector.split(","):
+        key, eq, value = term.partition("=")
+        if key not in labels or (eq and labels[key] != value):
+            return False
+    return True
+
+
+def test_ours_and_the_upstream_orchestrator_claim_disjoint_pods():
+    orch = find(built("base"), "Deployment", "llmd-timeslice-orchestrator")
+    selector = _args(orch["spec"]["template"]["spec"]["containers"][0])["--label-selector"]
+    upstream_pod = yaml.safe_load((FIXTURE / "timeslice-pod.yaml").read_text())
+    our_pods = [d["spec"]["template"]["metadata"]["labels"] for d, _ in _pod_specs(built("modelserver/example"))]
+    assert not _selector_matches(selector, upstream_pod["metadata"]["labels"]), "ours must not claim upstream's pods"
+    assert all(_selector_matches(selector, labels) for labels in our_pods), "ours claims its samplers and trainers"
+
+    def upstream_claims(labels: dict) -> bool:  # pkg/timeslice-orchestrator/infrastructure/kubernetes.go
+        return bool(labels.get("timeslice.io/group")) and bool(labels.get("timeslice.io/job-id"))
+
+    assert upstream_claims(upstream_pod["metadata"]["labels"])
+    assert not any(upstream_claims(labels) for labels in our_pods), "upstream must not claim ours"
+
+
+# ------------------------------------------------ gate filter order, contract, timeouts per gateway
+
+
+def _expected_gate(cluster: str, pool: str | None) -> dict:
+    g = gate_filter(cluster, pool or S.pool, S.max_hold_s, failure_mode_allow=False)
     g["name"] = gen.GATE_FILTER_NAME
+    if pool is None:
+        g["typed_config"]["grpc_service"].pop("initial_metadata")
     return g
 
 
@@ -438,6 +717,7 @@ def _assert_gate_contract(gate: dict) -> None:
     assert (pm["request_header_mode"], pm["response_header_mode"], pm["response_trailer_mode"]) == ("SEND",) * 3
     assert pm.get("request_body_mode", "NONE") == pm.get("response_body_mode", "NONE") == "NONE"
     assert tc["failure_mode_allow"] is False
+    assert tc["status_on_error"]["code"] in (503, "ServiceUnavailable"), "gate down: 503, not Envoy's 500"
     assert _seconds(tc["message_timeout"]) > S.max_hold_s
     assert _seconds(tc["max_message_timeout"]) == 3600
     assert SUBSET_NS in tc["metadata_options"]["receiving_namespaces"]["untyped"]
@@ -454,122 +734,132 @@ def _names(filters):
     return [f["name"] for f in filters]
 
 
-def test_standalone_envoy_orders_gate_before_epp_and_forwards_the_hint():
+def _hold_plus_generation() -> float:
+    return S.max_hold_s + S.generation_timeout_s
+
+
+def test_standalone_envoy_orders_gate_before_epp_forwards_the_hint_and_fits_long_generations():
     boot = yaml.safe_load((GUIDE / "router" / "standalone-envoy.yaml").read_text())
     hcm, filters = _hcm_filters(boot, "vllm")
     assert _names(filters) == [gen.GATE_FILTER_NAME, gen.EPP_FILTER_NAME, "envoy.filters.http.router"]
     gate, epp = filters[0], filters[1]
-    assert gate == _expected_gate("llmd_timeslice_gate")
+    assert gate == _expected_gate("llmd_timeslice_gate", S.pool)
     _assert_gate_contract(gate)
     epp_md = epp["typed_config"]["metadata_options"]
     assert SUBSET_NS in epp_md["forwarding_namespaces"]["untyped"]
     assert epp["typed_config"]["failure_mode_allow"] is False
-    assert _seconds(hcm["stream_idle_timeout"]) > S.max_hold_s
+    assert _seconds(hcm["stream_idle_timeout"]) > _hold_plus_generation()
+    route = next(r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r)
+    assert _seconds(route["route"]["timeout"]) > _hold_plus_generation(), "defect 14: generation must fit"
     clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
     gate_cluster = clusters["llmd_timeslice_gate"]
     assert gate_cluster["circuit_breakers"]["thresholds"][0]["max_requests"] >= BIG
     addr = gate_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    assert addr["address"] == f"{S.gate_headless_service}.{S.namespace}.svc.cluster.local"
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert routes[0]["match"] == {"prefix": "/v1/"}, "only the OpenAI API reaches the model servers"
-    assert routes[-1]["direct_response"]["status"] == 404
+    assert addr["address"] == f"{gen.GATE_HEADLESS_SERVICE}.{S.namespace}.svc.cluster.local"
+    assert clusters["ext_proc"]["transport_socket"]["name"] == "envoy.transport_sockets.tls", "the EPP serves TLS"
 
-    values = yaml.safe_load((GUIDE / "router" / "values-standalone.yaml").read_text())
-    router = values["router"]
-    assert yaml.safe_load(router["proxy"]["configMap"]["data"]["envoy.yaml"]) == boot
-    assert router["proxy"]["failOpen"] is False
+    vals = values("values-standalone.yaml")
+    router = vals["router"]
+    assert gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(),
+                                       S.pool, S.namespace) == boot
+    assert router["proxy"]["failOpen"] is False and router["proxy"]["mode"] == "sidecar"
     assert router["inferencePool"]["failureMode"] == "FailClose"
-    assert router["epp"]["flags"]["secure-serving"] is False, "plaintext EPP: the bootstrap has no TLS to it"
-    epp_cfg_file = router["epp"]["pluginsConfigFile"]
-    _check_endpoint_picker_config(yaml.safe_load(router["epp"]["pluginsCustomConfig"][epp_cfg_file]))
+    assert "flags" not in router.get("epp", {}), "the guide's EPP keeps its TLS and flags"
 
 
 def _istio_patches():
     return find(built("gateways/istio"), "EnvoyFilter")["spec"]["configPatches"]
 
 
-def test_istio_inserts_the_gate_before_the_epp_and_merges_forwarding():
-    insert, merge, hcm_merge = _istio_patches()
-    assert insert["patch"]["operation"] == "INSERT_BEFORE"
-    assert insert["match"]["context"] == "GATEWAY"
+def test_istio_inserts_the_gate_before_the_epp_and_names_the_pool_per_route():
+    insert, merge, hcm_merge, *routes = _istio_patches()
+    assert insert["patch"]["operation"] == "INSERT_BEFORE" and insert["match"]["context"] == "GATEWAY"
     assert insert["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == gen.EPP_FILTER_NAME
     gate = insert["patch"]["value"]
-    assert gate == _expected_gate(f"outbound|{S.gate_ext_proc_port}||{S.gate_fqdn}")
+    assert gate == _expected_gate(f"outbound|{gen.GATE_EXT_PROC_PORT}||{S.gate_fqdn}", None), \
+        "no pool on the listener (defect 12)"
     _assert_gate_contract(gate)
     assert merge["patch"]["operation"] == "MERGE"
-    md = merge["patch"]["value"]["typed_config"]["metadata_options"]
-    assert md["forwarding_namespaces"]["untyped"] == [SUBSET_NS]
-    assert _seconds(hcm_merge["patch"]["value"]["typed_config"]["stream_idle_timeout"]) > S.max_hold_s
+    assert merge["patch"]["value"]["typed_config"]["metadata_options"]["forwarding_namespaces"]["untyped"] == [SUBSET_NS]
+    assert _seconds(hcm_merge["patch"]["value"]["typed_config"]["stream_idle_timeout"]) > _hold_plus_generation()
+    (route_patch,) = routes
+    route = find(built("gateways/istio"), "HTTPRoute")
+    assert route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"] == \
+        f"{route['metadata']['namespace']}.{route['metadata']['name']}.0"
+    override = route_patch["patch"]["value"]["typed_per_filter_config"][gen.GATE_FILTER_NAME]
+    assert override["overrides"]["grpc_initial_metadata"] == [{"key": protocol.POOL_METADATA_KEY, "value": S.pool}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"group": "inference.networking.k8s.io",
+                                                        "kind": "InferencePool", "name": S.pool}]
+    assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _hold_plus_generation()
     dr = find(built("gateways/istio"), "DestinationRule")
     assert dr["spec"]["host"] == S.gate_fqdn
     assert dr["spec"]["trafficPolicy"]["connectionPool"]["http"]["http2MaxRequests"] >= BIG
+
+
+def test_agentgateway_runs_the_gate_on_the_route_and_pairs_the_serving_label():
+    docs = built("gateways/agentgateway")
+    pol = find(docs, "AgentgatewayPolicy")
+    route = find(docs, "HTTPRoute")
+    assert pol["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
+                                          "name": route["metadata"]["name"]}]
+    assert pol["spec"]["traffic"]["extProc"]["backendRef"] == {"name": gen.GATE_SERVICE, "port": gen.GATE_EXT_PROC_PORT}
+    assert "failOpen" not in json.dumps(pol), "agentgateway's controller always sets FAIL_CLOSED"
+    assert _seconds(pol["spec"]["traffic"]["timeouts"]["request"]) > _hold_plus_generation()
+    assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _hold_plus_generation()
+    # No subset hint reaches agentgateway's EPP call: the serving label steers instead.
+    assert values("values-serving-label.yaml")["router"]["modelServers"]["matchLabels"] == {"timeslice.io/serving": "true"}
+    text = (GUIDE / "README.md").read_text()
+    assert "values-serving-label.yaml" in text and "agentgateway" in text
 
 
 def _eg_docs():
     return built("gateways/envoy-gateway")
 
 
-def test_envoy_gateway_chains_gate_then_epp_with_forwarding():
+def test_envoy_gateway_chains_gate_then_epp_over_tls_and_never_falls_back_to_a_sleeping_pod():
     docs = _eg_docs()
     eep = find(docs, "EnvoyExtensionPolicy")
     gate, epp = eep["spec"]["extProc"]
-    assert gate["backendRefs"] == [{"name": S.gate_service, "port": S.gate_ext_proc_port}]
+    assert gate["backendRefs"] == [{"name": gen.GATE_SERVICE, "port": gen.GATE_EXT_PROC_PORT}]
     assert gate["failOpen"] is False and epp["failOpen"] is False
     assert _seconds(gate["messageTimeout"]) > S.max_hold_s
     assert gate["processingMode"]["request"] == {}, "headers only"
-    assert "body" not in gate["processingMode"]["response"]
-    assert protocol.UPSTREAM_ADDRESS_ATTRIBUTE in gate["processingMode"]["response"]["attributes"]
     assert gate["metadata"]["writableNamespaces"] == [SUBSET_NS]
     assert SUBSET_NS in epp["metadata"]["accessibleNamespaces"]
     assert gate["backendSettings"]["circuitBreaker"]["maxParallelRequests"] >= BIG
+    # The EPP serves TLS: a Backend with TLS, not the Service in plaintext (defect 8).
+    (epp_ref,) = epp["backendRefs"]
+    backend = find(docs, "Backend", epp_ref["name"])
+    assert epp_ref["kind"] == "Backend" and backend["spec"]["tls"]["insecureSkipVerify"] is True
+    assert backend["spec"]["endpoints"][0]["fqdn"]["hostname"] == f"{S.epp_service}.{S.namespace}.svc.cluster.local"
     route = find(docs, "HTTPRoute")
     assert eep["spec"]["targetRefs"][0]["name"] == route["metadata"]["name"]
-    assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > S.max_hold_s
+    assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _hold_plus_generation()
+    # The load balancer's fallback set is SERVING samplers only (defect 8).
+    svc = find(docs, "Service", route["spec"]["rules"][0]["backendRefs"][0]["name"])
+    assert svc["spec"]["selector"] == {"llm-d.ai/guide": S.guide, "timeslice.io/serving": "true"}
     btp = find(docs, "BackendTrafficPolicy")
     assert btp["spec"]["loadBalancer"]["endpointOverride"]["extractFrom"] == [{"header": protocol.DESTINATION_HEADER}]
     ctp = find(docs, "ClientTrafficPolicy")
-    assert _seconds(ctp["spec"]["timeout"]["http"]["streamIdleTimeout"]) > S.max_hold_s
-    # The patch policy completes exactly the filter Envoy Gateway generates for extProc[0].
-    gate_filter_name = (f"envoy.filters.http.ext_proc/envoyextensionpolicy/{eep['metadata']['namespace']}/"
-                        f"{eep['metadata']['name']}/extproc/0")
+    assert _seconds(ctp["spec"]["timeout"]["http"]["streamIdleTimeout"]) > _hold_plus_generation()
     patches = find(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]
     for p in patches:
-        assert f"@.name=='{gate_filter_name}'" in p["operation"]["jsonPath"]
-        assert p["name"].startswith(f"{S.namespace}/{S.gateway}/")
-    assert {(p["operation"]["path"], p["operation"]["value"]) for p in patches} == {
-        ("response_trailer_mode", "SEND"), ("max_message_timeout", "3600s")}
+        assert f"@.name=='{gen._eg_gate_filter_name(S)}'" in p["operation"]["jsonPath"]
+        assert p["name"] == f"{S.namespace}/{S.gateway}/{S.gateway_listener}"
+    assert {p["operation"]["path"] for p in patches} == {"response_trailer_mode", "max_message_timeout", "status_on_error"}
 
 
-def test_kgateway_gate_fails_closed_and_keeps_the_stream():
-    docs = built("gateways/kgateway")
-    ext = find(docs, "GatewayExtension")["spec"]["extProc"]
-    assert "failOpen" in ext and ext["failOpen"] is False, "kgateway defaults failOpen to true: it must be set"
-    pm = ext["processingMode"]
-    assert (pm["requestHeaderMode"], pm["responseHeaderMode"], pm["responseTrailerMode"]) == ("SEND",) * 3
-    assert pm["requestBodyMode"] == pm["responseBodyMode"] == "NONE"
-    assert _seconds(ext["messageTimeout"]) > S.max_hold_s and _seconds(ext["maxMessageTimeout"]) == 3600
-    assert ext["grpcService"]["backendRef"] == {"name": S.gate_service, "port": S.gate_ext_proc_port}
-    tp = find(docs, "TrafficPolicy")
-    assert tp["spec"]["extProc"]["extensionRef"]["name"] == find(docs, "GatewayExtension")["metadata"]["name"]
-    assert all(_seconds(v) > S.max_hold_s for v in tp["spec"]["timeouts"].values())
-    assert find(docs, "BackendConfigPolicy")["spec"]["circuitBreakers"]["maxRequests"] >= BIG
-    # No receiving namespaces in kgateway's API: the hint cannot reach the EPP, so the variant
-    # is documented together with the label fallback that steers instead.
-    text = (GUIDE / "gateways" / "kgateway" / "kustomization.yaml").read_text() + (GUIDE / "README.md").read_text()
-    assert "label-fallback" in text and "receiving" in text
+# ------------------------------------------------ EndpointPickerConfig (label fallback), defect 9
 
-
-# ------------------------------------------------ EndpointPickerConfig (label fallback)
-
+# Fields of llm-d-router v0.9.0 apix/config/v1alpha1 EndpointPickerConfig and FlowControlConfig (the EPP's
+# loader is strict: serializer.EnableStrict in pkg/epp/config/loader/configloader.go).
 _EPC_TOP = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "dataLayer", "flowControl",
             "requestHandler", "saturationDetector", "parser"}
-_EPC_FLOW = {"maxBytes", "maxRequests", "defaultRequestTTL", "noEndpointRequestTTL", "defaultPriorityBand",
-             "defaultNegativePriorityBand", "priorityBands", "usageLimitPolicyPluginRef", "saturationDetector",
-             "enableEviction"}
+_EPC_FLOW = {"maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand", "defaultNegativePriorityBand",
+             "priorityBands", "usageLimitPolicyPluginRef", "saturationDetector"}
 
 
 def _check_endpoint_picker_config(cfg: dict) -> None:
-    """Fields of llm-d-router's apix/config/v1alpha1 EndpointPickerConfig (the EPP rejects others)."""
     assert cfg["apiVersion"] == "llm-d.ai/v1alpha1" and cfg["kind"] == "EndpointPickerConfig"
     assert set(cfg) <= _EPC_TOP, set(cfg) - _EPC_TOP
     names = []
@@ -580,34 +870,29 @@ def _check_endpoint_picker_config(cfg: dict) -> None:
     for prof in cfg["schedulingProfiles"]:
         for ref in prof["plugins"]:
             assert set(ref) <= {"pluginRef", "weight"} and ref["pluginRef"] in names, ref
-    assert set(cfg.get("flowControl", {})) <= _EPC_FLOW
+    assert set(cfg.get("flowControl", {})) <= _EPC_FLOW, set(cfg.get("flowControl", {})) - _EPC_FLOW
 
 
-def test_label_fallback_excludes_sleeping_pods_and_holds_in_flow_control():
-    values = yaml.safe_load((GUIDE / "gateways" / "label-fallback" / "values-label-fallback.yaml").read_text())
-    router = values["router"]
-    cfg = yaml.safe_load(router["epp"]["pluginsCustomConfig"][router["epp"]["pluginsConfigFile"]])
+def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool():
+    serving = values("values-serving-label.yaml")["router"]
+    assert serving["epp"]["flags"]["disable-endpoint-subset-filter"] is True, \
+        "queued requests keep a stale (empty) subset otherwise (gateway-api-inference-extension#2117)"
+    fc = values("values-flow-control.yaml")["router"]["epp"]
+    cfg = yaml.safe_load(fc["pluginsCustomConfig"][fc["pluginsConfigFile"]])
     _check_endpoint_picker_config(cfg)
-    (flt,) = [p for p in cfg["plugins"] if p["type"] == "label-selector-filter"]
-    # parameters are a metav1.LabelSelector
-    assert set(flt["parameters"]) <= {"matchLabels", "matchExpressions"}
-    assert flt["parameters"]["matchLabels"] == {"timeslice.io/serving": "true"}
-    assert flt["name"] in [r["pluginRef"] for r in cfg["schedulingProfiles"][0]["plugins"]]
-    # Holding needs the sleeping pods OUT of the pool (flow control's empty-pool wait) ...
     assert "flowControl" in cfg["featureGates"]
-    assert _seconds(cfg["flowControl"]["noEndpointRequestTTL"]) >= S.max_hold_s
-    assert router["modelServers"]["matchLabels"]["timeslice.io/serving"] == "true"
-    assert router["inferencePool"]["failureMode"] == "FailClose"
-    assert _seconds(values["httpRoute"]["requestTimeout"]) > _seconds(cfg["flowControl"]["noEndpointRequestTTL"])
-    # ... and the pods must start with the label the selector wants.
-    tpl = find(built("modelserver/example"), "Deployment", "vllm-sampler")["spec"]["template"]
-    assert tpl["metadata"]["labels"]["timeslice.io/serving"] == "true"
+    assert _seconds(cfg["flowControl"]["defaultRequestTTL"]) >= S.max_hold_s
+    route = find(built("gateways/label-fallback"), "HTTPRoute")
+    assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _seconds(cfg["flowControl"]["defaultRequestTTL"])
+    tpl = find(built("modelserver/example"), "Deployment")["spec"]["template"]
+    assert tpl["metadata"]["labels"]["timeslice.io/serving"] == "true", "pods start with the label the pool selects"
 
 
 # ------------------------------------------------------------- every Envoy config, validated
 
 
-def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle: str) -> dict:
+def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle: str, routes: list[dict] | None = None
+                          ) -> dict:
     """A gateway-like bootstrap around ``filters`` (the chain a variant produces), for validation."""
     def cluster(name, port):
         return {
@@ -618,7 +903,7 @@ def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle:
         }
     hcm = {
         "@type": HCM_TYPE, "stat_prefix": "gw", "stream_idle_timeout": stream_idle,
-        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes or [
             {"match": {"prefix": "/v1/"}, "route": {"cluster": "original_destination_cluster"}}]}]},
         "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}],
     }
@@ -644,28 +929,61 @@ def _merge(dst: dict, src: dict) -> None:
             dst[k] = v
 
 
-def istio_effective_config() -> dict:
-    """Istio's gateway chain for an InferencePool backend (pilot BuildInferencePoolExtProcFilter:
-    forwards/receives envoy.lb only) with the guide's EnvoyFilter patches applied."""
-    epp_cluster = "outbound|9002||sampler-pool-epp.llm-d-timeslice.svc.cluster.local"
-    istio_epp = {"name": gen.EPP_FILTER_NAME, "typed_config": {
-        "@type": EXT_PROC_TYPE, "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
-        "failure_mode_allow": False,
-        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
-                            "request_trailer_mode": "SEND", "response_header_mode": "SEND",
-                            "response_body_mode": "FULL_DUPLEX_STREAMED", "response_trailer_mode": "SEND"},
+def istio_effective_config(envoyfilter: dict, pools: dict[str, str] | None = None) -> dict:
+    """Istio's gateway chain for InferencePool backends (istio 1.29.2 pilot/pkg/xds/filters/filters.go
+    InferencePoolExtProc: SKIP modes and envoy.lb only on the listener; pilot/pkg/networking/core/route/route.go:
+    per-route ExtProcPerRoute overrides enable it with the pool's EPP cluster) with the guide's EnvoyFilter
+    applied. ``pools``: Istio route name -> pool, one route each."""
+    listener_epp = {"name": gen.EPP_FILTER_NAME, "typed_config": {
+        "@type": EXT_PROC_TYPE, "grpc_service": {"envoy_grpc": {"cluster_name": "dummy"}, "timeout": "10s"},
+        "failure_mode_allow": True,
+        "processing_mode": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
         "message_timeout": "1000s",
         "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]},
                              "forwarding_namespaces": {"untyped": ["envoy.lb"]}}}}
-    filters = [istio_epp]
-    insert, merge, hcm_merge = _istio_patches()
-    filters.insert(0, copy.deepcopy(insert["patch"]["value"]))
+    insert, merge, hcm_merge, *route_patches = envoyfilter["spec"]["configPatches"]
+    filters = [copy.deepcopy(insert["patch"]["value"]), listener_epp]
     _merge(filters[1], copy.deepcopy(merge["patch"]["value"]))
-    boot = _bootstrap_with_chain(filters, [insert["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]
-                                           ["cluster_name"], epp_cluster], "300s")
+    gate_cluster = insert["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    routes, epp_clusters = [], []
+    for i, (route_name, pool) in enumerate((pools or {istio_route_name_default(): S.pool}).items()):
+        epp_cluster = f"outbound|9002||{pool}-epp.{S.namespace}.svc.cluster.local"
+        epp_clusters.append(epp_cluster)
+        route = {"name": route_name, "match": {"prefix": f"/p{i}/v1/" if i else "/v1/"},
+                 "route": {"cluster": "original_destination_cluster"},
+                 "typed_per_filter_config": {gen.EPP_FILTER_NAME: {"@type": PER_ROUTE_TYPE, "overrides": {
+                     "failure_mode_allow": False, "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}},
+                     "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+                                         "request_trailer_mode": "SEND", "response_header_mode": "SEND",
+                                         "response_body_mode": "FULL_DUPLEX_STREAMED",
+                                         "response_trailer_mode": "SEND"}}}}}
+        for rp in route_patches:
+            if rp["match"]["routeConfiguration"]["vhost"]["route"]["name"] == route_name:
+                _merge(route, copy.deepcopy(rp["patch"]["value"]))
+        routes.append(route)
+    boot = _bootstrap_with_chain(filters, [gate_cluster, "dummy", *epp_clusters], "300s", routes)
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     _merge(hcm, {k: v for k, v in hcm_merge["patch"]["value"]["typed_config"].items() if k != "@type"})
     return boot
+
+
+def istio_route_name_default() -> str:
+    return gen.istio_route_name(S)
+
+
+def test_istio_with_two_pools_sends_each_routes_own_pool_to_the_gate(tmp_path):
+    """Defect 12: one Gateway, two InferencePools. Each route's requests reach the gate with their pool."""
+    ef = gen.istio_envoyfilter(S, extra_pools={"other-pool": "other-pool-v1"})
+    pools = {gen.istio_route_name(S): S.pool, gen.istio_route_name(S, "other-pool-v1"): "other-pool"}
+    boot = istio_effective_config(ef, pools)
+    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    sent = {r["name"]: r["typed_per_filter_config"][gen.GATE_FILTER_NAME]["overrides"]["grpc_initial_metadata"][0]["value"]
+            for r in routes}
+    assert sent == pools
+    gate = _hcm_filters(boot, "gw")[1][0]
+    assert "initial_metadata" not in gate["typed_config"]["grpc_service"], "a listener-level pool would win for both"
+    envoy_validate_all({"istio-two-pools": boot}, tmp_path)
 
 
 def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
@@ -727,44 +1045,51 @@ def envoy_gateway_effective_config() -> tuple[dict, dict]:
     return _bootstrap_with_chain(filters, clusters, idle), filters[0]
 
 
-def kgateway_effective_gate() -> dict:
-    """kgateway's buildCompositeExtProcFilter for the GatewayExtension (the wrapped ext_proc config)."""
-    ext = find(built("gateways/kgateway"), "GatewayExtension")["spec"]["extProc"]
-    pm = {re.sub(r"([A-Z])", r"_\1", k).lower(): v for k, v in ext["processingMode"].items()}
-    cfg = {"@type": EXT_PROC_TYPE,
-           "grpc_service": {"envoy_grpc": {"cluster_name": "kube_llm-d-timeslice_llmd-timeslice-gate_9002"}},
-           "failure_mode_allow": ext["failOpen"], "processing_mode": pm,
-           "message_timeout": ext["messageTimeout"], "max_message_timeout": ext["maxMessageTimeout"],
-           "stat_prefix": ext["statPrefix"]}
-    return {"name": "ext_proc/llm-d-timeslice/llmd-timeslice-gate", "typed_config": cfg}
-
-
 def test_envoy_gateway_generated_gate_filter_meets_the_gate_contract():
     _, gate = envoy_gateway_effective_config()
     _assert_gate_contract(gate)
 
 
 def test_every_envoy_config_passes_envoy_validate(tmp_path):
-    kgw_gate = kgateway_effective_gate()
+    ef = find(built("gateways/istio"), "EnvoyFilter")
     configs = {
         "standalone": yaml.safe_load((GUIDE / "router" / "standalone-envoy.yaml").read_text()),
-        "values-standalone": yaml.safe_load(yaml.safe_load((GUIDE / "router" / "values-standalone.yaml").read_text())
-                                            ["router"]["proxy"]["configMap"]["data"]["envoy.yaml"]),
-        "istio": istio_effective_config(),
+        "values-standalone": gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(),
+                                                         S.pool, S.namespace),
+        "istio": istio_effective_config(ef),
         "envoy-gateway": envoy_gateway_effective_config()[0],
-        "kgateway": _bootstrap_with_chain([kgw_gate], [kgw_gate["typed_config"]["grpc_service"]["envoy_grpc"]
-                                                       ["cluster_name"]], "1210s"),
     }
     istio_names = _names(_hcm_filters(configs["istio"], "gw")[1])
     assert istio_names.index(gen.GATE_FILTER_NAME) < istio_names.index(gen.EPP_FILTER_NAME)
     epp = _hcm_filters(configs["istio"], "gw")[1][1]["typed_config"]["metadata_options"]
     assert SUBSET_NS in epp["forwarding_namespaces"]["untyped"] and "envoy.lb" in epp["forwarding_namespaces"]["untyped"]
+    eg_names = _names(_hcm_filters(configs["envoy-gateway"], "gw")[1])
+    assert eg_names[0].endswith("/extproc/0") and eg_names[1].endswith("/extproc/1"), "gate first on Envoy Gateway"
     envoy_validate_all(configs, tmp_path)
 
 
 def test_envoy_validate_rejects_a_broken_config(tmp_path):
     """The validation above is real: Envoy refuses an unknown processing mode."""
-    cfg = istio_effective_config()
+    cfg = istio_effective_config(find(built("gateways/istio"), "EnvoyFilter"))
     _hcm_filters(cfg, "gw")[1][0]["typed_config"]["processing_mode"]["response_trailer_mode"] = "SENDING"
     with pytest.raises(AssertionError, match="envoy --mode validate rejected"):
         envoy_validate_all({"broken": cfg}, tmp_path)
+
+
+# ------------------------------------------------------------------ the README's install
+
+
+def test_readme_install_is_at_most_five_commands_with_every_version_pinned():
+    text = (GUIDE / "README.md").read_text()
+    block = text.split("<!-- install:start -->")[1].split("<!-- install:end -->")[0]
+    for variant in re.split(r"^#### ", block, flags=re.M)[1:]:
+        title, body = variant.split("\n", 1)
+        code = "\n".join(re.findall(r"```bash\n(.*?)```", body, flags=re.S))
+        lines = [ln for ln in code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        commands = [ln for i, ln in enumerate(lines) if i == 0 or not lines[i - 1].rstrip().endswith("\\")]
+        commands = [c for c in commands if not c.startswith("export ")]
+        assert len(commands) <= 5, f"{title}: {len(commands)} commands: {commands}"
+        for c in code.split("helm ")[1:]:
+            assert "--version v0.9.0" in c, f"{title}: the router chart version must be pinned"
+    for pin in ("v0.9.0", "v1.5.0", "v1.5.1", "1.29.2", "v1.1.0", "v1.9.0"):
+        assert pin in text, f"README must pin {pin}"
