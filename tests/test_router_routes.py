@@ -2,8 +2,8 @@
 through to an engine: the OpenAI API only.
 
 The engine here is :class:`FakeVllm`, which records every request it receives, so "never reached" is a
-fact read from its log, not inferred from a status code. The real-vLLM counterpart (the engine stays
-awake) is ``tests/test_vllm_phase_switch.py::test_router_never_forwards_engine_admin_paths``.
+fact read from its log, not inferred from a status code. The real-vLLM counterpart (the engines stay
+awake, through ``llmd-timeslice up``) is ``tests/test_stack_two_pools.py``.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ def test_gpu_example_is_valid_except_for_the_model_it_cannot_find_here():
     ("bad_port", lambda d: d["stack"]["ports"].update(router=70000), "stack.ports.router: Input should be less than"),
     ("no_groups", lambda d: d.update(groups=[]), "groups: List should have at least 1 item"),
     ("second_pool_without_prefix", lambda d: d["pools"].append({"name": "other"}), "pools[1] (other).path_prefix"),
+    ("second_pool_prefix_is_root", lambda d: d["pools"].append({"name": "other", "path_prefix": "/"}),
+     "pools[1] (other).path_prefix: pools after the first need a path prefix starting with '/', other than '/'"),
 ])
 def test_bad_stack_file_gets_a_message_naming_the_field(tmp_path, case, mutate, message):
     d = _base()

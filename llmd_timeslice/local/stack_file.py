@@ -4,7 +4,8 @@ Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are ref
 
     stack:   {name, host, workdir, token_file, max_hold_s, log_level, ports: {router, router_admin, gate_ext_proc,
               gate_control, gate_metrics, picker, orchestrator, orchestrator_metrics}}
-    pools:   [{name, path_prefix}]                    # Envoy routes path_prefix to the pool ("/" -> the first)
+    pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
+                                                      # pool, the prefix stripped before the engine
     groups:  [{group_id, sleep_level, sleep_level_policy, drain_timeout_s, lease_ttl_s, policy}]
     jobs:    [{job_id, groups, priority, sleep_level}]  # optional: per-job scheduling priority and sleep level
     engines: [{name, pool, group, sidecar_port, url | vllm: {model, port, args, cpu_defaults, python, env}}]
@@ -68,7 +69,8 @@ class StackSettings(_Strict):
 
 class PoolEntry(_Strict):
     name: str = Field(min_length=1)
-    path_prefix: str | None = Field(None, description="Requests under this path go to the pool (first pool: '/').")
+    path_prefix: str | None = Field(None, description="<path_prefix>v1/... goes to this pool, the prefix stripped "
+                                                      "before the engine (the first pool serves /v1/...).")
 
 
 class GroupEntry(_Strict):
@@ -179,9 +181,9 @@ class StackFile(_Strict):
                 used[port] = where
         prefixes = [p.path_prefix for p in self.pools[1:]]
         for i, p in enumerate(self.pools[1:], 1):
-            if not p.path_prefix or not p.path_prefix.startswith("/"):
+            if not p.path_prefix or not p.path_prefix.startswith("/") or not p.path_prefix.strip("/"):
                 out.append(f"pools[{i}] ({p.name}).path_prefix: pools after the first need a path prefix starting "
-                           "with '/' (the first pool serves '/')")
+                           "with '/', other than '/' itself (the first pool serves '/v1/')")
         dupes("pools.path_prefix", [p for p in prefixes if p])
         return out
 
