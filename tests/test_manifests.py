@@ -453,6 +453,15 @@ def test_a_patch_naming_the_wrong_container_is_caught(tmp_path):
         _assert_time_sliced_sampler(find(kustomize(tree / "modelserver" / "guide"), "Deployment"), "broken patch")
 
 
+def test_podmonitor_selects_the_sidecar_metrics_port():
+    pm = find(built("base/monitoring"), "PodMonitor")
+    tpl = find(built("modelserver/example"), "Deployment")["spec"]["template"]
+    sel = pm["spec"]["selector"]["matchLabels"]
+    assert all(tpl["metadata"]["labels"].get(k) == v for k, v in sel.items())
+    ports = {p["name"] for c in tpl["spec"]["containers"] for p in c.get("ports", [])}
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] in ports
+
+
 # ------------------------------------------------------------- defect 2: the token is readable
 
 
@@ -574,6 +583,14 @@ def test_every_gateway_reference_names_the_guides_gateway():
                 refs.append((overlay, sel["gateway.networking.k8s.io/gateway-name"]))
     assert refs and {n for _, n in refs} == {S.gateway} == {"llm-d-inference-gateway"}, refs
     assert {o for o, _ in refs} == set(GATEWAYS)
+    # ... and that is the recipes' Gateway, in the guide's namespace, with the listener Envoy Gateway patches.
+    gw = yaml.safe_load((FIXTURE / "gateway.yaml").read_text())
+    validate_custom(gw)
+    assert (gw["metadata"]["name"], gw["metadata"]["namespace"]) == (S.gateway, S.namespace)
+    assert S.gateway_listener in {ls["name"] for ls in gw["spec"]["listeners"]}
+    for overlay in GATEWAYS:
+        route = find(built(overlay), "HTTPRoute")
+        assert route["metadata"]["namespace"] == gw["metadata"]["namespace"], "parentRef without namespace: same one"
 
 
 # ----------------------------------------------------- defect 5: one place for every name
