@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,59 @@ async def test_stop_wakes_engines_the_stack_did_not_start(tmp_path):
         assert engine.level == 0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key (did you mean stack.max_hold_s?)"),
+    (lambda d: d["stack"]["ports"].update(routr=1), "stack.ports.routr: unknown key (did you mean stack.ports.router?)"),
+    (lambda d: d["groups"][0].update(sleep_levl=1), "groups[0].sleep_levl: unknown key (did you mean groups[0].sleep_level?)"),
+    (lambda d: d["engines"][1].update(sidecar_prot=1),
+     "engines[1].sidecar_prot: unknown key (did you mean engines[1].sidecar_port?)"),
+    (lambda d: d["engines"][0]["vllm"].update(modle="x"),
+     "engines[0].vllm.modle: unknown key (did you mean engines[0].vllm.model?)"),
+    (lambda d: d.update(gate={"max_hold_s": 3}), "gate: unknown key (known here: stack, pools, groups, jobs, engines)"),
+], ids=["stack.max_hold", "stack.ports.routr", "groups.sleep_levl", "engines.sidecar_prot", "engines.vllm.modle", "gate"])
+def test_unknown_stack_file_key_gets_a_did_you_mean_suggestion(tmp_path, mutate, message):
+    d = _base()
+    mutate(d)
+    with pytest.raises(StackError) as ei:
+        load_stack_file(_write(tmp_path, d))
+    assert message in ei.value.errors, ei.value.errors
+
+
+def _config_check(f: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "config", "check", str(f)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_config_check_recognises_a_stack_file_and_checks_it_without_starting_it(tmp_path):
+    import socket
+
+    d = _base()
+    with socket.socket() as held:  # a port of the stack is taken now: a note, since the file itself is fine
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        d["stack"]["ports"]["router"] = held.getsockname()[1]
+        d["stack"]["workdir"] = str(tmp_path / "work")
+        f = _write(tmp_path, d)
+        r = _config_check(f)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"OK {f}: stack file (2 engines, 1 group, 1 pool)"), r.stdout
+    assert "engine sampler-0: pool default, group rollout-group, sidecar 9101, started: vllm builtin:tiny-llama" in r.stdout
+    port = d["stack"]["ports"]["router"]
+    assert f"note: port {port} (stack.ports.router) on 127.0.0.1 is in use by pid {os.getpid()}" in r.stdout, r.stdout
+    assert not (tmp_path / "work").exists(), "nothing was started or written"
+
+
+def test_config_check_on_a_bad_stack_file_prints_one_line_per_problem_with_suggestions(tmp_path):
+    d = _base()
+    d["stack"]["max_hold"] = 3
+    d["engines"][0]["sidecar_prot"] = d["engines"][0].pop("sidecar_port")
+    f = _write(tmp_path, d)
+    r = _config_check(f)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert f"{f}: stack.max_hold: unknown key (did you mean stack.max_hold_s?)" in lines, r.stderr
+    assert f"{f}: engines[0].sidecar_prot: unknown key (did you mean engines[0].sidecar_port?)" in lines, r.stderr
+    assert f"{f}: engines[0].sidecar_port: Field required" in lines, r.stderr
+    assert len(lines) == 3, r.stderr
