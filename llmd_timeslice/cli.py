@@ -382,7 +382,11 @@ def up(
     Starts the vLLM engines it lists (or uses running ones given by URL), a snapshot sidecar per engine,
     the orchestrator, the gate, the picker and Envoy; prints the router URL, the orchestrator address and
     metrics URLs; restarts a component that dies (back-off 1 s to 30 s); writes logs to WORKDIR/logs.
-    On stop, held requests get 503 (gate_shutting_down), engines it did not start are woken, the rest stopped."""
+    On stop, held requests get 503 (gate_shutting_down), engines it did not start are woken, the rest stopped.
+
+    On a shared node: a port of the stack that is taken is refused before anything starts (exit 2, one line per
+    port naming its holder); a component is ready only on its own sockets; a restart that cannot succeed (port
+    held by another process, a usage error, 5 failed starts in a row) stops the stack (exit 1)."""
     from llmd_timeslice.local.up import run_up
 
     _setup_logging(log_level)
