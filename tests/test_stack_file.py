@@ -161,3 +161,47 @@ def test_config_check_on_a_bad_stack_file_prints_one_line_per_problem_with_sugge
     assert f"{f}: engines[0].sidecar_prot: unknown key (did you mean engines[0].sidecar_port?)" in lines, r.stderr
     assert f"{f}: engines[0].sidecar_port: Field required" in lines, r.stderr
     assert len(lines) == 3, r.stderr
+
+
+def test_up_prints_an_export_line_with_the_router_url_and_where_the_tiny_model_is_built(tmp_path):
+    """What `up` prints once the stack runs (cpu example: builtin:tiny-llama engines), read whole by a shell."""
+    import io
+
+    from rich.console import Console
+
+    from llmd_timeslice.local.up import ROUTER_URL_ENV, Stack, _print_endpoints
+
+    d = _base()
+    d["stack"]["workdir"] = str(tmp_path / "work")
+    stack = Stack(load_stack_file(_write(tmp_path, d)), tmp_path)
+    buf = io.StringIO()
+    _print_endpoints(Console(file=buf, width=80), stack)
+    lines = buf.getvalue().splitlines()
+    export = next(ln for ln in lines if "export " in ln).split("export ", 1)[1].split()
+    assert export == ["TIMESLICE_ORCH_ADDR=127.0.0.1:50051", f"LLMD_TIMESLICE_TOKEN_FILE={tmp_path / 'work' / 'control-token'}",
+                      f"{ROUTER_URL_ENV}=http://127.0.0.1:8080"]
+    assert any(ln.endswith(str(tmp_path / "work" / "tiny-llama")) for ln in lines), lines
+    assert stack.endpoints()["tiny_model"] == str(tmp_path / "work" / "tiny-llama")
+
+
+@pytest.mark.parametrize("columns", [None, "60"], ids=["pipe_without_COLUMNS", "COLUMNS=60"])
+def test_status_tables_show_whole_values_into_a_pipe_or_at_columns(monkeypatch, capsys, columns):
+    """Not a terminal: one row per line, nothing cut; with COLUMNS set: that width, long cells folded, nothing cut."""
+    from llmd_timeslice.status import UNCUT_WIDTH, output_console, table
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    console = output_console()
+    assert console.width == (UNCUT_WIDTH if columns is None else 60)
+    t = table("groups @ 127.0.0.1:50051", ("group", "state", "samplers"))
+    t.add_row("rollout-group-on-a-shared-node", "IDLE", "sampler-with-a-rather-long-name-0:RUNNING, sampler-1:RUNNING")
+    console.print(t)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    rows = [ln.split("│")[1:-1] for ln in out.splitlines() if ln.startswith("│")]
+    assert (len(rows) == 1) if columns is None else (len(rows) > 1), out  # one line per row / folded at 60 columns
+    cells = ["".join(r[i].strip() for r in rows) for i in range(3)]  # a folded cell, read down its column
+    assert cells[0] == "rollout-group-on-a-shared-node", out
+    assert cells[2].replace(" ", "") == "sampler-with-a-rather-long-name-0:RUNNING,sampler-1:RUNNING", out
