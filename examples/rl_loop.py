@@ -9,9 +9,11 @@ trainer acquires the sampler group (samplers drain and sleep), trains, and yield
 that model one step with ``transformers`` and publishes the new weights as version N+1, which the
 samplers load before serving again; without it, training is a sleep and no version is published.
 
-Router, orchestrator and token come from the running stack of ``--stack`` (default: the CPU example next to
-this script, via its ``stack.json``); explicit flags or ``TIMESLICE_ORCH_ADDR`` / ``LLMD_TIMESLICE_TOKEN_FILE``
-win. Exit code 0 when every rollout request completed at the version it asked for.
+Router, orchestrator and token file: the flags, else the variables of the export line ``up`` prints
+(``LLMD_TIMESLICE_ROUTER_URL``, ``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``), else the running stack
+of ``--stack`` (default: the CPU example next to this script, via its ``stack.json``). With none of them it
+stops (exit code 2) rather than guess a port that may be another stack's on a shared node. Exit code 0 when
+every rollout request completed at the version it asked for.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 import httpx
 
 from llmd_timeslice.client import TimeSliceError, TimeSliceOrchestratorClient
-from llmd_timeslice.local.up import read_state
+from llmd_timeslice.local.stack_file import StackError
+from llmd_timeslice.local.up import ROUTER_URL_ENV, alive, read_state
 from llmd_timeslice.weights.manifest import save_weight_version
 
 HERE = Path(__file__).resolve().parent
@@ -66,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stack", type=Path, default=HERE / "cpu-stack.yaml",
                     help="stack file of the running stack (its endpoints and token are used)")
-    ap.add_argument("--router", help="router URL (OpenAI-style API); default: the stack's")
-    ap.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCH_ADDR"), help="default: the stack's")
+    ap.add_argument("--router", default=os.environ.get(ROUTER_URL_ENV),
+                    help=f"router URL (OpenAI-style API); default: ${ROUTER_URL_ENV}, else the running stack's")
+    ap.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCH_ADDR"),
+                    help="orchestrator host:port; default: $TIMESLICE_ORCH_ADDR, else the running stack's")
     ap.add_argument("--token-file", default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"),
-                    help="control-plane token file; default: the stack's")
+                    help="control-plane token file; default: $LLMD_TIMESLICE_TOKEN_FILE, else the running stack's")
     ap.add_argument("--job-id", default="trainer-0")
     ap.add_argument("--group", default="rollout-group", help="the sampler group the trainer time-slices with")
     ap.add_argument("--model", default="tiny", help="served model name")
@@ -77,16 +82,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, help="train this model for real and publish its weights")
     ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
     a = ap.parse_args(argv)
-    _, state = read_state(a.stack) if a.stack.exists() else (None, None)
-    eps = (state or {}).get("endpoints", {})
-    a.router = a.router or eps.get("router") or "http://127.0.0.1:8080"
-    a.orchestrator = a.orchestrator or eps.get("orchestrator") or "127.0.0.1:50051"
+    eps: dict = {}
+    if not (a.router and a.orchestrator and a.token_file) and a.stack.exists():
+        try:
+            _, state = read_state(a.stack)
+        except StackError:
+            state = None
+        if state and state.get("phase") == "running" and alive(state.get("pid")):
+            eps = state["endpoints"]
+    a.router = a.router or eps.get("router")
+    a.orchestrator = a.orchestrator or eps.get("orchestrator")
     a.token_file = a.token_file or eps.get("token_file")
-    if not a.token_file:
-        print(f"no token: start the stack (llmd-timeslice up -f {a.stack}) or pass --token-file", file=sys.stderr)
+    missing = [n for n, v in (("--router", a.router), ("--orchestrator", a.orchestrator), ("--token-file", a.token_file))
+               if not v]
+    if missing:
+        print(f"rl_loop: no {', '.join(missing)}: no stack runs from {a.stack}; run the export line `llmd-timeslice up` "
+              f"printed ({ROUTER_URL_ENV}, TIMESLICE_ORCH_ADDR, LLMD_TIMESLICE_TOKEN_FILE), pass --stack FILE, or "
+              "pass the flags", file=sys.stderr)
         return 2
-    token = Path(a.token_file).read_text().strip()
-    client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token=token)
+    try:
+        client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token_file=a.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"rl_loop: token file: {exc}", file=sys.stderr)
+        return 2
     version, state, ok = 0, {}, True
     try:
         for it in range(a.iterations):

@@ -17,6 +17,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: wrapped to the terminal (at most 80 columns; $COLUMNS when not a terminal), never cut.
+    # rich's help panels end long option names, defaults and words in '…' at 80 columns.
+    rich_markup_mode=None,
 )
 
 class _Level(enum.StrEnum):
@@ -68,7 +71,7 @@ def _run(coro_factory) -> None:
     asyncio.run(main())
 
 
-@app.command()
+@app.command(short_help="Run the time-slice gate (hold / drain / steer / release).")
 def gate(
     host: Annotated[str, typer.Option(help="Bind address of both ports.")] = "127.0.0.1",
     ext_proc_port: Annotated[int, typer.Option(help="Data-plane port: Envoy's ext_proc (and gRPC health) only.",
@@ -106,7 +109,7 @@ def gate(
     _run(lambda: serve(cfg, tls.from_env()))
 
 
-@app.command()
+@app.command(short_help="Run the EPP-protocol endpoint picker.")
 def picker(
     endpoint: Annotated[list[str], typer.Option(help="POOL=ip:port of a model server (repeatable).")],
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
@@ -123,8 +126,8 @@ def picker(
     pools: dict[str, list[str]] = {}
     for item in endpoint:
         name, sep, addr = item.rpartition("=")
-        host, colon, port_s = addr.rpartition(":")
-        if not sep or not name or not colon or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        ep_host, colon, port_s = addr.rpartition(":")  # not `host`: that is the picker's own bind address
+        if not sep or not name or not colon or not ep_host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
             raise typer.BadParameter(f"expected POOL=ip:port, got {item!r}", param_hint="--endpoint")
         pools.setdefault(name, []).append(addr)
     _run(lambda: serve(PickerConfig(host=host, port=port, pools=pools, default_pool=default_pool)))
@@ -135,7 +138,7 @@ class _Discovery(enum.StrEnum):
     kubernetes = "kubernetes"
 
 
-@app.command()
+@app.command(short_help="Run the orchestrator (acquire / yield, phase switches).")
 def orchestrator(
     inventory: Annotated[Path | None, typer.Option(
         help="Static inventory file (groups and their samplers); required with --discovery static.", exists=True)] = None,
@@ -266,7 +269,7 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
         raise typer.Exit(2) from None
 
 
-@app.command()
+@app.command(short_help="Run a snapshot sidecar for one engine (sleep / wake).")
 def sidecar(
     job_id: Annotated[str, typer.Option(help="Job id of the engine this sidecar serves.")],
     engine_url: Annotated[str, typer.Option(help="URL of the vLLM server in the pod.")] = "http://127.0.0.1:8000",
@@ -345,7 +348,7 @@ StackFileOpt = Annotated[Path, typer.Option("--file", "-f", help="Stack file (se
 WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
 
 
-@app.command()
+@app.command(short_help="Show groups, weight versions and gate endpoint states.")
 def status(
     orchestrator_addr: Annotated[str, typer.Option("--orchestrator", help="Orchestrator host:port.")] = "127.0.0.1:50051",
     gate_addr: Annotated[list[str], typer.Option("--gate", help="Gate control host:port (repeatable).")] = [],  # noqa: B006
@@ -366,7 +369,7 @@ def status(
     raise typer.Exit(print_status(orchestrator_addr, gate_addr, token_file))
 
 
-@app.command()
+@app.command(short_help="Start and supervise the stack of a stack file.")
 def up(
     file: StackFileOpt,
     workdir: WorkdirOpt = None,
@@ -379,14 +382,18 @@ def up(
     Starts the vLLM engines it lists (or uses running ones given by URL), a snapshot sidecar per engine,
     the orchestrator, the gate, the picker and Envoy; prints the router URL, the orchestrator address and
     metrics URLs; restarts a component that dies (back-off 1 s to 30 s); writes logs to WORKDIR/logs.
-    On stop, held requests get 503 (gate_shutting_down), engines it did not start are woken, the rest stopped."""
+    On stop, held requests get 503 (gate_shutting_down), engines it did not start are woken, the rest stopped.
+
+    On a shared node: a port of the stack that is taken is refused before anything starts (exit 2, one line per
+    port naming its holder); a component is ready only on its own sockets; a restart that cannot succeed (port
+    held by another process, a usage error, 5 failed starts in a row) stops the stack (exit 1)."""
     from llmd_timeslice.local.up import run_up
 
     _setup_logging(log_level)
     raise typer.Exit(run_up(file, workdir, live))
 
 
-@app.command()
+@app.command(short_help="Stop a stack started with `up`; check nothing is left.")
 def down(file: StackFileOpt, workdir: WorkdirOpt = None) -> None:
     """Stop a stack started with `up` (from another shell) and check that none of its processes is left."""
     from llmd_timeslice.local.up import run_down
@@ -394,7 +401,7 @@ def down(file: StackFileOpt, workdir: WorkdirOpt = None) -> None:
     raise typer.Exit(run_down(file, workdir))
 
 
-@app.command()
+@app.command(short_help="Run the whole stack and an RL loop on this machine.")
 def demo(
     out: Annotated[Path, typer.Option(help="Folder for summary.json, timeline.png and logs.")] = Path("demo-out"),
     iterations: Annotated[int, typer.Option(help="RL iterations (each a switch to the trainer and back).", min=1)] = 5,
@@ -410,7 +417,7 @@ def demo(
     raise typer.Exit(run_demo(out, iterations=iterations, load_rps=load_rps, train_s=train_s))
 
 
-@app.command("render-envoy")
+@app.command("render-envoy", short_help="Render the local Envoy bootstrap.")
 def render_envoy(
     out: Annotated[Path, typer.Option(help="Where to write the bootstrap JSON.")],
     listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=0, max=65535)] = 8080,
@@ -431,19 +438,26 @@ def render_envoy(
     typer.echo(f"wrote {out}")
 
 
-config_app = typer.Typer(help="Check a configuration file, print its JSON schema or its reference.",
-                         no_args_is_help=True)
-app.add_typer(config_app, name="config")
+config_app = typer.Typer(help="Check a configuration file or a stack file, print the configuration's JSON schema or its "
+                              "reference.", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(config_app, name="config", short_help="Check a configuration or stack file; schema; reference.")
 
 
-@config_app.command("check")
+@config_app.command("check", short_help="Validate a configuration file or a stack file.")
 def config_check(
-    file: Annotated[Path, typer.Argument(help="YAML (or JSON) configuration file; LLMD_TIMESLICE_* variables apply on top.")],
+    file: Annotated[Path, typer.Argument(help="YAML (or JSON) configuration file (LLMD_TIMESLICE_* variables apply "
+                                              "on top), or a stack file of `up` (recognised by its `stack` or "
+                                              "`engines` key).")],
     env: Annotated[bool, typer.Option(help="Apply LLMD_TIMESLICE_<SECTION>__<FIELD> environment variables.")] = True,
 ) -> None:
-    """Validate FILE: prints OK and a summary, or one line per error (exit 2)."""
+    """Validate FILE: prints OK and a summary, or one line per error (exit 2).
+
+    A stack file is checked as `up` checks it, without starting anything; ports that are in use now are
+    listed as notes (`up` would refuse them)."""
     from llmd_timeslice.config import ConfigError, load_config, summary_lines
 
+    if _check_stack_file(file):
+        return
     try:
         cfg = load_config(file, env=env)
     except ConfigError as exc:
@@ -453,6 +467,38 @@ def config_check(
     typer.echo(f"OK {file}: {', '.join(cfg.configured()) or 'no component'} configured")
     for line in summary_lines(cfg):
         typer.echo(f"  {line}")
+
+
+def _check_stack_file(file: Path) -> bool:
+    """``config check`` on a stack file: True when FILE is one (and was checked); exits 2 on problems."""
+    import yaml
+
+    from llmd_timeslice.local.stack_file import StackError, load_stack_file, looks_like_stack_file
+
+    try:
+        data = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # the component-config path reports it
+    if not looks_like_stack_file(data):
+        return False
+    try:
+        sf = load_stack_file(file)
+    except StackError as exc:
+        for line in exc.errors:
+            typer.echo(f"{file}: {line}", err=True)
+        raise typer.Exit(2) from None
+    from llmd_timeslice.local.up import Stack
+
+    base = file.resolve().parent
+    def n(items: list, what: str) -> str:
+        return f"{len(items)} {what}{'' if len(items) == 1 else 's'}"
+
+    typer.echo(f"OK {file}: stack file ({n(sf.engines, 'engine')}, {n(sf.groups, 'group')}, {n(sf.pools, 'pool')})")
+    for line in sf.summary_lines(base):
+        typer.echo(f"  {line}")
+    for line in Stack(sf, base).port_problems():
+        typer.echo(f"  note: {line}; `up` would refuse it now")
+    return True
 
 
 @config_app.command("schema")

@@ -1,7 +1,12 @@
-"""``llmd-timeslice status``: groups from the orchestrator and endpoint states from gates, as tables."""
+"""``llmd-timeslice status``: groups from the orchestrator and endpoint states from gates, as tables.
+
+Tables print whole values: when stdout is not a terminal and ``COLUMNS`` is unset each row stays on one line
+(:func:`output_console`); on a terminal, or with ``COLUMNS``, long cells fold onto more lines (:func:`table`)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -19,13 +24,33 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2_grpc as wpb_g
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 
+UNCUT_WIDTH = 1000
+"""Console width when the output is not a terminal and ``COLUMNS`` is unset: wide enough that no table cell
+is cut (rich would otherwise assume 80 columns and end long values in '…')."""
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A console whose tables show whole values: on a terminal, or with ``$COLUMNS`` set, rich's own width
+    (cells too long for it fold onto more lines, see :func:`table`); otherwise (a pipe, a file, a CI log)
+    :data:`UNCUT_WIDTH` columns, so each row stays on one line."""
+    stream = sys.stderr if stderr else sys.stdout
+    if os.environ.get("COLUMNS") or stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=UNCUT_WIDTH)
+
+
+def table(title: str, columns: tuple[str, ...] | list[str]) -> Table:
+    """A left-titled table whose cells fold rather than end in '…' when the console is narrow."""
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col, overflow="fold")
+    return t
+
 
 def _weights_table(console: Console, ch: grpc.Channel, groups, md) -> None:
     """Weight versions per sampler (groups with samplers only; skipped on an orchestrator without the service)."""
     stub = wpb_grpc.WeightVersionServiceStub(ch)
-    t = Table(title="weight versions")
-    for col in ("group", "serving", "pending", "sampler", "version", "in service", "error"):
-        t.add_column(col)
+    t = table("weight versions", ("group", "serving", "pending", "sampler", "version", "in service", "error"))
     for gid in groups:
         try:
             w = stub.GetWeightVersion(wpb.GetWeightVersionRequest(group_id=gid), timeout=5, metadata=md)
@@ -36,14 +61,14 @@ def _weights_table(console: Console, ch: grpc.Channel, groups, md) -> None:
         for i, smp in enumerate(w.samplers):
             t.add_row(gid if i == 0 else "", str(w.serving_version) if i == 0 else "",
                       (str(w.pending.version) if w.pending.version else "-") if i == 0 else "", smp.address,
-                      str(smp.version), "yes" if smp.in_service else "[red]no[/red]", smp.error[:80])
+                      str(smp.version), "yes" if smp.in_service else "[red]no[/red]", smp.error)
     if t.row_count:
         console.print(t)
 
 
 def print_status(orchestrator: str, gates: list[str], token_file: Path | None = None, console: Console | None = None) -> int:
     """Print the tables; returns 0, or 1 when a component could not be reached (its error is shown)."""
-    console = console or Console()
+    console = console or output_console()
     md = auth.call_metadata(auth.load_token(token_file))
     tls_files = tls.from_env()
     rc = 0
@@ -51,9 +76,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
         stub = opb_grpc.TimeSliceOrchestratorServiceStub(ch)
         try:
             groups = stub.ListGroups(opb.ListGroupsRequest(), timeout=5, metadata=md).group_ids
-            t = Table(title=f"groups @ {orchestrator}")
-            for col in ("group", "state", "holder", "loaded", "waiters", "samplers"):
-                t.add_column(col)
+            t = table(f"groups @ {orchestrator}", ("group", "state", "holder", "loaded", "waiters", "samplers"))
             for gid in groups:
                 s = stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=gid), timeout=5, metadata=md)
                 agents = ", ".join(f"{a.job_id}:{opb.SnapshotAgentJobState.State.Name(a.job_state)[6:]}"
@@ -64,14 +87,12 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             _weights_table(console, ch, groups, md)
             info = info_grpc.OrchestratorInfoServiceStub(ch)
             switches = info.ListSwitches(info_pb.ListSwitchesRequest(limit=10), timeout=5, metadata=md).switches
-            t = Table(title="recent switches (newest first)")
-            for col in ("when", "group", "kind", "job", "ok", "phases (s)", "error"):
-                t.add_column(col)
+            t = table("recent switches (newest first)", ("when", "group", "kind", "job", "ok", "phases (s)", "error"))
             for sw in switches:
                 when = time.strftime("%H:%M:%S", time.localtime(sw.started_at_unix_s))
                 phases = " ".join(f"{k}={v:.3f}" for k, v in sw.phase_seconds.items())
                 t.add_row(when, sw.group_id, sw.kind, sw.job_id or "-", "yes" if sw.ok else "[red]no[/red]", phases,
-                          sw.error[:80])
+                          sw.error)
             console.print(t)
         except grpc.RpcError as exc:
             console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")
@@ -81,9 +102,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             stub = gpb_grpc.GateControlServiceStub(ch)
             try:
                 pools = stub.ListPools(gpb.ListPoolsRequest(), timeout=5, metadata=md).pools
-                t = Table(title=f"gate @ {gate}")
-                for col in ("pool", "epoch", "endpoint", "state", "weight version", "in flight", "held"):
-                    t.add_column(col)
+                t = table(f"gate @ {gate}", ("pool", "epoch", "endpoint", "state", "weight version", "in flight", "held"))
                 for p in pools:
                     s = stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=p), timeout=5, metadata=md)
                     if not s.endpoints:

@@ -47,3 +47,67 @@ def test_every_subcommand_has_help():
     for cmd in ("gate", "picker", "orchestrator", "sidecar", "status", "demo", "render-envoy"):
         r = run(cmd, "--help")
         assert r.returncode == 0 and "--help" in r.stdout, cmd
+
+
+def _commands():
+    """Every command path of the CLI: ("gate",), ("config", "check"), ..."""
+    import typer
+
+    from llmd_timeslice.cli import app
+
+    def walk(cmd, path):
+        yield path, cmd
+        for name, sub in getattr(cmd, "commands", {}).items():  # a group (typer's own click)
+            yield from walk(sub, (*path, name))
+
+    return list(walk(typer.main.get_command(app), ()))
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _commands()], ids=lambda p: " ".join(p) or "(top)")
+def test_help_fits_80_columns_and_cuts_nothing(path):
+    """`--help` at 80 columns (a pipe, or COLUMNS=80): no line wider, no value ending in '…', every option whole."""
+    from typer.testing import CliRunner
+
+    from llmd_timeslice.cli import app
+
+    cmd = dict(_commands())[path]
+    r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert r.exit_code == 0, r.output
+    wide = [ln for ln in r.output.splitlines() if len(ln) > 80]
+    assert not wide, wide
+    cut = [ln for ln in r.output.splitlines() if "…" in ln or (ln.endswith("...") and not ln.startswith("Usage:"))]
+    assert not cut, cut
+    for p in cmd.params:
+        for opt in [*p.opts, *p.secondary_opts]:
+            if opt.startswith("-"):
+                assert opt in r.output, (opt, r.output)
+
+
+def test_picker_binds_its_host_not_the_last_endpoints_host():
+    """Issue 16 bug 1: `picker --host 127.0.0.1 --endpoint default=127.0.0.2:8000` listened on 127.0.0.2 (a loop
+    variable shadowed --host). It must answer gRPC health on 127.0.0.1."""
+    import time
+
+    import grpc
+    import port_for
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port = port_for.select_random()
+    proc = subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "picker", "--host", "127.0.0.1", "--port",
+                             str(port), "--endpoint", "default=127.0.0.2:8000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            while True:
+                try:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    break
+                except grpc.RpcError:
+                    assert proc.poll() is None, proc.stdout.read().decode()
+                    assert time.monotonic() < deadline, "the picker never answered on --host 127.0.0.1"
+                    time.sleep(0.2)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,103 @@ async def test_stop_wakes_engines_the_stack_did_not_start(tmp_path):
         assert engine.level == 0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key (did you mean stack.max_hold_s?)"),
+    (lambda d: d["stack"]["ports"].update(routr=1), "stack.ports.routr: unknown key (did you mean stack.ports.router?)"),
+    (lambda d: d["groups"][0].update(sleep_levl=1), "groups[0].sleep_levl: unknown key (did you mean groups[0].sleep_level?)"),
+    (lambda d: d["engines"][1].update(sidecar_prot=1),
+     "engines[1].sidecar_prot: unknown key (did you mean engines[1].sidecar_port?)"),
+    (lambda d: d["engines"][0]["vllm"].update(modle="x"),
+     "engines[0].vllm.modle: unknown key (did you mean engines[0].vllm.model?)"),
+    (lambda d: d.update(gate={"max_hold_s": 3}), "gate: unknown key (known here: stack, pools, groups, jobs, engines)"),
+], ids=["stack.max_hold", "stack.ports.routr", "groups.sleep_levl", "engines.sidecar_prot", "engines.vllm.modle", "gate"])
+def test_unknown_stack_file_key_gets_a_did_you_mean_suggestion(tmp_path, mutate, message):
+    d = _base()
+    mutate(d)
+    with pytest.raises(StackError) as ei:
+        load_stack_file(_write(tmp_path, d))
+    assert message in ei.value.errors, ei.value.errors
+
+
+def _config_check(f: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "config", "check", str(f)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_config_check_recognises_a_stack_file_and_checks_it_without_starting_it(tmp_path):
+    import socket
+
+    d = _base()
+    with socket.socket() as held:  # a port of the stack is taken now: a note, since the file itself is fine
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        d["stack"]["ports"]["router"] = held.getsockname()[1]
+        d["stack"]["workdir"] = str(tmp_path / "work")
+        f = _write(tmp_path, d)
+        r = _config_check(f)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"OK {f}: stack file (2 engines, 1 group, 1 pool)"), r.stdout
+    assert "engine sampler-0: pool default, group rollout-group, sidecar 9101, started: vllm builtin:tiny-llama" in r.stdout
+    port = d["stack"]["ports"]["router"]
+    assert f"note: port {port} (stack.ports.router) on 127.0.0.1 is in use by pid {os.getpid()}" in r.stdout, r.stdout
+    assert not (tmp_path / "work").exists(), "nothing was started or written"
+
+
+def test_config_check_on_a_bad_stack_file_prints_one_line_per_problem_with_suggestions(tmp_path):
+    d = _base()
+    d["stack"]["max_hold"] = 3
+    d["engines"][0]["sidecar_prot"] = d["engines"][0].pop("sidecar_port")
+    f = _write(tmp_path, d)
+    r = _config_check(f)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert f"{f}: stack.max_hold: unknown key (did you mean stack.max_hold_s?)" in lines, r.stderr
+    assert f"{f}: engines[0].sidecar_prot: unknown key (did you mean engines[0].sidecar_port?)" in lines, r.stderr
+    assert f"{f}: engines[0].sidecar_port: Field required" in lines, r.stderr
+    assert len(lines) == 3, r.stderr
+
+
+def test_up_prints_an_export_line_with_the_router_url_and_where_the_tiny_model_is_built(tmp_path):
+    """What `up` prints once the stack runs (cpu example: builtin:tiny-llama engines), read whole by a shell."""
+    import io
+
+    from rich.console import Console
+
+    from llmd_timeslice.local.up import ROUTER_URL_ENV, Stack, _print_endpoints
+
+    d = _base()
+    d["stack"]["workdir"] = str(tmp_path / "work")
+    stack = Stack(load_stack_file(_write(tmp_path, d)), tmp_path)
+    buf = io.StringIO()
+    _print_endpoints(Console(file=buf, width=80), stack)
+    lines = buf.getvalue().splitlines()
+    export = next(ln for ln in lines if "export " in ln).split("export ", 1)[1].split()
+    assert export == ["TIMESLICE_ORCH_ADDR=127.0.0.1:50051", f"LLMD_TIMESLICE_TOKEN_FILE={tmp_path / 'work' / 'control-token'}",
+                      f"{ROUTER_URL_ENV}=http://127.0.0.1:8080"]
+    assert any(ln.endswith(str(tmp_path / "work" / "tiny-llama")) for ln in lines), lines
+    assert stack.endpoints()["tiny_model"] == str(tmp_path / "work" / "tiny-llama")
+
+
+@pytest.mark.parametrize("columns", [None, "60"], ids=["pipe_without_COLUMNS", "COLUMNS=60"])
+def test_status_tables_show_whole_values_into_a_pipe_or_at_columns(monkeypatch, capsys, columns):
+    """Not a terminal: one row per line, nothing cut; with COLUMNS set: that width, long cells folded, nothing cut."""
+    from llmd_timeslice.status import UNCUT_WIDTH, output_console, table
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    console = output_console()
+    assert console.width == (UNCUT_WIDTH if columns is None else 60)
+    t = table("groups @ 127.0.0.1:50051", ("group", "state", "samplers"))
+    t.add_row("rollout-group-on-a-shared-node", "IDLE", "sampler-with-a-rather-long-name-0:RUNNING, sampler-1:RUNNING")
+    console.print(t)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    rows = [ln.split("│")[1:-1] for ln in out.splitlines() if ln.startswith("│")]
+    assert (len(rows) == 1) if columns is None else (len(rows) > 1), out  # one line per row / folded at 60 columns
+    cells = ["".join(r[i].strip() for r in rows) for i in range(3)]  # a folded cell, read down its column
+    assert cells[0] == "rollout-group-on-a-shared-node", out
+    assert cells[2].replace(" ", "") == "sampler-with-a-rather-long-name-0:RUNNING,sampler-1:RUNNING", out

@@ -7,7 +7,9 @@ snapshot_deferred)`` (``yield`` is a keyword), ``on_accelerators(job_id, group_i
 as context manager and decorator. Configuration falls back to the environment:
 ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_JOB_ID``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``
 (for ``on_both_groups``, which takes the trainer group before the sampler group); the bearer token to
-``LLMD_TIMESLICE_TOKEN(_FILE)``. Calls are retried on UNAVAILABLE (service config on the upstream service
+``LLMD_TIMESLICE_TOKEN(_FILE)``. A refused token raises :class:`AuthError`, whose message says where the
+client took its token from (or where it looked when it found none).
+Calls are retried on UNAVAILABLE (service config on the upstream service
 name, exponential back-off, 5 attempts).
 
 A ``state`` offloader (e.g. :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`)
@@ -59,6 +61,20 @@ class LeaseError(TimeSliceError):
     """The orchestrator refused the call (unknown group, not the holder, failed switch...)."""
 
 
+class AuthError(LeaseError):
+    """The orchestrator refused the client's credentials: no bearer token or a wrong one (gRPC
+    UNAUTHENTICATED), or a token that may not act for this job (PERMISSION_DENIED, with per-job tokens).
+
+    ``token_source`` (also in the message) says where the client took its token from: the ``token=`` or
+    ``token_file=`` argument, ``$LLMD_TIMESLICE_TOKEN_FILE`` (and which file) or ``$LLMD_TIMESLICE_TOKEN``;
+    or, when it sent none, everywhere it looked. A subclass of :class:`LeaseError`, which it was before.
+    """
+
+    def __init__(self, message: str, token_source: str = "") -> None:
+        super().__init__(message)
+        self.token_source = token_source
+
+
 class LeaseLost(LeaseError):
     """This job's lease was reclaimed (heartbeats stopped or a newer grant exists): stop using the
     accelerators, restart from the last checkpoint and acquire again."""
@@ -96,8 +112,31 @@ class StateOffloader(Protocol):
     def restore(self): ...
 
 
-def _translate(exc: grpc.RpcError, what: str) -> TimeSliceError:
+def _token_with_source(token: str | None, token_file: str | os.PathLike | None) -> tuple[str | None, str]:
+    """The bearer token to send, and a sentence saying where it came from (for :class:`AuthError`).
+
+    Raises:
+        FileNotFoundError: the token file does not exist.
+        ValueError: the token file is empty.
+    """
+    if token is not None:
+        return token, "the client's token came from the token= argument" + ("" if token else " (empty: none sent)")
+    if token_file is not None:
+        return auth.load_token(token_file), f"the client's token came from the token_file= argument: file {token_file}"
+    path = os.environ.get(auth.TOKEN_FILE_ENV)
+    if path:
+        return auth.load_token(path), f"the client's token came from ${auth.TOKEN_FILE_ENV}: file {path}"
+    if os.environ.get(auth.TOKEN_ENV):
+        return os.environ[auth.TOKEN_ENV], f"the client's token came from ${auth.TOKEN_ENV}"
+    return None, (f"the client sent no token: it looked at the token= and token_file= arguments, "
+                  f"${auth.TOKEN_FILE_ENV} and ${auth.TOKEN_ENV} (none set)")
+
+
+def _translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSliceError:
     code = exc.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return AuthError(f"{what}: {code.name}: {exc.details()}" + (f"; {token_source}" if token_source else ""),
+                         token_source)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return AcquireTimeout(f"{what}: timed out waiting ({exc.details()})")
     if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
@@ -140,14 +179,20 @@ class TimeSliceOrchestratorClient:
         token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``): the control token, or this job's own
             token where the orchestrator has per-job tokens.
         tls_files: mutual TLS (default: from ``LLMD_TIMESLICE_TLS_*_FILE``, see :mod:`llmd_timeslice.tls`).
+        token_file: file holding the bearer token (when ``token`` is not given).
+
+    Raises:
+        FileNotFoundError, ValueError: the token file is missing or empty.
     """
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
                  channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
-                 sampler_group_id: str | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+                 sampler_group_id: str | None = None, tls_files: tls.TlsFiles | None = None,
+                 token_file: str | os.PathLike | None = None) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
-        self._md = auth.call_metadata(token if token is not None else auth.load_token())
+        token, self._token_source = _token_with_source(token, token_file)
+        self._md = auth.call_metadata(token)
         self._channel = tls.channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
@@ -170,7 +215,7 @@ class TimeSliceOrchestratorClient:
             r, call = self._stub.Acquire.with_call(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec,
                                                    metadata=self._md)
         except grpc.RpcError as exc:
-            raise _translate(exc, f"acquire {group!r} as {job!r}") from None
+            raise _translate(exc, f"acquire {group!r} as {job!r}", self._token_source) from None
         if self.heartbeats:
             self._start_heartbeats(job, group)
         return AcquireResult(r.success, r.waited_ms, r.context_restored, _weight_sync_error(call.trailing_metadata()))
@@ -182,7 +227,7 @@ class TimeSliceOrchestratorClient:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return  # an orchestrator without the lease extension (upstream): nothing to renew
-            raise _translate(exc, f"lease of {group!r} as {job!r}") from None
+            raise _translate(exc, f"lease of {group!r} as {job!r}", self._token_source) from None
         beat = _Heartbeat(self._leases_stub, self._md, job, group, lease.fencing_token, lease.ttl_s)
         old = self._beats.pop((job, group), None)
         if old is not None:
@@ -213,7 +258,8 @@ class TimeSliceOrchestratorClient:
         except grpc.RpcError as exc:
             if beat is not None and beat.lost is not None:
                 raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
-            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}") from None
+            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}",
+                             self._token_source) from None
 
     def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
         """Weight versions of the group's samplers (serving, pending, failures)."""
@@ -222,7 +268,7 @@ class TimeSliceOrchestratorClient:
                 weights_pb2.GetWeightVersionRequest(group_id=group_id or self.sampler_group_id or self.group_id or ""),
                 timeout=10, metadata=self._md)
         except grpc.RpcError as exc:
-            raise _translate(exc, "weight status") from None
+            raise _translate(exc, "weight status", self._token_source) from None
 
     def release(self, job_id: str | None = None, group_id: str | None = None,
                 weights: WeightUpdate | None = None) -> YieldResult:
@@ -244,7 +290,7 @@ class TimeSliceOrchestratorClient:
         try:
             r = self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=md)
         except grpc.RpcError as exc:
-            err = _translate(exc, f"yield {group!r} as {job!r}")
+            err = _translate(exc, f"yield {group!r} as {job!r}", self._token_source)
             if beat is not None and beat.lost is not None:
                 raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
             raise err from None
@@ -258,13 +304,13 @@ class TimeSliceOrchestratorClient:
             return self._stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""),
                                              timeout=10, metadata=self._md)
         except grpc.RpcError as exc:
-            raise _translate(exc, "group status") from None
+            raise _translate(exc, "group status", self._token_source) from None
 
     def list_groups(self) -> list[str]:
         try:
             return list(self._stub.ListGroups(pb.ListGroupsRequest(), timeout=10, metadata=self._md).group_ids)
         except grpc.RpcError as exc:
-            raise _translate(exc, "list groups") from None
+            raise _translate(exc, "list groups", self._token_source) from None
 
     def on_accelerators(self, job_id: str | None = None, group_id: str | None = None,
                         timeout_sec: float | None = None, state: StateOffloader | None = None) -> _Held:
@@ -307,9 +353,9 @@ class AsyncTimeSliceOrchestratorClient:
 
     def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
                  channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
-                 tls_files: tls.TlsFiles | None = None) -> None:
+                 tls_files: tls.TlsFiles | None = None, token_file: str | os.PathLike | None = None) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
-        tok = token if token is not None else auth.load_token()
+        tok, self._token_source = _token_with_source(token, token_file)
         self._channel = tls.aio_channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options),
                                              interceptors=auth.client_interceptors(tok))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
@@ -327,14 +373,14 @@ class AsyncTimeSliceOrchestratorClient:
             r = await call
             sync_error = _weight_sync_error(await call.trailing_metadata())
         except grpc.RpcError as exc:
-            raise _translate(exc, f"acquire {group!r} as {job!r}") from None
+            raise _translate(exc, f"acquire {group!r} as {job!r}", self._token_source) from None
         if self.heartbeats:
             try:
                 lease = await self._leases_stub.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group),
                                                          timeout=10)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # upstream orchestrator: nothing to renew
-                    raise _translate(exc, f"lease of {group!r} as {job!r}") from None
+                    raise _translate(exc, f"lease of {group!r} as {job!r}", self._token_source) from None
             else:
                 old = self._beats.pop((job, group), None)
                 if old is not None:
@@ -354,7 +400,8 @@ class AsyncTimeSliceOrchestratorClient:
         except grpc.RpcError as exc:
             if beat is not None and beat.lost is not None:
                 raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
-            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}") from None
+            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}",
+                             self._token_source) from None
 
     async def weight_status(self, group_id=None) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.weight_status`."""
@@ -362,7 +409,7 @@ class AsyncTimeSliceOrchestratorClient:
             return await self._weights_stub.GetWeightVersion(
                 weights_pb2.GetWeightVersionRequest(group_id=group_id or self.group_id or ""), timeout=10)
         except grpc.RpcError as exc:
-            raise _translate(exc, "weight status") from None
+            raise _translate(exc, "weight status", self._token_source) from None
 
     async def release(self, job_id=None, group_id=None, weights: WeightUpdate | None = None) -> YieldResult:
         job, group = self._ids(job_id, group_id)
@@ -378,7 +425,7 @@ class AsyncTimeSliceOrchestratorClient:
         except grpc.RpcError as exc:
             if beat is not None and beat.lost is not None:
                 raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
-            raise _translate(exc, f"yield {group!r} as {job!r}") from None
+            raise _translate(exc, f"yield {group!r} as {job!r}", self._token_source) from None
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 
     yield_ = release

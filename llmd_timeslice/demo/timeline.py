@@ -23,17 +23,27 @@ def _spans(samples: list[tuple[float, str]]) -> list[tuple[float, float, str]]:
     return spans
 
 
+def sampler_lanes(monitor: list[dict], names: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """``(address, lane label)`` per sampler seen in ``monitor``, ordered by label: the sampler's name from
+    ``names`` (``{address: job id}``), else its address."""
+    names = names or {}
+    addresses = {a for m in monitor for a in m["endpoints"]}
+    return sorted(((a, names.get(a, a)) for a in addresses), key=lambda x: (x[1], x[0]))
+
+
 def plot_timeline(path: Path, monitor: list[dict], trainer_phases: list[tuple[float, float, str]],
-                  requests: list[dict]) -> Path:
+                  requests: list[dict], names: dict[str, str] | None = None) -> Path:
     """Write the PNG: a lane per sampler (gate endpoint state) and the trainer, held requests below.
 
     ``monitor``: samples ``{"t": s, "held": n, "endpoints": {address: state}}``; ``trainer_phases``:
-    ``(start_s, end_s, phase)``; ``requests``: request records (``sent_at``, ``done_at``, ``hold_ms``, ``ok``).
+    ``(start_s, end_s, phase)``; ``requests``: request records (``sent_at``, ``done_at``, ``hold_ms``, ``ok``);
+    ``names``: ``{address: sampler name}`` for the lane labels (see :func:`sampler_lanes`).
     """
     fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True,
                                        gridspec_kw={"height_ratios": [2.2, 1.2, 1.2]})
-    addresses = sorted({a for m in monitor for a in m["endpoints"]})
-    lanes = [*(f"sampler {a}" for a in addresses), "trainer"]
+    samplers = sampler_lanes(monitor, names)
+    addresses = [a for a, _ in samplers]
+    lanes = [*(label for _, label in samplers), "trainer"]
     for i, a in enumerate(addresses):
         for start, end, state in _spans([(m["t"], m["endpoints"].get(a, "")) for m in monitor]):
             if state:

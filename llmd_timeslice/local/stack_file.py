@@ -17,7 +17,9 @@ built locally) or **already running** at ``url``. Checks beyond the types: uniqu
 
 from __future__ import annotations
 
+import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
@@ -197,6 +199,22 @@ class StackFile(_Strict):
             return self.resolve(base_dir, self.stack.workdir)
         return base_dir / ".llmd-timeslice" / self.stack.name
 
+    def summary_lines(self, base_dir: Path) -> list[str]:
+        """A short human summary (``llmd-timeslice config check`` on a stack file)."""
+        p = self.stack.ports
+        started = [e for e in self.engines if e.vllm is not None]
+        out = [f"stack {self.stack.name!r} on {self.stack.host}, workdir {self.workdir(base_dir)}",
+               f"router http://{self.stack.host}:{p.router}, orchestrator {self.stack.host}:{p.orchestrator}, gate "
+               f"ext_proc {p.gate_ext_proc} / control {p.gate_control}, picker {p.picker}, max hold {self.stack.max_hold_s:g} s",
+               f"pools: {', '.join(pl.name + (f' ({pl.path_prefix})' if pl.path_prefix else ' (/)') for pl in self.pools)}",
+               f"groups: {', '.join(f'{g.group_id} (sleep level {g.sleep_level}, {g.policy})' for g in self.groups)}"]
+        for e in self.engines:
+            src = (f"started: vllm {e.vllm.model} on port {e.vllm.port}" if e.vllm is not None
+                   else f"running at {e.url}")
+            out.append(f"engine {e.name}: pool {e.pool}, group {e.group}, sidecar {e.sidecar_port}, {src}")
+        out.append(f"{len(started)} of {len(self.engines)} engines started by the stack")
+        return out
+
     def inventory(self) -> Inventory:
         """The orchestrator's static inventory: groups with their samplers and per-job settings."""
         groups = []
@@ -213,6 +231,39 @@ class StackFile(_Strict):
         return Inventory.model_validate({"groups": groups})
 
 
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The model whose fields are valid at ``loc`` (list indices skipped), for suggestions."""
+    model: type[BaseModel] | None = StackFile
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
+            return None
+        model = None
+        for a in (field.annotation, *typing.get_args(field.annotation)):
+            for b in (a, *typing.get_args(a)):  # list[EngineEntry], EngineEntry | None, VllmLaunch | None
+                if isinstance(b, type) and issubclass(b, BaseModel):
+                    model = b
+                    break
+            if model is not None:
+                break
+    return model
+
+
+def _unknown_key(err: dict) -> str:
+    """``unknown key (did you mean stack.max_hold_s?)``, or the keys valid there when none is close."""
+    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+    parent, key = loc[:-1], str(loc[-1])
+    model = _model_at(parent)
+    known = list(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        where = _loc({"loc": (*parent, close[0])})
+        return f"unknown key (did you mean {where}?)"
+    return f"unknown key (known here: {', '.join(known)})" if known else "unknown key"
+
+
 def _loc(err: dict) -> str:
     parts = []
     for p in err["loc"]:
@@ -221,6 +272,20 @@ def _loc(err: dict) -> str:
         elif p not in ("function-after",) and not str(p).startswith("function-"):
             parts.append(str(p))
     return ".".join(parts) or "(top level)"
+
+
+STACK_KEYS = ("stack", "pools", "groups", "jobs", "engines")
+"""Top-level keys of a stack file."""
+
+
+def looks_like_stack_file(data: object) -> bool:
+    """Whether parsed YAML is meant as a stack file: a mapping with ``stack`` or ``engines`` and no key outside
+    :data:`STACK_KEYS` that a component configuration has (``gate``, ``orchestrator``, ...)."""
+    if not isinstance(data, dict) or not ({"stack", "engines"} & set(data)):
+        return False
+    from llmd_timeslice.config import SECTIONS
+
+    return not (set(SECTIONS) & set(data))
 
 
 def load_stack_file(path: str | os.PathLike) -> StackFile:
@@ -254,7 +319,7 @@ def _load(path: Path) -> StackFile:
         for e in exc.errors():
             msg = e["msg"].removeprefix("Value error, ")
             if e["type"] == "extra_forbidden":
-                msg = "unknown key (check the spelling; see examples/cpu-stack.yaml)"
+                msg = _unknown_key(e)
             lines.append(f"{_loc(e)}: {msg}")
         raise StackError(lines) from None
     problems = sf.problems(path.resolve().parent)

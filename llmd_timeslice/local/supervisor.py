@@ -7,6 +7,12 @@ child also gets SIGTERM from the kernel if the supervisor itself dies, even by S
 that exits while the stack runs is logged, marked ``backoff`` and started again after 1, 2, 4 ... 30 s
 (the delay resets once it stayed up for ``healthy_reset_s``).
 
+Ready means the probe answers *and* every port the child binds (``ChildSpec.listen``) has a listening
+socket in the child's own process group and none outside it: on a shared node a probe may reach another
+stack's server on the same port. A start that cannot succeed by retrying (a port held by another
+process, exit code 2: a usage error such as a bad flag), or ``max_start_failures`` failed starts in a
+row, is final: the child is marked ``failed`` and ``on_fatal`` is called instead of restarting forever.
+
 Why not supervisord or circus: they are daemons with their own configuration files and control
 sockets; here the stack needs in-process knowledge of each child (its readiness probe, its stage in
 the start order, its restarts) to render the status table and the stack state file. See
@@ -24,6 +30,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
+
+from llmd_timeslice.local.ports import split_listeners
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +56,9 @@ class ChildSpec:
     settle_s: float = 1.0
     env_factory: Callable[[], dict[str, str]] | None = None
     """Called before each start (e.g. a fresh vLLM runtime directory); wins over ``env``."""
+    listen: tuple[int, ...] = ()
+    """TCP ports the child binds: it is ready only once each has a listener in its process group and none
+    outside it."""
 
 
 @dataclass(eq=False)
@@ -78,8 +91,17 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+USAGE_ERROR_EXIT = 2
+"""Exit code of a usage error (a bad flag or setting: click, argparse and ``llmd-timeslice`` itself)."""
+
+
 class StartFailed(Exception):
-    """A child did not become ready; the message names it, says why and where its log is."""
+    """A child did not become ready; the message names it, says why and where its log is.
+    ``permanent``: starting it again cannot help (a port held by another process, a usage error)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def _tail(path: Path, n: int = 1500) -> str:
@@ -97,15 +119,25 @@ class Supervisor:
         max_backoff_s: longest delay before a restart, in seconds.
         healthy_reset_s: a child up this many seconds gets its back-off reset.
         on_event: called with (child name, message) for starts, exits and restarts.
+        backoff_s: first delay before a restart, in seconds (doubles up to ``max_backoff_s``).
+        max_start_failures: failed restarts in a row after which a child is given up.
+        on_fatal: called once when a child is given up after the start (a permanent failure or
+            ``max_start_failures``), with the :class:`StartFailed` that says why.
     """
 
     def __init__(self, stages: list[list[ChildSpec]], max_backoff_s: float = 30.0, healthy_reset_s: float = 60.0,
-                 on_event: Callable[[str, str], None] | None = None) -> None:
+                 on_event: Callable[[str, str], None] | None = None, backoff_s: float = 1.0,
+                 max_start_failures: int = 5, on_fatal: Callable[[StartFailed], None] | None = None) -> None:
         self.stages = [[Child(s) for s in stage] for stage in stages]
         self.children = [c for stage in self.stages for c in stage]
+        self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.healthy_reset_s = healthy_reset_s
+        self.max_start_failures = max_start_failures
         self.on_event = on_event or (lambda name, msg: log.info("component=%s %s", name, msg))
+        self.on_fatal = on_fatal or (lambda exc: None)
+        self.fatal: StartFailed | None = None
+        """Set when a child failed for good after the start (see ``on_fatal``)."""
         self.stopping = False
         self._watchers: list[asyncio.Task] = []
 
@@ -131,28 +163,65 @@ class Supervisor:
         deadline = time.monotonic() + spec.start_timeout_s
         while True:
             if c.proc is None or c.proc.returncode is not None:
-                rc = c.proc.returncode if c.proc is not None else None
-                raise StartFailed(f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n"
-                                  f"{_tail(spec.log_path)}")
+                raise await self._exit_failure(c)
             if spec.probe is None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(c.proc.wait()), spec.settle_s)
-                if c.proc.returncode is None:
+                if c.proc.returncode is None and await self._owns_ports(c):
                     c.state = "ready"
                     c.ready_event.set()
                     return
                 continue
             try:
-                if await spec.probe():
-                    c.state = "ready"
-                    c.ready_event.set()
-                    return
+                answered = await spec.probe()
             except Exception:
-                pass
+                answered = False
+            if answered and await self._owns_ports(c):
+                c.state = "ready"
+                c.ready_event.set()
+                return
             if time.monotonic() > deadline:
                 raise StartFailed(f"{spec.name} was not ready within {spec.start_timeout_s:g} s; last lines of "
                                   f"{spec.log_path}:\n{_tail(spec.log_path)}")
             await asyncio.sleep(0.2)
+
+    async def _owns_ports(self, c: Child) -> bool:
+        """True when each of the child's ports has a listener in its process group; raises a permanent
+        StartFailed when another process listens on one (what answered the probe may be that process)."""
+        if not c.spec.listen or c.proc is None:
+            return True
+        try:
+            ours, foreign = await asyncio.to_thread(split_listeners, c.spec.listen, c.proc.pid)
+        except psutil.Error as exc:  # sockets hidden from this user (not Linux): the probe is all we know
+            log.debug("component=%s cannot list listening sockets (%s); trusting the probe", c.spec.name, exc)
+            return True
+        if foreign:
+            raise StartFailed(self._port_message(c, foreign), permanent=True)
+        return set(c.spec.listen) <= ours
+
+    @staticmethod
+    def _port_message(c: Child, foreign: dict) -> str:
+        port, holders = next(iter(foreign.items()))
+        pid = c.proc.pid if c.proc is not None else None
+        return (f"{c.spec.name}: port {port} is held by {', '.join(h.describe() for h in holders)}, not by the "
+                f"{c.spec.name} this stack started (pid {pid}); another stack on the same ports? Last lines of "
+                f"{c.spec.log_path}:\n{_tail(c.spec.log_path)}")
+
+    async def _exit_failure(self, c: Child) -> StartFailed:
+        """Why a child exited while starting; permanent when a restart cannot help."""
+        spec = c.spec
+        rc = c.proc.returncode if c.proc is not None else None
+        if spec.listen:
+            with contextlib.suppress(psutil.Error):
+                _, foreign = await asyncio.to_thread(split_listeners, spec.listen, c.proc.pid if c.proc else -1)
+                if foreign:
+                    return StartFailed(self._port_message(c, foreign), permanent=True)
+        if rc == USAGE_ERROR_EXIT:
+            return StartFailed(f"{spec.name} exited with code {rc} while starting (a usage error: a bad flag or "
+                               f"setting; starting it again cannot help); last lines of {spec.log_path}:\n"
+                               f"{_tail(spec.log_path)}", permanent=True)
+        return StartFailed(f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n"
+                           f"{_tail(spec.log_path)}")
 
     async def start(self, progress: Callable[[str], None] = lambda msg: None) -> None:
         """Start every stage in order and begin watching. Raises StartFailed (everything started is stopped)."""
@@ -170,7 +239,8 @@ class Supervisor:
             raise
 
     async def _watch(self, c: Child) -> None:
-        backoff = 1.0
+        backoff = self.backoff_s
+        failed_starts = 0
         while not self.stopping:
             assert c.proc is not None
             rc = await c.proc.wait()
@@ -178,11 +248,12 @@ class Supervisor:
                 return
             up = time.monotonic() - c.started_at
             if up >= self.healthy_reset_s:
-                backoff = 1.0
-            c.last_exit = f"exit code {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
+                backoff = self.backoff_s
+            if failed_starts == 0:  # a failed restart was reported already
+                c.last_exit = f"exit code {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
+                self.on_event(c.spec.name, f"exited ({c.last_exit}) after {up:.0f} s; restarting in {backoff:g} s")
             c.state = "backoff"
             c.ready_event.clear()
-            self.on_event(c.spec.name, f"exited ({c.last_exit}) after {up:.0f} s; restarting in {backoff:g} s")
             await self._kill_group(c, 0.0)  # whatever it left behind in its process group
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
@@ -192,11 +263,25 @@ class Supervisor:
             try:
                 await self._spawn(c)
                 await self._wait_ready(c)
+                failed_starts = 0
                 self.on_event(c.spec.name, f"restarted (pid {c.pid}, restart #{c.restarts})")
             except StartFailed as exc:
-                self.on_event(c.spec.name, f"restart failed: {str(exc).splitlines()[0]}")
+                failed_starts += 1
                 with contextlib.suppress(ProcessLookupError):
                     await self._kill_group(c, 0.0)
+                first = str(exc).splitlines()[0]
+                c.last_exit = f"start failed: {first}"
+                if exc.permanent or failed_starts >= self.max_start_failures:
+                    if not exc.permanent:
+                        exc = StartFailed(f"{c.spec.name} failed to start {failed_starts} times in a row; giving up. "
+                                          f"Last: {exc}", permanent=True)
+                    c.state = "failed"
+                    self.on_event(c.spec.name, f"failed for good, not restarting: {first}")
+                    if self.fatal is None:
+                        self.fatal = exc
+                        self.on_fatal(exc)
+                    return
+                self.on_event(c.spec.name, f"restart failed: {first}; restarting in {backoff:g} s")
 
     async def _kill_group(self, c: Child, grace_s: float) -> None:
         proc = c.proc

@@ -30,14 +30,22 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
+from llmd_timeslice.local.ports import port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
+from llmd_timeslice.status import output_console, table
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "stack.json"
+ROUTER_URL_ENV = "LLMD_TIMESLICE_ROUTER_URL"
+"""Environment variable naming the router URL (OpenAI-style API) of a stack; ``up`` prints it on its export line
+next to ``TIMESLICE_ORCH_ADDR`` and ``LLMD_TIMESLICE_TOKEN_FILE``, and ``examples/rl_loop.py`` reads it."""
+TINY_MODEL_DIR = "tiny-llama"
+"""Folder under the workdir where ``builtin:tiny-llama`` is built (a Hugging Face model directory)."""
 STOP_BOUND_S = 60.0
 """Most seconds a stop takes: gate, engine wake-ups, then every process group (SIGKILL after its grace)."""
 
@@ -87,7 +95,23 @@ class Stack:
         }
         for e in self.sf.engines:
             eps[f"metrics_{e.name}"] = f"{e.base_url}/metrics"
+        if any(e.vllm is not None and e.vllm.model == BUILTIN_TINY for e in self.sf.engines):
+            eps["tiny_model"] = str(self.workdir / TINY_MODEL_DIR)
         return eps
+
+    def ports_to_bind(self) -> list[tuple[str, str, int]]:
+        """``(where in the stack file, bind host, port)`` of every port the stack's components bind."""
+        h = self.host
+        out = [(f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items()]
+        for i, e in enumerate(self.sf.engines):
+            out.append((f"engines[{i}] ({e.name}).sidecar_port", h, e.sidecar_port))
+            if e.vllm is not None:
+                out.append((f"engines[{i}] ({e.name}).vllm.port", "127.0.0.1", e.vllm.port))  # VllmServer's bind address
+        return out
+
+    def port_problems(self) -> list[str]:
+        """One line per port of the stack that is taken now, naming the process that holds it."""
+        return port_problems(self.ports_to_bind())
 
     # ------------------------------------------------------------------ children
     def _cli(self, *args: str) -> list[str]:
@@ -116,18 +140,19 @@ class Stack:
                 from llmd_timeslice.demo.tiny_model import build_tiny_llama
 
                 progress(f"building the tiny Llama for {e.name} (local, no download)")
-                model = build_tiny_llama(self.workdir / "tiny-llama")
+                model = build_tiny_llama(self.workdir / TINY_MODEL_DIR)
             else:
                 model = self.sf.resolve(self.base_dir, v.model)
             server = VllmServer(model, v.port, self.logdir / f"vllm-{e.name}.log", python=v.python, extra_args=v.args,
                                 default_args=v.cpu_defaults)
             engines.append(ChildSpec(f"vllm-{e.name}", server.command(), server.log_path, v.port,
                                      probe=http_probe(f"{e.base_url}/health"), start_timeout_s=v.startup_timeout_s,
-                                     stop_grace_s=15.0, env_factory=lambda srv=server, env=v.env: srv.environment(env)))
+                                     stop_grace_s=15.0, env_factory=lambda srv=server, env=v.env: srv.environment(env),
+                                     listen=(v.port,)))
         sidecars = [ChildSpec(f"sidecar-{e.name}", self._cli("sidecar", "--job-id", e.name, "--engine-url", e.base_url,
                                                               "--host", h, "--port", str(e.sidecar_port), *tok),
                               self.logdir / f"sidecar-{e.name}.log", e.sidecar_port,
-                              probe=grpc_health_probe(f"{h}:{e.sidecar_port}"))
+                              probe=grpc_health_probe(f"{h}:{e.sidecar_port}"), listen=(e.sidecar_port,))
                     for e in self.sf.engines]
         # Orchestrator state lives as long as one `up`: it carries the orchestrator over its own restarts (the
         # supervisor restarts it), but a new `up` starts new engines, so holders and versions start over too.
@@ -140,17 +165,20 @@ class Stack:
                                                    str(p.orchestrator), "--metrics-port", str(p.orchestrator_metrics),
                                                    "--state-file", str(self.workdir / "orchestrator-state.json"), *tok),
                          self.logdir / "orchestrator.log", p.orchestrator,
-                         probe=grpc_health_probe(f"{h}:{p.orchestrator}"), start_timeout_s=300.0)
+                         probe=grpc_health_probe(f"{h}:{p.orchestrator}"), start_timeout_s=300.0,
+                         listen=(p.orchestrator, p.orchestrator_metrics))
         pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
         gate = ChildSpec("gate", self._cli("gate", "--host", h, "--ext-proc-port", str(p.gate_ext_proc), "--control-port",
                                            str(p.gate_control), "--metrics-port", str(p.gate_metrics), "--max-hold-s",
                                            str(s.max_hold_s), "--orchestrator", f"{h}:{p.orchestrator}", "--gate-id",
                                            f"{s.name}-gate", "--default-pool", self.sf.pools[0].name, *pools, *tok),
-                         self.logdir / "gate.log", p.gate_ext_proc, probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"))
+                         self.logdir / "gate.log", p.gate_ext_proc, probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
+                         listen=(p.gate_ext_proc, p.gate_control, p.gate_metrics))
         eps = [a for e in self.sf.engines for a in ("--endpoint", f"{e.pool}={e.address}")]
         picker = ChildSpec("picker", self._cli("picker", "--host", h, "--port", str(p.picker), "--default-pool",
                                                self.sf.pools[0].name, *eps),
-                           self.logdir / "picker.log", p.picker, probe=grpc_health_probe(f"{h}:{p.picker}"))
+                           self.logdir / "picker.log", p.picker, probe=grpc_health_probe(f"{h}:{p.picker}"),
+                           listen=(p.picker,))
         cfg = EnvoyRouterConfig(listen_port=p.router, admin_port=p.router_admin, gate_port=p.gate_ext_proc,
                                 epp_port=p.picker, pool=self.sf.pools[0].name, host=h, max_hold_s=s.max_hold_s,
                                 pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:]
@@ -159,7 +187,8 @@ class Stack:
         write_bootstrap(cfg, bootstrap)
         envoy = ChildSpec("envoy", [str(envoy_binary()), "-c", str(bootstrap), "--concurrency", "2", "--log-level", "warn",
                                     "--use-dynamic-base-id", "--disable-hot-restart"],
-                          self.logdir / "envoy.log", p.router, probe=http_probe(f"http://{h}:{p.router_admin}/ready"))
+                          self.logdir / "envoy.log", p.router, probe=http_probe(f"http://{h}:{p.router_admin}/ready"),
+                          listen=(p.router, p.router_admin))
         stages = [engines, sidecars, [orch], [gate, picker], [envoy]]
         return [st for st in stages if st]
 
@@ -193,10 +222,8 @@ class Stack:
 
 # ---------------------------------------------------------------------- up
 def _table(stack: Stack, sup: Supervisor) -> Table:
-    t = Table(title=f"llmd-timeslice stack {stack.sf.stack.name!r} ({stack.workdir})", title_justify="left")
-    t.add_column("component", no_wrap=True)
-    for col in ("state", "pid", "port", "restarts", "up (s)", "last exit"):
-        t.add_column(col)
+    t = table(f"llmd-timeslice stack {stack.sf.stack.name!r} ({stack.workdir})",
+              ("component", "state", "pid", "port", "restarts", "up (s)", "last exit"))
     colors = {"ready": "green", "starting": "yellow", "backoff": "red", "failed": "red"}
     for c in sup.snapshot():
         st = c["state"]
@@ -211,9 +238,12 @@ def _print_endpoints(console: Console, stack: Stack) -> None:
         f"[bold green]stack up[/]: router (OpenAI API) [bold]{e['router']}[/]  orchestrator [bold]{e['orchestrator']}[/]"
         f"  gate control {e['gate_control']}",
         "  metrics: " + "  ".join(v for k, v in e.items() if k.startswith("metrics_")),
-        f"  for the TimeSlice client: export TIMESLICE_ORCH_ADDR={e['orchestrator']} LLMD_TIMESLICE_TOKEN_FILE={e['token_file']}",
+        f"  for the TimeSlice client: export TIMESLICE_ORCH_ADDR={e['orchestrator']} "
+        f"LLMD_TIMESLICE_TOKEN_FILE={e['token_file']} {ROUTER_URL_ENV}={e['router']}",
         f"  logs: {stack.logdir}/   from another shell: llmd-timeslice status -f FILE | down -f FILE",
     ]
+    if "tiny_model" in e:
+        lines.append(f"  tiny model (a Hugging Face model directory, e.g. for rl_loop.py --model-dir): {e['tiny_model']}")
     for line in lines:
         console.print(line, soft_wrap=True)  # never folded: the export line is meant to be copied
 
@@ -227,18 +257,21 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
     sup: Supervisor | None = None
     events: list[str] = []
 
+    def on_fatal(exc: StartFailed) -> None:  # a component failed for good after the start: stop the stack
+        stop.set()
+
     def on_event(name: str, msg: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {name}: {msg}"
         events.append(line)
         log.info("component=%s %s", name, msg)
         failure = any(w in msg for w in ("exited", "failed"))
         if not live_table or (sup is not None and not sup.stopping and failure):
-            console.print(f"[red]{line}[/red]" if failure else line)
+            console.print(f"[red]{escape(line)}[/red]" if failure else escape(line), highlight=False)
 
     try:
         with console.status("preparing ...") as st:
             stages = await asyncio.to_thread(stack.prepare, st.update)
-            sup = Supervisor(stages, on_event=on_event)
+            sup = Supervisor(stages, on_event=on_event, on_fatal=on_fatal)
             stack.write_state(sup, "starting")
             start = asyncio.ensure_future(sup.start(st.update))
             stopper = asyncio.ensure_future(stop.wait())
@@ -252,7 +285,7 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
             stopper.cancel()
             start.result()
     except StartFailed as exc:
-        console.print(f"[red]llmd-timeslice up: {exc}[/red]")
+        console.print(f"[red]llmd-timeslice up: {escape(str(exc))}[/red]", highlight=False)
         if sup is not None:
             stack.write_state(sup, "failed")
         return 1
@@ -272,6 +305,8 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
                     await asyncio.wait_for(stop.wait(), 1.0)
                 stack.write_state(sup, "running")
     finally:
+        if sup.fatal is not None:
+            console.print(f"[red]llmd-timeslice up: {escape(str(sup.fatal))}[/red]", highlight=False)
         console.print("stopping: gate first (held requests get 503 gate_shutting_down), then the rest ...")
         stack.write_state(sup, "stopping")
         t = time.monotonic()
@@ -283,9 +318,9 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
                 if c.proc is not None and c.proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(c.proc.pid, signal.SIGKILL)
-        stack.write_state(sup, "stopped")
+        stack.write_state(sup, "failed" if sup.fatal is not None else "stopped")
         console.print(f"stack stopped in {time.monotonic() - t:.1f} s; nothing of it is left running")
-    return 0
+    return 1 if sup.fatal is not None else 0
 
 
 async def _stop(stack: Stack, sup: Supervisor) -> None:
@@ -297,12 +332,14 @@ async def _stop(stack: Stack, sup: Supervisor) -> None:
 
 
 def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None) -> int:
-    """``llmd-timeslice up``; returns the exit code (0 after a clean stop, 1 if the stack did not start)."""
+    """``llmd-timeslice up``; returns the exit code: 0 after a clean stop, 1 if the stack did not start or a
+    component failed for good, 2 if a stack already runs from the workdir or a port of the stack is taken
+    (one line per port on stderr, naming the process that holds it; nothing is started)."""
     from llmd_timeslice.local.stack_file import load_stack_file
 
     sf = load_stack_file(file)
     stack = Stack(sf, file.resolve().parent, workdir)
-    console = Console()
+    console = output_console()
     state = stack.workdir / STATE_FILE
     if state.exists():
         with contextlib.suppress(ValueError, OSError):
@@ -311,6 +348,14 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
                 console.print(f"[red]a stack already runs from {stack.workdir} (pid {prev['pid']}); "
                               "`llmd-timeslice down -f FILE` first[/red]")
                 return 2
+    taken = stack.port_problems()
+    if taken:
+        err = output_console(stderr=True)
+        for line in taken:
+            err.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"llmd-timeslice up: nothing started; stop what holds the port(s) or give {file} other ports",
+                  markup=False, highlight=False, soft_wrap=True)
+        return 2
     return asyncio.run(_up(stack, console, sys.stdout.isatty() if live_table is None else live_table))
 
 
@@ -379,17 +424,14 @@ def print_stack_status(file: Path, workdir: Path | None = None) -> int:
     """Components from the state file, then groups and gate tables from the running stack."""
     from llmd_timeslice.status import print_status
 
-    console = Console()
+    console = output_console()
     wd, state = read_state(file, workdir)
     if state is None:
         console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
         return 1
     running = alive(state.get("pid")) and state.get("phase") in ("starting", "running")
-    t = Table(title=f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
-              title_justify="left")
-    t.add_column("component", no_wrap=True)
-    for col in ("state", "pid", "port", "restarts", "last exit"):
-        t.add_column(col)
+    t = table(f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
+              ("component", "state", "pid", "port", "restarts", "last exit"))
     for c in state.get("components", []):
         is_alive = alive(c.get("pid"))
         t.add_row(c["name"], c["state"] if running else ("orphan!" if is_alive else "stopped"), str(c["pid"] or "-"),
