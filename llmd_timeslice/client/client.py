@@ -240,6 +240,12 @@ class TimeSliceOrchestratorClient:
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
 
+    def lease_lost(self, job_id: str | None = None, group_id: str | None = None) -> str | None:
+        """Why this job's lease on the group was lost (a refused or missed heartbeat), or None while it holds
+        (or without heartbeats). Lets a caller stop before acting on accelerators it no longer holds."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        return beat.lost if beat else None
+
     def publish_weights(self, weights: WeightUpdate, job_id: str | None = None,
                         group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
         """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
@@ -388,6 +394,8 @@ class AsyncTimeSliceOrchestratorClient:
                 self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token,
                                                             lease.ttl_s)
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
+
+    lease_lost = TimeSliceOrchestratorClient.lease_lost
 
     async def publish_weights(self, weights: WeightUpdate, job_id=None, group_id=None) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.publish_weights`."""

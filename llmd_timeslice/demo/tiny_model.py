@@ -5,7 +5,8 @@ locally: a ``transformers`` ``LlamaForCausalLM`` with random weights and a small
 byte-level BPE tokenizer trained with the ``tokenizers`` library on an English
 corpus generated in code. The output is a normal Hugging Face model directory
 (``config.json``, ``generation_config.json``, ``model.safetensors``,
-``tokenizer.json``, ``tokenizer_config.json``) that ``vllm serve``/the OpenAI API server can load.
+``tokenizer.json``, ``tokenizer_config.json``) that ``vllm serve``/the OpenAI API server can load. The
+tokenizer carries a minimal chat template (:data:`CHAT_TEMPLATE`), so ``/v1/chat/completions`` works too.
 
 The text it generates is gibberish; it exists only to exercise serving paths.
 
@@ -40,7 +41,13 @@ _REQUIRED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-_BUILD_VERSION = 1
+_BUILD_VERSION = 2  # 2: the tokenizer has a chat template (weights unchanged for a given seed)
+#: Chat template (Jinja, as ``transformers`` and vLLM's ``/v1/chat/completions`` apply it): one ``role: content``
+#: line per message, then ``assistant:`` when a generation prompt is asked for. Only what chat APIs need.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 _SUBJECTS = (
     "the cat", "a dog", "my friend", "the teacher", "our neighbour", "the old man",
@@ -131,7 +138,7 @@ def _train_tokenizer(seed: int):
         pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -139,6 +146,8 @@ def _train_tokenizer(seed: int):
         model_max_length=512,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
