@@ -34,9 +34,10 @@ from llmd_timeslice.discovery.kubernetes import (
     PodLabeler,
     make_api_client,
 )
-from llmd_timeslice.discovery.sync import InventorySync, SerializedActions
+from llmd_timeslice.discovery.sync import InventorySync
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.groups import GroupSpec, GroupState, Orchestrator, SamplerEndpoint, SwitchRecord
+from llmd_timeslice.orchestrator.switch import SwitchActions, SwitchKind
 
 NS = "llm-d-timeslice"
 
@@ -481,14 +482,15 @@ async def test_switch_actions_label_draining_false_and_serving_true(monkeypatch)
     monkeypatch.setattr(GrpcSwitchActions, "_operation", _no_sidecar)
     log: list = []
     acts = GrpcSwitchActions(FakeHub(log), labeler=RecordingLabeler(log))
-    await acts.suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    await acts.drain_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
+    await acts.suspend_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
     draining = [i for i, e in enumerate(log) if e[0] == "publish" and e[2] == gpb.ENDPOINT_STATE_DRAINING]
     labels = [i for i, e in enumerate(log) if e[0] == "label"]
     drain = next(i for i, e in enumerate(log) if e[0] == "drain")
     assert {log[i][1:] for i in labels} == {("10.0.0.1:8000", False), ("10.0.0.2:8000", False)}
     assert max(draining) < min(labels) and max(labels) < drain  # after DRAINING, before the drain barrier
     log.clear()
-    await acts.resume_samplers(SPEC, SwitchRecord("g0", "to_samplers", "t", 0))
+    await acts.resume_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_SAMPLERS, "t", 0))
     for addr in ("10.0.0.1:8000", "10.0.0.2:8000"):
         label = log.index(("label", addr, True))
         assert log.index(("publish", addr, gpb.ENDPOINT_STATE_SERVING)) > label  # labelled, then SERVING
@@ -497,22 +499,25 @@ async def test_switch_actions_label_draining_false_and_serving_true(monkeypatch)
     log.clear()
     acts = GrpcSwitchActions(FakeHub(log), labeler=RecordingLabeler(log, fail=True))
     with pytest.raises(RuntimeError, match="serving label false"):
-        await acts.suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+        await acts.drain_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
     with pytest.raises(RuntimeError, match="serving label true"):
-        await acts.resume_samplers(SPEC, SwitchRecord("g0", "to_samplers", "t", 0))
+        await acts.resume_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_SAMPLERS, "t", 0))
     assert acts.hub.state["p"] == {"10.0.0.1:8000": gpb.ENDPOINT_STATE_ASLEEP, "10.0.0.2:8000": gpb.ENDPOINT_STATE_ASLEEP}
     # Without a labeler nothing is labelled.
     log.clear()
-    await GrpcSwitchActions(FakeHub(log)).suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    await GrpcSwitchActions(FakeHub(log)).drain_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
     assert not [e for e in log if e[0] == "label"]
 
 
 # --------------------------------------------------------------------------- runtime group changes
-class InnerActions:
+class InnerActions(SwitchActions):
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, list[str]]] = []
         self.hub = FakeHub([])
-        self.sampler_states: dict[str, str] = {}
+
+    async def retire_samplers(self, samplers):
+        for s in samplers:
+            await self.hub.publish(s.pool, [(s.address, 3, None)])  # ASLEEP
 
     async def suspend_samplers(self, spec, record):
         self.calls.append(("suspend", spec.group_id, [s.address for s in spec.samplers]))
@@ -538,9 +543,8 @@ async def wait_state(g, state, timeout=2.0):
 
 async def test_sync_adds_and_removes_samplers_without_racing_switches():
     inner = InnerActions()
-    actions = SerializedActions(inner)
-    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], actions)
-    sync = InventorySync(orch, actions)
+    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], inner)
+    sync = InventorySync(orch)
     g = orch.groups["g0"]
 
     # Idle group: the new sampler is woken/verified (resume of just it), then serves.
@@ -554,7 +558,7 @@ async def test_sync_adds_and_removes_samplers_without_racing_switches():
     await sync.apply([GroupSpec("g0", [sampler(1), sampler(2), sampler(3)], sleep_level=2)])
     assert inner.calls[-1][0] == "suspend" and g.spec.sleep_level == 1  # settings deferred
     # ...the resume after the yield wakes and publishes it with the others, then the settings apply.
-    orch.yield_("trainer", "g0")
+    await orch.yield_("trainer", "g0")
     await wait_state(g, GroupState.IDLE)
     assert inner.calls[-1] == ("resume", "g0", ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"])
     for _ in range(100):
@@ -568,7 +572,7 @@ async def test_sync_adds_and_removes_samplers_without_racing_switches():
     assert inner.hub.state["p"]["10.0.0.1:8000"] == 3  # ASLEEP
     await orch.acquire("trainer", "g0")
     assert inner.calls[-1] == ("suspend", "g0", ["10.0.0.2:8000", "10.0.0.3:8000"])
-    orch.yield_("trainer", "g0")
+    await orch.yield_("trainer", "g0")
     await wait_state(g, GroupState.IDLE)
 
     # A new group appears with a sampler: created and its sampler served.
@@ -586,9 +590,8 @@ async def test_sync_change_during_a_switch_waits_for_the_switch():
         await gate.wait()
 
     inner.suspend_samplers = slow_suspend
-    actions = SerializedActions(inner)
-    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], actions)
-    sync = InventorySync(orch, actions)
+    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], inner)
+    sync = InventorySync(orch)
     acquire = asyncio.create_task(orch.acquire("trainer", "g0"))
     while not inner.calls:
         await asyncio.sleep(0.001)

@@ -98,7 +98,7 @@ async def test_state_survives_a_restart_in_a_configmap(apiserver):
     await second.start()
     try:
         assert second.orchestrator.groups["g0"].holder == "trainer"
-        second.orchestrator.yield_("trainer", "g0", token)
+        await second.orchestrator.yield_("trainer", "g0", token)
     finally:
         await second.stop()
 
