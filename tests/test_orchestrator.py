@@ -271,6 +271,48 @@ async def test_orchestrator_restart_keeps_holders_and_fencing_tokens_and_wakes_o
         await second.stop()
 
 
+class BreakableStore:
+    """A state store that works until ``broken`` is set (a full disk, an API server refusing writes)."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.saved: dict | None = None
+
+    def load(self):
+        return None
+
+    def save(self, state: dict) -> None:
+        if self.broken:
+            raise OSError("No space left on device")
+        self.saved = state
+
+
+async def test_a_grant_whose_state_cannot_be_saved_fails_the_acquire_and_the_group_goes_on():
+    """Bug 3 of issue 16: the save failed inside the grant, the group stayed LOCKED with an unarmed lease and the
+    acquire never returned. Now the grant is taken back, the acquire fails with the reason (ABORTED on the wire),
+    the samplers are woken again, and the group works once the store does."""
+    store = BreakableStore()
+    acts = RecordingActions()
+    srv = OrchestratorServer(INVENTORY, port=0, actions=acts, state_store=store)
+    await srv.start()
+    g = srv.orchestrator.groups["g0"]
+    try:
+        store.broken = True
+        with pytest.raises(SwitchFailed, match=r"could not be saved .*No space left on device"):
+            await asyncio.wait_for(srv.orchestrator.acquire("trainer", "g0"), 10)
+        for _ in range(200):
+            if g.state is GroupState.IDLE:
+                break
+            await asyncio.sleep(0.01)
+        assert g.state is GroupState.IDLE and g.holder is None and g.lease is None
+        assert acts.calls[-2:] == ["suspend", "resume"], "the samplers were woken again"
+        store.broken = False
+        await asyncio.wait_for(srv.orchestrator.acquire("trainer", "g0"), 10)
+        assert g.holder == "trainer" and store.saved["groups"]["g0"]["holder"] == "trainer"
+    finally:
+        await srv.stop()
+
+
 def test_corrupt_state_file_is_refused_with_its_path(tmp_path):
     from llmd_timeslice.orchestrator.persistence import FileStateStore
 

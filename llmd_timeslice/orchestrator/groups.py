@@ -371,6 +371,8 @@ class Group:
     def _enter(self, to: GroupPhase, kind: GroupCommand) -> None:
         """Move to ``to`` because of ``kind`` (checked against the table)."""
         check(self.group_id, self.phase, kind, to)
+        if self._orch.on_transition is not None:
+            self._orch.on_transition(self, self.phase, kind, to)
         if to is self.phase:
             return
         log.info("group=%s %s -%s-> %s", self.group_id, self.phase.name, kind.value, to.name)
@@ -1015,6 +1017,8 @@ class Orchestrator:
         for s in specs:
             self.groups[s.group_id] = Group(s, self)
         self._on_switch = on_switch
+        self.on_transition: Callable[[Group, GroupPhase, GroupCommand, GroupPhase], None] | None = None
+        """Called with (group, from, command, to) for every move, staying put included (tests, tracing)."""
         self.persister: Any = None  # a StatePersister (persistence.py) once the server wires one
         self.repair_first_s = 2.0
         self.repair_max_s = 60.0

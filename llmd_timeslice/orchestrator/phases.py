@@ -43,7 +43,7 @@ Legal sequences (the table below is the complete list):
 * start-up: ``SERVING -start-> RESUMING`` (reconcile: wake and verify), ``HELD -start-> HELD`` (a
   restored holder: samplers stay asleep);
 * a grant whose state could not be saved is taken back: ``HELD -grant not saved-> HELD | RESUMING |
-  FREE | DEFERRED`` (the waiter gets the error, the group goes on as if it had yielded at once).
+  FREE`` (the waiter gets the error; the next waiter is granted, or the samplers are woken again).
 
 Commands that a phase does not list are refused (:class:`IllegalTransition`), except the ones in
 :data:`IGNORED`: late timer ticks and results of advisory reads, which a phase change made stale.
@@ -159,7 +159,7 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
         # a job holds the lease
         (P.HELD, C.YIELD): {P.HELD, P.RESUMING, P.DEFERRED},
         (P.HELD, C.LEASE_EXPIRED): {P.HELD, P.RESUMING, P.DEFERRED},
-        (P.HELD, C.GRANT_NOT_SAVED): {P.HELD, P.RESUMING, P.FREE, P.DEFERRED},
+        (P.HELD, C.GRANT_NOT_SAVED): {P.HELD, P.RESUMING, P.FREE},
         (P.HELD, C.HEARTBEAT): {P.HELD},
         (P.HELD, C.PUBLISH_WEIGHTS): {P.HELD},
         (P.HELD, C.ACQUIRE): {P.HELD},

@@ -99,7 +99,7 @@ class SamplerEndpoint:
     job_id: str
 
 
-class SchedulingPolicy(enum.Enum):
+class SchedulingPolicy(enum.StrEnum):
     """Order in which waiters are granted."""
 
     FIFO = "fifo"
@@ -109,7 +109,7 @@ class SchedulingPolicy(enum.Enum):
     """The job granted least recently first (phase-level multiplexing of several RL jobs)."""
 
 
-class SleepLevelPolicy(enum.Enum):
+class SleepLevelPolicy(enum.StrEnum):
     """How the samplers' sleep level is chosen at each switch to a job."""
 
     FIXED = "fixed"
