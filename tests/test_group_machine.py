@@ -436,7 +436,7 @@ async def _held_grant_not_saved_resume(e: Env):
     await e.suspending()
     persister.failures = 1  # the grant's save
     e.acts.release("suspend")
-    with pytest.raises(StateNotSaved, match="taken back.*disk full"):
+    with pytest.raises(StateNotSaved, match=r"taken back.*disk full"):
         await e.tasks[-1]
     await e.wait(P.SERVING)
     assert e.g().holder is None and e.g().lease is None

@@ -137,7 +137,7 @@ def test_two_writers_of_one_configmap_conflict_instead_of_overwriting(apiserver)
     b = ConfigMapStateStore(make_api_client(host=apiserver.url), "ml", "orch-state")
     assert a.load() is None and b.load() is None
     a.save({"version": 1, "groups": {"g": {"holder": "a"}}})
-    with pytest.raises(StateConflict, match="another writer.*HTTP 409"):
+    with pytest.raises(StateConflict, match=r"another writer.*HTTP 409"):
         b.save({"version": 1, "groups": {"g": {"holder": "b"}}})  # b would create what a created meanwhile
     assert _holder(apiserver) == "a", "nothing was overwritten"
     b.load()
