@@ -210,6 +210,11 @@ def _meta(pod: dict) -> dict:
     return pod.get("metadata") or {}
 
 
+def _pod_key(pod: dict) -> str:
+    """The pod's uid (its name where the uid is missing)."""
+    return str(_meta(pod).get("uid") or _meta(pod).get("name") or "")
+
+
 def _port(value: Any) -> int | None:
     try:
         p = int(str(value))
@@ -419,7 +424,7 @@ class KubernetesDiscovery:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._watch = None
+        self._watch: Any = None  # the kubernetes.watch.Watch of the open watch request
 
     # ------------------------------------------------------------------ public
     def groups(self) -> list[GroupSpec]:
@@ -489,7 +494,7 @@ class KubernetesDiscovery:
                                       "_preload_content": False, "_request_timeout": (10, 60)}
             if cont:
                 kwargs["_continue"] = cont
-            resp = self._core.list_namespaced_pod(self.namespace, **kwargs)
+            resp: Any = self._core.list_namespaced_pod(self.namespace, **kwargs)  # raw urllib3 response (no preload)
             try:
                 if not 200 <= resp.status <= 299:
                     from kubernetes.client.exceptions import ApiException
@@ -499,7 +504,7 @@ class KubernetesDiscovery:
             finally:
                 resp.release_conn()
             for pod in body.get("items") or []:
-                pods[_meta(pod).get("uid") or _meta(pod).get("name")] = pod
+                pods[_pod_key(pod)] = pod
             meta = body.get("metadata") or {}
             cont = meta.get("continue")
             if not cont:
@@ -529,7 +534,7 @@ class KubernetesDiscovery:
                 if kind == "BOOKMARK":
                     self._rv = rv or self._rv
                     continue
-                key = _meta(obj).get("uid") or _meta(obj).get("name")
+                key = _pod_key(obj)
                 if kind in ("ADDED", "MODIFIED"):
                     self._pods[key] = obj
                 elif kind == "DELETED":
@@ -583,8 +588,8 @@ class KubernetesDiscovery:
         by_address = {m.sampler.address: m.name for m in members if m.sampler is not None}
         for role in {m.role or "none" for m in members} | {"sampler"}:
             MEMBER_PODS.labels(role=role).set(sum(1 for m in members if (m.role or "none") == role))
-        key = tuple((g.group_id, tuple(g.samplers), g.settings()) for g in specs)
-        return key, specs, by_address
+        fingerprint = tuple((g.group_id, tuple(g.samplers), g.settings()) for g in specs)
+        return fingerprint, specs, by_address
 
     def _publish(self) -> None:
         """From the watch thread: hand a changed snapshot to the loop."""

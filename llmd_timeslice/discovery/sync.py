@@ -62,7 +62,8 @@ def inventory_from_specs(specs: list[GroupSpec]):
     groups = [
         GroupEntry(group_id=s.group_id, sleep_level=s.sleep_level, drain_timeout_s=s.drain_timeout_s,
                    lease_ttl_s=s.lease_ttl_s, policy=s.policy.value, job_priorities=dict(s.job_priorities),
-                   sleep_level_policy=s.sleep_level_policy.value, job_sleep_levels=dict(s.job_sleep_levels),
+                   sleep_level_policy=s.sleep_level_policy.value,
+                   job_sleep_levels={job: 2 if level == 2 else 1 for job, level in s.job_sleep_levels.items()},
                    samplers=[SamplerEntry(pool=e.pool, address=e.address, sidecar=e.sidecar, job_id=e.job_id)
                              for e in s.samplers])
         for s in specs
