@@ -321,6 +321,8 @@ class Group:
             try:
                 await self._dispatch(cmd)
             except OrchestratorError as exc:
+                if cmd.reply is None:  # nobody to tell (a step's outcome, a timer): a bug worth a log line
+                    log.error("group=%s %s", self.group_id, exc)
                 _fail(cmd.reply, exc)
             except Exception as exc:  # a bug: keep the group alive, tell the caller
                 log.exception("group=%s command %s in phase %s failed", self.group_id, cmd.kind.name, self.phase.name)
