@@ -20,9 +20,10 @@ from pathlib import Path
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.orchestrator.switch import SwitchActions
 
 
-class NoOpActions:
+class NoOpActions(SwitchActions):
     async def suspend_samplers(self, spec, record) -> None:
         return None
 

@@ -226,8 +226,7 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
                              state_configmap: str | None = None, engine_audit_interval_s: float = 10.0) -> None:
     """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
     from llmd_timeslice.discovery import kubernetes as k8s
-    from llmd_timeslice.discovery.sync import InventorySync, SerializedActions, inventory_from_specs
-    from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+    from llmd_timeslice.discovery.sync import InventorySync, inventory_from_specs
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
     async def main() -> None:
@@ -243,12 +242,10 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
                                        defaults=k8s.DiscoveryDefaults(default_pool=default_pool),
                                        on_change=changes.put_nowait)
         specs = await disc.start()
-        actions = SerializedActions()
-        srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, actions=actions,
-                                 state_store=state_store, engine_audit_interval_s=engine_audit_interval_s)
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if manage_serving_label else None
-        actions.inner = GrpcSwitchActions(srv.hub, token, labeler=labeler)
-        sync = InventorySync(srv.orchestrator, actions)
+        srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, labeler=labeler,
+                                 state_store=state_store, engine_audit_interval_s=engine_audit_interval_s)
+        sync = InventorySync(srv.orchestrator)
         try:
             await srv.start()
             while True:
@@ -257,7 +254,6 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
                     latest = changes.get_nowait()
                 await sync.apply(latest)
         finally:
-            await sync.close()
             await disc.stop()
             await srv.stop()
             api.close()

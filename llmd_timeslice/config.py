@@ -568,6 +568,9 @@ With `orchestrator.discovery: kubernetes` the orchestrator lists and watches the
 | `timeslice.io/sidecar-port` | annotation | the snapshot sidecar's gRPC port | port named `ts-grpc`, else `sidecar_port` |
 | `timeslice.io/sleep-level` | annotation | the group's sleep level (1 or 2) | `sleep_level` |
 | `timeslice.io/drain-timeout-s` | annotation | the group's drain deadline, seconds | `drain_timeout_s` |
+| `timeslice.io/lease-ttl-s`, `timeslice.io/scheduling-policy`, `timeslice.io/sleep-level-policy`, \
+`timeslice.io/job-priority`, `timeslice.io/job-sleep-level` | annotation | the other group settings \
+(docs/group-settings.md) | the inventory defaults |
 | `timeslice.io/serving` | label | written by the orchestrator with `manage_serving_label` | — |
 
 A pod joins once it is Running, has an IP and is Ready; it leaves when deleted, terminating or

@@ -34,9 +34,10 @@ from llmd_timeslice.discovery.kubernetes import (
     PodLabeler,
     make_api_client,
 )
-from llmd_timeslice.discovery.sync import InventorySync, SerializedActions
+from llmd_timeslice.discovery.sync import InventorySync
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.groups import GroupSpec, GroupState, Orchestrator, SamplerEndpoint, SwitchRecord
+from llmd_timeslice.orchestrator.switch import SwitchActions, SwitchKind
 
 NS = "llm-d-timeslice"
 
@@ -404,6 +405,100 @@ async def test_list_forbidden_at_start_names_the_rbac_verb(kube, api):
     assert err.value.status == 403 and "'list'" in msg and NS in msg and "cannot list resource" in msg, msg
 
 
+async def test_group_settings_come_from_pod_annotations_and_reach_the_orchestrator(kube, api):
+    """Bug 2 of issue 16: in Kubernetes mode only the sleep level and the drain timeout were read; the scheduling
+    policy, job priorities, lease TTL, sleep-level policy and per-job sleep levels were dropped (FIFO and defaults
+    always). Group-wide settings come from any member pod; per-job ones from the job's own pods."""
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1", annotations={
+        "timeslice.io/lease-ttl-s": "12", "timeslice.io/scheduling-policy": "priority",
+        "timeslice.io/sleep-level-policy": "auto"}))
+    kube.add(make_pod("t-a", "g0", role="trainer", ip="10.0.0.8", labels={"timeslice.io/job-id": "job-a"},
+                      annotations={"timeslice.io/job-priority": "5", "timeslice.io/job-sleep-level": "2"}))
+    kube.add(make_pod("t-b", "g0", role="trainer", ip="10.0.0.9", labels={"timeslice.io/job-id": "job-b"},
+                      annotations={"timeslice.io/job-priority": "-1"}))
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
+    try:
+        specs = await disc.start()
+    finally:
+        await disc.stop()
+    g0 = by_id(specs)["g0"]
+    got = (g0.lease_ttl_s, g0.policy, g0.sleep_level_policy, g0.job_priorities, g0.job_sleep_levels)
+    assert got == (12.0, "priority", "auto", {"job-a": 5, "job-b": -1}, {"job-a": 2}), got
+    # The orchestrator is built from them at start (inventory_from_specs) and applies them on change.
+    from llmd_timeslice.discovery.sync import inventory_from_specs
+
+    built = by_id(inventory_from_specs(specs).group_specs())["g0"]
+    assert (built.lease_ttl_s, built.policy, built.job_priorities, built.job_sleep_levels) == (
+        12.0, "priority", {"job-a": 5, "job-b": -1}, {"job-a": 2})
+    orch = Orchestrator([GroupSpec("g0", list(g0.samplers))], InnerActions())
+    try:
+        await InventorySync(orch).apply(specs)
+        spec = orch.groups["g0"].spec
+        assert (spec.lease_ttl_s, spec.policy, spec.sleep_level_policy, spec.job_priorities) == (
+            12.0, "priority", "auto", {"job-a": 5, "job-b": -1})
+    finally:
+        await orch.close()
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("timeslice.io/sleep-level", "3", "is not 1 or 2"),
+    ("timeslice.io/drain-timeout-s", "0", "is not seconds in (0, 3600]"),
+    ("timeslice.io/lease-ttl-s", "forever", "is not seconds in [0, 3600]"),
+    ("timeslice.io/scheduling-policy", "lifo", "is not one of fifo, priority, round_robin"),
+    ("timeslice.io/sleep-level-policy", "sometimes", "is not one of fixed, auto"),
+    ("timeslice.io/job-priority", "high", "is not an integer"),
+    ("timeslice.io/job-sleep-level", "0", "is not 1 or 2"),
+])
+async def test_a_malformed_settings_annotation_is_ignored_naming_pod_key_and_value(kube, api, caplog, key, value, why):
+    kube.add(make_pod("t0", "g0", role="trainer", ip="10.0.0.9", annotations={key: value}))
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
+    try:
+        with caplog.at_level("WARNING", logger="llmd_timeslice.discovery.kubernetes"):
+            specs = await disc.start()
+    finally:
+        await disc.stop()
+    assert f"pod t0: annotation {key}={value!r} {why}; ignored" in caplog.text
+    assert specs[0].settings() == GroupSpec("g0", [], 1, 60.0).settings(), "defaults kept"
+
+
+async def test_an_async_on_change_is_kept_while_it_runs(kube, api):
+    """Bug 4 of issue 16: discovery started an async ``on_change`` as a task it kept no reference to; a task blocked
+    on something only it references was garbage-collected mid-flight ("Task was destroyed but it is pending")."""
+    import gc
+    import weakref
+
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    refs: list[weakref.ref] = []
+    done: list = []
+
+    async def on_change(specs):
+        fut = asyncio.get_running_loop().create_future()  # referenced only by this coroutine
+        refs.append(weakref.ref(fut))
+        await fut
+        done.append(specs)
+
+    disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS, on_change=on_change)
+    await disc.start()
+    try:
+        kube.add(make_pod("s1", "g0", ip="10.0.0.2"))
+        deadline = time.monotonic() + 5
+        while not refs:
+            assert time.monotonic() < deadline, "on_change was not called"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0)
+        gc.collect()
+        fut = refs[0]()
+        assert fut is not None, "the on_change task was collected mid-flight"
+        fut.set_result(None)
+        for _ in range(100):
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        assert done and len(done[0][0].samplers) == 2
+    finally:
+        await disc.stop()
+
+
 # --------------------------------------------------------------------------- labeler
 async def test_labeler_sends_a_strategic_merge_patch(kube, api):
     kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
@@ -481,14 +576,15 @@ async def test_switch_actions_label_draining_false_and_serving_true(monkeypatch)
     monkeypatch.setattr(GrpcSwitchActions, "_operation", _no_sidecar)
     log: list = []
     acts = GrpcSwitchActions(FakeHub(log), labeler=RecordingLabeler(log))
-    await acts.suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    await acts.drain_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
+    await acts.suspend_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
     draining = [i for i, e in enumerate(log) if e[0] == "publish" and e[2] == gpb.ENDPOINT_STATE_DRAINING]
     labels = [i for i, e in enumerate(log) if e[0] == "label"]
     drain = next(i for i, e in enumerate(log) if e[0] == "drain")
     assert {log[i][1:] for i in labels} == {("10.0.0.1:8000", False), ("10.0.0.2:8000", False)}
     assert max(draining) < min(labels) and max(labels) < drain  # after DRAINING, before the drain barrier
     log.clear()
-    await acts.resume_samplers(SPEC, SwitchRecord("g0", "to_samplers", "t", 0))
+    await acts.resume_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_SAMPLERS, "t", 0))
     for addr in ("10.0.0.1:8000", "10.0.0.2:8000"):
         label = log.index(("label", addr, True))
         assert log.index(("publish", addr, gpb.ENDPOINT_STATE_SERVING)) > label  # labelled, then SERVING
@@ -497,22 +593,25 @@ async def test_switch_actions_label_draining_false_and_serving_true(monkeypatch)
     log.clear()
     acts = GrpcSwitchActions(FakeHub(log), labeler=RecordingLabeler(log, fail=True))
     with pytest.raises(RuntimeError, match="serving label false"):
-        await acts.suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+        await acts.drain_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
     with pytest.raises(RuntimeError, match="serving label true"):
-        await acts.resume_samplers(SPEC, SwitchRecord("g0", "to_samplers", "t", 0))
+        await acts.resume_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_SAMPLERS, "t", 0))
     assert acts.hub.state["p"] == {"10.0.0.1:8000": gpb.ENDPOINT_STATE_ASLEEP, "10.0.0.2:8000": gpb.ENDPOINT_STATE_ASLEEP}
     # Without a labeler nothing is labelled.
     log.clear()
-    await GrpcSwitchActions(FakeHub(log)).suspend_samplers(SPEC, SwitchRecord("g0", "to_job", "t", 0))
+    await GrpcSwitchActions(FakeHub(log)).drain_samplers(SPEC, SwitchRecord("g0", SwitchKind.TO_JOB, "t", 0))
     assert not [e for e in log if e[0] == "label"]
 
 
 # --------------------------------------------------------------------------- runtime group changes
-class InnerActions:
+class InnerActions(SwitchActions):
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, list[str]]] = []
         self.hub = FakeHub([])
-        self.sampler_states: dict[str, str] = {}
+
+    async def retire_samplers(self, samplers):
+        for s in samplers:
+            await self.hub.publish(s.pool, [(s.address, 3, None)])  # ASLEEP
 
     async def suspend_samplers(self, spec, record):
         self.calls.append(("suspend", spec.group_id, [s.address for s in spec.samplers]))
@@ -538,9 +637,8 @@ async def wait_state(g, state, timeout=2.0):
 
 async def test_sync_adds_and_removes_samplers_without_racing_switches():
     inner = InnerActions()
-    actions = SerializedActions(inner)
-    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], actions)
-    sync = InventorySync(orch, actions)
+    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], inner)
+    sync = InventorySync(orch)
     g = orch.groups["g0"]
 
     # Idle group: the new sampler is woken/verified (resume of just it), then serves.
@@ -554,7 +652,7 @@ async def test_sync_adds_and_removes_samplers_without_racing_switches():
     await sync.apply([GroupSpec("g0", [sampler(1), sampler(2), sampler(3)], sleep_level=2)])
     assert inner.calls[-1][0] == "suspend" and g.spec.sleep_level == 1  # settings deferred
     # ...the resume after the yield wakes and publishes it with the others, then the settings apply.
-    orch.yield_("trainer", "g0")
+    await orch.yield_("trainer", "g0")
     await wait_state(g, GroupState.IDLE)
     assert inner.calls[-1] == ("resume", "g0", ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"])
     for _ in range(100):
@@ -568,7 +666,7 @@ async def test_sync_adds_and_removes_samplers_without_racing_switches():
     assert inner.hub.state["p"]["10.0.0.1:8000"] == 3  # ASLEEP
     await orch.acquire("trainer", "g0")
     assert inner.calls[-1] == ("suspend", "g0", ["10.0.0.2:8000", "10.0.0.3:8000"])
-    orch.yield_("trainer", "g0")
+    await orch.yield_("trainer", "g0")
     await wait_state(g, GroupState.IDLE)
 
     # A new group appears with a sampler: created and its sampler served.
@@ -586,9 +684,8 @@ async def test_sync_change_during_a_switch_waits_for_the_switch():
         await gate.wait()
 
     inner.suspend_samplers = slow_suspend
-    actions = SerializedActions(inner)
-    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], actions)
-    sync = InventorySync(orch, actions)
+    orch = Orchestrator([GroupSpec("g0", [sampler(1)])], inner)
+    sync = InventorySync(orch)
     acquire = asyncio.create_task(orch.acquire("trainer", "g0"))
     while not inner.calls:
         await asyncio.sleep(0.001)

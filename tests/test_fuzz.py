@@ -35,6 +35,7 @@ from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm
@@ -49,7 +50,7 @@ text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40
 ints = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 1, 2**31, -(2**31)]))
 
 
-class NoopActions:
+class NoopActions(SwitchActions):
     async def suspend_samplers(self, spec, record) -> None:
         await asyncio.sleep(0)
 

@@ -12,9 +12,10 @@ from llmd_timeslice.client import AcquireTimeout, LeaseError, TimeSliceOrchestra
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.groups import GroupState, NotHolder, Orchestrator, SwitchFailed, UnknownGroup
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.orchestrator.switch import SwitchActions, SwitchKind
 
 
-class RecordingActions:
+class RecordingActions(SwitchActions):
     """Switch actions that record calls; ``fail_suspend`` makes the next suspend raise."""
 
     def __init__(self) -> None:
@@ -48,7 +49,7 @@ async def test_switch_sequence_suspend_grant_yield_resume():
     await orch.acquire("trainer", "g0")
     g = orch.groups["g0"]
     assert acts.calls == ["suspend"] and g.state is GroupState.LOCKED and g.holder == "trainer"
-    res = orch.yield_("trainer", "g0")
+    res = await orch.yield_("trainer", "g0")
     assert res.pending_waiters == 0 and not res.snapshot_deferred
     for _ in range(100):
         if g.state is GroupState.IDLE:
@@ -62,7 +63,7 @@ async def test_errors_name_the_problem():
     with pytest.raises(UnknownGroup, match="known groups"):
         await orch.acquire("j", "nope")
     with pytest.raises(NotHolder, match="does not hold"):
-        orch.yield_("j", "g0")
+        await orch.yield_("j", "g0")
     await orch.acquire("j", "g0")
     with pytest.raises(NotHolder, match="already holds"):
         await orch.acquire("j", "g0")
@@ -81,7 +82,7 @@ async def test_failed_suspend_fails_the_acquire_and_wakes_samplers_again():
 async def test_group_without_samplers_defers_snapshot_and_same_job_reacquires_at_once():
     orch = Orchestrator(INVENTORY.group_specs(), RecordingActions())
     await orch.acquire("a", "trainers-only")
-    res = orch.yield_("a", "trainers-only")
+    res = await orch.yield_("a", "trainers-only")
     assert res.snapshot_deferred and orch.groups["trainers-only"].state is GroupState.IDLE_YIELDED
     r = await orch.acquire("a", "trainers-only")
     assert r.waited_ms == 0
@@ -153,11 +154,11 @@ async def test_lease_expires_only_after_heartbeats_stop_and_the_group_is_reclaim
     await orch.acquire("upstream-client", "g0")
     await asyncio.sleep(0.5)
     assert orch.groups["g0"].holder == "upstream-client", "a holder that never heartbeats is never expired"
-    orch.yield_("upstream-client", "g0")
+    await orch.yield_("upstream-client", "g0")
     await orch.acquire("trainer", "g0")
     token = orch.lease("trainer", "g0").token
     for _ in range(4):  # heartbeats keep it alive past the TTL
-        orch.heartbeat("trainer", "g0", token)
+        await orch.heartbeat("trainer", "g0", token)
         await asyncio.sleep(0.15)
     assert orch.groups["g0"].holder == "trainer"
     waiter = asyncio.create_task(orch.acquire("next", "g0"))
@@ -165,7 +166,7 @@ async def test_lease_expires_only_after_heartbeats_stop_and_the_group_is_reclaim
     await asyncio.wait_for(waiter, 2)
     assert orch.groups["g0"].holder == "next"
     with pytest.raises(NotHolder, match=r"lease .* expired"):
-        orch.yield_("trainer", "g0")
+        await orch.yield_("trainer", "g0")
 
 
 async def test_stale_fencing_token_is_rejected_on_every_call():
@@ -174,15 +175,15 @@ async def test_stale_fencing_token_is_rejected_on_every_call():
     orch = Orchestrator(LEASE_INV.group_specs(), RecordingActions())
     await orch.acquire("job", "g0")
     old = orch.lease("job", "g0").token
-    orch.yield_("job", "g0", old)
+    await orch.yield_("job", "g0", old)
     await orch.acquire("job", "g0")
     new = orch.lease("job", "g0").token
     assert new > old
     with pytest.raises(StaleFencingToken, match="stale"):
-        orch.heartbeat("job", "g0", old)
+        await orch.heartbeat("job", "g0", old)
     with pytest.raises(StaleFencingToken, match="stale"):
-        orch.yield_("job", "g0", old)
-    orch.yield_("job", "g0", new)
+        await orch.yield_("job", "g0", old)
+    await orch.yield_("job", "g0", new)
 
 
 def test_client_heartbeats_keep_the_lease_and_a_silent_holder_loses_it(loop_thread):
@@ -215,8 +216,8 @@ async def test_lock_order_trainer_group_before_sampler_group():
     orch = Orchestrator(INVENTORY.group_specs(), RecordingActions())
     await orch.acquire("job", "trainers-only")  # trainer group first: fine
     await orch.acquire("job", "g0")  # then the sampler group: fine (weight sync holds both)
-    orch.yield_("job", "g0")
-    orch.yield_("job", "trainers-only")
+    await orch.yield_("job", "g0")
+    await orch.yield_("job", "trainers-only")
     await orch.acquire("other", "g0")
     with pytest.raises(LockOrderViolation, match="take the trainer group first"):
         await orch.acquire("other", "trainers-only")
@@ -232,11 +233,14 @@ class _SamplerInventory:
 
 
 class ReconcilingActions(RecordingActions):
-    async def reconcile(self, specs, record_for):
-        self.calls.append(("reconcile", sorted(s.group_id for s in specs)))
+    async def resume_samplers(self, spec, record):
+        if record.kind is SwitchKind.RECONCILE:
+            self.calls.append(("reconcile", [spec.group_id]))
+        else:
+            await super().resume_samplers(spec, record)
 
-    async def publish_asleep(self, specs):
-        self.calls.append(("asleep", sorted(s.group_id for s in specs)))
+    async def publish_asleep(self, spec):
+        self.calls.append(("asleep", [spec.group_id]))
 
 
 async def test_orchestrator_restart_keeps_holders_and_fencing_tokens_and_wakes_only_free_groups(tmp_path):
@@ -247,7 +251,7 @@ async def test_orchestrator_restart_keeps_holders_and_fencing_tokens_and_wakes_o
     await first.start()
     await first.orchestrator.acquire("trainer", "g0")
     token = first.orchestrator.lease("trainer", "g0").token
-    first.orchestrator.heartbeat("trainer", "g0", token)
+    await first.orchestrator.heartbeat("trainer", "g0", token)
     await first.stop()  # "crash": the trainer never yielded
 
     acts = ReconcilingActions()
@@ -258,13 +262,55 @@ async def test_orchestrator_restart_keeps_holders_and_fencing_tokens_and_wakes_o
         assert g0.holder == "trainer" and g0.state.value == "LOCKED"
         assert ("asleep", ["g0"]) in acts.calls, "a held group's samplers stay asleep after a restart"
         assert ("reconcile", ["g1"]) in acts.calls, "free groups' samplers are woken and verified"
-        second.orchestrator.heartbeat("trainer", "g0", token)  # same fencing token still valid
+        await second.orchestrator.heartbeat("trainer", "g0", token)  # same fencing token still valid
         assert g0.lease.expires_at is not None, "an armed lease keeps expiring after a restart"
-        second.orchestrator.yield_("trainer", "g0", token)
+        await second.orchestrator.yield_("trainer", "g0", token)
         await asyncio.sleep(0.1)
         assert "resume" in acts.calls
     finally:
         await second.stop()
+
+
+class BreakableStore:
+    """A state store that works until ``broken`` is set (a full disk, an API server refusing writes)."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.saved: dict | None = None
+
+    def load(self):
+        return None
+
+    def save(self, state: dict) -> None:
+        if self.broken:
+            raise OSError("No space left on device")
+        self.saved = state
+
+
+async def test_a_grant_whose_state_cannot_be_saved_fails_the_acquire_and_the_group_goes_on():
+    """Bug 3 of issue 16: the save failed inside the grant, the group stayed LOCKED with an unarmed lease and the
+    acquire never returned. Now the grant is taken back, the acquire fails with the reason (ABORTED on the wire),
+    the samplers are woken again, and the group works once the store does."""
+    store = BreakableStore()
+    acts = RecordingActions()
+    srv = OrchestratorServer(INVENTORY, port=0, actions=acts, state_store=store)
+    await srv.start()
+    g = srv.orchestrator.groups["g0"]
+    try:
+        store.broken = True
+        with pytest.raises(SwitchFailed, match=r"could not be saved .*No space left on device"):
+            await asyncio.wait_for(srv.orchestrator.acquire("trainer", "g0"), 10)
+        for _ in range(200):
+            if g.state is GroupState.IDLE:
+                break
+            await asyncio.sleep(0.01)
+        assert g.state is GroupState.IDLE and g.holder is None and g.lease is None
+        assert acts.calls[-2:] == ["suspend", "resume"], "the samplers were woken again"
+        store.broken = False
+        await asyncio.wait_for(srv.orchestrator.acquire("trainer", "g0"), 10)
+        assert g.holder == "trainer" and store.saved["groups"]["g0"]["holder"] == "trainer"
+    finally:
+        await srv.stop()
 
 
 def test_corrupt_state_file_is_refused_with_its_path(tmp_path):
@@ -306,20 +352,20 @@ async def _grant_order(policy: str, priorities: dict | None = None, warmup: tupl
     orch = Orchestrator(inv.group_specs(), RecordingActions())
     for job in warmup:  # earlier grants (round-robin remembers them)
         await orch.acquire(job, "g")
-        orch.yield_(job, "g")
+        await orch.yield_(job, "g")
     await orch.acquire("holder", "g")
     order: list[str] = []
 
     async def one(job):
         await orch.acquire(job, "g", timeout_s=5)
         order.append(job)
-        orch.yield_(job, "g")
+        await orch.yield_(job, "g")
 
     tasks = []
     for job in ("a", "b", "c"):
         tasks.append(asyncio.create_task(one(job)))
         await asyncio.sleep(0.01)  # arrival order a, b, c
-    orch.yield_("holder", "g")
+    await orch.yield_("holder", "g")
     await asyncio.gather(*tasks)
     return order
 

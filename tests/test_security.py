@@ -26,6 +26,7 @@ from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from llmd_timeslice.weights.update import WeightUpdate
@@ -140,7 +141,7 @@ async def job_stack():
     await orch.stop()
 
 
-class _Noop:
+class _Noop(SwitchActions):
     async def suspend_samplers(self, spec, record) -> None:
         pass
 

@@ -111,3 +111,98 @@ async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_publis
         # Leave the module's engine on its original weights for any later test.
         async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:
             await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+
+
+def _train_from(model, text: str) -> torch.nn.Module:
+    """One more training step of ``model`` (in place) on ``text``; returns it in eval mode."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model.name_or_path)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    enc = tok([text] * 2, return_tensors="pt")
+    model(**enc, labels=enc["input_ids"]).loss.backward()
+    opt.step()
+    return model.eval()
+
+
+async def test_a_damaged_weight_version_leaves_the_pool_serving_the_last_good_one(vllm_server, artifacts, tmp_path):
+    """Issue 15 item 9 on real vLLM: versions 1 and 2 (a training step each) are served in turn; version 3, whose
+    file is damaged after its manifest was written, is rejected at the switch back. The sampler (slept at level 2:
+    weights discarded) reloads version 2 from its files and keeps serving exactly version 2's greedy tokens; the
+    publisher reads the rejection in the weight status without acquiring; the next switches never retry
+    version 3; version 4 is served as usual."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    engine = vllm_server.url.removeprefix("http://")
+    sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token="t")
+    await sidecar.start()
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "sleep_level_policy": "auto", "samplers": [
+        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}]})
+    orch = OrchestratorServer(inv, port=0, token="t")
+    await orch.start()
+    router = await start_router(artifacts, [engine], max_hold_s=120, orchestrator=f"127.0.0.1:{orch.port}", token="t")
+    await asyncio.wait_for(router.gate.subscription.connected.wait(), 10)
+    ts = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token="t")
+    model_dir = vllm_server.model_dir
+    root = tmp_path / "weights"
+    torch.manual_seed(0)
+    model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, model_dir, dtype=torch.float32)
+    expected: dict[int, list] = {}
+    try:
+        async with httpx.AsyncClient(timeout=120) as c:
+            for version, text in ((1, "zebra zebra zebra zebra"), (2, "apple banana apple banana")):
+                await ts.acquire(timeout_sec=120)
+                await asyncio.to_thread(_train_from, model, text)
+                update = await asyncio.to_thread(save_weight_version, model, root, version)
+                await ts.release(weights=update)
+                served = await _greedy_via_router(c, router.url, vllm_server.model_name, version)
+                expected[version] = [await asyncio.to_thread(_greedy_transformers, model, ids) for ids, *_ in served]
+                assert [toks for _, toks, _ in served] == expected[version], f"version {version} served exactly"
+            assert expected[1] != expected[2]
+            good = copy.deepcopy(model)
+            await ts.acquire(timeout_sec=120)
+            await asyncio.to_thread(_train_from, model, "cherry cherry cherry cherry")
+            bad = await asyncio.to_thread(save_weight_version, model, root, 3)
+            shard = next(p for p in (root / "v3").iterdir() if p.suffix == ".safetensors")
+            raw = bytearray(shard.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF  # damaged after the manifest was written
+            shard.write_bytes(bytes(raw))
+            await ts.release(weights=bad)
+            status = await ts.weight_status("g")
+            for _ in range(600):
+                if status.rejected.version == 3:
+                    break
+                await asyncio.sleep(0.1)
+                status = await ts.weight_status("g")
+            assert status.rejected.version == 3 and "sha256" in status.rejected.error, status
+            served = await _greedy_via_router(c, router.url, vllm_server.model_name, 2)
+            assert {v for *_, v in served} == {2}
+            assert [toks for _, toks, _ in served] == expected[2], "the pool serves version 2's content"
+            status = await ts.weight_status("g")
+            assert status.serving_version == 2 and [s.in_service for s in status.samplers] == [True]
+            # Not retried: a plain switch back keeps version 2 (the engine reloads it after its level-2 sleep).
+            res = await ts.acquire(timeout_sec=120)
+            assert "weight version 3 was rejected" in res.weight_sync_error
+            await ts.release()
+            served = await _greedy_via_router(c, router.url, vllm_server.model_name, 2)
+            assert [toks for _, toks, _ in served] == expected[2] and {v for *_, v in served} == {2}
+            # Recovery as usual: version 4 (the good weights trained once more) loads and serves.
+            await ts.acquire(timeout_sec=120)
+            await asyncio.to_thread(_train_from, good, "cherry cherry cherry cherry")
+            update = await asyncio.to_thread(save_weight_version, good, root, 4)
+            await ts.release(weights=update)
+            served = await _greedy_via_router(c, router.url, vllm_server.model_name, 4)
+            assert [toks for _, toks, _ in served] == [
+                await asyncio.to_thread(_greedy_transformers, good, ids) for ids, *_ in served]
+        status = await ts.weight_status("g")
+        assert status.serving_version == 4 and status.rejected.version == 0
+    finally:
+        await ts.close()
+        await orch.stop()
+        await sidecar.stop()
+        await router.stop()
+        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:
+            await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})

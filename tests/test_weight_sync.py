@@ -245,29 +245,79 @@ async def test_yield_with_a_weight_version_wakes_samplers_serving_that_version(s
     assert [(s.version, s.in_service) for s in status.samplers] == [(2, True), (2, True)]
 
 
-async def test_failed_load_keeps_that_sampler_out_of_service_and_the_next_acquire_is_told(stack, tmp_path):
-    _, addrs, orch, gate, client, _ = stack
+async def test_a_rejected_weight_version_leaves_the_pool_serving_the_last_good_one(stack, tmp_path):
+    """Issue 15 item 9: a version damaged after its manifest was written is refused by every sampler. They are
+    woken with their last good version and keep serving it (never out of service, never a mix), the publisher
+    learns it from the weight status without acquiring again, the version is not retried at later wakes, and a
+    newer version is loaded as usual."""
+    engines, addrs, orch, gate, client, _ = stack
     pool = gate.pools["default"]
     await client.acquire(timeout_sec=30)
     await client.release(weights=_weights(tmp_path, 1))
     await _until(lambda: pool.serving(min_version=1) == tuple(addrs))
     bad = _weights(tmp_path, 2)
-    (tmp_path / "v2" / "model.safetensors").write_bytes(b"corrupt")
+    (tmp_path / "v2" / "model.safetensors").write_bytes(b"corrupt")  # damaged after the manifest was written
     await client.acquire(timeout_sec=30)
     await client.release(weights=bad)
-    await _until(lambda: orch.orchestrator.groups["g"].state.value == "IDLE")
-    assert pool.serving() == (), "no sampler serves a version it failed to load, nor its old one"
-    assert {pool.endpoints[a].state for a in addrs} == {EndpointState.ASLEEP}
-    assert {pool.endpoints[a].weight_version for a in addrs} == {1}
+    statuses: list = []
+
+    async def poll() -> bool:
+        statuses.append(await client.weight_status("g"))
+        return statuses[-1].rejected.version == 2
+
+    for _ in range(500):
+        if await poll():
+            break
+        await asyncio.sleep(0.02)
+    status = statuses[-1]
+    assert status.rejected.version == 2 and "the manifest says" in status.rejected.error, status
+    await _until(lambda: pool.serving() == tuple(addrs) and orch.orchestrator.groups["g"].state.value == "IDLE")
+    assert {pool.endpoints[a].weight_version for a in addrs} == {1}, "serving the last good version"
+    assert [e.weight_version for e in engines] == ["1", "1"] and all(e.level == 0 for e in engines)
+    assert all(e.weights_path == str(tmp_path / "v1") for e in engines), "version 1's weights reloaded"
+    status = await client.weight_status("g")
+    assert status.serving_version == 1 and not status.HasField("pending")
+    assert [(s.version, s.in_service) for s in status.samplers] == [(1, True), (1, True)]
+    # Not retried: later wakes target the last good version; vLLM never sees version 2's directory.
+    for e in engines:
+        e.calls.clear()
     res = await client.acquire(timeout_sec=30)
-    assert "weight version 2 did not load on 2 of 2" in res.weight_sync_error
-    assert "does not match its sha256" in res.weight_sync_error or "bytes" in res.weight_sync_error
-    # Recover without a human: publish a good version.
+    assert "weight version 2 was rejected by 2 of 2" in res.weight_sync_error
+    assert "the manifest says" in res.weight_sync_error
+    await client.release()
+    await _until(lambda: pool.serving(min_version=1) == tuple(addrs))
+    assert not [b for e in engines for _, p, b in e.calls
+                if p == "/collective_rpc" and str(tmp_path / "v2") in json.dumps(b)]
+    # Recover as usual: publish a good version.
+    await client.acquire(timeout_sec=30)
     await client.release(weights=_weights(tmp_path, 3))
     await _until(lambda: pool.serving(min_version=3) == tuple(addrs))
+    status = await client.weight_status("g")
+    assert status.serving_version == 3 and status.rejected.version == 0
     res = await client.acquire(timeout_sec=30)
     assert res.weight_sync_error == ""
     await client.release()
+
+
+async def test_a_wake_that_fails_for_another_reason_keeps_that_sampler_out_of_service(stack, tmp_path):
+    """A load that the engine does not survive is not a rejected version: that sampler stays out of service at
+    its old version (published ASLEEP), the other serves the new one, and the publisher is told."""
+    engines, addrs, orch, gate, client, _ = stack
+    pool = gate.pools["default"]
+    await client.acquire(timeout_sec=30)
+    engines[0].lie_on_wake = True  # 200 on /wake_up, still asleep
+    await client.release(weights=_weights(tmp_path, 1))
+    await _until(lambda: pool.serving(min_version=1) == (addrs[1],))
+    await _until(lambda: orch.orchestrator.groups["g"].state.value == "IDLE")
+    assert pool.endpoints[addrs[0]].state is EndpointState.ASLEEP and pool.endpoints[addrs[0]].weight_version == 0
+    status = await client.weight_status("g")
+    assert status.rejected.version == 0 and {s.address: (s.version, s.in_service) for s in status.samplers} == {
+        addrs[0]: (0, False), addrs[1]: (1, True)}
+    engines[0].lie_on_wake = False
+    res = await client.acquire(timeout_sec=30)
+    assert "weight version 1 did not load on 1 of 2" in res.weight_sync_error
+    await client.release()
+    await _until(lambda: pool.serving(min_version=1) == tuple(addrs))
 
 
 async def test_publish_is_refused_with_a_reason(stack, tmp_path):

@@ -18,10 +18,20 @@ What a pod must carry (the label contract of ``manifests/guides/time-slicing``):
 ``timeslice.io/sidecar-port`` (annotation)  the snapshot sidecar's gRPC port; default: the
                                             container port named ``ts-grpc`` (else
                                             ``sidecar_port``, 9001)
-``timeslice.io/sleep-level``,               per-group settings (annotations on the group's sampler
-``timeslice.io/drain-timeout-s``            pods; the lexically first pod wins on conflict)
+``timeslice.io/sleep-level``,               group settings (annotations on any member pod of the
+``timeslice.io/drain-timeout-s``,           group; the lexically first pod wins on conflict, with a
+``timeslice.io/lease-ttl-s``,               warning): sleep level 1|2, drain deadline (s), lease TTL
+``timeslice.io/scheduling-policy``,         once heartbeating (s, 0: never), ``fifo`` |
+``timeslice.io/sleep-level-policy``         ``priority`` | ``round_robin``, ``fixed`` | ``auto``
+``timeslice.io/job-priority``,              per-job settings, on the job's own (non-sampler) pods,
+``timeslice.io/job-sleep-level``            keyed by its job id: priority under the ``priority``
+                                            policy (integer), the samplers' sleep level when this
+                                            job acquires (1|2)
 ``timeslice.io/serving`` (label)            written by :class:`PodLabeler` (label fallback)
 ==========================================  ======================================================
+
+An annotation with a malformed value is ignored with a warning naming the pod, the key and the value
+(docs/group-settings.md lists them all).
 
 A pod becomes a member once it is Running with a pod IP and **Ready** (its engine loaded and its
 sidecar answering); it stays one, whatever its readiness later (a sleeping engine may fail its
@@ -56,7 +66,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint
+from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint, SchedulingPolicy, SleepLevelPolicy
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +79,11 @@ ANNOTATION_ENGINE_PORT = "timeslice.io/engine-port"
 ANNOTATION_SIDECAR_PORT = "timeslice.io/sidecar-port"
 ANNOTATION_SLEEP_LEVEL = "timeslice.io/sleep-level"
 ANNOTATION_DRAIN_TIMEOUT = "timeslice.io/drain-timeout-s"
+ANNOTATION_LEASE_TTL = "timeslice.io/lease-ttl-s"
+ANNOTATION_POLICY = "timeslice.io/scheduling-policy"
+ANNOTATION_SLEEP_LEVEL_POLICY = "timeslice.io/sleep-level-policy"
+ANNOTATION_JOB_PRIORITY = "timeslice.io/job-priority"
+ANNOTATION_JOB_SLEEP_LEVEL = "timeslice.io/job-sleep-level"
 ROLE_SAMPLER = "sampler"
 SIDECAR_PORT_NAME = "ts-grpc"
 ENGINE_CONTAINER = "vllm"
@@ -178,18 +193,26 @@ class DiscoveryDefaults:
 
 @dataclass(frozen=True)
 class PodMember:
-    """One member pod, as discovery understood it."""
+    """One member pod, as discovery understood it. ``settings``: the group settings its annotations give
+    (GroupSpec field -> value); ``job_priority`` / ``job_sleep_level``: its job's own, for ``job_id``."""
 
     name: str
     group: str
     role: str
     sampler: SamplerEndpoint | None
-    sleep_level: int | None
-    drain_timeout_s: float | None
+    settings: tuple[tuple[str, Any], ...] = ()
+    job_id: str = ""
+    job_priority: int | None = None
+    job_sleep_level: int | None = None
 
 
 def _meta(pod: dict) -> dict:
     return pod.get("metadata") or {}
+
+
+def _pod_key(pod: dict) -> str:
+    """The pod's uid (its name where the uid is missing)."""
+    return str(_meta(pod).get("uid") or _meta(pod).get("name") or "")
 
 
 def _port(value: Any) -> int | None:
@@ -198,6 +221,62 @@ def _port(value: Any) -> int | None:
     except (TypeError, ValueError):
         return None
     return p if 0 < p < 65536 else None
+
+
+def _sleep_level(value: str) -> int:
+    level = {"1": 1, "2": 2}.get(value)
+    if level is None:
+        raise ValueError("is not 1 or 2")
+    return level
+
+
+def _seconds(low: float, low_inclusive: bool) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            v = float("nan")
+        if not (low <= v if low_inclusive else low < v) or not v <= 3600:
+            raise ValueError(f"is not seconds in {'[' if low_inclusive else '('}{low:g}, 3600]")
+        return v
+    return parse
+
+
+def _choice(enum_cls: type[SchedulingPolicy] | type[SleepLevelPolicy]) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            return enum_cls(value)
+        except ValueError:
+            raise ValueError(f"is not one of {', '.join(e.value for e in enum_cls)}") from None
+    return parse
+
+
+def _integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+
+
+GROUP_ANNOTATIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    ANNOTATION_SLEEP_LEVEL: ("sleep_level", _sleep_level),
+    ANNOTATION_DRAIN_TIMEOUT: ("drain_timeout_s", _seconds(0, False)),
+    ANNOTATION_LEASE_TTL: ("lease_ttl_s", _seconds(0, True)),
+    ANNOTATION_POLICY: ("policy", _choice(SchedulingPolicy)),
+    ANNOTATION_SLEEP_LEVEL_POLICY: ("sleep_level_policy", _choice(SleepLevelPolicy)),
+}
+"""Annotation -> (GroupSpec field, parser): group settings any member pod may carry."""
+
+
+def _annotation(name: str, ann: dict, key: str, parse: Callable[[str], Any]) -> Any:
+    """The parsed value of annotation ``key`` (None when absent, or malformed: logged, naming pod and value)."""
+    if key not in ann:
+        return None
+    try:
+        return parse(str(ann[key]).strip())
+    except ValueError as exc:
+        log.warning("pod %s: annotation %s=%r %s; ignored", name, key, ann[key], exc)
+        return None
 
 
 def _container_port(pod: dict, container: str | None, port_name: str | None) -> int | None:
@@ -228,23 +307,13 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
     if not group or meta.get("deletionTimestamp") or status.get("phase") != "Running":
         return None
     role = labels.get(LABEL_ROLE, "")
-    sleep_level = drain = None
-    if ANNOTATION_SLEEP_LEVEL in ann:
-        sleep_level = {"1": 1, "2": 2}.get(str(ann[ANNOTATION_SLEEP_LEVEL]).strip())
-        if sleep_level is None:
-            log.warning("pod %s: annotation %s=%r is not 1 or 2; ignored", name, ANNOTATION_SLEEP_LEVEL,
-                        ann[ANNOTATION_SLEEP_LEVEL])
-    if ANNOTATION_DRAIN_TIMEOUT in ann:
-        try:
-            drain = float(ann[ANNOTATION_DRAIN_TIMEOUT])
-            if not 0 < drain <= 3600:
-                raise ValueError
-        except ValueError:
-            log.warning("pod %s: annotation %s=%r is not seconds in (0, 3600]; ignored", name, ANNOTATION_DRAIN_TIMEOUT,
-                        ann[ANNOTATION_DRAIN_TIMEOUT])
-            drain = None
+    settings = tuple((fld, v) for key, (fld, parse) in GROUP_ANNOTATIONS.items()
+                     if (v := _annotation(name, ann, key, parse)) is not None)
+    job_id = labels.get(LABEL_JOB_ID) or name
     if role != ROLE_SAMPLER:
-        return PodMember(name, group, role, None, sleep_level, drain)
+        return PodMember(name, group, role, None, settings, job_id,
+                         _annotation(name, ann, ANNOTATION_JOB_PRIORITY, _integer),
+                         _annotation(name, ann, ANNOTATION_JOB_SLEEP_LEVEL, _sleep_level))
     ip = status.get("podIP")
     if not ip:
         return None
@@ -257,25 +326,41 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
         pool=ann.get(ANNOTATION_POOL) or defaults.default_pool,
         address=f"{host}:{engine_port}",
         sidecar=f"{host}:{sidecar_port}",
-        job_id=labels.get(LABEL_JOB_ID) or name,
+        job_id=job_id,
     )
-    return PodMember(name, group, role, sampler, sleep_level, drain)
+    return PodMember(name, group, role, sampler, settings, job_id)
+
+
+def _first_wins(gid: str, what: str, values: dict[str, Any]) -> Any:
+    """The value of the lexically first pod in ``values`` (pod name -> value), warning when pods disagree."""
+    if len(set(values.values())) > 1:
+        log.warning("group %s: pods disagree on the %s (%s); using pod %s's", gid, what,
+                    {k: getattr(v, "value", v) for k, v in values.items()}, min(values))
+    return values[min(values)]
 
 
 def build_groups(members: Iterable[PodMember], defaults: DiscoveryDefaults) -> list[GroupSpec]:
-    """Group specs from member pods: samplers sorted by pod name, groups by id."""
+    """Group specs from member pods: samplers sorted by pod name, groups by id, settings from annotations."""
     by_group: dict[str, list[PodMember]] = {}
     for m in sorted(members, key=lambda m: m.name):
         by_group.setdefault(m.group, []).append(m)
     specs = []
     for gid in sorted(by_group):
         ms = by_group[gid]
-        levels = {m.name: m.sleep_level for m in ms if m.sleep_level is not None}
-        drains = {m.name: m.drain_timeout_s for m in ms if m.drain_timeout_s is not None}
-        for what, vals in (("sleep level", levels), ("drain timeout", drains)):
-            if len(set(vals.values())) > 1:
-                log.warning("group %s: pods disagree on the %s (%s); using pod %s's", gid, what, vals, min(vals))
-        samplers, seen = [], set()
+        spec = GroupSpec(gid, [], defaults.sleep_level, defaults.drain_timeout_s)
+        for fld in (f for f, _ in GROUP_ANNOTATIONS.values()):
+            values = {m.name: dict(m.settings)[fld] for m in ms if fld in dict(m.settings)}
+            if values:
+                setattr(spec, fld, _first_wins(gid, fld.replace("_", " "), values))
+        for attr, target in (("job_priority", spec.job_priorities), ("job_sleep_level", spec.job_sleep_levels)):
+            by_job: dict[str, dict[str, Any]] = {}
+            for m in ms:
+                v = getattr(m, attr)
+                if v is not None:
+                    by_job.setdefault(m.job_id, {})[m.name] = v
+            for job, values in sorted(by_job.items()):
+                target[job] = _first_wins(gid, f"{attr.replace('_', ' ')} of job {job}", values)
+        seen: set[str] = set()
         for m in ms:
             if m.sampler is None:
                 continue
@@ -283,12 +368,8 @@ def build_groups(members: Iterable[PodMember], defaults: DiscoveryDefaults) -> l
                 log.warning("group %s: pod %s has the address %s of another pod; skipped", gid, m.name, m.sampler.address)
                 continue
             seen.add(m.sampler.address)
-            samplers.append(m.sampler)
-        specs.append(GroupSpec(
-            gid, samplers,
-            levels[min(levels)] if levels else defaults.sleep_level,
-            drains[min(drains)] if drains else defaults.drain_timeout_s,
-        ))
+            spec.samplers.append(m.sampler)
+        specs.append(spec)
     return specs
 
 
@@ -337,17 +418,18 @@ class KubernetesDiscovery:
         self._groups: list[GroupSpec] = []
         self._pod_by_address: dict[str, str] = {}
         self._subscribers: list[asyncio.Queue] = []
+        self._tasks: set[asyncio.Task] = set()  # async on_change calls in flight (kept: never collected mid-flight)
         self.relists = 0
         self.last_error: str = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._watch = None
+        self._watch: Any = None  # the kubernetes.watch.Watch of the open watch request
 
     # ------------------------------------------------------------------ public
     def groups(self) -> list[GroupSpec]:
         """The current group snapshot (each call returns fresh copies)."""
-        return [GroupSpec(g.group_id, list(g.samplers), g.sleep_level, g.drain_timeout_s) for g in self._groups]
+        return [g.copy() for g in self._groups]
 
     def pod_for(self, sampler: SamplerEndpoint | str) -> str | None:
         """Name of the pod behind a sampler (or its address), if known."""
@@ -412,7 +494,7 @@ class KubernetesDiscovery:
                                       "_preload_content": False, "_request_timeout": (10, 60)}
             if cont:
                 kwargs["_continue"] = cont
-            resp = self._core.list_namespaced_pod(self.namespace, **kwargs)
+            resp: Any = self._core.list_namespaced_pod(self.namespace, **kwargs)  # raw urllib3 response (no preload)
             try:
                 if not 200 <= resp.status <= 299:
                     from kubernetes.client.exceptions import ApiException
@@ -422,7 +504,7 @@ class KubernetesDiscovery:
             finally:
                 resp.release_conn()
             for pod in body.get("items") or []:
-                pods[_meta(pod).get("uid") or _meta(pod).get("name")] = pod
+                pods[_pod_key(pod)] = pod
             meta = body.get("metadata") or {}
             cont = meta.get("continue")
             if not cont:
@@ -452,7 +534,7 @@ class KubernetesDiscovery:
                 if kind == "BOOKMARK":
                     self._rv = rv or self._rv
                     continue
-                key = _meta(obj).get("uid") or _meta(obj).get("name")
+                key = _pod_key(obj)
                 if kind in ("ADDED", "MODIFIED"):
                     self._pods[key] = obj
                 elif kind == "DELETED":
@@ -506,8 +588,8 @@ class KubernetesDiscovery:
         by_address = {m.sampler.address: m.name for m in members if m.sampler is not None}
         for role in {m.role or "none" for m in members} | {"sampler"}:
             MEMBER_PODS.labels(role=role).set(sum(1 for m in members if (m.role or "none") == role))
-        key = tuple((g.group_id, tuple(g.samplers), g.sleep_level, g.drain_timeout_s) for g in specs)
-        return key, specs, by_address
+        fingerprint = tuple((g.group_id, tuple(g.samplers), g.settings()) for g in specs)
+        return fingerprint, specs, by_address
 
     def _publish(self) -> None:
         """From the watch thread: hand a changed snapshot to the loop."""
@@ -534,6 +616,8 @@ class KubernetesDiscovery:
             res = self.on_change(self.groups())
             if asyncio.iscoroutine(res):
                 task = asyncio.get_running_loop().create_task(res)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
                 task.add_done_callback(_log_failure)
 
 

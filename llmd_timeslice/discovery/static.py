@@ -21,7 +21,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llmd_timeslice.orchestrator.groups import GroupSpec, SamplerEndpoint
+from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint, SchedulingPolicy, SleepLevelPolicy
 
 
 def _host_port(value: str) -> str:
@@ -84,9 +84,9 @@ class Inventory(BaseModel):
                 g.sleep_level,
                 g.drain_timeout_s,
                 g.lease_ttl_s,
-                g.policy,
+                SchedulingPolicy(g.policy),
                 dict(g.job_priorities),
-                g.sleep_level_policy,
+                SleepLevelPolicy(g.sleep_level_policy),
                 dict(g.job_sleep_levels),
             )
             for g in self.groups

@@ -1,18 +1,23 @@
-"""Phase-switch actions over gRPC: the gate's control API and the snapshot sidecars.
+"""Phase-switch actions over gRPC: the gate's state stream and the snapshot sidecars.
 
-Suspend (samplers -> job): publish DRAINING on the gate state stream (returns once every
-connected gate acked the epoch), wait on each gate's drain barrier (an event on the gate, not a poll),
-ask each sidecar to sleep its engine and wait for the operation's completion event
-(``WaitOperation``, a project extension; the reference design polls ``GetOperation`` each
-second), then publish ASLEEP. Resume (job -> samplers): publish WAKING, wake each engine, and
-publish each endpoint SERVING as soon as its own wake is verified, so held requests start
-leaving before the slowest engine is back.
+Drain (phase DRAINING): publish DRAINING on the gate state stream (returns once every connected
+gate acked the epoch), then wait on each gate's drain barrier (an event on the gate, not a poll).
+Suspend (SUSPENDING): ask each sidecar to sleep its engine (:meth:`GrpcSwitchActions.suspend_sampler`)
+and wait for the operation's completion event (``WaitOperationResult``, a project extension; the
+reference design polls ``GetOperation`` each second), then publish ASLEEP. Resume (RESUMING,
+REPAIRING): publish WAKING, wake each engine (:meth:`GrpcSwitchActions.resume_sampler`), and publish
+each endpoint SERVING as soon as its own wake is verified, so held requests start leaving before
+the slowest engine is back.
 
 Weight sync: when the switch record carries a weight version, each sampler is woken with
 ``RestoreWithWeights`` (wake weights, load, wake kv_cache, reset prefix cache, verify the version)
-and published SERVING *at that version*; a sampler whose load fails is published ASLEEP (out of
-service) and keeps its old version. The sleep level of a switch to a job is the record's (the
-group's per-job policy), else the group's.
+and published SERVING *at that version*. A sampler that refuses the version (the sidecar reports
+``OPERATION_FAULT_WEIGHTS_REJECTED``: its files failed verification or loading failed) is woken
+again with a plain ``Restore``, which reloads its last good version; if that works, the version was
+at fault (``record.weights_rejected`` says why) and the sampler is published SERVING at its last
+good version. A sampler whose wake fails otherwise (the fallback included: then the engine, not the
+version, is suspect) is published ASLEEP (out of service) and keeps its old version. The sleep level of a switch to a job
+is the record's (the group's per-job policy), else the group's.
 
 Optional serving label (the label fallback, for gateways that cannot run the gate): with a
 ``labeler``, each sampler is labelled not serving when it is published DRAINING (before the drain
@@ -27,7 +32,8 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from typing import Protocol
+from collections.abc import Mapping
+from typing import ClassVar, Protocol
 
 import grpc
 from grpc import aio
@@ -39,7 +45,16 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
 from llmd_timeslice.orchestrator.gate_hub import GateHub
-from llmd_timeslice.orchestrator.groups import EngineReading, GroupSpec, SamplerEndpoint, SwitchRecord
+from llmd_timeslice.orchestrator.switch import (
+    EngineReading,
+    GroupSpec,
+    JobState,
+    SamplerEndpoint,
+    SamplerStepFailed,
+    StepFault,
+    SwitchActions,
+    SwitchRecord,
+)
 from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -57,15 +72,18 @@ class ServingLabeler(Protocol):
     async def set_serving(self, sampler: SamplerEndpoint, serving: bool) -> None: ...
 
 
-class GrpcSwitchActions:
-    """:class:`~llmd_timeslice.orchestrator.groups.SwitchActions` over the gate state stream and the sidecars.
+class GrpcSwitchActions(SwitchActions):
+    """:class:`~llmd_timeslice.orchestrator.switch.SwitchActions` over the gate state stream and the sidecars.
 
     Args:
         hub: the gate state hub (gates subscribe to it).
         token: bearer token for the sidecars (None: no auth).
         operation_timeout_s: most seconds one sleep or wake may take before the switch fails.
         labeler: optional serving-label hook (None: gates only).
+        tls_files: mutual TLS for the sidecar channels (None: plain TCP).
     """
+
+    can_read_engines: ClassVar[bool] = True
 
     def __init__(self, hub: GateHub, token: str | None = None, operation_timeout_s: float = 300.0,
                  labeler: ServingLabeler | None = None, tls_files: tls.TlsFiles | None = None) -> None:
@@ -75,7 +93,10 @@ class GrpcSwitchActions:
         self._token = token
         self._op_timeout = operation_timeout_s
         self._channels: dict[str, aio.Channel] = {}
-        self.sampler_states: dict[str, str] = {}
+        self.sampler_states: dict[str, JobState] = {}
+
+    def job_states(self) -> Mapping[str, JobState]:
+        return self.sampler_states
 
     def _channel(self, target: str) -> aio.Channel:
         ch = self._channels.get(target)
@@ -120,14 +141,17 @@ class GrpcSwitchActions:
         results = await asyncio.gather(*(self.labeler.set_serving(s, serving) for s in samplers), return_exceptions=True)
         errors = [f"{s.address}: {r}" for s, r in zip(samplers, results, strict=True) if isinstance(r, BaseException)]
         if errors:
-            raise RuntimeError(f"serving label {str(serving).lower()}: " + "; ".join(errors))
+            raise SamplerStepFailed(", ".join(s.address for s in samplers), "label", StepFault.LABEL,
+                                    f"serving label {str(serving).lower()}: " + "; ".join(errors))
 
     # ---------------------------------------------------------------- sidecars
     async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig,
                          weights: WeightUpdate | None = None) -> None:
+        """One sleep or wake through the sidecar, waited for; raises :class:`SamplerStepFailed`."""
         ch = self._channel(sampler.sidecar)
         stub = spb_grpc.SnapshotAgentServiceStub(ch)
         waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
+        fault = xpb.OPERATION_FAULT_UNSPECIFIED
         try:
             # wait_for_ready: a sidecar that is (re)connecting gets START_RPC_TIMEOUT_S, not a fail-fast error.
             if kind == "sleep":
@@ -141,26 +165,81 @@ class GrpcSwitchActions:
                     resp = await waiter.RestoreWithWeights(
                         xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()),
                         timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
-            op = await waiter.WaitOperation(
-                xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout),
-                timeout=self._op_timeout + RPC_TIMEOUT_S,
-            )
+            wait = xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout)
+            try:
+                result = await waiter.WaitOperationResult(wait, timeout=self._op_timeout + RPC_TIMEOUT_S)
+                op, fault = result.operation, result.fault
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                # A sidecar of an older release: no fault kinds.
+                op = await waiter.WaitOperation(wait, timeout=self._op_timeout + RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            self.sampler_states[sampler.address] = "FAULTED"
-            raise RuntimeError(f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {exc.code().name}: "
-                               f"{exc.details()}") from exc
+            self.sampler_states[sampler.address] = JobState.FAULTED
+            raise SamplerStepFailed(sampler.address, kind, StepFault.SIDECAR,
+                                    f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {exc.code().name}: "
+                                    f"{exc.details()}") from exc
         if op.status != spb.OPERATION_STATUS_COMPLETE:
-            self.sampler_states[sampler.address] = "FAULTED"
+            self.sampler_states[sampler.address] = JobState.FAULTED
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
-            raise RuntimeError(f"{kind} of {sampler.address} failed: {why}")
+            step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
+            raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
 
     @staticmethod
     def _config(level: int) -> spb.BackendConfig:
         mode = spb.SUSPEND_MODE_DISCARD if level == 2 else spb.SUSPEND_MODE_OFFLOAD
         return spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=spb.APP_VLLM, mode=mode))
 
+    async def suspend_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, config: spb.BackendConfig) -> None:
+        """Put one sampler's engine to sleep through its sidecar, verified there. Raises SamplerStepFailed."""
+        self.sampler_states[sampler.address] = JobState.TRANSITIONING
+        await self._operation(sampler, spec.group_id, "sleep", config)
+        self.sampler_states[sampler.address] = JobState.SAVED
+
+    async def resume_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, record: SwitchRecord,
+                             config: spb.BackendConfig) -> None:
+        """Wake one sampler (loading ``record.weights``; on a rejected version, its last good one), label it,
+        publish it SERVING at the version it serves. On failure: published ASLEEP, error in
+        ``record.sampler_errors``, and SamplerStepFailed raised."""
+        weights = record.weights
+        address = sampler.address
+        self.sampler_states[address] = JobState.TRANSITIONING
+        loaded = weights is not None
+        try:
+            try:
+                await self._operation(sampler, spec.group_id, "wake", config, weights)
+            except SamplerStepFailed as exc:
+                if weights is None or exc.fault is not StepFault.WEIGHTS_REJECTED:
+                    raise
+                # Wake it with its last good version (a plain restore reloads it) so the pool keeps serving. Only
+                # if that works was the version at fault rather than the engine.
+                log.error("sampler %s refused weight version %d (%s); waking it with its last good version",
+                          address, weights.version, exc)
+                loaded = False
+                try:
+                    await self._operation(sampler, spec.group_id, "wake", config)
+                except SamplerStepFailed as again:
+                    raise SamplerStepFailed(address, "wake", again.fault,
+                                            f"{exc}; waking it with its last good version failed too: {again}"
+                                            ) from again
+                record.weights_rejected[address] = str(exc)
+            await self._set_serving([sampler], True)
+        except Exception as exc:
+            record.sampler_errors[address] = str(exc)
+            await self._publish([sampler], gpb.ENDPOINT_STATE_ASLEEP)  # out of service, never half-awake
+            if self.labeler is not None:
+                try:
+                    await self._set_serving([sampler], False)
+                except Exception as label_exc:
+                    log.error("serving label of %s could not be cleared: %s", address, label_exc)
+            raise
+        if loaded and weights is not None:
+            record.sampler_versions[address] = weights.version
+        await self._publish([sampler], gpb.ENDPOINT_STATE_SERVING, record.sampler_versions.get(address))
+        self.sampler_states[address] = JobState.RUNNING
+
     # ------------------------------------------------------------ SwitchActions
-    async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
+    async def drain_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         t = time.monotonic()
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
         await self._set_serving(spec.samplers, False)
@@ -168,13 +247,11 @@ class GrpcSwitchActions:
         t = time.monotonic()
         record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s))
         record.phases["drain"] = time.monotonic() - t
+
+    async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         t = time.monotonic()
-        for s in spec.samplers:
-            self.sampler_states[s.address] = "TRANSITIONING"
         cfg = self._config(record.sleep_level or spec.sleep_level)
-        await asyncio.gather(*(self._operation(s, spec.group_id, "sleep", cfg) for s in spec.samplers))
-        for s in spec.samplers:
-            self.sampler_states[s.address] = "SAVED"
+        await asyncio.gather(*(self.suspend_sampler(spec, s, cfg) for s in spec.samplers))
         record.phases["sleep"] = time.monotonic() - t
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
 
@@ -182,34 +259,13 @@ class GrpcSwitchActions:
         t = time.monotonic()
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_WAKING)
         cfg = self._config(spec.sleep_level)
-        weights = record.weights
-
-        async def wake(s: SamplerEndpoint) -> None:
-            self.sampler_states[s.address] = "TRANSITIONING"
-            try:
-                await self._operation(s, spec.group_id, "wake", cfg, weights)
-                await self._set_serving([s], True)
-            except Exception as exc:
-                record.sampler_errors[s.address] = str(exc)
-                await self._publish([s], gpb.ENDPOINT_STATE_ASLEEP)  # out of service, never half-awake
-                if self.labeler is not None:
-                    try:
-                        await self._set_serving([s], False)
-                    except Exception as exc:
-                        log.error("serving label of %s could not be cleared: %s", s.address, exc)
-                raise
-            if weights is not None:
-                record.sampler_versions[s.address] = weights.version
-            await self._publish([s], gpb.ENDPOINT_STATE_SERVING, record.sampler_versions.get(s.address))
-            self.sampler_states[s.address] = "RUNNING"
-
-        results = await asyncio.gather(*(wake(s) for s in spec.samplers), return_exceptions=True)
+        results = await asyncio.gather(*(self.resume_sampler(spec, s, record, cfg) for s in spec.samplers),
+                                       return_exceptions=True)
         record.phases["wake"] = time.monotonic() - t
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise RuntimeError("; ".join(errors))
 
-    # ------------------------------------------------------ EngineAuditActions
     async def read_engines(self, spec: GroupSpec) -> dict[str, EngineReading]:
         """Each sampler's engine as its sidecar reads it (``GetServedWeightVersion``, snapshot_ext.proto);
         samplers whose sidecar cannot tell (another backend, no answer) are left out."""
@@ -232,24 +288,24 @@ class GrpcSwitchActions:
         label; requests already on them finish."""
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_DRAINING)
         for s in spec.samplers:
-            self.sampler_states[s.address] = "FAULTED"
+            self.sampler_states[s.address] = JobState.FAULTED
         await self._set_serving(spec.samplers, False)
 
-    async def publish_asleep(self, specs: list[GroupSpec]) -> None:
-        """At start-up, for groups a job still holds: their samplers stay asleep and out of service."""
-        samplers = [s for spec in specs for s in spec.samplers]
-        if samplers:
-            await self._publish(samplers, gpb.ENDPOINT_STATE_ASLEEP)
-            for s in samplers:
-                self.sampler_states[s.address] = "SAVED"
+    async def retire_samplers(self, samplers: list[SamplerEndpoint]) -> None:
+        """Samplers that left their group: published ASLEEP where a gate knows them (the state stream has no
+        "removed"), forgotten here."""
+        by_pool: dict[str, list[str]] = defaultdict(list)
+        for s in samplers:
+            self.sampler_states.pop(s.address, None)
+            by_pool[s.pool].append(s.address)
+        for pool, addrs in by_pool.items():
+            known = [a for a in addrs if a in self.hub.state.get(pool, {})]
+            if known:
+                await self.hub.publish(pool, [(a, gpb.ENDPOINT_STATE_ASLEEP, None) for a in known])
 
-    async def reconcile(self, specs: list[GroupSpec], record_for) -> None:
-        """At start-up: wake (a no-op on an awake engine) and verify every sampler, then publish it
-        SERVING; an engine that fails verification stays out of service."""
-        with_samplers = [spec for spec in specs if spec.samplers]
-        results = await asyncio.gather(
-            *(self.resume_samplers(spec, record_for(spec)) for spec in with_samplers), return_exceptions=True
-        )
-        for spec, res in zip(with_samplers, results, strict=True):
-            if isinstance(res, BaseException):
-                log.error("group=%s start-up reconcile: %s", spec.group_id, res)
+    async def publish_asleep(self, spec: GroupSpec) -> None:
+        """At start-up, for a group a job still holds: its samplers stay asleep and out of service."""
+        if spec.samplers:
+            await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
+            for s in spec.samplers:
+                self.sampler_states[s.address] = JobState.SAVED

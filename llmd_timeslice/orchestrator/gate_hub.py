@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -72,7 +73,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self._ids = itertools.count()
         self._contacts: dict[str, _Contact] = {}
         self.forget_after_s = 3600.0
-        self.on_gates_change = None  # called when a gate id is first heard from (the server persists the list)
+        self.on_gates_change: Callable[[], object] | None = None
+        """Called when a gate id is first heard from (the server persists the list)."""
 
     @property
     def gate_ids(self) -> list[str]:

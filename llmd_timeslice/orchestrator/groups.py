@@ -1,86 +1,114 @@
-"""Core of the orchestrator: accelerator groups, FIFO locks and the phase-switch sequence.
+"""Core of the orchestrator: accelerator groups as explicit state machines, one task per group.
 
 A group's accelerators belong to its *samplers* (vLLM servers behind the gate) unless a job
-(typically a trainer) holds the group's lock. ``acquire`` queues the job FIFO; when it reaches
-the head, the group switches: samplers drain (gate barrier), sleep (sidecars, verified), then
-the lock is granted. ``yield_`` returns at once; the next waiter is granted directly, or, when
-nobody waits, the samplers are woken and published SERVING again. For a group without samplers a
-yield with nobody waiting defers the snapshot: the job's context stays loaded (``IDLE_YIELDED``)
-and its next ``acquire`` returns at once (the upstream semantics).
+(typically a trainer) holds the group's lease. Every group is run by one task (:class:`Group`)
+that takes :class:`Command` objects from a queue, one at a time: acquire, abandon, yield,
+heartbeat, publish weights, lease expired, spec update (discovery), audit and repair ticks
+(timers), start-up, and the results of its own steps. Nothing else edits a group: the gRPC
+servicers, discovery and the timers only send commands (and read). Each change of phase is
+checked against the table in :mod:`llmd_timeslice.orchestrator.phases`, which lists every legal
+sequence; an illegal one raises :class:`~llmd_timeslice.orchestrator.phases.IllegalTransition`.
 
-The outside world (gate, sidecars) is reached only through :class:`SwitchActions`, so this module
-does no I/O and is unit-tested with in-memory actions.
+The slow steps (drain, sleep, wake, engine reads) run as tasks of the group that call the
+:class:`~llmd_timeslice.orchestrator.switch.SwitchActions` and post their outcome back as a
+command, so a group keeps taking commands (a second acquire, a waiter that gives up, a spec
+update kept for later) while a switch is in flight. After each command, the group's changes are
+persisted: an awaited, coalesced write off the event loop
+(:class:`~llmd_timeslice.orchestrator.persistence.StatePersister`). A grant is handed out only
+once saved; if the save fails, the grant is taken back and the acquire fails with
+:class:`StateNotSaved`.
+
+Timers (lease expiry, repair back-off, engine audit) come from an injectable
+:class:`~llmd_timeslice.orchestrator.clock.Clock`.
+
+Weight versions: the group's target is the latest published version unless samplers *rejected*
+it (its files failed verification or it failed to load): then the target is the last version that
+loaded (``last_good``) until a newer one is published, the samplers serve that, and
+:attr:`Group.rejected` says which version and why (``WeightVersionStatus.rejected`` on the wire).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import logging
-import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from llmd_timeslice.orchestrator.clock import Clock, LoopClock, TimerHandle
+from llmd_timeslice.orchestrator.errors import (
+    AcquireTimedOut,
+    InvalidArgument,
+    LockOrderViolation,
+    NotHolder,
+    OrchestratorError,
+    StaleFencingToken,
+    StaleWeightVersion,
+    StateNotSaved,
+    SwitchFailed,
+    UnknownGroup,
+)
+from llmd_timeslice.orchestrator.phases import (
+    IGNORED,
+    STABLE_PHASES,
+    WIRE_STATE,
+    GroupCommand,
+    GroupPhase,
+    GroupState,
+    IllegalTransition,
+    accepts,
+    check,
+)
+from llmd_timeslice.orchestrator.switch import (
+    EngineFault,
+    EngineReading,
+    GroupSpec,
+    SamplerEndpoint,
+    SchedulingPolicy,
+    SleepLevelPolicy,
+    SwitchActions,
+    SwitchKind,
+    SwitchRecord,
+)
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
+
+__all__ = [
+    "SAMPLERS", "AcquireResult", "AcquireTimedOut", "Command", "EngineFault", "EngineReading", "Group",
+    "GroupCommand", "GroupPhase", "GroupSpec", "GroupState", "IllegalTransition", "InvalidArgument", "Lease",
+    "LockOrderViolation", "NotHolder", "Orchestrator", "OrchestratorError", "RejectedWeights", "RestoreOutcome",
+    "SamplerEndpoint", "SchedulingPolicy", "SleepLevelPolicy", "StaleFencingToken", "StaleWeightVersion",
+    "StateNotSaved", "SwitchActions", "SwitchFailed", "SwitchKind", "SwitchRecord", "UnknownGroup", "YieldResult",
+]
 
 log = logging.getLogger(__name__)
 
+C = GroupCommand
+P = GroupPhase
+
 SAMPLERS = "<samplers>"
-"""``loaded_job`` value meaning the group's samplers hold the accelerators."""
+""":attr:`Group.loaded_job` while the samplers hold the accelerators."""
+
+_HOLDER_COMMANDS = frozenset({C.YIELD, C.HEARTBEAT, C.PUBLISH_WEIGHTS})
+_NO_REPLY = object()
 
 
-class GroupState(enum.Enum):
-    """Group states, in the llm-d orchestrator's vocabulary."""
+class RestoreOutcome(enum.Enum):
+    """What :meth:`Orchestrator.restore` leaves each group to do at start-up."""
 
-    IDLE = "IDLE"
-    IDLE_YIELDED = "IDLE_YIELDED"
-    LOCKED = "LOCKED"
-    SWITCHING = "SWITCHING"
-
-
-class OrchestratorError(Exception):
-    """Base of typed errors; the gRPC edge maps each subclass to one status code."""
-
-
-class UnknownGroup(OrchestratorError):
-    """The group id is not in the inventory (NOT_FOUND)."""
-
-
-class InvalidArgument(OrchestratorError):
-    """A request field is missing or malformed (INVALID_ARGUMENT)."""
-
-
-class NotHolder(OrchestratorError):
-    """The job yields a group it does not hold, or acquires one it already holds (FAILED_PRECONDITION)."""
-
-
-class AcquireTimedOut(OrchestratorError):
-    """The caller's deadline passed while it waited in the queue (DEADLINE_EXCEEDED)."""
-
-
-class SwitchFailed(OrchestratorError):
-    """A phase switch step failed; the message says which and what state the group is in (ABORTED)."""
-
-
-class LockOrderViolation(OrchestratorError):
-    """A job holding (or waiting for) a sampler group asks for a trainer group (FAILED_PRECONDITION)."""
-
-
-class StaleWeightVersion(OrchestratorError):
-    """A published weight version is not newer than the group's latest one (FAILED_PRECONDITION)."""
-
-
-class StaleFencingToken(OrchestratorError):
-    """A call carries a fencing token that is not the group's current one (FAILED_PRECONDITION)."""
+    HELD = "held"
+    """A job holds it: its samplers stay asleep (published ASLEEP)."""
+    WAKE = "wake"
+    """Its samplers are woken and verified (idle, or a switch cut halfway is rolled back)."""
+    NONE = "none"
+    """No samplers: nothing to do."""
 
 
 @dataclass
 class Lease:
-    """The current grant of a group: ``token`` increases with every grant; ``expires_at`` is a
-    monotonic time once armed by a heartbeat (None before: the holder is never expired)."""
+    """The current grant of a group: ``token`` increases with every grant; ``expires_at`` is a clock
+    reading (monotonic seconds) once armed by a heartbeat (None before: the holder is never expired)."""
 
     job_id: str
     token: int
@@ -89,107 +117,11 @@ class Lease:
 
 
 @dataclass(frozen=True)
-class SamplerEndpoint:
-    """One sampler: a vLLM server behind the gate and its snapshot sidecar.
+class RejectedWeights:
+    """A published weight version that samplers refused; ``error`` gives each sampler's reason."""
 
-    ``address`` is the ``ip:port`` the EPP routes to (the gate's endpoint name); ``sidecar`` the
-    ``host:port`` of its SnapshotAgentService; ``job_id`` the sampler job the sidecar serves.
-    """
-
-    pool: str
-    address: str
-    sidecar: str
-    job_id: str
-
-
-@dataclass
-class GroupSpec:
-    """Inventory of one group (durations in seconds)."""
-
-    group_id: str
-    samplers: list[SamplerEndpoint] = field(default_factory=list)
-    sleep_level: int = 1
-    drain_timeout_s: float = 60.0
-    lease_ttl_s: float = 30.0
-    policy: str = "fifo"
-    """Scheduling policy of the waiters: ``fifo``, ``priority`` (highest ``job_priorities`` first, FIFO
-    among equals) or ``round_robin`` (the job granted least recently first: phase-level multiplexing of
-    several RL jobs on one set of accelerators)."""
-    job_priorities: dict[str, int] = field(default_factory=dict)
-    sleep_level_policy: str = "fixed"
-    """``fixed``: samplers sleep at ``sleep_level`` for every job. ``auto``: level 2 (discard: no host copy of
-    weights about to be replaced) for a job that published a weight version at its previous grant of this
-    group, ``sleep_level`` otherwise. ``job_sleep_levels`` overrides both per job."""
-    job_sleep_levels: dict[str, int] = field(default_factory=dict)
-
-    def sleep_level_for(self, job_id: str, publishes_weights: bool) -> int:
-        """The sleep level the samplers take when ``job_id`` acquires the group."""
-        if job_id in self.job_sleep_levels:
-            return self.job_sleep_levels[job_id]
-        if self.sleep_level_policy == "auto" and publishes_weights:
-            return 2
-        return self.sleep_level
-
-
-@dataclass
-class SwitchRecord:
-    """One phase switch, for status and metrics: ``phases`` maps step name -> seconds."""
-
-    group_id: str
-    kind: str  # "to_job" (samplers -> job), "to_samplers", "job_to_job", "repair", "reconcile"
-    job_id: str
-    started_at: float
-    phases: dict[str, float] = field(default_factory=dict)
-    ok: bool = True
-    error: str = ""
-    sleep_level: int = 0
-    """to_job: the level the samplers sleep at (0: the group's ``sleep_level``)."""
-    weights: WeightUpdate | None = None
-    """to_samplers: the weight version to load while waking (None: wake with the weights they have)."""
-    sampler_versions: dict[str, int] = field(default_factory=dict)
-    """to_samplers: address -> weight version; the actions update it for each sampler woken (and loaded)."""
-    sampler_errors: dict[str, str] = field(default_factory=dict)
-    """to_samplers: address -> why its wake (or weight load) failed; it stays out of service."""
-    engine_faults: dict[str, str] = field(default_factory=dict)
-    """repair after an engine audit: address -> what the audit found ("restarted", "asleep", "unreachable")."""
-
-
-class SwitchActions(Protocol):
-    """What a phase switch does to the outside world (implemented over gRPC in ``actions.py``)."""
-
-    async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
-        """Drain (gate barrier), sleep and verify every sampler; raise on failure."""
-
-    async def resume_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
-        """Wake and verify every sampler, then publish it SERVING; raise on failure."""
-
-
-class EngineAuditActions(Protocol):
-    """Optional part of :class:`SwitchActions`: read the engines themselves, so that an engine that restarted
-    on its own (initial weights again) or sleeps while it should serve is caught between switches."""
-
-    async def read_engines(self, spec: GroupSpec) -> dict[str, EngineReading]:
-        """Sampler address -> what its engine reports now (samplers that could not be read are left out)."""
-
-    async def take_out_of_service(self, spec: GroupSpec) -> None:
-        """Stop the gates from steering new requests to ``spec.samplers`` (published DRAINING)."""
-
-
-@dataclass(frozen=True)
-class EngineReading:
-    """What an engine reports about itself: its weight version label (None: it has none) and whether it sleeps;
-    or, in ``unreachable``, why it could not be read because it refused the connection."""
-
-    weight_version: str | None
-    sleeping: bool
-    unreachable: str = ""
-
-
-@dataclass(eq=False)
-class _Waiter:
-    job_id: str
-    enqueued_at: float
-    future: asyncio.Future
+    version: int
+    error: str
 
 
 @dataclass
@@ -199,7 +131,7 @@ class AcquireResult:
     waited_ms: int
     context_restored: bool
     weight_sync_error: str = ""
-    """Why the weight version this job published last could not be loaded into every sampler ("" if it was)."""
+    """Why the weight version this job published last did not load on every sampler ("" if it did)."""
 
 
 @dataclass
@@ -208,81 +140,905 @@ class YieldResult:
     snapshot_deferred: bool
 
 
-class Group:
-    """Runtime state of one group."""
-
-    def __init__(self, spec: GroupSpec) -> None:
-        self.spec = spec
-        self.state = GroupState.IDLE
-        self.state_since = time.time()
-        self.holder: str | None = None
-        self.loaded_job: str | None = SAMPLERS if spec.samplers else None
-        self.waiters: deque[_Waiter] = deque()
-        self.history: deque[SwitchRecord] = deque(maxlen=50)
-        self.sampler_states: dict[str, str] = {s.address: "RUNNING" for s in spec.samplers}
-        self.last_error = ""
-        self.lease: Lease | None = None
-        self.last_token = 0
-        self.expired_jobs: dict[str, str] = {}  # job -> why its lease was reclaimed
-        self.grants = 0
-        self.last_granted: dict[str, int] = {}  # job -> number of its last grant (round-robin)
-        self._driver: asyncio.Task | None = None
-        self._lease_timer: asyncio.TimerHandle | None = None
-        self.on_change: Callable[[Group], None] | None = None
-        self.weights: WeightUpdate | None = None  # the latest published weight version (the samplers' target)
-        self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
-        self.sampler_errors: dict[str, str] = {}
-        self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
-        self.publishers: set[str] = set()  # jobs that published a weight version at their last grant
-        self.published_in_grant = False
-        self.weights_publisher: str | None = None
-        self.weight_sync_errors: dict[str, str] = {}  # job -> why its version failed to load (told at next acquire)
-
-    @property
-    def serving_version(self) -> int:
-        """Highest weight version any sampler of the group serves (0: the initial weights)."""
-        return max((v for a, v in self.sampler_versions.items() if a not in self.sampler_errors), default=0)
-
-    def set_state(self, state: GroupState) -> None:
-        if state is not self.state:
-            self.state = state
-            self.state_since = time.time()
-            if self.on_change is not None:
-                self.on_change(self)
+@dataclass(eq=False)
+class _Waiter:
+    job_id: str
+    enqueued_at: float
+    future: asyncio.Future[AcquireResult]
 
 
-POLICIES = ("fifo", "priority", "round_robin")
+@dataclass(eq=False)
+class Command:
+    """One message to a group's task. ``reply`` (if any) gets the result or the typed error."""
+
+    kind: GroupCommand
+    job_id: str = ""
+    token: int | None = None
+    waiter: _Waiter | None = None
+    weights: WeightUpdate | None = None
+    spec: GroupSpec | None = None
+    record: SwitchRecord | None = None
+    error: BaseException | None = None
+    readings: dict[str, EngineReading] | None = None
+    reconcile: bool = False
+    epoch: int = 0
+    reply: asyncio.Future[Any] | None = None
+
+
+@dataclass(eq=False)
+class _Switch:
+    """The switch in flight: its record, the waiter it is for (to a job), and replies due when it ends."""
+
+    record: SwitchRecord
+    waiter: _Waiter | None = None
+    replies: list[asyncio.Future[Any]] = field(default_factory=list)
 
 
 def pick_waiter(g: Group) -> _Waiter:
     """The next waiter of ``g`` by its policy (``g.waiters`` is in arrival order and not empty)."""
-    policy = g.spec.policy
-    if policy == "priority":
+    waiters = g.waiters
+    if g.spec.policy is SchedulingPolicy.PRIORITY:
         prio = g.spec.job_priorities
-        return max(g.waiters, key=lambda w: prio.get(w.job_id, 0))  # max() keeps the first (FIFO) among equals
-    if policy == "round_robin":
-        return min(g.waiters, key=lambda w: g.last_granted.get(w.job_id, 0))
-    return g.waiters[0]
+        return max(waiters, key=lambda w: prio.get(w.job_id, 0))  # max() keeps the first (FIFO) among equals
+    if g.spec.policy is SchedulingPolicy.ROUND_ROBIN:
+        return min(waiters, key=lambda w: g.last_granted.get(w.job_id, 0))
+    return waiters[0]
+
+
+def judge_engines(g: Group, readings: dict[str, EngineReading]) -> dict[str, tuple[EngineFault, str]]:
+    """Sampler address -> (fault, why) for each serving sampler whose engine cannot be serving what the group
+    records. Only samplers in service are judged; an engine without a weight version label by sleep only."""
+    faults: dict[str, tuple[EngineFault, str]] = {}
+    for smp in g.spec.samplers:
+        r = readings.get(smp.address)
+        if r is None or smp.address in g.sampler_errors:
+            continue
+        want = g.sampler_versions.get(smp.address, 0)
+        if r.unreachable:
+            faults[smp.address] = (EngineFault.UNREACHABLE,
+                                   f"its engine refuses connections (down or restarting): {r.unreachable}")
+        elif r.sleeping:
+            faults[smp.address] = (EngineFault.ASLEEP, "its engine sleeps while it should serve")
+        elif want > 0 and r.weight_version is not None and r.weight_version != str(want):
+            faults[smp.address] = (EngineFault.RESTARTED,
+                                   f"its engine reports weight version {r.weight_version!r}, not {want} (it restarted "
+                                   "on its own and serves its initial weights)")
+    return faults
+
+
+class Group:
+    """One group's state and the task that runs it. Read its attributes freely; change it only by commands
+    (:meth:`Orchestrator.acquire` and friends). Legal sequences: :mod:`llmd_timeslice.orchestrator.phases`."""
+
+    def __init__(self, spec: GroupSpec, orch: Orchestrator) -> None:
+        self._orch = orch
+        self.spec = spec.copy()
+        self.phase = P.SERVING if spec.samplers else P.FREE
+        self.state_since = orch.clock.wall()
+        self.holder: str | None = None
+        self.lease: Lease | None = None
+        self.last_token = 0
+        self.deferred_job: str | None = None
+        self.history: deque[SwitchRecord] = deque(maxlen=50)
+        self.last_error = ""
+        self.expired_jobs: dict[str, str] = {}  # job -> why its lease was reclaimed
+        self.grants = 0
+        self.last_granted: dict[str, int] = {}  # job -> number of its last grant (round-robin)
+        self.weights: WeightUpdate | None = None  # the latest published weight version
+        self.weights_publisher: str | None = None
+        self.publishers: set[str] = set()  # jobs that published a weight version at their last grant
+        self.published_in_grant = False
+        self.last_good: WeightUpdate | None = None  # the latest version that loaded and nobody rejected
+        self.rejected: RejectedWeights | None = None
+        self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
+        self.sampler_errors: dict[str, str] = {}  # out-of-service samplers -> why
+        self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
+        self.weight_sync_errors: dict[str, str] = {}  # job -> why its version failed (told at its next acquire)
+        self._waiters: deque[_Waiter] = deque()
+        self._epoch = 0
+        self._switch: _Switch | None = None
+        self._pending_spec: GroupSpec | None = None
+        self._pending_replies: list[asyncio.Future[Any]] = []
+        self._pending_settings: GroupSpec | None = None
+        self._reading = False
+        self._lease_timer: TimerHandle | None = None
+        self._repair_timer: TimerHandle | None = None
+        self._repair_delay: float | None = None
+        self._dirty = False
+        self._queue: asyncio.Queue[Command] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._effects: set[asyncio.Task[None]] = set()
+        self._watchers: list[tuple[Callable[[Group], bool], asyncio.Future[None]]] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def group_id(self) -> str:
+        return self.spec.group_id
+
+    @property
+    def state(self) -> GroupState:
+        """The wire projection of :attr:`phase` (IDLE, IDLE_YIELDED, LOCKED, SWITCHING)."""
+        return WIRE_STATE[self.phase]
+
+    @property
+    def waiters(self) -> tuple[_Waiter, ...]:
+        """Jobs waiting for the group, in arrival order (ones that gave up excluded)."""
+        return tuple(w for w in self._waiters if not w.future.done())
+
+    @property
+    def loaded_job(self) -> str | None:
+        """Whose context the accelerators hold: :data:`SAMPLERS`, the holder, the deferred job, or None."""
+        if self.phase in (P.SERVING, P.OUT_OF_SERVICE, P.RESUMING, P.REPAIRING, P.DRAINING):
+            return SAMPLERS
+        if self.phase is P.HELD:
+            return self.holder
+        if self.phase is P.DEFERRED:
+            return self.deferred_job
+        return None
+
+    @property
+    def serving_version(self) -> int:
+        """Highest weight version any in-service sampler of the group serves (0: the initial weights)."""
+        return max((v for a, v in self.sampler_versions.items() if a not in self.sampler_errors), default=0)
+
+    @property
+    def target_weights(self) -> WeightUpdate | None:
+        """The version every wake converges to: the latest published one, or the last good one while that is
+        rejected."""
+        if self.weights is not None and self.rejected is not None and self.rejected.version == self.weights.version:
+            return self.last_good
+        return self.weights
+
+    async def wait_until(self, predicate: Callable[[Group], bool], timeout_s: float | None = None) -> None:
+        """Return once ``predicate(self)`` holds (checked now and after every command the group handles)."""
+        if predicate(self):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watchers.append((predicate, fut))
+        await asyncio.wait_for(fut, timeout_s)
+
+    # ------------------------------------------------------------------ commands
+    def post(self, cmd: Command) -> None:
+        """Queue ``cmd`` for the group's task (started on first use)."""
+        if self._closed:
+            if cmd.reply is not None and not cmd.reply.done():
+                cmd.reply.set_exception(SwitchFailed("orchestrator is shutting down"))
+            return
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"group-{self.group_id}")
+        self._queue.put_nowait(cmd)
+
+    async def ask(self, cmd: Command) -> Any:
+        """Post ``cmd`` and wait for its reply (raises its typed error)."""
+        cmd.reply = asyncio.get_running_loop().create_future()
+        self.post(cmd)
+        return await cmd.reply
+
+    async def _run(self) -> None:
+        while True:
+            cmd = await self._queue.get()
+            try:
+                await self._dispatch(cmd)
+            except OrchestratorError as exc:
+                if cmd.reply is None:  # nobody to tell (a step's outcome, a timer): a bug worth a log line
+                    log.error("group=%s %s", self.group_id, exc)
+                _fail(cmd.reply, exc)
+            except Exception as exc:  # a bug: keep the group alive, tell the caller
+                log.exception("group=%s command %s in phase %s failed", self.group_id, cmd.kind.name, self.phase.name)
+                _fail(cmd.reply, exc)
+            self._notify_watchers()
+
+    async def _dispatch(self, cmd: Command) -> None:
+        kind = cmd.kind
+        if kind in (C.AUDITED, C.PROBED):
+            self._reading = False
+        if kind in _HOLDER_COMMANDS:
+            self._check_holder(cmd)
+        if not accepts(self.phase, kind):
+            if (self.phase, kind) in IGNORED:
+                log.debug("group=%s %s ignored in phase %s", self.group_id, kind.name, self.phase.name)
+                return
+            raise IllegalTransition(self.group_id, self.phase, kind)
+        result = await self._handlers[kind](self, cmd)
+        if self._pending_spec is not None and self.phase in STABLE_PHASES:
+            spec, replies = self._pending_spec, self._pending_replies
+            self._pending_spec, self._pending_replies = None, []
+            await self._apply_spec(spec, replies)
+        if self._pending_settings is not None and self.phase in STABLE_PHASES and self.phase is not P.HELD:
+            self._apply_settings(self._pending_settings)
+            self._pending_settings = None
+            log.info("group=%s deferred settings applied", self.group_id)
+        if self._dirty:
+            await self._save(strict=False)
+        if cmd.reply is not None and result is not _NO_REPLY and not cmd.reply.done():
+            cmd.reply.set_result(result)
+
+    def _notify_watchers(self) -> None:
+        keep = []
+        for predicate, fut in self._watchers:
+            if fut.done():
+                continue
+            try:
+                ok = predicate(self)
+            except Exception as exc:
+                fut.set_exception(exc)
+                continue
+            if ok:
+                fut.set_result(None)
+            else:
+                keep.append((predicate, fut))
+        self._watchers = keep
+
+    def _enter(self, to: GroupPhase, kind: GroupCommand) -> None:
+        """Move to ``to`` because of ``kind`` (checked against the table)."""
+        check(self.group_id, self.phase, kind, to)
+        if self._orch.on_transition is not None:
+            self._orch.on_transition(self, self.phase, kind, to)
+        if to is self.phase:
+            return
+        log.info("group=%s %s -%s-> %s", self.group_id, self.phase.name, kind.value, to.name)
+        frm, self.phase = self.phase, to
+        self.state_since = self._orch.clock.wall()
+        self._epoch += 1
+        self._dirty = True
+        if to is P.OUT_OF_SERVICE:
+            self._schedule_repair()
+        elif to is not P.REPAIRING:
+            self._cancel_repair(reset=True)
+        if to is P.SERVING:
+            self.unreachable_engines.clear()
+        if frm is P.OUT_OF_SERVICE and to is P.REPAIRING:
+            self._cancel_repair(reset=False)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run a step of this group as a task it keeps (so it cannot be collected mid-flight)."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.group_id}-{name}")
+        self._effects.add(task)
+        task.add_done_callback(self._effects.discard)
+
+    async def _save(self, strict: bool) -> None:
+        self._dirty = False
+        persister = self._orch.persister
+        if persister is None:
+            return
+        try:
+            await persister.save()
+        except Exception as exc:
+            if strict:
+                raise StateNotSaved(f"the orchestrator's state could not be saved ({exc})") from exc
+            log.error("group=%s state not saved: %s", self.group_id, exc)
+            self.last_error = f"state not saved: {exc}"
+
+    # ------------------------------------------------------------------ holders
+    def _check_holder(self, cmd: Command) -> None:
+        job = cmd.job_id
+        if self.holder != job:
+            why = self.expired_jobs.get(job)
+            raise NotHolder(f"job {job!r} does not hold group {self.group_id!r} (holder: {self.holder!r})"
+                            + (f"; {why}" if why else ""))
+        lease = self.lease
+        if cmd.token and lease is not None and cmd.token != lease.token:
+            raise StaleFencingToken(f"fencing token {cmd.token} of job {job!r} is stale: group {self.group_id!r} is at "
+                                    f"token {lease.token}; this holder must stop and acquire again")
+        if cmd.kind is not C.HEARTBEAT and not cmd.token and lease is not None and lease.expires_at is not None:
+            # A holder that heartbeats knows its fencing token: a yield or publish for it without the token is
+            # refused, so a caller that merely knows the job id cannot end or steer the lease.
+            raise StaleFencingToken(f"group {self.group_id!r}: job {job!r}'s lease is kept alive by heartbeats; "
+                                    "this call must carry its fencing token (x-llmd-timeslice-fencing-token)")
+
+    async def _grant(self, w: _Waiter, kind: GroupCommand) -> None:
+        """Give the lease to ``w`` (saved before the waiter learns of it)."""
+        self._enter(P.HELD, kind)
+        if w in self._waiters:
+            self._waiters.remove(w)
+        job = w.job_id
+        self.grants += 1
+        self.last_granted[job] = self.grants
+        self.holder = job
+        self.last_token += 1
+        self.lease = Lease(job, self.last_token, self.spec.lease_ttl_s)
+        self.expired_jobs.pop(job, None)
+        self.published_in_grant = False
+        self.deferred_job = None
+        self._dirty = True
+        try:
+            await self._save(strict=True)
+        except StateNotSaved as exc:
+            self.last_error = f"grant to job {job!r} taken back: {exc}"
+            log.error("group=%s %s", self.group_id, self.last_error)
+            self.holder, self.lease = None, None
+            _fail(w.future, StateNotSaved(self.last_error))
+            await self._release(job, C.GRANT_NOT_SAVED)
+            return
+        if not w.future.done():
+            w.future.set_result(AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False,
+                                              self.weight_sync_errors.pop(job, "")))
+
+    async def _release(self, job: str, kind: GroupCommand) -> YieldResult:
+        """The holder is gone (yield, lease expired, grant taken back): the next waiter, the samplers, or a
+        deferred snapshot."""
+        if not self.published_in_grant:
+            self.publishers.discard(job)  # the auto sleep policy keeps level 2 for jobs that keep publishing
+        self.holder, self.lease = None, None
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        self._dirty = True
+        live = self.waiters
+        if live:
+            await self._grant(pick_waiter(self), kind)  # job to job: the samplers stay asleep
+            return YieldResult(len(live), False)
+        if self.spec.samplers:
+            self._start_resume(SwitchKind.TO_SAMPLERS, kind, after_job=job)
+            return YieldResult(0, False)
+        if kind is C.GRANT_NOT_SAVED:
+            self._enter(P.FREE, kind)
+            return YieldResult(0, False)
+        self.deferred_job = job
+        self._enter(P.DEFERRED, kind)
+        return YieldResult(0, True)
+
+    # ------------------------------------------------------------------ handlers
+    async def _on_acquire(self, cmd: Command) -> object:
+        w = cmd.waiter
+        assert w is not None
+        if w.future.done():  # gave up before we got to it: nothing happens
+            return _NO_REPLY
+        job = w.job_id
+        if self.holder == job:
+            raise NotHolder(f"job {job!r} already holds group {self.group_id!r}; yield before acquiring again")
+        if any(x.job_id == job for x in self.waiters):
+            raise NotHolder(f"job {job!r} is already waiting for group {self.group_id!r}")
+        if not self.spec.samplers:
+            held = [o.group_id for o in self._orch.groups.values() if o.spec.samplers and
+                    (o.holder == job or any(x.job_id == job for x in o.waiters))]
+            if held:
+                raise LockOrderViolation(
+                    f"lock order: job {job!r} holds or waits for sampler group(s) {held} and asks for trainer group "
+                    f"{self.group_id!r}; take the trainer group first, then the sampler group (weight sync holds "
+                    "both), so that no two jobs can deadlock")
+        self._waiters.append(w)
+        if self.phase in (P.FREE, P.DEFERRED):
+            await self._grant(w, C.ACQUIRE)  # nothing to switch: no samplers
+        elif self.phase in (P.SERVING, P.OUT_OF_SERVICE):
+            self._start_drain(C.ACQUIRE)
+        else:
+            self._enter(self.phase, C.ACQUIRE)  # queued until the switch in flight ends or the holder yields
+        return _NO_REPLY
+
+    async def _on_abandon(self, cmd: Command) -> bool:
+        w = cmd.waiter
+        assert w is not None
+        self._enter(self.phase, C.ABANDON)
+        if w.future.done():
+            return False  # granted (or failed) before it gave up
+        if w in self._waiters:
+            self._waiters.remove(w)
+        w.future.cancel()
+        return True
+
+    async def _on_yield(self, cmd: Command) -> YieldResult:
+        return await self._release(cmd.job_id, C.YIELD)
+
+    async def _on_lease_expired(self, cmd: Command) -> None:
+        lease = self.lease
+        now = self._orch.clock.now()
+        if (lease is None or lease.token != cmd.token or self.holder != lease.job_id or lease.expires_at is None
+                or now < lease.expires_at):
+            self._enter(P.HELD, C.LEASE_EXPIRED)  # a heartbeat renewed it meanwhile, or another grant
+            return
+        why = (f"its lease (token {lease.token}) expired: no heartbeat for {lease.ttl_s:g} s, so the group was "
+               "reclaimed; restart the job from its last checkpoint and acquire again")
+        log.error("group=%s job=%s %s", self.group_id, lease.job_id, why)
+        self.expired_jobs[lease.job_id] = why
+        self.last_error = f"job {lease.job_id!r}: {why}"
+        await self._release(lease.job_id, C.LEASE_EXPIRED)
+
+    async def _on_heartbeat(self, cmd: Command) -> Lease:
+        lease = self.lease
+        assert lease is not None
+        self._enter(P.HELD, C.HEARTBEAT)
+        if lease.ttl_s > 0:
+            clock = self._orch.clock
+            if lease.expires_at is None:
+                self._dirty = True  # armed: persisted, so a restarted orchestrator keeps expiring it
+            lease.expires_at = clock.now() + lease.ttl_s
+            self._arm_lease_timer(lease)
+        return replace(lease)
+
+    def _arm_lease_timer(self, lease: Lease) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        assert lease.expires_at is not None
+        token = lease.token
+        self._lease_timer = self._orch.clock.call_at(
+            lease.expires_at, lambda: self.post(Command(C.LEASE_EXPIRED, token=token)))
+
+    async def _on_publish(self, cmd: Command) -> Group:
+        weights = cmd.weights
+        if not self.spec.samplers:
+            raise InvalidArgument(f"group {self.group_id!r} has no samplers to load weights into; publish on the "
+                                  "sampler group")
+        if not isinstance(weights, WeightUpdate):
+            raise InvalidArgument("weights must be a WeightUpdate")
+        latest = max(self.weights.version if self.weights else 0, max(self.sampler_versions.values(), default=0))
+        if weights.version <= latest:
+            raise StaleWeightVersion(f"weight version {weights.version} is not newer than group {self.group_id!r}'s "
+                                     f"latest ({latest}); versions must increase")
+        self._enter(P.HELD, C.PUBLISH_WEIGHTS)
+        self.weights = weights
+        self.weights_publisher = cmd.job_id
+        self.publishers.add(cmd.job_id)
+        self.published_in_grant = True
+        self.rejected = None
+        self._dirty = True
+        return self
+
+    async def _on_spec_update(self, cmd: Command) -> object:
+        spec = cmd.spec
+        assert spec is not None
+        replies = [r for r in (cmd.reply,) if r is not None]
+        if self.phase not in STABLE_PHASES:
+            # Applied when the switch in flight ends (the next stable phase); a newer update replaces this one.
+            self._pending_spec = spec
+            self._pending_replies.extend(replies)
+            self._enter(self.phase, C.SPEC_UPDATE)
+            return _NO_REPLY
+        replies = self._pending_replies + replies
+        self._pending_spec, self._pending_replies = None, []
+        await self._apply_spec(spec, replies)
+        return _NO_REPLY
+
+    def _apply_settings(self, spec: GroupSpec) -> None:
+        s = self.spec
+        s.sleep_level, s.drain_timeout_s, s.lease_ttl_s = spec.sleep_level, spec.drain_timeout_s, spec.lease_ttl_s
+        s.policy, s.job_priorities = spec.policy, dict(spec.job_priorities)
+        s.sleep_level_policy, s.job_sleep_levels = spec.sleep_level_policy, dict(spec.job_sleep_levels)
+
+    async def _apply_spec(self, spec: GroupSpec, replies: list[asyncio.Future[Any]]) -> None:
+        """Apply a discovered spec in a stable phase (module doc of ``discovery/sync.py``)."""
+        kind = C.SPEC_UPDATE
+        have = {s.address: s for s in self.spec.samplers}
+        want = {s.address: s for s in spec.samplers}
+        removed = [s for a, s in have.items() if want.get(a) != s]
+        added = [s for a, s in want.items() if have.get(a) != s]
+        if removed:
+            self.spec.samplers = [s for s in self.spec.samplers if s not in removed]
+            for s in removed:
+                self.sampler_versions.pop(s.address, None)
+                self.sampler_errors.pop(s.address, None)
+                self.unreachable_engines.discard(s.address)
+            self._dirty = True
+            log.info("group=%s samplers removed %s", self.group_id, [s.address for s in removed])
+            try:
+                await self._orch.actions.retire_samplers(removed)
+            except Exception as exc:
+                log.error("group=%s taking removed samplers out of service failed: %s", self.group_id, exc)
+        if added:
+            self.spec.samplers = self.spec.samplers + added
+            for s in added:
+                self.sampler_versions[s.address] = 0
+            self._dirty = True
+        if spec.settings() != self.spec.settings():
+            if self.phase is P.HELD:
+                log.warning("group=%s is held: settings change deferred until its samplers are back", self.group_id)
+                self._pending_settings = spec
+            else:
+                self._apply_settings(spec)
+                self._pending_settings = None
+        phase = self.phase
+        if phase is P.HELD:
+            if added:
+                log.warning("group=%s is held by %r: samplers %s join now and serve after its next wake",
+                            self.group_id, self.holder, [s.address for s in added])
+            self._enter(P.HELD, kind)
+        elif added:
+            log.info("group=%s samplers added %s; waking/verifying them before they serve", self.group_id,
+                     [s.address for s in added])
+            self.deferred_job = None
+            self._start_resume(SwitchKind.DISCOVERED, kind, samplers=added, replies=replies)
+            return
+        elif not self.spec.samplers and phase in (P.SERVING, P.OUT_OF_SERVICE):
+            self._enter(P.FREE, kind)
+        elif phase is P.OUT_OF_SERVICE and not self.sampler_errors:
+            self._enter(P.SERVING, kind)
+        else:
+            self._enter(phase, kind)
+        for r in replies:
+            if not r.done():
+                r.set_result(None)
+
+    async def _on_start(self, cmd: Command) -> object:
+        if self.phase is P.HELD:
+            self._enter(P.HELD, C.START)
+            try:
+                await self._orch.actions.publish_asleep(self.spec.copy())
+            except Exception as exc:
+                log.error("group=%s publishing held samplers ASLEEP failed: %s", self.group_id, exc)
+            return None
+        if self.phase is P.SERVING and cmd.reconcile and self.spec.samplers:
+            self._start_resume(SwitchKind.RECONCILE, C.START, replies=[r for r in (cmd.reply,) if r is not None])
+            return _NO_REPLY
+        self._enter(self.phase, C.START)
+        return None
+
+    # ------------------------------------------------------------------ switch to a job
+    def _start_drain(self, kind: GroupCommand) -> None:
+        w = pick_waiter(self)
+        rec = SwitchRecord(self.group_id, SwitchKind.TO_JOB, w.job_id, self._orch.clock.wall())
+        rec.sleep_level = self.spec.sleep_level_for(w.job_id, w.job_id in self.publishers)
+        self._switch = _Switch(rec, w)
+        self._enter(P.DRAINING, kind)
+        self._spawn(self._step(self._orch.actions.drain_samplers, self.spec.copy(), rec, C.DRAINED, C.DRAIN_FAILED),
+                    "drain")
+
+    async def _step(self, action: Callable[[GroupSpec, SwitchRecord], Coroutine[Any, Any, None]], spec: GroupSpec,
+                    rec: SwitchRecord, ok: GroupCommand, failed: GroupCommand) -> None:
+        try:
+            await action(spec, rec)
+        except Exception as exc:
+            self.post(Command(failed, record=rec, error=exc))
+            return
+        self.post(Command(ok, record=rec))
+
+    async def _on_drained(self, cmd: Command) -> None:
+        assert self._switch is not None
+        self._enter(P.SUSPENDING, C.DRAINED)
+        self._spawn(self._step(self._orch.actions.suspend_samplers, self.spec.copy(), self._switch.record,
+                               C.SUSPENDED, C.SUSPEND_FAILED), "suspend")
+
+    async def _on_suspended(self, cmd: Command) -> None:
+        sw = self._switch
+        assert sw is not None
+        self._switch = None
+        self._orch.record(self, sw.record)
+        w = sw.waiter
+        if w is not None and not w.future.done():
+            await self._grant(w, C.SUSPENDED)
+        elif self.waiters:  # the waiter it was for gave up; the next one gets it
+            await self._grant(pick_waiter(self), C.SUSPENDED)
+        else:
+            self._start_resume(SwitchKind.TO_SAMPLERS, C.SUSPENDED)
+
+    async def _on_switch_failed(self, cmd: Command) -> None:
+        sw = self._switch
+        assert sw is not None
+        self._switch = None
+        rec = sw.record
+        rec.ok, rec.error = False, str(cmd.error)
+        self._orch.record(self, rec)
+        self.last_error = f"switch to job {rec.job_id!r} failed: {cmd.error}"
+        log.error("group=%s %s", self.group_id, self.last_error)
+        w = sw.waiter
+        if w is not None:
+            if w in self._waiters:
+                self._waiters.remove(w)
+            _fail(w.future, SwitchFailed(self.last_error + "; samplers are being woken again"))
+        # Rollback. Some samplers may be asleep (and one that failed half-asleep): wake and verify every one.
+        self._start_resume(SwitchKind.TO_SAMPLERS, cmd.kind, after_job=rec.job_id)
+
+    # ------------------------------------------------------------------ switch to the samplers
+    def resume_record(self, kind: SwitchKind, after_job: str = "",
+                      samplers: list[SamplerEndpoint] | None = None) -> SwitchRecord:
+        """A record for waking ``samplers`` (default: all): their weight versions, and the version to load (the
+        target) when any is below it (always for a reconcile or repair: an engine may have restarted meanwhile)."""
+        rec = SwitchRecord(self.group_id, kind, after_job, self._orch.clock.wall())
+        for smp in self.spec.samplers if samplers is None else samplers:
+            rec.sampler_versions[smp.address] = self.sampler_versions.get(smp.address, 0)
+        target = self.target_weights
+        if target is not None and (kind in (SwitchKind.RECONCILE, SwitchKind.REPAIR)
+                                   or any(v < target.version for v in rec.sampler_versions.values())):
+            rec.weights = target
+        return rec
+
+    def _start_resume(self, kind: SwitchKind, cmd: GroupCommand, after_job: str = "",
+                      samplers: list[SamplerEndpoint] | None = None,
+                      replies: list[asyncio.Future[Any]] | None = None,
+                      engine_faults: dict[str, EngineFault] | None = None) -> None:
+        targets = list(self.spec.samplers) if samplers is None else samplers
+        rec = self.resume_record(kind, after_job, targets)
+        rec.engine_faults = dict(engine_faults or {})
+        self._switch = _Switch(rec, None, list(replies or []))
+        repair = kind is SwitchKind.REPAIR
+        self._enter(P.REPAIRING if repair else P.RESUMING, cmd)
+        spec = self.spec.copy(samplers=targets)
+        done = C.REPAIRED if repair else C.RESUMED
+        take_out = self._orch.actions.take_out_of_service if engine_faults else None
+        self._spawn(self._resume_step(spec, rec, done, take_out), "repair" if repair else "resume")
+
+    async def _resume_step(self, spec: GroupSpec, rec: SwitchRecord, done: GroupCommand,
+                           take_out: Callable[[GroupSpec], Coroutine[Any, Any, None]] | None) -> None:
+        if take_out is not None:
+            try:
+                await take_out(spec)
+            except Exception as exc:
+                log.error("group=%s taking %s out of service failed: %s", spec.group_id,
+                          [s.address for s in spec.samplers], exc)
+        try:
+            await self._orch.actions.resume_samplers(spec, rec)
+        except Exception as exc:
+            self.post(Command(done, record=rec, error=exc))
+            return
+        self.post(Command(done, record=rec))
+
+    async def _on_resumed(self, cmd: Command) -> None:
+        sw = self._switch
+        assert sw is not None and cmd.record is sw.record
+        self._switch = None
+        rec = sw.record
+        if cmd.error is not None:
+            rec.ok, rec.error = False, str(cmd.error)
+            self.last_error = {
+                SwitchKind.REPAIR: f"repair wake failed: {cmd.error}; retrying with back-off",
+                SwitchKind.DISCOVERED: f"new samplers failed verification: {cmd.error}; they stay out of service",
+            }.get(rec.kind, f"waking the samplers failed: {cmd.error}; they stay out of service")
+            log.error("group=%s %s", self.group_id, self.last_error)
+        elif rec.kind is SwitchKind.REPAIR:
+            self.last_error = ""
+            log.warning("group=%s repaired: %s back in service", self.group_id, sorted(rec.sampler_versions))
+        self._merge_resume(rec)
+        self._orch.record(self, rec)
+        if self.waiters:
+            self._start_drain(cmd.kind)
+        elif self.sampler_errors:
+            self._enter(P.OUT_OF_SERVICE, cmd.kind)
+        else:
+            self._enter(P.SERVING, cmd.kind)
+        for r in sw.replies:
+            if not r.done():
+                r.set_result(None)
+
+    def _merge_resume(self, rec: SwitchRecord) -> None:
+        """Take the outcome of a wake (versions loaded, samplers that failed or rejected the version) into the
+        group; a failed or rejected load is kept for the publisher's next acquire."""
+        known = {s.address for s in self.spec.samplers}
+        for address, version in rec.sampler_versions.items():
+            if address in known:
+                self.sampler_versions[address] = version
+                if address not in rec.sampler_errors:
+                    self.sampler_errors.pop(address, None)
+                    self.unreachable_engines.discard(address)
+        self.sampler_errors.update({a: e for a, e in rec.sampler_errors.items() if a in known})
+        self._dirty = True
+        w = rec.weights
+        if w is None:
+            return
+        publisher = self.weights_publisher or rec.job_id
+        n = len(rec.sampler_versions)
+        loaded = [a for a, v in rec.sampler_versions.items() if v == w.version and a not in rec.sampler_errors]
+        problems = []
+        if rec.weights_rejected:
+            reasons = "; ".join(f"{a}: {e}" for a, e in sorted(rec.weights_rejected.items()))
+            if not loaded and self.weights is not None and w.version == self.weights.version:
+                # Nobody could load it: not retried until a newer version is published.
+                self.rejected = RejectedWeights(w.version, reasons)
+                problems.append(f"weight version {w.version} was rejected by {len(rec.weights_rejected)} of {n} "
+                                "sampler(s) and is not retried until a newer version is published; they serve "
+                                f"version {self.serving_version}: {reasons}")
+            else:
+                problems.append(f"weight version {w.version} was refused by {len(rec.weights_rejected)} of {n} "
+                                f"sampler(s), which serve their last good version: {reasons}")
+            log.error("group=%s %s", self.group_id, problems[-1])
+        if loaded and (self.last_good is None or w.version > self.last_good.version):
+            self.last_good = w
+        if rec.sampler_errors:
+            problems.append(f"weight version {w.version} did not load on {len(rec.sampler_errors)} of {n} "
+                            "sampler(s), which stay out of service at their old version: "
+                            + "; ".join(f"{a}: {e}" for a, e in sorted(rec.sampler_errors.items())))
+        if problems:
+            self.weight_sync_errors[publisher] = "; ".join(problems)
+
+    # ------------------------------------------------------------------ audit and repair
+    async def _on_audit_tick(self, cmd: Command) -> None:
+        self._enter(self.phase, C.AUDIT_TICK)
+        actions = self._orch.actions
+        if self._reading or not actions.can_read_engines:
+            return
+        if self.phase is P.SERVING:
+            samplers, done = list(self.spec.samplers), C.AUDITED
+        else:  # OUT_OF_SERVICE: is an engine that refused connections back?
+            samplers, done = [s for s in self.spec.samplers if s.address in self.sampler_errors], C.PROBED
+        if not samplers:
+            return
+        self._reading = True
+        self._spawn(self._read(self.spec.copy(samplers=samplers), done, self._epoch), "audit")
+
+    async def _read(self, spec: GroupSpec, done: GroupCommand, epoch: int) -> None:
+        try:
+            readings = await self._orch.actions.read_engines(spec)
+        except Exception as exc:  # a reading is advisory: the next tick tries again
+            log.warning("group=%s engine audit could not read the engines: %s", spec.group_id, exc)
+            readings = {}
+        self.post(Command(done, readings=readings, epoch=epoch))
+
+    async def _on_audited(self, cmd: Command) -> None:
+        faults = judge_engines(self, cmd.readings or {}) if cmd.epoch == self._epoch else {}
+        if not faults:
+            self._enter(P.SERVING, C.AUDITED)
+            return
+        for addr, (fault, why) in sorted(faults.items()):
+            log.error("group=%s sampler %s: %s; taking it out of service to wake it again", self.group_id, addr, why)
+            self.sampler_errors[addr] = why
+            if fault is EngineFault.RESTARTED:
+                self.sampler_versions[addr] = 0  # what a restarted engine serves: its initial weights
+            elif fault is EngineFault.UNREACHABLE:
+                self.unreachable_engines.add(addr)
+        self.last_error = "; ".join(f"{a}: {why}" for a, (_, why) in sorted(faults.items()))
+        bad = [s for s in self.spec.samplers if s.address in faults]
+        self._start_resume(SwitchKind.REPAIR, C.AUDITED, samplers=bad,
+                           engine_faults={a: f for a, (f, _) in faults.items()})
+
+    async def _on_probed(self, cmd: Command) -> None:
+        back = False
+        if cmd.epoch == self._epoch:
+            for addr, r in (cmd.readings or {}).items():
+                if r.unreachable:
+                    self.unreachable_engines.add(addr)
+                elif addr in self.unreachable_engines:
+                    self.unreachable_engines.discard(addr)
+                    log.warning("group=%s sampler %s: its engine answers again; repairing now", self.group_id, addr)
+                    back = True
+        if back:
+            self._start_repair(C.PROBED)
+        else:
+            self._enter(P.OUT_OF_SERVICE, C.PROBED)
+
+    async def _on_repair_tick(self, cmd: Command) -> None:
+        log.warning("group=%s samplers out of service (%s); retrying the wake", self.group_id,
+                    self.last_error or ", ".join(sorted(self.sampler_errors)))
+        self._start_repair(C.REPAIR_TICK)
+
+    def _start_repair(self, kind: GroupCommand) -> None:
+        bad = [s for s in self.spec.samplers if s.address in self.sampler_errors]
+        self._start_resume(SwitchKind.REPAIR, kind, samplers=bad)
+
+    def _schedule_repair(self) -> None:
+        orch = self._orch
+        delay = orch.repair_first_s if self._repair_delay is None else min(self._repair_delay * 2, orch.repair_max_s)
+        self._repair_delay = delay
+        if self._repair_timer is not None:
+            self._repair_timer.cancel()
+        self._repair_timer = orch.clock.call_at(orch.clock.now() + delay, lambda: self.post(Command(C.REPAIR_TICK)))
+
+    def _cancel_repair(self, reset: bool) -> None:
+        if self._repair_timer is not None:
+            self._repair_timer.cancel()
+            self._repair_timer = None
+        if reset:
+            self._repair_delay = None
+
+    # ------------------------------------------------------------------ persistence
+    def snapshot(self) -> dict[str, Any]:
+        """What survives a restart, JSON-serialisable."""
+        lease = self.lease
+        return {
+            "state": self.state.value, "phase": self.phase.value, "holder": self.holder,
+            "loaded_job": self.deferred_job if self.phase is P.DEFERRED else self.holder,
+            "last_token": self.last_token,
+            "lease": None if lease is None else {"job_id": lease.job_id, "token": lease.token, "ttl_s": lease.ttl_s,
+                                                "armed": lease.expires_at is not None},
+            "expired_jobs": dict(self.expired_jobs),
+            "weights": None if self.weights is None else self.weights.to_json(),
+            "last_good": None if self.last_good is None else self.last_good.to_json(),
+            "rejected": None if self.rejected is None else {"version": self.rejected.version,
+                                                            "error": self.rejected.error},
+            "weights_publisher": self.weights_publisher,
+            "sampler_versions": dict(self.sampler_versions), "publishers": sorted(self.publishers),
+        }
+
+    def restore(self, d: dict[str, Any] | None) -> RestoreOutcome:
+        """Load a :meth:`snapshot` before the group's task runs (the phase is set directly, not by a command)."""
+        if d:
+            self.last_token = int(d.get("last_token", 0))
+            self.expired_jobs = dict(d.get("expired_jobs") or {})
+            for attr in ("weights", "last_good"):
+                try:
+                    setattr(self, attr, WeightUpdate.from_json(d[attr]) if d.get(attr) else None)
+                except (InvalidWeightUpdate, KeyError, TypeError, ValueError) as exc:
+                    log.error("group=%s persisted %s ignored: %s", self.group_id, attr, exc)
+            rej = d.get("rejected")
+            self.rejected = RejectedWeights(int(rej["version"]), str(rej.get("error", ""))) if rej else None
+            self.weights_publisher = d.get("weights_publisher")
+            known = {s.address for s in self.spec.samplers}
+            self.sampler_versions.update({a: int(v) for a, v in (d.get("sampler_versions") or {}).items()
+                                          if a in known})
+            self.publishers = set(d.get("publishers") or [])
+            lease = d.get("lease")
+            if d.get("holder") and lease:
+                self.holder = d["holder"]
+                self.lease = Lease(lease["job_id"], int(lease["token"]), float(lease["ttl_s"]))
+                self.phase = P.HELD  # restored before the task runs: no transition
+                if lease.get("armed") and self.lease.ttl_s > 0:
+                    self.lease.expires_at = self._orch.clock.now() + self.lease.ttl_s
+                    self._arm_lease_timer(self.lease)
+            elif d.get("state") == GroupState.IDLE_YIELDED.value and not self.spec.samplers and d.get("loaded_job"):
+                self.deferred_job = d["loaded_job"]
+                self.phase = P.DEFERRED
+        if self.holder is not None:
+            return RestoreOutcome.HELD
+        if self.spec.samplers:
+            self.phase = P.SERVING
+            return RestoreOutcome.WAKE
+        return RestoreOutcome.NONE
+
+    # ------------------------------------------------------------------ shutdown
+    async def close(self) -> None:
+        """Stop the task and its steps; every pending acquire and command fails with SwitchFailed."""
+        self._closed = True
+        for timer in (self._lease_timer, self._repair_timer):
+            if timer is not None:
+                timer.cancel()
+        tasks = [t for t in (self._task, *self._effects) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        err = SwitchFailed("orchestrator is shutting down")
+        for w in self._waiters:
+            _fail(w.future, err)
+        while not self._queue.empty():
+            cmd = self._queue.get_nowait()
+            _fail(cmd.reply, err)
+        for r in self._pending_replies + (self._switch.replies if self._switch else []):
+            _fail(r, err)
+        for _, fut in self._watchers:
+            _fail(fut, err)
+
+    _handlers: dict[GroupCommand, Callable[[Group, Command], Coroutine[Any, Any, Any]]] = {
+        C.ACQUIRE: _on_acquire, C.ABANDON: _on_abandon, C.YIELD: _on_yield, C.HEARTBEAT: _on_heartbeat,
+        C.PUBLISH_WEIGHTS: _on_publish, C.LEASE_EXPIRED: _on_lease_expired, C.SPEC_UPDATE: _on_spec_update,
+        C.AUDIT_TICK: _on_audit_tick, C.REPAIR_TICK: _on_repair_tick, C.START: _on_start, C.DRAINED: _on_drained,
+        C.DRAIN_FAILED: _on_switch_failed, C.SUSPENDED: _on_suspended, C.SUSPEND_FAILED: _on_switch_failed,
+        C.RESUMED: _on_resumed, C.REPAIRED: _on_resumed, C.AUDITED: _on_audited, C.PROBED: _on_probed,
+    }
+
+
+def _fail(fut: asyncio.Future[Any] | None, exc: BaseException) -> None:
+    if fut is not None and not fut.done():
+        fut.set_exception(exc)
+        fut.exception()  # retrieved: nobody may be waiting any more (no "never retrieved" warning)
 
 
 class Orchestrator:
-    """FIFO locks and phase switches over a set of groups."""
+    """Leases and phase switches over a set of groups (one :class:`Group` task each).
+
+    Args:
+        specs: the groups.
+        actions: what a switch does outside (:class:`~llmd_timeslice.orchestrator.switch.SwitchActions`).
+        on_switch: called with every finished :class:`SwitchRecord` (metrics).
+        clock: time for leases, repair and audit (default: the event loop's).
+    """
 
     def __init__(self, specs: Iterable[GroupSpec], actions: SwitchActions,
-                 on_switch: Callable[[SwitchRecord], None] | None = None) -> None:
-        self.groups: dict[str, Group] = {s.group_id: Group(s) for s in specs}
-        self._actions = actions
+                 on_switch: Callable[[SwitchRecord], None] | None = None, clock: Clock | None = None) -> None:
+        if not isinstance(actions, SwitchActions):
+            raise TypeError(f"actions must be a SwitchActions subclass, got {type(actions).__name__}")
+        self.clock: Clock = clock or LoopClock()
+        self.actions = actions
+        self.groups: dict[str, Group] = {}
+        for s in specs:
+            self.groups[s.group_id] = Group(s, self)
         self._on_switch = on_switch
-        self._closing = False
-        self._repair: asyncio.Task | None = None
+        self.on_transition: Callable[[Group, GroupPhase, GroupCommand, GroupPhase], None] | None = None
+        """Called with (group, from, command, to) for every move, staying put included (tests, tracing)."""
+        self.persister: Any = None  # a StatePersister (persistence.py) once the server wires one
+        self.repair_first_s = 2.0
+        self.repair_max_s = 60.0
+        self.audit_interval_s = 0.0
+        self._audit_timer: TimerHandle | None = None
 
-    def _record(self, g: Group, record: SwitchRecord) -> None:
+    def record(self, g: Group, record: SwitchRecord) -> None:
         g.history.append(record)
         if self._on_switch is not None:
             self._on_switch(record)
 
+    @staticmethod
+    def engine_faults(g: Group, readings: dict[str, EngineReading]) -> dict[str, str]:
+        """Sampler address -> why its engine cannot be serving what ``g`` records (see :func:`judge_engines`)."""
+        return {a: why for a, (_, why) in judge_engines(g, readings).items()}
+
     def group(self, group_id: str) -> Group:
-        """Raises :class:`UnknownGroup` with the known ids."""
+        """Raises :class:`InvalidArgument` (empty id) or :class:`UnknownGroup` with the known ids."""
         if not group_id:
             raise InvalidArgument("group_id is required")
         try:
@@ -290,143 +1046,73 @@ class Orchestrator:
         except KeyError:
             raise UnknownGroup(f"unknown group {group_id!r}; known groups: {sorted(self.groups)}") from None
 
+    # ------------------------------------------------------------------ jobs
     async def acquire(self, job_id: str, group_id: str, timeout_s: float | None = None) -> AcquireResult:
-        """Block until ``job_id`` holds ``group_id`` (FIFO), or raise.
+        """Block until ``job_id`` holds ``group_id`` (by the group's scheduling policy), or raise.
 
         Raises:
-            InvalidArgument, UnknownGroup, NotHolder (already holds it), AcquireTimedOut,
-            SwitchFailed (the switch to this job failed; the samplers were woken again).
+            InvalidArgument, UnknownGroup, NotHolder (already holds it or waits for it), LockOrderViolation,
+            AcquireTimedOut, SwitchFailed (the switch to this job failed; the samplers were woken again),
+            StateNotSaved (the grant could not be saved).
         """
         if not job_id:
             raise InvalidArgument("job_id is required")
         if timeout_s is not None and timeout_s < 0:
             raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout_s}")
         g = self.group(group_id)
-        if g.holder == job_id:
-            raise NotHolder(f"job {job_id!r} already holds group {group_id!r}; yield before acquiring again")
-        if any(w.job_id == job_id for w in g.waiters):
-            raise NotHolder(f"job {job_id!r} is already waiting for group {group_id!r}")
-        if not g.spec.samplers:
-            held = [o.spec.group_id for o in self.groups.values() if o.spec.samplers and
-                    (o.holder == job_id or any(w.job_id == job_id for w in o.waiters))]
-            if held:
-                raise LockOrderViolation(
-                    f"lock order: job {job_id!r} holds or waits for sampler group(s) {held} and asks for trainer group "
-                    f"{group_id!r}; take the trainer group first, then the sampler group (weight sync holds both), "
-                    "so that no two jobs can deadlock")
-        t0 = time.monotonic()
-        # Deferred snapshot: the same job's context is still loaded and nobody else is queued.
-        if g.state is GroupState.IDLE_YIELDED and g.loaded_job == job_id and not g.waiters:
-            self._grant(g, job_id)
-            return AcquireResult(0, False, g.weight_sync_errors.pop(job_id, ""))
-        waiter = _Waiter(job_id, t0, asyncio.get_running_loop().create_future())
-        g.waiters.append(waiter)
-        self._drive(g)
+        w = _Waiter(job_id, self.clock.now(), asyncio.get_running_loop().create_future())
+        g.post(Command(C.ACQUIRE, job_id=job_id, waiter=w, reply=w.future))
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(w.future), timeout_s)
         except TimeoutError:
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                return AcquireResult(int((time.monotonic() - t0) * 1000), False)
-            self._abandon(g, waiter)
+            await g.ask(Command(C.ABANDON, waiter=w))
+            if w.future.done() and not w.future.cancelled():
+                return w.future.result()  # granted (or failed) just before it gave up
             raise AcquireTimedOut(
                 f"job {job_id!r} waited {timeout_s:g} s for group {group_id!r} (holder {g.holder!r}, "
-                f"{len(g.waiters)} waiting)"
-            ) from None
+                f"{len(g.waiters)} waiting)") from None
         except asyncio.CancelledError:
-            self._abandon(g, waiter)
+            g.post(Command(C.ABANDON, waiter=w))
             raise
-        return AcquireResult(int((time.monotonic() - t0) * 1000), waiter.future.result(),
-                             g.weight_sync_errors.pop(job_id, ""))
 
-    def _abandon(self, g: Group, waiter: _Waiter) -> None:
-        try:
-            g.waiters.remove(waiter)
-        except ValueError:
-            pass
-        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-            # Granted as the caller gave up: release at once so the group does not stay locked.
-            if g.holder == waiter.job_id:
-                self._release(g, waiter.job_id)
-        elif not waiter.future.done():
-            waiter.future.cancel()
-
-    def yield_(self, job_id: str, group_id: str, fencing_token: int | None = None) -> YieldResult:
-        """Give the group up; returns at once (the switch back runs in the background).
+    async def yield_(self, job_id: str, group_id: str, fencing_token: int | None = None) -> YieldResult:
+        """Release ``group_id`` (returns once the release is recorded; the wake runs on).
 
         Raises:
-            InvalidArgument, UnknownGroup, NotHolder (the job does not hold the group; the message
-            says when its lease was reclaimed), StaleFencingToken.
+            InvalidArgument, UnknownGroup, NotHolder (also after the lease expired: the message says so),
+            StaleFencingToken.
         """
-        g = self._holder_group(job_id, group_id, fencing_token)
-        self._require_token_if_armed(g, job_id, fencing_token)
-        return self._release(g, job_id)
+        if not job_id:
+            raise InvalidArgument("job_id is required")
+        result: YieldResult = await self.group(group_id).ask(Command(C.YIELD, job_id=job_id, token=fencing_token))
+        return result
 
-    def publish_weights(self, job_id: str, group_id: str, weights: WeightUpdate,
-                        fencing_token: int | None = None) -> Group:
+    async def publish_weights(self, job_id: str, group_id: str, weights: WeightUpdate,
+                              fencing_token: int | None = None) -> Group:
         """Record ``weights`` as the group's next weight version; the samplers load it when they wake.
 
         Raises:
             InvalidArgument (a group without samplers, or a malformed update), UnknownGroup,
             NotHolder, StaleFencingToken, StaleWeightVersion (not newer than the latest one).
         """
-        g = self._holder_group(job_id, group_id, fencing_token)
-        self._require_token_if_armed(g, job_id, fencing_token)
-        if not g.spec.samplers:
-            raise InvalidArgument(f"group {group_id!r} has no samplers to load weights into; publish on the "
-                                  "sampler group")
-        if not isinstance(weights, WeightUpdate):
-            raise InvalidArgument("weights must be a WeightUpdate")
-        latest = max(g.weights.version if g.weights else 0, max(g.sampler_versions.values(), default=0))
-        if weights.version <= latest:
-            raise StaleWeightVersion(f"weight version {weights.version} is not newer than group {group_id!r}'s "
-                                     f"latest ({latest}); versions must increase")
-        g.weights = weights
-        g.weights_publisher = job_id
-        g.publishers.add(job_id)
-        g.published_in_grant = True
-        if g.on_change is not None:
-            g.on_change(g)
-        return g
-
-    # ------------------------------------------------------------------ leases
-    def _holder_group(self, job_id: str, group_id: str, fencing_token: int | None) -> Group:
         if not job_id:
             raise InvalidArgument("job_id is required")
-        g = self.group(group_id)
-        if g.holder != job_id:
-            why = g.expired_jobs.get(job_id)
-            raise NotHolder(f"job {job_id!r} does not hold group {group_id!r} (holder: {g.holder!r})"
-                            + (f"; {why}" if why else ""))
-        if fencing_token and g.lease is not None and fencing_token != g.lease.token:
-            raise StaleFencingToken(f"fencing token {fencing_token} of job {job_id!r} is stale: group {group_id!r} "
-                                    f"is at token {g.lease.token}; this holder must stop and acquire again")
+        g: Group = await self.group(group_id).ask(Command(C.PUBLISH_WEIGHTS, job_id=job_id, token=fencing_token,
+                                                          weights=weights))
         return g
-
-    @staticmethod
-    def _require_token_if_armed(g: Group, job_id: str, fencing_token: int | None) -> None:
-        """A holder that heartbeats (armed lease) knows its fencing token: a yield or publish for it without the
-        token is refused, so a caller that merely knows the job id cannot end or steer the lease."""
-        if not fencing_token and g.lease is not None and g.lease.expires_at is not None:
-            raise StaleFencingToken(f"group {g.spec.group_id!r}: job {job_id!r}'s lease is kept alive by heartbeats; "
-                                    "this call must carry its fencing token (x-llmd-timeslice-fencing-token)")
-
-    def _grant(self, g: Group, job_id: str) -> None:
-        g.published_in_grant = False
-        g.grants += 1
-        g.last_granted[job_id] = g.grants
-        g.holder = job_id
-        g.last_token += 1
-        g.lease = Lease(job_id, g.last_token, g.spec.lease_ttl_s)
-        g.expired_jobs.pop(job_id, None)
-        g.set_state(GroupState.LOCKED)
-        if g.on_change is not None:
-            g.on_change(g)  # a new token even if the state did not change
 
     def lease(self, job_id: str, group_id: str) -> Lease:
         """The holder's current lease. Raises InvalidArgument, UnknownGroup, NotHolder."""
-        return self._holder_group(job_id, group_id, None).lease  # type: ignore[return-value]
+        if not job_id:
+            raise InvalidArgument("job_id is required")
+        g = self.group(group_id)
+        if g.holder != job_id or g.lease is None:
+            why = g.expired_jobs.get(job_id)
+            raise NotHolder(f"job {job_id!r} does not hold group {group_id!r} (holder: {g.holder!r})"
+                            + (f"; {why}" if why else ""))
+        return replace(g.lease)
 
-    def heartbeat(self, job_id: str, group_id: str, fencing_token: int) -> Lease:
+    async def heartbeat(self, job_id: str, group_id: str, fencing_token: int) -> Lease:
         """Renew (and arm) the holder's lease for ``lease_ttl_s`` seconds.
 
         Raises:
@@ -434,376 +1120,65 @@ class Orchestrator:
         """
         if fencing_token <= 0:
             raise InvalidArgument(f"fencing_token must be a positive integer from GetLease, got {fencing_token}")
-        g = self._holder_group(job_id, group_id, fencing_token)
-        lease = g.lease
-        assert lease is not None
-        if lease.ttl_s > 0:
-            loop = asyncio.get_running_loop()
-            first = lease.expires_at is None
-            lease.expires_at = loop.time() + lease.ttl_s
-            if first and g.on_change is not None:
-                g.on_change(g)  # armed: persisted, so a restarted orchestrator keeps expiring it
-            if g._lease_timer is not None:
-                g._lease_timer.cancel()
-            g._lease_timer = loop.call_at(lease.expires_at, self._expire, g, lease.token)
+        if not job_id:
+            raise InvalidArgument("job_id is required")
+        lease: Lease = await self.group(group_id).ask(Command(C.HEARTBEAT, job_id=job_id, token=fencing_token))
         return lease
 
-    def _expire(self, g: Group, token: int) -> None:
-        lease = g.lease
-        if lease is None or lease.token != token or g.holder != lease.job_id:
-            return
-        why = (f"its lease (token {token}) expired: no heartbeat for {lease.ttl_s:g} s, so the group was reclaimed; "
-               "restart the job from its last checkpoint and acquire again")
-        log.error("group=%s job=%s %s", g.spec.group_id, lease.job_id, why)
-        g.expired_jobs[lease.job_id] = why
-        g.last_error = f"job {lease.job_id!r}: {why}"
-        self._release(g, lease.job_id)
-
-    def _release(self, g: Group, job_id: str) -> YieldResult:
-        if not g.published_in_grant:
-            g.publishers.discard(job_id)  # the auto sleep policy keeps level 2 for jobs that keep publishing
-        g.holder = None
-        g.lease = None
-        if g._lease_timer is not None:
-            g._lease_timer.cancel()
-            g._lease_timer = None
-        pending = sum(1 for w in g.waiters if not w.future.done())
-        deferred = not g.spec.samplers and pending == 0
-        if deferred:
-            g.loaded_job = job_id
-            g.set_state(GroupState.IDLE_YIELDED)
-        else:
-            g.set_state(GroupState.SWITCHING if (pending or g.spec.samplers) else GroupState.IDLE)
-            self._drive(g)
-        return YieldResult(pending, deferred)
-
-    # ------------------------------------------------------------------ driver
-    def _drive(self, g: Group) -> None:
-        if g._driver is None or g._driver.done():
-            g._driver = asyncio.get_running_loop().create_task(self._run_group(g), name=f"group-{g.spec.group_id}")
-
-    async def _run_group(self, g: Group) -> None:
-        """Serialises every switch of one group: grants waiters (by the group's scheduling policy), else
-        hands back to samplers."""
-        while g.holder is None and not self._closing:
-            for w in [w for w in g.waiters if w.future.done()]:
-                g.waiters.remove(w)  # abandoned
-            if g.waiters:
-                waiter = pick_waiter(g)
-                if g.loaded_job == SAMPLERS:
-                    record = SwitchRecord(g.spec.group_id, "to_job", waiter.job_id, time.time())
-                    record.sleep_level = g.spec.sleep_level_for(waiter.job_id, waiter.job_id in g.publishers)
-                    g.set_state(GroupState.SWITCHING)
-                    try:
-                        await self._actions.suspend_samplers(g.spec, record)
-                    except Exception as exc:
-                        record.ok, record.error = False, str(exc)
-                        self._record(g, record)
-                        g.last_error = f"switch to job {waiter.job_id!r} failed: {exc}"
-                        log.error("group=%s %s", g.spec.group_id, g.last_error)
-                        g.waiters.remove(waiter)
-                        if not waiter.future.done():
-                            waiter.future.set_exception(SwitchFailed(g.last_error + "; samplers are being woken again"))
-                        await self._resume(g, waiter.job_id)
-                        continue
-                    self._record(g, record)
-                    g.loaded_job = None  # samplers asleep, nobody loaded yet
-                if waiter in g.waiters:
-                    g.waiters.remove(waiter)
-                if waiter.future.done():
-                    continue  # gave up during the switch; the next waiter (or the samplers) get it
-                g.loaded_job = waiter.job_id
-                self._grant(g, waiter.job_id)
-                waiter.future.set_result(False)  # trainer state is restored by the client
-                return
-            # Nobody waits: the accelerators go back to the samplers.
-            if g.spec.samplers and g.loaded_job != SAMPLERS:
-                await self._resume(g, g.loaded_job or "")
-            if g.holder is None and not g.waiters:
-                g.set_state(GroupState.IDLE)
-                return
-
-    async def _resume(self, g: Group, after_job: str) -> None:
-        record = self.resume_record(g.spec.group_id, "to_samplers", after_job)
-        g.set_state(GroupState.SWITCHING)
-        try:
-            await self._actions.resume_samplers(g.spec, record)
-            g.loaded_job = SAMPLERS
-        except Exception as exc:
-            record.ok, record.error = False, str(exc)
-            g.last_error = f"waking the samplers failed: {exc}; they stay out of service"
-            log.error("group=%s %s", g.spec.group_id, g.last_error)
-            # Some samplers may be awake (and any that failed may be half-awake): the next grant must put every
-            # one to sleep again, verified, before anyone else gets the accelerators.
-            g.loaded_job = SAMPLERS
-        finally:
-            self.merge_resume(record)
-        self._record(g, record)
-
-    def resume_record(self, group_id: str, kind: str = "to_samplers", after_job: str = "") -> SwitchRecord:
-        """A record for waking ``group_id``'s samplers: their weight versions, and the version to load
-        (the latest published) when any sampler is below it."""
-        g = self.groups[group_id]
-        record = SwitchRecord(group_id, kind, after_job, time.time())
-        for smp in g.spec.samplers:
-            record.sampler_versions[smp.address] = g.sampler_versions.get(smp.address, 0)
-        target = g.weights
-        if target is not None and (kind in ("reconcile", "repair")
-                                   or any(v < target.version for v in record.sampler_versions.values())):
-            # At start-up the versions are from the persisted state, not from the engines, and a repaired sampler's
-            # engine may have restarted meanwhile (initial weights again): load the target version before
-            # publishing it.
-            record.weights = target
-        return record
-
-    def merge_resume(self, record: SwitchRecord) -> None:
-        """Take the outcome of a wake (versions loaded, samplers that failed) into the group's state;
-        a failed load is kept for the publisher's next acquire."""
-        g = self.groups.get(record.group_id)
+    # ------------------------------------------------------------------ discovery
+    async def update_spec(self, spec: GroupSpec) -> None:
+        """Bring group ``spec.group_id`` to ``spec`` (creating it if new); returns once applied, including the
+        wake of samplers it adds to an idle group, or, while a switch is in flight, once that switch ended."""
+        g = self.groups.get(spec.group_id)
         if g is None:
-            return
-        g.sampler_versions.update(record.sampler_versions)
-        for address in record.sampler_versions:
-            if address not in record.sampler_errors:
-                g.sampler_errors.pop(address, None)
-        g.sampler_errors.update(record.sampler_errors)
-        if record.weights is not None and record.sampler_errors:
-            g.weight_sync_errors[g.weights_publisher or record.job_id] = (
-                f"weight version {record.weights.version} did not load on {len(record.sampler_errors)} of "
-                f"{len(g.spec.samplers)} sampler(s), which stay out of service at their old version: "
-                + "; ".join(f"{a}: {e}" for a, e in sorted(record.sampler_errors.items())))
-        if g.on_change is not None:
-            g.on_change(g)  # versions are persisted
+            g = self.groups[spec.group_id] = Group(spec.copy(samplers=[]), self)
+            log.info("group %s: discovered", spec.group_id)
+        await g.ask(Command(C.SPEC_UPDATE, spec=spec.copy()))
 
-    # ------------------------------------------------------------- persistence
-    def snapshot(self) -> dict:
-        """What survives a restart, JSON-serialisable: per group holder, lease, loaded job, state."""
-        out = {}
-        for gid, g in self.groups.items():
-            lease = g.lease
-            out[gid] = {
-                "state": g.state.value, "holder": g.holder, "loaded_job": g.loaded_job, "last_token": g.last_token,
-                "lease": None if lease is None else {"job_id": lease.job_id, "token": lease.token, "ttl_s": lease.ttl_s,
-                                                    "armed": lease.expires_at is not None},
-                "expired_jobs": dict(g.expired_jobs),
-                "weights": None if g.weights is None else g.weights.to_json(),
-                "sampler_versions": dict(g.sampler_versions), "publishers": sorted(g.publishers),
-            }
-        return {"version": 1, "groups": out}
-
-    def restore(self, data: dict) -> dict[str, str]:
-        """Load a :meth:`snapshot`; returns group id -> what the caller must reconcile:
-        ``"held"`` (a job holds it: samplers stay asleep), ``"wake"`` (samplers must be woken and
-        published: idle, or a switch was cut halfway and is rolled back) or ``"none"`` (no samplers).
+    # ------------------------------------------------------------------ start, timers, shutdown
+    def restore(self, data: dict[str, Any]) -> dict[str, RestoreOutcome]:
+        """Load a :meth:`snapshot` (before :meth:`start`); returns group id -> what start-up does with it.
         Groups unknown to the inventory are ignored. Armed leases restart their TTL now."""
-        todo: dict[str, str] = {}
-        loop = asyncio.get_running_loop()
-        for gid, g in self.groups.items():
-            d = (data.get("groups") or {}).get(gid)
-            g.on_change, notify = None, g.on_change
-            if d:
-                g.last_token = int(d.get("last_token", 0))
-                g.expired_jobs = dict(d.get("expired_jobs") or {})
-                try:
-                    g.weights = WeightUpdate.from_json(d["weights"]) if d.get("weights") else None
-                except (InvalidWeightUpdate, KeyError, TypeError, ValueError) as exc:
-                    log.error("group=%s persisted weight version ignored: %s", gid, exc)
-                known = {s.address for s in g.spec.samplers}
-                g.sampler_versions.update({a: int(v) for a, v in (d.get("sampler_versions") or {}).items() if a in known})
-                g.publishers = set(d.get("publishers") or [])
-                lease = d.get("lease")
-                if d.get("holder") and lease:
-                    g.holder = d["holder"]
-                    g.lease = Lease(lease["job_id"], int(lease["token"]), float(lease["ttl_s"]))
-                    g.loaded_job = d["holder"]
-                    g.set_state(GroupState.LOCKED)
-                    if lease.get("armed") and g.lease.ttl_s > 0:
-                        g.lease.expires_at = loop.time() + g.lease.ttl_s
-                        g._lease_timer = loop.call_at(g.lease.expires_at, self._expire, g, g.lease.token)
-                elif d.get("state") == GroupState.IDLE_YIELDED.value and not g.spec.samplers and d.get("loaded_job"):
-                    g.loaded_job = d["loaded_job"]
-                    g.set_state(GroupState.IDLE_YIELDED)
-            if g.holder is not None:
-                todo[gid] = "held"
-            elif g.spec.samplers:
-                g.loaded_job = SAMPLERS
-                g.set_state(GroupState.IDLE)
-                todo[gid] = "wake"
-            else:
-                todo[gid] = "none"
-            g.on_change = notify
-        return todo
+        saved = data.get("groups") or {}
+        return {gid: g.restore(saved.get(gid)) for gid, g in self.groups.items()}
+
+    async def start(self, reconcile: bool = True) -> None:
+        """Start every group: a held group publishes its samplers ASLEEP; with ``reconcile``, a free group's
+        samplers are woken and verified (a no-op on an awake engine) before this returns."""
+        await asyncio.gather(*(g.ask(Command(C.START, reconcile=reconcile)) for g in self.groups.values()))
 
     def start_repair(self, first_s: float = 2.0, max_s: float = 60.0, audit_interval_s: float = 0.0) -> None:
-        """Retry, with back-off (``first_s`` doubling to ``max_s`` seconds), the wake of groups whose samplers
-        are out of service after a failed wake (dead engine or sidecar, failed weight load) while nobody
-        holds or waits for the group: recovery without a human once the part is back.
+        """Repair back-off and engine audit (may be called again to change them).
 
-        ``audit_interval_s`` > 0 (and actions that can read engines, :class:`EngineAuditActions`): every that many
-        seconds, each quiet group's serving samplers are read; one whose engine reports another weight version
-        than the one recorded (it restarted on its own and serves its initial weights) or sleeps is taken out of
-        service and woken again at the group's weight version, as a repair."""
-        if self._repair is None:
-            self._repair = asyncio.get_running_loop().create_task(
-                self._repair_loop(first_s, max_s, audit_interval_s), name="repair")
+        A group whose samplers are out of service after a failed wake (dead engine or sidecar, failed load) is
+        woken again after ``first_s`` seconds, doubling to ``max_s`` while it keeps failing: recovery without a
+        human once the part is back. ``audit_interval_s`` > 0 (and actions that can read engines): every that
+        many seconds each serving group's engines are read; one that reports another weight version than the
+        one recorded (it restarted on its own) or sleeps is taken out of service and woken again at the group's
+        weight version, and an out-of-service engine that refused connections and answers again is repaired at
+        once."""
+        self.repair_first_s, self.repair_max_s, self.audit_interval_s = first_s, max_s, audit_interval_s
+        if self._audit_timer is not None:
+            self._audit_timer.cancel()
+            self._audit_timer = None
+        if audit_interval_s > 0 and self.actions.can_read_engines:
+            self._arm_audit()
 
-    def needs_repair(self, g: Group) -> bool:
-        return (bool(g.spec.samplers) and g.holder is None and not g.waiters and g.state is GroupState.IDLE
-                and (g.loaded_job != SAMPLERS or bool(g.sampler_errors)))
+    def _arm_audit(self) -> None:
+        self._audit_timer = self.clock.call_at(self.clock.now() + self.audit_interval_s, self._audit)
 
-    async def _repair_loop(self, first_s: float, max_s: float, audit_interval_s: float = 0.0) -> None:
-        delay: dict[str, float] = {}
-        due: dict[str, float] = {}
-        loop = asyncio.get_running_loop()
-        probing: set[str] = set()
-        can_audit = audit_interval_s > 0 and hasattr(self._actions, "read_engines")
-        audit_due = loop.time() + audit_interval_s
-        while not self._closing:
-            await asyncio.sleep(0.5)
-            audit = can_audit and loop.time() >= audit_due
-            if audit:
-                audit_due = loop.time() + audit_interval_s
-            for gid, g in self.groups.items():
-                if not self.needs_repair(g):
-                    delay.pop(gid, None)
-                    due.pop(gid, None)
-                    if self._quiet(g) and not g.sampler_errors:
-                        g.unreachable_engines.clear()
-                    if audit and self._quiet(g) and (g._driver is None or g._driver.done()):
-                        g._driver = loop.create_task(self._audit_group(g), name=f"audit-{gid}")
-                    continue
-                if gid not in due:
-                    delay[gid] = first_s
-                    due[gid] = loop.time() + first_s
-                if audit and gid not in probing:
-                    # An engine seen down that answers again is repaired now, not at the end of its back-off.
-                    probing.add(gid)
-                    task = loop.create_task(self._engine_back(g), name=f"probe-{gid}")
+    def _audit(self) -> None:
+        for g in self.groups.values():
+            g.post(Command(C.AUDIT_TICK))
+        self._arm_audit()
 
-                    def probed(t: asyncio.Task, gid: str = gid) -> None:
-                        probing.discard(gid)
-                        if not t.cancelled() and t.result() and gid in due:
-                            due[gid] = loop.time()  # repaired at the next tick
-
-                    task.add_done_callback(probed)
-                if loop.time() >= due[gid] and (g._driver is None or g._driver.done()):
-                    log.warning("group=%s samplers out of service (%s); retrying the wake", gid,
-                                g.last_error or ", ".join(sorted(g.sampler_errors)))
-                    g._driver = loop.create_task(self._repair_group(g), name=f"repair-{gid}")
-                    delay[gid] = min(delay[gid] * 2, max_s)
-                    due[gid] = loop.time() + delay[gid]
-
-    async def _engine_back(self, g: Group) -> bool:
-        """Read the engines of out-of-service samplers; True when one that refused connections answers again."""
-        down = [smp for smp in g.spec.samplers if smp.address in g.sampler_errors or g.loaded_job != SAMPLERS]
-        try:
-            readings = await self._actions.read_engines(dataclasses.replace(g.spec, samplers=down))  # type: ignore[attr-defined]
-        except Exception:
-            return False
-        back = False
-        for addr, r in readings.items():
-            if r.unreachable:
-                g.unreachable_engines.add(addr)
-            elif addr in g.unreachable_engines:
-                g.unreachable_engines.discard(addr)
-                log.warning("group=%s sampler %s: its engine answers again; repairing now", g.spec.group_id, addr)
-                back = True
-        return back
-
-    @staticmethod
-    def _quiet(g: Group) -> bool:
-        """Samplers serving, nobody holding, waiting or switching."""
-        return (bool(g.spec.samplers) and g.holder is None and not g.waiters and g.state is GroupState.IDLE
-                and g.loaded_job == SAMPLERS)
-
-    def engine_faults(self, g: Group, readings: dict[str, EngineReading]) -> dict[str, str]:
-        """Sampler address -> why its engine cannot be serving what the group records (none: all good).
-        Only samplers in service are judged; an engine without a weight version label is judged by sleep only."""
-        faults = {}
-        for smp in g.spec.samplers:
-            r = readings.get(smp.address)
-            if r is None or smp.address in g.sampler_errors:
-                continue
-            want = g.sampler_versions.get(smp.address, 0)
-            if r.unreachable:
-                faults[smp.address] = f"its engine refuses connections (down or restarting): {r.unreachable}"
-            elif r.sleeping:
-                faults[smp.address] = "its engine sleeps while it should serve"
-            elif want > 0 and r.weight_version is not None and r.weight_version != str(want):
-                faults[smp.address] = (f"its engine reports weight version {r.weight_version!r}, not {want} (it "
-                                       "restarted on its own and serves its initial weights)")
-        return faults
-
-    async def _audit_group(self, g: Group) -> None:
-        """Read the engines of a quiet group; take any that cannot be serving what is recorded out of service
-        and wake it again (at the group's weight version). Runs as the group's driver: an acquire waits."""
-        try:
-            readings = await self._actions.read_engines(g.spec)  # type: ignore[attr-defined]
-        except Exception as exc:  # a reading is advisory: the next audit tries again
-            log.warning("group=%s engine audit could not read the engines: %s", g.spec.group_id, exc)
-            readings = {}
-        faults = self.engine_faults(g, readings) if self._quiet(g) else {}
-        if faults:
-            bad = [smp for smp in g.spec.samplers if smp.address in faults]
-            for addr, why in faults.items():
-                log.error("group=%s sampler %s: %s; taking it out of service to wake it again", g.spec.group_id,
-                          addr, why)
-                g.sampler_errors[addr] = why
-                if "weight version" in why:
-                    g.sampler_versions[addr] = 0  # what a restarted engine serves: its initial weights
-                if "refuses" in why:
-                    g.unreachable_engines.add(addr)
-            g.last_error = "; ".join(f"{a}: {w}" for a, w in sorted(faults.items()))
-            g.set_state(GroupState.SWITCHING)
-            try:
-                await self._actions.take_out_of_service(  # type: ignore[attr-defined]
-                    dataclasses.replace(g.spec, samplers=bad))
-            except Exception as exc:
-                log.error("group=%s taking %s out of service failed: %s", g.spec.group_id, sorted(faults), exc)
-            finally:
-                g.set_state(GroupState.IDLE)
-            reasons = {a: "unreachable" if "refuses" in w else "asleep" if "sleeps" in w else "restarted"
-                       for a, w in faults.items()}
-            await self._repair_group(g, reasons)
-            return
-        if g.waiters:
-            g._driver = None
-            self._drive(g)
-
-    async def _repair_group(self, g: Group, engine_faults: dict[str, str] | None = None) -> None:
-        """Wake the samplers that are out of service (all of them if the whole wake failed); runs as the
-        group's driver, so an acquire arriving meanwhile waits for it."""
-        if g.loaded_job == SAMPLERS:
-            samplers = [smp for smp in g.spec.samplers if smp.address in g.sampler_errors]
-        else:
-            samplers = list(g.spec.samplers)
-        record = self.resume_record(g.spec.group_id, "repair")
-        record.engine_faults = dict(engine_faults or {})
-        g.set_state(GroupState.SWITCHING)
-        try:
-            await self._actions.resume_samplers(dataclasses.replace(g.spec, samplers=samplers), record)
-            g.loaded_job = SAMPLERS
-            g.last_error = ""
-            log.warning("group=%s repaired: %s back in service", g.spec.group_id, [smp.address for smp in samplers])
-        except Exception as exc:
-            record.ok, record.error = False, str(exc)
-            g.last_error = f"repair wake failed: {exc}; retrying with back-off"
-        finally:
-            self.merge_resume(record)
-            self._record(g, record)
-            g.set_state(GroupState.IDLE)
-        if g.waiters:
-            g._driver = None
-            self._drive(g)
+    def snapshot(self) -> dict[str, Any]:
+        """What survives a restart, JSON-serialisable: per group holder, lease, phase, weight versions."""
+        return {"version": 1, "groups": {gid: g.snapshot() for gid, g in self.groups.items()}}
 
     async def close(self) -> None:
-        """Stop drivers; pending acquires fail with SwitchFailed."""
-        self._closing = True
-        if self._repair is not None:
-            self._repair.cancel()
-        for g in self.groups.values():
-            for w in g.waiters:
-                if not w.future.done():
-                    w.future.set_exception(SwitchFailed("orchestrator is shutting down"))
-            if g._driver is not None:
-                g._driver.cancel()
+        """Stop every group's task; pending acquires fail with SwitchFailed."""
+        if self._audit_timer is not None:
+            self._audit_timer.cancel()
+            self._audit_timer = None
+        await asyncio.gather(*(g.close() for g in self.groups.values()))

@@ -18,10 +18,11 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
-from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+from llmd_timeslice.orchestrator.actions import GrpcSwitchActions, ServingLabeler
+from llmd_timeslice.orchestrator.clock import Clock
 from llmd_timeslice.orchestrator.gate_hub import GateHub
-from llmd_timeslice.orchestrator.groups import Orchestrator, SwitchActions, SwitchRecord
-from llmd_timeslice.orchestrator.persistence import StateStore
+from llmd_timeslice.orchestrator.groups import Orchestrator, RestoreOutcome
+from llmd_timeslice.orchestrator.persistence import StatePersister, StateStore
 from llmd_timeslice.orchestrator.service import (
     LeaseServicer,
     OrchestratorInfo,
@@ -29,6 +30,7 @@ from llmd_timeslice.orchestrator.service import (
     WeightVersionServicer,
     export_switch,
 )
+from llmd_timeslice.orchestrator.switch import SwitchActions
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,16 @@ class OrchestratorServer:
         tls_files: mutual TLS for this server and its calls to sidecars (None: plain TCP).
         engine_audit_interval_s: every that many seconds, read the engines of idle groups through their
             sidecars and wake again any that restarted on their own or sleep while serving (0: off).
+        labeler: serving-label hook of the default actions (Kubernetes label fallback; None: gates only).
+        clock: time for leases, repair and audit (default: the event loop's).
     """
 
     def __init__(self, inventory: Inventory, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None = None, actions: SwitchActions | None = None,
                  reconcile_on_start: bool = True, state_store: StateStore | None = None,
                  job_tokens: dict[str, str] | None = None, require_job_tokens: bool = False,
-                 tls_files: tls.TlsFiles | None = None, engine_audit_interval_s: float = 10.0) -> None:
+                 tls_files: tls.TlsFiles | None = None, engine_audit_interval_s: float = 10.0,
+                 labeler: ServingLabeler | None = None, clock: Clock | None = None) -> None:
         self.inventory = inventory
         self.engine_audit_interval_s = engine_audit_interval_s
         self.jobs = auth.JobAuthorizer(job_tokens, require_job_tokens)
@@ -66,8 +71,8 @@ class OrchestratorServer:
         self.port = port
         self.token = token
         self.hub = GateHub()
-        self.actions = actions or GrpcSwitchActions(self.hub, token, tls_files=tls_files)
-        self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch)
+        self.actions = actions or GrpcSwitchActions(self.hub, token, labeler=labeler, tls_files=tls_files)
+        self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch, clock=clock)
         self._reconcile = reconcile_on_start
         self.state_store = state_store
         self._server: aio.Server | None = None
@@ -76,9 +81,8 @@ class OrchestratorServer:
     async def start(self) -> None:
         self._server = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(
             self.token, extra_tokens=tuple(self.jobs.job_tokens.values())))
-        states = getattr(self.actions, "sampler_states", None)
         pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
-            OrchestratorService(self.orchestrator, states, self.jobs), self._server
+            OrchestratorService(self.orchestrator, self.jobs), self._server
         )
         gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
         lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator, self.jobs), self._server)
@@ -90,45 +94,36 @@ class OrchestratorServer:
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
-        todo = {gid: "wake" for gid in self.orchestrator.groups}
         if self.state_store is not None:
-            saved = self.state_store.load()
+            saved = await asyncio.to_thread(self.state_store.load)
             if saved:
                 todo = self.orchestrator.restore(saved)
                 self.hub.assume_recent(saved.get("gates") or {})
-                log.info("restored state: %s; gates known before the restart: %s", todo, sorted(saved.get("gates") or {}))
-
-            def persist(_group=None) -> None:
-                self.state_store.save({**self.orchestrator.snapshot(), "gates": self.hub.known_gates()})
-
-            for g in self.orchestrator.groups.values():
-                g.on_change = persist
-            self.hub.on_gates_change = persist
-            persist(None)
-        if self._reconcile and hasattr(self.actions, "reconcile"):
-            wake = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "wake"]
-            records: list[SwitchRecord] = []
-
-            def record_for(spec) -> SwitchRecord:
-                records.append(self.orchestrator.resume_record(spec.group_id, "reconcile"))
-                return records[-1]
-
-            await self.actions.reconcile(wake, record_for)
-            for record in records:
-                self.orchestrator.merge_resume(record)
-            held = [g.spec for gid, g in self.orchestrator.groups.items() if todo.get(gid) == "held"]
-            if held and hasattr(self.actions, "publish_asleep"):
-                await self.actions.publish_asleep(held)
+                log.info("restored state: %s; gates known before the restart: %s",
+                         {gid: o.value for gid, o in todo.items()}, sorted(saved.get("gates") or {}))
+                held = [gid for gid, o in todo.items() if o is RestoreOutcome.HELD]
+                if held:
+                    log.info("groups still held after the restart (samplers stay asleep): %s", held)
+            persister = StatePersister(self.state_store, self._snapshot)
+            self.orchestrator.persister = persister
+            self.hub.on_gates_change = persister.request
+            await persister.save()
+        # Held groups publish their samplers ASLEEP; free groups' samplers are woken and verified (reconcile).
+        await self.orchestrator.start(reconcile=self._reconcile)
         self.orchestrator.start_repair(audit_interval_s=self.engine_audit_interval_s)
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("orchestrator %s:%d groups=%s", self.host, self.port, sorted(self.orchestrator.groups))
 
+    def _snapshot(self) -> dict:
+        return {**self.orchestrator.snapshot(), "gates": self.hub.known_gates()}
+
     async def stop(self) -> None:
         await self.orchestrator.close()
+        if self.orchestrator.persister is not None:
+            await self.orchestrator.persister.close()
         self.hub.close_all()
         await asyncio.sleep(0)
         if self._server is not None:
             await self._server.stop(1.0)
-        if hasattr(self.actions, "close"):
-            await self.actions.close()
+        await self.actions.close()

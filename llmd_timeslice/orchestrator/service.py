@@ -7,8 +7,6 @@ to status codes here and nowhere else.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter, Gauge, Histogram
@@ -25,6 +23,8 @@ from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.auth import JobAuthorizer
 from llmd_timeslice.orchestrator import groups as core
+from llmd_timeslice.orchestrator.phases import IllegalTransition
+from llmd_timeslice.orchestrator.switch import JobState, SwitchActions
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 # Upstream metric names where the meaning is the same (shared/upstream-api.md).
@@ -46,13 +46,13 @@ _STATE = {
     core.GroupState.SWITCHING: pb.GroupStatus.STATE_SWITCHING,
 }
 _JOB_STATE = {
-    "IDLE": pb.SnapshotAgentJobState.STATE_IDLE,
-    "RUNNING": pb.SnapshotAgentJobState.STATE_RUNNING,
-    "TRANSITIONING": pb.SnapshotAgentJobState.STATE_TRANSITIONING,
-    "SAVED": pb.SnapshotAgentJobState.STATE_SAVED,
-    "FAULTED": pb.SnapshotAgentJobState.STATE_FAULTED,
+    JobState.IDLE: pb.SnapshotAgentJobState.STATE_IDLE,
+    JobState.RUNNING: pb.SnapshotAgentJobState.STATE_RUNNING,
+    JobState.TRANSITIONING: pb.SnapshotAgentJobState.STATE_TRANSITIONING,
+    JobState.SAVED: pb.SnapshotAgentJobState.STATE_SAVED,
+    JobState.FAULTED: pb.SnapshotAgentJobState.STATE_FAULTED,
 }
-_CODES = {
+_CODES: dict[type[core.OrchestratorError], grpc.StatusCode] = {
     core.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     core.UnknownGroup: grpc.StatusCode.NOT_FOUND,
     core.NotHolder: grpc.StatusCode.FAILED_PRECONDITION,
@@ -63,6 +63,7 @@ _CODES = {
     core.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
     core.LockOrderViolation: grpc.StatusCode.FAILED_PRECONDITION,
     core.StaleWeightVersion: grpc.StatusCode.FAILED_PRECONDITION,
+    IllegalTransition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"
 """Trailing metadata of an Acquire granted to a job whose last published weight version failed to load."""
@@ -88,8 +89,16 @@ def _token_from(context) -> int | None:
     return None
 
 
+def status_code(exc: core.OrchestratorError) -> grpc.StatusCode:
+    """The status code of a typed core error (its nearest mapped class; StateNotSaved is a SwitchFailed)."""
+    for cls in type(exc).__mro__:
+        if cls in _CODES:
+            return _CODES[cls]
+    return grpc.StatusCode.INTERNAL
+
+
 async def _abort(context, exc: core.OrchestratorError):
-    await context.abort(_CODES.get(type(exc), grpc.StatusCode.INTERNAL), str(exc))
+    await context.abort(status_code(exc), str(exc))
 
 
 _ALLOW_ALL = JobAuthorizer()
@@ -104,10 +113,9 @@ async def _authorize(jobs: JobAuthorizer, context, job_id: str) -> None:
 class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
     """Servicer over :class:`~llmd_timeslice.orchestrator.groups.Orchestrator`."""
 
-    def __init__(self, orch: core.Orchestrator, sampler_states: dict[str, str] | None = None,
-                 jobs: JobAuthorizer = _ALLOW_ALL) -> None:
+    def __init__(self, orch: core.Orchestrator, jobs: JobAuthorizer = _ALLOW_ALL) -> None:
         self._orch = orch
-        self._sampler_states = sampler_states if sampler_states is not None else {}
+        self._actions: SwitchActions = orch.actions
         self._jobs = jobs
 
     async def Acquire(self, request, context):  # noqa: N802
@@ -135,7 +143,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
         if token is not None and token <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{FENCING_TOKEN_METADATA} must be a positive integer")
         try:
-            res = self._orch.yield_(request.job_id, request.group_id, token)
+            res = await self._orch.yield_(request.job_id, request.group_id, token)
         except core.OrchestratorError as exc:
             await _abort(context, exc)
         if res.snapshot_deferred:
@@ -161,10 +169,10 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
             waiter_queue_depth=len(g.waiters),
             loaded_job=g.loaded_job if g.loaded_job and g.loaded_job != core.SAMPLERS else "",
         )
+        states = self._actions.job_states()
         agents = [
             pb.SnapshotAgentJobState(agent=s.sidecar, job_id=s.job_id,
-                                     job_state=_JOB_STATE.get(self._sampler_states.get(s.address, "RUNNING"),
-                                                              pb.SnapshotAgentJobState.STATE_UNSPECIFIED))
+                                     job_state=_JOB_STATE[states.get(s.address, JobState.RUNNING)])
             for s in g.spec.samplers
         ]
         # Jobs whose lease expired are FAULTED until they acquire again (the message says what to do).
@@ -182,8 +190,8 @@ def export_switch(record: core.SwitchRecord) -> None:
     for address, version in record.sampler_versions.items():
         WEIGHT_VERSION.labels(group_id=record.group_id, address=address).set(version)
         WEIGHT_SYNC_FAILED.labels(group_id=record.group_id, address=address).set(int(address in record.sampler_errors))
-    for reason in record.engine_faults.values():
-        ENGINE_FAULTS.labels(group_id=record.group_id, reason=reason).inc()
+    for fault in record.engine_faults.values():
+        ENGINE_FAULTS.labels(group_id=record.group_id, reason=fault.value).inc()
 
 
 class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
@@ -205,15 +213,15 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             lease = self._orch.lease(request.job_id, request.group_id)
         except core.OrchestratorError as exc:
             await _abort(context, exc)
-        return self._wire(lease, request.group_id, asyncio.get_running_loop().time())
+        return self._wire(lease, request.group_id, self._orch.clock.now())
 
     async def Heartbeat(self, request, context):  # noqa: N802
         await _authorize(self._jobs, context, request.job_id)
         try:
-            lease = self._orch.heartbeat(request.job_id, request.group_id, request.fencing_token)
+            lease = await self._orch.heartbeat(request.job_id, request.group_id, request.fencing_token)
         except core.OrchestratorError as exc:
             await _abort(context, exc)
-        return self._wire(lease, request.group_id, asyncio.get_running_loop().time())
+        return self._wire(lease, request.group_id, self._orch.clock.now())
 
 
 class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceServicer):
@@ -235,16 +243,19 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
         records = sorted((r for g in groups for r in g.history), key=lambda r: r.started_at, reverse=True)
         return orchestrator_info_pb2.ListSwitchesResponse(switches=[
             orchestrator_info_pb2.SwitchInfo(
-                group_id=r.group_id, kind=r.kind, job_id=r.job_id, started_at_unix_s=r.started_at, ok=r.ok,
+                group_id=r.group_id, kind=r.kind.value, job_id=r.job_id, started_at_unix_s=r.started_at, ok=r.ok,
                 error=r.error, phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"})
             for r in records[: request.limit or 10]
         ])
 
 
 def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:
-    """The wire status of ``g``'s weight versions."""
-    pending = g.weights if g.weights is not None and any(
-        v < g.weights.version for v in g.sampler_versions.values()) else None
+    """The wire status of ``g``'s weight versions (``pending``: the target while a sampler is below it;
+    ``rejected``: the latest published version samplers refused, until a newer one is published)."""
+    target = g.target_weights
+    pending = target if target is not None and any(v < target.version for v in g.sampler_versions.values()) else None
+    rejected = (weights_pb2.RejectedWeightVersion(version=g.rejected.version, error=g.rejected.error[:4000])
+                if g.rejected is not None else None)
     return weights_pb2.WeightVersionStatus(
         group_id=g.spec.group_id, serving_version=g.serving_version,
         pending=pending.to_pb() if pending is not None else None,
@@ -252,6 +263,7 @@ def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:
                                                    error=g.sampler_errors.get(a, ""))
                   for a, v in sorted(g.sampler_versions.items())],
         last_error=g.last_error,
+        rejected=rejected,
     )
 
 
@@ -273,7 +285,8 @@ class WeightVersionServicer(weights_pb2_grpc.WeightVersionServiceServicer):
         except InvalidWeightUpdate as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            g = self._orch.publish_weights(request.job_id, request.group_id, update, request.fencing_token or None)
+            g = await self._orch.publish_weights(request.job_id, request.group_id, update,
+                                                 request.fencing_token or None)
         except core.OrchestratorError as exc:
             await _abort(context, exc)
         return weight_status(g)

@@ -32,7 +32,13 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.snapshot.accelerators import AcceleratorReader, nvml_accelerators
-from llmd_timeslice.snapshot.backends.base import BackendError, EngineUnreachable, SnapshotBackend, SuspendMode
+from llmd_timeslice.snapshot.backends.base import (
+    BackendError,
+    EngineUnreachable,
+    SnapshotBackend,
+    SuspendMode,
+    WeightVersionRejected,
+)
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
@@ -64,6 +70,7 @@ class Operation:
     error: str | None = None
     storage_bytes: int | None = None
     device_bytes: int | None = None  # device memory the snapshot freed, where measured (NVML)
+    fault: int = xpb.OPERATION_FAULT_UNSPECIFIED  # why it FAILED, where known (snapshot_ext.proto)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def to_pb(self) -> pb.GetOperationResponse:
@@ -172,6 +179,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 self.states[op.job_id] = "FAULTED"
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
+                if isinstance(exc, WeightVersionRejected):
+                    op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
                 self.states[op.job_id] = "FAULTED"
             except asyncio.CancelledError:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, (
@@ -235,7 +244,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
     async def GetOperation(self, request, context):  # noqa: N802
         return (await self._op(request.operation_id, context)).to_pb()
 
-    async def WaitOperation(self, request, context):  # noqa: N802
+    async def _wait(self, request, context) -> Operation:
         op = await self._op(request.operation_id, context)
         if not 0 <= request.timeout_s <= MAX_WAIT_S:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {MAX_WAIT_S:g}]")
@@ -243,7 +252,15 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             await asyncio.wait_for(op.done.wait(), request.timeout_s)
         except TimeoutError:
             pass
-        return op.to_pb()
+        return op
+
+    async def WaitOperation(self, request, context):  # noqa: N802
+        return (await self._wait(request, context)).to_pb()
+
+    async def WaitOperationResult(self, request, context):  # noqa: N802
+        """WaitOperation plus the kind of fault of a FAILED operation (snapshot_ext.proto)."""
+        op = await self._wait(request, context)
+        return xpb.OperationResult(operation=op.to_pb(), fault=op.fault)
 
     async def Status(self, request, context):  # noqa: N802
         accelerators = []

@@ -73,9 +73,7 @@ async def stack(tmp_path):
     orch = OrchestratorServer(inv, port=0, token=TOKEN)
     orch.actions._op_timeout = 10.0
     await orch.start()
-    orch.orchestrator._repair.cancel()
-    orch.orchestrator._repair = None
-    orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test
+    orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
     gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN,
                                  max_hold_s=30))
     await gate.start()
@@ -216,8 +214,6 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
     The orchestrator's sidecar channels cap the back-off and the switch RPCs wait for the channel to be ready."""
     core, sidecars, client, pool, addrs = (stack["orch"].orchestrator, stack["sidecars"], stack["client"],
                                            stack["pool"], stack["addrs"])
-    core._repair.cancel()
-    core._repair = None
     core.start_repair(first_s=0.5, max_s=2.0, audit_interval_s=0.2)
     sidecars[0].kill()
     await asyncio.sleep(6)  # ~30 audit probes of the dead sidecar: no verdict on its engine, nothing changes

@@ -30,6 +30,11 @@ class EngineUnreachable(BackendError):
     """The workload refused the connection: nothing listens at its address (down, or restarting)."""
 
 
+class WeightVersionRejected(BackendError):
+    """A weight version failed verification or loading (:meth:`SnapshotBackend.resume_with_weights`); the
+    workload can still serve its last good version (a plain :meth:`SnapshotBackend.resume` reloads it)."""
+
+
 @dataclass
 class SuspendResult:
     """Bytes figures are optional: ``None`` where the backend cannot measure them."""

@@ -54,6 +54,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
+    WeightVersionRejected,
     register_backend,
 )
 
@@ -329,16 +330,18 @@ class VllmBackend(SnapshotBackend):
     async def resume_with_weights(self, tags: list[str], weights: WeightUpdate) -> None:
         """Wake, loading weight version ``weights`` between the weights and kv_cache wake-ups (module doc).
 
-        ``tags`` must be empty (the whole sequence). Raises BackendError: unknown source, load failed
-        (the engine stays asleep, its weights marked unusable), or the engine does not serve the
-        version afterwards. ``last_sync`` gets the figures (``load_s``, ``total_s``, ``bytes``).
+        ``tags`` must be empty (the whole sequence). Raises :class:`WeightVersionRejected` when the version
+        cannot be loaded (unknown source, its files fail verification, the load fails: the engine stays
+        asleep, its weights marked unusable, and a plain :meth:`resume` reloads the last good version), or
+        BackendError when a wake-up step fails or the engine does not serve the version afterwards.
+        ``last_sync`` gets the figures (``load_s``, ``total_s``, ``bytes``).
         """
         if tags:
             raise BackendError("a weight sync wakes the whole engine; send no wake-up tags with it")
         loader = self.weight_loaders.get(weights.source)
         if loader is None:
-            raise BackendError(f"vLLM backend has no loader for weight source {weights.source!r}; "
-                               f"known: {sorted(self.weight_loaders)}")
+            raise WeightVersionRejected(f"vLLM backend has no loader for weight source {weights.source!r}; "
+                                        f"known: {sorted(self.weight_loaders)}")
         t0 = time.perf_counter()
         if not await self.is_suspended():
             # Awake (e.g. reconciled after a restart): pause it the verified way first.
@@ -351,8 +354,9 @@ class VllmBackend(SnapshotBackend):
             nbytes = await loader.load(self, weights)
         except BackendError as exc:
             self.weights_unusable = f"loading weight version {weights.version} failed ({exc})"
-            raise BackendError(f"vLLM {self.base_url}: loading weight version {weights.version} failed; the engine "
-                               f"stays out of service (last good version {old}): {exc}") from None
+            raise WeightVersionRejected(f"vLLM {self.base_url}: loading weight version {weights.version} failed; "
+                                        f"the engine stays asleep (last good version {old}, reloaded by a plain "
+                                        f"restore): {exc}") from None
         load_s = time.perf_counter() - t1
         self.weights_unusable = None
         self.weight_version = weights.version

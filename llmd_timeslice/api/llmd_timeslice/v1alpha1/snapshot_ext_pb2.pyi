@@ -1,11 +1,19 @@
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as _snapshot_agent_pb2
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2 as _weights_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class OperationFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OPERATION_FAULT_UNSPECIFIED: _ClassVar[OperationFault]
+    OPERATION_FAULT_WEIGHTS_REJECTED: _ClassVar[OperationFault]
+OPERATION_FAULT_UNSPECIFIED: OperationFault
+OPERATION_FAULT_WEIGHTS_REJECTED: OperationFault
 
 class GetServedWeightVersionRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -40,3 +48,11 @@ class WaitOperationRequest(_message.Message):
     operation_id: str
     timeout_s: float
     def __init__(self, operation_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OperationResult(_message.Message):
+    __slots__ = ("operation", "fault")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    operation: _snapshot_agent_pb2.GetOperationResponse
+    fault: OperationFault
+    def __init__(self, operation: _Optional[_Union[_snapshot_agent_pb2.GetOperationResponse, _Mapping]] = ..., fault: _Optional[_Union[OperationFault, str]] = ...) -> None: ...

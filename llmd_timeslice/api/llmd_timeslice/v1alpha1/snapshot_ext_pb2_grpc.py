@@ -40,6 +40,11 @@ class SnapshotOperationsServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GetOperationResponse.FromString,
                 _registered_method=True)
+        self.WaitOperationResult = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.SnapshotOperationsService/WaitOperationResult',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationResult.FromString,
+                _registered_method=True)
         self.RestoreWithWeights = channel.unary_unary(
                 '/llmd_timeslice.v1alpha1.SnapshotOperationsService/RestoreWithWeights',
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.RestoreWithWeightsRequest.SerializeToString,
@@ -57,6 +62,14 @@ class SnapshotOperationsServiceServicer:
 
     def WaitOperation(self, request, context):
         """Returns when the operation is COMPLETE or FAILED, or PENDING after timeout_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitOperationResult(self, request, context):
+        """WaitOperation that also says what kind of fault a FAILED operation met (the orchestrator's call;
+        WaitOperation stays for older callers).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +100,11 @@ def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
                     servicer.WaitOperation,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GetOperationResponse.SerializeToString,
+            ),
+            'WaitOperationResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitOperationResult,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationResult.SerializeToString,
             ),
             'RestoreWithWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.RestoreWithWeights,
@@ -126,6 +144,33 @@ class SnapshotOperationsService:
             '/llmd_timeslice.v1alpha1.SnapshotOperationsService/WaitOperation',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GetOperationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitOperationResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.SnapshotOperationsService/WaitOperationResult',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.WaitOperationRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationResult.FromString,
             options,
             channel_credentials,
             insecure,

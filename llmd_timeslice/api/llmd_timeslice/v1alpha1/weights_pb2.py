@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n8llmd_timeslice/api/llmd_timeslice/v1alpha1/weights.proto\x12\x17llmd_timeslice.v1alpha1\"[\n\x0cWeightUpdate\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x18\n\x10update_info_json\x18\x04 \x01(\t\"\x8e\x01\n\x1bPublishWeightVersionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x36\n\x07weights\x18\x04 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\"+\n\x17GetWeightVersionRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"[\n\x14SamplerWeightVersion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nin_service\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xcd\x01\n\x13WeightVersionStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x17\n\x0fserving_version\x18\x02 \x01(\x03\x12\x36\n\x07pending\x18\x03 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\x12?\n\x08samplers\x18\x04 \x03(\x0b\x32-.llmd_timeslice.v1alpha1.SamplerWeightVersion\x12\x12\n\nlast_error\x18\x05 \x01(\t2\x86\x02\n\x14WeightVersionService\x12z\n\x14PublishWeightVersion\x12\x34.llmd_timeslice.v1alpha1.PublishWeightVersionRequest\x1a,.llmd_timeslice.v1alpha1.WeightVersionStatus\x12r\n\x10GetWeightVersion\x12\x30.llmd_timeslice.v1alpha1.GetWeightVersionRequest\x1a,.llmd_timeslice.v1alpha1.WeightVersionStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n8llmd_timeslice/api/llmd_timeslice/v1alpha1/weights.proto\x12\x17llmd_timeslice.v1alpha1\"[\n\x0cWeightUpdate\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x18\n\x10update_info_json\x18\x04 \x01(\t\"\x8e\x01\n\x1bPublishWeightVersionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x36\n\x07weights\x18\x04 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\"+\n\x17GetWeightVersionRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"[\n\x14SamplerWeightVersion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nin_service\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x8f\x02\n\x13WeightVersionStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x17\n\x0fserving_version\x18\x02 \x01(\x03\x12\x36\n\x07pending\x18\x03 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\x12?\n\x08samplers\x18\x04 \x03(\x0b\x32-.llmd_timeslice.v1alpha1.SamplerWeightVersion\x12\x12\n\nlast_error\x18\x05 \x01(\t\x12@\n\x08rejected\x18\x06 \x01(\x0b\x32..llmd_timeslice.v1alpha1.RejectedWeightVersion\"7\n\x15RejectedWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x65rror\x18\x02 \x01(\t2\x86\x02\n\x14WeightVersionService\x12z\n\x14PublishWeightVersion\x12\x34.llmd_timeslice.v1alpha1.PublishWeightVersionRequest\x1a,.llmd_timeslice.v1alpha1.WeightVersionStatus\x12r\n\x10GetWeightVersion\x12\x30.llmd_timeslice.v1alpha1.GetWeightVersionRequest\x1a,.llmd_timeslice.v1alpha1.WeightVersionStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,7 +40,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLERWEIGHTVERSION']._serialized_start=368
   _globals['_SAMPLERWEIGHTVERSION']._serialized_end=459
   _globals['_WEIGHTVERSIONSTATUS']._serialized_start=462
-  _globals['_WEIGHTVERSIONSTATUS']._serialized_end=667
-  _globals['_WEIGHTVERSIONSERVICE']._serialized_start=670
-  _globals['_WEIGHTVERSIONSERVICE']._serialized_end=932
+  _globals['_WEIGHTVERSIONSTATUS']._serialized_end=733
+  _globals['_REJECTEDWEIGHTVERSION']._serialized_start=735
+  _globals['_REJECTEDWEIGHTVERSION']._serialized_end=790
+  _globals['_WEIGHTVERSIONSERVICE']._serialized_start=793
+  _globals['_WEIGHTVERSIONSERVICE']._serialized_end=1055
 # @@protoc_insertion_point(module_scope)

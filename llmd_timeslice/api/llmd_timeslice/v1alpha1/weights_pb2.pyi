@@ -49,15 +49,25 @@ class SamplerWeightVersion(_message.Message):
     def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ..., in_service: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WeightVersionStatus(_message.Message):
-    __slots__ = ("group_id", "serving_version", "pending", "samplers", "last_error")
+    __slots__ = ("group_id", "serving_version", "pending", "samplers", "last_error", "rejected")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     SAMPLERS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     serving_version: int
     pending: WeightUpdate
     samplers: _containers.RepeatedCompositeFieldContainer[SamplerWeightVersion]
     last_error: str
-    def __init__(self, group_id: _Optional[str] = ..., serving_version: _Optional[int] = ..., pending: _Optional[_Union[WeightUpdate, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerWeightVersion, _Mapping]]] = ..., last_error: _Optional[str] = ...) -> None: ...
+    rejected: RejectedWeightVersion
+    def __init__(self, group_id: _Optional[str] = ..., serving_version: _Optional[int] = ..., pending: _Optional[_Union[WeightUpdate, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerWeightVersion, _Mapping]]] = ..., last_error: _Optional[str] = ..., rejected: _Optional[_Union[RejectedWeightVersion, _Mapping]] = ...) -> None: ...
+
+class RejectedWeightVersion(_message.Message):
+    __slots__ = ("version", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    error: str
+    def __init__(self, version: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
