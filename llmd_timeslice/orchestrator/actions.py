@@ -124,7 +124,7 @@ class GrpcSwitchActions:
 
     # ---------------------------------------------------------------- sidecars
     async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig,
-                         weights: WeightUpdate | None = None) -> None:
+                         weights: WeightUpdate | None = None) -> spb.GetOperationResponse:
         ch = self._channel(sampler.sidecar)
         stub = spb_grpc.SnapshotAgentServiceStub(ch)
         waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
@@ -153,6 +153,7 @@ class GrpcSwitchActions:
             self.sampler_states[sampler.address] = "FAULTED"
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
             raise RuntimeError(f"{kind} of {sampler.address} failed: {why}")
+        return op
 
     @staticmethod
     def _config(level: int) -> spb.BackendConfig:
@@ -172,9 +173,11 @@ class GrpcSwitchActions:
         for s in spec.samplers:
             self.sampler_states[s.address] = "TRANSITIONING"
         cfg = self._config(record.sleep_level or spec.sleep_level)
-        await asyncio.gather(*(self._operation(s, spec.group_id, "sleep", cfg) for s in spec.samplers))
-        for s in spec.samplers:
+        ops = await asyncio.gather(*(self._operation(s, spec.group_id, "sleep", cfg) for s in spec.samplers))
+        for s, op in zip(spec.samplers, ops, strict=True):
             self.sampler_states[s.address] = "SAVED"
+            if op.parked_requests:  # requests that were inside the engine after its sleep (sidecar's rule)
+                record.parked_requests[s.address] = f"{op.parked_requests} {op.parked_action}"
         record.phases["sleep"] = time.monotonic() - t
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
 

@@ -152,6 +152,10 @@ class SwitchRecord:
     """to_samplers: address -> why its wake (or weight load) failed; it stays out of service."""
     engine_faults: dict[str, str] = field(default_factory=dict)
     """repair after an engine audit: address -> what the audit found ("restarted", "asleep", "unreachable")."""
+    drain_cut: list[str] = field(default_factory=list)
+    """to_job: requests the gates answered 503 drain_deadline at the drain deadline (x-request-id each)."""
+    parked_requests: dict[str, str] = field(default_factory=dict)
+    """to_job: address -> requests found inside its engine after it slept and what was done ("2 aborted")."""
 
 
 class SwitchActions(Protocol):
