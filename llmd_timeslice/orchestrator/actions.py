@@ -101,11 +101,14 @@ class GrpcSwitchActions:
         for pool, eps in by_pool.items():
             await self.hub.publish(pool, [(e.address, state, weight_version) for e in eps])
 
-    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float) -> bool:
+    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float,
+                            cut: list[str] | None = None) -> bool:
+        """The gates' drain barrier; at ``timeout_s`` the gates answer 503 drain_deadline to requests that had not
+        reached a response yet (their ids go to ``cut``); those already responding finish (sleep mode=wait)."""
         by_pool: dict[str, list[str]] = defaultdict(list)
         for s in samplers:
             by_pool[s.pool].append(s.address)
-        results = await asyncio.gather(*(self.hub.wait_drained(p, a, timeout_s) for p, a in by_pool.items()))
+        results = await asyncio.gather(*(self.hub.wait_drained(p, a, timeout_s, cut) for p, a in by_pool.items()))
         drained = all(d for d, _ in results)
         if not drained:
             left = {k: v for _, m in results for k, v in m.items() if v}
@@ -167,7 +170,11 @@ class GrpcSwitchActions:
         await self._set_serving(spec.samplers, False)
         record.phases["publish_draining"] = time.monotonic() - t
         t = time.monotonic()
-        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s))
+        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s,
+                                                                          record.drain_cut))
+        if record.drain_cut:
+            log.warning("group=%s drain deadline: %d request(s) answered 503 drain_deadline: %s", spec.group_id,
+                        len(record.drain_cut), record.drain_cut)
         record.phases["drain"] = time.monotonic() - t
         t = time.monotonic()
         for s in spec.samplers:
