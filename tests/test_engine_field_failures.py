@@ -208,16 +208,22 @@ async def test_wake_verification_requires_every_engine_core_awake_and_names_the_
 
 # ---------------------------------------------------------------- 4. a request parked inside a sleeping engine
 
-async def _park_one(eng: FakeVllm, c: httpx.AsyncClient) -> asyncio.Task:
-    """A completion sent straight to the engine while its sleep is being served (queued by the pause)."""
+def _slow_sleep(eng: FakeVllm) -> FakeVllm:
+    """The engine takes 0.6 s to serve /sleep and parks what arrives meanwhile (vLLM queues it during the pause)."""
     eng.park_while_asleep, eng.sleep_delay_s = True, 0.6
+    return eng
+
+
+async def _park_one(eng: FakeVllm, c: httpx.AsyncClient) -> asyncio.Task:
+    """A completion sent straight to the engine once its sleep is under way (queued by the pause)."""
+    await _until(lambda: eng.pausing or eng.level != 0, what="the sleep under way")
     return asyncio.create_task(c.post(eng.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}))
 
 
 async def test_request_parked_in_a_sleeping_engine_is_aborted_and_reported_by_the_sidecar(fake_vllm):
     from prometheus_client import REGISTRY
 
-    eng = fake_vllm()
+    eng = _slow_sleep(fake_vllm())
     srv = SidecarServer({"s": VllmBackend(eng.url, idle_timeout_s=0, memory_reader=lambda: None)}, port=0)
     await srv.start()
     ch = __import__("grpc").aio.insecure_channel(f"127.0.0.1:{srv.port}")
@@ -227,7 +233,6 @@ async def test_request_parked_in_a_sleeping_engine_is_aborted_and_reported_by_th
     try:
         async with httpx.AsyncClient(timeout=30) as c:
             op = (await stub.Snapshot(pb.SnapshotRequest(job_id="s"))).operation_id
-            await asyncio.sleep(0.2)
             parked = await _park_one(eng, c)
             r = await ops.WaitOperation(xpb.WaitOperationRequest(operation_id=op, timeout_s=10))
             answer = await asyncio.wait_for(parked, 5)  # answered while the engine still sleeps: not left hanging
@@ -244,14 +249,13 @@ async def test_request_parked_in_a_sleeping_engine_is_aborted_and_reported_by_th
 
 
 async def test_parked_request_without_an_abort_route_wakes_the_engine_and_fails_the_sleep(fake_vllm, backend):
-    eng = fake_vllm()
+    eng = _slow_sleep(fake_vllm())
     eng.abort_route, eng.metrics_count_parked = False, True
     b = backend(eng, idle_timeout_s=0)
     async with httpx.AsyncClient(timeout=30) as c:
         sleep = asyncio.create_task(b.suspend(SuspendMode.OFFLOAD, []))
-        await asyncio.sleep(0.2)
         parked = await _park_one(eng, c)
-        with pytest.raises(BackendError, match=r"1 request\(s\) are inside the sleeping engine.*woke the engine again"):
+        with pytest.raises(BackendError, match=r"1 request\(s\) are queued inside the sleeping engine.*woke the engine again"):
             await sleep
         answer = await asyncio.wait_for(parked, 5)
     assert answer.json()["choices"][0]["finish_reason"] == "length", "it finished on the woken engine"
@@ -259,12 +263,11 @@ async def test_parked_request_without_an_abort_route_wakes_the_engine_and_fails_
 
 
 async def test_pause_mode_keep_reports_frozen_requests_as_kept(fake_vllm, backend):
-    eng = fake_vllm()
+    eng = _slow_sleep(fake_vllm())
     eng.metrics_count_parked = True
     b = backend(eng, idle_timeout_s=0, pause_mode="keep")
     async with httpx.AsyncClient(timeout=30) as c:
         sleep = asyncio.create_task(b.suspend(SuspendMode.OFFLOAD, []))
-        await asyncio.sleep(0.2)
         parked = await _park_one(eng, c)
         res = await sleep
         assert (res.parked_requests, res.parked_action) == (1, "kept")
@@ -276,9 +279,8 @@ async def test_pause_mode_keep_reports_frozen_requests_as_kept(fake_vllm, backen
 async def test_the_switch_result_names_the_requests_parked_in_each_engine(group):
     engines, addrs, orch, _gate, client = group
     async with httpx.AsyncClient(timeout=30) as c:
-        engines[1].sleep_delay_s = 0.6
+        _slow_sleep(engines[1])
         acquire = asyncio.create_task(client.acquire(timeout_sec=30))
-        await _until(lambda: engines[1].pausing, what="the sleep under way")
         parked = await _park_one(engines[1], c)
         await acquire
         assert (await asyncio.wait_for(parked, 5)).json()["choices"][0]["finish_reason"] == "abort"

@@ -2,12 +2,12 @@
 
 * :class:`FakeVllm` speaks vLLM's sleep dialect (``/sleep``, ``/wake_up``, ``/is_sleeping``,
   ``/metrics`` with ``vllm:engine_sleep_state``, ``/collective_rpc``, ``/reset_prefix_cache``,
-  ``/abort_requests``, ``/v1/models``, ``/v1/completions``) and can *lie*: answer 200 to ``/sleep`` or
+  ``/pause``, ``/v1/models``, ``/v1/completions``) and can *lie*: answer 200 to ``/sleep`` or
   ``/wake_up`` while its state does not change. Real vLLM never lies on purpose, so the lie needs a fake.
   It also plays the field failures a 2-core CPU cannot produce on demand: a prefix-cache reset refused
   with 200 ``{"success": false}``, several engine cores in mixed sleep states (data parallelism), an
   engine that answers nonsense after a wake, and requests parked while asleep (they wait, as in vLLM,
-  until the next wake or ``/abort_requests``).
+  until the next wake or an abort).
 * :class:`FakeSglang` speaks SGLang's dialect (``POST /release_memory_occupation`` and
   ``/resume_memory_occupation`` with a JSON body ``{"tags": [...] | null}``, ``POST /generate``),
   since SGLang cannot run on this machine.
@@ -129,9 +129,10 @@ class FakeVllm(_FakeEngine):
       its weights are reloaded (``collective_rpc reload_weights``).
     * ``park_while_asleep``: a completion that arrives while asleep, or while ``/sleep`` is being served (vLLM queues
       requests added while it pauses), waits inside, as in vLLM, until the next wake (then it is answered) or
-      ``/abort_requests`` (then ``finish_reason: "abort"``); ``abort_route``: whether ``/abort_requests`` exists
-      (404 otherwise, like vLLM without its RL routes); ``metrics_count_parked``: whether parked requests show in
-      ``vllm:num_requests_waiting`` (vLLM shows those queued before its last engine step, not later arrivals).
+      ``/pause?mode=abort`` (then ``finish_reason: "abort"``, counted in ``vllm:request_success_total``);
+      ``abort_route``: whether ``/pause`` exists (404 otherwise, like vLLM without its RL routes);
+      ``metrics_count_parked``: whether parked requests show in ``vllm:num_requests_waiting`` (vLLM shows those
+      queued before its last engine step, not later arrivals).
     * ``completion_delay_s``: seconds each completion computes (counted in ``vllm:num_requests_running``
       meanwhile); ``/sleep?mode=wait`` waits for running completions, like vLLM.
     """
@@ -150,6 +151,7 @@ class FakeVllm(_FakeEngine):
         self.abort_route = True
         self.metrics_count_parked = False
         self.pausing = False
+        self.aborted_total = 0
         self.completion_delay_s = 0.0
         self.running = 0
         self._parked: list[dict] = []  # {"event": threading.Event, "aborted": bool}
@@ -178,6 +180,8 @@ class FakeVllm(_FakeEngine):
         for entry in parked:
             entry["aborted"] = aborted
             entry["event"].set()
+        if aborted:
+            self.aborted_total += len(parked)
         return len(parked)
 
     @property
@@ -252,6 +256,8 @@ class FakeVllm(_FakeEngine):
                     for s in ("awake", "weights_offloaded", "discard_all"):
                         lines.append(f'vllm:engine_sleep_state{{engine="{e}",model_name="fake",sleep_state="{s}"}} '
                                      f'{1.0 if s == state else 0.0}')
+            lines += ["# TYPE vllm:request_success counter",
+                      f'vllm:request_success_total{{engine="0",finished_reason="abort"}} {float(self.aborted_total)}']
             return 200, "\n".join(lines) + "\n", "text/plain"
         if path == "/sleep":
             self.pausing = True
@@ -271,10 +277,13 @@ class FakeVllm(_FakeEngine):
                         self.garble_next_wake, self.garbled = False, True
                     self._release_parked(aborted=False)
             return 200, {"status": "awake" if self.level == 0 else "sleeping", "tags": tags}, "application/json"
-        if path == "/abort_requests":
+        if path == "/pause":
             if not self.abort_route:
                 return 404, {"detail": "Not Found"}, "application/json"
-            return 200, {"status": "aborted", "aborted": self._release_parked(aborted=True)}, "application/json"
+            if query.get("mode") == "abort":
+                self._release_parked(aborted=True)
+                time.sleep(0.02)  # like AsyncLLM.pause_generation: lets the abort outputs out first
+            return 200, {"status": "paused"}, "application/json"
         if path == "/collective_rpc":
             if (body or {}).get("method") == "reload_weights":
                 if "weights" in self.asleep_tags and self.level:

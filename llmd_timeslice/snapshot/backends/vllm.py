@@ -39,7 +39,8 @@ report awake on every engine core and pass the semantic probe.
 Semantic probe: greedy tokens (``temperature 0``, ``ignore_eos``, ``return_token_ids``) of
 :data:`PROBE_PROMPTS` compared with a reference for the weight version the engine serves. The reference is
 recorded when that version first served through this backend: before the first sleep of the version
-(the engine has been serving it) or at its first verified wake (a freshly loaded version). A mismatch fails
+when the engine is idle (it has been serving it) or else at its first verified wake (a freshly loaded
+version). A mismatch fails
 the wake with :class:`ProbeMismatch`, puts the engine back to sleep (level 2) and marks its weights unusable,
 so the endpoint stays out of service and the next restore reloads the weights. Greedy decoding in float32
 is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
@@ -57,12 +58,20 @@ Requests parked in a sleeping engine: a request that reaches vLLM after the drai
 engine, or queued when the sleep began) waits inside the sleeping engine until the next wake. vLLM 0.32
 queues requests added while paused without stepping, so ``vllm:num_requests_waiting`` does not count
 the late ones (``Scheduler.get_num_unfinished_requests`` with ``PAUSED_NEW``; the engine core publishes
-counts only when it steps). Rule, after every verified sleep: ``POST /abort_requests`` with an empty body
-aborts every request the API server still tracks (``vllm/entrypoints/rl/online/api_router.py``, dev mode):
-each ends at once with ``finish_reason: "abort"`` and the count is reported (operation result, metric, log).
-With ``pause_mode="keep"`` requests are frozen on purpose and resume on wake: they are counted from the
-metrics and reported as kept. An engine without that route and with requests counted inside is woken again
-and the sleep fails (they finish; the switch reports why).
+counts only when it steps). Rule, after every verified sleep: ``POST /pause?mode=abort&clear_cache=false``
+(``vllm/entrypoints/rl/online/api_router.py``, dev mode) makes the engine core abort every request still in
+its scheduler (``EngineCoreProc.pause_scheduler``): each ends at once with ``finish_reason: "abort"``. The
+engine is the judge, not the API server: ``/sleep`` returns before the API server has processed the final
+outputs of the batch it drained (``AsyncLLM.pause_generation`` says so), so aborting what the API server
+still tracks (``POST /abort_requests``) would abort completed requests (measured on vLLM 0.32 CPU: right
+after a ``mode=wait`` sleep it still tracked all 8 requests of the drained batch). The count reported
+(operation result, metric, log) is the rise of ``vllm:request_success_total{finished_reason="abort"}``, or,
+while that has not moved, the queue the engine last published (its running count is not used: it can
+still show the batch the sleep drained). With ``pause_mode="keep"`` requests are frozen on purpose and resume on wake: they are
+counted from the metrics and reported as kept. An engine without the route and with requests queued
+inside is woken again and the sleep fails (they finish; the switch reports why). Checked on the CPU build,
+where the executor does not really sleep; on a GPU the abort makes the sleeping engine core take one step
+with nothing scheduled to drop the aborted requests: not measured here, worth confirming on a GPU build.
 """
 
 from __future__ import annotations
@@ -140,6 +149,8 @@ class EngineMetrics:
     running: float = 0.0
     waiting: float = 0.0
     sleep_states: dict[str, str | None] = field(default_factory=dict)
+    aborted_total: float = 0.0
+    """``vllm:request_success_total{finished_reason="abort"}`` summed over engines (requests that ended aborted)."""
 
     @property
     def sleep_state(self) -> str | None:
@@ -160,6 +171,9 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
             m.running = sum(s.value for s in fam.samples if s.name == fam.name)
         elif fam.name == "vllm:num_requests_waiting":
             m.waiting = sum(s.value for s in fam.samples if s.name == fam.name)
+        elif fam.name.removesuffix("_total") == "vllm:request_success":  # the parser names counters either way
+            m.aborted_total += sum(s.value for s in fam.samples
+                                  if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
         elif fam.name == "vllm:engine_sleep_state":
             for s in fam.samples:
                 if "sleep_state" not in s.labels:
@@ -338,11 +352,14 @@ class VllmBackend(SnapshotBackend):
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
         found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
         level = 2 if mode is SuspendMode.DISCARD else 1
-        if not await self.wait_idle():
+        idle = await self.wait_idle()
+        if not idle:
             log.warning("engine %s still busy after %.1f s; sleeping with mode=%s", self.base_url, self.idle_timeout_s,
                         self.pause_mode)
-        if (self.probe and self.weight_version not in self.probe_references and not self.weights_unusable
-                and not await self.is_suspended()):  # it has been serving this version: its answers are the reference
+        if (self.probe and idle and self.weight_version not in self.probe_references and not self.weights_unusable
+                and not await self.is_suspended()):
+            # It has been serving this version: its answers are the reference. Only when idle: on a busy engine the
+            # probe would wait for the running batch and delay the sleep (the next verified wake records it then).
             self.probe_references[self.weight_version] = await self._probe_tokens()
         before = self._read_memory()
         await self.sleep(level)
@@ -366,37 +383,44 @@ class VllmBackend(SnapshotBackend):
         return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
 
     async def _handle_parked(self, m: EngineMetrics) -> tuple[int, str]:
-        """Requests inside the engine right after its verified sleep: ``(count, "aborted" | "kept" | "")`` (module
-        doc). Raises BackendError when requests are inside and cannot be aborted (the engine is woken again)."""
-        counted = int(m.running + m.waiting)  # the engine's last published counts (late arrivals are not in them)
+        """Requests inside the engine right after its verified sleep (``m``: the metrics read then): ``(count,
+        "aborted" | "kept" | "")`` (module doc). Raises BackendError when requests are inside and cannot be aborted
+        (the engine is woken again so they finish)."""
+        # The engine's last published counts: its queue is exact for requests that arrived before its last step
+        # (queued requests are not scheduled while paused); its running count may still show the batch the sleep
+        # drained (counts are made before a step ends), so it counts only where requests are frozen (keep).
+        queued = int(m.waiting)
         if self.pause_mode == "keep":
-            if counted:
+            frozen = int(m.running) + queued
+            if frozen:
                 log.warning("engine %s sleeps with %d request(s) frozen inside (pause mode keep): they resume on wake",
-                            self.base_url, counted)
-            return counted, "kept" if counted else ""
+                            self.base_url, frozen)
+            return frozen, "kept" if frozen else ""
         try:
-            r = await self._http.post("/abort_requests", json={})
+            r = await self._http.post("/pause", params={"mode": "abort", "clear_cache": "false"})
         except httpx.HTTPError as exc:
-            raise BackendError(f"vLLM {self.base_url} did not answer POST /abort_requests after the sleep: {exc!r}; "
+            raise BackendError(f"vLLM {self.base_url} did not answer POST /pause?mode=abort after the sleep: {exc!r}; "
                                "requests may be waiting inside the sleeping engine: the endpoint stays out of "
                                "service") from exc
         if r.status_code == 200:
-            try:
-                aborted = int(r.json().get("aborted", 0))
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise BackendError(f"vLLM {self.base_url} POST /abort_requests answered {r.text[:200]!r}") from exc
-            if aborted:
+            aborted = int((await self.metrics()).aborted_total - m.aborted_total)
+            deadline = time.monotonic() + 0.5
+            while aborted < queued and time.monotonic() < deadline:  # abort outputs still being processed
+                await asyncio.sleep(self.idle_poll_s)
+                aborted = int((await self.metrics()).aborted_total - m.aborted_total)
+            count = aborted or queued  # the counter when it moved; else the queue (its outputs may still be on the way)
+            if count:
                 log.warning("engine %s: %d request(s) reached the engine after the drain and waited inside it while "
                             "asleep; aborted them (finish_reason abort) instead of leaving them hanging until the "
-                            "next wake", self.base_url, aborted)
-            return aborted, "aborted" if aborted else ""
-        if r.status_code == 404 and counted == 0:
-            return 0, ""  # no abort route (not dev mode), and nothing counted inside
+                            "next wake (abort counter +%d, engine queue %d)", self.base_url, count, aborted, queued)
+            return count, "aborted" if count else ""
+        if r.status_code == 404 and queued == 0:
+            return 0, ""  # no pause route (not dev mode), and nothing queued inside
         await self._post("/wake_up")  # they finish now rather than hang until the next wake
         self.level = None
-        raise BackendError(f"vLLM {self.base_url}: {counted or 'some'} request(s) are inside the sleeping engine and "
-                           f"POST /abort_requests answered {r.status_code} (VLLM_SERVER_DEV_MODE=1 serves it); woke the "
-                           "engine again so they finish, and the sleep fails: retry the switch")
+        raise BackendError(f"vLLM {self.base_url}: {queued or 'some'} request(s) are queued inside the sleeping engine "
+                           f"and POST /pause?mode=abort answered {r.status_code} (VLLM_SERVER_DEV_MODE=1 serves it); "
+                           "woke the engine again so they finish, and the sleep fails: retry the switch")
 
     async def _current_level(self) -> int | None:
         if self.level is None:  # e.g. the sidecar restarted while the engine slept: ask the engine
