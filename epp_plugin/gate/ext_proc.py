@@ -126,12 +126,13 @@ def _request_headers_of_interest(headers: pb.HttpHeaders) -> tuple[str | None, s
 class _Stream:
     """What the cut of one admitted request needs: the stream's context, and whether the handler is sending."""
 
-    __slots__ = ("context", "cut_error", "pool", "sending")
+    __slots__ = ("_writer", "context", "cut_error", "pool", "sending")
 
     def __init__(self, context, pool: str) -> None:
         self.context, self.pool = context, pool
         self.sending = False
         self.cut_error: AdmissionRefused | None = None
+        self._writer: asyncio.Task | None = None  # kept: the loop holds tasks only weakly
 
     def cut(self, err: AdmissionRefused) -> None:
         """Answer the admitted request with ``err`` (once). While the handler is itself sending, it writes the
@@ -142,7 +143,7 @@ class _Stream:
         metrics.REFUSED.labels(pool=self.pool, reason=err.reason).inc()
         log.warning("pool=%s request cut at the drain deadline: %s", self.pool, err.message)
         if not self.sending:
-            asyncio.get_running_loop().create_task(self._write(err))
+            self._writer = asyncio.get_running_loop().create_task(self._write(err))
 
     async def _write(self, err: AdmissionRefused) -> None:
         try:
