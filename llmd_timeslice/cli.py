@@ -289,6 +289,10 @@ def sidecar(
                              "snapshot.timeslice.io/backend=sglang; see docs/snapshot.md.")] = [],  # noqa: B006
     command_timeout_s: Annotated[float, typer.Option(
         help="Seconds a WorkloadChannel workload may take to answer a command.")] = 300.0,
+    probe_max_mismatched_prompts: Annotated[int, typer.Option(
+        help="vllm: probe prompts whose greedy tokens may differ from the weight version's reference before a wake "
+             "fails (0: exact, right for float32; 1 tolerates a bf16 near-tie on GPUs). See docs/snapshot.md.",
+        min=0, max=3)] = 0,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
@@ -318,7 +322,9 @@ def sidecar(
     async def main() -> None:
         if backend == "vllm":
             defaults = {job_id: create_backend(backend, base_url=engine_url, idle_timeout_s=idle_timeout_s,
-                                               pause_mode=pause_mode, **engine_kwargs)}
+                                               pause_mode=pause_mode,
+                                               probe_max_mismatched_prompts=probe_max_mismatched_prompts,
+                                               **engine_kwargs)}
         elif backend == "sglang":
             defaults = {job_id: create_backend(backend, base_url=engine_url, **engine_kwargs)}
         elif backend == "cuda":

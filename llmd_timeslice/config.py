@@ -237,6 +237,9 @@ class SidecarSettings(_Section):
                                                                          "resolution (docs/snapshot.md).")
     command_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time a WorkloadChannel workload may "
                                                                           "take to answer a command.")
+    probe_max_mismatched_prompts: int = Field(0, ge=0, le=3, description="vllm: probe prompts whose greedy tokens may "
+                                              "differ from the weight version's reference before a wake fails (0: exact; "
+                                              "1 tolerates a bf16 near-tie on GPUs; docs/snapshot.md).")
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()

@@ -91,8 +91,12 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             for sw in switches:
                 when = time.strftime("%H:%M:%S", time.localtime(sw.started_at_unix_s))
                 phases = " ".join(f"{k}={v:.3f}" for k, v in sw.phase_seconds.items())
+                notes = [sw.error[:80]] if sw.error else []
+                if sw.drain_cut_request_ids:
+                    notes.append(f"{len(sw.drain_cut_request_ids)} cut at drain deadline (503)")
+                notes += [f"{a}: {n} parked" for a, n in sorted(sw.parked_requests.items())]
                 t.add_row(when, sw.group_id, sw.kind, sw.job_id or "-", "yes" if sw.ok else "[red]no[/red]", phases,
-                          sw.error)
+                          "; ".join(notes))
             console.print(t)
         except grpc.RpcError as exc:
             console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")

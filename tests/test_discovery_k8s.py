@@ -547,7 +547,7 @@ class FakeHub:
             self.log.append(("publish", address, state))
         return 1, []
 
-    async def wait_drained(self, pool, addresses, timeout_s):
+    async def wait_drained(self, pool, addresses, timeout_s, cut=None):
         self.log.append(("drain", tuple(addresses)))
         return True, {}
 
@@ -567,7 +567,10 @@ SPEC = GroupSpec("g0", [SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "
 
 
 async def _no_sidecar(self, sampler, group, kind, config, weights=None):
+    from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
+
     self.sampler_states[sampler.address] = "ok"
+    return spb.GetOperationResponse(status=spb.OPERATION_STATUS_COMPLETE)  # what a sidecar's completed operation says
 
 
 async def test_switch_actions_label_draining_false_and_serving_true(monkeypatch):

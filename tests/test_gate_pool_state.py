@@ -104,3 +104,47 @@ async def test_close_refuses_held_requests():
     with pytest.raises(Exception) as err:
         await t
     assert getattr(err.value, "reason", "") == "gate_shutting_down"
+
+
+async def test_drain_deadline_cuts_requests_whose_response_has_not_started_and_lets_responding_ones_finish():
+    pool = PoolState("p")
+    pool.set_states([("e1:1", S, 0), ("e2:1", S, 0)])
+    answers: dict[str, object] = {}
+
+    def edge(adm, name):  # an edge that answers the cut request and then sees its stream end (as Envoy closes it)
+        def on_cut(err):
+            answers[name] = err
+            asyncio.get_running_loop().call_soon(pool.finish, adm)
+        adm.request_id, adm.on_cut = name, on_cut
+        return adm
+
+    travelling = edge(await pool.admit(), "travelling")  # in the EPP / connecting: no response yet
+    responding = edge(await pool.admit(), "responding")
+    pool.on_served(responding, "e1:1")  # its response started on e1
+    elsewhere = edge(await pool.admit(), "elsewhere")
+    pool.on_served(elsewhere, "e2:1")  # served by the endpoint that keeps serving
+    no_edge = await pool.admit()  # an edge that cannot answer after admission (no on_cut)
+    pool.set_states([("e1:1", D, 0)])
+
+    outcome = await pool.drain(["e1:1"], timeout_s=0.05, cut_grace_s=1.0)
+
+    assert [a.request_id for a in outcome.cut] == ["travelling"]
+    err = answers.pop("travelling")
+    assert (err.http_status, err.reason, err.retry_after_s) == (503, "drain_deadline", 1) and "e1:1" in err.message
+    assert answers == {}, "only the request that could still reach the draining endpoint unanswered is cut"
+    assert not outcome.drained and outcome.in_flight == {"e1:1": 2}, "responding and edge-less requests still count"
+    assert travelling.finished and not responding.finished
+    for adm in (responding, elsewhere, no_edge):
+        pool.finish(adm)
+    assert (await pool.drain(["e1:1"], timeout_s=0.05)).drained
+
+
+async def test_drain_that_holds_in_time_cuts_nothing():
+    pool = PoolState("p")
+    pool.set_states([("e1:1", S, 0)])
+    adm = await pool.admit()
+    adm.on_cut = lambda err: pytest.fail(f"cut although the barrier held: {err}")
+    pool.set_states([("e1:1", D, 0)])
+    asyncio.get_running_loop().call_later(0.02, pool.finish, adm)
+    outcome = await pool.drain(["e1:1"], timeout_s=2)
+    assert outcome.drained and outcome.cut == []

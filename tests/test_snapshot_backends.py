@@ -50,7 +50,8 @@ async def test_engine_that_answers_wake_200_but_stays_asleep_fails_the_restore(f
     eng = fake_vllm(lie_on_wake=True)
     b = VllmBackend(eng.url, memory_reader=lambda: None)
     try:
-        await b.suspend(SuspendMode.OFFLOAD, [])
+        await b.suspend(SuspendMode.OFFLOAD, [])  # (records the probe reference before sleeping)
+        eng.calls.clear()
         with pytest.raises(BackendError, match="still says asleep"):
             await b.resume([])
         assert "/v1/completions" not in eng.paths(), "no probe once verification failed"

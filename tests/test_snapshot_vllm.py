@@ -1,5 +1,7 @@
-"""The vLLM backend against real vLLM 0.32 on CPU: level-2 discard, wake-up by tags, pause modes,
-and an engine killed mid-sleep (the last test: it kills the module's server).
+"""The vLLM backend against real vLLM 0.32 on CPU: level-2 discard, wake-up by tags, pause modes, the field
+failures of issue 15 that a CPU build can show (a prefix-cache reset refused while requests hold blocks, the
+semantic probe catching wrong weights after a level-2 reload, a request parked in a sleeping engine), and an
+engine killed mid-sleep (the last test: it kills the module's server).
 
 One server for the module (~40 s to start on 2 cores).
 """
@@ -18,7 +20,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
-from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend, parse_engine_metrics
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.vllm import running_vllm
 
@@ -111,6 +113,108 @@ async def test_pause_mode_keep_freezes_requests_until_wake(vllm_server):
                                            lambda d, rs: d < LOAD_REQUESTS)
     assert done < LOAD_REQUESTS, "keep: requests in flight stay frozen while the engine sleeps"
     assert results == [("length", LONG["max_tokens"])] * LOAD_REQUESTS, "and finish after the wake, no token lost"
+
+
+async def test_prefix_cache_reset_answers_200_success_false_while_requests_hold_blocks(vllm_server):
+    """Issue 15 item 1 on vLLM 0.32: the refusal is a 200 whose body says so; with running requests preempted the
+    reset succeeds and the requests still finish in full (they recompute)."""
+    url, model = vllm_server.url, vllm_server.model_name
+    b = VllmBackend(url, memory_reader=lambda: None)
+    async with httpx.AsyncClient(timeout=120) as c:
+        assert parse_engine_metrics((await c.get(url + "/metrics")).text).sleep_states == {"0": "awake"}, \
+            "one engine core, labelled engine=0"
+        for _attempt in range(ATTEMPTS):
+            tasks = await _load(c, url, model)
+            plain = await c.post(url + "/reset_prefix_cache")
+            if not all(t.done() for t in tasks):
+                break
+        assert (plain.status_code, plain.json()) == (200, {"success": False}), plain.text
+        await b._reset_prefix_cache()  # the backend's rule: refused -> reset_running_requests=true -> success
+        results = [(await t).json()["choices"][0] for t in tasks]
+    await b.close()
+    assert [(r["finish_reason"], len(r["text"]) > 0) for r in results] == [("length", True)] * LOAD_REQUESTS
+
+
+def _perturbed_copy(model_dir, dest):
+    """A copy of the model directory whose weights carry noise: a 'version' that loads fine and answers wrong."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, dest, ignore=shutil.ignore_patterns(".*"))
+    state = load_file(str(dest / "model.safetensors"))
+    g = torch.Generator().manual_seed(15)
+    noisy = {k: (v + torch.randn(v.shape, generator=g) * v.float().std().clamp(min=0.02)).to(v.dtype)
+             if v.is_floating_point() else v for k, v in state.items()}
+    save_file(noisy, str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+
+async def test_semantic_probe_catches_an_engine_that_reloaded_wrong_weights_after_a_level2_wake(vllm_server, tmp_path):
+    """Issue 15 item 2 on vLLM 0.32 (greedy float32 is deterministic here): a level-2 reload of the same weights
+    matches the reference; a reload that brings other weights under the same version (the version's files were
+    replaced and re-checksummed) is awake, healthy and wrong: the probe fails it and puts it back to sleep."""
+    import shutil
+
+    from llmd_timeslice.weights.manifest import write_manifest
+    from llmd_timeslice.weights.update import WeightUpdate
+
+    good, bad = tmp_path / "v1", tmp_path / "bad"
+    shutil.copytree(vllm_server.model_dir, good, ignore=shutil.ignore_patterns(".*"))
+    write_manifest(good, 1)
+    _perturbed_copy(vllm_server.model_dir, bad)
+    b = VllmBackend(vllm_server.url, memory_reader=lambda: None)
+    try:
+        await b.suspend(SuspendMode.DISCARD, [])  # reference of the initial weights, recorded while they served
+        await b.resume([])  # level-2 reload of the same weights: the probe matches (no false alarm)
+        await b.suspend(SuspendMode.DISCARD, [])
+        await b.resume_with_weights([], WeightUpdate(1, "files", str(good)))  # version 1 first serves: its reference
+        assert set(b.probe_references) == {0, 1} and b.probe_references[1] == b.probe_references[0]
+        await b.suspend(SuspendMode.DISCARD, [])
+        shutil.copy(bad / "model.safetensors", good / "model.safetensors")  # replaced under the same version
+        write_manifest(good, 1)
+        with pytest.raises(ProbeMismatch, match="answers the probe prompts differently from weight version 1"):
+            await b.resume([])
+        assert await b.is_suspended(), "put back to sleep, out of service"
+        shutil.copy(vllm_server.model_dir / "model.safetensors", good / "model.safetensors")
+        await b.resume([])  # the next restore reloads the (repaired) files; the probe matches again
+        assert not await b.is_suspended()
+    finally:
+        await b.close()
+        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:  # the module's original weights
+            await c.post("/collective_rpc", json={"method": "reload_weights",
+                                                   "kwargs": {"weights_path": str(vllm_server.model_dir)}})
+
+
+async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_hanging(vllm_server):
+    """Issue 15 item 4 on vLLM 0.32: a request that reaches the engine while its sleep (mode=wait) is under way is
+    queued by the pause and, without the rule, would wait inside the sleeping engine until the next wake. After the
+    verified sleep the backend aborts it (finish_reason abort at once) and reports it."""
+    url, model = vllm_server.url, vllm_server.model_name
+    # The drain fallback (sleep while busy); no probe, so the sleep starts while the batch still runs.
+    b = VllmBackend(url, idle_timeout_s=0, probe=False, memory_reader=lambda: None)
+    try:
+        async with httpx.AsyncClient(timeout=120) as c:
+            for _attempt in range(ATTEMPTS):
+                tasks = await _load(c, url, model)
+                sleep = asyncio.create_task(b.suspend(SuspendMode.OFFLOAD, []))
+                await asyncio.sleep(0.3)  # the pause has begun: the running batch drains, new requests queue
+                direct = asyncio.create_task(c.post(url + "/v1/completions", json={
+                    "model": model, "prompt": "sent straight to the engine", "max_tokens": 16}))
+                res = await sleep
+                finished = [(await t).json()["choices"][0]["finish_reason"] for t in tasks]
+                if res.parked_requests:
+                    break
+                await direct
+                await b.resume([])
+            assert (res.parked_requests, res.parked_action) == (1, "aborted"), "never caught a request parked"
+            answer = await asyncio.wait_for(direct, 10)  # answered while the engine still sleeps
+            assert await b.is_suspended()
+            assert answer.json()["choices"][0]["finish_reason"] == "abort", answer.text
+            assert finished == ["length"] * LOAD_REQUESTS, "the drained batch completed; only the parked one is aborted"
+            await b.resume([])
+    finally:
+        await b.close()
 
 
 async def test_engine_killed_mid_sleep_fails_the_operation_and_stays_out_of_service(vllm_server):

@@ -67,3 +67,32 @@ def test_fifty_cycles_bit_exact_with_no_growth_of_host_memory():
     assert off.allocations == first_allocations, "host buffers are allocated in the first cycle only"
     growth = (rss[1] - rss[0]) / rss[0]
     assert growth < 0.05, f"host memory grew {growth:.1%} between cycle 5 and 50"
+
+
+def test_offload_returns_the_caching_allocators_memory_to_the_driver(monkeypatch):
+    """On a GPU, freed storage stays reserved by PyTorch's caching allocator unless emptied; the sampler's wake in
+    another process would then run out of memory. Checked here by the calls made (benchmarks/gpu checks the bytes)."""
+    model, opt = _trained_model()
+    off = TorchStateOffloader(model, opt)
+    calls = []
+
+    def empty_cache():
+        calls.append(("empty_cache", model[0].weight.numel()))  # the state's storage must be freed already
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(("synchronize", None)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    stats = off.offload()
+    assert calls == [("synchronize", None), ("empty_cache", 0)], calls
+    assert stats.device_reserved_bytes == 0
+    calls.clear()
+    off.restore()
+    assert calls == [], "restore allocates; it has nothing to release"
+
+
+def test_offload_without_cuda_initialised_releases_nothing(monkeypatch):
+    model, opt = _trained_model()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("empty_cache without a CUDA context"))
+    assert not torch.cuda.is_initialized()
+    assert TorchStateOffloader(model, opt).offload().device_reserved_bytes is None

@@ -10,7 +10,13 @@ Measures, in one run (about 1-3 min on one H100/H200-class GPU with the defaults
    parameter): first cycle (pinned buffers allocated) and steady state, GB/s, ``ratio_to_copy``
    against a plain pinned copy of the same tensors (same as ``benchmarks.snapshot``), device memory
    freed by an offload (``torch.cuda.memory_allocated``), and a restore checksum check on every cycle
-   (``restore()`` raises on a mismatch; the result records ``checksum_ok``).
+   (``restore()`` raises on a mismatch; the result records ``checksum_ok``);
+3. the device memory an offload gives back to the driver (issue 15, item 6): after a training step
+   (activations and gradients pass through PyTorch's caching allocator), offload with the cache released
+   (the default) and, as the baseline in the same run, without; reports ``torch.cuda.memory_reserved()``
+   and the driver's free memory (``torch.cuda.mem_get_info``, what another process such as a waking
+   sampler can get) against the free memory before the trainer existed. Pass: reserved after the
+   offload <= ``--max-reserved-mib`` (default 64 MiB) and the driver got back all but that much.
 
 Without CUDA it prints why and exits 0, writing ``{"skipped": reason}`` to ``--out``.
 """
@@ -86,6 +92,40 @@ def offloader_cycles(params_m: float, cycles: int) -> dict:
     }
 
 
+def reserved_after_offload(params_m: float, max_reserved_mib: float) -> dict:
+    """Item 3 of the module doc: reserved and driver-free memory after an offload, released vs not (baseline)."""
+    import gc
+
+    from benchmarks.snapshot import build_trainer
+    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
+
+    out: dict = {}
+    for release in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        free_before_trainer = torch.cuda.mem_get_info()[0]
+        model, opt = build_trainer(params_m, "cuda", width=4096)  # includes one training step
+        torch.cuda.synchronize()
+        reserved_trained = torch.cuda.memory_reserved()
+        off = TorchStateOffloader(model, opt, pin_memory=True, release_device_cache=release)
+        off.offload()
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        free_after = torch.cuda.mem_get_info()[0]
+        out["released" if release else "baseline_not_released"] = {
+            "reserved_while_training_bytes": reserved_trained, "reserved_after_offload_bytes": reserved,
+            "driver_free_before_trainer_bytes": free_before_trainer, "driver_free_after_offload_bytes": free_after,
+            "not_given_back_bytes": free_before_trainer - free_after,
+        }
+        off.restore()
+        del model, opt, off
+    rel, base = out["released"], out["baseline_not_released"]
+    out["passed"] = (rel["reserved_after_offload_bytes"] <= max_reserved_mib * 2**20
+                     and rel["not_given_back_bytes"] <= max_reserved_mib * 2**20)
+    out["given_back_ratio"] = (base["not_given_back_bytes"] / max(1, rel["not_given_back_bytes"]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -93,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--params-m", type=float, default=500.0, help="trainer parameters, millions (~16 B each)")
     ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--max-reserved-mib", type=float, default=64.0,
+                    help="most device memory (MiB) the process may keep reserved after an offload")
     a = ap.parse_args(argv)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
@@ -102,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.monotonic()
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "copy": copy_bandwidth(a.gb, a.reps), "offloader": offloader_cycles(a.params_m, max(2, a.cycles))}
+           "copy": copy_bandwidth(a.gb, a.reps), "offloader": offloader_cycles(a.params_m, max(2, a.cycles)),
+           "release": reserved_after_offload(a.params_m, a.max_reserved_mib)}
     res["seconds"] = time.monotonic() - t0
     a.out.write_text(json.dumps(res, indent=2))
     c, o = res["copy"], res["offloader"]
@@ -111,8 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offloader on {o['state_bytes'] / 1e9:.2f} GB: steady offload {o['steady_state']['offload_gbps']:.1f} GB/s, "
           f"restore {o['steady_state']['restore_gbps']:.1f} GB/s; ratio_to_copy {o['ratio_to_copy']['offload']:.2f} / "
           f"{o['ratio_to_copy']['restore']:.2f}; checksum_ok {o['checksum_ok']}; freed {o['device_bytes_freed_by_offload']}")
+    rel = res["release"]
+    mib = 2**20
+    print(f"after an offload: reserved {rel['released']['reserved_after_offload_bytes'] / mib:.0f} MiB, not given back "
+          f"to the driver {rel['released']['not_given_back_bytes'] / mib:.0f} MiB (without empty_cache: "
+          f"{rel['baseline_not_released']['reserved_after_offload_bytes'] / mib:.0f} / "
+          f"{rel['baseline_not_released']['not_given_back_bytes'] / mib:.0f} MiB, ratio "
+          f"{rel['given_back_ratio']:.0f}x); {'PASS' if rel['passed'] else 'FAIL'} (<= {a.max_reserved_mib:g} MiB)")
     print(f"wrote {a.out} in {res['seconds']:.0f} s")
-    return 0
+    return 0 if rel["passed"] else 1
 
 
 if __name__ == "__main__":

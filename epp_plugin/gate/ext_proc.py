@@ -7,10 +7,17 @@ which names the endpoint that served it; the answer sets ``x-llmd-timeslice-weig
 weight version of that endpoint, and after a hold ``x-llmd-timeslice-hold-ms``). The stream's end, whatever the reason, ends the
 request's in-flight count. This module only translates protobuf messages into calls on
 :class:`~epp_plugin.gate.pool_state.PoolState`; it holds no policy.
+
+Drain deadline: each admission gets an ``on_cut`` that answers the request with an ImmediateResponse
+(503 ``drain_deadline``) on its still open stream. Envoy accepts an ``immediate_response`` whatever it
+is waiting for (``Filter::onReceiveMessage`` in ``source/extensions/filters/http/ext_proc/ext_proc.cc``,
+unless ``disable_immediate_response`` is set): it closes the stream, resets the upstream request if one
+started, and sends the local reply to the client.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -89,13 +96,60 @@ class _HintCache:
         return resp
 
 
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def _value(h: base_pb2.HeaderValue) -> str:
+    # Envoy passes header bytes as they came; a value that is not UTF-8 must not crash the stream
+    # (found by tests/test_fuzz.py: b"\x80" in the min-weight-version header).
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+
+
 def _header(headers: pb.HttpHeaders, name: str) -> str | None:
     for h in headers.headers.headers:
         if h.key == name:
-            # Envoy passes header bytes as they came; a value that is not UTF-8 must not crash the stream
-            # (found by tests/test_fuzz.py: b"\x80" in the min-weight-version header).
-            return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+            return _value(h)
     return None
+
+
+def _request_headers_of_interest(headers: pb.HttpHeaders) -> tuple[str | None, str]:
+    """``(min weight version header or None, x-request-id or "")`` in one pass over the headers."""
+    min_version, request_id = None, ""
+    for h in headers.headers.headers:
+        if h.key == protocol.MIN_WEIGHT_VERSION_HEADER:
+            min_version = _value(h)
+        elif h.key == REQUEST_ID_HEADER:
+            request_id = _value(h)[:128]
+    return min_version, request_id
+
+
+class _Stream:
+    """What the cut of one admitted request needs: the stream's context, and whether the handler is sending."""
+
+    __slots__ = ("_writer", "context", "cut_error", "pool", "sending")
+
+    def __init__(self, context, pool: str) -> None:
+        self.context, self.pool = context, pool
+        self.sending = False
+        self.cut_error: AdmissionRefused | None = None
+        self._writer: asyncio.Task | None = None  # kept: the loop holds tasks only weakly
+
+    def cut(self, err: AdmissionRefused) -> None:
+        """Answer the admitted request with ``err`` (once). While the handler is itself sending, it writes the
+        answer after its own message (two concurrent writes on one stream are not allowed)."""
+        if self.cut_error is not None:
+            return
+        self.cut_error = err
+        metrics.REFUSED.labels(pool=self.pool, reason=err.reason).inc()
+        log.warning("pool=%s request cut at the drain deadline: %s", self.pool, err.message)
+        if not self.sending:
+            self._writer = asyncio.get_running_loop().create_task(self._write(err))
+
+    async def _write(self, err: AdmissionRefused) -> None:
+        try:
+            await self.context.write(refusal_response(err))
+        except Exception as exc:  # the stream ended meanwhile: the request is gone already
+            log.debug("pool=%s cut answer not written: %r", self.pool, exc)
 
 
 class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -133,7 +187,7 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         if pool is None:
                             raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
                         min_version = 0
-                        raw = _header(req.request_headers, protocol.MIN_WEIGHT_VERSION_HEADER)
+                        raw, request_id = _request_headers_of_interest(req.request_headers)
                         if raw is not None:
                             try:
                                 min_version = int(raw)
@@ -150,7 +204,13 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     if adm.hold_s > 0:
                         metrics.HOLD_SECONDS.labels(pool=pool_name).observe(adm.hold_s)
+                    stream = _Stream(context, pool_name)
+                    adm.request_id, adm.on_cut = request_id, stream.cut
+                    stream.sending = True
                     yield self._hints.get(adm.candidates)
+                    stream.sending = False
+                    if stream.cut_error is not None:  # cut while the subset hint was being sent
+                        yield refusal_response(stream.cut_error)
                 elif which == "response_headers":
                     if adm is None:
                         yield _CONTINUE_RESPONSE_HEADERS

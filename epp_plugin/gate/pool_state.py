@@ -15,6 +15,13 @@ Drain barrier: every live request counts against each endpoint it could still re
 candidates until the served endpoint is learned on the response path, then that endpoint
 alone). An endpoint set DRAINING at epoch E is never a candidate of a request admitted at or
 after E, so "drained" is simply "no live request counts against it".
+
+Drain deadline (:meth:`PoolState.drain`): when the barrier has not held within the deadline, every
+live request that may still reach a draining endpoint and whose response has not started (it is
+still travelling: in the EPP, queued, connecting, or computing a non-streamed answer) is refused
+with :class:`DrainDeadline` (503, retryable) through its edge; a request whose response has started
+keeps counting and completes on the engine, which sleeps with ``mode=wait``. So after the deadline
+no request admitted before the drain can reach an engine that sleeps, and none is dropped silently.
 """
 
 from __future__ import annotations
@@ -71,6 +78,15 @@ class UnknownPool(AdmissionRefused):
     reason = "unknown_pool"
 
 
+class DrainDeadline(AdmissionRefused):
+    """The drain deadline passed while the request could still reach a draining endpoint and its response had
+    not started (HTTP 503, retryable: a retry is admitted to a serving endpoint or held)."""
+
+    http_status = 503
+    reason = "drain_deadline"
+    retry_after_s = 1
+
+
 class GateShuttingDown(AdmissionRefused):
     """The gate is stopping; held requests are refused rather than left hanging (HTTP 503)."""
 
@@ -103,6 +119,23 @@ class Admission:
     hold_s: float
     served: str | None = None
     finished: bool = False
+    request_id: str = ""
+    """The request's id as the edge read it (Envoy's ``x-request-id``), to name it in drain reports."""
+    on_cut: Callable[[AdmissionRefused], None] | None = field(default=None, repr=False)
+    """Set by an edge that can still answer the request after admitting it (ext_proc: an ImmediateResponse
+    on the open stream); called once with the refusal when the drain deadline cuts the request."""
+    cut: bool = False
+
+
+@dataclass
+class DrainOutcome:
+    """Result of :meth:`PoolState.drain`: ``drained`` when nothing can reach the addresses any more;
+    ``in_flight`` per address (requests whose response has started, or whose edge cannot cut them);
+    ``cut`` the requests refused with :class:`DrainDeadline` at the deadline."""
+
+    drained: bool
+    in_flight: dict[str, int]
+    cut: list[Admission] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -342,6 +375,39 @@ class PoolState:
             return False, self.in_flight(addrs)
         finally:
             self._drain_waiters -= 1
+
+    def cut_unserved(self, addresses: Iterable[str]) -> list[Admission]:
+        """Refuse, with :class:`DrainDeadline`, every live request that may still reach one of ``addresses`` and
+        whose served endpoint is not known yet; returns them. Each is answered through its edge's ``on_cut``
+        (requests without one stay counted) and stops counting when its stream ends."""
+        addrs = set(addresses)
+        cut = []
+        for adm in list(self._live):
+            if adm.served is not None or adm.cut or adm.on_cut is None or addrs.isdisjoint(adm.candidates):
+                continue
+            adm.cut = True
+            hit = sorted(addrs.intersection(adm.candidates))
+            adm.on_cut(DrainDeadline(
+                f"the drain deadline of pool {self.name!r} passed while this request could still reach draining "
+                f"endpoint(s) {hit} and no response had started; retry: it will be admitted to a serving endpoint "
+                "or held"))
+            cut.append(adm)
+        self.refused_total += len(cut)
+        return cut
+
+    async def drain(self, addresses: Iterable[str], timeout_s: float, cut_grace_s: float = 2.0) -> DrainOutcome:
+        """The drain barrier with its deadline: wait up to ``timeout_s`` seconds (:meth:`wait_drained`); if requests
+        still count against ``addresses`` then, cut those whose response has not started (:meth:`cut_unserved`)
+        and wait up to ``cut_grace_s`` seconds for their streams to end. Requests whose response has started
+        are left to complete (the engine sleeps with ``mode=wait``) and reported in ``in_flight``."""
+        addrs = list(addresses)
+        drained, in_flight = await self.wait_drained(addrs, timeout_s)
+        if drained:
+            return DrainOutcome(True, in_flight)
+        cut = self.cut_unserved(addrs)
+        if cut:
+            drained, in_flight = await self.wait_drained(addrs, cut_grace_s)
+        return DrainOutcome(drained, in_flight, cut)
 
     def set_stale(self, stale: bool) -> None:
         """Enter or leave the stale state (see ``stale``); leaving it releases held requests."""

@@ -186,10 +186,19 @@ class StateSubscription:
         metrics.ORCHESTRATOR_EPOCH.set(update.epoch)
 
     async def _drain(self, q: pb.DrainQuery, outbox: asyncio.Queue) -> None:
+        """Answer a drain query from the pool's drain barrier; at its timeout, requests that could still reach the
+        addresses and whose response has not started are refused (503 drain_deadline) and named in the result."""
         pool = self.pools.get(q.pool)
-        if pool is None:
-            drained, in_flight = True, {}
-        else:
-            drained, in_flight = await pool.wait_drained(list(q.addresses), max(0.0, q.timeout_s))
-        outbox.put_nowait(pb.GateMessage(drain_result=pb.DrainResult(query_id=q.query_id, drained=drained,
-                                                                     in_flight=in_flight)))
+        result = pb.DrainResult(query_id=q.query_id, drained=True)
+        if pool is not None:
+            outcome = await pool.drain(list(q.addresses), max(0.0, q.timeout_s))
+            result.drained = outcome.drained
+            result.in_flight.update(outcome.in_flight)
+            addrs = set(q.addresses)
+            for adm in outcome.cut:
+                result.cut.add(request_id=adm.request_id, addresses=sorted(addrs.intersection(adm.candidates)))
+            if outcome.cut:
+                log.warning("pool=%s drain deadline (%.1f s) passed: %d request(s) that could still reach %s were "
+                            "answered 503 drain_deadline: %s", q.pool, q.timeout_s, len(outcome.cut),
+                            sorted(addrs), [a.request_id for a in outcome.cut])
+        outbox.put_nowait(pb.GateMessage(drain_result=result))

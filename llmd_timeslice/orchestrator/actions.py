@@ -122,11 +122,14 @@ class GrpcSwitchActions(SwitchActions):
         for pool, eps in by_pool.items():
             await self.hub.publish(pool, [(e.address, state, weight_version) for e in eps])
 
-    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float) -> bool:
+    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float,
+                            cut: list[str] | None = None) -> bool:
+        """The gates' drain barrier; at ``timeout_s`` the gates answer 503 drain_deadline to requests that had not
+        reached a response yet (their ids go to ``cut``); those already responding finish (sleep mode=wait)."""
         by_pool: dict[str, list[str]] = defaultdict(list)
         for s in samplers:
             by_pool[s.pool].append(s.address)
-        results = await asyncio.gather(*(self.hub.wait_drained(p, a, timeout_s) for p, a in by_pool.items()))
+        results = await asyncio.gather(*(self.hub.wait_drained(p, a, timeout_s, cut) for p, a in by_pool.items()))
         drained = all(d for d, _ in results)
         if not drained:
             left = {k: v for _, m in results for k, v in m.items() if v}
@@ -146,8 +149,9 @@ class GrpcSwitchActions(SwitchActions):
 
     # ---------------------------------------------------------------- sidecars
     async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig,
-                         weights: WeightUpdate | None = None) -> None:
-        """One sleep or wake through the sidecar, waited for; raises :class:`SamplerStepFailed`."""
+                         weights: WeightUpdate | None = None) -> spb.GetOperationResponse:
+        """One sleep or wake through the sidecar, waited for; returns the finished operation. Raises
+        :class:`SamplerStepFailed`."""
         ch = self._channel(sampler.sidecar)
         stub = spb_grpc.SnapshotAgentServiceStub(ch)
         waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
@@ -184,17 +188,23 @@ class GrpcSwitchActions(SwitchActions):
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
             step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
             raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
+        return op
 
     @staticmethod
     def _config(level: int) -> spb.BackendConfig:
         mode = spb.SUSPEND_MODE_DISCARD if level == 2 else spb.SUSPEND_MODE_OFFLOAD
         return spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=spb.APP_VLLM, mode=mode))
 
-    async def suspend_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, config: spb.BackendConfig) -> None:
-        """Put one sampler's engine to sleep through its sidecar, verified there. Raises SamplerStepFailed."""
+    async def suspend_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, config: spb.BackendConfig,
+                              record: SwitchRecord | None = None) -> None:
+        """Put one sampler's engine to sleep through its sidecar, verified there; requests the sidecar found
+        parked inside the sleeping engine (and what it did with them) go to ``record.parked_requests``.
+        Raises SamplerStepFailed."""
         self.sampler_states[sampler.address] = JobState.TRANSITIONING
-        await self._operation(sampler, spec.group_id, "sleep", config)
+        op = await self._operation(sampler, spec.group_id, "sleep", config)
         self.sampler_states[sampler.address] = JobState.SAVED
+        if record is not None and op.parked_requests:
+            record.parked_requests[sampler.address] = f"{op.parked_requests} {op.parked_action}"
 
     async def resume_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, record: SwitchRecord,
                              config: spb.BackendConfig) -> None:
@@ -245,13 +255,17 @@ class GrpcSwitchActions(SwitchActions):
         await self._set_serving(spec.samplers, False)
         record.phases["publish_draining"] = time.monotonic() - t
         t = time.monotonic()
-        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s))
+        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s,
+                                                                          record.drain_cut))
+        if record.drain_cut:
+            log.warning("group=%s drain deadline: %d request(s) answered 503 drain_deadline: %s", spec.group_id,
+                        len(record.drain_cut), record.drain_cut)
         record.phases["drain"] = time.monotonic() - t
 
     async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
         t = time.monotonic()
         cfg = self._config(record.sleep_level or spec.sleep_level)
-        await asyncio.gather(*(self.suspend_sampler(spec, s, cfg) for s in spec.samplers))
+        await asyncio.gather(*(self.suspend_sampler(spec, s, cfg, record) for s in spec.samplers))
         record.phases["sleep"] = time.monotonic() - t
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
 

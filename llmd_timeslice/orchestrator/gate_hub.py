@@ -246,11 +246,14 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         except TimeoutError:
             return False
 
-    async def wait_drained(self, pool: str, addresses: list[str], timeout_s: float) -> tuple[bool, dict[str, int]]:
+    async def wait_drained(self, pool: str, addresses: list[str], timeout_s: float,
+                           cut: list[str] | None = None) -> tuple[bool, dict[str, int]]:
         """Ask every connected gate for its drain barrier on ``addresses``; True when all report drained.
 
         A gate that disconnects while asked counts as not drained (its requests may still be in flight).
-        Gates whose stream the hub closed are not asked (``publish`` already waited until they hold)."""
+        Gates whose stream the hub closed are not asked (``publish`` already waited until they hold).
+        At ``timeout_s`` each gate answers 503 drain_deadline to the requests that could still reach the addresses
+        and had no response yet; their ids (x-request-id) are appended to ``cut`` when given."""
         conns = [c for c in self._gates.values() if not c.closed]
         if not conns:
             return True, {}
@@ -272,6 +275,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                 drained = False
                 continue
             drained &= r.drained
+            if cut is not None:
+                cut.extend(c.request_id or "(no x-request-id)" for c in r.cut)
             for k, v in r.in_flight.items():
                 left[k] = left.get(k, 0) + v
         return drained, left

@@ -244,7 +244,8 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
         return orchestrator_info_pb2.ListSwitchesResponse(switches=[
             orchestrator_info_pb2.SwitchInfo(
                 group_id=r.group_id, kind=r.kind.value, job_id=r.job_id, started_at_unix_s=r.started_at, ok=r.ok,
-                error=r.error, phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"})
+                error=r.error, phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"},
+                drain_cut_request_ids=r.drain_cut, parked_requests=r.parked_requests)
             for r in records[: request.limit or 10]
         ])
 

@@ -185,6 +185,10 @@ class SwitchRecord:
     good version instead (and serves it unless it is also in ``sampler_errors``)."""
     engine_faults: dict[str, EngineFault] = field(default_factory=dict)
     """A repair after an engine audit: address -> what the audit found."""
+    drain_cut: list[str] = field(default_factory=list)
+    """To a job: requests the gates answered 503 ``drain_deadline`` at the drain deadline (x-request-id each)."""
+    parked_requests: dict[str, str] = field(default_factory=dict)
+    """To a job: address -> requests found inside its engine after it slept and what was done ("2 aborted")."""
 
 
 @dataclass(frozen=True)

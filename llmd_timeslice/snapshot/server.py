@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter
 
 from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
@@ -44,6 +45,11 @@ from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 log = logging.getLogger(__name__)
+
+PARKED_REQUESTS = Counter(
+    "llmd_timeslice_sidecar_parked_requests_total",
+    "Requests found inside an engine after its verified sleep (they reached it after the drain), by what was done: "
+    "aborted (finish_reason abort at once) or kept (pause mode keep: they resume on wake).", ["job_id", "action"])
 
 MAX_OPERATIONS_KEPT = 1000
 MAX_WAIT_S = 3600.0
@@ -71,6 +77,8 @@ class Operation:
     storage_bytes: int | None = None
     device_bytes: int | None = None  # device memory the snapshot freed, where measured (NVML)
     fault: int = xpb.OPERATION_FAULT_UNSPECIFIED  # why it FAILED, where known (snapshot_ext.proto)
+    parked_requests: int = 0  # requests found inside the engine after the sleep (see SuspendResult)
+    parked_action: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def to_pb(self) -> pb.GetOperationResponse:
@@ -83,6 +91,8 @@ class Operation:
             resp.storage_bytes = self.storage_bytes
         if self.device_bytes is not None:
             resp.snapshot_device_bytes = self.device_bytes
+        if self.parked_requests:
+            resp.parked_requests, resp.parked_action = self.parked_requests, self.parked_action
         return resp
 
 
@@ -163,6 +173,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     res = await asyncio.wait_for(backend.suspend(mode, tags), self._timeout)
                     if res is not None:
                         op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
+                        if res.parked_requests:
+                            op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
+                            PARKED_REQUESTS.labels(job_id=op.job_id, action=res.parked_action).inc(res.parked_requests)
                     self.states[op.job_id] = "SAVED"
                 elif weights is not None:
                     await asyncio.wait_for(backend.resume_with_weights(tags, weights), self._timeout)
@@ -194,9 +207,11 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             finally:
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
                 op.done.set()
-                log.info("operation=%s job=%s kind=%s%s status=%s elapsed_ms=%d%s", op.id, op.job_id, op.kind,
+                log.info("operation=%s job=%s kind=%s%s status=%s elapsed_ms=%d%s%s", op.id, op.job_id, op.kind,
                          f" weight_version={weights.version}" if weights is not None else "",
-                         pb.OperationStatus.Name(op.status), op.elapsed_ms, f" error={op.error}" if op.error else "")
+                         pb.OperationStatus.Name(op.status), op.elapsed_ms,
+                         f" parked_requests={op.parked_requests} ({op.parked_action})" if op.parked_requests else "",
+                         f" error={op.error}" if op.error else "")
 
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start(request, context, "snapshot"))

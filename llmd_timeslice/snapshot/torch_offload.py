@@ -14,6 +14,14 @@ weighted by 4 KiB-chunk position), not a cryptographic hash: it detects corrupte
 chunks, bit flips and partial copies, and costs a reduction instead of hashing every byte on one
 host core (BLAKE2b ran at 0.88 GB/s here, 28 s per direction for a 7B trainer's state).
 
+Freeing a tensor's storage on a GPU only returns it to PyTorch's caching allocator, which keeps the
+blocks reserved in this process: the device would look full to the driver, and the sampler's wake in
+another process would fail out of memory. So ``offload()`` ends by returning the allocator's free
+blocks to the driver (``torch.cuda.synchronize()`` then ``torch.cuda.empty_cache()``, whenever this
+process has initialised CUDA) and reports what stays reserved (``OffloadStats.device_reserved_bytes``;
+memory still referenced by other live tensors of the process stays reserved). ``benchmarks/gpu/
+snapshot_gpu.py`` checks on a GPU that this is about zero.
+
 On this CPU-only machine the "device" is the CPU: offload still moves the bytes into the
 reusable host buffers and frees the working storage, through the same code as on a GPU.
 """
@@ -37,12 +45,15 @@ class StateNotOffloaded(RuntimeError):
 
 @dataclass
 class OffloadStats:
-    """Figures of the last offload or restore: ``bytes`` moved, ``seconds`` taken."""
+    """Figures of the last offload or restore: ``bytes`` moved, ``seconds`` taken; after an offload,
+    ``device_reserved_bytes`` is the device memory PyTorch's caching allocator still reserves in this
+    process (``torch.cuda.memory_reserved()``; None without CUDA)."""
 
     bytes: int
     seconds: float
     checksum: str
     allocated_buffers: int
+    device_reserved_bytes: int | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -107,6 +118,17 @@ def _combine(sums: list[tuple[int, int]]) -> str:
     return h.hexdigest()
 
 
+def release_cached_device_memory() -> int | None:
+    """Return the CUDA caching allocator's free blocks to the driver (``torch.cuda.synchronize()``, then
+    ``torch.cuda.empty_cache()``) when this process has initialised CUDA; returns the bytes still reserved
+    (``torch.cuda.memory_reserved()``), or None when CUDA was never initialised (nothing is cached)."""
+    if not torch.cuda.is_initialized():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved())
+
+
 def state_checksum(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
     """Checksum of every state tensor's raw bytes (see :func:`tensor_checksum`), as hex."""
     return _combine([tensor_checksum(t) for t in _tensors(model, optimizer)])
@@ -120,12 +142,15 @@ class TorchStateOffloader:
         optimizer: its optimizer (state created lazily by the first ``step()`` is picked up on
             each offload).
         pin_memory: pin host buffers (default: when CUDA is available).
+        release_device_cache: end each offload by returning the caching allocator's memory to the driver
+            (:func:`release_cached_device_memory`); False only to measure what it saves.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, release_device_cache: bool = True) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.release_device_cache = release_device_cache
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._host: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor, torch.Size, torch.device]] = []
@@ -149,7 +174,9 @@ class TorchStateOffloader:
         return pool[i]
 
     def offload(self) -> OffloadStats:
-        """Move state to host buffers, free device storage; returns the figures.
+        """Move state to host buffers, free device storage and return the caching allocator's free memory to the
+        driver (``torch.cuda.empty_cache()`` where CUDA is initialised, so another process, e.g. the sampler
+        waking, can use it); returns the figures, with the device memory still reserved by this process.
 
         Raises:
             RuntimeError: already offloaded.
@@ -172,8 +199,9 @@ class TorchStateOffloader:
         with torch.no_grad():
             for t, _, _, device in self._offloaded:
                 t.set_(torch.empty(0, dtype=t.dtype, device=device))  # free the working storage
+        reserved = release_cached_device_memory() if self.release_device_cache else None
         self.cycles += 1
-        return OffloadStats(moved, time.perf_counter() - t0, self._checksum, self.allocations)
+        return OffloadStats(moved, time.perf_counter() - t0, self._checksum, self.allocations, reserved)
 
     def restore(self) -> OffloadStats:
         """Copy state back into fresh device storage and verify the checksum.

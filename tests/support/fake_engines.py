@@ -2,8 +2,12 @@
 
 * :class:`FakeVllm` speaks vLLM's sleep dialect (``/sleep``, ``/wake_up``, ``/is_sleeping``,
   ``/metrics`` with ``vllm:engine_sleep_state``, ``/collective_rpc``, ``/reset_prefix_cache``,
-  ``/v1/models``, ``/v1/completions``) and can *lie*: answer 200 to ``/sleep`` or ``/wake_up``
-  while its state does not change. Real vLLM never lies on purpose, so the lie needs a fake.
+  ``/pause``, ``/v1/models``, ``/v1/completions``) and can *lie*: answer 200 to ``/sleep`` or
+  ``/wake_up`` while its state does not change. Real vLLM never lies on purpose, so the lie needs a fake.
+  It also plays the field failures a 2-core CPU cannot produce on demand: a prefix-cache reset refused
+  with 200 ``{"success": false}``, several engine cores in mixed sleep states (data parallelism), an
+  engine that answers nonsense after a wake, and requests parked while asleep (they wait, as in vLLM,
+  until the next wake or an abort).
 * :class:`FakeSglang` speaks SGLang's dialect (``POST /release_memory_occupation`` and
   ``/resume_memory_occupation`` with a JSON body ``{"tags": [...] | null}``, ``POST /generate``),
   since SGLang cannot run on this machine.
@@ -15,6 +19,7 @@ Both run a stdlib ``ThreadingHTTPServer`` in a background thread and record ever
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
 import threading
 import time
@@ -36,6 +41,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _stream(self, chunks: list[tuple[float, bytes]]) -> None:
+        """SSE answer: headers first, then each chunk after its delay (seconds)."""
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        for delay, data in chunks:
+            time.sleep(delay)
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
     def _dispatch(self, method: str) -> None:
         n = int(self.headers.get("content-length") or 0)
         raw = self.rfile.read(n) if n else b""
@@ -49,7 +68,10 @@ class _Handler(BaseHTTPRequestHandler):
         with engine.lock:
             engine.calls.append((method, url.path, body if body is not None else query))
         status, payload, ctype = engine.handle(method, url.path, query, body)
-        self._send(status, payload, ctype)
+        if ctype == "text/event-stream":
+            self._stream(payload)
+        else:
+            self._send(status, payload, ctype)
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -95,13 +117,44 @@ class _FakeEngine(abc.ABC):
 
 class FakeVllm(_FakeEngine):
     """vLLM's sleep endpoints. ``lie_on_sleep`` / ``lie_on_wake``: answer 200 but keep the state;
-    ``export_sleep_state``: whether ``/metrics`` has ``vllm:engine_sleep_state``."""
+    ``export_sleep_state``: whether ``/metrics`` has ``vllm:engine_sleep_state``.
+
+    Field failures (attributes a test may set at any time):
+
+    * ``engines``: engine cores behind the server (``engine`` label of the metrics); ``engine_states`` overrides
+      the sleep state one engine reports (engine label -> state), as a data-parallel rank that did not follow.
+    * ``refuse_prefix_reset``: ``"plain"`` answers ``/reset_prefix_cache`` with 200 ``{"success": false}`` unless
+      ``reset_running_requests=true`` (requests hold cache blocks: vLLM 0.32's answer); ``"always"`` refuses both.
+    * ``garble_next_wake``: the next full wake leaves the engine answering nonsense (other greedy tokens) until
+      its weights are reloaded (``collective_rpc reload_weights``).
+    * ``park_while_asleep``: a completion that arrives while asleep, or while ``/sleep`` is being served (vLLM queues
+      requests added while it pauses), waits inside, as in vLLM, until the next wake (then it is answered) or
+      ``/pause?mode=abort`` (then ``finish_reason: "abort"``, counted in ``vllm:request_success_total``);
+      ``abort_route``: whether ``/pause`` exists (404 otherwise, like vLLM without its RL routes);
+      ``metrics_count_parked``: whether parked requests show in ``vllm:num_requests_waiting`` (vLLM shows those
+      queued before its last engine step, not later arrivals).
+    * ``completion_delay_s``: seconds each completion computes (counted in ``vllm:num_requests_running``
+      meanwhile); ``/sleep?mode=wait`` waits for running completions, like vLLM.
+    """
 
     def __init__(self, lie_on_sleep: bool = False, lie_on_wake: bool = False, export_sleep_state: bool = True,
                  port: int = 0, sleep_delay_s: float = 0.0, wake_delay_s: float = 0.0) -> None:
         super().__init__(port)
         self.sleep_delay_s, self.wake_delay_s = sleep_delay_s, wake_delay_s
         self.completions_while_asleep = 0
+        self.engines = 1
+        self.engine_states: dict[str, str] = {}
+        self.refuse_prefix_reset = "never"
+        self.garble_next_wake = False
+        self.garbled = False
+        self.park_while_asleep = False
+        self.abort_route = True
+        self.metrics_count_parked = False
+        self.pausing = False
+        self.aborted_total = 0
+        self.completion_delay_s = 0.0
+        self.running = 0
+        self._parked: list[dict] = []  # {"event": threading.Event, "aborted": bool}
         self.lie_on_sleep, self.lie_on_wake, self.export_sleep_state = lie_on_sleep, lie_on_wake, export_sleep_state
         self.level = 0  # 0 awake, else the sleep level
         self.asleep_tags = {"weights", "kv_cache"}
@@ -121,38 +174,122 @@ class FakeVllm(_FakeEngine):
             self.weight_version = "default"
             self.weights_path = None
 
+    def _release_parked(self, aborted: bool) -> int:
+        with self.lock:
+            parked, self._parked = self._parked, []
+        for entry in parked:
+            entry["aborted"] = aborted
+            entry["event"].set()
+        if aborted:
+            self.aborted_total += len(parked)
+        return len(parked)
+
+    @property
+    def parked(self) -> int:
+        """Completions waiting inside the sleeping engine now."""
+        return len(self._parked)
+
+    def _tokens(self, prompt: str, n: int) -> list[int]:
+        """Greedy tokens of ``prompt``: a function of the prompt and the weights loaded (and of the garbling)."""
+        seed = f"{self.weights_path or 'initial'}|{'garbled' if self.garbled else 'ok'}|{prompt}"
+        digest = hashlib.sha256(seed.encode()).digest()
+        return [digest[i % len(digest)] * 7 % 1000 for i in range(n)]
+
+    def _completion(self, body: dict):
+        prompts = body.get("prompt", "")
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        n = int(body.get("max_tokens") or 1)
+        if self.level != 0 or (self.pausing and self.park_while_asleep):
+            self.completions_while_asleep += 1  # a real vLLM would hang this request
+            if self.park_while_asleep:
+                entry = {"event": threading.Event(), "aborted": False}
+                with self.lock:
+                    self._parked.append(entry)
+                entry["event"].wait(120)
+                if entry["aborted"]:
+                    return 200, {"choices": [{"index": i, "text": "", "finish_reason": "abort"}
+                                             for i in range(len(prompts))]}, "application/json"
+        if body.get("stream"):
+            chunks = [(self.completion_delay_s, b'data: {"choices": [{"text": "x"}]}\n\n'), (0.0, b"data: [DONE]\n\n")]
+            return 200, chunks, "text/event-stream"
+        with self.lock:
+            self.running += 1
+        try:
+            time.sleep(self.completion_delay_s)
+        finally:
+            with self.lock:
+                self.running -= 1
+        choices = []
+        for i, p in enumerate(prompts):
+            tokens = self._tokens(str(p), n)
+            choice = {"index": i, "text": " ".join(map(str, tokens)), "finish_reason": "length"}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = tokens
+            choices.append(choice)
+        return 200, {"choices": choices}, "application/json"
+
+    def _sleep(self, query: dict):
+        time.sleep(self.sleep_delay_s)
+        if query.get("mode", "abort") == "wait":
+            deadline = time.monotonic() + 60
+            while self.running and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if not self.lie_on_sleep:
+            self.level = int(query.get("level", 1))
+            self.asleep_tags = {"weights", "kv_cache"}
+        return 200, {"status": "sleeping", "level": int(query.get("level", 1))}, "application/json"
+
     def handle(self, method, path, query, body):
         if path == "/is_sleeping":
             return 200, {"is_sleeping": self.level != 0}, "application/json"
         if path == "/metrics":
-            lines = ["# TYPE vllm:num_requests_running gauge", 'vllm:num_requests_running{engine="0"} 0.0',
-                     "# TYPE vllm:num_requests_waiting gauge", 'vllm:num_requests_waiting{engine="0"} 0.0']
+            lines = ["# TYPE vllm:num_requests_running gauge", "# TYPE vllm:num_requests_waiting gauge"]
+            for e in range(self.engines):  # the running count goes to engine 0; parked requests are not counted (vLLM
+                # publishes counts only when its engine core steps, which it does not while paused)
+                lines.append(f'vllm:num_requests_running{{engine="{e}"}} {float(self.running if e == 0 else 0)}')
+                waiting = self.parked if e == 0 and self.metrics_count_parked else 0
+                lines.append(f'vllm:num_requests_waiting{{engine="{e}"}} {float(waiting)}')
             if self.export_sleep_state:
                 lines.append("# TYPE vllm:engine_sleep_state gauge")
-                for s in ("awake", "weights_offloaded", "discard_all"):
-                    lines.append(f'vllm:engine_sleep_state{{engine="0",sleep_state="{s}"}} '
-                                 f'{1.0 if s == self._state() else 0.0}')
+                for e in range(self.engines):
+                    state = self.engine_states.get(str(e), self._state())
+                    for s in ("awake", "weights_offloaded", "discard_all"):
+                        lines.append(f'vllm:engine_sleep_state{{engine="{e}",model_name="fake",sleep_state="{s}"}} '
+                                     f'{1.0 if s == state else 0.0}')
+            lines += ["# TYPE vllm:request_success counter",
+                      f'vllm:request_success_total{{engine="0",finished_reason="abort"}} {float(self.aborted_total)}']
             return 200, "\n".join(lines) + "\n", "text/plain"
         if path == "/sleep":
-            time.sleep(self.sleep_delay_s)
-            if not self.lie_on_sleep:
-                self.level = int(query.get("level", 1))
-                self.asleep_tags = {"weights", "kv_cache"}
-            return 200, {"status": "sleeping", "level": int(query.get("level", 1))}, "application/json"
+            self.pausing = True
+            try:
+                return self._sleep(query)
+            finally:
+                self.pausing = False
         if path == "/wake_up":
             time.sleep(self.wake_delay_s)
             tags = query.get("tags")
             tags = [tags] if isinstance(tags, str) else (tags or ["weights", "kv_cache"])
             if not self.lie_on_wake:
                 self.asleep_tags -= set(tags)
-                if not self.asleep_tags:
+                if not self.asleep_tags and self.level:
                     self.level = 0
+                    if self.garble_next_wake:
+                        self.garble_next_wake, self.garbled = False, True
+                    self._release_parked(aborted=False)
             return 200, {"status": "awake" if self.level == 0 else "sleeping", "tags": tags}, "application/json"
+        if path == "/pause":
+            if not self.abort_route:
+                return 404, {"detail": "Not Found"}, "application/json"
+            if query.get("mode") == "abort":
+                self._release_parked(aborted=True)
+                time.sleep(0.02)  # like AsyncLLM.pause_generation: lets the abort outputs out first
+            return 200, {"status": "paused"}, "application/json"
         if path == "/collective_rpc":
             if (body or {}).get("method") == "reload_weights":
                 if "weights" in self.asleep_tags and self.level:
                     return 500, {"error": "weights are asleep"}, "application/json"
                 self.weights_path = ((body or {}).get("kwargs") or {}).get("weights_path", self.weights_path)
+                self.garbled = False
             return 200, {"results": [None]}, "application/json"
         if path == "/update_weight_version":
             self.weight_version = body["new_version"]
@@ -168,13 +305,13 @@ class FakeVllm(_FakeEngine):
             self.weight_version = body.get("weight_version") or self.weight_version
             return 200, {"message": "Weight update finished"}, "application/json"
         if path == "/reset_prefix_cache":
-            return 200, {"success": True}, "application/json"
+            preempt = query.get("reset_running_requests") == "true"
+            refused = self.refuse_prefix_reset == "always" or (self.refuse_prefix_reset == "plain" and not preempt)
+            return 200, {"success": not refused}, "application/json"
         if path == "/v1/models":
             return 200, {"data": [{"id": "fake"}]}, "application/json"
         if path == "/v1/completions":
-            if self.level != 0:
-                self.completions_while_asleep += 1  # a real vLLM would hang this request
-            return 200, {"choices": [{"text": "x", "finish_reason": "length"}]}, "application/json"
+            return self._completion(body or {})
         return 404, {"error": path}, "application/json"
 
 

@@ -1,5 +1,6 @@
 """A loopback TCP proxy that a test can cut (connections reset) or black-hole (bytes silently dropped,
-sockets kept open: a network partition), then heal."""
+sockets kept open: a network partition), then heal; or slow down: ``delay_s`` holds every byte from the target
+back for that many seconds (order kept), like a slow endpoint picker."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import contextlib
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, delay_s: float = 0.0) -> None:
         self.target = (target_host, target_port)
+        self.delay_s = delay_s
         self.port = 0
         self.mode = "pass"  # pass | blackhole | refuse
         self._server: asyncio.base_events.Server | None = None
@@ -24,12 +26,38 @@ class TcpProxy:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool = False) -> None:
+        if delayed and self.delay_s > 0:
+            await self._delayed_pipe(reader, writer)
+            return
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
                 if self.mode == "pass":
                     writer.write(data)
                     await writer.drain()
+        with contextlib.suppress(Exception):
+            writer.close()
+
+    async def _delayed_pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Each chunk leaves ``delay_s`` after it arrived (chunks do not add up their delays)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def send() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                if self.mode == "pass":
+                    writer.write(data)
+                    await writer.drain()
+
+        sender = asyncio.create_task(send())
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                queue.put_nowait((loop.time() + self.delay_s, data))
+            queue.put_nowait(None)
+            await sender
+        sender.cancel()
         with contextlib.suppress(Exception):
             writer.close()
 
@@ -43,7 +71,7 @@ class TcpProxy:
             writer.close()
             return
         self._writers |= {writer, uw}
-        await asyncio.gather(self._pipe(reader, uw), self._pipe(ur, writer))
+        await asyncio.gather(self._pipe(reader, uw), self._pipe(ur, writer, delayed=True))
         self._writers -= {writer, uw}
 
     def blackhole(self) -> None:

@@ -2,7 +2,8 @@
 
 Runs a stdlib ``ThreadingHTTPServer`` in a background thread. ``GET/POST /`` returns JSON
 ``{"served_by": "ip:port", "body_bytes": n, "body_sha256": ...}``; ``[/v1]/stream?chunks=N&gap_ms=M``
-sends N SSE events M ms apart.
+sends N SSE events M ms apart; ``[/v1]/late_json?delay_ms=M`` sends its headers at once and a chunked JSON
+body M ms later (a non-streamed answer still being computed); ``[/v1]/no_content`` answers 204.
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ class _Handler(BaseHTTPRequestHandler):
         server: UpstreamServer = self.server.owner  # type: ignore[attr-defined]
         server.hits += 1
         url = urlparse(self.path)
+        if url.path.endswith("/no_content"):
+            self.send_response(204)
+            self.end_headers()
+            return
+        if url.path.endswith("/late_json"):
+            delay = int(parse_qs(url.query).get("delay_ms", ["2000"])[0]) / 1000
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+            time.sleep(delay)
+            data = json.dumps({"served_by": server.address, "late_ms": int(delay * 1000)}).encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
+            self.wfile.flush()
+            return
         if url.path.endswith("/stream"):
             q = parse_qs(url.query)
             chunks = int(q.get("chunks", ["5"])[0])

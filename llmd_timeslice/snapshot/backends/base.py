@@ -37,10 +37,14 @@ class WeightVersionRejected(BackendError):
 
 @dataclass
 class SuspendResult:
-    """Bytes figures are optional: ``None`` where the backend cannot measure them."""
+    """Bytes figures are optional: ``None`` where the backend cannot measure them. ``parked_requests``: requests
+    found inside the workload after it was verified suspended, and ``parked_action`` what was done with them
+    (``"aborted"`` or ``"kept"``; "" when none)."""
 
     storage_bytes: int | None = None
     device_bytes_freed: int | None = None
+    parked_requests: int = 0
+    parked_action: str = ""
 
 
 class SnapshotBackend(abc.ABC):

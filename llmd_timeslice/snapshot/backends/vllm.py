@@ -32,8 +32,46 @@ and after a sleep and fails it unless at least ``min_freed_fraction`` of the use
 any ``memory_reader`` callable can stand in for NVML (tests inject one).
 
 An HTTP 200 from ``/sleep`` proves nothing by itself, so every step is verified afterwards: the
-engine must report sleeping (``/is_sleeping``, and the sleep-state gauge where exported) after a
-sleep; after a wake it must report awake and answer a one-token probe completion.
+engine must report sleeping (``/is_sleeping``, and the sleep-state gauge of *every* engine core where
+exported: one series per ``engine`` label with data parallelism) after a sleep; after a wake it must
+report awake on every engine core and pass the semantic probe.
+
+Semantic probe: greedy tokens (``temperature 0``, ``ignore_eos``, ``return_token_ids``) of
+:data:`PROBE_PROMPTS` compared with a reference for the weight version the engine serves. The reference is
+recorded when that version first served through this backend: before the first sleep of the version
+when the engine is idle (it has been serving it) or else at its first verified wake (a freshly loaded
+version). A mismatch fails
+the wake with :class:`ProbeMismatch`, puts the engine back to sleep (level 2) and marks its weights unusable,
+so the endpoint stays out of service and the next restore reloads the weights. Greedy decoding in float32
+is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
+``probe_max_mismatched_prompts`` tolerates.
+
+Prefix cache reset (after a wake that reloaded weights): vLLM 0.32's ``POST /reset_prefix_cache`` answers
+200 ``{"success": false}`` when blocks are still held, e.g. by running requests
+(``vllm/entrypoints/serve/dev/cache/api_router.py``; ``BlockPool.reset_prefix_cache`` in
+``vllm/v1/core/block_pool.py``). The backend then resets with ``?reset_running_requests=true`` (the scheduler
+preempts running requests, which recompute with the new weights: ``Scheduler.reset_prefix_cache`` in
+``vllm/v1/core/sched/scheduler.py``); if that is refused too, the wake fails and the endpoint stays out of
+service with the reason: never SERVING on stale KV.
+
+Requests parked in a sleeping engine: a request that reaches vLLM after the drain (sent straight to the
+engine, or queued when the sleep began) waits inside the sleeping engine until the next wake. vLLM 0.32
+queues requests added while paused without stepping, so ``vllm:num_requests_waiting`` does not count
+the late ones (``Scheduler.get_num_unfinished_requests`` with ``PAUSED_NEW``; the engine core publishes
+counts only when it steps). Rule, after every verified sleep: ``POST /pause?mode=abort&clear_cache=false``
+(``vllm/entrypoints/rl/online/api_router.py``, dev mode) makes the engine core abort every request still in
+its scheduler (``EngineCoreProc.pause_scheduler``): each ends at once with ``finish_reason: "abort"``. The
+engine is the judge, not the API server: ``/sleep`` returns before the API server has processed the final
+outputs of the batch it drained (``AsyncLLM.pause_generation`` says so), so aborting what the API server
+still tracks (``POST /abort_requests``) would abort completed requests (measured on vLLM 0.32 CPU: right
+after a ``mode=wait`` sleep it still tracked all 8 requests of the drained batch). The count reported
+(operation result, metric, log) is the rise of ``vllm:request_success_total{finished_reason="abort"}``, or,
+while that has not moved, the queue the engine last published (its running count is not used: it can
+still show the batch the sleep drained). With ``pause_mode="keep"`` requests are frozen on purpose and resume on wake: they are
+counted from the metrics and reported as kept. An engine without the route and with requests queued
+inside is woken again and the sleep fails (they finish; the switch reports why). Checked on the CPU build,
+where the executor does not really sleep; on a GPU the abort makes the sleeping engine core take one step
+with nothing scheduled to drop the aborted requests: not measured here, worth confirming on a GPU build.
 """
 
 from __future__ import annotations
@@ -42,7 +80,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
@@ -101,12 +139,29 @@ def nvml_memory_reader(device_indices: list[int] | None = None) -> MemoryReader 
 
 @dataclass
 class EngineMetrics:
-    """What the backend reads from vLLM's ``/metrics``: request counts (summed over engines) and
-    the engine sleep state (the ``sleep_state`` label whose series is 1; None if not exported)."""
+    """What the backend reads from vLLM's ``/metrics``: request counts (summed over engines) and the sleep
+    state of each engine core (``sleep_states``: the ``engine`` label -> the ``sleep_state`` label whose series is 1,
+    None for an engine with no series at 1; empty when the gauge is not exported).
+
+    vLLM 0.32 exports ``vllm:engine_sleep_state`` with labels ``model_name``, ``engine`` (the engine core index; one
+    per data-parallel rank behind the server) and ``sleep_state`` (``vllm/v1/metrics/loggers.py``,
+    ``PrometheusStatLogger``)."""
 
     running: float = 0.0
     waiting: float = 0.0
-    sleep_state: str | None = None
+    sleep_states: dict[str, str | None] = field(default_factory=dict)
+    aborted_total: float = 0.0
+    """``vllm:request_success_total{finished_reason="abort"}`` summed over engines (requests that ended aborted)."""
+
+    @property
+    def sleep_state(self) -> str | None:
+        """The state every engine reports (None: not exported, or the engines disagree)."""
+        states = set(self.sleep_states.values())
+        return states.pop() if len(states) == 1 else None
+
+    def engines_not_in(self, expected: str) -> dict[str, str | None]:
+        """Engine label -> its state, for every engine not in ``expected`` (empty: all are, or none is exported)."""
+        return {e: s for e, s in sorted(self.sleep_states.items()) if s != expected}
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -117,11 +172,33 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
             m.running = sum(s.value for s in fam.samples if s.name == fam.name)
         elif fam.name == "vllm:num_requests_waiting":
             m.waiting = sum(s.value for s in fam.samples if s.name == fam.name)
+        elif fam.name.removesuffix("_total") == "vllm:request_success":  # the parser names counters either way
+            m.aborted_total += sum(s.value for s in fam.samples
+                                  if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
         elif fam.name == "vllm:engine_sleep_state":
             for s in fam.samples:
-                if s.value >= 1 and "sleep_state" in s.labels:
-                    m.sleep_state = s.labels["sleep_state"]
+                if "sleep_state" not in s.labels:
+                    continue
+                engine = s.labels.get("engine", "")
+                m.sleep_states.setdefault(engine, None)
+                if s.value >= 1:
+                    m.sleep_states[engine] = s.labels["sleep_state"]
     return m
+
+
+def _describe_engines(bad: dict[str, str | None]) -> str:
+    return ", ".join(f"engine {e or '?'} is {s!r}" if s else f"engine {e or '?'} reports no sleep state"
+                     for e, s in bad.items())
+
+
+PROBE_PROMPTS = ("The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n):", "Once upon a time")
+"""Fixed prompts of the semantic probe (greedy tokens compared with a reference per weight version)."""
+PROBE_TOKENS = 8
+
+
+class ProbeMismatch(BackendError):
+    """The engine's greedy tokens for the probe prompts differ from the reference of the weight version it should
+    serve: it is awake but its weights are wrong (a bad reload, corrupted memory)."""
 
 
 @register_backend
@@ -145,6 +222,12 @@ class VllmBackend(SnapshotBackend):
             in use before it (0 disables the check; the freed bytes are still reported).
         weight_loaders: weight source name -> loader (default:
             :func:`~llmd_timeslice.snapshot.backends.vllm_weights.default_loaders`).
+        probe_prompts, probe_tokens: the semantic probe's prompts and greedy tokens per prompt (module doc).
+        probe_max_mismatched_prompts: prompts whose tokens may differ from the reference before the probe fails
+            (0: exact; raise it on GPUs where bf16 near-ties can flip a continuation).
+
+    Raises:
+        ValueError: an unknown pause mode, a fraction outside [0, 1], or a probe without prompts.
     """
 
     name = "vllm"
@@ -155,11 +238,22 @@ class VllmBackend(SnapshotBackend):
                  probe: bool = True, request_timeout_s: float = 120.0, pause_mode: str = "wait",
                  reload_weights: bool = True, reset_prefix_cache: bool = True,
                  memory_reader: MemoryReader | None = None, min_freed_fraction: float = 0.0,
-                 weight_loaders: dict[str, WeightLoader] | None = None) -> None:
+                 weight_loaders: dict[str, WeightLoader] | None = None,
+                 probe_prompts: tuple[str, ...] = PROBE_PROMPTS, probe_tokens: int = PROBE_TOKENS,
+                 probe_max_mismatched_prompts: int = 0) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         if not 0.0 <= min_freed_fraction <= 1.0:
             raise ValueError("min_freed_fraction must be in [0, 1]")
+        if probe and (not probe_prompts or probe_tokens < 1):
+            raise ValueError("the probe needs at least one prompt and probe_tokens >= 1")
+        if not 0 <= probe_max_mismatched_prompts < max(1, len(probe_prompts)):
+            raise ValueError(f"probe_max_mismatched_prompts must be in [0, {len(probe_prompts)}), "
+                             f"got {probe_max_mismatched_prompts}")
+        self.probe_prompts, self.probe_tokens = tuple(probe_prompts), probe_tokens
+        self.probe_max_mismatched_prompts = probe_max_mismatched_prompts
+        self.probe_references: dict[int, list[list[int]]] = {}
+        """Weight version -> greedy token ids per probe prompt, recorded when that version first served."""
         self.pause_mode = pause_mode
         self.reload = reload_weights
         self.reset_prefix_cache = reset_prefix_cache
@@ -256,10 +350,18 @@ class VllmBackend(SnapshotBackend):
         await self._post("/sleep", params={"level": level, "mode": mode or self.pause_mode})
 
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
+        """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
+        found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
         level = 2 if mode is SuspendMode.DISCARD else 1
-        if not await self.wait_idle():
+        idle = await self.wait_idle()
+        if not idle:
             log.warning("engine %s still busy after %.1f s; sleeping with mode=%s", self.base_url, self.idle_timeout_s,
                         self.pause_mode)
+        if (self.probe and idle and self.weight_version not in self.probe_references and not self.weights_unusable
+                and not await self.is_suspended()):
+            # It has been serving this version: its answers are the reference. Only when idle: on a busy engine the
+            # probe would wait for the running batch and delay the sleep (the next verified wake records it then).
+            self.probe_references[self.weight_version] = await self._probe_tokens()
         before = self._read_memory()
         await self.sleep(level)
         self.level = level
@@ -267,21 +369,63 @@ class VllmBackend(SnapshotBackend):
             raise BackendError(f"vLLM {self.base_url} answered /sleep with 200 but /is_sleeping says awake; "
                                "the engine is left out of service: check its logs, then retry the snapshot")
         m = await self.metrics()
-        if m.sleep_state is not None and m.sleep_state != SLEEP_STATE_FOR_LEVEL[level]:
-            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m.sleep_state!r} after sleep "
-                               f"level {level} (expected {SLEEP_STATE_FOR_LEVEL[level]!r}); the engine is left out of "
-                               "service")
+        bad = m.engines_not_in(SLEEP_STATE_FOR_LEVEL[level])
+        if bad:
+            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state after sleep level {level} (expected "
+                               f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {_describe_engines(bad)}; the "
+                               "engine is left out of service")
+        parked, action = await self._handle_parked(m)
         after = self._read_memory()
         freed = before - after if before is not None and after is not None else None
         if freed is not None and self.min_freed_fraction > 0 and before > 0 and freed < self.min_freed_fraction * before:
             raise BackendError(f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
                                f"bytes (freed {freed / before:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
                                "(--enable-sleep-mode)? the engine is left out of service")
-        return SuspendResult(device_bytes_freed=freed)
+        return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
+
+    async def _handle_parked(self, m: EngineMetrics) -> tuple[int, str]:
+        """Requests inside the engine right after its verified sleep (``m``: the metrics read then): ``(count,
+        "aborted" | "kept" | "")`` (module doc). Raises BackendError when requests are inside and cannot be aborted
+        (the engine is woken again so they finish)."""
+        # The engine's last published counts: its queue is exact for requests that arrived before its last step
+        # (queued requests are not scheduled while paused); its running count may still show the batch the sleep
+        # drained (counts are made before a step ends), so it counts only where requests are frozen (keep).
+        queued = int(m.waiting)
+        if self.pause_mode == "keep":
+            frozen = int(m.running) + queued
+            if frozen:
+                log.warning("engine %s sleeps with %d request(s) frozen inside (pause mode keep): they resume on wake",
+                            self.base_url, frozen)
+            return frozen, "kept" if frozen else ""
+        try:
+            r = await self._http.post("/pause", params={"mode": "abort", "clear_cache": "false"})
+        except httpx.HTTPError as exc:
+            raise BackendError(f"vLLM {self.base_url} did not answer POST /pause?mode=abort after the sleep: {exc!r}; "
+                               "requests may be waiting inside the sleeping engine: the endpoint stays out of "
+                               "service") from exc
+        if r.status_code == 200:
+            aborted = int((await self.metrics()).aborted_total - m.aborted_total)
+            deadline = time.monotonic() + 0.5
+            while aborted < queued and time.monotonic() < deadline:  # abort outputs still being processed
+                await asyncio.sleep(self.idle_poll_s)
+                aborted = int((await self.metrics()).aborted_total - m.aborted_total)
+            count = aborted or queued  # the counter when it moved; else the queue (its outputs may still be on the way)
+            if count:
+                log.warning("engine %s: %d request(s) reached the engine after the drain and waited inside it while "
+                            "asleep; aborted them (finish_reason abort) instead of leaving them hanging until the "
+                            "next wake (abort counter +%d, engine queue %d)", self.base_url, count, aborted, queued)
+            return count, "aborted" if count else ""
+        if r.status_code == 404 and queued == 0:
+            return 0, ""  # no pause route (not dev mode), and nothing queued inside
+        await self._post("/wake_up")  # they finish now rather than hang until the next wake
+        self.level = None
+        raise BackendError(f"vLLM {self.base_url}: {queued or 'some'} request(s) are queued inside the sleeping engine "
+                           f"and POST /pause?mode=abort answered {r.status_code} (VLLM_SERVER_DEV_MODE=1 serves it); "
+                           "woke the engine again so they finish, and the sleep fails: retry the switch")
 
     async def _current_level(self) -> int | None:
         if self.level is None:  # e.g. the sidecar restarted while the engine slept: ask the engine
-            state = (await self.metrics()).sleep_state
+            state = (await self.metrics()).sleep_state  # None when the engine cores disagree: unknown
             self.level = {v: k for k, v in SLEEP_STATE_FOR_LEVEL.items()}.get(state or "")
         return self.level
 
@@ -303,6 +447,7 @@ class VllmBackend(SnapshotBackend):
         level = await self._current_level()
         if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
+        reloaded = False
         if not tags:
             await self._post("/wake_up")
         if "weights" in tags:
@@ -310,13 +455,14 @@ class VllmBackend(SnapshotBackend):
             if self.weights_unusable is not None or (level == 2 and self.reload):
                 await self._verify_still_asleep("wake_up?tags=weights")
                 await self._reload_last_good()
+                reloaded = True
             if "kv_cache" not in tags:
                 await self._verify_still_asleep("wake_up?tags=weights")
                 return  # a partial wake: the caller wakes kv_cache next
         if "kv_cache" in tags:
             await self._post("/wake_up", params={"tags": "kv_cache"})
-            if level == 2 and self.reset_prefix_cache:
-                await self._post("/reset_prefix_cache")
+            if (level == 2 or reloaded) and self.reset_prefix_cache:
+                await self._reset_prefix_cache()
         await self._verify_awake()
 
     async def _reload_last_good(self) -> None:
@@ -366,7 +512,7 @@ class VllmBackend(SnapshotBackend):
         if r.status_code not in (200, 404):  # 404: a vLLM without the RL routes; our record stands
             raise BackendError(f"vLLM POST /update_weight_version answered {r.status_code}: {r.text[:200]}")
         await self._post("/wake_up", params={"tags": "kv_cache"})
-        await self._post("/reset_prefix_cache")  # cached prefixes were computed with the old weights
+        await self._reset_prefix_cache()  # cached prefixes were computed with the old weights
         await self._verify_awake()
         served = await self.served_weight_version()
         if served is not None and served != str(weights.version):
@@ -374,27 +520,81 @@ class VllmBackend(SnapshotBackend):
                                f"{weights.version}; the endpoint stays out of service")
         self.last_sync = {"load_s": load_s, "total_s": time.perf_counter() - t0, "bytes": float(nbytes or 0)}
 
+    async def _reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``, verified by its answer (module doc): refused -> reset with running requests
+        preempted; refused again -> BackendError (the endpoint stays out of service)."""
+        answers = []
+        for params in ({}, {"reset_running_requests": "true"}):
+            r = await self._http.post("/reset_prefix_cache", params=params)
+            try:
+                body = r.json() if r.content else {}
+            except ValueError:
+                body = {}
+            success = body.get("success", r.status_code == 200) if isinstance(body, dict) else r.status_code == 200
+            if r.status_code == 200 and success:
+                if params:
+                    log.warning("engine %s: prefix cache reset refused while requests held cache blocks; reset with "
+                                "those requests preempted (they recompute with the new weights)", self.base_url)
+                return
+            answers.append(f"{r.status_code} {r.text[:120]!r}" + (" with reset_running_requests=true" if params else ""))
+        raise BackendError(f"vLLM {self.base_url} refused to reset its prefix cache after the weights changed "
+                           f"({'; then '.join(answers)}): cached prefixes computed with the old weights would be served, "
+                           "so the endpoint stays out of service; retry the restore once its requests are done")
+
     async def _verify_awake(self) -> None:
         if await self.is_suspended():
             raise BackendError(f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
                                "asleep; the endpoint stays out of service: check the engine's logs, then retry the "
                                "restore")
         m = await self.metrics()
-        if m.sleep_state is not None and m.sleep_state != "awake":
-            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state is {m.sleep_state!r} after wake-up; "
-                               "the endpoint stays out of service")
+        bad = m.engines_not_in("awake")
+        if bad:
+            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state after wake-up (expected 'awake' on every "
+                               f"engine): {_describe_engines(bad)}; the endpoint stays out of service")
         self.level = None
         if self.probe:
             await self._probe()
 
-    async def _probe(self) -> None:
+    async def _probe_tokens(self) -> list[list[int]]:
+        """Greedy token ids of each probe prompt (text where the engine returns no token ids)."""
         if self._model is None:
             r = await self._get("/v1/models")
             try:
                 self._model = r.json()["data"][0]["id"]
             except (ValueError, KeyError, IndexError) as exc:
                 raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
-        r = await self._post("/v1/completions", json={"model": self._model, "prompt": "ok", "max_tokens": 1,
-                                                      "temperature": 0})
-        if not r.json().get("choices"):
-            raise BackendError(f"vLLM {self.base_url} probe completion returned no choices: {r.text[:200]}")
+        r = await self._post("/v1/completions", json={
+            "model": self._model, "prompt": list(self.probe_prompts), "max_tokens": self.probe_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        try:
+            choices = sorted(r.json()["choices"], key=lambda c: c.get("index", 0))
+            out = [list(c["token_ids"]) if c.get("token_ids") is not None else [c["text"]] for c in choices]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(f"vLLM {self.base_url} probe completion is malformed: {r.text[:200]}") from exc
+        if len(out) != len(self.probe_prompts):
+            raise BackendError(f"vLLM {self.base_url} probe completion returned {len(out)} choices for "
+                               f"{len(self.probe_prompts)} prompts: {r.text[:200]}")
+        return out
+
+    async def _probe(self) -> None:
+        """The semantic probe (module doc): compare with the reference of the version served, or record it."""
+        got = await self._probe_tokens()
+        ref = self.probe_references.get(self.weight_version)
+        if ref is None:
+            self.probe_references[self.weight_version] = got
+            return
+        wrong = [i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
+        if len(wrong) <= self.probe_max_mismatched_prompts:
+            return
+        i = wrong[0]
+        why = (f"vLLM {self.base_url} is awake but answers the probe prompts differently from weight version "
+               f"{self.weight_version}'s reference (recorded when that version first served): {len(wrong)} of "
+               f"{len(ref)} prompts differ, e.g. {self.probe_prompts[i]!r} -> {got[i]} instead of {ref[i]}")
+        self.weights_unusable = why
+        try:  # out of service and back to a state the next restore repairs: weights discarded, reloaded on wake
+            await self.sleep(2, "abort")
+            self.level = 2
+        except BackendError as exc:
+            log.error("engine %s could not be put back to sleep after the failed probe: %s", self.base_url, exc)
+        raise ProbeMismatch(f"{why}; its weights are wrong (a bad reload?): the engine was put back to sleep and stays "
+                            "out of service; the next restore reloads its weights")

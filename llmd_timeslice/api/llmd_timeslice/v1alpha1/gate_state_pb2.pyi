@@ -24,7 +24,7 @@ class EpochAck(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class DrainResult(_message.Message):
-    __slots__ = ("query_id", "drained", "in_flight")
+    __slots__ = ("query_id", "drained", "in_flight", "cut")
     class InFlightEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,10 +35,20 @@ class DrainResult(_message.Message):
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     drained: bool
     in_flight: _containers.ScalarMap[str, int]
-    def __init__(self, query_id: _Optional[str] = ..., drained: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    cut: _containers.RepeatedCompositeFieldContainer[CutRequest]
+    def __init__(self, query_id: _Optional[str] = ..., drained: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., cut: _Optional[_Iterable[_Union[CutRequest, _Mapping]]] = ...) -> None: ...
+
+class CutRequest(_message.Message):
+    __slots__ = ("request_id", "addresses")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GateMessage(_message.Message):
     __slots__ = ("hello", "ack", "drain_result", "keepalive")

@@ -15,7 +15,7 @@ class ListSwitchesRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class SwitchInfo(_message.Message):
-    __slots__ = ("group_id", "kind", "job_id", "started_at_unix_s", "ok", "error", "phase_seconds")
+    __slots__ = ("group_id", "kind", "job_id", "started_at_unix_s", "ok", "error", "phase_seconds", "drain_cut_request_ids", "parked_requests")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,13 @@ class SwitchInfo(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ParkedRequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +37,8 @@ class SwitchInfo(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_CUT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     kind: str
     job_id: str
@@ -37,7 +46,9 @@ class SwitchInfo(_message.Message):
     ok: bool
     error: str
     phase_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, group_id: _Optional[str] = ..., kind: _Optional[str] = ..., job_id: _Optional[str] = ..., started_at_unix_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    drain_cut_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    parked_requests: _containers.ScalarMap[str, str]
+    def __init__(self, group_id: _Optional[str] = ..., kind: _Optional[str] = ..., job_id: _Optional[str] = ..., started_at_unix_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., drain_cut_request_ids: _Optional[_Iterable[str]] = ..., parked_requests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListSwitchesResponse(_message.Message):
     __slots__ = ("switches",)

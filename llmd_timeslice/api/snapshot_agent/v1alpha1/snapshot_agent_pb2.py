@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n?llmd_timeslice/api/snapshot_agent/v1alpha1/snapshot_agent.proto\x12\x17snapshot_agent.v1alpha1\"\x1d\n\rProcessTarget\x12\x0c\n\x04pids\x18\x01 \x03(\x05\"T\n\x11\x43udaBackendConfig\x12?\n\x0f\x65xplicit_target\x18\x01 \x01(\x0b\x32&.snapshot_agent.v1alpha1.ProcessTarget\"\\\n\x19\x44irectMemoryBackendConfig\x12?\n\x0f\x65xplicit_target\x18\x01 \x01(\x0b\x32&.snapshot_agent.v1alpha1.ProcessTarget\"\x93\x01\n\x11\x41ppEndpointConfig\x12)\n\x03\x61pp\x18\x01 \x01(\x0e\x32\x1c.snapshot_agent.v1alpha1.App\x12\x11\n\tendpoints\x18\x02 \x03(\t\x12\x32\n\x04mode\x18\x03 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x04 \x03(\t\"T\n\x10\x41ppChannelConfig\x12\x32\n\x04mode\x18\x01 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x02 \x03(\t\"@\n\x0cMemoryRegion\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"k\n\x1aMemoryRegionsBackendConfig\x12\x36\n\x07regions\x18\x01 \x03(\x0b\x32%.snapshot_agent.v1alpha1.MemoryRegion\x12\x15\n\rsnapshot_name\x18\x02 \x01(\t\"\xf8\x02\n\rBackendConfig\x12:\n\x04\x63uda\x18\x01 \x01(\x0b\x32*.snapshot_agent.v1alpha1.CudaBackendConfigH\x00\x12\x42\n\x0c\x61pp_endpoint\x18\x02 \x01(\x0b\x32*.snapshot_agent.v1alpha1.AppEndpointConfigH\x00\x12@\n\x0b\x61pp_channel\x18\x03 \x01(\x0b\x32).snapshot_agent.v1alpha1.AppChannelConfigH\x00\x12K\n\rdirect_memory\x18\x04 \x01(\x0b\x32\x32.snapshot_agent.v1alpha1.DirectMemoryBackendConfigH\x00\x12M\n\x0ememory_regions\x18\x05 \x01(\x0b\x32\x33.snapshot_agent.v1alpha1.MemoryRegionsBackendConfigH\x00\x42\t\n\x07\x62\x61\x63kend\"\xa7\x01\n\x0fSnapshotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x35\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32 .snapshot_agent.v1alpha1.BackendB\x02\x18\x01\x12>\n\x0e\x62\x61\x63kend_config\x18\x04 \x01(\x0b\x32&.snapshot_agent.v1alpha1.BackendConfig\"(\n\x10SnapshotResponse\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"\xa6\x01\n\x0eRestoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x35\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32 .snapshot_agent.v1alpha1.BackendB\x02\x18\x01\x12>\n\x0e\x62\x61\x63kend_config\x18\x04 \x01(\x0b\x32&.snapshot_agent.v1alpha1.BackendConfig\"\'\n\x0fRestoreResponse\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"+\n\x13GetOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"\xee\x01\n\x14GetOperationResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.snapshot_agent.v1alpha1.OperationStatus\x12\x1a\n\rstorage_bytes\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\"\n\x15snapshot_device_bytes\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nelapsed_ms\x18\x04 \x01(\x03\x12\x12\n\x05\x65rror\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x10\n\x0e_storage_bytesB\x18\n\x16_snapshot_device_bytesB\x08\n\x06_error\"\x0f\n\rStatusRequest\"M\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\x05state\x18\x02 \x01(\x0e\x32!.snapshot_agent.v1alpha1.JobState\"V\n\x11\x41\x63\x63\x65leratorStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x19\n\x11memory_used_bytes\x18\x02 \x01(\x03\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x03\"\x94\x01\n\x0eStatusResponse\x12\x38\n\x0cjob_statuses\x18\x01 \x03(\x0b\x32\".snapshot_agent.v1alpha1.JobStatus\x12H\n\x14\x61\x63\x63\x65lerator_statuses\x18\x02 \x03(\x0b\x32*.snapshot_agent.v1alpha1.AcceleratorStatus\"\x9f\x01\n\x14WorkloadCapabilities\x12=\n\x0fsupported_modes\x18\x01 \x03(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12:\n\x0c\x64\x65\x66\x61ult_mode\x18\x02 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x03 \x03(\t\"v\n\x10RegisterWorkload\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x43\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32-.snapshot_agent.v1alpha1.WorkloadCapabilities\">\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x95\x01\n\x0fWorkloadMessage\x12=\n\x08register\x18\x01 \x01(\x0b\x32).snapshot_agent.v1alpha1.RegisterWorkloadH\x00\x12\x38\n\x06result\x18\x02 \x01(\x0b\x32&.snapshot_agent.v1alpha1.CommandResultH\x00\x42\t\n\x07message\"S\n\x0fSnapshotCommand\x12\x32\n\x04mode\x18\x01 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x02 \x03(\t\"\x1e\n\x0eRestoreCommand\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\xa7\x01\n\x0c\x41gentCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12<\n\x08snapshot\x18\x02 \x01(\x0b\x32(.snapshot_agent.v1alpha1.SnapshotCommandH\x00\x12:\n\x07restore\x18\x03 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreCommandH\x00\x42\t\n\x07\x63ommand*4\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_CUDA\x10\x01*8\n\x03\x41pp\x12\x13\n\x0f\x41PP_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41PP_VLLM\x10\x01\x12\x0e\n\nAPP_SGLANG\x10\x02*_\n\x0bSuspendMode\x12\x1c\n\x18SUSPEND_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14SUSPEND_MODE_OFFLOAD\x10\x01\x12\x18\n\x14SUSPEND_MODE_DISCARD\x10\x02*\x8d\x01\n\x0fOperationStatus\x12 \n\x1cOPERATION_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18OPERATION_STATUS_PENDING\x10\x01\x12\x1d\n\x19OPERATION_STATUS_COMPLETE\x10\x02\x12\x1b\n\x17OPERATION_STATUS_FAILED\x10\x03*\x99\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eJOB_STATE_IDLE\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x1b\n\x17JOB_STATE_TRANSITIONING\x10\x03\x12\x13\n\x0fJOB_STATE_SAVED\x10\x04\x12\x15\n\x11JOB_STATE_FAULTED\x10\x05\x32\x85\x04\n\x14SnapshotAgentService\x12_\n\x08Snapshot\x12(.snapshot_agent.v1alpha1.SnapshotRequest\x1a).snapshot_agent.v1alpha1.SnapshotResponse\x12\\\n\x07Restore\x12\'.snapshot_agent.v1alpha1.RestoreRequest\x1a(.snapshot_agent.v1alpha1.RestoreResponse\x12k\n\x0cGetOperation\x12,.snapshot_agent.v1alpha1.GetOperationRequest\x1a-.snapshot_agent.v1alpha1.GetOperationResponse\x12Y\n\x06Status\x12&.snapshot_agent.v1alpha1.StatusRequest\x1a\'.snapshot_agent.v1alpha1.StatusResponse\x12\x66\n\x0fWorkloadChannel\x12(.snapshot_agent.v1alpha1.WorkloadMessage\x1a%.snapshot_agent.v1alpha1.AgentCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n?llmd_timeslice/api/snapshot_agent/v1alpha1/snapshot_agent.proto\x12\x17snapshot_agent.v1alpha1\"\x1d\n\rProcessTarget\x12\x0c\n\x04pids\x18\x01 \x03(\x05\"T\n\x11\x43udaBackendConfig\x12?\n\x0f\x65xplicit_target\x18\x01 \x01(\x0b\x32&.snapshot_agent.v1alpha1.ProcessTarget\"\\\n\x19\x44irectMemoryBackendConfig\x12?\n\x0f\x65xplicit_target\x18\x01 \x01(\x0b\x32&.snapshot_agent.v1alpha1.ProcessTarget\"\x93\x01\n\x11\x41ppEndpointConfig\x12)\n\x03\x61pp\x18\x01 \x01(\x0e\x32\x1c.snapshot_agent.v1alpha1.App\x12\x11\n\tendpoints\x18\x02 \x03(\t\x12\x32\n\x04mode\x18\x03 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x04 \x03(\t\"T\n\x10\x41ppChannelConfig\x12\x32\n\x04mode\x18\x01 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x02 \x03(\t\"@\n\x0cMemoryRegion\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"k\n\x1aMemoryRegionsBackendConfig\x12\x36\n\x07regions\x18\x01 \x03(\x0b\x32%.snapshot_agent.v1alpha1.MemoryRegion\x12\x15\n\rsnapshot_name\x18\x02 \x01(\t\"\xf8\x02\n\rBackendConfig\x12:\n\x04\x63uda\x18\x01 \x01(\x0b\x32*.snapshot_agent.v1alpha1.CudaBackendConfigH\x00\x12\x42\n\x0c\x61pp_endpoint\x18\x02 \x01(\x0b\x32*.snapshot_agent.v1alpha1.AppEndpointConfigH\x00\x12@\n\x0b\x61pp_channel\x18\x03 \x01(\x0b\x32).snapshot_agent.v1alpha1.AppChannelConfigH\x00\x12K\n\rdirect_memory\x18\x04 \x01(\x0b\x32\x32.snapshot_agent.v1alpha1.DirectMemoryBackendConfigH\x00\x12M\n\x0ememory_regions\x18\x05 \x01(\x0b\x32\x33.snapshot_agent.v1alpha1.MemoryRegionsBackendConfigH\x00\x42\t\n\x07\x62\x61\x63kend\"\xa7\x01\n\x0fSnapshotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x35\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32 .snapshot_agent.v1alpha1.BackendB\x02\x18\x01\x12>\n\x0e\x62\x61\x63kend_config\x18\x04 \x01(\x0b\x32&.snapshot_agent.v1alpha1.BackendConfig\"(\n\x10SnapshotResponse\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"\xa6\x01\n\x0eRestoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x35\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32 .snapshot_agent.v1alpha1.BackendB\x02\x18\x01\x12>\n\x0e\x62\x61\x63kend_config\x18\x04 \x01(\x0b\x32&.snapshot_agent.v1alpha1.BackendConfig\"\'\n\x0fRestoreResponse\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"+\n\x13GetOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\"\xce\x02\n\x14GetOperationResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.snapshot_agent.v1alpha1.OperationStatus\x12\x1a\n\rstorage_bytes\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\"\n\x15snapshot_device_bytes\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nelapsed_ms\x18\x04 \x01(\x03\x12\x12\n\x05\x65rror\x18\x05 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0fparked_requests\x18\x64 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rparked_action\x18\x65 \x01(\tH\x04\x88\x01\x01\x42\x10\n\x0e_storage_bytesB\x18\n\x16_snapshot_device_bytesB\x08\n\x06_errorB\x12\n\x10_parked_requestsB\x10\n\x0e_parked_action\"\x0f\n\rStatusRequest\"M\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\x05state\x18\x02 \x01(\x0e\x32!.snapshot_agent.v1alpha1.JobState\"V\n\x11\x41\x63\x63\x65leratorStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x19\n\x11memory_used_bytes\x18\x02 \x01(\x03\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x03\"\x94\x01\n\x0eStatusResponse\x12\x38\n\x0cjob_statuses\x18\x01 \x03(\x0b\x32\".snapshot_agent.v1alpha1.JobStatus\x12H\n\x14\x61\x63\x63\x65lerator_statuses\x18\x02 \x03(\x0b\x32*.snapshot_agent.v1alpha1.AcceleratorStatus\"\x9f\x01\n\x14WorkloadCapabilities\x12=\n\x0fsupported_modes\x18\x01 \x03(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12:\n\x0c\x64\x65\x66\x61ult_mode\x18\x02 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x03 \x03(\t\"v\n\x10RegisterWorkload\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x43\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32-.snapshot_agent.v1alpha1.WorkloadCapabilities\">\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x95\x01\n\x0fWorkloadMessage\x12=\n\x08register\x18\x01 \x01(\x0b\x32).snapshot_agent.v1alpha1.RegisterWorkloadH\x00\x12\x38\n\x06result\x18\x02 \x01(\x0b\x32&.snapshot_agent.v1alpha1.CommandResultH\x00\x42\t\n\x07message\"S\n\x0fSnapshotCommand\x12\x32\n\x04mode\x18\x01 \x01(\x0e\x32$.snapshot_agent.v1alpha1.SuspendMode\x12\x0c\n\x04tags\x18\x02 \x03(\t\"\x1e\n\x0eRestoreCommand\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\xa7\x01\n\x0c\x41gentCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12<\n\x08snapshot\x18\x02 \x01(\x0b\x32(.snapshot_agent.v1alpha1.SnapshotCommandH\x00\x12:\n\x07restore\x18\x03 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreCommandH\x00\x42\t\n\x07\x63ommand*4\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_CUDA\x10\x01*8\n\x03\x41pp\x12\x13\n\x0f\x41PP_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41PP_VLLM\x10\x01\x12\x0e\n\nAPP_SGLANG\x10\x02*_\n\x0bSuspendMode\x12\x1c\n\x18SUSPEND_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14SUSPEND_MODE_OFFLOAD\x10\x01\x12\x18\n\x14SUSPEND_MODE_DISCARD\x10\x02*\x8d\x01\n\x0fOperationStatus\x12 \n\x1cOPERATION_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18OPERATION_STATUS_PENDING\x10\x01\x12\x1d\n\x19OPERATION_STATUS_COMPLETE\x10\x02\x12\x1b\n\x17OPERATION_STATUS_FAILED\x10\x03*\x99\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eJOB_STATE_IDLE\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x1b\n\x17JOB_STATE_TRANSITIONING\x10\x03\x12\x13\n\x0fJOB_STATE_SAVED\x10\x04\x12\x15\n\x11JOB_STATE_FAULTED\x10\x05\x32\x85\x04\n\x14SnapshotAgentService\x12_\n\x08Snapshot\x12(.snapshot_agent.v1alpha1.SnapshotRequest\x1a).snapshot_agent.v1alpha1.SnapshotResponse\x12\\\n\x07Restore\x12\'.snapshot_agent.v1alpha1.RestoreRequest\x1a(.snapshot_agent.v1alpha1.RestoreResponse\x12k\n\x0cGetOperation\x12,.snapshot_agent.v1alpha1.GetOperationRequest\x1a-.snapshot_agent.v1alpha1.GetOperationResponse\x12Y\n\x06Status\x12&.snapshot_agent.v1alpha1.StatusRequest\x1a\'.snapshot_agent.v1alpha1.StatusResponse\x12\x66\n\x0fWorkloadChannel\x12(.snapshot_agent.v1alpha1.WorkloadMessage\x1a%.snapshot_agent.v1alpha1.AgentCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,16 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SNAPSHOTREQUEST'].fields_by_name['backend']._serialized_options = b'\030\001'
   _globals['_RESTOREREQUEST'].fields_by_name['backend']._loaded_options = None
   _globals['_RESTOREREQUEST'].fields_by_name['backend']._serialized_options = b'\030\001'
-  _globals['_BACKEND']._serialized_start=2921
-  _globals['_BACKEND']._serialized_end=2973
-  _globals['_APP']._serialized_start=2975
-  _globals['_APP']._serialized_end=3031
-  _globals['_SUSPENDMODE']._serialized_start=3033
-  _globals['_SUSPENDMODE']._serialized_end=3128
-  _globals['_OPERATIONSTATUS']._serialized_start=3131
-  _globals['_OPERATIONSTATUS']._serialized_end=3272
-  _globals['_JOBSTATE']._serialized_start=3275
-  _globals['_JOBSTATE']._serialized_end=3428
+  _globals['_BACKEND']._serialized_start=3017
+  _globals['_BACKEND']._serialized_end=3069
+  _globals['_APP']._serialized_start=3071
+  _globals['_APP']._serialized_end=3127
+  _globals['_SUSPENDMODE']._serialized_start=3129
+  _globals['_SUSPENDMODE']._serialized_end=3224
+  _globals['_OPERATIONSTATUS']._serialized_start=3227
+  _globals['_OPERATIONSTATUS']._serialized_end=3368
+  _globals['_JOBSTATE']._serialized_start=3371
+  _globals['_JOBSTATE']._serialized_end=3524
   _globals['_PROCESSTARGET']._serialized_start=92
   _globals['_PROCESSTARGET']._serialized_end=121
   _globals['_CUDABACKENDCONFIG']._serialized_start=123
@@ -72,29 +72,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETOPERATIONREQUEST']._serialized_start=1515
   _globals['_GETOPERATIONREQUEST']._serialized_end=1558
   _globals['_GETOPERATIONRESPONSE']._serialized_start=1561
-  _globals['_GETOPERATIONRESPONSE']._serialized_end=1799
-  _globals['_STATUSREQUEST']._serialized_start=1801
-  _globals['_STATUSREQUEST']._serialized_end=1816
-  _globals['_JOBSTATUS']._serialized_start=1818
-  _globals['_JOBSTATUS']._serialized_end=1895
-  _globals['_ACCELERATORSTATUS']._serialized_start=1897
-  _globals['_ACCELERATORSTATUS']._serialized_end=1983
-  _globals['_STATUSRESPONSE']._serialized_start=1986
-  _globals['_STATUSRESPONSE']._serialized_end=2134
-  _globals['_WORKLOADCAPABILITIES']._serialized_start=2137
-  _globals['_WORKLOADCAPABILITIES']._serialized_end=2296
-  _globals['_REGISTERWORKLOAD']._serialized_start=2298
-  _globals['_REGISTERWORKLOAD']._serialized_end=2416
-  _globals['_COMMANDRESULT']._serialized_start=2418
-  _globals['_COMMANDRESULT']._serialized_end=2480
-  _globals['_WORKLOADMESSAGE']._serialized_start=2483
-  _globals['_WORKLOADMESSAGE']._serialized_end=2632
-  _globals['_SNAPSHOTCOMMAND']._serialized_start=2634
-  _globals['_SNAPSHOTCOMMAND']._serialized_end=2717
-  _globals['_RESTORECOMMAND']._serialized_start=2719
-  _globals['_RESTORECOMMAND']._serialized_end=2749
-  _globals['_AGENTCOMMAND']._serialized_start=2752
-  _globals['_AGENTCOMMAND']._serialized_end=2919
-  _globals['_SNAPSHOTAGENTSERVICE']._serialized_start=3431
-  _globals['_SNAPSHOTAGENTSERVICE']._serialized_end=3948
+  _globals['_GETOPERATIONRESPONSE']._serialized_end=1895
+  _globals['_STATUSREQUEST']._serialized_start=1897
+  _globals['_STATUSREQUEST']._serialized_end=1912
+  _globals['_JOBSTATUS']._serialized_start=1914
+  _globals['_JOBSTATUS']._serialized_end=1991
+  _globals['_ACCELERATORSTATUS']._serialized_start=1993
+  _globals['_ACCELERATORSTATUS']._serialized_end=2079
+  _globals['_STATUSRESPONSE']._serialized_start=2082
+  _globals['_STATUSRESPONSE']._serialized_end=2230
+  _globals['_WORKLOADCAPABILITIES']._serialized_start=2233
+  _globals['_WORKLOADCAPABILITIES']._serialized_end=2392
+  _globals['_REGISTERWORKLOAD']._serialized_start=2394
+  _globals['_REGISTERWORKLOAD']._serialized_end=2512
+  _globals['_COMMANDRESULT']._serialized_start=2514
+  _globals['_COMMANDRESULT']._serialized_end=2576
+  _globals['_WORKLOADMESSAGE']._serialized_start=2579
+  _globals['_WORKLOADMESSAGE']._serialized_end=2728
+  _globals['_SNAPSHOTCOMMAND']._serialized_start=2730
+  _globals['_SNAPSHOTCOMMAND']._serialized_end=2813
+  _globals['_RESTORECOMMAND']._serialized_start=2815
+  _globals['_RESTORECOMMAND']._serialized_end=2845
+  _globals['_AGENTCOMMAND']._serialized_start=2848
+  _globals['_AGENTCOMMAND']._serialized_end=3015
+  _globals['_SNAPSHOTAGENTSERVICE']._serialized_start=3527
+  _globals['_SNAPSHOTAGENTSERVICE']._serialized_end=4044
 # @@protoc_insertion_point(module_scope)

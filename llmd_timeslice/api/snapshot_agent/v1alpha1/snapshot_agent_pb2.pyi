@@ -171,18 +171,22 @@ class GetOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
 
 class GetOperationResponse(_message.Message):
-    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error")
+    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "parked_requests", "parked_action")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARKED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_ACTION_FIELD_NUMBER: _ClassVar[int]
     status: OperationStatus
     storage_bytes: int
     snapshot_device_bytes: int
     elapsed_ms: int
     error: str
-    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    parked_requests: int
+    parked_action: str
+    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., parked_requests: _Optional[int] = ..., parked_action: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
