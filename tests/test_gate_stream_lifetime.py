@@ -77,7 +77,7 @@ async def test_with_response_trailers_skipped_envoy_ends_the_stream_at_the_respo
     try:
         pool = stack.pool()
         pool.set_states([(upstream.address, EndpointState.SERVING, 0)])
-        async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", stack.url + "/late_json?delay_ms=2000") as r:
+        async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", stack.url + "/v1/late_json?delay_ms=2000") as r:
             assert r.status_code == 200
             gone = await _counted(pool, upstream.address, 0, 1.5)  # well before the body
             assert gone < 1.5
@@ -88,7 +88,7 @@ async def test_with_response_trailers_skipped_envoy_ends_the_stream_at_the_respo
 
 async def test_sse_stream_counts_until_its_last_event(router, upstream):
     pool = router.pool()
-    async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", router.url + "/stream?chunks=6&gap_ms=200") as r:
+    async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", router.url + "/v1/stream?chunks=6&gap_ms=200") as r:
         events = 0
         async for line in r.aiter_lines():
             if line.startswith("data"):
@@ -101,7 +101,7 @@ async def test_sse_stream_counts_until_its_last_event(router, upstream):
 
 async def test_json_body_arriving_seconds_after_its_headers_counts_until_it_arrives(router, upstream):
     pool = router.pool()
-    async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", router.url + "/late_json?delay_ms=2500") as r:
+    async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", router.url + "/v1/late_json?delay_ms=2500") as r:
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
         await asyncio.sleep(1.5)  # headers are through, the body is not: still in flight
         assert pool.in_flight([upstream.address])[upstream.address] == 1, "left the count before its body arrived"
@@ -113,7 +113,7 @@ async def test_json_body_arriving_seconds_after_its_headers_counts_until_it_arri
 async def test_204_without_a_body_ends_its_count_with_the_response(router, upstream):
     pool = router.pool()
     async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.get(router.url + "/no_content")
+        r = await c.get(router.url + "/v1/no_content")
     assert r.status_code == 204 and r.content == b""
     assert await _counted(pool, upstream.address, 0) < 1.0
     assert pool.live == 0
@@ -121,7 +121,7 @@ async def test_204_without_a_body_ends_its_count_with_the_response(router, upstr
 
 async def test_client_reset_mid_body_ends_the_count_at_once(router, upstream):
     pool = router.pool()
-    async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", router.url + "/stream?chunks=100&gap_ms=100") as r:
+    async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", router.url + "/v1/stream?chunks=100&gap_ms=100") as r:
         async for line in r.aiter_lines():  # 10 s of events; stop reading after the first
             if line.startswith("data"):
                 break

@@ -47,6 +47,12 @@ def _counting_client(cls, statuses: list):
     return httpx.AsyncClient(event_hooks={"response": [hook]})
 
 
+def _engine_answer(engine: FakeVllm, prompt: str, max_tokens: int) -> str:
+    """What the engine itself answers to ``prompt`` (its greedy tokens as text): the router must pass it unchanged."""
+    return httpx.post(engine.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens},
+                      timeout=10).json()["choices"][0]["text"]
+
+
 async def _flip_after(pool, address: str, after_s: float, version: int = 0) -> None:
     await asyncio.sleep(after_s)
     pool.set_states([(address, EndpointState.SERVING, version)])
@@ -76,7 +82,7 @@ async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_
             out = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
         helper_s = time.monotonic() - t0
         await flip
-        assert out.choices[0].text == "x"
+        assert out.choices[0].text == _engine_answer(engine, "hi", 2)
         (rec,) = r.records
         assert rec.refusals == ["hold_expired"] and rec.attempts == 2 and rec.status == 200
         assert rec.min_weight_version == 2 and r.served_weight_version == 2
@@ -115,7 +121,7 @@ def test_hold_queue_full_the_sdk_alone_raises_rate_limit_the_helper_completes(ar
         helper_s = time.monotonic() - t0
         timer.join()
         occupant.join(30)
-        assert out.choices[0].text == "x"
+        assert out.choices[0].text == _engine_answer(engine, "hi", 2)
         (rec,) = rollouts.records
         assert rec.ok and rec.refusals[0] == "hold_queue_full" and rec.attempts >= 2
         assert rec.min_weight_version is None, "no minimum version set: no header sent"
@@ -150,7 +156,7 @@ def test_a_refusal_that_retrying_cannot_fix_is_returned_at_once(artifacts, engin
         (rec,) = rollouts.records
         assert rec.status == 400 and rec.refusals == ["bad_min_weight_version"] and rec.attempts == 1
         ok = rollouts.openai().completions.create(model="tiny", prompt="hi", max_tokens=2)
-        assert ok.choices[0].text == "x" and rollouts.records[-1].served_weight_version == 0
+        assert ok.choices[0].text == _engine_answer(engine, "hi", 2) and rollouts.records[-1].served_weight_version == 0
         assert not rollouts.below_requested() and len(rollouts.failed()) == 1
     finally:
         loop_thread.run(stack.stop())
