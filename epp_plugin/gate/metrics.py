@@ -24,13 +24,18 @@ HOLD_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
 )
 ORCHESTRATOR_EPOCH = Gauge("llmd_timeslice_gate_orchestrator_epoch", "Last state epoch received from the orchestrator.")
+LOST_COMPLETIONS = Counter(
+    "llmd_timeslice_gate_lost_completions_total",
+    "Fast-path admissions dropped without an access-log entry: reason age (older than lost_completion_after_s) or "
+    "envoy_gone (every access-log stream of that Envoy ended).", ["reason"])
 
 
 class PoolCollector(Collector):
-    """Reads the figures of every registered gate's pools at scrape time."""
+    """Reads the figures of every registered gate's pools (and fast-path books) at scrape time."""
 
     def __init__(self) -> None:
         self.pool_maps: list[Mapping[str, PoolState]] = []
+        self.books: list = []  # AdmissionBook of each gate with the fast path
 
     def _pools(self):
         for pools in list(self.pool_maps):
@@ -57,6 +62,19 @@ class PoolCollector(Collector):
                 for st in EndpointState:
                     state.add_metric([name, ep.address, st.value], 1 if ep.state is st else 0)
         yield from (held, admitted, released, epoch, in_flight, state)
+        if self.books:
+            open_ = GaugeMetricFamily("llmd_timeslice_gate_open_admissions",
+                                      "Fast-path admissions answered and not yet ended by an access-log entry.")
+            completed = CounterMetricFamily("llmd_timeslice_gate_completions",
+                                            "Fast-path admissions ended by an access-log entry.")
+            foreign = CounterMetricFamily(
+                "llmd_timeslice_gate_foreign_completions",
+                "Access-log entries naming another gate process's admission (an earlier incarnation, or another replica: "
+                "then one Envoy's checks and access log reach different replicas, see docs/gate.md).")
+            open_.add_metric([], sum(len(b) for b in self.books))
+            completed.add_metric([], sum(b.completed_total for b in self.books))
+            foreign.add_metric([], sum(b.foreign_total for b in self.books))
+            yield from (open_, completed, foreign)
 
 
 COLLECTOR = PoolCollector()

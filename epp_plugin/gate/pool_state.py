@@ -177,6 +177,23 @@ class PoolState:
         )
 
     # ---------------------------------------------------------------- data path
+    def try_admit(self, min_version: int = 0) -> Admission | None:
+        """Admit one request at once if that needs no wait (an eligible endpoint serves and nobody is held).
+
+        Returns None when the request would have to wait: then ``await admit()`` holds it. Lets an edge
+        answer the common case without a task per request.
+
+        Raises:
+            GateShuttingDown: the gate is stopping.
+        """
+        if self.closed:
+            self.refused_total += 1
+            raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
+        if self._held:
+            return None
+        candidates = self.serving(min_version)
+        return self._start(candidates, 0.0) if candidates else None
+
     async def admit(self, min_version: int = 0) -> Admission:
         """Admit one request: return at once when an endpoint serves, else hold it (FIFO).
 
@@ -186,12 +203,10 @@ class PoolState:
             GateShuttingDown: the gate stopped while the request was held.
             asyncio.CancelledError: the caller (Envoy stream) went away; the entry is removed.
         """
-        if self.closed:
-            self.refused_total += 1
-            raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
+        adm = self.try_admit(min_version)
+        if adm is not None:
+            return adm
         candidates = self.serving(min_version)
-        if candidates and not self._held:
-            return self._start(candidates, 0.0)
         if len(self._held) >= self.max_held:
             self.refused_total += 1
             raise QueueFull(f"pool {self.name!r} already holds {len(self._held)} requests (max_held)")
