@@ -302,3 +302,48 @@ async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstream
         assert value("llmd_timeslice_gate_in_flight", pool=pool, endpoint=up.address) == 0
     finally:
         await stack.stop()
+
+
+async def test_held_requests_are_released_in_arrival_order(router, two_upstreams):
+    up = two_upstreams[0]
+    pool = router.pool()
+    pool.set_states([(up.address, EndpointState.ASLEEP, 0)])
+    pool.release_burst, pool.release_rate_per_s = 1, 40.0  # one release every 25 ms: the order shows at the upstream
+    async with httpx.AsyncClient(timeout=30) as c:
+        held = []
+        for i in range(8):
+            held.append(asyncio.create_task(c.get(f"{router.url}/order/{i}")))
+            await _until(lambda n=i + 1: pool.held == n, what=f"request {i} held")
+        pool.set_states([(up.address, EndpointState.SERVING, 0)])
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 8
+    order = [p for p in up.paths if p.startswith("/order/")]
+    assert order == [f"/order/{i}" for i in range(8)], f"held requests must be released FIFO, got {order}"
+
+
+async def test_envoy_killed_its_held_and_in_flight_requests_stop_counting_and_a_new_envoy_serves(router, two_upstreams):
+    """Envoy dies (SIGKILL): its held checks close (they leave the queue at once) and its in-flight requests end
+    at the gate (ext_proc: their streams end; ext_authz: its access-log streams end for good, so its admissions
+    are dropped after the grace); a restarted Envoy is a new one and is served normally."""
+    up = two_upstreams[0]
+    pool = router.pool()
+    router.gate.book.envoy_gone_grace_s = 0.5
+    pool.set_states([(up.address, EndpointState.SERVING, 0)])
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.get(router.url + "/")).status_code == 200  # the access-log stream is tied to this Envoy
+        await _until(lambda: pool.live == 0, what="the first request's end")
+        streaming = asyncio.create_task(c.get(router.url + "/stream?chunks=100&gap_ms=100"))
+        await _until(lambda: pool.in_flight([up.address])[up.address] == 1, what="the stream in flight")
+        pool.set_states([(up.address, EndpointState.ASLEEP, 0)])
+        held = asyncio.create_task(c.get(router.url + "/"))
+        await _until(lambda: pool.held == 1, what="a request held")
+        await router.restart_envoy()
+        assert all(isinstance(r, httpx.HTTPError) for r in await asyncio.gather(streaming, held, return_exceptions=True))
+        await _until(lambda: pool.held == 0, what="the held check gone with its Envoy")
+        await _until(lambda: pool.live == 0 and pool.in_flight([up.address])[up.address] == 0, 5,
+                     "the dead Envoy's in-flight request no longer counted")
+        if router.edge == "ext_authz":
+            assert router.gate.book.lost_total == 1, "dropped because its Envoy is gone (no entry came)"
+        pool.set_states([(up.address, EndpointState.SERVING, 0)])
+        r = await c.get(router.url + "/")
+        assert r.status_code == 200 and r.json()["served_by"] == up.address
+        await _until(lambda: pool.live == 0, what="the new Envoy's request ended at the gate")
