@@ -27,8 +27,9 @@ Facts the ext_authz edge relies on (Envoy 1.40, measured on this machine with th
   (``forwarding_namespaces``);
 * the gRPC access log sends entries for both ``DownstreamEnd`` (HCM ``access_log``) and, with
   ``flush_upstream_log_on_upstream_stream``, ``UpstreamPoolReady`` (router ``upstream_log``) with the logged
-  request header and ``upstream_remote_address``; every ``buffer_flush_interval`` (1 s by default, 10 ms here:
-  the drain barrier sees a request's end that much later).
+  request header and ``upstream_remote_address``; every ``buffer_flush_interval`` (1 s by default, 20 ms here:
+  the drain barrier sees a request's end that much later), over one stream per worker when both logs share
+  their ``common_config``.
 
 Facts the ext_proc edge relies on (Envoy 1.40, checked on this machine, DESIGN.md §7):
 
@@ -71,8 +72,13 @@ AUTHZ_FILTER_NAME = "envoy.filters.http.ext_authz.timeslice_gate"
 SUBSET_HINT_FILTER_NAME = "envoy.filters.http.header_to_metadata.timeslice_subset_hint"
 EPP_FILTER_NAME = "envoy.filters.http.ext_proc.epp"
 GATE_EDGES = ("ext_authz", "ext_proc")
-ACCESS_LOG_FLUSH_S = 0.01
-"""Envoy's access-log batching interval: how late the drain barrier may see a request's end."""
+ACCESS_LOG_FLUSH_S = 0.02
+"""Envoy's access-log batching interval: how late the drain barrier may see a request's end. Each batch is one
+gRPC message, which costs the gate about 0.2-0.4 ms of CPU on this machine whatever it holds (measured,
+docs/gate.md), so the interval, not the request rate, sets the access log's cost at moderate load."""
+ACCESS_LOG_BUFFER_BYTES = 65536
+"""Envoy also sends a batch when it reaches this size (default 16 KiB, about 40 entries): larger batches at high
+request rates, fewer messages."""
 ENVOY_ID_VALUE = f"%ENVIRONMENT({protocol.ENVOY_ID_ENV})%"
 
 # Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
@@ -288,6 +294,7 @@ def _grpc_access_log(cluster: str, log_name: str, log_filter: dict) -> dict:
                 "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                 "transport_api_version": "V3",
                 "buffer_flush_interval": _dur(ACCESS_LOG_FLUSH_S),
+                "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
             },
             "additional_request_headers_to_log": [protocol.ADMISSION_HEADER],
         },
@@ -297,10 +304,15 @@ def _grpc_access_log(cluster: str, log_name: str, log_filter: dict) -> dict:
 _ADMITTED = {"header_filter": {"header": {"name": protocol.ADMISSION_HEADER, "present_match": True}}}
 
 
+ACCESS_LOG_NAME = "llmd_timeslice_gate"
+"""One log name (and one ``common_config``) for the HCM and the router logs: Envoy then sends both kinds of entry
+over the same stream per worker, in the same batches (each gRPC message costs the gate far more than an entry)."""
+
+
 def gate_access_log(cluster: str) -> dict:
     """HCM ``access_log`` entry: every admitted request's end (``DownstreamEnd``), to the gate's gRPC
-    access-log service on ``cluster``, batched every 10 ms."""
-    return _grpc_access_log(cluster, "llmd_timeslice_gate", _ADMITTED)
+    access-log service on ``cluster``, batched every ``ACCESS_LOG_FLUSH_S``."""
+    return _grpc_access_log(cluster, ACCESS_LOG_NAME, _ADMITTED)
 
 
 def gate_upstream_log(cluster: str) -> dict:
@@ -308,7 +320,7 @@ def gate_upstream_log(cluster: str) -> dict:
     (``UpstreamPoolReady``; needs the router's ``flush_upstream_log_on_upstream_stream``). Only with an EPP:
     then a request stops counting against the other endpoints of its subset hint before it ends."""
     ready = {"log_type_filter": {"types": ["UpstreamPoolReady"]}}
-    return _grpc_access_log(cluster, "llmd_timeslice_gate_upstream", {"and_filter": {"filters": [_ADMITTED, ready]}})
+    return _grpc_access_log(cluster, ACCESS_LOG_NAME, {"and_filter": {"filters": [_ADMITTED, ready]}})
 
 
 def router_filter(upstream_log_cluster: str | None = None) -> dict:

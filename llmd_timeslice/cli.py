@@ -103,7 +103,7 @@ def gate(
     default_pool: Annotated[str, typer.Option(help="Pool for ext_proc streams without pool metadata.")] = "default",
     max_held: Annotated[int, typer.Option(help="Most requests held per pool; more get 429.")] = 10_000,
     max_hold_s: Annotated[float, typer.Option(help="Most seconds a request is held; then 503 + retry-after.")] = 600.0,
-    release_rate: Annotated[float, typer.Option(help="Held requests released per second (0 = unbounded).")] = 5000.0,
+    release_rate: Annotated[float, typer.Option(help="Held requests released per second (0 = unbounded).")] = 20_000.0,
     orchestrator: Annotated[str | None, typer.Option(
         help="Orchestrator host:port to subscribe to for endpoint states (unset: only the control API sets them).")] = None,
     gate_id: Annotated[str | None, typer.Option(help="Stable id of this replica on the state stream (default host-pid).")] = None,

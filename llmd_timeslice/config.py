@@ -133,7 +133,7 @@ class GateSettings(_Section):
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429 `hold_queue_full`.")
     max_hold_s: Duration = Field(600.0, gt=0, le=3600,
                                  description="Most time a request is held, then 503 `hold_expired` (Envoy caps at 3600 s).")
-    release_rate_per_s: float = Field(5000.0, ge=0,
+    release_rate_per_s: float = Field(20_000.0, ge=0,
                                       description="Held requests released per second (0 = unbounded) (`--release-rate`).")
     orchestrator: HostPort | None = Field(None, description="Orchestrator host:port to subscribe to for endpoint states "
                                                             "(unset: only the control API sets them).")

@@ -115,7 +115,7 @@ def test_the_fast_path_config_carries_what_the_gate_relies_on():
     assert authz["http_service"]["server_uri"]["timeout"] == "610.000s", "a hold of max_hold_s must fit"
     log = hcm["access_log"][0]["typed_config"]
     assert log["additional_request_headers_to_log"] == [protocol.ADMISSION_HEADER]
-    assert log["common_config"]["buffer_flush_interval"] == "0.010s"
+    assert log["common_config"]["buffer_flush_interval"] == "0.020s"
     assert hcm["local_reply_config"]["mappers"][0]["filter"]["metadata_filter"]["match_if_key_not_found"] is False
     router = hcm["http_filters"][-1]["typed_config"]
     assert router["upstream_log_options"] == {"flush_upstream_log_on_upstream_stream": True}
@@ -183,3 +183,59 @@ async def test_lost_access_log_entry_the_switch_goes_on_at_the_drain_deadline_an
     s["proxy"].heal()
     await s["client"].release()
     await _until(lambda: pool.serving() == (addr,), 20, "the sampler SERVING again")
+
+
+# ------------------------------------------------------------------------------- bad input on the HTTP edge
+@pytest.fixture
+async def authz_gate():
+    gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0, max_hold_s=5))
+    await gate.start()
+    gate.pools["default"].set_states([(A, EndpointState.SERVING, 0)])
+    yield gate
+    await gate.stop()
+
+
+@pytest.mark.parametrize("headers,status,reason", [
+    ({}, 400, "bad_check"),
+    ({protocol.POOL_HEADER: "ghost"}, 429, "unknown_pool"),  # a 503 carried as 429 (see ext_authz)
+    ({protocol.POOL_HEADER: "default", protocol.MIN_WEIGHT_VERSION_HEADER: "two"}, 400, "bad_min_weight_version"),
+    ({protocol.POOL_HEADER: "default", protocol.MIN_WEIGHT_VERSION_HEADER: b"\x80"}, 400, "bad_min_weight_version"),
+])
+async def test_a_bad_check_is_refused_with_its_reason_and_admits_nothing(authz_gate, headers, status, reason):
+    async with httpx.AsyncClient(timeout=5) as c:
+        r = await c.get(f"http://127.0.0.1:{authz_gate.authz_port}/v1/completions", headers=headers)
+    assert r.status_code == status and r.headers[protocol.REASON_HEADER] == reason
+    assert r.json()["error"]["type"] == reason
+    if reason == "unknown_pool":
+        assert r.headers[protocol.STATUS_HEADER] == "503" and "ghost" in r.json()["error"]["message"]
+    assert len(authz_gate.book) == 0 and authz_gate.pools["default"].live == 0
+
+
+async def test_unparsable_bytes_and_a_second_check_while_held_close_the_connection_and_leave_nothing(authz_gate):
+    port, pool = authz_gate.authz_port, authz_gate.pools["default"]
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"\x16\x03\x01 not http at all\r\n\r\n")
+    assert (await asyncio.wait_for(r.read(), 5)).startswith(b"HTTP/1.1 400 "), "garbage: 400, then closed"
+    w.close()
+    pool.set_states([(A, EndpointState.ASLEEP, 0)])
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    check = f"GET / HTTP/1.1\r\nhost: g\r\n{protocol.POOL_HEADER}: default\r\n\r\n".encode()
+    w.write(check)
+    await _until(lambda: pool.held == 1, what="the first check held")
+    w.write(check)  # Envoy never pipelines: a protocol error
+    assert (await asyncio.wait_for(r.read(), 5)).startswith(b"HTTP/1.1 400 ")
+    w.close()
+    await _until(lambda: pool.held == 0, what="the held check gone with its connection")
+    assert len(authz_gate.book) == 0 and pool.live == 0
+
+
+async def test_a_check_released_after_its_connection_closed_is_neither_answered_nor_counted(authz_gate):
+    pool = authz_gate.pools["default"]
+    pool.set_states([(A, EndpointState.ASLEEP, 0)])
+    _r, w = await asyncio.open_connection("127.0.0.1", authz_gate.authz_port)
+    w.write(f"GET / HTTP/1.1\r\nhost: g\r\n{protocol.POOL_HEADER}: default\r\n\r\n".encode())
+    await _until(lambda: pool.held == 1, what="held")
+    w.close()
+    pool.set_states([(A, EndpointState.SERVING, 0)])  # may race with the close: either way nothing stays counted
+    await _until(lambda: pool.held == 0 and pool.live == 0, what="nothing held or live")
+    assert len(authz_gate.book) == 0

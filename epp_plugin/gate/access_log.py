@@ -1,10 +1,11 @@
 """The gate's fast-path completion edge: Envoy's gRPC access-log service (``AccessLogService``).
 
 Envoy (configured by :func:`epp_plugin.envoy_config.gate_access_log` and
-:func:`~epp_plugin.envoy_config.gate_upstream_log`) keeps one client stream per worker and log name open to
-the gate's data-plane port and sends its entries in batches (every ``buffer_flush_interval``, 10 ms as
-rendered). Each entry logs the request header ``x-llmd-timeslice-admission`` that the ext_authz answer put on
-the request, which names the admission. By ``common_properties.access_log_type``:
+:func:`~epp_plugin.envoy_config.gate_upstream_log`, which share one log configuration) keeps one client stream
+per worker open to the gate's gRPC data-plane port and sends its entries in batches (every
+``buffer_flush_interval``, 20 ms as rendered, or 64 KiB). Each entry logs the request header
+``x-llmd-timeslice-admission`` that the ext_authz answer put on the request, which names the admission. By
+``common_properties.access_log_type``:
 
 * ``DownstreamEnd`` (the request's stream ended: response done, reset, or client gone):
   :meth:`AdmissionBook.complete` — the in-flight count ends here;
@@ -49,14 +50,18 @@ class GateAccessLogService(als_pb2_grpc.AccessLogServiceServicer):
     def __init__(self, book: AdmissionBook) -> None:
         self._book = book
         self.entries_total = 0
+        self.messages_total = 0
         self.unmatched_total = 0
+        self.streams_open = 0
 
     async def StreamAccessLogs(self, request_iterator, context):  # noqa: N802 - gRPC method name
         book = self._book
         envoy: str | None = None  # the Envoy this stream belongs to, learnt from its first entry of a known admission
+        self.streams_open += 1
         try:
             async for msg in request_iterator:
                 entries = msg.http_logs.log_entry
+                self.messages_total += 1
                 self.entries_total += len(entries)
                 for entry in entries:
                     aid = entry.request.request_headers.get(_ADMISSION)
@@ -75,6 +80,7 @@ class GateAccessLogService(als_pb2_grpc.AccessLogServiceServicer):
                         if addr is not None:
                             book.served(aid, addr)
         finally:
+            self.streams_open -= 1
             if envoy is not None:
                 book.stream_ended(envoy)
         return _EMPTY

@@ -58,6 +58,11 @@ _PICK_VALUE = protocol.PICK_LEAST_IN_FLIGHT.encode()
 _ADMISSION = f"{protocol.ADMISSION_HEADER}: ".encode()
 _HOLD_MS = f"{protocol.HOLD_MS_HEADER}: ".encode()
 _CACHE_LIMIT = 4096
+UNREAD_WINDOW_S = 1.0
+"""A connection Envoy closes within this many seconds of an admission answer, before sending another check, lost
+that answer: Envoy reset the check (its client went away just then), so the request never carries the admission
+id and no access-log entry will end it; the admission is dropped at once. (Envoy keeps a connection whose answer it
+read: idle connections to the gate close only after the cluster's idle timeout, an hour by default.)"""
 
 
 def _line(name: str, value: str) -> bytes:
@@ -115,8 +120,8 @@ class AuthzService:
             entry = self._answers[key] = (pool.epoch, {})
         return entry[1]
 
-    def admitted(self, pool: PoolState, adm: Admission, envoy: str, pick: bool) -> bytes:
-        """Record ``adm`` and build its answer (``pick``: choose the endpoint here)."""
+    def admitted(self, pool: PoolState, adm: Admission, envoy: str, pick: bool) -> tuple[bytes, str]:
+        """Record ``adm``; returns its answer (``pick``: the endpoint chosen here) and its admission id."""
         if pick:
             addr = self.picker.pick(pool, adm.candidates)
             pool.on_served(adm, addr)
@@ -141,13 +146,13 @@ class AuthzService:
         if adm.hold_s > 0:
             metrics.HOLD_SECONDS.labels(pool=pool.name).observe(adm.hold_s)
             answer += _HOLD_MS + str(round(adm.hold_s * 1000)).encode() + b"\r\n"
-        return answer + b"\r\n"
+        return answer + b"\r\n", aid
 
 
 class AuthzProtocol(asyncio.Protocol):
     """One connection from Envoy's ext_authz HTTP client: one check at a time (Envoy does not pipeline)."""
 
-    __slots__ = ("__weakref__", "_closed", "_h", "_held", "_parser", "_svc", "_transport")
+    __slots__ = ("__weakref__", "_answered", "_answered_at", "_closed", "_h", "_held", "_parser", "_svc", "_transport")
 
     def __init__(self, svc: AuthzService) -> None:
         self._svc = svc
@@ -156,6 +161,8 @@ class AuthzProtocol(asyncio.Protocol):
         self._h: list = [None, None, None, None]
         self._held: asyncio.Task | None = None
         self._closed = False
+        self._answered: str | None = None  # the last admission answered here, until the next check proves it read
+        self._answered_at = 0.0
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -168,6 +175,8 @@ class AuthzProtocol(asyncio.Protocol):
         if self._held is not None:
             self._held.cancel()  # Envoy gave up on the check (client gone): leave the hold queue now
             self._held = None
+        if self._answered is not None and asyncio.get_running_loop().time() - self._answered_at < UNREAD_WINDOW_S:
+            self._svc.book.drop(self._answered)  # Envoy reset the check as it was answered (see UNREAD_WINDOW_S)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -178,12 +187,9 @@ class AuthzProtocol(asyncio.Protocol):
             self._transport.close()
 
     # ------------------------------------------------------------ httptools callbacks
-    def on_message_begin(self) -> None:
-        h = self._h
-        h[0] = h[1] = h[2] = h[3] = None
-
     def on_header(self, name: bytes, value: bytes) -> None:
-        i = _WANTED.get(name.lower())
+        # Envoy sends header names in lower case (its HTTP/1 codec), the client's too: no .lower() per header.
+        i = _WANTED.get(name)
         if i is not None:
             self._h[i] = value
 
@@ -193,7 +199,10 @@ class AuthzProtocol(asyncio.Protocol):
             self._reply(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             self._transport.close()
             return
-        pool_raw, envoy_raw, pick_raw, version_raw = self._h
+        h = self._h
+        pool_raw, envoy_raw, pick_raw, version_raw = h
+        h[0] = h[1] = h[2] = h[3] = None
+        self._answered = None  # a new check: Envoy read the previous answer
         svc = self._svc
         pool_name = pool_raw.decode("utf-8", "replace") if pool_raw is not None else None
         try:
@@ -211,7 +220,7 @@ class AuthzProtocol(asyncio.Protocol):
         envoy = envoy_raw.decode("ascii", "replace") if envoy_raw is not None else ""
         pick = pick_raw == _PICK_VALUE
         if adm is not None:
-            self._reply(svc.admitted(pool, adm, envoy, pick))
+            self._admit(pool, adm, envoy, pick)
         else:
             self._held = asyncio.get_running_loop().create_task(self._hold(pool, min_version, envoy, pick))
 
@@ -229,7 +238,12 @@ class AuthzProtocol(asyncio.Protocol):
         if self._closed:
             pool.finish(adm)  # released just as Envoy gave up: never answered, never counted
             return
-        self._reply(self._svc.admitted(pool, adm, envoy, pick))
+        self._admit(pool, adm, envoy, pick)
+
+    def _admit(self, pool: PoolState, adm: Admission, envoy: str, pick: bool) -> None:
+        answer, self._answered = self._svc.admitted(pool, adm, envoy, pick)
+        self._answered_at = asyncio.get_running_loop().time()
+        self._reply(answer)
 
     def close(self) -> None:
         """Close the connection (the gate stops; held checks were answered by then)."""

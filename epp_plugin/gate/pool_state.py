@@ -1,8 +1,9 @@
 """Core of the time-slice gate: per-InferencePool endpoint states, hold queue and drain barrier.
 
-No I/O here. The ext_proc servicer turns Envoy messages into calls on :class:`PoolState`
-(``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream end);
-the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
+No I/O here. Two edges turn Envoy messages into calls on :class:`PoolState`: the fast path
+(``try_admit``/``admit`` on an ext_authz check, ``on_served`` and ``finish`` from access-log entries)
+and ext_proc (``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream
+end); the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
 
 Invariants held here (DESIGN.md §5):
 1. a request is admitted only with a non-empty list of SERVING endpoints (its *candidates*),

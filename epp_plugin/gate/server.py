@@ -52,7 +52,7 @@ class GateConfig(BaseModel):
     accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429.")
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds held; then 503 (Envoy caps at 3600).")
-    release_rate_per_s: float = Field(5_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
+    release_rate_per_s: float = Field(20_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
     token: str | None = Field(None, description="Bearer token for the control port and the orchestrator.", repr=False)
     orchestrator: str | None = Field(None, description="Orchestrator host:port to subscribe to (None: control API only).")
     stale_after_s: float = Field(5.0, ge=0, le=600, description="Seconds without the orchestrator's state stream before "
@@ -96,7 +96,8 @@ class GateServer:
         cfg = self.config
         self._data = aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(GateAccessLogService(self.book), self._data)
+        self.access_log = GateAccessLogService(self.book)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._data)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._data)
         self.ext_proc_port = self._data.add_insecure_port(f"{cfg.host}:{cfg.ext_proc_port}")
