@@ -8,8 +8,11 @@ serving every gate chain:
 * ``ext_authz``: Envoy -> gate (HTTP ext_authz, completions over the gRPC access log) -> picker -> upstream:
   **the default edge** (the rendered configs and the Kubernetes guide's Envoy variants);
 * ``ext_proc``: Envoy -> gate (ext_proc) -> picker -> upstream;
-* ``direct``: Envoy -> upstream (no filter; baseline of the next);
-* ``ext_authz_pick``: Envoy -> gate (ext_authz, the gate picks the endpoint) -> upstream: the local stack.
+* ``direct``: Envoy -> upstream (no filter; baseline of the next two);
+* ``ext_authz_pick``: Envoy -> gate (ext_authz, the gate picks the endpoint) -> upstream: the local stack;
+* ``authz_floor`` and ``authz_floor_epp``: the same two chains with, instead of the gate, a Python ext_authz
+  server that only answers (``benchmarks.authz_floor``: same HTTP stack, no gate logic, no access log): what any
+  Python ext_authz costs on this machine at the same request rates, to read the gate's own share off.
 
 Figures, per edge under ``edges`` (``ext_authz``, ``ext_proc`` against ``picker_only``; ``ext_authz_pick``
 against ``direct``) and at the top level for the default edge:
@@ -21,7 +24,9 @@ against ``direct``) and at the top level for the default edge:
 * ``throughput_ratio``: requests per second at saturation (``wrk -c32``) against the baseline chain;
 * ``held_request_bytes``: gate resident memory per held request (2,000 held);
 * ``release_1000_ms``: from SetEndpointStates(SERVING) until the gate reports none of 1,000 held requests left
-  in its queue (status polled every millisecond); ``release_1000_all_responses_ms``: until the last response;
+  in its queue (status polled every 2 ms); ``release_1000_all_responses_ms``: until the last response (the
+  Python client, 1,000 connections in one process, dominates it);
+* ``access_log_entries_per_message`` (fast path, 8 connections): how well Envoy batched the access log;
 * ``drain_barrier_ms``: from the moment the client has the last byte of a streaming response to the moment the
   gate's drain barrier (``WaitDrained`` on the control API) reports the endpoint drained; median of 10 (and max).
 
@@ -40,6 +45,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -59,7 +65,8 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as 
 from llmd_timeslice.demo.stack import ComponentProcess
 
 DEFAULT_EDGE = "ext_authz"
-BASELINE = {"ext_authz": "picker_only", "ext_proc": "picker_only", "ext_authz_pick": "direct"}
+BASELINE = {"ext_authz": "picker_only", "ext_proc": "picker_only", "authz_floor_epp": "picker_only",
+            "ext_authz_pick": "direct", "authz_floor": "direct"}
 TARGETS = {"gate_cpu_us_per_request": 50.0, "gate_added_p50_ms": 0.1, "gate_added_p99_ms": 0.5,
            "held_request_bytes": 8 * 1024, "release_1000_ms": 100.0, "drain_barrier_ms": 50.0}
 TARGETS_AT_LEAST = {"throughput_ratio": 0.8}
@@ -159,12 +166,12 @@ class Gate:
     """The gate process and a control-API stub."""
 
     def __init__(self, workdir: Path) -> None:
-        self.grpc_port, self.authz_port, self.control_port = (port_for.select_random() for _ in range(3))
+        self.grpc_port, self.authz_port, self.control_port, self.metrics_port = (port_for.select_random() for _ in range(4))
         (workdir / "token").write_text(TOKEN)
         self.proc = ComponentProcess("gate", [
             "gate", "--ext-proc-port", str(self.grpc_port), "--authz-port", str(self.authz_port), "--control-port",
-            str(self.control_port), "--token-file", str(workdir / "token"), "--max-held", "5000"],
-            self.control_port, workdir).start()
+            str(self.control_port), "--token-file", str(workdir / "token"), "--max-held", "5000", "--metrics-port",
+            str(self.metrics_port)], self.control_port, workdir).start()
         self.ps = psutil.Process(self.proc.pid)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.control_port}")
         self.stub = gpb_grpc.GateControlServiceStub(self.channel)
@@ -176,6 +183,16 @@ class Gate:
     def set_states(self, states: dict[str, int]) -> None:
         self.stub.SetEndpointStates(gpb.SetEndpointStatesRequest(pool="default", endpoints=[
             gpb.EndpointUpdate(address=a, state=s) for a, s in states.items()]), timeout=5, metadata=_MD)
+
+    def access_log_counts(self) -> tuple[float, float]:
+        """(messages, entries) received on the access-log stream so far, from the gate's /metrics."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+
+        def value(name: str) -> float:
+            m = re.search(rf"^{name} ([\d.e+]+)$", text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        return value("llmd_timeslice_gate_access_log_messages_total"), value("llmd_timeslice_gate_access_log_entries_total")
 
     def held(self) -> int:
         return self.stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool="default"), timeout=5, metadata=_MD).held
@@ -222,7 +239,7 @@ def measure_holds(gate: Gate, url: str, fast: str) -> dict:
         t0 = time.perf_counter()
         gate.set_states({fast: serving})
         while gate.held() > 0:
-            time.sleep(0.001)
+            time.sleep(0.002)  # each poll is a gRPC call the gate answers: polling harder slows what it measures
         out["release_1000_ms"] = (time.perf_counter() - t0) * 1000
         await asyncio.gather(*tasks, return_exceptions=True)
         out["release_1000_all_responses_ms"] = (time.perf_counter() - t0) * 1000
@@ -263,14 +280,17 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     edges = list(result["edges"])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, key, label, target in (
         (axes[0], "gate_cpu_us_per_request", "gate CPU per request, 8 connections (µs)", TARGETS["gate_cpu_us_per_request"]),
         (axes[1], "gate_added_p50_ms", "added latency p50, 1 connection (ms)", TARGETS["gate_added_p50_ms"]),
         (axes[2], "drain_barrier_ms", "drain barrier after the last byte (ms)", TARGETS["drain_barrier_ms"]),
     ):
-        vals = [result["edges"][e].get(key, 0) for e in edges]
-        ax.bar(edges, vals, color=["tab:green" if v <= target else "tab:red" for v in vals])
+        shown = [e for e in edges if key in result["edges"][e]]
+        vals = [result["edges"][e][key] for e in shown]
+        ax.bar(shown, vals, color=["tab:green" if v <= target else "tab:red" for v in vals])
+        if key == "gate_cpu_us_per_request":
+            ax.set_yscale("log")
         ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:g}")
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=8)
@@ -286,7 +306,7 @@ def summary(result: dict) -> str:
              f"default edge: {DEFAULT_EDGE} (top-level figures)", ""]
     keys = ["gate_cpu_us_per_request", "gate_cpu_us_per_request_1c", "gate_added_p50_ms", "gate_added_p99_ms",
             "throughput_ratio", "held_request_bytes", "release_1000_ms", "release_1000_all_responses_ms",
-            "drain_barrier_ms", "drain_barrier_max_ms"]
+            "drain_barrier_ms", "drain_barrier_max_ms", "access_log_entries_per_message"]
     header = f"{'figure':34s}" + "".join(f"{e:>16s}" for e in result["edges"]) + "   target"
     lines.append(header)
     for k in keys:
@@ -348,6 +368,14 @@ def main() -> None:
                     "address": "127.0.0.1", "port_value": upstream.port}}}}]}]}}]).start(),
         "ext_authz_pick": router(gate.grpc_port, None),
     }
+    floors = {}
+    for name, epp, mode in (("authz_floor_epp", picker_port, ["hint"]), ("authz_floor", None, [])):
+        port = port_for.select_random()
+        floors[name] = subprocess.Popen([sys.executable, "-m", "benchmarks.authz_floor", str(port), fast, *mode])
+        # The floor's Envoy has the fast path's shape; its access log goes to a closed port (Envoy drops the entries).
+        chains[name] = EnvoyProcess(EnvoyRouterConfig(port_for.select_random(), port_for.select_random(),
+                                                      port_for.select_random(), epp, authz_port=port), work).start()
+    floor_ps = {name: psutil.Process(f.pid) for name, f in floors.items()}
     result: dict = {"measured_here": True, "envoy_concurrency": 1, "wrk_seconds": args.seconds,
                     "default_edge": DEFAULT_EDGE, "chains": {}, "edges": {}}
     try:
@@ -355,15 +383,19 @@ def main() -> None:
         for env in chains.values():
             wrk(env.url + "/", 8, 2)  # warm-up
         cpu: dict = {}
+        per_message: dict = {}
         for name, env in chains.items():
-            c0 = gate.cpu_s()
+            server_cpu = ((lambda n=name: sum(floor_ps[n].cpu_times()[:2])) if name in floor_ps else gate.cpu_s)
+            c0 = server_cpu()
             one = wrk(env.url + "/", 1, args.seconds)
-            c1 = gate.cpu_s()
+            c1, (m1, e1) = server_cpu(), gate.access_log_counts()
             eight = wrk(env.url + "/", 8, args.seconds)
-            c2 = gate.cpu_s()
+            c2, (m2, e2) = server_cpu(), gate.access_log_counts()
             sat = wrk(env.url + "/", 32, args.seconds)
             result["chains"][name] = {"one_connection": one, "eight_connections": eight, "saturation": sat}
             cpu[name] = ((c1 - c0) / one["requests"] * 1e6, (c2 - c1) / eight["requests"] * 1e6)
+            if m2 > m1:
+                per_message[name] = (e2 - e1) / (m2 - m1)
             print(f"{name}: 1 conn p50 {one['p50_ms']:.3f} ms p99 {one['p99_ms']:.3f} ms; 8 conns {eight['rps']:.0f} rps"
                   f" (gate CPU {cpu[name][1]:.1f} µs/request); 32 conns {sat['rps']:.0f} rps", flush=True)
         for edge, base in BASELINE.items():
@@ -376,10 +408,12 @@ def main() -> None:
                 "throughput_ratio": c["saturation"]["rps"] / b["saturation"]["rps"],
                 "non_2xx": sum(c[k]["non_2xx"] for k in c),
             }
+            if edge in per_message:
+                result["edges"][edge]["access_log_entries_per_message"] = per_message[edge]
         for edge in ("ext_authz", "ext_proc"):
             print(f"{edge}: holds ...", flush=True)
             result["edges"][edge].update(measure_holds(gate, chains[edge].url + "/", fast))
-        for edge in BASELINE:
+        for edge in ("ext_authz", "ext_proc", "ext_authz_pick"):
             print(f"{edge}: drain barrier ...", flush=True)
             result["edges"][edge].update(measure_drain(gate, chains[edge].url, fast, slow))
     finally:
@@ -388,6 +422,9 @@ def main() -> None:
         gate.stop()
         for p in pickers:
             p.stop()
+        for f in floors.values():
+            f.terminate()
+            f.wait(10)
         upstream.stop()
         streaming.shutdown()
     top = result["edges"][DEFAULT_EDGE]

@@ -36,6 +36,7 @@ class PoolCollector(Collector):
     def __init__(self) -> None:
         self.pool_maps: list[Mapping[str, PoolState]] = []
         self.books: list = []  # AdmissionBook of each gate with the fast path
+        self.access_logs: list = []  # GateAccessLogService of each gate
 
     def _pools(self):
         for pools in list(self.pool_maps):
@@ -75,6 +76,13 @@ class PoolCollector(Collector):
             completed.add_metric([], sum(b.completed_total for b in self.books))
             foreign.add_metric([], sum(b.foreign_total for b in self.books))
             yield from (open_, completed, foreign)
+        if self.access_logs:
+            messages = CounterMetricFamily("llmd_timeslice_gate_access_log_messages",
+                                           "gRPC access-log messages received (each a batch of entries).")
+            entries = CounterMetricFamily("llmd_timeslice_gate_access_log_entries", "Access-log entries received.")
+            messages.add_metric([], sum(a.messages_total for a in self.access_logs))
+            entries.add_metric([], sum(a.entries_total for a in self.access_logs))
+            yield from (messages, entries)
 
 
 COLLECTOR = PoolCollector()

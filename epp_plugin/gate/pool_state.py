@@ -393,6 +393,8 @@ class PoolState:
     async def _release_held(self) -> None:
         """Release held requests FIFO in bursts, at most ``release_rate_per_s`` per second."""
         pause = self.release_burst / self.release_rate_per_s if self.release_rate_per_s > 0 else 0.0
+        loop = asyncio.get_running_loop()
+        due = loop.time()  # bursts on a schedule: the time spent releasing counts against the pause, not on top
         while self._held:
             released = 0
             skipped: list[_Held] = []
@@ -410,4 +412,5 @@ class PoolState:
             self.released_total += released
             if released == 0:
                 return
-            await asyncio.sleep(pause)
+            due += pause
+            await asyncio.sleep(max(0.0, due - loop.time()))

@@ -114,6 +114,7 @@ class GateServer:
             self._authz_server = await ext_authz.serve(self.authz, cfg.host, cfg.authz_port)
             self.authz_port = self._authz_server.sockets[0].getsockname()[1]
             metrics.COLLECTOR.books.append(self.book)
+            metrics.COLLECTOR.access_logs.append(self.access_log)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health = health_servicer
         metrics.COLLECTOR.pool_maps.append(self.pools)
@@ -142,6 +143,7 @@ class GateServer:
             metrics.COLLECTOR.pool_maps.remove(self.pools)
         if self.book in metrics.COLLECTOR.books:
             metrics.COLLECTOR.books.remove(self.book)
+            metrics.COLLECTOR.access_logs.remove(self.access_log)
         for pool in self.pools.values():
             pool.close()
         await asyncio.sleep(0)
