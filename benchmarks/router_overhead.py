@@ -18,7 +18,7 @@ Figures, per edge under ``edges`` (``ext_authz``, ``ext_proc`` against ``picker_
 against ``direct``) and at the top level for the default edge:
 
 * ``gate_added_p50_ms`` / ``gate_added_p99_ms``: latency added by the gate, one connection (``wrk -t1 -c1``),
-  against its baseline chain in the same run;
+  against its baseline chain (medians over rounds);
 * ``gate_cpu_us_per_request``: CPU time (user + system) of the gate process per request at 8 connections
   (``gate_cpu_us_per_request_1c``: at one);
 * ``throughput_ratio``: requests per second at saturation (``wrk -c32``) against the baseline chain;
@@ -33,7 +33,9 @@ against ``direct``) and at the top level for the default edge:
     .venv/bin/python -m benchmarks.router_overhead --out /tmp/router/router_overhead.json
 
 Writes that JSON, a plain-text summary beside it (``.txt``) and a PNG (``.png``). Needs ``wrk`` (Debian
-package ``wrk``; ``make bench-deps`` installs it). About 4 minutes with the default ``--seconds 8``.
+package ``wrk``; ``make bench-deps`` installs it). About 6 minutes with the defaults (``--rounds 3 --seconds 4``):
+each round runs every chain in turn, and each figure is the median over rounds (CPU: total over rounds), so a
+shared machine's drifting background load hits every chain alike.
 """
 
 from __future__ import annotations
@@ -302,7 +304,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def summary(result: dict) -> str:
-    lines = [f"router overhead, {time.strftime('%Y-%m-%d %H:%M')}, Envoy 1 worker, wrk {result['wrk_seconds']:g} s per run",
+    lines = [f"router overhead, {time.strftime('%Y-%m-%d %H:%M')}, Envoy 1 worker, {result['rounds']} rounds of wrk "
+             f"{result['wrk_seconds']:g} s per chain and load (medians)",
              f"default edge: {DEFAULT_EDGE} (top-level figures)", ""]
     keys = ["gate_cpu_us_per_request", "gate_cpu_us_per_request_1c", "gate_added_p50_ms", "gate_added_p99_ms",
             "throughput_ratio", "held_request_bytes", "release_1000_ms", "release_1000_all_responses_ms",
@@ -333,7 +336,8 @@ def summary(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write (.txt and .png beside it).")
-    ap.add_argument("--seconds", type=float, default=8.0, help="Duration of each wrk run.")
+    ap.add_argument("--seconds", type=float, default=4.0, help="Duration of each wrk run.")
+    ap.add_argument("--rounds", type=int, default=3, help="Rounds over every chain (medians per chain are reported).")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: install it (Debian package 'wrk', or `make bench-deps`)")
@@ -376,7 +380,7 @@ def main() -> None:
         chains[name] = EnvoyProcess(EnvoyRouterConfig(port_for.select_random(), port_for.select_random(),
                                                       port_for.select_random(), epp, authz_port=port), work).start()
     floor_ps = {name: psutil.Process(f.pid) for name, f in floors.items()}
-    result: dict = {"measured_here": True, "envoy_concurrency": 1, "wrk_seconds": args.seconds,
+    result: dict = {"measured_here": True, "envoy_concurrency": 1, "wrk_seconds": args.seconds, "rounds": args.rounds,
                     "default_edge": DEFAULT_EDGE, "chains": {}, "edges": {}}
     try:
         gate.set_states({fast: gpb.ENDPOINT_STATE_SERVING, slow: gpb.ENDPOINT_STATE_ASLEEP})
@@ -384,20 +388,37 @@ def main() -> None:
             wrk(env.url + "/", 8, 2)  # warm-up
         cpu: dict = {}
         per_message: dict = {}
-        for name, env in chains.items():
-            server_cpu = ((lambda n=name: sum(floor_ps[n].cpu_times()[:2])) if name in floor_ps else gate.cpu_s)
-            c0 = server_cpu()
-            one = wrk(env.url + "/", 1, args.seconds)
-            c1, (m1, e1) = server_cpu(), gate.access_log_counts()
-            eight = wrk(env.url + "/", 8, args.seconds)
-            c2, (m2, e2) = server_cpu(), gate.access_log_counts()
-            sat = wrk(env.url + "/", 32, args.seconds)
-            result["chains"][name] = {"one_connection": one, "eight_connections": eight, "saturation": sat}
-            cpu[name] = ((c1 - c0) / one["requests"] * 1e6, (c2 - c1) / eight["requests"] * 1e6)
-            if m2 > m1:
-                per_message[name] = (e2 - e1) / (m2 - m1)
-            print(f"{name}: 1 conn p50 {one['p50_ms']:.3f} ms p99 {one['p99_ms']:.3f} ms; 8 conns {eight['rps']:.0f} rps"
-                  f" (gate CPU {cpu[name][1]:.1f} µs/request); 32 conns {sat['rps']:.0f} rps", flush=True)
+        # Rounds, each running every chain in turn: the background load of a shared machine drifts over minutes,
+        # so chains measured side by side in each round, then the median per chain, compare like with like.
+        runs: dict = {name: {"one_connection": [], "eight_connections": [], "saturation": []} for name in chains}
+        spent: dict = {name: [0.0, 0, 0.0, 0, 0.0, 0.0] for name in chains}  # cpu 1c, requests 1c, cpu 8c, requests 8c,
+        for rnd in range(args.rounds):                                      # access-log messages, entries (8c)
+            for name, env in chains.items():
+                server_cpu = ((lambda n=name: sum(floor_ps[n].cpu_times()[:2])) if name in floor_ps else gate.cpu_s)
+                c0 = server_cpu()
+                one = wrk(env.url + "/", 1, args.seconds)
+                c1, (m1, e1) = server_cpu(), gate.access_log_counts()
+                eight = wrk(env.url + "/", 8, args.seconds)
+                c2, (m2, e2) = server_cpu(), gate.access_log_counts()
+                sat = wrk(env.url + "/", 32, args.seconds)
+                for k, v in (("one_connection", one), ("eight_connections", eight), ("saturation", sat)):
+                    runs[name][k].append(v)
+                t = spent[name]
+                t[0] += c1 - c0
+                t[1] += one["requests"]
+                t[2] += c2 - c1
+                t[3] += eight["requests"]
+                t[4] += m2 - m1
+                t[5] += e2 - e1
+                print(f"round {rnd + 1}/{args.rounds} {name}: 1 conn p50 {one['p50_ms']:.3f} ms p99 {one['p99_ms']:.3f} ms;"
+                      f" 8 conns {eight['rps']:.0f} rps; 32 conns {sat['rps']:.0f} rps", flush=True)
+        for name in chains:
+            result["chains"][name] = {k: {f: statistics.median(r[f] for r in rs) for f in rs[0]} | {"rounds": rs}
+                                      for k, rs in runs[name].items()}
+            t = spent[name]
+            cpu[name] = (t[0] / t[1] * 1e6, t[2] / t[3] * 1e6)
+            if t[4] > 0:
+                per_message[name] = t[5] / t[4]
         for edge, base in BASELINE.items():
             c, b = result["chains"][edge], result["chains"][base]
             result["edges"][edge] = {

@@ -59,7 +59,8 @@ class AdmissionBook:
     Args:
         lost_after_s: seconds after which an admission without a completion is dropped (> Envoy's route timeout).
         envoy_gone_grace_s: seconds an Envoy id may have no access-log stream before its admissions are dropped.
-        on_lost: called with ``(reason, count)`` when admissions are dropped (``"age"`` or ``"envoy_gone"``).
+        on_lost: called with ``(reason, count)`` when admissions are dropped (``"age"``, ``"envoy_gone"``, or
+            ``"unread"``: Envoy reset the check as it was answered).
         clock: monotonic clock in seconds (the timers use the running loop's own clock).
     """
 
@@ -113,10 +114,11 @@ class AdmissionBook:
         return True
 
     def drop(self, aid: str) -> None:
-        """Forget ``aid`` without an access-log entry (its answer never reached Envoy)."""
+        """Forget ``aid`` without an access-log entry: its answer never reached Envoy (reported as ``unread``)."""
         rec = self._open.pop(aid, None)
         if rec is not None:
             rec.pool.finish(rec.adm)
+            self._report("unread", 1)
 
     def envoy_of(self, aid: str) -> str | None:
         rec = self._open.get(aid)

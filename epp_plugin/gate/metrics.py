@@ -26,8 +26,9 @@ HOLD_SECONDS = Histogram(
 ORCHESTRATOR_EPOCH = Gauge("llmd_timeslice_gate_orchestrator_epoch", "Last state epoch received from the orchestrator.")
 LOST_COMPLETIONS = Counter(
     "llmd_timeslice_gate_lost_completions_total",
-    "Fast-path admissions dropped without an access-log entry: reason age (older than lost_completion_after_s) or "
-    "envoy_gone (every access-log stream of that Envoy ended).", ["reason"])
+    "Fast-path admissions dropped without an access-log entry: reason age (older than lost_completion_after_s), "
+    "envoy_gone (every access-log stream of that Envoy ended) or unread (Envoy reset the check as it was answered).",
+    ["reason"])
 
 
 class PoolCollector(Collector):
