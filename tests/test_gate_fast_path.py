@@ -8,11 +8,13 @@ check, and the lost admission must stop counting (age rule, or its Envoy gone) s
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import httpx
 import port_for
 import pytest
+from google.protobuf import struct_pb2
 
 from epp_plugin import protocol
 from epp_plugin.envoy_config import EnvoyRouterConfig, render_bootstrap
@@ -90,11 +92,7 @@ async def test_an_envoys_admissions_are_dropped_when_its_streams_end_for_good_no
 
 
 def test_wire_shapes_of_the_answers():
-    from google.protobuf import struct_pb2
-
     v = struct_pb2.Value()
-    import base64
-
     v.ParseFromString(base64.b64decode(subset_hint_value((A, B))))
     assert [x.string_value for x in v.list_value.values] == [A, B]
     answer = refusal_answer(HoldExpired("held too long"))
