@@ -222,8 +222,12 @@ async def test_min_weight_version_header_holds_until_that_version_serves(router_
 async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstreams, edge):
     up = two_upstreams[0]
     # The test's picker shares one Python event loop with the gate and 2,000 clients on 2 cores, so the
-    # EPP answer to a burst of releases can take seconds: its message timeout is raised here only.
-    stack = await start_router(artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge)
+    # EPP answer to a burst of releases can take seconds: its message timeout is raised here only. For the same
+    # reason the release keeps the former 5,000/s: once, in a full-suite run on a loaded machine, that in-process
+    # picker answered the fast path's 20,000/s burst of new EPP streams with HTTP/2 resets ("protocol error" in
+    # Envoy's log, 784 x 500 from the EPP filter). What is checked here is the gate: every request released and ended.
+    stack = await start_router(artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge,
+                               release_rate_per_s=5000)
     try:
         stack.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
         limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
@@ -237,7 +241,12 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
             stack.pool().set_states([(up.address, EndpointState.SERVING, 0)])
             rs = await asyncio.gather(*tasks, return_exceptions=True)
         codes = [getattr(r, "status_code", repr(r)) for r in rs]
-        assert codes.count(200) == 2000, f"not all released requests completed: {set(map(str, codes))}"
+        if codes.count(200) != 2000:
+            stats = await asyncio.to_thread(stack.envoy.stats, "ext_proc|ext_authz|rq_5xx|overflow|timeout|reset|flood|protocol")
+            bad = [r for r in rs if getattr(r, "status_code", 0) != 200][:3]
+            seen = [(getattr(r, "status_code", r), getattr(r, "text", "")[:200], dict(getattr(r, "headers", {}))) for r in bad]
+            raise AssertionError(f"not all released requests completed: {sorted(set(map(str, codes)))}, "
+                                 f"{codes.count(200)} ok; first failures {seen}\nenvoy stats:\n{stats}")
         for _ in range(200):  # stream ends (access-log entries) reach the gate just after the responses
             if stack.pool().live == 0:
                 break
