@@ -237,3 +237,22 @@ async def test_a_check_released_after_its_connection_closed_is_neither_answered_
     pool.set_states([(A, EndpointState.SERVING, 0)])  # may race with the close: either way nothing stays counted
     await _until(lambda: pool.held == 0 and pool.live == 0, what="nothing held or live")
     assert len(authz_gate.book) == 0
+
+
+def test_render_envoy_renders_each_edge_and_refuses_the_gate_picking_on_ext_proc(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from llmd_timeslice.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "envoy.json"
+    r = runner.invoke(app, ["render-envoy", "--out", str(out), "--picker", "gate", "--no-validate"])
+    assert r.exit_code == 0, r.output
+    filters = json.loads(out.read_text())["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert [f["name"] for f in filters["typed_config"]["http_filters"]] == [
+        "envoy.filters.http.ext_authz.timeslice_gate", "envoy.filters.http.router"]
+    r = runner.invoke(app, ["render-envoy", "--out", str(out), "--gate-edge", "ext_proc", "--picker", "gate"])
+    said = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
+    assert r.exit_code == 2 and "the gate picks the endpoint only on the ext_authz edge" in said, r.output
