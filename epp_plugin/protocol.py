@@ -27,3 +27,32 @@ WEIGHT_VERSION_HEADER = "x-llmd-timeslice-weight-version"
 saw it when the response headers passed; the orchestrator publishes it with each SERVING state)."""
 EXT_PROC_ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+
+# The fast path (HTTP ext_authz + access-log stream). Facts (Envoy 1.40, measured here, docs/gate.md):
+# ext_authz HTTP ``authorization_request.headers_to_add`` values are substitution-formatted and overwrite a client
+# header of the same name; ``allowed_upstream_headers`` copy headers of a 200 answer onto the request (overwriting);
+# an answer with a 5xx status is treated as an error (status_on_error, body and headers dropped).
+POOL_HEADER = "x-llmd-timeslice-pool"
+"""Header Envoy adds to each ext_authz check (``headers_to_add``, per route): the request's InferencePool."""
+ENVOY_ID_HEADER = "x-llmd-timeslice-envoy"
+"""Header Envoy adds to each ext_authz check: the id of that Envoy process (``%ENVIRONMENT(LLMD_TIMESLICE_ENVOY_ID)%``),
+so the gate can finish that Envoy's admissions when its access-log streams end for good (Envoy gone)."""
+ENVOY_ID_ENV = "LLMD_TIMESLICE_ENVOY_ID"
+"""Environment variable holding a fresh id per Envoy process (set by whoever starts Envoy)."""
+PICK_HEADER = "x-llmd-timeslice-pick"
+"""Header Envoy adds to each ext_authz check when no EPP follows: ``least-in-flight`` asks the gate to choose the
+endpoint itself (answer header ``x-gateway-destination-endpoint``)."""
+PICK_LEAST_IN_FLIGHT = "least-in-flight"
+ADMISSION_HEADER = "x-llmd-timeslice-admission"
+"""Answer header of an admission, copied onto the request (``allowed_upstream_headers``) and logged by the access
+log (``additional_request_headers_to_log``): matches a completion to its admission."""
+SUBSET_HINT_HEADER = "x-llmd-timeslice-subset-hint"
+"""Answer header carrying the subset hint as a base64-serialized ``google.protobuf.Value`` (a list of ``ip:port``);
+Envoy's header_to_metadata filter turns it into ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``
+dynamic metadata (``PROTOBUF_VALUE``, ``BASE64``) and removes it."""
+STATUS_HEADER = "x-llmd-timeslice-status"
+"""Refusal answer header: the status the client must get when it is a 5xx (Envoy treats a 5xx ext_authz answer as an
+error, so the answer carries 429 and the rendered ``local_reply_config`` maps it back by this header's metadata)."""
+AUTHZ_METADATA_NAMESPACE = "envoy.filters.http.ext_authz"
+"""Namespace of the dynamic metadata ext_authz emits from answer headers (``dynamic_metadata_from_headers``)."""
+REQUEST_ID_HEADER = "x-request-id"

@@ -71,18 +71,42 @@ def _run(coro_factory) -> None:
     asyncio.run(main())
 
 
+def _run_uvloop(coro_factory) -> None:
+    """``_run`` on uvloop's event loop (the gate's HTTP ext_authz edge is measured on it: docs/decisions.md)."""
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        _run(coro_factory)
+    finally:
+        asyncio.set_event_loop_policy(None)
+
+
+def _raise_open_file_limit() -> None:
+    """Each held request is one open connection from Envoy: lift the soft descriptor limit to the hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 @app.command(short_help="Run the time-slice gate (hold / drain / steer / release).")
 def gate(
-    host: Annotated[str, typer.Option(help="Bind address of both ports.")] = "127.0.0.1",
-    ext_proc_port: Annotated[int, typer.Option(help="Data-plane port: Envoy's ext_proc (and gRPC health) only.",
-                                               min=0, max=65535)] = 9002,
+    host: Annotated[str, typer.Option(help="Bind address of every port.")] = "127.0.0.1",
+    ext_proc_port: Annotated[int, typer.Option(
+        help="gRPC data-plane port: Envoy's ext_proc, its access-log service (completions of the fast path) and gRPC "
+             "health only.", min=0, max=65535)] = 9002,
+    authz_port: Annotated[int, typer.Option(
+        help="HTTP data-plane port: Envoy's ext_authz checks (admissions of the fast path) only.", min=0, max=65535)] = 9005,
     control_port: Annotated[int, typer.Option(help="Control port (GateControlService, authenticated).",
                                               min=0, max=65535)] = 9003,
     pool: Annotated[list[str], typer.Option(help="InferencePool served (repeatable).")] = ["default"],  # noqa: B006
     default_pool: Annotated[str, typer.Option(help="Pool for ext_proc streams without pool metadata.")] = "default",
     max_held: Annotated[int, typer.Option(help="Most requests held per pool; more get 429.")] = 10_000,
     max_hold_s: Annotated[float, typer.Option(help="Most seconds a request is held; then 503 + retry-after.")] = 600.0,
-    release_rate: Annotated[float, typer.Option(help="Held requests released per second (0 = unbounded).")] = 5000.0,
+    release_rate: Annotated[float, typer.Option(help="Held requests released per second (0 = unbounded).")] = 20_000.0,
     orchestrator: Annotated[str | None, typer.Option(
         help="Orchestrator host:port to subscribe to for endpoint states (unset: only the control API sets them).")] = None,
     gate_id: Annotated[str | None, typer.Option(help="Stable id of this replica on the state stream (default host-pid).")] = None,
@@ -90,23 +114,29 @@ def gate(
         help="Seconds without the orchestrator's state stream before new requests are held rather than steered by a "
              "possibly outdated view (0: never; then a partitioned gate may send requests to sleeping engines).",
         min=0, max=600)] = 5.0,
+    lost_completion_after_s: Annotated[float, typer.Option(
+        help="Seconds after which a fast-path admission with no access-log entry (Envoy dropped it, or died) is "
+             "dropped; set it above Envoy's route timeout.", min=1)] = 900.0,
     token_file: TokenFile = None,
     metrics_port: MetricsPort = 0,
     log_level: LogLevel = "warning",
 ) -> None:
-    """Run the time-slice gate (Envoy ext_proc in front of the EPP: hold / drain / steer / release)."""
+    """Run the time-slice gate in front of the EPP (hold / drain / steer / release): Envoy ext_authz + access log
+    (the fast path) or ext_proc."""
     from epp_plugin.gate.server import GateConfig, serve
     from llmd_timeslice.auth import load_token
 
     _setup_logging(log_level)
     _metrics(metrics_port, host)
-    cfg = GateConfig(host=host, ext_proc_port=ext_proc_port, control_port=control_port, pools=pool,
+    _raise_open_file_limit()
+    cfg = GateConfig(host=host, ext_proc_port=ext_proc_port, authz_port=authz_port, control_port=control_port, pools=pool,
                      default_pool=default_pool, max_held=max_held, max_hold_s=max_hold_s,
                      release_rate_per_s=release_rate, token=load_token(token_file), orchestrator=orchestrator,
-                     stale_after_s=stale_after_s, **({"gate_id": gate_id} if gate_id else {}))
+                     stale_after_s=stale_after_s, lost_completion_after_s=lost_completion_after_s,
+                     **({"gate_id": gate_id} if gate_id else {}))
     from llmd_timeslice import tls
 
-    _run(lambda: serve(cfg, tls.from_env()))
+    _run_uvloop(lambda: serve(cfg, tls.from_env()))
 
 
 @app.command(short_help="Run the EPP-protocol endpoint picker.")
@@ -419,22 +449,45 @@ def demo(
     raise typer.Exit(run_demo(out, iterations=iterations, load_rps=load_rps, train_s=train_s))
 
 
+class _GateEdge(enum.StrEnum):
+    ext_authz = "ext_authz"
+    ext_proc = "ext_proc"
+
+
+class _Picker(enum.StrEnum):
+    epp = "epp"
+    gate = "gate"
+
+
 @app.command("render-envoy", short_help="Render the local Envoy bootstrap.")
 def render_envoy(
     out: Annotated[Path, typer.Option(help="Where to write the bootstrap JSON.")],
     listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=0, max=65535)] = 8080,
     admin_port: Annotated[int, typer.Option(help="Envoy admin port.", min=0, max=65535)] = 9901,
-    gate_port: Annotated[int, typer.Option(help="Gate ext_proc port.", min=0, max=65535)] = 9002,
+    gate_edge: Annotated[_GateEdge, typer.Option(
+        help="How Envoy calls the gate: ext_authz (the fast path: HTTP ext_authz + gRPC access log) or ext_proc.")]
+        = _GateEdge.ext_authz,
+    gate_port: Annotated[int, typer.Option(help="Gate gRPC data-plane port (ext_proc, access-log service).",
+                                           min=0, max=65535)] = 9002,
+    authz_port: Annotated[int, typer.Option(help="Gate HTTP ext_authz port (ext_authz edge).", min=0, max=65535)] = 9005,
+    picker: Annotated[_Picker, typer.Option(
+        help="Who picks the endpoint: the EPP (ext_proc filter after the gate) or, with the ext_authz edge only, "
+             "the gate itself (least in flight; no EPP).")] = _Picker.epp,
     epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=0, max=65535)] = 9004,
-    pool: Annotated[str, typer.Option(help="Pool name sent to both ext_proc services.")] = "default",
+    pool: Annotated[str, typer.Option(help="Pool name sent to the gate and the EPP.")] = "default",
     max_hold_s: Annotated[float, typer.Option(help="Gate hold limit; Envoy timeouts are sized above it.")] = 600.0,
     validate: Annotated[bool, typer.Option(help="Check it with `envoy --mode validate`.")] = True,
 ) -> None:
-    """Render the local Envoy bootstrap (gate ext_proc -> EPP ext_proc -> ORIGINAL_DST)."""
+    """Render the local Envoy bootstrap (gate -> EPP -> ORIGINAL_DST). With the ext_authz edge, start Envoy with
+    LLMD_TIMESLICE_ENVOY_ID set to a fresh id per process."""
     from epp_plugin import envoy_launcher
     from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
 
-    write_bootstrap(EnvoyRouterConfig(listen_port, admin_port, gate_port, epp_port, pool=pool, max_hold_s=max_hold_s), out)
+    if picker is _Picker.gate and gate_edge is not _GateEdge.ext_authz:
+        raise typer.BadParameter("the gate picks the endpoint only on the ext_authz edge", param_hint="--picker")
+    write_bootstrap(EnvoyRouterConfig(listen_port, admin_port, gate_port, epp_port if picker is _Picker.epp else None,
+                                      pool=pool, max_hold_s=max_hold_s, gate_edge=gate_edge.value,
+                                      authz_port=authz_port), out)
     if validate:
         envoy_launcher.validate(out)
     typer.echo(f"wrote {out}")

@@ -118,10 +118,14 @@ def _log_level() -> Any:
 
 
 class GateSettings(_Section):
-    """`llmd-timeslice gate`: the Envoy ext_proc in front of the EPP (hold / drain / steer / release)."""
+    """`llmd-timeslice gate`: in front of the EPP (hold / drain / steer / release), as Envoy ext_authz + access log
+    (the fast path) or ext_proc."""
 
-    host: str = _host(what="Address both ports bind to")
-    ext_proc_port: Port = Field(9002, description="Data-plane port: Envoy's ext_proc (and gRPC health) only.")
+    host: str = _host(what="Address every port binds to")
+    ext_proc_port: Port = Field(9002, description="gRPC data-plane port: Envoy's ext_proc, its access-log service "
+                                                  "(completions of the fast path) and gRPC health only.")
+    authz_port: Port = Field(9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of the "
+                                               "fast path) only.")
     control_port: Port = Field(9003, description="Control port (GateControlService, authenticated).")
     pools: list[str] = Field(["default"], min_length=1, description="InferencePools served (`--pool`, repeatable).")
     default_pool: str = Field("default", min_length=1, description="Pool for ext_proc streams without pool metadata.")
@@ -129,7 +133,7 @@ class GateSettings(_Section):
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429 `hold_queue_full`.")
     max_hold_s: Duration = Field(600.0, gt=0, le=3600,
                                  description="Most time a request is held, then 503 `hold_expired` (Envoy caps at 3600 s).")
-    release_rate_per_s: float = Field(5000.0, ge=0,
+    release_rate_per_s: float = Field(20_000.0, ge=0,
                                       description="Held requests released per second (0 = unbounded) (`--release-rate`).")
     orchestrator: HostPort | None = Field(None, description="Orchestrator host:port to subscribe to for endpoint states "
                                                             "(unset: only the control API sets them).")
@@ -137,6 +141,9 @@ class GateSettings(_Section):
                                                   "the pod name in Kubernetes).")
     stale_after_s: Duration = Field(5.0, ge=0, le=600, description="Time without the orchestrator's state stream before "
                                     "new requests are held rather than steered by a possibly outdated view (0: never).")
+    lost_completion_after_s: Duration = Field(900.0, ge=1, description="Time after which a fast-path admission with no "
+                                              "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
+                                              "route timeout.")
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -380,7 +387,8 @@ def summary_lines(cfg: TimesliceConfig) -> list[str]:
     out = []
     if cfg.gate:
         g = cfg.gate
-        out.append(f"gate: ext_proc {g.host}:{g.ext_proc_port}, control {g.host}:{g.control_port}, pools {g.pools}, "
+        out.append(f"gate: ext_proc {g.host}:{g.ext_proc_port}, ext_authz {g.host}:{g.authz_port}, control "
+                   f"{g.host}:{g.control_port}, pools {g.pools}, "
                    f"max_held {g.max_held}, max_hold {g.max_hold_s:g} s, orchestrator {g.orchestrator or '(none)'}")
     if cfg.picker:
         p = cfg.picker

@@ -1,7 +1,7 @@
 """The drain deadline, through real Envoy, the real gate, orchestrator and sidecar over gRPC, and a slow endpoint
 picker (a delaying TCP proxy between Envoy and the picker): a request admitted before the drain but still on its way
 when the deadline passes is answered 503 ``drain_deadline`` (retryable) and never reaches the engine after it sleeps;
-the switch result names it."""
+the switch result names it. The ext_proc edge: the fast path answers a check once and cannot cut (docs/gate.md)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ async def slow_picker_stack(artifacts):
         {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}]}]})
     orch = OrchestratorServer(inv, port=0, token="t")
     await orch.start()
-    router = await start_router(artifacts, [addr], picker_delay_s=PICKER_DELAY_S, epp_message_timeout_s=10,
+    router = await start_router(artifacts, [addr], picker_delay_s=PICKER_DELAY_S, epp_message_timeout_s=10, edge="ext_proc",
                                 orchestrator=f"127.0.0.1:{orch.port}", token="t", max_hold_s=30)
     await asyncio.wait_for(router.gate.subscription.connected.wait(), 10)
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token="t")

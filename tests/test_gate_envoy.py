@@ -1,4 +1,9 @@
-"""The gate behind the real Envoy binary, with the picker as EPP and real HTTP upstreams."""
+"""The gate behind the real Envoy binary, with the picker as EPP and real HTTP upstreams.
+
+Every test runs against both edges of the gate (``edge``: the fast path, HTTP ext_authz + access-log stream,
+and ext_proc); tests where the endpoint choice matters also run the fast path with the gate picking the
+endpoint itself (``chain``: ``ext_authz-pick``, the local stack's chain without an EPP).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,28 @@ import pytest
 
 from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
-from tests.support.router import start_router
+from tests.support.router import ALL_CHAINS, EDGES, start_router
 from tests.support.upstream import UpstreamServer
 
 pytestmark = pytest.mark.envoy
+
+
+@pytest.fixture(params=EDGES)
+def edge(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=ALL_CHAINS)
+def chain(request) -> str:
+    return request.param
+
+
+async def _until(pred, timeout_s: float = 5.0, what: str = "condition") -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{what} not reached in {timeout_s} s")
 
 
 @pytest.fixture
@@ -26,13 +49,22 @@ async def two_upstreams():
 
 
 @pytest.fixture
-async def router(artifacts, two_upstreams):
-    stack = await start_router(artifacts, [u.address for u in two_upstreams], max_hold_s=30)
+async def router(artifacts, two_upstreams, edge):
+    stack = await start_router(artifacts, [u.address for u in two_upstreams], max_hold_s=30, edge=edge)
     yield stack
     await stack.stop()
 
 
-async def test_request_to_sleeping_pool_is_held_and_released_on_wake_with_body_intact(router, two_upstreams):
+@pytest.fixture
+async def router_chain(artifacts, two_upstreams, chain):
+    """Like ``router``, over every chain (the fast path with and without an EPP, ext_proc)."""
+    stack = await start_router(artifacts, [u.address for u in two_upstreams], max_hold_s=30, edge=chain)
+    yield stack
+    await stack.stop()
+
+
+async def test_request_to_sleeping_pool_is_held_and_released_on_wake_with_body_intact(router_chain, two_upstreams):
+    router = router_chain
     up = two_upstreams[0]
     router.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
     body = bytes(range(256)) * 4096  # 1 MiB
@@ -48,9 +80,12 @@ async def test_request_to_sleeping_pool_is_held_and_released_on_wake_with_body_i
     assert got["served_by"] == up.address
     assert got["body_sha256"] == hashlib.sha256(body).hexdigest(), "held request body arrived altered"
     assert int(r.headers[protocol.HOLD_MS_HEADER]) >= 900
+    assert r.headers[protocol.WEIGHT_VERSION_HEADER] == "0"
 
 
-async def test_subset_hint_reaches_the_picker_and_it_never_picks_outside_it(router, two_upstreams):
+async def test_subset_hint_reaches_the_picker_and_it_never_picks_outside_it(router_chain, two_upstreams):
+    """With an EPP: the subset hint reaches it and it picks inside; with the gate picking: only SERVING endpoints."""
+    router = router_chain
     asleep, serving = two_upstreams
     router.pool().set_states([(asleep.address, EndpointState.ASLEEP, 0), (serving.address, EndpointState.SERVING, 0)])
     async with httpx.AsyncClient(timeout=10) as c:
@@ -65,7 +100,8 @@ async def test_subset_hint_reaches_the_picker_and_it_never_picks_outside_it(rout
     assert {r.json()["served_by"] for r in rs} == {asleep.address, serving.address}
 
 
-async def test_streaming_response_stays_in_flight_until_it_ends_so_drain_waits(router, two_upstreams):
+async def test_streaming_response_stays_in_flight_until_it_ends_so_drain_waits(router_chain, two_upstreams):
+    router = router_chain
     up = two_upstreams[0]
     pool = router.pool()
     pool.set_states([(up.address, EndpointState.SERVING, 0)])
@@ -89,8 +125,8 @@ async def test_streaming_response_stays_in_flight_until_it_ends_so_drain_waits(r
     assert events[-1] == "data: [DONE]" and len(events) == 9, "the stream must finish intact while draining"
 
 
-async def test_hold_expiry_gives_503_with_retry_after_and_reason(artifacts, two_upstreams):
-    stack = await start_router(artifacts, [two_upstreams[0].address], max_hold_s=0.5)
+async def test_hold_expiry_gives_503_with_retry_after_and_reason(artifacts, two_upstreams, edge):
+    stack = await start_router(artifacts, [two_upstreams[0].address], max_hold_s=0.5, edge=edge)
     try:
         stack.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
         async with httpx.AsyncClient(timeout=10) as c:
@@ -104,8 +140,8 @@ async def test_hold_expiry_gives_503_with_retry_after_and_reason(artifacts, two_
         await stack.stop()
 
 
-async def test_queue_full_gives_429(artifacts, two_upstreams):
-    stack = await start_router(artifacts, [two_upstreams[0].address], max_held=2, max_hold_s=10)
+async def test_queue_full_gives_429(artifacts, two_upstreams, edge):
+    stack = await start_router(artifacts, [two_upstreams[0].address], max_held=2, max_hold_s=10, edge=edge)
     try:
         stack.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
         async with httpx.AsyncClient(timeout=20) as c:
@@ -113,6 +149,7 @@ async def test_queue_full_gives_429(artifacts, two_upstreams):
             await asyncio.sleep(0.5)
             r = await c.get(stack.url + "/v1/completions")
             assert r.status_code == 429 and r.headers[protocol.REASON_HEADER] == "hold_queue_full"
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "hold_queue_full"
             stack.pool().set_states([(two_upstreams[0].address, EndpointState.SERVING, 0)])
             assert [x.status_code for x in await asyncio.gather(*held)] == [200, 200]
     finally:
@@ -131,9 +168,10 @@ async def test_client_disconnect_while_held_leaves_the_queue(router, two_upstrea
     assert router.pool().held == 0, "a client gone while held must leave the hold queue"
 
 
-async def test_two_pools_at_once_each_route_gets_its_own_pool_and_subset_hint(artifacts, two_upstreams):
+async def test_two_pools_at_once_each_route_gets_its_own_pool_and_subset_hint(artifacts, two_upstreams, chain):
     up_a, up_b = two_upstreams
-    stack = await start_router(artifacts, [up_a.address], pool="pool-a", extra_pools={"pool-b": ("/b/", [up_b.address])})
+    stack = await start_router(artifacts, [up_a.address], pool="pool-a", extra_pools={"pool-b": ("/b/", [up_b.address])},
+                               edge=chain)
     try:
         stack.pool("pool-a").set_states([(up_a.address, EndpointState.SERVING, 0)])
         stack.pool("pool-b").set_states([(up_b.address, EndpointState.ASLEEP, 0)])
@@ -150,8 +188,8 @@ async def test_two_pools_at_once_each_route_gets_its_own_pool_and_subset_hint(ar
         await stack.stop()
 
 
-async def test_unknown_pool_is_refused_with_503_and_a_reason(artifacts, two_upstreams):
-    stack = await start_router(artifacts, [two_upstreams[0].address], extra_pools={"ghost": ("/ghost/", [])})
+async def test_unknown_pool_is_refused_with_503_and_a_reason(artifacts, two_upstreams, edge):
+    stack = await start_router(artifacts, [two_upstreams[0].address], extra_pools={"ghost": ("/ghost/", [])}, edge=edge)
     try:
         del stack.gate.pools["ghost"]  # Envoy routes /ghost/ to a pool this gate does not serve
         async with httpx.AsyncClient(timeout=10) as c:
@@ -162,27 +200,34 @@ async def test_unknown_pool_is_refused_with_503_and_a_reason(artifacts, two_upst
         await stack.stop()
 
 
-async def test_min_weight_version_header_holds_until_that_version_serves(router, two_upstreams):
+async def test_min_weight_version_header_holds_until_that_version_serves(router_chain, two_upstreams):
+    router = router_chain
     old, new = two_upstreams
     router.pool().set_states([(old.address, EndpointState.SERVING, 1)])
     async with httpx.AsyncClient(timeout=20) as c:
         r = await c.get(router.url + "/v1/completions")
         assert r.json()["served_by"] == old.address
+        assert r.headers[protocol.WEIGHT_VERSION_HEADER] == "1", "the response names the weight version that served it"
         held = asyncio.create_task(c.get(router.url + "/v1/completions", headers={protocol.MIN_WEIGHT_VERSION_HEADER: "2"}))
         await asyncio.sleep(0.5)
         assert not held.done(), "a request asking for weight version 2 must wait while only version 1 serves"
         router.pool().set_states([(new.address, EndpointState.SERVING, 2)])
         r = await asyncio.wait_for(held, 10)
         assert r.json()["served_by"] == new.address, "only endpoints at the required version are in the subset hint"
+        assert r.headers[protocol.WEIGHT_VERSION_HEADER] == "2"
         bad = await c.get(router.url + "/v1/completions", headers={protocol.MIN_WEIGHT_VERSION_HEADER: "two"})
         assert bad.status_code == 400 and bad.headers[protocol.REASON_HEADER] == "bad_min_weight_version"
 
 
-async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstreams):
+async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstreams, edge):
     up = two_upstreams[0]
     # The test's picker shares one Python event loop with the gate and 2,000 clients on 2 cores, so the
-    # EPP answer to a burst of releases can take seconds: its message timeout is raised here only.
-    stack = await start_router(artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60)
+    # EPP answer to a burst of releases can take seconds: its message timeout is raised here only. For the same
+    # reason the release keeps the former 5,000/s: once, in a full-suite run on a loaded machine, that in-process
+    # picker answered the fast path's 20,000/s burst of new EPP streams with HTTP/2 resets ("protocol error" in
+    # Envoy's log, 784 x 500 from the EPP filter). What is checked here is the gate: every request released and ended.
+    stack = await start_router(artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge,
+                               release_rate_per_s=5000)
     try:
         stack.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
         limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
@@ -196,12 +241,22 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
             stack.pool().set_states([(up.address, EndpointState.SERVING, 0)])
             rs = await asyncio.gather(*tasks, return_exceptions=True)
         codes = [getattr(r, "status_code", repr(r)) for r in rs]
-        assert codes.count(200) == 2000, f"not all released requests completed: {set(map(str, codes))}"
-        for _ in range(100):  # stream ends reach the gate just after the responses reach the client
+        if codes.count(200) != 2000:
+            stats = await asyncio.to_thread(stack.envoy.stats, "ext_proc|ext_authz|rq_5xx|overflow|timeout|reset|flood|protocol")
+            bad = [r for r in rs if getattr(r, "status_code", 0) != 200][:3]
+            seen = [(getattr(r, "status_code", r), getattr(r, "text", "")[:200], dict(getattr(r, "headers", {}))) for r in bad]
+            raise AssertionError(f"not all released requests completed: {sorted(set(map(str, codes)))}, "
+                                 f"{codes.count(200)} ok; first failures {seen}\nenvoy stats:\n{stats}")
+        for _ in range(200):  # stream ends (access-log entries) reach the gate just after the responses
             if stack.pool().live == 0:
                 break
             await asyncio.sleep(0.05)
-        assert stack.pool().held == 0 and stack.pool().live == 0, "every ext_proc stream must end (nothing leaks)"
+        assert stack.pool().held == 0 and stack.pool().live == 0, "every request must end at the gate (nothing leaks)"
+        if edge == "ext_authz":
+            book = stack.gate.book
+            assert len(book) == 0 and book.lost_total == 0 and book.completed_total == 2000, (
+                f"every admission must end by its own access-log entry: open {len(book)}, lost {book.lost_total}, "
+                f"completed {book.completed_total}")
     finally:
         await stack.stop()
 
@@ -231,14 +286,15 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
     assert growth < 0.05, f"memory grew {growth:.1%} over 3 rounds of 300 cancelled holds: {rss}"
 
 
-async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstreams):
+async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstreams, edge):
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     up = two_upstreams[0]
-    stack = await start_router(artifacts, [up.address], pool="metrics-pool", max_hold_s=0.3)
+    pool = f"metrics-pool-{edge}"  # the refusal counter is process-wide: one pool name per edge
+    stack = await start_router(artifacts, [up.address], pool=pool, max_hold_s=0.3, edge=edge)
     try:
-        stack.pool("metrics-pool").set_states([(up.address, EndpointState.ASLEEP, 7)])
+        stack.pool(pool).set_states([(up.address, EndpointState.ASLEEP, 7)])
         async with httpx.AsyncClient(timeout=10) as c:
             assert (await c.get(stack.url + "/v1/completions")).status_code == 503
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -247,11 +303,56 @@ async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstream
         def value(name, **labels):
             return samples.get((name, tuple(sorted(labels.items()))))
 
-        assert value("llmd_timeslice_gate_endpoint_state", pool="metrics-pool", endpoint=up.address, state="ASLEEP") == 1
-        assert value("llmd_timeslice_gate_endpoint_state", pool="metrics-pool", endpoint=up.address, state="SERVING") == 0
-        assert value("llmd_timeslice_gate_refused_total", pool="metrics-pool", reason="hold_expired") == 1
-        assert value("llmd_timeslice_gate_held", pool="metrics-pool") == 0
-        assert value("llmd_timeslice_gate_state_epoch", pool="metrics-pool") >= 1
-        assert value("llmd_timeslice_gate_in_flight", pool="metrics-pool", endpoint=up.address) == 0
+        assert value("llmd_timeslice_gate_endpoint_state", pool=pool, endpoint=up.address, state="ASLEEP") == 1
+        assert value("llmd_timeslice_gate_endpoint_state", pool=pool, endpoint=up.address, state="SERVING") == 0
+        assert value("llmd_timeslice_gate_refused_total", pool=pool, reason="hold_expired") == 1
+        assert value("llmd_timeslice_gate_held", pool=pool) == 0
+        assert value("llmd_timeslice_gate_state_epoch", pool=pool) >= 1
+        assert value("llmd_timeslice_gate_in_flight", pool=pool, endpoint=up.address) == 0
     finally:
         await stack.stop()
+
+
+async def test_held_requests_are_released_in_arrival_order(router, two_upstreams):
+    up = two_upstreams[0]
+    pool = router.pool()
+    pool.set_states([(up.address, EndpointState.ASLEEP, 0)])
+    pool.release_burst, pool.release_rate_per_s = 1, 40.0  # one release every 25 ms: the order shows at the upstream
+    async with httpx.AsyncClient(timeout=30) as c:
+        held = []
+        for i in range(8):
+            held.append(asyncio.create_task(c.get(f"{router.url}/v1/order/{i}")))
+            await _until(lambda n=i + 1: pool.held == n, what=f"request {i} held")
+        pool.set_states([(up.address, EndpointState.SERVING, 0)])
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 8
+    order = [p for p in up.paths if p.startswith("/v1/order/")]
+    assert order == [f"/v1/order/{i}" for i in range(8)], f"held requests must be released FIFO, got {order}"
+
+
+async def test_envoy_killed_its_held_and_in_flight_requests_stop_counting_and_a_new_envoy_serves(router, two_upstreams):
+    """Envoy dies (SIGKILL): its held checks close (they leave the queue at once) and its in-flight requests end
+    at the gate (ext_proc: their streams end; ext_authz: its access-log streams end for good, so its admissions
+    are dropped after the grace); a restarted Envoy is a new one and is served normally."""
+    up = two_upstreams[0]
+    pool = router.pool()
+    router.gate.book.envoy_gone_grace_s = 0.5
+    pool.set_states([(up.address, EndpointState.SERVING, 0)])
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.get(router.url + "/v1/completions")).status_code == 200  # the access-log stream is tied to this Envoy
+        await _until(lambda: pool.live == 0, what="the first request's end")
+        streaming = asyncio.create_task(c.get(router.url + "/v1/stream?chunks=100&gap_ms=100"))
+        await _until(lambda: pool.in_flight([up.address])[up.address] == 1, what="the stream in flight")
+        pool.set_states([(up.address, EndpointState.ASLEEP, 0)])
+        held = asyncio.create_task(c.get(router.url + "/v1/completions"))
+        await _until(lambda: pool.held == 1, what="a request held")
+        await router.restart_envoy()
+        assert all(isinstance(r, httpx.HTTPError) for r in await asyncio.gather(streaming, held, return_exceptions=True))
+        await _until(lambda: pool.held == 0, what="the held check gone with its Envoy")
+        await _until(lambda: pool.live == 0 and pool.in_flight([up.address])[up.address] == 0, 5,
+                     "the dead Envoy's in-flight request no longer counted")
+        if router.edge == "ext_authz":
+            assert router.gate.book.lost_total == 1, "dropped because its Envoy is gone (no entry came)"
+        pool.set_states([(up.address, EndpointState.SERVING, 0)])
+        r = await c.get(router.url + "/v1/completions")
+        assert r.status_code == 200 and r.json()["served_by"] == up.address
+        await _until(lambda: pool.live == 0, what="the new Envoy's request ended at the gate")

@@ -148,3 +148,21 @@ async def test_drain_that_holds_in_time_cuts_nothing():
     asyncio.get_running_loop().call_later(0.02, pool.finish, adm)
     outcome = await pool.drain(["e1:1"], timeout_s=2)
     assert outcome.drained and outcome.cut == []
+
+
+async def test_release_keeps_to_its_rate_bursts_on_a_schedule():
+    """200 held, 1,000/s in bursts of 50: bursts at 0, 50, 100 and 150 ms, never faster (the time spent releasing
+    counts against the pause, so the rate is the configured one, not lower)."""
+    pool = PoolState("p", release_rate_per_s=1000, release_burst=50)
+    pool.set_states([("e1:1", A, 0)])
+    loop = asyncio.get_running_loop()
+    tasks = [asyncio.create_task(pool.admit()) for _ in range(200)]
+    await asyncio.sleep(0.02)
+    t0 = loop.time()
+    pool.set_states([("e1:1", S, 0)])
+    done_at = []
+    for t in asyncio.as_completed(tasks):
+        await t
+        done_at.append(loop.time() - t0)
+    assert done_at[49] < 0.05 <= done_at[50], "the second burst waits for its slot"
+    assert done_at[-1] >= 0.15, "four bursts of 50 at 1,000/s take at least 150 ms"

@@ -19,7 +19,7 @@ import pytest
 
 from epp_plugin.envoy_config import gate_filter
 from epp_plugin.gate.pool_state import EndpointState
-from tests.support.router import start_router
+from tests.support.router import EDGES, start_router
 from tests.support.upstream import UpstreamServer
 
 pytestmark = pytest.mark.envoy
@@ -32,9 +32,11 @@ def upstream():
     up.stop()
 
 
-@pytest.fixture
-async def router(artifacts, upstream):
-    stack = await start_router(artifacts, [upstream.address], max_hold_s=30)
+@pytest.fixture(params=EDGES)
+async def router(request, artifacts, upstream):
+    """The router on each edge: ext_proc counts until its side stream ends, the fast path until Envoy's access-log
+    entry of the request's end arrives (docs/gate.md)."""
+    stack = await start_router(artifacts, [upstream.address], max_hold_s=30, edge=request.param)
     stack.pool().set_states([(upstream.address, EndpointState.SERVING, 0)])
     yield stack
     await stack.stop()
@@ -73,7 +75,7 @@ async def test_with_response_trailers_skipped_envoy_ends_the_stream_at_the_respo
         return f
 
     monkeypatch.setattr(ec, "gate_filter", skipping)
-    stack = await start_router(artifacts, [upstream.address], max_hold_s=30)
+    stack = await start_router(artifacts, [upstream.address], max_hold_s=30, edge="ext_proc")
     try:
         pool = stack.pool()
         pool.set_states([(upstream.address, EndpointState.SERVING, 0)])

@@ -1,6 +1,7 @@
 """Control-plane security: bearer token on every control API (refused calls counted), the gate's
-data-plane port exposing only ext_proc and health, per-job tokens (one job cannot yield, renew or
-publish for another), fencing tokens for heartbeating holders, and optional mutual TLS end to end."""
+data-plane ports exposing only ext_proc, the access-log service and health (gRPC) and ext_authz checks (HTTP),
+per-job tokens (one job cannot yield, renew or publish for another), fencing tokens for heartbeating holders,
+and optional mutual TLS end to end."""
 
 from __future__ import annotations
 
@@ -108,11 +109,18 @@ async def test_every_control_api_refuses_a_missing_or_wrong_token_and_counts_it(
         engine.stop()
 
 
-async def test_gate_data_plane_port_serves_only_ext_proc_and_health():
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, token=TOKEN))
+async def test_gate_data_plane_ports_serve_only_ext_proc_access_log_health_and_ext_authz_checks():
+    gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0, token=TOKEN))
     await gate.start()
     md = (("authorization", f"Bearer {TOKEN}"),)
     try:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=5) as c:  # the HTTP port answers checks only: no metrics, no control
+            for path in ("/metrics", "/llmd_timeslice.v1alpha1.GateControlService/ListPools", "/"):
+                r = await c.get(f"http://127.0.0.1:{gate.authz_port}{path}", headers={"authorization": f"Bearer {TOKEN}"})
+                assert r.status_code == 400 and r.headers["x-llmd-timeslice-reason"] == "bad_check", (path, r.text)
+            assert len(gate.book) == 0
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gate.ext_proc_port}") as ch:
             r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert r.status == health_pb2.HealthCheckResponse.SERVING

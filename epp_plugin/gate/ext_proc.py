@@ -1,4 +1,8 @@
-"""The gate's Envoy ``ExternalProcessor`` servicer (ext_proc, headers only).
+"""The gate's ext_proc edge: Envoy ``ExternalProcessor`` servicer (headers only).
+
+For gateways that can attach only ext_proc; the default is the fast path (:mod:`epp_plugin.gate.ext_authz`
+and :mod:`epp_plugin.gate.access_log`), which answers a request in one HTTP round trip instead of a gRPC
+stream per request (docs/gate.md has both side by side).
 
 Per HTTP request Envoy opens one gRPC stream and sends, with the processing mode rendered by
 :mod:`epp_plugin.envoy_config`: ``request_headers`` (answered once the request is admitted, i.e.
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import Mapping
 
@@ -31,6 +34,7 @@ from envoy.type.v3 import http_status_pb2
 from epp_plugin import protocol
 from epp_plugin.gate import metrics
 from epp_plugin.gate.pool_state import AdmissionRefused, PoolState, UnknownPool
+from epp_plugin.gate.refusals import min_weight_version, refusal_body
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ def refusal_response(err: AdmissionRefused) -> pb.ProcessingResponse:
         headers.append(
             base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=str(err.retry_after_s).encode()))
         )
-    body = json.dumps({"error": {"type": err.reason, "message": err.message}}).encode()
+    body = refusal_body(err)
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=err.http_status),
@@ -186,17 +190,8 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     try:
                         if pool is None:
                             raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
-                        min_version = 0
                         raw, request_id = _request_headers_of_interest(req.request_headers)
-                        if raw is not None:
-                            try:
-                                min_version = int(raw)
-                            except ValueError:
-                                err = AdmissionRefused(
-                                    f"{protocol.MIN_WEIGHT_VERSION_HEADER} must be an integer, got {raw[:64]!r}"
-                                )
-                                err.http_status, err.reason = 400, "bad_min_weight_version"
-                                raise err from None
+                        min_version = min_weight_version(raw)
                         adm = await pool.admit(min_version)
                     except AdmissionRefused as err:
                         metrics.REFUSED.labels(pool=pool_name, reason=err.reason).inc()

@@ -24,13 +24,20 @@ HOLD_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
 )
 ORCHESTRATOR_EPOCH = Gauge("llmd_timeslice_gate_orchestrator_epoch", "Last state epoch received from the orchestrator.")
+LOST_COMPLETIONS = Counter(
+    "llmd_timeslice_gate_lost_completions_total",
+    "Fast-path admissions dropped without an access-log entry: reason age (older than lost_completion_after_s), "
+    "envoy_gone (every access-log stream of that Envoy ended) or unread (Envoy reset the check as it was answered).",
+    ["reason"])
 
 
 class PoolCollector(Collector):
-    """Reads the figures of every registered gate's pools at scrape time."""
+    """Reads the figures of every registered gate's pools (and fast-path books) at scrape time."""
 
     def __init__(self) -> None:
         self.pool_maps: list[Mapping[str, PoolState]] = []
+        self.books: list = []  # AdmissionBook of each gate with the fast path
+        self.access_logs: list = []  # GateAccessLogService of each gate
 
     def _pools(self):
         for pools in list(self.pool_maps):
@@ -57,6 +64,26 @@ class PoolCollector(Collector):
                 for st in EndpointState:
                     state.add_metric([name, ep.address, st.value], 1 if ep.state is st else 0)
         yield from (held, admitted, released, epoch, in_flight, state)
+        if self.books:
+            open_ = GaugeMetricFamily("llmd_timeslice_gate_open_admissions",
+                                      "Fast-path admissions answered and not yet ended by an access-log entry.")
+            completed = CounterMetricFamily("llmd_timeslice_gate_completions",
+                                            "Fast-path admissions ended by an access-log entry.")
+            foreign = CounterMetricFamily(
+                "llmd_timeslice_gate_foreign_completions",
+                "Access-log entries naming another gate process's admission (an earlier incarnation, or another replica: "
+                "then one Envoy's checks and access log reach different replicas, see docs/gate.md).")
+            open_.add_metric([], sum(len(b) for b in self.books))
+            completed.add_metric([], sum(b.completed_total for b in self.books))
+            foreign.add_metric([], sum(b.foreign_total for b in self.books))
+            yield from (open_, completed, foreign)
+        if self.access_logs:
+            messages = CounterMetricFamily("llmd_timeslice_gate_access_log_messages",
+                                           "gRPC access-log messages received (each a batch of entries).")
+            entries = CounterMetricFamily("llmd_timeslice_gate_access_log_entries", "Access-log entries received.")
+            messages.add_metric([], sum(a.messages_total for a in self.access_logs))
+            entries.add_metric([], sum(a.entries_total for a in self.access_logs))
+            yield from (messages, entries)
 
 
 COLLECTOR = PoolCollector()

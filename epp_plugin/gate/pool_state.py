@@ -1,8 +1,9 @@
 """Core of the time-slice gate: per-InferencePool endpoint states, hold queue and drain barrier.
 
-No I/O here. The ext_proc servicer turns Envoy messages into calls on :class:`PoolState`
-(``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream end);
-the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
+No I/O here. Two edges turn Envoy messages into calls on :class:`PoolState`: the fast path
+(``try_admit``/``admit`` on an ext_authz check, ``on_served`` and ``finish`` from access-log entries)
+and ext_proc (``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream
+end); the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
 
 Invariants held here (DESIGN.md §5):
 1. a request is admitted only with a non-empty list of SERVING endpoints (its *candidates*),
@@ -210,6 +211,23 @@ class PoolState:
         )
 
     # ---------------------------------------------------------------- data path
+    def try_admit(self, min_version: int = 0) -> Admission | None:
+        """Admit one request at once if that needs no wait (an eligible endpoint serves and nobody is held).
+
+        Returns None when the request would have to wait: then ``await admit()`` holds it. Lets an edge
+        answer the common case without a task per request.
+
+        Raises:
+            GateShuttingDown: the gate is stopping.
+        """
+        if self.closed:
+            self.refused_total += 1
+            raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
+        if self._held:
+            return None
+        candidates = self.serving(min_version)
+        return self._start(candidates, 0.0) if candidates else None
+
     async def admit(self, min_version: int = 0) -> Admission:
         """Admit one request: return at once when an endpoint serves, else hold it (FIFO).
 
@@ -219,12 +237,10 @@ class PoolState:
             GateShuttingDown: the gate stopped while the request was held.
             asyncio.CancelledError: the caller (Envoy stream) went away; the entry is removed.
         """
-        if self.closed:
-            self.refused_total += 1
-            raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
+        adm = self.try_admit(min_version)
+        if adm is not None:
+            return adm
         candidates = self.serving(min_version)
-        if candidates and not self._held:
-            return self._start(candidates, 0.0)
         if len(self._held) >= self.max_held:
             self.refused_total += 1
             raise QueueFull(f"pool {self.name!r} already holds {len(self._held)} requests (max_held)")
@@ -443,6 +459,8 @@ class PoolState:
     async def _release_held(self) -> None:
         """Release held requests FIFO in bursts, at most ``release_rate_per_s`` per second."""
         pause = self.release_burst / self.release_rate_per_s if self.release_rate_per_s > 0 else 0.0
+        loop = asyncio.get_running_loop()
+        due = loop.time()  # bursts on a schedule: the time spent releasing counts against the pause, not on top
         while self._held:
             released = 0
             skipped: list[_Held] = []
@@ -460,4 +478,5 @@ class PoolState:
             self.released_total += released
             if released == 0:
                 return
-            await asyncio.sleep(pause)
+            due += pause
+            await asyncio.sleep(max(0.0, due - loop.time()))

@@ -1,7 +1,9 @@
-"""Assembly of the gate process: ext_proc data-plane server, control server, metrics.
+"""Assembly of the gate process: the two data-plane edges, the control server, metrics.
 
-The data-plane port serves only ``envoy.service.ext_proc.v3.ExternalProcessor`` and gRPC health
-(invariant 8); the control port serves ``GateControlService`` behind bearer-token auth.
+Data plane (invariant 8: nothing else there): the gRPC port serves ``envoy.service.ext_proc.v3.ExternalProcessor``
+(the ext_proc edge), ``envoy.service.accesslog.v3.AccessLogService`` (completions of the fast path) and gRPC
+health; the HTTP port (``authz_port``) answers Envoy's ext_authz checks (admissions of the fast path). Both
+edges share the pools. The control port serves ``GateControlService`` behind bearer-token auth.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import logging
 import os
 import socket
 
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic import BaseModel, Field
 
-from epp_plugin.gate import metrics
+from epp_plugin.gate import ext_authz, metrics
+from epp_plugin.gate.access_log import GateAccessLogService
+from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.control import GateControl
 from epp_plugin.gate.ext_proc import GateExternalProcessor
 from epp_plugin.gate.pool_state import PoolState
@@ -36,14 +41,18 @@ class GateConfig(BaseModel):
     """Configuration of one gate process (all durations in seconds)."""
 
     host: str = Field("127.0.0.1", description="Address both servers bind to.")
-    ext_proc_port: int = Field(9002, description="Data-plane port (ext_proc + health only).")
+    ext_proc_port: int = Field(9002, description="gRPC data-plane port (ext_proc, access-log service, health).")
+    authz_port: int | None = Field(None, description="HTTP data-plane port for Envoy's ext_authz checks (the fast "
+                                   "path; 0: a free port; None: not served).")
+    lost_completion_after_s: float = Field(900.0, gt=0, description="Seconds after which a fast-path admission "
+                                           "without an access-log entry is dropped (above Envoy's route timeout).")
     control_port: int = Field(9003, description="Control port (GateControlService, authenticated).")
     pools: list[str] = Field(default_factory=lambda: ["default"], description="InferencePools this gate serves.")
     default_pool: str = Field("default", description="Pool for streams without pool metadata.")
     accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429.")
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds held; then 503 (Envoy caps at 3600).")
-    release_rate_per_s: float = Field(5_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
+    release_rate_per_s: float = Field(20_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
     token: str | None = Field(None, description="Bearer token for the control port and the orchestrator.", repr=False)
     orchestrator: str | None = Field(None, description="Orchestrator host:port to subscribe to (None: control API only).")
     stale_after_s: float = Field(5.0, ge=0, le=600, description="Seconds without the orchestrator's state stream before "
@@ -62,6 +71,11 @@ class GateServer:
         for name in {*config.pools, config.default_pool}:
             self.pools[name] = self._new_pool(name)
         self._data: aio.Server | None = None
+        self.book = AdmissionBook(config.lost_completion_after_s,
+                                  on_lost=lambda reason, n: metrics.LOST_COMPLETIONS.labels(reason=reason).inc(n))
+        self.authz: ext_authz.AuthzService | None = None
+        self._authz_server: asyncio.Server | None = None
+        self.authz_port = config.authz_port
         self.subscription: StateSubscription | None = None
         self._sub_task: asyncio.Task | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -82,6 +96,8 @@ class GateServer:
         cfg = self.config
         self._data = aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
+        self.access_log = GateAccessLogService(self.book)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._data)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._data)
         self.ext_proc_port = self._data.add_insecure_port(f"{cfg.host}:{cfg.ext_proc_port}")
@@ -93,6 +109,12 @@ class GateServer:
         self.control_port = tls.add_port(self._control, f"{cfg.host}:{cfg.control_port}", self.tls)
         await self._data.start()
         await self._control.start()
+        if cfg.authz_port is not None:
+            self.authz = ext_authz.AuthzService(self.pools, self.book)
+            self._authz_server = await ext_authz.serve(self.authz, cfg.host, cfg.authz_port)
+            self.authz_port = self._authz_server.sockets[0].getsockname()[1]
+            metrics.COLLECTOR.books.append(self.book)
+            metrics.COLLECTOR.access_logs.append(self.access_log)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health = health_servicer
         metrics.COLLECTOR.pool_maps.append(self.pools)
@@ -104,8 +126,9 @@ class GateServer:
             self._sub_task = asyncio.get_running_loop().create_task(self.subscription.run())
         else:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        log.info("gate ext_proc=%s:%d control=%s:%d pools=%s", cfg.host, self.ext_proc_port, cfg.host,
-                 self.control_port, sorted(self.pools))
+        log.info("gate ext_proc=%s:%d ext_authz=%s control=%s:%d pools=%s", cfg.host, self.ext_proc_port,
+                 f"{cfg.host}:{self.authz_port}" if self.authz_port is not None else "off", cfg.host, self.control_port,
+                 sorted(self.pools))
 
     def _synced(self) -> None:
         if self._health is not None:
@@ -118,9 +141,18 @@ class GateServer:
             self._sub_task.cancel()
         if self.pools in metrics.COLLECTOR.pool_maps:
             metrics.COLLECTOR.pool_maps.remove(self.pools)
+        if self.book in metrics.COLLECTOR.books:
+            metrics.COLLECTOR.books.remove(self.book)
+            metrics.COLLECTOR.access_logs.remove(self.access_log)
         for pool in self.pools.values():
             pool.close()
         await asyncio.sleep(0)
+        if self._authz_server is not None:
+            self._authz_server.close()  # held checks were answered (gate_shutting_down) just above
+            await asyncio.sleep(0)
+            for conn in list(self.authz.open):
+                conn.close()
+        self.book.close()
         if self._data is not None:
             await self._data.stop(grace_s)
         if self._control is not None:

@@ -1,4 +1,8 @@
-"""The local stack as real processes: gate, picker, orchestrator, sidecars (via the CLI) and Envoy.
+"""The local stack as real processes: gate, orchestrator, sidecars (via the CLI) and Envoy.
+
+Envoy calls the gate on its fast path (HTTP ext_authz, completions over the gRPC access log) and the gate
+picks the endpoint itself (least in flight among the SERVING samplers), so a request costs one Python hop;
+``edge="ext_proc"`` runs the other edge, with the EPP-protocol picker as a second hop.
 
 Each component is started with ``python -m llmd_timeslice.cli ...`` under ``mirakuru`` (which
 waits until its port accepts connections and stops it with SIGTERM, then SIGKILL), logging to
@@ -26,6 +30,7 @@ class Ports:
     """Free loopback ports for every component (chosen at construction)."""
 
     gate_ext_proc: int = field(default_factory=port_for.select_random)
+    gate_authz: int = field(default_factory=port_for.select_random)
     gate_control: int = field(default_factory=port_for.select_random)
     gate_metrics: int = field(default_factory=port_for.select_random)
     picker: int = field(default_factory=port_for.select_random)
@@ -94,10 +99,11 @@ class LocalStack:
         group_id: the group holding every sampler.
         token_file: bearer token file for the control APIs.
         max_hold_s: the gate's hold limit (Envoy's timeouts are sized above it).
+        edge: ``ext_authz`` (the fast path, the gate picks the endpoint) or ``ext_proc`` (gate, then the picker).
     """
 
     def __init__(self, samplers: list[Sampler], workdir: Path, group_id: str, token_file: Path,
-                 max_hold_s: float = 120.0, log_level: str = "info") -> None:
+                 max_hold_s: float = 120.0, log_level: str = "info", edge: str = "ext_authz") -> None:
         self.samplers = samplers
         self.workdir = workdir
         self.logdir = workdir / "logs"
@@ -106,6 +112,7 @@ class LocalStack:
         self.token_file = token_file
         self.max_hold_s = max_hold_s
         self.log_level = log_level
+        self.edge = edge
         self.ports = Ports()
         self.components: list[ComponentProcess] = []
         self.envoy: EnvoyProcess | None = None
@@ -145,13 +152,15 @@ class LocalStack:
     def start(self, progress=lambda msg: None) -> LocalStack:
         p, tok = self.ports, ["--token-file", str(self.token_file)]
         progress("gate")
-        self._start("gate", ["gate", "--ext-proc-port", str(p.gate_ext_proc), "--control-port", str(p.gate_control),
-                             "--max-hold-s", str(self.max_hold_s), "--metrics-port", str(p.gate_metrics),
-                             "--orchestrator", self.orchestrator_addr, "--gate-id", "gate-0", *tok],
+        self._start("gate", ["gate", "--ext-proc-port", str(p.gate_ext_proc), "--authz-port", str(p.gate_authz),
+                             "--control-port", str(p.gate_control), "--max-hold-s", str(self.max_hold_s),
+                             "--metrics-port", str(p.gate_metrics), "--orchestrator", self.orchestrator_addr,
+                             "--gate-id", "gate-0", *tok],
                     p.gate_control)
-        progress("picker")
-        eps = [a for s in self.samplers for a in ("--endpoint", f"{s.pool}={s.address}")]
-        self._start("picker", ["picker", "--port", str(p.picker), *eps], p.picker)
+        if self.edge == "ext_proc":
+            progress("picker")
+            eps = [a for s in self.samplers for a in ("--endpoint", f"{s.pool}={s.address}")]
+            self._start("picker", ["picker", "--port", str(p.picker), *eps], p.picker)
         for s in self.samplers:
             progress(f"sidecar {s.job_id}")
             self._start(f"sidecar-{s.job_id}", ["sidecar", "--job-id", s.job_id, "--engine-url",
@@ -167,7 +176,8 @@ class LocalStack:
         progress("envoy")
         self.envoy = EnvoyProcess(
             EnvoyRouterConfig(listen_port=p.envoy, admin_port=p.envoy_admin, gate_port=p.gate_ext_proc,
-                              epp_port=p.picker, max_hold_s=self.max_hold_s),
+                              epp_port=p.picker if self.edge == "ext_proc" else None, max_hold_s=self.max_hold_s,
+                              gate_edge=self.edge, authz_port=p.gate_authz),
             self.logdir,
         ).start()
         return self

@@ -2,8 +2,8 @@
 
 Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are refused)::
 
-    stack:   {name, host, workdir, token_file, max_hold_s, log_level, ports: {router, router_admin, gate_ext_proc,
-              gate_control, gate_metrics, picker, orchestrator, orchestrator_metrics}}
+    stack:   {name, host, workdir, token_file, max_hold_s, log_level, gate_edge, ports: {router, router_admin,
+              gate_ext_proc, gate_authz, gate_control, gate_metrics, picker, orchestrator, orchestrator_metrics}}
     pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
                                                       # pool, the prefix stripped before the engine
     groups:  [{group_id, sleep_level, sleep_level_policy, drain_timeout_s, lease_ttl_s, policy}]
@@ -50,10 +50,11 @@ class _Strict(BaseModel):
 class StackPorts(_Strict):
     router: int = Field(8080, ge=1, le=65535, description="Envoy listener: OpenAI-style requests.")
     router_admin: int = Field(9901, ge=1, le=65535, description="Envoy admin (/ready, /stats/prometheus).")
-    gate_ext_proc: int = Field(9002, ge=1, le=65535, description="Gate data-plane port (ext_proc + health only).")
+    gate_ext_proc: int = Field(9002, ge=1, le=65535, description="Gate gRPC data-plane port (ext_proc, access log, health).")
+    gate_authz: int = Field(9005, ge=1, le=65535, description="Gate HTTP data-plane port (ext_authz checks).")
     gate_control: int = Field(9003, ge=1, le=65535, description="Gate control API (authenticated).")
     gate_metrics: int = Field(9090, ge=1, le=65535, description="Gate Prometheus /metrics.")
-    picker: int = Field(9004, ge=1, le=65535, description="EPP-protocol picker (ext_proc).")
+    picker: int = Field(9004, ge=1, le=65535, description="EPP-protocol picker (ext_proc; with gate_edge ext_proc).")
     orchestrator: int = Field(50051, ge=1, le=65535, description="Orchestrator gRPC (TimeSlice clients connect here).")
     orchestrator_metrics: int = Field(9091, ge=1, le=65535, description="Orchestrator Prometheus /metrics.")
 
@@ -66,6 +67,9 @@ class StackSettings(_Strict):
     token_file: Path | None = Field(None, description="Control-plane bearer token file (default: generated in workdir).")
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds the gate holds a request.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    gate_edge: Literal["ext_authz", "ext_proc"] = Field(
+        "ext_authz", description="How Envoy calls the gate: ext_authz (the fast path; the gate also picks the "
+                                 "endpoint, no picker runs) or ext_proc (then the EPP-protocol picker picks).")
     ports: StackPorts = Field(default_factory=StackPorts)
 
 

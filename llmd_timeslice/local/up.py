@@ -1,8 +1,9 @@
 """``llmd-timeslice up | down | status -f STACK.yaml``: run the local stack as a supervised service.
 
 ``up`` starts, in stages: the vLLM engines the file asks for (in parallel), one snapshot sidecar per
-engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING), the gate, the
-picker and Envoy; prints what to connect to; shows a live status table; restarts children that die.
+engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING), the gate (and,
+with ``gate_edge: ext_proc``, the picker) and Envoy; prints what to connect to; shows a live status table;
+restarts children that die.
 It keeps ``WORKDIR/stack.json`` current (pids, states, endpoints) for ``status`` and ``down`` from another
 shell, and writes each component's log to ``WORKDIR/logs/<name>.log``.
 
@@ -102,7 +103,8 @@ class Stack:
     def ports_to_bind(self) -> list[tuple[str, str, int]]:
         """``(where in the stack file, bind host, port)`` of every port the stack's components bind."""
         h = self.host
-        out = [(f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items()]
+        unused = {"picker"} if self.sf.stack.gate_edge == "ext_authz" else set()  # the gate picks: no picker process
+        out = [(f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused]
         for i, e in enumerate(self.sf.engines):
             out.append((f"engines[{i}] ({e.name}).sidecar_port", h, e.sidecar_port))
             if e.vllm is not None:
@@ -120,7 +122,8 @@ class Stack:
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
         from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
-        from epp_plugin.envoy_launcher import envoy_binary
+        from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
+        from epp_plugin.protocol import ENVOY_ID_ENV
         from llmd_timeslice.demo.vllm_server import VllmServer
 
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -168,19 +171,22 @@ class Stack:
                          probe=grpc_health_probe(f"{h}:{p.orchestrator}"), start_timeout_s=300.0,
                          listen=(p.orchestrator, p.orchestrator_metrics))
         pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
-        gate = ChildSpec("gate", self._cli("gate", "--host", h, "--ext-proc-port", str(p.gate_ext_proc), "--control-port",
+        gate = ChildSpec("gate", self._cli("gate", "--host", h, "--ext-proc-port", str(p.gate_ext_proc), "--authz-port",
+                                           str(p.gate_authz), "--control-port",
                                            str(p.gate_control), "--metrics-port", str(p.gate_metrics), "--max-hold-s",
                                            str(s.max_hold_s), "--orchestrator", f"{h}:{p.orchestrator}", "--gate-id",
                                            f"{s.name}-gate", "--default-pool", self.sf.pools[0].name, *pools, *tok),
                          self.logdir / "gate.log", p.gate_ext_proc, probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
-                         listen=(p.gate_ext_proc, p.gate_control, p.gate_metrics))
+                         listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics))
         eps = [a for e in self.sf.engines for a in ("--endpoint", f"{e.pool}={e.address}")]
         picker = ChildSpec("picker", self._cli("picker", "--host", h, "--port", str(p.picker), "--default-pool",
                                                self.sf.pools[0].name, *eps),
                            self.logdir / "picker.log", p.picker, probe=grpc_health_probe(f"{h}:{p.picker}"),
                            listen=(p.picker,))
+        fast = s.gate_edge == "ext_authz"  # the fast path: the gate picks the endpoint, no picker process
         cfg = EnvoyRouterConfig(listen_port=p.router, admin_port=p.router_admin, gate_port=p.gate_ext_proc,
-                                epp_port=p.picker, pool=self.sf.pools[0].name, host=h, max_hold_s=s.max_hold_s,
+                                epp_port=None if fast else p.picker, gate_edge=s.gate_edge, authz_port=p.gate_authz,
+                                pool=self.sf.pools[0].name, host=h, max_hold_s=s.max_hold_s,
                                 pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:]
                                                  if pool.path_prefix})
         bootstrap = self.workdir / "envoy.json"
@@ -188,8 +194,9 @@ class Stack:
         envoy = ChildSpec("envoy", [str(envoy_binary()), "-c", str(bootstrap), "--concurrency", "2", "--log-level", "warn",
                                     "--use-dynamic-base-id", "--disable-hot-restart"],
                           self.logdir / "envoy.log", p.router, probe=http_probe(f"http://{h}:{p.router_admin}/ready"),
-                          listen=(p.router, p.router_admin))
-        stages = [engines, sidecars, [orch], [gate, picker], [envoy]]
+                          listen=(p.router, p.router_admin),
+                          env_factory=lambda: {**os.environ, ENVOY_ID_ENV: fresh_envoy_id()})  # a new id per process
+        stages = [engines, sidecars, [orch], [gate] if fast else [gate, picker], [envoy]]
         return [st for st in stages if st]
 
     # ------------------------------------------------------------------ state file

@@ -30,6 +30,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         server: UpstreamServer = self.server.owner  # type: ignore[attr-defined]
         server.hits += 1
+        server.paths.append(self.path)
         url = urlparse(self.path)
         if url.path.endswith("/no_content"):
             self.send_response(204)
@@ -90,6 +91,8 @@ class UpstreamServer:
         self._httpd.owner = self  # type: ignore[attr-defined]
         self.address = f"127.0.0.1:{self._httpd.server_address[1]}"
         self.hits = 0
+        self.paths: list[str] = []
+        """Request paths in arrival order."""
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def start(self) -> UpstreamServer:
