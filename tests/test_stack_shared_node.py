@@ -1,4 +1,4 @@
-"""``llmd-timeslice up`` on a shared node, with real processes (Envoy, gate, picker, orchestrator, sidecar; the engine
+"""``llmd-timeslice up`` on a shared node, with real processes (Envoy, gate, orchestrator, sidecar; the engine
 is a fake vLLM given to the stack by URL, so no vLLM starts): a second stack on the same ports is refused at once,
 naming each port and the process of the first stack that holds it, and the first keeps serving; ``status -f``
 prints whole values into a pipe; the printed export line is all the RL script needs; a component whose restart
@@ -139,16 +139,16 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
         assert any(p == "/sleep" for p in engine.paths()), "the trainer's acquire put the engine to sleep"
 
         # A component whose restart finds its port taken (here by this test) fails `up`, instead of restarting forever.
-        picker = next(c for c in state["components"] if c["name"] == "picker")
-        os.kill(picker["pid"], signal.SIGKILL)
-        squatter = _bind_when_free(picker["port"], 5)  # within the supervisor's 1 s back-off
+        gate = next(c for c in state["components"] if c["name"] == "gate")
+        os.kill(gate["pid"], signal.SIGKILL)
+        squatter = _bind_when_free(gate["port"], 5)  # within the supervisor's 1 s back-off
         try:
             assert up.wait(30) == 1, out_path.read_text()
         finally:
             squatter.close()
         text = out_path.read_text()
-        assert f"picker: port {picker['port']} is held by pid {os.getpid()}" in text, text
-        assert text.count("picker: restarted") == 0 and _state(workdir)["phase"] == "failed"
+        assert f"gate: port {gate['port']} is held by pid {os.getpid()}" in text, text
+        assert text.count("gate: restarted") == 0 and _state(workdir)["phase"] == "failed"
     finally:
         if up.poll() is None:
             subprocess.run([*CLI, "down", "-f", str(first)], capture_output=True, timeout=120)
