@@ -206,7 +206,7 @@ async def stack(tmp_path):
         e.stop()
 
 
-async def _until(pred, timeout_s: float = 10.0) -> None:
+async def _until(pred, timeout_s: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -265,9 +265,8 @@ async def test_a_rejected_weight_version_leaves_the_pool_serving_the_last_good_o
         statuses.append(await client.weight_status("g"))
         return statuses[-1].rejected.version == 2
 
-    for _ in range(500):
-        if await poll():
-            break
+    deadline = asyncio.get_running_loop().time() + 30  # a bound on a loaded CI machine, not a speed target
+    while not await poll() and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.02)
     status = statuses[-1]
     assert status.rejected.version == 2 and "the manifest says" in status.rejected.error, status
