@@ -154,6 +154,28 @@ async def test_backend_never_hands_a_corrupt_version_to_vllm_and_recovers_with_t
         engine.stop()
 
 
+async def test_last_good_version_whose_files_changed_since_it_loaded_is_not_reloaded(tmp_path):
+    """A level-2 wake reloads the last good version from its directory: if those files were rewritten since it
+    loaded (a trainer reusing the directory), vLLM never sees them (a failed reload kills vLLM 0.32's engine core);
+    the wake fails naming the change and the engine stays asleep (out of service)."""
+    engine = FakeVllm().start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1)
+    try:
+        good = _weights(tmp_path, 1)
+        await backend.suspend(SuspendMode.DISCARD, [])
+        await backend.resume_with_weights([], good)
+        await backend.suspend(SuspendMode.DISCARD, [])
+        (tmp_path / "v1" / "model.safetensors").write_bytes(b"\0" * 10)  # rewritten after it loaded
+        engine.calls.clear()
+        with pytest.raises(BackendError, match=r"last good weight version's files changed since it loaded"):
+            await backend.resume([])
+        assert not [c for c in engine.calls if c[1] == "/collective_rpc"], "vLLM never saw the changed directory"
+        assert engine.level != 0, "the engine stays asleep (out of service)"
+    finally:
+        await backend.close()
+        engine.stop()
+
+
 async def test_weight_transfer_loader_follows_vllms_start_update_finish_sequence():
     engine = FakeVllm().start()
     loader = WeightTransferLoader({"master_address": "10.0.0.1", "master_port": 29500, "world_size": 2})

@@ -95,6 +95,7 @@ from llmd_timeslice.snapshot.backends.base import (
     WeightVersionRejected,
     register_backend,
 )
+from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
 log = logging.getLogger(__name__)
 
@@ -466,10 +467,21 @@ class VllmBackend(SnapshotBackend):
         await self._verify_awake()
 
     async def _reload_last_good(self) -> None:
-        """Reload the last good version (after a level-2 sleep or a failed load)."""
+        """Reload the last good version (after a level-2 sleep or a failed load).
+
+        A ``files`` version is checked against its manifest again first (its directory may have been rewritten
+        since it loaded; on vLLM 0.32 a failed reload kills the engine core). Raises BackendError when no version
+        can be reloaded from files or the last good version's files no longer match their manifest."""
         if self.weights_unusable is not None and self.weights_location is None and self.weight_version:
             raise BackendError(f"vLLM {self.base_url}: {self.weights_unusable}; no earlier version can be reloaded "
                                "from files, so the engine stays out of service: publish a weight version again")
+        if self.weights_location is not None:
+            try:
+                await asyncio.to_thread(verify_weights, self.weights_location, self.weight_version or None)
+            except WeightManifestError as exc:
+                raise BackendError(f"vLLM {self.base_url}: the last good weight version's files changed since it "
+                                   f"loaded ({exc}); not reloaded, the engine stays out of service: publish a weight "
+                                   "version again") from None
         await self.reload_weights(self.weights_location)
         self.weights_unusable = None
 
