@@ -177,7 +177,9 @@ def _dur(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def _grpc_cluster(name: str, host: str, port: int) -> dict:
+def grpc_cluster(name: str, host: str, port: int) -> dict:
+    """A STATIC HTTP/2 cluster for a gRPC service at ``host:port`` (the gate's ext_proc and access-log service, the
+    EPP): unlimited streams per connection, circuit breakers raised (each held request is one stream)."""
     return {
         "name": name,
         "type": "STATIC",
@@ -513,9 +515,9 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         },
     ]
     if cfg.epp_port is not None:
-        clusters.insert(0, _grpc_cluster("epp", cfg.host, cfg.epp_port))
+        clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
-        clusters.insert(0, _grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
+        clusters.insert(0, grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
     if cfg.fast_path:
         clusters.insert(0, authz_cluster("timeslice_gate_authz", cfg.host, cfg.authz_port))
     return {
