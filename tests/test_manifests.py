@@ -1405,6 +1405,21 @@ def test_envoy_validate_rejects_a_broken_config(tmp_path):
 # ------------------------------------------------------------------ the README's install
 
 
+def test_readme_says_which_edge_each_variant_runs_and_the_istio_install_folds_the_gate_into_the_recipe():
+    text = (GUIDE / "README.md").read_text()
+    table = text.split("| variant | edge |")[1].split("\n\n")[0]
+    edges = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in table.strip().splitlines()[2:]}
+    assert set(edges) == {"standalone Envoy", "Istio", "Istio (`istio-ext-proc`)", "agentgateway", "Envoy Gateway",
+                          "label fallback"}
+    assert edges["Istio"].startswith("**fast path**") and all(
+        e.startswith("ext_proc") for v, e in edges.items() if v not in ("Istio", "label fallback"))
+    for why in ("**Standalone Envoy: ext_proc**", "**Envoy Gateway: ext_proc.**", "**Envoy id**"):
+        assert why in text, f"the README must say why: {why}"
+    block = text.split("#### Istio (fast path")[1].split("####")[0]
+    assert "generate.py --istio-parameters ${REPO_ROOT}/guides/recipes/gateway/istio/configmap.yaml | kubectl apply" in block
+    assert re.search(r"kubectl apply -k \$\{TS\}/gateways/istio\s", block)
+
+
 def test_readme_install_is_at_most_five_commands_with_every_version_pinned():
     text = (GUIDE / "README.md").read_text()
     block = text.split("<!-- install:start -->")[1].split("<!-- install:end -->")[0]
