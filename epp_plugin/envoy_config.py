@@ -97,6 +97,24 @@ ACCESS_LOG_BUFFER_BYTES = 65536
 """Envoy also sends a batch when it reaches this size (default 16 KiB, about 40 entries): larger batches at high
 request rates, fewer messages."""
 ENVOY_ID_VALUE = f"%ENVIRONMENT({protocol.ENVOY_ID_ENV})%"
+ROUTE_TIMEOUT_MARGIN_S = 60.0
+DEFAULT_GENERATION_TIMEOUT_S = 3600.0
+LOST_COMPLETION_MARGIN_S = 300.0
+
+
+def route_timeout_s(max_hold_s: float, generation_timeout_s: float) -> float:
+    """Envoy's route timeout for a request that may be held, then generate: ``max_hold_s`` (seconds a held request
+    sends nothing) + ``generation_timeout_s`` (the longest generation once admitted) + 60 s. A route timeout of
+    600 s cut every generation longer than 10 minutes (issue 14, defect 14); stream idle timeouts go above it."""
+    return max_hold_s + generation_timeout_s + ROUTE_TIMEOUT_MARGIN_S
+
+
+def lost_completion_after_s(route_timeout: float) -> float:
+    """The gate's ``--lost-completion-after-s`` for Envoys whose route timeout is ``route_timeout`` seconds: above
+    it (the route timeout bounds every admitted request) by 300 s for the request body's upload, so the age rule
+    never ends an admission Envoy may still be serving (:mod:`epp_plugin.gate.admissions`)."""
+    return route_timeout + LOST_COMPLETION_MARGIN_S
+
 
 # Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
 # open ext_proc stream to the gate.
@@ -129,6 +147,9 @@ class EnvoyRouterConfig:
     host: str = "127.0.0.1"
     max_hold_s: float = 600.0
     upstream_timeout_s: float = 600.0
+    """Route timeout (seconds). The default pairs with the gate's default ``--lost-completion-after-s`` (900 s);
+    ``llmd-timeslice up`` sizes both from the stack file (:func:`route_timeout_s`, :func:`lost_completion_after_s`).
+    The HTTP connection manager's stream idle timeout is ``max_hold_s`` above it."""
     epp_message_timeout_s: float = 5.0
     gate_failure_mode_allow: bool = False
     pools_by_prefix: dict[str, str] = field(default_factory=dict)
@@ -156,7 +177,9 @@ def _dur(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def _grpc_cluster(name: str, host: str, port: int) -> dict:
+def grpc_cluster(name: str, host: str, port: int) -> dict:
+    """A STATIC HTTP/2 cluster for a gRPC service at ``host:port`` (the gate's ext_proc and access-log service, the
+    EPP): unlimited streams per connection, circuit breakers raised (each held request is one stream)."""
     return {
         "name": name,
         "type": "STATIC",
@@ -492,9 +515,9 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         },
     ]
     if cfg.epp_port is not None:
-        clusters.insert(0, _grpc_cluster("epp", cfg.host, cfg.epp_port))
+        clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
-        clusters.insert(0, _grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
+        clusters.insert(0, grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
     if cfg.fast_path:
         clusters.insert(0, authz_cluster("timeslice_gate_authz", cfg.host, cfg.authz_port))
     return {
@@ -504,6 +527,9 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
                 {
                     "name": "inference",
                     "address": {"socket_address": {"address": cfg.host, "port_value": cfg.listen_port}},
+                    # Envoy 1.40 binds listeners with SO_REUSEPORT by default: a second Envoy on this port would
+                    # silently take a share of the traffic. Off, the second one fails to bind.
+                    "enable_reuse_port": False,
                     "filter_chains": [
                         {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
                     ],

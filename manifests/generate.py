@@ -13,6 +13,9 @@ Usage::
     python3 manifests/generate.py --check         # exit 1 if a file differs (the tests do this too)
     python3 manifests/generate.py --settings my.yaml --out DIR
                                                   # a full copy of the guide in DIR for other names
+    python3 manifests/generate.py --istio-parameters <llm-d>/guides/recipes/gateway/istio/configmap.yaml \
+        | kubectl apply -n <namespace> -f -       # also print the Istio Gateway's parameters ConfigMap with
+                                                  # the gate container folded in (none: without a recipe's)
 
 Needs PyYAML and this repository (``epp_plugin``); nothing else.
 """
@@ -38,13 +41,24 @@ from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
     ADMIN_PATHS_UNDER_API,
     API_PREFIX,
+    AUTHZ_FILTER_NAME,
     EXT_PROC_TYPE,
     HCM_TYPE,
     HTTP_OPTIONS_TYPE,
     NOT_ROUTED_BODY,
     PER_ROUTE_TYPE,
     ROUTER_TYPE,
+    authz_cluster,
+    authz_filter,
+    authz_per_route,
+    gate_access_log,
     gate_filter,
+    grpc_cluster,
+    lost_completion_after_s,
+    refusal_local_reply,
+    route_timeout_s,
+    router_filter,
+    subset_hint_filter,
 )
 
 GUIDE = ROOT / "guides" / "time-slicing"
@@ -101,7 +115,12 @@ class GuideSettings:
     @property
     def request_timeout_s(self) -> float:
         """Route and stream-idle timeouts: a held request (no bytes) then the longest generation, plus margin."""
-        return self.max_hold_s + self.generation_timeout_s + 60
+        return route_timeout_s(self.max_hold_s, self.generation_timeout_s)
+
+    @property
+    def lost_completion_after_s(self) -> float:
+        """The gate's ``--lost-completion-after-s`` on the fast path: above every route timeout."""
+        return lost_completion_after_s(self.request_timeout_s)
 
     @property
     def gate_fqdn(self) -> str:
@@ -117,6 +136,17 @@ class GuideSettings:
 GATE_SERVICE = "llmd-timeslice-gate"
 GATE_HEADLESS_SERVICE = "llmd-timeslice-gate-headless"
 GATE_EXT_PROC_PORT = 9002
+GATE_AUTHZ_PORT = 9005
+GATE_CONTROL_PORT = 9003
+GATE_METRICS_PORT = 9094
+ORCHESTRATOR_ADDRESS = "llmd-timeslice-orchestrator:50051"  # base/orchestrator: Service in the same namespace
+TOKEN_SECRET = "llmd-timeslice-token"
+TOKEN_DIR = "/var/run/secrets/llmd-timeslice"
+LOOPBACK = "127.0.0.1"
+GATE_CONTAINER = "timeslice-gate"
+"""The gate beside an Envoy (fast path): a container in the Envoy's pod, on loopback."""
+LOCAL_AUTHZ_CLUSTER = "llmd_timeslice_gate_authz"
+LOCAL_GATE_CLUSTER = "llmd_timeslice_gate_local"
 EPP_PORT = 9002  # llm-d-router routerlib values.yaml router.epp.extProcPort
 ENGINE_PORT = 8000  # routerlib values.yaml router.modelServers.targetPorts
 IMAGE_PLACEHOLDER = "llmd-timeslice"
@@ -164,7 +194,11 @@ def _dur(seconds: float) -> str:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (inline patches) as literal blocks, so the generated files read like hand-written ones."""
+    """Multi-line strings (inline patches) as literal blocks, so the generated files read like hand-written ones;
+    no YAML anchors for shared sub-objects (each place gets its own copy)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, value: str):
@@ -548,8 +582,9 @@ def istio_gate_route_patch(s: GuideSettings, pool: str, route: str) -> dict:
     }
 
 
-def istio_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | None = None) -> dict:
-    """``extra_pools``: pool -> its HTTPRoute, for more InferencePools behind the same Gateway."""
+def istio_ext_proc_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | None = None) -> dict:
+    """The ext_proc edge on the Istio Gateway's Envoy (gate Service, replicated). ``extra_pools``: pool -> its
+    HTTPRoute, for more InferencePools behind the same Gateway."""
     gate = gate_filter(f"outbound|{GATE_EXT_PROC_PORT}||{s.gate_fqdn}", s.pool, s.max_hold_s, failure_mode_allow=False)
     gate["name"] = GATE_FILTER_NAME
     # No pool on the listener: each pool's route names its own (below); a route without one gets the
@@ -614,6 +649,240 @@ def istio_destinationrule(s: GuideSettings) -> dict:
                 "http": {"http2MaxRequests": 100_000, "http1MaxPendingRequests": 100_000,
                          "maxRequestsPerConnection": 0},
             }},
+        },
+    }
+
+
+# ------------------------------------------------------------------ the gate beside each Envoy (fast path)
+
+GATE_PROBE = (
+    "import sys, grpc\n"
+    "from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g\n"
+    "with grpc.insecure_channel(sys.argv[1]) as c:\n"
+    "    s = g.HealthStub(c).Check(h.HealthCheckRequest(service=sys.argv[2]), timeout=3).status\n"
+    "sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)\n"
+)
+"""gRPC health check of the gate on loopback, as an exec probe (python + grpcio-health-checking are in the image).
+The kubelet's own ``grpc`` probe dials the pod IP, which a gate bound to 127.0.0.1 does not listen on. About 0.13 s
+of CPU per run (measured on the project's machine), hence the 5 s / 15 s periods."""
+
+
+def gate_probe(service: str, period_s: int) -> dict:
+    """An exec probe running :data:`GATE_PROBE` against the gate's gRPC port on loopback (``service`` ``""``: the
+    process is serving; the readiness service: it applied the orchestrator's first snapshot)."""
+    return {"exec": {"command": ["python", "-c", GATE_PROBE, f"{LOOPBACK}:{GATE_EXT_PROC_PORT}", service]},
+            "periodSeconds": period_s, "timeoutSeconds": 5, "failureThreshold": 3}
+
+
+def gate_sidecar_container(s: GuideSettings) -> dict:
+    """The gate as a container beside one Envoy (fast path): every port on loopback, so the checks and the access
+    log of that Envoy reach this one process (docs/gate.md, "Kubernetes: one gate process per Envoy")."""
+    args = [
+        "gate",
+        f"--host={LOOPBACK}",                      # only this pod's Envoy reaches it
+        f"--ext-proc-port={GATE_EXT_PROC_PORT}",   # gRPC: Envoy's access-log stream, health
+        f"--authz-port={GATE_AUTHZ_PORT}",         # HTTP: Envoy's ext_authz checks
+        f"--control-port={GATE_CONTROL_PORT}",     # `llmd-timeslice status` through kubectl port-forward
+        f"--orchestrator={ORCHESTRATOR_ADDRESS}",
+        "--gate-id=$(POD_NAME)",                   # one gate per Envoy pod on the orchestrator's state stream
+        f"--token-file={TOKEN_DIR}/token",
+        f"--metrics-port={GATE_METRICS_PORT}",
+        f"--pool={s.pool}",
+        f"--default-pool={s.pool}",
+        f"--max-hold-s={s.max_hold_s:g}",
+        # Above the route timeout (hold + generation + 60 s), which bounds every admitted request: the age rule
+        # for a lost access-log entry never ends a request Envoy may still be serving.
+        f"--lost-completion-after-s={s.lost_completion_after_s:g}",
+        "--log-level=info",
+    ]
+    return {
+        "name": GATE_CONTAINER,
+        "image": s.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["llmd-timeslice"],
+        "args": args,
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "readinessProbe": gate_probe(GATE_READINESS_SERVICE, 5),
+        "livenessProbe": gate_probe("", 15),
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "privileged": False, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": "llmd-timeslice-token", "mountPath": TOKEN_DIR, "readOnly": True},
+                         {"name": "llmd-timeslice-tmp", "mountPath": "/tmp"}],
+    }
+
+
+def gate_sidecar_volumes() -> list[dict]:
+    # 0444: the Envoy pod sets no fsGroup that would let the non-root gate read a 0440 root-owned file.
+    return [{"name": "llmd-timeslice-token", "secret": {"secretName": TOKEN_SECRET, "defaultMode": 0o444}},
+            {"name": "llmd-timeslice-tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+
+
+def envoy_id_env() -> dict:
+    """``LLMD_TIMESLICE_ENVOY_ID`` for an Envoy container: the pod's UID (Downward API). Kubernetes exposes no
+    container restart count to the Downward API, and the proxy images ship no shell for a wrapper, so the id is
+    fresh per pod, not per Envoy process: see the guide's README for what that costs."""
+    return {"name": protocol.ENVOY_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+
+
+ISTIO_PROXY_CONTAINER = "istio-proxy"  # istio 1.29.2 manifests/charts/istio-control/istio-discovery/files/kube-gateway.yaml
+
+
+def istio_gateway_overlay(s: GuideSettings) -> dict:
+    """Strategic merge patch for the Istio gateway's Deployment (key ``deployment`` of the Gateway's
+    ``infrastructure.parametersRef`` ConfigMap; istio 1.29.2 pilot/pkg/config/kube/gateway/deploymentcontroller.go,
+    ``applyOverlay``): the gate container beside Envoy, the Envoy id on ``istio-proxy`` (pilot-agent starts Envoy
+    with its own environment: pkg/envoy/proxy.go, ``cmd.Env = os.Environ()``), the gate's volumes."""
+    return {"spec": {"template": {"spec": {
+        "containers": [{"name": ISTIO_PROXY_CONTAINER, "env": [envoy_id_env()]}, gate_sidecar_container(s)],
+        "volumes": gate_sidecar_volumes(),
+    }}}}
+
+
+_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+               "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def strategic_merge(base, patch):
+    """Kubernetes strategic merge for what an overlay here sets: maps merge key by key; ``containers``, ``env``,
+    ``volumes``, ``volumeMounts``, ``ports`` merge by their patch merge key (k8s.io/api core/v1 types); any other
+    list, and scalars, are replaced. Enough to fold our overlay into another one (the recipe's) before Istio applies
+    it; the tests check the result with kubectl's own strategic merge."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            if k in _MERGE_KEYS and isinstance(v, list) and isinstance(out.get(k), list):
+                key = _MERGE_KEYS[k]
+                merged = list(out[k])
+                for item in v:
+                    i = next((j for j, b in enumerate(merged) if isinstance(b, dict) and b.get(key) == item.get(key)), None)
+                    if i is None:
+                        merged.append(copy.deepcopy(item))
+                    else:
+                        merged[i] = strategic_merge(merged[i], item)
+                out[k] = merged
+            else:
+                out[k] = strategic_merge(out[k], v) if k in out else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(patch)
+
+
+def istio_gateway_parameters(s: GuideSettings, recipe: dict | None = None) -> dict:
+    """The ConfigMap the Gateway's ``infrastructure.parametersRef`` names, with the gate in its ``deployment``
+    overlay. ``recipe``: the ConfigMap the Gateway already uses (the llm-d Istio recipe's, named after the Gateway):
+    every key, label and setting of it is kept and ours folded into its ``deployment`` (``kubectl apply`` of a
+    ConfigMap without a key the previous apply had would delete that key). None: ours alone, named after the Gateway.
+
+    Raises:
+        ValueError: ``recipe`` is not a ConfigMap, or its ``deployment`` is not a YAML mapping.
+    """
+    if recipe is None:
+        recipe = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": s.gateway}, "data": {}}
+    if not isinstance(recipe, dict) or recipe.get("kind") != "ConfigMap" or not recipe.get("metadata", {}).get("name"):
+        raise ValueError("not a ConfigMap with a name (give the ConfigMap the Gateway's infrastructure.parametersRef "
+                         "names, e.g. <llm-d>/guides/recipes/gateway/istio/configmap.yaml)")
+    cm = copy.deepcopy(recipe)
+    cm["metadata"] = {k: v for k, v in cm["metadata"].items() if k in ("name", "labels", "annotations")}
+    data = cm.setdefault("data", {}) or {}
+    cm["data"] = data
+    try:
+        base = yaml.safe_load(data.get("deployment") or "{}") or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"its data.deployment is not YAML: {exc}") from exc
+    if not isinstance(base, dict):
+        raise ValueError(f"its data.deployment must be a YAML mapping (a Deployment overlay), got {type(base).__name__}")
+    data["deployment"] = _dump(strategic_merge(base, istio_gateway_overlay(s)))
+    return cm
+
+
+def _istio_hcm_match() -> dict:
+    return {"filter": {"name": "envoy.filters.network.http_connection_manager"}}
+
+
+def _istio_filter_match(name: str) -> dict:
+    return {"context": "GATEWAY",
+            "listener": {"filterChain": {"filter": {**_istio_hcm_match()["filter"], "subFilter": {"name": name}}}}}
+
+
+def _istio_route_match(s: GuideSettings, route: str) -> dict:
+    return {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": istio_route_name(s, route)}}}}
+
+
+def _istio_epp_forwards_subset_hint() -> dict:
+    # Istio's EPP filter forwards only envoy.lb: add the subset hint namespace (MERGE appends to the repeated field).
+    return {"applyTo": "HTTP_FILTER", "match": _istio_filter_match(EPP_FILTER_NAME),
+            "patch": {"operation": "MERGE", "value": {"name": EPP_FILTER_NAME, "typed_config": {
+                "@type": EXT_PROC_TYPE,
+                "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}}}}}}
+
+
+def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | None = None) -> dict:
+    """The fast path on the Istio Gateway's Envoy, talking to the gate container of its own pod on loopback
+    (:func:`istio_gateway_parameters`). ``extra_pools``: pool -> its HTTPRoute, for more InferencePools behind the
+    same Gateway (each route names its pool in its ext_authz check; a route without one checks as ``pool``).
+
+    The Envoy configuration it produces is the one ``epp_plugin.envoy_config`` renders for the local router, filter
+    for filter: ext_authz to the gate, header_to_metadata (the subset hint), Istio's EPP ext_proc (forwarding the
+    hint), the router logging each upstream start; the HTTP connection manager logging each request's end and
+    mapping the gate's 503 refusals."""
+    pools = {s.pool: s.route, **(extra_pools or {})}
+    router_merge = router_filter(LOCAL_GATE_CLUSTER)
+    hcm_merge = {
+        "@type": HCM_TYPE,
+        # A held request sends no bytes: the stream idle timeout above hold + generation.
+        "stream_idle_timeout": _dur(s.request_timeout_s),
+        # Completions: every admitted request's end, to the gate of this pod (gRPC access-log service).
+        "access_log": [gate_access_log(LOCAL_GATE_CLUSTER)],
+        # The gate's 5xx refusals travel as 429 + x-llmd-timeslice-status: 503 (an ext_authz 5xx answer would
+        # lose its body); this maps them back to 503.
+        "local_reply_config": refusal_local_reply(),
+    }
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
+        "spec": {
+            "workloadSelector": {"labels": {"gateway.networking.k8s.io/gateway-name": s.gateway}},
+            "configPatches": [
+                {
+                    # 1. Admission: the gate's HTTP ext_authz, BEFORE the EPP's ext_proc that Istio adds for an
+                    #    InferencePool backend. A held request is a check not answered yet.
+                    "applyTo": "HTTP_FILTER", "match": _istio_filter_match(EPP_FILTER_NAME),
+                    "patch": {"operation": "INSERT_BEFORE",
+                              "value": authz_filter(LOCAL_AUTHZ_CLUSTER, s.pool, s.max_hold_s)},
+                },
+                {
+                    # 2. The gate's answer header becomes the subset hint (envoy.lb.subset_hint), between the two.
+                    "applyTo": "HTTP_FILTER", "match": _istio_filter_match(EPP_FILTER_NAME),
+                    "patch": {"operation": "INSERT_BEFORE", "value": subset_hint_filter()},
+                },
+                _istio_epp_forwards_subset_hint(),  # 3.
+                {
+                    # 4. The router logs each upstream start (the endpoint the EPP picked) to the gate.
+                    "applyTo": "HTTP_FILTER", "match": _istio_filter_match(router_merge["name"]),
+                    "patch": {"operation": "MERGE", "value": router_merge},
+                },
+                {
+                    # 5. Stream idle timeout, the access log of each request's end, the refusal mapper.
+                    "applyTo": "NETWORK_FILTER",
+                    "match": {"context": "GATEWAY", "listener": {"filterChain": _istio_hcm_match()}},
+                    "patch": {"operation": "MERGE", "value": {
+                        "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm_merge}},
+                },
+                # 6. The gate of this pod, on loopback: its HTTP ext_authz port and its gRPC port (HTTP/2).
+                {"applyTo": "CLUSTER", "match": {"context": "GATEWAY"},
+                 "patch": {"operation": "ADD", "value": authz_cluster(LOCAL_AUTHZ_CLUSTER, LOOPBACK, GATE_AUTHZ_PORT)}},
+                {"applyTo": "CLUSTER", "match": {"context": "GATEWAY"},
+                 "patch": {"operation": "ADD", "value": grpc_cluster(LOCAL_GATE_CLUSTER, LOOPBACK, GATE_EXT_PROC_PORT)}},
+                # 7. Each pool's route names its pool in the check (defect 12: never one pool for all routes).
+                *({"applyTo": "HTTP_ROUTE", "match": _istio_route_match(s, route),
+                   "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": {
+                       AUTHZ_FILTER_NAME: authz_per_route(LOCAL_AUTHZ_CLUSTER, pool, s.max_hold_s)}}}}
+                  for pool, route in pools.items()),
+            ],
         },
     }
 
@@ -871,15 +1140,36 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
         "router/values-serving-label.yaml": values_serving_label(s),
         "router/values-flow-control.yaml": values_flow_control(s),
         "gateways/istio/kustomization.yaml": _doc(
-            "Istio (1.29, ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true on istiod): base + the gate before the\n"
-            "EPP on the Gateway's pods + the /v1/-only route.\n"
+            "Istio (1.29, ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true on istiod), the fast path: the gate runs\n"
+            "beside each Envoy of the Gateway (a container in its pods, added by the Gateway's parameters\n"
+            "ConfigMap: generate.py --istio-parameters), Envoy checks it over HTTP ext_authz on loopback before\n"
+            "the EPP and sends it each request's end over the gRPC access log. This overlay: the orchestrator\n"
+            "(base without its replicated gate) + the EnvoyFilter + the /v1/-only route.\n"
+            "  python3 manifests/generate.py --istio-parameters <recipe configmap> | kubectl apply -n <ns> -f -\n"
             "  kubectl apply -k manifests/guides/time-slicing/gateways/istio",
-            overlay("httproute.yaml", "envoyfilter.yaml", "destinationrule.yaml")),
+            overlay("httproute.yaml", "envoyfilter.yaml", components=("../../components/no-gate-deployment",))),
         "gateways/istio/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
                                               httproute(s, _inference_pool_ref(s))),
-        "gateways/istio/envoyfilter.yaml": _doc("Istio Gateway API mode with the inference extension.",
-                                                istio_envoyfilter(s)),
-        "gateways/istio/destinationrule.yaml": _doc(
+        "gateways/istio/envoyfilter.yaml": _doc(
+            "Istio Gateway API mode with the inference extension: the fast path to the gate container of each\n"
+            "Gateway pod (127.0.0.1).", istio_fast_path_envoyfilter(s)),
+        "gateways/istio/gateway-parameters.yaml": _doc(
+            "NOT applied by the kustomization. What `generate.py --istio-parameters none` prints: the Gateway's\n"
+            "parameters ConfigMap with the gate container in its Deployment overlay (Istio applies it as a\n"
+            "strategic merge patch to the Deployment it generates for the Gateway). Apply the one generate.py\n"
+            "prints for YOUR Gateway's ConfigMap (the llm-d Istio recipe's: every key of it is kept).",
+            istio_gateway_parameters(s)),
+        "gateways/istio-ext-proc/kustomization.yaml": _doc(
+            "Istio with the gate over ext_proc (replicated gate Deployment behind a Service): for an EPP that\n"
+            "queues requests (flow control), whose requests the drain deadline must be able to cut (docs/gate.md),\n"
+            "or where the Gateway's pods cannot take the gate container.\n"
+            "  kubectl apply -k manifests/guides/time-slicing/gateways/istio-ext-proc",
+            overlay("httproute.yaml", "envoyfilter.yaml", "destinationrule.yaml")),
+        "gateways/istio-ext-proc/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
+                                                       httproute(s, _inference_pool_ref(s))),
+        "gateways/istio-ext-proc/envoyfilter.yaml": _doc("Istio Gateway API mode with the inference extension.",
+                                                         istio_ext_proc_envoyfilter(s)),
+        "gateways/istio-ext-proc/destinationrule.yaml": _doc(
             "Each held request is one open ext_proc stream to the gate: raise Istio's connection pool limits.",
             istio_destinationrule(s)),
         "gateways/agentgateway/kustomization.yaml": _doc(
@@ -967,15 +1257,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="Only compare; exit 1 if a file is out of date.")
     parser.add_argument("--settings", type=Path, default=SETTINGS_FILE, help="Settings file (default: the guide's).")
     parser.add_argument("--out", type=Path, help="Write a full copy of the guide there instead of in place.")
+    parser.add_argument("--istio-parameters", metavar="CONFIGMAP|none",
+                        help="Then print (stdout) the Istio Gateway's parameters ConfigMap with the gate container "
+                             "folded into its Deployment overlay: give the ConfigMap file the Gateway's "
+                             "infrastructure.parametersRef names (the llm-d Istio recipe's), or none.")
     args = parser.parse_args(argv)
+    if args.check and args.istio_parameters:
+        parser.error("--check and --istio-parameters do not go together")
     try:
         s = load_settings(args.settings)
     except (OSError, ValueError, TypeError, yaml.YAMLError) as exc:
         print(f"generate.py: {exc}", file=sys.stderr)
         return 2
+    parameters = None
+    if args.istio_parameters:
+        try:
+            recipe = None if args.istio_parameters == "none" else _read_recipe(Path(args.istio_parameters))
+            parameters = istio_gateway_parameters(s, recipe)
+        except (OSError, ValueError) as exc:
+            print(f"generate.py: --istio-parameters {args.istio_parameters}: {exc}", file=sys.stderr)
+            return 2
     if args.out:
         render_tree(s, args.out)
-        print(f"wrote the guide for {args.settings} to {args.out}")
+        print(f"wrote the guide for {args.settings} to {args.out}", file=sys.stderr)
+        if parameters is not None:
+            sys.stdout.write(_dump(parameters))
         return 0
     stale = []
     for path, text in rendered_files(s).items():
@@ -986,11 +1292,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-            print(f"wrote {path.relative_to(REPO)}")
+            print(f"wrote {path.relative_to(REPO)}", file=sys.stderr)
     if stale:
         print("out of date (run python3 manifests/generate.py):", *map(str, stale), sep="\n  ")
         return 1
+    if parameters is not None:
+        sys.stdout.write(_dump(parameters))
     return 0
+
+
+def _read_recipe(path: Path) -> dict:
+    """The ConfigMap in ``path``. Raises OSError (unreadable) or ValueError (not YAML)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not YAML: {exc}") from exc
 
 
 if __name__ == "__main__":

@@ -318,6 +318,31 @@ async def test_discovery_builds_groups_from_labelled_pods(kube, api):
     assert lists and lists[0]["query"]["labelSelector"] == "timeslice.io/group"
 
 
+def _upstream_pod(ports_by_container: dict[str, int]) -> dict:
+    """A sampler pod whose containers are named as given (each with one port), after our sidecar."""
+    pod = make_pod("up", "g0", ip="10.0.0.7")
+    sidecar = pod["spec"]["containers"][1]
+    pod["spec"]["containers"] = [sidecar, *({"name": name, "image": "vllm", "ports": [
+        {"name": "modelserver", "containerPort": port}]} for name, port in ports_by_container.items())]
+    return pod
+
+
+@pytest.mark.parametrize("containers, port", [
+    # llm-d's guides name the vLLM container `modelserver` and its port `modelserver`
+    # (tests/fixtures/llm-d-guide/modelserver/decode-deployment.yaml, upstream's shape).
+    ({"modelserver": 8123}, 8123),
+    ({"vllm": 8124}, 8124),                        # older manifests: still found
+    ({"vllm": 8126, "modelserver": 8125}, 8125),   # both: modelserver wins, whatever the order
+    ({"engine": 8127}, 8000),                      # neither: DiscoveryDefaults.engine_port
+])
+def test_engine_port_comes_from_the_container_named_modelserver_as_upstream_names_it(containers, port):
+    from llmd_timeslice.discovery.kubernetes import pod_member
+
+    member = pod_member(_upstream_pod(containers), DEFAULTS)
+    assert member.sampler.address == f"10.0.0.7:{port}"
+    assert member.sampler.sidecar == "10.0.0.7:9001", "the sidecar's ts-grpc port, not the engine's"
+
+
 async def test_watch_added_modified_deleted_update_groups(kube, api):
     kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
     kube.add(make_pod("s1", "g0", ip="10.0.0.2", ready=False))

@@ -32,7 +32,18 @@ import pytest
 import yaml
 
 from epp_plugin import protocol
-from epp_plugin.envoy_config import EXT_PROC_TYPE, HCM_TYPE, PER_ROUTE_TYPE, ROUTER_TYPE, gate_filter
+from epp_plugin.envoy_config import (
+    EXT_PROC_TYPE,
+    HCM_TYPE,
+    PER_ROUTE_TYPE,
+    ROUTER_TYPE,
+    SUBSET_HINT_FILTER_NAME,
+    gate_access_log,
+    gate_filter,
+    gate_upstream_log,
+    refusal_local_reply,
+    subset_hint_filter,
+)
 from epp_plugin.envoy_launcher import envoy_binary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,11 +61,13 @@ OVERLAYS = [
     "base/monitoring",
     "modelserver/example",
     "gateways/istio",
+    "gateways/istio-ext-proc",
     "gateways/agentgateway",
     "gateways/envoy-gateway",
     "gateways/label-fallback",
 ]
-GATEWAYS = ["gateways/istio", "gateways/agentgateway", "gateways/envoy-gateway", "gateways/label-fallback"]
+GATEWAYS = ["gateways/istio", "gateways/istio-ext-proc", "gateways/agentgateway", "gateways/envoy-gateway",
+            "gateways/label-fallback"]
 SUBSET_NS = protocol.SUBSET_HINT_NAMESPACE
 BIG = 100_000
 
@@ -614,6 +627,7 @@ def test_one_settings_file_renames_everything(tmp_path):
     for name in ("values-standalone.yaml", "values-gateway.yaml", "values-serving-label.yaml",
                  "values-flow-control.yaml", "standalone-envoy.yaml"):
         texts[name] = (tree / "router" / name).read_text()
+    texts["gateway-parameters.yaml"] = (tree / "gateways" / "istio" / "gateway-parameters.yaml").read_text()
     for old in defaults:
         leaks = [k for k, t in texts.items() if old in t]
         assert not leaks, f"{old!r} (a default) still in {leaks} after renaming in settings.yaml"
@@ -621,6 +635,10 @@ def test_one_settings_file_renames_everything(tmp_path):
     assert f"{ALT.namespace}.{ALT.pool}-v1.0" in texts["gateways/istio"], "Istio route name follows the names"
     gate = find(kustomize(tree / "base"), "Deployment", "llmd-timeslice-gate")
     assert _args(gate["spec"]["template"]["spec"]["containers"][0])["--max-hold-s"] == "300"
+    sidecar = yaml.safe_load(yaml.safe_load(texts["gateway-parameters.yaml"])["data"]["deployment"])
+    sidecar_args = _args(sidecar["spec"]["template"]["spec"]["containers"][1])
+    assert sidecar_args["--max-hold-s"] == "300" and sidecar_args["--pool"] == ALT.pool
+    assert float(sidecar_args["--lost-completion-after-s"]) > ALT.request_timeout_s
     dep = find(kustomize(tree / "modelserver" / "guide"), "Deployment")
     assert dep["spec"]["template"]["metadata"]["labels"]["timeslice.io/group"] == ALT.group
     assert {c["image"] for c in dep["spec"]["template"]["spec"]["containers"]} >= {ALT.image}
@@ -785,7 +803,7 @@ def test_standalone_envoy_orders_gate_before_epp_forwards_the_hint_and_fits_long
 
 
 def _istio_patches():
-    return find(built("gateways/istio"), "EnvoyFilter")["spec"]["configPatches"]
+    return find(built("gateways/istio-ext-proc"), "EnvoyFilter")["spec"]["configPatches"]
 
 
 def test_istio_inserts_the_gate_before_the_epp_and_names_the_pool_per_route():
@@ -800,7 +818,7 @@ def test_istio_inserts_the_gate_before_the_epp_and_names_the_pool_per_route():
     assert merge["patch"]["value"]["typed_config"]["metadata_options"]["forwarding_namespaces"]["untyped"] == [SUBSET_NS]
     assert _seconds(hcm_merge["patch"]["value"]["typed_config"]["stream_idle_timeout"]) > _hold_plus_generation()
     (route_patch,) = routes
-    route = find(built("gateways/istio"), "HTTPRoute")
+    route = find(built("gateways/istio-ext-proc"), "HTTPRoute")
     assert route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"] == \
         f"{route['metadata']['namespace']}.{route['metadata']['name']}.0"
     override = route_patch["patch"]["value"]["typed_per_filter_config"][gen.GATE_FILTER_NAME]
@@ -808,7 +826,7 @@ def test_istio_inserts_the_gate_before_the_epp_and_names_the_pool_per_route():
     assert route["spec"]["rules"][0]["backendRefs"] == [{"group": "inference.networking.k8s.io",
                                                         "kind": "InferencePool", "name": S.pool}]
     assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _hold_plus_generation()
-    dr = find(built("gateways/istio"), "DestinationRule")
+    dr = find(built("gateways/istio-ext-proc"), "DestinationRule")
     assert dr["spec"]["host"] == S.gate_fqdn
     assert dr["spec"]["trafficPolicy"]["connectionPool"]["http"]["http2MaxRequests"] >= BIG
 
@@ -827,6 +845,270 @@ def test_agentgateway_runs_the_gate_on_the_route_and_pairs_the_serving_label():
     assert values("values-serving-label.yaml")["router"]["modelServers"]["matchLabels"] == {"timeslice.io/serving": "true"}
     text = (GUIDE / "README.md").read_text()
     assert "values-serving-label.yaml" in text and "agentgateway" in text
+
+
+# ----------------------------------------- Istio, fast path: the gate beside each Envoy of the Gateway
+
+ISTIO_DEPLOYMENT = REPO / "tests" / "fixtures" / "istio-gateway-deployment.yaml"
+AUTHZ = "envoy.filters.http.ext_authz.timeslice_gate"
+
+
+def _recipe_parameters() -> dict:
+    return yaml.safe_load((FIXTURE / "istio-gateway-parameters.yaml").read_text())
+
+
+def kubectl_strategic_merge(obj: dict, patch: dict, tmp_path: Path) -> dict:
+    """``patch`` applied to ``obj`` by kubectl's own strategic merge (``kubectl patch --local``, no cluster)."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is required: it is on the project's machine image"
+    src = tmp_path / f"obj-{len(list(tmp_path.iterdir()))}.yaml"
+    src.write_text(yaml.safe_dump(obj))
+    proc = subprocess.run([kubectl, "patch", "-f", str(src), "--local", "--type", "strategic", "-p", json.dumps(patch),
+                           "-o", "yaml"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def _gateway_pod_after_istio_applies(cm: dict, tmp_path: Path) -> dict:
+    """The Gateway's Deployment as Istio renders it with the parameters ConfigMap ``cm`` (its ``deployment`` key is a
+    strategic merge patch: istio 1.29.2 deploymentcontroller.go applyOverlay)."""
+    base = yaml.safe_load(ISTIO_DEPLOYMENT.read_text())
+    return kubectl_strategic_merge(base, yaml.safe_load(cm["data"]["deployment"]), tmp_path)
+
+
+def _istio_fast_path_effective(ef: dict | None = None, pools: dict[str, str] | None = None):
+    boot = istio_effective_config(ef or find(built("gateways/istio"), "EnvoyFilter"), pools)
+    hcm, filters = _hcm_filters(boot, "gw")
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    return boot, hcm, {f["name"]: f for f in filters}, _names(filters), clusters
+
+
+def _socket(cluster: dict) -> tuple[str, int]:
+    sa = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    return sa["address"], sa["port_value"]
+
+
+def test_istio_fast_path_orders_authz_hint_epp_and_keeps_the_gate_contract():
+    _, hcm, by_name, names, clusters = _istio_fast_path_effective()
+    assert names == [AUTHZ, SUBSET_HINT_FILTER_NAME, gen.EPP_FILTER_NAME, "envoy.filters.http.router"], \
+        "admission first, then the subset hint, then the EPP picks inside it"
+    authz = by_name[AUTHZ]["typed_config"]
+    assert authz["failure_mode_allow"] is False and authz["status_on_error"] == {"code": 503}, "gate down: 503 at once"
+    svc = authz["http_service"]
+    assert _seconds(svc["server_uri"]["timeout"]) > S.max_hold_s, "a hold of max_hold_s is an unanswered check"
+    added = {h["key"]: h["value"] for h in svc["authorization_request"]["headers_to_add"]}
+    assert added == {protocol.POOL_HEADER: S.pool, protocol.ENVOY_ID_HEADER: f"%ENVIRONMENT({protocol.ENVOY_ID_ENV})%"}
+    assert protocol.SUBSET_HINT_HEADER in [p["exact"] for p in
+                                           svc["authorization_response"]["allowed_upstream_headers"]["patterns"]]
+    assert by_name[SUBSET_HINT_FILTER_NAME] == subset_hint_filter()
+    epp_fwd = by_name[gen.EPP_FILTER_NAME]["typed_config"]["metadata_options"]["forwarding_namespaces"]["untyped"]
+    assert SUBSET_NS in epp_fwd and "envoy.lb" in epp_fwd, "Istio's own namespace kept, the hint added"
+    # Completions: each request's end (HCM) and each upstream start (router) to the gate of this pod.
+    (log,) = [a for a in hcm["access_log"] if a["name"] == "envoy.access_loggers.http_grpc"]
+    assert log == gate_access_log(gen.LOCAL_GATE_CLUSTER)
+    router = by_name["envoy.filters.http.router"]["typed_config"]
+    assert router["upstream_log"] == [gate_upstream_log(gen.LOCAL_GATE_CLUSTER)]
+    assert router["upstream_log_options"] == {"flush_upstream_log_on_upstream_stream": True}
+    assert hcm["local_reply_config"] == refusal_local_reply(), "503 refusals keep their status"
+    assert _seconds(hcm["stream_idle_timeout"]) > _hold_plus_generation()
+    # Both clusters reach the gate container of the same pod, on loopback: HTTP/1.1 checks, HTTP/2 gRPC.
+    authz_cluster = clusters[svc["server_uri"]["cluster"]]
+    assert _socket(authz_cluster) == ("127.0.0.1", gen.GATE_AUTHZ_PORT)
+    assert "typed_extension_protocol_options" not in authz_cluster, "ext_authz's HTTP service speaks HTTP/1.1"
+    assert authz_cluster["circuit_breakers"]["thresholds"][0]["max_requests"] >= BIG, "each held check holds one"
+    grpc_cluster = clusters[log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]]
+    assert _socket(grpc_cluster) == ("127.0.0.1", gen.GATE_EXT_PROC_PORT)
+    assert "http2_protocol_options" in json.dumps(grpc_cluster["typed_extension_protocol_options"])
+    route = find(built("gateways/istio"), "HTTPRoute")
+    assert route["spec"]["rules"][0]["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1/"}}]
+    assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _hold_plus_generation()
+
+
+def test_istio_fast_path_with_two_pools_checks_each_route_as_its_own_pool(tmp_path):
+    """Defect 12 on the fast path: each pool's route replaces the check's http_service with its own pool."""
+    ef = gen.istio_fast_path_envoyfilter(S, extra_pools={"other-pool": "other-pool-v1"})
+    pools = {gen.istio_route_name(S): S.pool, gen.istio_route_name(S, "other-pool-v1"): "other-pool"}
+    boot, *_ = _istio_fast_path_effective(ef, pools)
+    routes = _hcm_filters(boot, "gw")[0]["route_config"]["virtual_hosts"][0]["routes"]
+    sent = {}
+    for r in routes:
+        per_route = r["typed_per_filter_config"][AUTHZ]
+        assert per_route["@type"].endswith("ExtAuthzPerRoute")
+        svc = per_route["check_settings"]["http_service"]
+        assert _seconds(svc["server_uri"]["timeout"]) > S.max_hold_s
+        (sent[r["name"]],) = [h["value"] for h in svc["authorization_request"]["headers_to_add"]
+                              if h["key"] == protocol.POOL_HEADER]
+    assert sent == pools
+    envoy_validate_all({"istio-fast-path-two-pools": boot}, tmp_path)
+
+
+def test_istio_fast_path_runs_no_replicated_gate_only_the_orchestrator():
+    docs = built("gateways/istio")
+    assert not [d for d in docs if d["metadata"]["name"].startswith(gen.GATE_SERVICE)
+                and d["kind"] != "EnvoyFilter"], "the gate runs in the Gateway's pods (one process per Envoy)"
+    find(docs, "Deployment", "llmd-timeslice-orchestrator")
+    assert find(built("gateways/istio-ext-proc"), "Deployment", gen.GATE_SERVICE)["spec"]["replicas"] == 2
+
+
+def _check_gate_container(c: dict, spec: dict) -> None:
+    """The gate beside an Envoy: real CLI flags, loopback, sized timeouts, exec probes on its own port, locked down."""
+    opts = _cli_options()
+    sub, *flags = c["args"]
+    assert c["command"] == ["llmd-timeslice"] and sub == "gate"
+    args = {}
+    for f in flags:
+        name, _, value = f.partition("=")
+        assert name in opts["gate"], f"`llmd-timeslice gate` has no {name}"
+        args[name] = value
+    assert args["--host"] == "127.0.0.1", "only this pod's Envoy may send checks and access-log entries"
+    assert int(args["--authz-port"]) == gen.GATE_AUTHZ_PORT and int(args["--ext-proc-port"]) == gen.GATE_EXT_PROC_PORT
+    assert args["--gate-id"] == "$(POD_NAME)" and {"name": "POD_NAME", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.name"}}} in c["env"], "one gate per Envoy pod on the state stream"
+    assert args["--orchestrator"].split(":")[0] == "llmd-timeslice-orchestrator"
+    assert args["--pool"] == args["--default-pool"] == S.pool and float(args["--max-hold-s"]) == S.max_hold_s
+    assert float(args["--lost-completion-after-s"]) > S.request_timeout_s, "above the route timeout"
+    assert args["--token-file"].startswith(gen.TOKEN_DIR + "/")
+    for probe, service in (("readinessProbe", gen.GATE_READINESS_SERVICE), ("livenessProbe", "")):
+        cmd = c[probe]["exec"]["command"]
+        assert cmd[:3] == ["python", "-c", gen.GATE_PROBE], f"{probe}: the kubelet's grpc probe cannot dial loopback"
+        assert cmd[3:] == [f"127.0.0.1:{args['--ext-proc-port']}", service], probe
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}
+    assert "ports" not in c, "nothing of the gate is reachable from outside the pod"
+    vols = {v["name"]: v for v in spec["volumes"]}
+    (token,) = [m for m in c["volumeMounts"] if m["mountPath"] == gen.TOKEN_DIR]
+    assert vols[token["name"]]["secret"]["secretName"] == "llmd-timeslice-token"
+    assert _readable_by(spec, c, vols[token["name"]]), "the non-root gate must read the token (no fsGroup there)"
+
+
+def test_the_gateway_parameters_put_the_gate_beside_envoy_and_keep_every_recipe_setting(tmp_path):
+    recipe = _recipe_parameters()
+    cm = gen.istio_gateway_parameters(S, recipe)
+    validate_builtin(cm, "gateway parameters")
+    assert cm["metadata"] == recipe["metadata"], "the Gateway's parametersRef still names it; labels kept"
+    assert {k: v for k, v in cm["data"].items() if k != "deployment"} == \
+        {k: v for k, v in recipe["data"].items() if k != "deployment"}, "kubectl apply would delete a missing key"
+    dep = _gateway_pod_after_istio_applies(cm, tmp_path)
+    # Our fold of the overlays is kubectl's: the recipe's overlay, then ours, give the same Deployment.
+    base = yaml.safe_load(ISTIO_DEPLOYMENT.read_text())
+    by_kubectl = kubectl_strategic_merge(
+        kubectl_strategic_merge(base, yaml.safe_load(recipe["data"]["deployment"]), tmp_path),
+        gen.istio_gateway_overlay(S), tmp_path)
+    assert dep == by_kubectl
+    validate_builtin(dep, "the Istio gateway Deployment with the parameters applied")
+    spec = dep["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert list(containers) == ["istio-proxy", gen.GATE_CONTAINER]
+    proxy, recipe_proxy = containers["istio-proxy"], yaml.safe_load(recipe["data"]["deployment"])
+    (recipe_proxy,) = recipe_proxy["spec"]["template"]["spec"]["containers"]
+    assert proxy["args"] == recipe_proxy["args"] and proxy["resources"] == recipe_proxy["resources"]
+    env = {e["name"]: e for e in proxy["env"]}
+    assert env[protocol.ENVOY_ID_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, \
+        "pilot-agent passes its environment to Envoy (istio 1.29.2 pkg/envoy/proxy.go)"
+    assert "POD_NAME" in env and "CA_ADDR" in env, "Istio's own environment kept"
+    assert dep["spec"]["template"]["metadata"]["labels"]["example.invalid/shared"] == "true"
+    assert {"istio-envoy", "istio-token", "llmd-timeslice-token", "llmd-timeslice-tmp"} <= {v["name"] for v in spec["volumes"]}
+    for ns in ("hostNetwork", "hostPID", "hostIPC", "shareProcessNamespace"):
+        assert not spec.get(ns)
+    _check_gate_container(containers[gen.GATE_CONTAINER], spec)
+
+
+def test_the_gateway_parameters_without_a_recipe_are_the_gate_alone_named_after_the_gateway(tmp_path):
+    doc = yaml.safe_load((GUIDE / "gateways" / "istio" / "gateway-parameters.yaml").read_text())
+    assert doc == gen.istio_gateway_parameters(S) and doc["metadata"]["name"] == S.gateway
+    dep = _gateway_pod_after_istio_applies(doc, tmp_path)
+    validate_builtin(dep, "gateway-parameters.yaml applied")
+    spec = dep["spec"]["template"]["spec"]
+    _check_gate_container(spec["containers"][1], spec)
+
+
+def _run_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(MANIFESTS / "generate.py"), *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_generate_prints_the_gateway_parameters_folded_into_the_recipes_configmap(tmp_path):
+    proc = _run_generate("--istio-parameters", str(FIXTURE / "istio-gateway-parameters.yaml"), "--out",
+                         str(tmp_path / "guide"))
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout) == gen.istio_gateway_parameters(S, _recipe_parameters()), \
+        "stdout is only the ConfigMap (for | kubectl apply -f -); messages go to stderr"
+    assert (tmp_path / "guide" / "gateways" / "istio" / "envoyfilter.yaml").exists()
+    none = _run_generate("--istio-parameters", "none", "--out", str(tmp_path / "guide2"))
+    assert none.returncode == 0 and yaml.safe_load(none.stdout) == gen.istio_gateway_parameters(S)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "No such file"),
+    ("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\n", "not a ConfigMap"),
+    ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {deployment: '- a list'}\n", "must be a YAML mapping"),
+    ("kind: [unclosed\n", "not YAML"),
+], ids=["missing", "not-a-configmap", "overlay-not-a-mapping", "not-yaml"])
+def test_generate_refuses_a_bad_recipe_configmap_naming_the_file_and_what_is_wrong(tmp_path, content, needle):
+    path = tmp_path / "recipe.yaml"
+    if content is not None:
+        path.write_text(content)
+    proc = _run_generate("--istio-parameters", str(path), "--out", str(tmp_path / "guide"))
+    assert proc.returncode == 2 and not proc.stdout, (proc.stdout, proc.stderr)
+    assert str(path) in proc.stderr and needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_gate_containers_command_line_starts_a_gate_whose_probes_answer(tmp_path):
+    """The rendered gate container, run here: its flags start the real gate on loopback, and its exec probes tell
+    a live gate (liveness) from one without the orchestrator's first snapshot (readiness)."""
+    import port_for
+
+    spec = yaml.safe_load(gen.istio_gateway_parameters(S)["data"]["deployment"])["spec"]["template"]["spec"]
+    c = spec["containers"][1]
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    ports = {flag: str(port_for.select_random()) for flag in ("--ext-proc-port", "--authz-port", "--control-port",
+                                                              "--metrics-port")}
+
+    def start(orchestrator: str | None) -> subprocess.Popen:
+        args = []
+        for a in c["args"][1:]:
+            name, _, value = a.partition("=")
+            if name == "--orchestrator":
+                if orchestrator is None:
+                    continue
+                value = orchestrator
+            value = {"--token-file": str(token), "--gate-id": "gateway-pod-0", **ports}.get(name, value)
+            args.append(f"{name}={value}")
+        return subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "gate", *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def probe(kind: str) -> int:
+        cmd = [sys.executable, *c[kind]["exec"]["command"][1:]]
+        cmd[-2] = f"127.0.0.1:{ports['--ext-proc-port']}"
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode
+
+    def wait_live(proc) -> None:
+        for _ in range(300):
+            assert proc.poll() is None, "the gate exited: a flag of the rendered container is wrong"
+            if probe("livenessProbe") == 0:
+                return
+        raise AssertionError("the liveness probe never passed")
+
+    closed = f"127.0.0.1:{port_for.select_random()}"  # nothing listens: the gate never gets a snapshot
+    proc = start(closed)
+    try:
+        wait_live(proc)
+        assert probe("readinessProbe") == 1, "not ready before the orchestrator's first snapshot"
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    proc = start(None)  # no orchestrator: the gate is ready at once (its states come from the control API)
+    try:
+        wait_live(proc)
+        assert probe("readinessProbe") == 0
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 def _eg_docs():
@@ -908,9 +1190,10 @@ def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool
 # ------------------------------------------------------------- every Envoy config, validated
 
 
-def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle: str, routes: list[dict] | None = None
-                          ) -> dict:
-    """A gateway-like bootstrap around ``filters`` (the chain a variant produces), for validation."""
+def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle: str, routes: list[dict] | None = None,
+                          router: bool = True, defined_clusters: tuple[dict, ...] = ()) -> dict:
+    """A gateway-like bootstrap around ``filters`` (the chain a variant produces), for validation. ``clusters``: names
+    the gateway itself would define (stubs here); ``defined_clusters``: clusters the variant adds itself."""
     def cluster(name, port):
         return {
             "name": name, "type": "STATIC", "connect_timeout": "1s",
@@ -918,17 +1201,18 @@ def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle:
             "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]},
         }
+    tail = [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}] if router else []
     hcm = {
         "@type": HCM_TYPE, "stat_prefix": "gw", "stream_idle_timeout": stream_idle,
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes or [
             {"match": {"prefix": "/v1/"}, "route": {"cluster": "original_destination_cluster"}}]}]},
-        "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}],
+        "http_filters": [*filters, *tail],
     }
     return {"static_resources": {
         "listeners": [{"name": "gw", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 18080}},
                        "filter_chains": [{"filters": [
                            {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}],
-        "clusters": [*(cluster(n, 19002 + i) for i, n in enumerate(clusters)), {
+        "clusters": [*(cluster(n, 19002 + i) for i, n in enumerate(clusters)), *defined_clusters, {
             "name": "original_destination_cluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER}}],
@@ -949,8 +1233,10 @@ def _merge(dst: dict, src: dict) -> None:
 def istio_effective_config(envoyfilter: dict, pools: dict[str, str] | None = None) -> dict:
     """Istio's gateway chain for InferencePool backends (istio 1.29.2 pilot/pkg/xds/filters/filters.go
     InferencePoolExtProc: SKIP modes and envoy.lb only on the listener; pilot/pkg/networking/core/route/route.go:
-    per-route ExtProcPerRoute overrides enable it with the pool's EPP cluster) with the guide's EnvoyFilter
-    applied. ``pools``: Istio route name -> pool, one route each."""
+    per-route ExtProcPerRoute overrides enable it with the pool's EPP cluster; the router last) with the guide's
+    EnvoyFilter applied patch by patch as Istio does (HTTP_FILTER INSERT_BEFORE / MERGE by sub-filter name,
+    NETWORK_FILTER MERGE on the HTTP connection manager, CLUSTER ADD, HTTP_ROUTE MERGE by route name; MERGE is proto
+    merge: maps merge, repeated fields append). ``pools``: Istio route name -> pool, one route each."""
     listener_epp = {"name": gen.EPP_FILTER_NAME, "typed_config": {
         "@type": EXT_PROC_TYPE, "grpc_service": {"envoy_grpc": {"cluster_name": "dummy"}, "timeout": "10s"},
         "failure_mode_allow": True,
@@ -958,10 +1244,31 @@ def istio_effective_config(envoyfilter: dict, pools: dict[str, str] | None = Non
         "message_timeout": "1000s",
         "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]},
                              "forwarding_namespaces": {"untyped": ["envoy.lb"]}}}}
-    insert, merge, hcm_merge, *route_patches = envoyfilter["spec"]["configPatches"]
-    filters = [copy.deepcopy(insert["patch"]["value"]), listener_epp]
-    _merge(filters[1], copy.deepcopy(merge["patch"]["value"]))
-    gate_cluster = insert["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    filters = [listener_epp, {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}]
+    hcm_merge, added, route_patches = {}, [], []
+    for p in envoyfilter["spec"]["configPatches"]:
+        apply, op, value = p["applyTo"], p["patch"]["operation"], copy.deepcopy(p["patch"]["value"])
+        assert p["match"]["context"] == "GATEWAY", p
+        if apply == "HTTP_FILTER":
+            target = p["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            (i,) = [i for i, f in enumerate(filters) if f["name"] == target]
+            assert op in ("INSERT_BEFORE", "MERGE"), op
+            if op == "INSERT_BEFORE":
+                filters.insert(i, value)
+            else:
+                _merge(filters[i], value)
+        elif apply == "NETWORK_FILTER":
+            assert op == "MERGE" and value["name"] == "envoy.filters.network.http_connection_manager", p
+            _merge(hcm_merge, {k: v for k, v in value["typed_config"].items() if k != "@type"})
+        elif apply == "CLUSTER":
+            assert op == "ADD", p
+            added.append(value)
+        else:
+            assert apply == "HTTP_ROUTE" and op == "MERGE", p
+            route_patches.append(p)
+    # Clusters Istio itself defines for what the filters name (outbound|port||host), stubbed here.
+    referenced = {f["typed_config"].get("grpc_service", {}).get("envoy_grpc", {}).get("cluster_name") for f in filters}
+    stubs = sorted(n for n in referenced - {None} if n not in {c["name"] for c in added})
     routes, epp_clusters = [], []
     for i, (route_name, pool) in enumerate((pools or {istio_route_name_default(): S.pool}).items()):
         epp_cluster = f"outbound|9002||{pool}-epp.{S.namespace}.svc.cluster.local"
@@ -978,9 +1285,10 @@ def istio_effective_config(envoyfilter: dict, pools: dict[str, str] | None = Non
             if rp["match"]["routeConfiguration"]["vhost"]["route"]["name"] == route_name:
                 _merge(route, copy.deepcopy(rp["patch"]["value"]))
         routes.append(route)
-    boot = _bootstrap_with_chain(filters, [gate_cluster, "dummy", *epp_clusters], "300s", routes)
+    boot = _bootstrap_with_chain(filters, [*stubs, *epp_clusters], "300s", routes, router=False,
+                                 defined_clusters=tuple(added))
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    _merge(hcm, {k: v for k, v in hcm_merge["patch"]["value"]["typed_config"].items() if k != "@type"})
+    _merge(hcm, hcm_merge)
     return boot
 
 
@@ -990,7 +1298,7 @@ def istio_route_name_default() -> str:
 
 def test_istio_with_two_pools_sends_each_routes_own_pool_to_the_gate(tmp_path):
     """Defect 12: one Gateway, two InferencePools. Each route's requests reach the gate with their pool."""
-    ef = gen.istio_envoyfilter(S, extra_pools={"other-pool": "other-pool-v1"})
+    ef = gen.istio_ext_proc_envoyfilter(S, extra_pools={"other-pool": "other-pool-v1"})
     pools = {gen.istio_route_name(S): S.pool, gen.istio_route_name(S, "other-pool-v1"): "other-pool"}
     boot = istio_effective_config(ef, pools)
     routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
@@ -1068,12 +1376,13 @@ def test_envoy_gateway_generated_gate_filter_meets_the_gate_contract():
 
 
 def test_every_envoy_config_passes_envoy_validate(tmp_path):
-    ef = find(built("gateways/istio"), "EnvoyFilter")
+    ef = find(built("gateways/istio-ext-proc"), "EnvoyFilter")
     configs = {
         "standalone": yaml.safe_load((GUIDE / "router" / "standalone-envoy.yaml").read_text()),
         "values-standalone": gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(),
                                                          S.pool, S.namespace),
         "istio": istio_effective_config(ef),
+        "istio-fast-path": istio_effective_config(find(built("gateways/istio"), "EnvoyFilter")),
         "envoy-gateway": envoy_gateway_effective_config()[0],
     }
     istio_names = _names(_hcm_filters(configs["istio"], "gw")[1])
@@ -1087,13 +1396,28 @@ def test_every_envoy_config_passes_envoy_validate(tmp_path):
 
 def test_envoy_validate_rejects_a_broken_config(tmp_path):
     """The validation above is real: Envoy refuses an unknown processing mode."""
-    cfg = istio_effective_config(find(built("gateways/istio"), "EnvoyFilter"))
+    cfg = istio_effective_config(find(built("gateways/istio-ext-proc"), "EnvoyFilter"))
     _hcm_filters(cfg, "gw")[1][0]["typed_config"]["processing_mode"]["response_trailer_mode"] = "SENDING"
     with pytest.raises(AssertionError, match="envoy --mode validate rejected"):
         envoy_validate_all({"broken": cfg}, tmp_path)
 
 
 # ------------------------------------------------------------------ the README's install
+
+
+def test_readme_says_which_edge_each_variant_runs_and_the_istio_install_folds_the_gate_into_the_recipe():
+    text = (GUIDE / "README.md").read_text()
+    table = text.split("| variant | edge |")[1].split("\n\n")[0]
+    edges = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in table.strip().splitlines()[2:]}
+    assert set(edges) == {"standalone Envoy", "Istio", "Istio (`istio-ext-proc`)", "agentgateway", "Envoy Gateway",
+                          "label fallback"}
+    assert edges["Istio"].startswith("**fast path**") and all(
+        e.startswith("ext_proc") for v, e in edges.items() if v not in ("Istio", "label fallback"))
+    for why in ("**Standalone Envoy: ext_proc**", "**Envoy Gateway: ext_proc.**", "**Envoy id**"):
+        assert why in text, f"the README must say why: {why}"
+    block = text.split("#### Istio (fast path")[1].split("####")[0]
+    assert "generate.py --istio-parameters ${REPO_ROOT}/guides/recipes/gateway/istio/configmap.yaml | kubectl apply" in block
+    assert re.search(r"kubectl apply -k \$\{TS\}/gateways/istio\s", block)
 
 
 def test_readme_install_is_at_most_five_commands_with_every_version_pinned():

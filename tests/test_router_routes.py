@@ -8,10 +8,16 @@ awake, through ``llmd-timeslice up``) is ``tests/test_stack_two_pools.py``.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
+
 import httpx
+import port_for
 import pytest
 
-from epp_plugin.envoy_config import ADMIN_PATHS_UNDER_API, API_PREFIX
+from epp_plugin.envoy_config import ADMIN_PATHS_UNDER_API, API_PREFIX, EnvoyRouterConfig, render_bootstrap
+from epp_plugin.envoy_launcher import envoy_binary
 from epp_plugin.gate.pool_state import EndpointState
 from tests.support.fake_engines import FakeVllm
 from tests.support.router import start_router
@@ -85,3 +91,59 @@ async def test_a_sleeping_pool_holds_its_requests_but_never_a_404(two_pool_route
     async with httpx.AsyncClient(timeout=5) as c:
         r = await c.post(two_pool_router.url + "/sleep")
     assert r.status_code == 404 and two_pool_router.pool("pool-a").held == 0
+
+
+def _envoy(boot: dict, where) -> list[str]:
+    where.write_text(json.dumps(boot))
+    return [str(envoy_binary()), "-c", str(where), "--concurrency", "1", "--log-level", "warn", "--use-dynamic-base-id",
+            "--disable-hot-restart"]
+
+
+def _start_envoy(boot: dict, where) -> subprocess.Popen:
+    """Start Envoy on ``boot`` and return once its admin ``/ready`` answers (its listener is bound then)."""
+    proc = subprocess.Popen(_envoy(boot, where), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    admin = boot["admin"]["address"]["socket_address"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://{admin['address']}:{admin['port_value']}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"Envoy on {where} did not become ready")
+
+
+def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its_traffic(artifacts):
+    """Envoy 1.40 binds listeners with SO_REUSEPORT by default: a second Envoy on the same port would start and take
+    a share of the requests. The rendered router listener turns it off (the second line of defence behind `up`'s
+    port check). Control: with Envoy's default on both, the second Envoy binds and stays up (so this test can fail)."""
+    def boot(port: int, reuse: bool | None = None) -> dict:
+        b = render_bootstrap(EnvoyRouterConfig(listen_port=port, admin_port=port_for.select_random(), gate_port=None,
+                                               epp_port=port_for.select_random()))
+        if reuse is not None:
+            b["static_resources"]["listeners"][0]["enable_reuse_port"] = reuse
+        return b
+
+    port = port_for.select_random()
+    assert boot(port)["static_resources"]["listeners"][0]["enable_reuse_port"] is False
+    first = _start_envoy(boot(port), artifacts / "first.json")
+    try:
+        # Whatever the second asks for, it cannot join a socket bound without SO_REUSEPORT.
+        for reuse in (None, True):
+            second = subprocess.run(_envoy(boot(port, reuse), artifacts / "second.json"), capture_output=True,
+                                    text=True, timeout=30)
+            assert second.returncode != 0, f"a second Envoy (reuse_port {reuse}) started on the router's port"
+            assert "Address already in use" in second.stderr, second.stderr[-2000:]
+    finally:
+        first.terminate()
+        first.wait(10)
+    port = port_for.select_random()
+    first = _start_envoy(boot(port, True), artifacts / "first-default.json")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # still running after 3 s: it bound the same port
+            subprocess.run(_envoy(boot(port, True), artifacts / "second-default.json"), capture_output=True, timeout=3)
+    finally:
+        first.terminate()
+        first.wait(10)

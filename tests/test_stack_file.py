@@ -59,6 +59,8 @@ def test_gpu_example_is_valid_except_for_the_model_it_cannot_find_here():
     ("job_unknown_group", lambda d: d["jobs"][0].update(groups=["zzz"]), "jobs[0] (trainer-0).groups: unknown group"),
     ("bad_port", lambda d: d["stack"]["ports"].update(router=70000), "stack.ports.router: Input should be less than"),
     ("no_groups", lambda d: d.update(groups=[]), "groups: List should have at least 1 item"),
+    ("zero_generation_timeout", lambda d: d["stack"].update(generation_timeout_s=0),
+     "stack.generation_timeout_s: Input should be greater than 0"),
     ("second_pool_without_prefix", lambda d: d["pools"].append({"name": "other"}), "pools[1] (other).path_prefix"),
     ("second_pool_prefix_is_root", lambda d: d["pools"].append({"name": "other", "path_prefix": "/"}),
      "pools[1] (other).path_prefix: pools after the first need a path prefix starting with '/', other than '/'"),
@@ -207,3 +209,35 @@ def test_status_tables_show_whole_values_into_a_pipe_or_at_columns(monkeypatch, 
     cells = ["".join(r[i].strip() for r in rows) for i in range(3)]  # a folded cell, read down its column
     assert cells[0] == "rollout-group-on-a-shared-node", out
     assert cells[2].replace(" ", "") == "sampler-with-a-rather-long-name-0:RUNNING,sampler-1:RUNNING", out
+
+
+def _seconds(value: str) -> float:
+    assert value.endswith("s"), value
+    return float(value[:-1])
+
+
+@pytest.mark.parametrize("stack, route_s", [
+    ({}, 600 + 3600 + 60),                                              # defaults: hold 600 s, generation 3600 s
+    ({"max_hold_s": 120}, 120 + 3600 + 60),
+    ({"max_hold_s": 120, "generation_timeout_s": 7200}, 120 + 7200 + 60),
+])
+def test_route_timeout_fits_a_hold_then_the_longest_generation(tmp_path, stack, route_s):
+    """Defect 14 of issue 14 in the local stack: a 600 s route timeout cut generations longer than 10 minutes. The
+    route timeout is hold + generation + 60 s, the stream idle timeout above it (a held request sends nothing), and
+    the gate's lost-completion age above the route timeout (its age rule never ends a request Envoy still serves)."""
+    from llmd_timeslice.local.up import Stack
+
+    d = _base()
+    d["stack"].pop("max_hold_s", None)
+    d["stack"].update(stack)
+    d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": "http://127.0.0.1:7001"}]
+    sf = load_stack_file(_write(tmp_path, d))
+    stages = Stack(sf, tmp_path, workdir=tmp_path / "wd").prepare()
+    boot = yaml.safe_load((tmp_path / "wd" / "envoy.json").read_text())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r]
+    assert routes and {_seconds(r["route"]["timeout"]) for r in routes} == {route_s}
+    assert _seconds(hcm["stream_idle_timeout"]) > route_s
+    (gate,) = [c for stage in stages for c in stage if c.name == "gate"]
+    lost = float(gate.argv[gate.argv.index("--lost-completion-after-s") + 1])
+    assert lost > route_s

@@ -13,8 +13,10 @@ What a pod must carry (the label contract of ``manifests/guides/time-slicing``):
                                             ``--job-id=$(POD_NAME)``
 ``timeslice.io/pool`` (annotation, opt.)    the InferencePool; default ``default_pool``
 ``timeslice.io/engine-port`` (annotation)   port the EPP routes to on the pod IP; default: the
-                                            first port of the container named ``vllm`` (else
-                                            ``engine_port``, 8000)
+                                            port named ``http`` (else the first port) of the
+                                            container named ``modelserver`` (the llm-d guides'
+                                            name), else of one named ``vllm`` (older manifests),
+                                            else ``engine_port`` (8000)
 ``timeslice.io/sidecar-port`` (annotation)  the snapshot sidecar's gRPC port; default: the
                                             container port named ``ts-grpc`` (else
                                             ``sidecar_port``, 9001)
@@ -86,7 +88,10 @@ ANNOTATION_JOB_PRIORITY = "timeslice.io/job-priority"
 ANNOTATION_JOB_SLEEP_LEVEL = "timeslice.io/job-sleep-level"
 ROLE_SAMPLER = "sampler"
 SIDECAR_PORT_NAME = "ts-grpc"
-ENGINE_CONTAINER = "vllm"
+ENGINE_CONTAINERS = ("modelserver", "vllm")
+"""Names of the vLLM container, in order of preference: ``modelserver`` is what the llm-d guides name it
+(llm-d/llm-d ``guides/optimized-baseline/modelserver/gpu/vllm/base``, commit 05b03f75739f); ``vllm`` is kept for
+older manifests."""
 DEFAULT_LABEL_SELECTOR = LABEL_GROUP
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 RBAC_HINT = "Role llmd-timeslice-orchestrator in manifests/guides/time-slicing/base/orchestrator/rbac.yaml"
@@ -289,6 +294,15 @@ def _container_port(pod: dict, container: str | None, port_name: str | None) -> 
     return None
 
 
+def _engine_container_port(pod: dict) -> int | None:
+    """The engine's port from the first container named as in :data:`ENGINE_CONTAINERS` that exists."""
+    names = {c.get("name") for c in (pod.get("spec") or {}).get("containers") or []}
+    for container in ENGINE_CONTAINERS:
+        if container in names:
+            return _container_port(pod, container, "http") or _container_port(pod, container, None)
+    return None
+
+
 def _is_ready(pod: dict) -> bool:
     for cond in (pod.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Ready":
@@ -317,8 +331,7 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
     ip = status.get("podIP")
     if not ip:
         return None
-    engine_port = (_port(ann.get(ANNOTATION_ENGINE_PORT)) or _container_port(pod, ENGINE_CONTAINER, "http")
-                   or _container_port(pod, ENGINE_CONTAINER, None) or defaults.engine_port)
+    engine_port = _port(ann.get(ANNOTATION_ENGINE_PORT)) or _engine_container_port(pod) or defaults.engine_port
     sidecar_port = (_port(ann.get(ANNOTATION_SIDECAR_PORT)) or _container_port(pod, None, SIDECAR_PORT_NAME)
                     or defaults.sidecar_port)
     host = f"[{ip}]" if ":" in ip else ip

@@ -2,8 +2,9 @@
 
 Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are refused)::
 
-    stack:   {name, host, workdir, token_file, max_hold_s, log_level, gate_edge, ports: {router, router_admin,
-              gate_ext_proc, gate_authz, gate_control, gate_metrics, picker, orchestrator, orchestrator_metrics}}
+    stack:   {name, host, workdir, token_file, max_hold_s, generation_timeout_s, log_level, gate_edge,
+              ports: {router, router_admin, gate_ext_proc, gate_authz, gate_control, gate_metrics, picker,
+                      orchestrator, orchestrator_metrics}}
     pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
                                                       # pool, the prefix stripped before the engine
     groups:  [{group_id, sleep_level, sleep_level_policy, drain_timeout_s, lease_ttl_s, policy}]
@@ -66,6 +67,11 @@ class StackSettings(_Strict):
                                                    "<stack file folder>/.llmd-timeslice/<name>).")
     token_file: Path | None = Field(None, description="Control-plane bearer token file (default: generated in workdir).")
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds the gate holds a request.")
+    generation_timeout_s: float = Field(
+        3600.0, gt=0, le=7 * 86400,
+        description="Longest generation (seconds) a client may wait for once admitted. Envoy's route timeout is "
+                    "max_hold_s + this + 60 s (a held request sends nothing, then the response may take this long), "
+                    "its stream idle timeout max_hold_s above that, and the gate's lost-completion age 300 s above it.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     gate_edge: Literal["ext_authz", "ext_proc"] = Field(
         "ext_authz", description="How Envoy calls the gate: ext_authz (the fast path; the gate also picks the "

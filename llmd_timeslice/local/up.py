@@ -121,7 +121,7 @@ class Stack:
 
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
-        from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
+        from epp_plugin.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s, write_bootstrap
         from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
         from epp_plugin.protocol import ENVOY_ID_ENV
         from llmd_timeslice.demo.vllm_server import VllmServer
@@ -171,11 +171,16 @@ class Stack:
                          probe=grpc_health_probe(f"{h}:{p.orchestrator}"), start_timeout_s=300.0,
                          listen=(p.orchestrator, p.orchestrator_metrics))
         pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
+        # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
+        # entries must never end a request the route may still be serving (docs/gate.md, "Completions").
+        route_timeout = route_timeout_s(s.max_hold_s, s.generation_timeout_s)
         gate = ChildSpec("gate", self._cli("gate", "--host", h, "--ext-proc-port", str(p.gate_ext_proc), "--authz-port",
                                            str(p.gate_authz), "--control-port",
                                            str(p.gate_control), "--metrics-port", str(p.gate_metrics), "--max-hold-s",
                                            str(s.max_hold_s), "--orchestrator", f"{h}:{p.orchestrator}", "--gate-id",
-                                           f"{s.name}-gate", "--default-pool", self.sf.pools[0].name, *pools, *tok),
+                                           f"{s.name}-gate", "--default-pool", self.sf.pools[0].name,
+                                           "--lost-completion-after-s", f"{lost_completion_after_s(route_timeout):g}",
+                                           *pools, *tok),
                          self.logdir / "gate.log", p.gate_ext_proc, probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
                          listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics))
         eps = [a for e in self.sf.engines for a in ("--endpoint", f"{e.pool}={e.address}")]
@@ -187,6 +192,7 @@ class Stack:
         cfg = EnvoyRouterConfig(listen_port=p.router, admin_port=p.router_admin, gate_port=p.gate_ext_proc,
                                 epp_port=None if fast else p.picker, gate_edge=s.gate_edge, authz_port=p.gate_authz,
                                 pool=self.sf.pools[0].name, host=h, max_hold_s=s.max_hold_s,
+                                upstream_timeout_s=route_timeout,
                                 pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:]
                                                  if pool.path_prefix})
         bootstrap = self.workdir / "envoy.json"
