@@ -71,6 +71,7 @@ class GateServer:
         self.authz_port = config.authz_port
         self.subscription: StateSubscription | None = None
         self._sub_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # readiness updates in flight, kept: the loop holds tasks only weakly
         self._health: health.aio.HealthServicer | None = None
         self._control: aio.Server | None = None
         self.ext_proc_port = config.ext_proc_port
@@ -126,13 +127,17 @@ class GateServer:
 
     def _synced(self) -> None:
         if self._health is not None:
-            asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 self._health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Refuse held requests (503 gate_shutting_down), then stop both servers."""
         if self._sub_task is not None:
             self._sub_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         if self.pools in metrics.COLLECTOR.pool_maps:
             metrics.COLLECTOR.pool_maps.remove(self.pools)
         if self.book in metrics.COLLECTOR.books:
