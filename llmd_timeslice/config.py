@@ -192,8 +192,8 @@ class GateSettings(_Section):
     host: str = _host(what="Address every port binds to")
     ext_proc_port: Port = Field(9002, description="gRPC data-plane port: Envoy's ext_proc, its access-log service "
                                                   "(completions of the fast path) and gRPC health only.")
-    authz_port: Port = Field(9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of the "
-                                               "fast path) only.")
+    authz_port: Port | None = Field(9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of "
+                                                      "the fast path) only (null: not served).")
     control_port: Port = Field(9003, description="Control port (GateControlService, authenticated).")
     pools: Annotated[list[str], Flag("--pool", help="An InferencePool served (repeatable).")] = Field(
         ["default"], min_length=1, description="InferencePools served.")

@@ -93,17 +93,18 @@ def _option(f: CliField) -> tuple[Any, Any]:
     if base is bool:
         name = f.option.removeprefix("--")
         return Annotated[bool, typer.Option(f"--{name}/--no-{name}", help=help_text)], default
-    common = {"help": help_text, "metavar": _metavar(f)}
+    metavar = _metavar(f)
     if typing.get_origin(base) is dict:
         if f.flag.item is None:
             raise TypeError(f"{'.'.join(f.path)}: a map field needs Flag(item=...) to be an option")
         return (Annotated[list[str], typer.Option(f.option, parser=_item_parser(f.flag.item), show_default=False,
-                                                  **common)], None)
+                                                  help=help_text, metavar=metavar)], None)
     if typing.get_origin(base) is list:
         item = typing.get_args(base)[0]
-        return Annotated[list[str], typer.Option(f.option, parser=_checker(item), **common)], default or None
+        option = typer.Option(f.option, parser=_checker(item), help=help_text, metavar=metavar)
+        return Annotated[list[str], option], default or None
     full = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-    return Annotated[str, typer.Option(f.option, parser=_checker(full), **common)], default
+    return Annotated[str, typer.Option(f.option, parser=_checker(full), help=help_text, metavar=metavar)], default
 
 
 def _item_parser(item: Callable[[str], tuple[str, Any]]) -> Callable[[str], tuple[str, Any]]:

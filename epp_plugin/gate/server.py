@@ -146,7 +146,7 @@ class GateServer:
         for pool in self.pools.values():
             pool.close()
         await asyncio.sleep(0)
-        if self._authz_server is not None:
+        if self._authz_server is not None and self.authz is not None:
             self._authz_server.close()  # held checks were answered (gate_shutting_down) just above
             await asyncio.sleep(0)
             for conn in list(self.authz.open):
