@@ -113,7 +113,7 @@ class RuleError(ValueError):
     """
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {render_refs(message, lambda path, value: _file_ref(path, value))}")
+        super().__init__(f"{field}: {render_refs(message, _file_ref)}")
         self.field = field
         self.message = message
 
