@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-fast lint protos clean bench-deps
+.PHONY: setup demo test test-fast lint typecheck protos clean bench-deps
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -30,6 +30,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
 test-fast: $(STAMP)
@@ -37,6 +38,10 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The type checker on the core packages (the file list and settings are [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # wrk drives the router benchmark (Debian package).
 bench-deps:
@@ -46,4 +51,4 @@ protos: $(STAMP)
 	$(VENV)/bin/python llmd_timeslice/api/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo-out test-artifacts
+	rm -rf $(VENV) $(VLLM_VENV) demo-out test-artifacts .mypy_cache

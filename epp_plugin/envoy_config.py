@@ -518,7 +518,7 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
         clusters.insert(0, grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
-    if cfg.fast_path:
+    if cfg.fast_path and cfg.authz_port is not None:  # __post_init__ refuses the fast path without authz_port
         clusters.insert(0, authz_cluster("timeslice_gate_authz", cfg.host, cfg.authz_port))
     return {
         "admin": {"address": {"socket_address": {"address": cfg.host, "port_value": cfg.admin_port}}},

@@ -12,6 +12,9 @@ from typing import Annotated
 
 import typer
 
+from llmd_timeslice.config import GateSettings, LogLevel, OrchestratorSettings, PickerSettings, SidecarSettings
+from llmd_timeslice.settings_cli import settings_command
+
 app = typer.Typer(
     help="Time-slice accelerators between vLLM samplers and trainers behind the llm-d router.",
     no_args_is_help=True,
@@ -22,23 +25,14 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-class _Level(enum.StrEnum):
-    debug = "debug"
-    info = "info"
-    warning = "warning"
-    error = "error"
-
-
-LogLevel = Annotated[_Level, typer.Option("--log-level", help="Log level (logs go to stderr, key=value).")]
+LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (logs go to stderr, key=value).")]
 TokenFile = Annotated[
     Path | None,
     typer.Option("--token-file", help="File holding the control-plane bearer token (else $LLMD_TIMESLICE_TOKEN)."),
 ]
-MetricsPort = Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port on --host (0 = off).",
-                                          min=0, max=65535)]
 
 
-def _setup_logging(level: _Level | str) -> None:
+def _setup_logging(level: LogLevel | str) -> None:
     logging.basicConfig(
         level=getattr(logging, str(getattr(level, "value", level)).upper(), logging.WARNING),
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
@@ -60,6 +54,7 @@ def _run(coro_factory) -> None:
 
     async def main() -> None:
         task = asyncio.current_task()
+        assert task is not None  # main() runs as asyncio.run's task
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
@@ -92,156 +87,62 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-@app.command(short_help="Run the time-slice gate (hold / drain / steer / release).")
-def gate(
-    host: Annotated[str, typer.Option(help="Bind address of every port.")] = "127.0.0.1",
-    ext_proc_port: Annotated[int, typer.Option(
-        help="gRPC data-plane port: Envoy's ext_proc, its access-log service (completions of the fast path) and gRPC "
-             "health only.", min=0, max=65535)] = 9002,
-    authz_port: Annotated[int, typer.Option(
-        help="HTTP data-plane port: Envoy's ext_authz checks (admissions of the fast path) only.", min=0, max=65535)] = 9005,
-    control_port: Annotated[int, typer.Option(help="Control port (GateControlService, authenticated).",
-                                              min=0, max=65535)] = 9003,
-    pool: Annotated[list[str], typer.Option(help="InferencePool served (repeatable).")] = ["default"],  # noqa: B006
-    default_pool: Annotated[str, typer.Option(help="Pool for ext_proc streams without pool metadata.")] = "default",
-    max_held: Annotated[int, typer.Option(help="Most requests held per pool; more get 429.")] = 10_000,
-    max_hold_s: Annotated[float, typer.Option(help="Most seconds a request is held; then 503 + retry-after.")] = 600.0,
-    release_rate: Annotated[float, typer.Option(help="Held requests released per second (0 = unbounded).")] = 20_000.0,
-    orchestrator: Annotated[str | None, typer.Option(
-        help="Orchestrator host:port to subscribe to for endpoint states (unset: only the control API sets them).")] = None,
-    gate_id: Annotated[str | None, typer.Option(help="Stable id of this replica on the state stream (default host-pid).")] = None,
-    stale_after_s: Annotated[float, typer.Option(
-        help="Seconds without the orchestrator's state stream before new requests are held rather than steered by a "
-             "possibly outdated view (0: never; then a partitioned gate may send requests to sleeping engines).",
-        min=0, max=600)] = 5.0,
-    lost_completion_after_s: Annotated[float, typer.Option(
-        help="Seconds after which a fast-path admission with no access-log entry (Envoy dropped it, or died) is "
-             "dropped; set it above Envoy's route timeout.", min=1)] = 900.0,
-    token_file: TokenFile = None,
-    metrics_port: MetricsPort = 0,
-    log_level: LogLevel = "warning",
-) -> None:
+@settings_command(app, "gate", short_help="Run the time-slice gate (hold / drain / steer / release).")
+def gate(settings: GateSettings, token_file: Path | None) -> None:
     """Run the time-slice gate in front of the EPP (hold / drain / steer / release): Envoy ext_authz + access log
-    (the fast path) or ext_proc."""
+    (the fast path) or ext_proc. Mutual TLS of the control port: LLMD_TIMESLICE_TLS_*_FILE."""
     from epp_plugin.gate.server import GateConfig, serve
+    from llmd_timeslice import tls
     from llmd_timeslice.auth import load_token
 
-    _setup_logging(log_level)
-    _metrics(metrics_port, host)
+    _setup_logging(settings.log_level)
+    _metrics(settings.metrics_port, settings.host)
     _raise_open_file_limit()
-    cfg = GateConfig(host=host, ext_proc_port=ext_proc_port, authz_port=authz_port, control_port=control_port, pools=pool,
-                     default_pool=default_pool, max_held=max_held, max_hold_s=max_hold_s,
-                     release_rate_per_s=release_rate, token=load_token(token_file), orchestrator=orchestrator,
-                     stale_after_s=stale_after_s, lost_completion_after_s=lost_completion_after_s,
-                     **({"gate_id": gate_id} if gate_id else {}))
-    from llmd_timeslice import tls
-
+    cfg = GateConfig.from_settings(settings, token=load_token(token_file))
     _run_uvloop(lambda: serve(cfg, tls.from_env()))
 
 
-@app.command(short_help="Run the EPP-protocol endpoint picker.")
-def picker(
-    endpoint: Annotated[list[str], typer.Option(help="POOL=ip:port of a model server (repeatable).")],
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="ext_proc port for Envoy's EPP filter.", min=0, max=65535)] = 9004,
-    default_pool: Annotated[str, typer.Option(help="Pool for streams without pool metadata.")] = "default",
-    metrics_port: MetricsPort = 0,
-    log_level: LogLevel = "warning",
-) -> None:
+@settings_command(app, "picker", short_help="Run the EPP-protocol endpoint picker.")
+def picker(settings: PickerSettings, token_file: Path | None) -> None:
     """Run the EPP-protocol endpoint picker (honours the gate's subset hint)."""
     from epp_plugin.picker.server import PickerConfig, serve
 
-    _setup_logging(log_level)
-    _metrics(metrics_port, host)
-    pools: dict[str, list[str]] = {}
-    for item in endpoint:
-        name, sep, addr = item.rpartition("=")
-        ep_host, colon, port_s = addr.rpartition(":")  # not `host`: that is the picker's own bind address
-        if not sep or not name or not colon or not ep_host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-            raise typer.BadParameter(f"expected POOL=ip:port, got {item!r}", param_hint="--endpoint")
-        pools.setdefault(name, []).append(addr)
-    _run(lambda: serve(PickerConfig(host=host, port=port, pools=pools, default_pool=default_pool)))
+    _setup_logging(settings.log_level)
+    _metrics(settings.metrics_port, settings.host)
+    _run(lambda: serve(PickerConfig.model_validate(settings.model_dump())))
 
 
-class _Discovery(enum.StrEnum):
-    static = "static"
-    kubernetes = "kubernetes"
-
-
-@app.command(short_help="Run the orchestrator (acquire / yield, phase switches).")
-def orchestrator(
-    inventory: Annotated[Path | None, typer.Option(
-        help="Static inventory file (groups and their samplers); required with --discovery static.", exists=True)] = None,
-    discovery: Annotated[_Discovery, typer.Option(
-        help="Where groups and samplers come from: the --inventory file, or Kubernetes pod labels (list + watch).")
-    ] = _Discovery.static,
-    namespace: Annotated[str | None, typer.Option(
-        help="kubernetes: namespace of the pods (default: the orchestrator's own, else the kubeconfig context's).")] = None,
-    label_selector: Annotated[str, typer.Option(
-        help="kubernetes: label selector of candidate pods; samplers carry timeslice.io/role=sampler.")
-    ] = "timeslice.io/group",
-    default_pool: Annotated[str, typer.Option(
-        help="kubernetes: pool of sampler pods without the timeslice.io/pool annotation.")] = "default",
-    manage_serving_label: Annotated[bool, typer.Option(
-        "--manage-serving-label/--no-manage-serving-label",
-        help="kubernetes: keep the pod label timeslice.io/serving current (label fallback; needs RBAC patch on pods).")
-    ] = False,
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port (TimeSliceOrchestratorService).", min=0, max=65535)] = 50051,
-    state_file: Annotated[Path | None, typer.Option(
-        help="Local state file: holders, leases and group states survive a restart (unset: kept in memory only).")] = None,
-    state_configmap: Annotated[str | None, typer.Option(
-        help="kubernetes: ConfigMap (in --namespace) that keeps holders, leases and group states across restarts.")
-    ] = None,
-    token_file: TokenFile = None,
-    job_tokens_file: Annotated[Path | None, typer.Option(
-        help="YAML mapping job id -> that job's own token: a job's token may act only for that job (acquire, "
-             "yield, lease, weights), so one job cannot yield or renew another's lease.", exists=True)] = None,
-    require_job_tokens: Annotated[bool, typer.Option(
-        help="Jobs listed in --job-tokens-file must use their own token (the control token no longer acts for them).")
-    ] = False,
-    engine_audit_interval_s: Annotated[float, typer.Option(
-        help="Every this many seconds, read the engines of idle groups through their sidecars (weight version "
-             "label, sleeping); one that restarted on its own (initial weights again) or sleeps while serving is "
-             "taken out of service and woken again at the group's weight version. 0: off.", min=0)] = 10.0,
-    metrics_port: MetricsPort = 0,
-    log_level: LogLevel = "warning",
-) -> None:
+@settings_command(app, "orchestrator", short_help="Run the orchestrator (acquire / yield, phase switches).")
+def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> None:
     """Run the orchestrator (acquire/yield locks, phase switches). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_job_tokens, load_token
-    from llmd_timeslice.discovery.static import load_inventory
     from llmd_timeslice.orchestrator.persistence import FileStateStore
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
-    if state_file is not None and state_configmap is not None:
-        raise typer.BadParameter("choose one of --state-file and --state-configmap", param_hint="--state-configmap")
-    store = FileStateStore(state_file) if state_file is not None else None
-    if state_configmap is not None and discovery is not _Discovery.kubernetes:
-        raise typer.BadParameter("needs --discovery kubernetes (use --state-file otherwise)",
-                                 param_hint="--state-configmap")
-    if discovery is _Discovery.kubernetes:
-        if inventory is not None:
-            raise typer.BadParameter("is for --discovery static; with kubernetes the pods are the inventory",
-                                     param_hint="--inventory")
-        _setup_logging(log_level)
-        _metrics(metrics_port, host)
-        _orchestrator_kubernetes(namespace, label_selector, default_pool, manage_serving_label, host, port,
-                                 load_token(token_file), store, state_configmap, engine_audit_interval_s)
+    s = settings
+    _setup_logging(s.log_level)
+    token = load_token(token_file)
+    job_tokens = load_job_tokens(s.job_tokens_file) if s.job_tokens_file else None
+    store = FileStateStore(s.state_file) if s.state_file is not None else None
+
+    def server(inventory, **kwargs) -> OrchestratorServer:
+        return OrchestratorServer(inventory, host=s.host, port=s.port, token=token, job_tokens=job_tokens,
+                                  require_job_tokens=s.require_job_tokens, tls_files=tls.from_env(),
+                                  engine_audit_interval_s=s.engine_audit_interval_s, **kwargs)
+
+    if s.discovery == "kubernetes":
+        _metrics(s.metrics_port, s.host)
+        _orchestrator_kubernetes(s, server, store)
         return
-    if inventory is None:
-        raise typer.BadParameter("required with --discovery static", param_hint="--inventory")
-    if manage_serving_label:
-        raise typer.BadParameter("needs --discovery kubernetes", param_hint="--manage-serving-label")
-    _setup_logging(log_level)
-    _metrics(metrics_port, host)
-    inv = load_inventory(inventory)
+    from llmd_timeslice.discovery.static import load_inventory
+
+    assert s.inventory is not None  # OrchestratorSettings requires it with static discovery
+    inv = load_inventory(s.inventory)
+    _metrics(s.metrics_port, s.host)
 
     async def main() -> None:
-        srv = OrchestratorServer(inv, host=host, port=port, token=load_token(token_file), state_store=store,
-                                 job_tokens=load_job_tokens(job_tokens_file) if job_tokens_file else None,
-                                 require_job_tokens=require_job_tokens, tls_files=tls.from_env(),
-                                 engine_audit_interval_s=engine_audit_interval_s)
+        srv = server(inv, state_store=store)
         await srv.start()
         try:
             await asyncio.Event().wait()
@@ -251,30 +152,31 @@ def orchestrator(
     _run(main)
 
 
-def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default_pool: str, manage_serving_label: bool,
-                             host: str, port: int, token: str | None, store=None,
-                             state_configmap: str | None = None, engine_audit_interval_s: float = 10.0) -> None:
+def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
     """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
     from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.sync import InventorySync, inventory_from_specs
-    from llmd_timeslice.orchestrator.server import OrchestratorServer
+
+    k = s.kubernetes
+    defaults = k8s.DiscoveryDefaults(default_pool=k.default_pool, engine_port=k.engine_port,
+                                     sidecar_port=k.sidecar_port, sleep_level=k.sleep_level,
+                                     drain_timeout_s=k.drain_timeout_s)
 
     async def main() -> None:
-        api = k8s.make_api_client()
-        ns = namespace or k8s.default_namespace()
+        api = k8s.make_api_client(k.kubeconfig)
+        ns = k.namespace or k8s.default_namespace()
         state_store = store
-        if state_configmap:
+        if s.state_configmap:
             from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
 
-            state_store = ConfigMapStateStore(api, ns, state_configmap)
+            state_store = ConfigMapStateStore(api, ns, s.state_configmap)
         changes: asyncio.Queue = asyncio.Queue()
-        disc = k8s.KubernetesDiscovery(ns, api, label_selector=label_selector,
-                                       defaults=k8s.DiscoveryDefaults(default_pool=default_pool),
-                                       on_change=changes.put_nowait)
+        disc = k8s.KubernetesDiscovery(ns, api, label_selector=k.label_selector, defaults=defaults,
+                                       on_change=changes.put_nowait, watch_timeout_s=k.watch_timeout_s,
+                                       backoff_max_s=k.backoff_max_s)
         specs = await disc.start()
-        labeler = k8s.PodLabeler(ns, api, disc.pod_for) if manage_serving_label else None
-        srv = OrchestratorServer(inventory_from_specs(specs), host=host, port=port, token=token, labeler=labeler,
-                                 state_store=state_store, engine_audit_interval_s=engine_audit_interval_s)
+        labeler = k8s.PodLabeler(ns, api, disc.pod_for) if k.manage_serving_label else None
+        srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store)
         sync = InventorySync(srv.orchestrator)
         try:
             await srv.start()
@@ -295,77 +197,36 @@ def _orchestrator_kubernetes(namespace: str | None, label_selector: str, default
         raise typer.Exit(2) from None
 
 
-@app.command(short_help="Run a snapshot sidecar for one engine (sleep / wake).")
-def sidecar(
-    job_id: Annotated[str, typer.Option(help="Job id of the engine this sidecar serves.")],
-    engine_url: Annotated[str, typer.Option(help="URL of the vLLM server in the pod.")] = "http://127.0.0.1:8000",
-    backend: Annotated[str, typer.Option(
-        help="Default snapshot backend of the job: vllm, sglang (ENGINE_URL is the SGLang server), cuda "
-             "(cuda-checkpoint on --pid; needs shareProcessNamespace + SYS_PTRACE) or workload_channel "
-             "(the job registers itself over WorkloadChannel).")] = "vllm",
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port (SnapshotAgentService).", min=0, max=65535)] = 9001,
-    idle_timeout_s: Annotated[float, typer.Option(help="Seconds to wait for the engine to go idle before sleep.")] = 60.0,
-    operation_timeout_s: Annotated[float, typer.Option(help="Seconds one sleep/wake may take.")] = 300.0,
-    pause_mode: Annotated[str, typer.Option(
-        help="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until wake), "
-             "abort (end them with finish_reason abort).")] = "wait",
-    min_freed_fraction: Annotated[float, typer.Option(
-        help="Where NVML is present: fail a sleep that frees less than this fraction of used device memory "
-             "(0: only report).", min=0.0, max=1.0)] = 0.0,
-    pid: Annotated[list[int], typer.Option("--pid", help="cuda backend: a process to checkpoint (repeatable).")] = [],  # noqa: B006
-    annotation: Annotated[list[str], typer.Option(
-        "--annotation", help="A pod annotation KEY=VALUE for per-job backend resolution (repeatable), e.g. "
-                             "snapshot.timeslice.io/backend=sglang; see docs/snapshot.md.")] = [],  # noqa: B006
-    command_timeout_s: Annotated[float, typer.Option(
-        help="Seconds a WorkloadChannel workload may take to answer a command.")] = 300.0,
-    probe_max_mismatched_prompts: Annotated[int, typer.Option(
-        help="vllm: probe prompts whose greedy tokens may differ from the weight version's reference before a wake "
-             "fails (0: exact, right for float32; 1 tolerates a bf16 near-tie on GPUs). See docs/snapshot.md.",
-        min=0, max=3)] = 0,
-    token_file: TokenFile = None,
-    metrics_port: MetricsPort = 0,
-    log_level: LogLevel = "warning",
-) -> None:
-    """Run a snapshot sidecar for one engine (sleep / wake, verified)."""
+@settings_command(app, "sidecar", short_help="Run a snapshot sidecar for one engine (sleep / wake).")
+def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
+    """Run a snapshot sidecar for one engine (sleep / wake, verified). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
+    from llmd_timeslice import tls
     from llmd_timeslice.auth import load_token
     from llmd_timeslice.snapshot import resolve as _resolve  # noqa: F401 - registers the backends
     from llmd_timeslice.snapshot.backends.base import create_backend
     from llmd_timeslice.snapshot.server import SidecarServer
 
-    annotations = {}
-    for a in annotation:
-        key, sep, value = a.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{a!r} is not KEY=VALUE", param_hint="--annotation")
-        annotations[key] = value
-    if backend == "cuda" and not pid:
-        raise typer.BadParameter("the cuda backend needs at least one --pid", param_hint="--pid")
-    if pause_mode not in ("wait", "keep", "abort"):
-        raise typer.BadParameter(f"{pause_mode!r}: choose wait, keep or abort", param_hint="--pause-mode")
-    if backend not in ("vllm", "sglang", "cuda", "workload_channel"):
-        raise typer.BadParameter(f"{backend!r}: choose vllm, sglang, cuda or workload_channel", param_hint="--backend")
-    _setup_logging(log_level)
-    _metrics(metrics_port, host)
-    engine_kwargs = {"min_freed_fraction": min_freed_fraction}
+    s = settings
+    _setup_logging(s.log_level)
+    _metrics(s.metrics_port, s.host)
+    token = load_token(token_file)
+    engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
 
     async def main() -> None:
-        if backend == "vllm":
-            defaults = {job_id: create_backend(backend, base_url=engine_url, idle_timeout_s=idle_timeout_s,
-                                               pause_mode=pause_mode,
-                                               probe_max_mismatched_prompts=probe_max_mismatched_prompts,
-                                               **engine_kwargs)}
-        elif backend == "sglang":
-            defaults = {job_id: create_backend(backend, base_url=engine_url, **engine_kwargs)}
-        elif backend == "cuda":
-            defaults = {job_id: create_backend(backend, pids=pid)}
+        if s.backend == "vllm":
+            defaults = {s.job_id: create_backend(s.backend, base_url=s.engine_url, idle_timeout_s=s.idle_timeout_s,
+                                                 pause_mode=s.pause_mode,
+                                                 probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
+                                                 **engine_kwargs)}
+        elif s.backend == "sglang":
+            defaults = {s.job_id: create_backend(s.backend, base_url=s.engine_url, **engine_kwargs)}
+        elif s.backend == "cuda":
+            defaults = {s.job_id: create_backend(s.backend, pids=s.pid)}
         else:
             defaults = {}  # the job registers over WorkloadChannel
-        from llmd_timeslice import tls
-
-        srv = SidecarServer(defaults, host=host, port=port, token=load_token(token_file), tls_files=tls.from_env(),
-                            operation_timeout_s=operation_timeout_s, annotations=annotations,
-                            command_timeout_s=command_timeout_s, backend_kwargs=engine_kwargs)
+        srv = SidecarServer(defaults, host=s.host, port=s.port, token=token, tls_files=tls.from_env(),
+                            operation_timeout_s=s.operation_timeout_s, annotations=s.annotation,
+                            command_timeout_s=s.command_timeout_s, backend_kwargs=engine_kwargs)
         await srv.start()
         try:
             await asyncio.Event().wait()
@@ -407,7 +268,7 @@ def up(
     workdir: WorkdirOpt = None,
     live: Annotated[bool | None, typer.Option(
         help="Live status table (default: when stdout is a terminal; else a line per event).")] = None,
-    log_level: LogLevel = "warning",
+    log_level: LogLevelOpt = LogLevel.warning,
 ) -> None:
     """Start the whole stack of a stack file and supervise it until Ctrl-C / SIGTERM / `down`.
 
@@ -439,7 +300,7 @@ def demo(
     iterations: Annotated[int, typer.Option(help="RL iterations (each a switch to the trainer and back).", min=1)] = 5,
     load_rps: Annotated[float, typer.Option(help="Background load: requests per second through Envoy.", min=0.1)] = 6.0,
     train_s: Annotated[float, typer.Option(help="Least seconds of training per iteration.", min=0)] = 4.0,
-    log_level: LogLevel = "warning",
+    log_level: LogLevelOpt = LogLevel.warning,
 ) -> None:
     """Run the whole stack on this machine (Envoy, gate, picker, orchestrator, 2 vLLM + sidecars)
     and an RL loop with background load; writes OUT/summary.json and OUT/timeline.png."""

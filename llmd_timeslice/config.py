@@ -6,8 +6,10 @@ from the environment: ``LLMD_TIMESLICE_<SECTION>__<FIELD>`` (``__`` steps into a
 lists and maps as JSON). The environment wins over the file, the file over the defaults. Unknown
 keys are refused, in the file and in ``LLMD_TIMESLICE_<SECTION>__...`` variables alike.
 
-Every field mirrors one command-line option of the component's command (``llmd-timeslice gate
---max-hold-s`` is ``gate.max_hold_s``). Durations are seconds: a number, or a string with units
+Every field is also an option of the component's command (``llmd-timeslice gate --max-hold-s`` is
+``gate.max_hold_s``): the commands build their options from these models (:func:`cli_fields`,
+``llmd_timeslice/settings_cli.py``) and resolve them with :func:`component_settings` (defaults < the
+section of ``--config FILE`` < environment < options given). Durations are seconds: a number, or a string with units
 (``500ms``, ``30s``, ``10m``, ``1h``, ``1m30s``). ``llmd-timeslice config check FILE`` validates a
 file, ``config schema`` prints the JSON schema, ``config reference`` the Markdown reference
 (``docs/configuration.md``).
@@ -24,6 +26,8 @@ import json
 import os
 import re
 import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -80,13 +84,59 @@ class Seconds:
     """Marker: the field is a duration in seconds (number or ``30s``/``10m``/...)."""
 
 
+@dataclass(frozen=True)
+class Flag:
+    """How a settings field reads on its component's command line, where that differs from the default.
+
+    Default: option ``--<field-name>`` (underscores as dashes; ``--x/--no-x`` for a boolean), one value of the
+    field's type, the field's description as help. A list field's option is repeatable.
+
+    Attributes:
+        name: the option (``--pool`` for the field ``pools``).
+        help: help text when the option reads differently from the field (one item of a list or a map).
+        item: for a map field: parses one ``KEY=VALUE`` value of the repeatable option into ``(key, value)``
+            (raises ValueError); a map of lists collects the values of one key.
+        metavar: what the help shows as the option's value.
+    """
+
+    name: str | None = None
+    help: str | None = None
+    item: Callable[[str], tuple[str, Any]] | None = None
+    metavar: str | None = None
+
+
+class RuleError(ValueError):
+    """A rule between settings broken (raised by a section's model validator).
+
+    ``field`` is the dotted field the problem is reported on; ``message`` may name other fields as
+    ``{field}`` or ``{field=value}``, written ``field: value`` for a file and ``--flag value`` for a command line.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {render_refs(message, _file_ref)}")
+        self.field = field
+        self.message = message
+
+
+_REF = re.compile(r"\{([a-z_.]+)(?:=([^}]*))?\}")
+
+
+def render_refs(message: str, ref: Callable[[str, str | None], str]) -> str:
+    """``message`` of a :class:`RuleError` with each ``{field}`` / ``{field=value}`` written by ``ref``."""
+    return _REF.sub(lambda m: ref(m.group(1), m.group(2)), message)
+
+
+def _file_ref(path: str, value: str | None) -> str:
+    return path if value is None else f"{path}: {value}"
+
+
 DURATION_PATTERN = r"^\s*(\d+(\.\d+)?|((\d+(\.\d+)?)(ms|s|m|h))+)\s*$"
 Duration = Annotated[float, BeforeValidator(parse_duration,
                                             json_schema_input_type=float | Annotated[str, Field(pattern=DURATION_PATTERN)]),
                      Seconds]
 Port = Annotated[int, Field(ge=0, le=65535)]
-HostPort = Annotated[str, AfterValidator(_host_port)]
-Url = Annotated[str, AfterValidator(_url)]
+HostPort = Annotated[str, AfterValidator(_host_port), Flag(metavar="HOST:PORT")]
+Url = Annotated[str, AfterValidator(_url), Flag(metavar="URL")]
 
 
 class LogLevel(enum.StrEnum):
@@ -117,6 +167,24 @@ def _log_level() -> Any:
     return Field(LogLevel.warning, description="Log level (logs go to stderr, key=value).")
 
 
+def _key_value(text: str, what: str = "KEY=VALUE") -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"expected {what}, got {text!r}")
+    return key, value
+
+
+def _pool_endpoint(text: str) -> tuple[str, str]:
+    """``POOL=ip:port`` -> ``(pool, "ip:port")`` (the last ``=`` splits: a pool name has none)."""
+    pool, sep, address = text.rpartition("=")
+    if not sep or not pool:
+        raise ValueError(f"expected POOL=ip:port, got {text!r}")
+    try:
+        return pool, _host_port(address)
+    except ValueError:
+        raise ValueError(f"expected POOL=ip:port with a port in 1..65535, got {text!r}") from None
+
+
 class GateSettings(_Section):
     """`llmd-timeslice gate`: in front of the EPP (hold / drain / steer / release), as Envoy ext_authz + access log
     (the fast path) or ext_proc."""
@@ -124,23 +192,25 @@ class GateSettings(_Section):
     host: str = _host(what="Address every port binds to")
     ext_proc_port: Port = Field(9002, description="gRPC data-plane port: Envoy's ext_proc, its access-log service "
                                                   "(completions of the fast path) and gRPC health only.")
-    authz_port: Port = Field(9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of the "
-                                               "fast path) only.")
+    authz_port: Port | None = Field(9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of "
+                                                      "the fast path) only (null: not served).")
     control_port: Port = Field(9003, description="Control port (GateControlService, authenticated).")
-    pools: list[str] = Field(["default"], min_length=1, description="InferencePools served (`--pool`, repeatable).")
+    pools: Annotated[list[str], Flag("--pool", help="An InferencePool served (repeatable).")] = Field(
+        ["default"], min_length=1, description="InferencePools served.")
     default_pool: str = Field("default", min_length=1, description="Pool for ext_proc streams without pool metadata.")
-    accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it (no flag).")
+    accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429 `hold_queue_full`.")
     max_hold_s: Duration = Field(600.0, gt=0, le=3600,
                                  description="Most time a request is held, then 503 `hold_expired` (Envoy caps at 3600 s).")
-    release_rate_per_s: float = Field(20_000.0, ge=0,
-                                      description="Held requests released per second (0 = unbounded) (`--release-rate`).")
+    release_rate_per_s: Annotated[float, Flag("--release-rate")] = Field(
+        20_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
     orchestrator: HostPort | None = Field(None, description="Orchestrator host:port to subscribe to for endpoint states "
                                                             "(unset: only the control API sets them).")
     gate_id: str | None = Field(None, description="Stable id of this replica on the state stream (default host-pid; "
                                                   "the pod name in Kubernetes).")
     stale_after_s: Duration = Field(5.0, ge=0, le=600, description="Time without the orchestrator's state stream before "
-                                    "new requests are held rather than steered by a possibly outdated view (0: never).")
+                                    "new requests are held rather than steered by a possibly outdated view (0: never; "
+                                    "then a partitioned gate may send requests to sleeping engines).")
     lost_completion_after_s: Duration = Field(900.0, ge=1, description="Time after which a fast-path admission with no "
                                               "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
                                               "route timeout.")
@@ -154,8 +224,9 @@ class PickerSettings(_Section):
 
     host: str = _host()
     port: Port = Field(9004, description="ext_proc port for Envoy's EPP filter.")
-    pools: dict[str, list[HostPort]] = Field(
-        {}, description="Pool -> model-server endpoints (ip:port) (`--endpoint POOL=ip:port`, repeatable).")
+    pools: Annotated[dict[str, list[HostPort]], Flag(
+        "--endpoint", help="POOL=ip:port of a model server (repeatable).", item=_pool_endpoint,
+        metavar="POOL=IP:PORT")] = Field(min_length=1, description="Pool -> model-server endpoints (ip:port).")
     default_pool: str = Field("default", min_length=1, description="Pool for streams without pool metadata.")
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -173,40 +244,41 @@ class KubernetesDiscoverySettings(_Section):
     manage_serving_label: bool = Field(False, description="Keep the pod label `timeslice.io/serving` current (label "
                                                           "fallback; needs `patch` on pods).")
     engine_port: Port = Field(8000, description="Engine port when a pod has neither the `timeslice.io/engine-port` "
-                                                "annotation nor a port on its `vllm` container (no flag).")
+                                                "annotation nor a port on its `vllm` container.")
     sidecar_port: Port = Field(9001, description="Sidecar port when a pod has neither the `timeslice.io/sidecar-port` "
-                                                 "annotation nor a container port named `ts-grpc` (no flag).")
-    sleep_level: Literal[1, 2] = Field(1, description="Sleep level of groups whose pods do not say "
-                                                      "(`timeslice.io/sleep-level`): 1 offloads weights, 2 discards (no flag).")
+                                                 "annotation nor a container port named `ts-grpc`.")
+    sleep_level: int = Field(1, ge=1, le=2, description="Sleep level of groups whose pods do not say "
+                                                        "(`timeslice.io/sleep-level`): 1 offloads weights, 2 discards.")
     drain_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Drain deadline of groups whose pods do not "
-                                                                      "say (`timeslice.io/drain-timeout-s`) (no flag).")
+                                                                      "say (`timeslice.io/drain-timeout-s`).")
     watch_timeout_s: Duration = Field(300.0, ge=1, le=3600, description="Server-side timeout of one watch request; "
-                                                                       "the next resumes where it ended (no flag).")
-    backoff_max_s: Duration = Field(30.0, gt=0, le=600, description="Longest wait between retries after API errors "
-                                                                    "(no flag).")
+                                                                       "the next resumes where it ended.")
+    backoff_max_s: Duration = Field(30.0, gt=0, le=600, description="Longest wait between retries after API errors.")
     kubeconfig: Path | None = Field(None, description="Kubeconfig outside a cluster (unset: in-cluster config, else "
-                                                      "`$KUBECONFIG` / `~/.kube/config`) (no flag).")
+                                                      "`$KUBECONFIG` / `~/.kube/config`).")
 
 
 class OrchestratorSettings(_Section):
     """`llmd-timeslice orchestrator`: acquire/yield locks and phase switches."""
 
     discovery: Literal["static", "kubernetes"] = Field(
-        "static", description="Where groups and samplers come from: the `inventory` file, or pod labels.")
+        "static", description="Where groups and samplers come from: the `inventory` file, or pod labels (list + watch).")
     inventory: Path | None = Field(None, description="Static inventory file (groups and their samplers); required "
-                                                     "with `discovery: static`.")
+                                                     "with `discovery` static.")
     kubernetes: KubernetesDiscoverySettings = Field(default_factory=KubernetesDiscoverySettings,
-                                                    description="Used with `discovery: kubernetes`.")
+                                                    description="Used with `discovery` kubernetes.")
     host: str = _host()
     port: Port = Field(50051, description="gRPC port (TimeSliceOrchestratorService and GateStateService).")
     state_file: Path | None = Field(None, description="Local state file: holders, leases and group states survive a "
                                     "restart (unset: kept in memory only).")
-    state_configmap: str | None = Field(None, description="With `discovery: kubernetes`: ConfigMap that keeps holders, "
-                                                          "leases and group states across restarts.")
+    state_configmap: str | None = Field(None, description="With `discovery` kubernetes: ConfigMap (in the pods' "
+                                                          "namespace) that keeps holders, leases and group states "
+                                                          "across restarts.")
     token_file: Path | None = _token_file()
     job_tokens_file: Path | None = Field(None, description="YAML mapping job id -> that job's own token: a job's token "
                                                            "may act only for that job (acquire, yield, lease, weights).")
-    require_job_tokens: bool = Field(False, description="Jobs listed in `job_tokens_file` must use their own token.")
+    require_job_tokens: bool = Field(False, description="Jobs listed in `job_tokens_file` must use their own token (the "
+                                                        "control token no longer acts for them).")
     engine_audit_interval_s: Duration = Field(
         10.0, ge=0, le=3600, description="Between switches, read the engines of idle groups through their sidecars "
         "every this many seconds; one that restarted on its own (initial weights again) or sleeps while serving is "
@@ -216,10 +288,17 @@ class OrchestratorSettings(_Section):
 
     @model_validator(mode="after")
     def _discovery_needs(self) -> OrchestratorSettings:
-        if self.discovery == "static" and self.inventory is None:
-            raise ValueError("inventory: required when discovery is static (or set discovery: kubernetes)")
-        if self.discovery == "static" and self.kubernetes.manage_serving_label:
-            raise ValueError("kubernetes.manage_serving_label: needs discovery: kubernetes")
+        if self.discovery == "static":
+            if self.inventory is None:
+                raise RuleError("inventory", "required when {discovery=static} (or set {discovery=kubernetes})")
+            if self.kubernetes.manage_serving_label:
+                raise RuleError("kubernetes.manage_serving_label", "needs {discovery=kubernetes}")
+            if self.state_configmap is not None:
+                raise RuleError("state_configmap", "needs {discovery=kubernetes} (use {state_file} otherwise)")
+        elif self.inventory is not None:
+            raise RuleError("inventory", "is for {discovery=static}; with kubernetes the pods are the inventory")
+        if self.state_file is not None and self.state_configmap is not None:
+            raise RuleError("state_configmap", "choose one of {state_file} and {state_configmap}")
         return self
 
 
@@ -229,19 +308,26 @@ class SidecarSettings(_Section):
     job_id: str = Field(min_length=1, description="Job id of the engine this sidecar serves (the pod name in Kubernetes).")
     engine_url: Url = Field("http://127.0.0.1:8000", description="URL of the vLLM server in the pod.")
     backend: Literal["vllm", "sglang", "cuda", "workload_channel"] = Field(
-        "vllm", description="Default snapshot backend of the job (docs/snapshot.md).")
+        "vllm", description="Default snapshot backend of the job: vllm, sglang (`engine_url` is the SGLang server), "
+        "cuda (cuda-checkpoint on `pid`; needs shareProcessNamespace + SYS_PTRACE) or workload_channel (the job "
+        "registers itself over WorkloadChannel); docs/snapshot.md.")
     host: str = _host()
     port: Port = Field(9001, description="gRPC port (SnapshotAgentService).")
     idle_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Time to wait for the engine to go idle "
                                                                       "before sleep.")
     operation_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time one sleep or wake may take.")
     pause_mode: Literal["wait", "keep", "abort"] = Field(
-        "wait", description="vLLM /sleep mode for requests still in flight: wait, keep or abort.")
+        "wait", description="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until "
+        "wake), abort (end them with finish_reason abort).")
     min_freed_fraction: float = Field(0.0, ge=0, le=1, description="Where NVML is present: fail a sleep that frees "
-                                                                   "less than this fraction of used device memory.")
-    pid: list[int] = Field(default_factory=list, description="cuda backend: processes to checkpoint.")
-    annotation: dict[str, str] = Field(default_factory=dict, description="Pod annotations for per-job backend "
-                                                                         "resolution (docs/snapshot.md).")
+                                                                   "less than this fraction of used device memory "
+                                                                   "(0: only report).")
+    pid: Annotated[list[int], Flag(help="cuda backend: a process to checkpoint (repeatable).")] = Field(
+        default_factory=list, description="cuda backend: processes to checkpoint.")
+    annotation: Annotated[dict[str, str], Flag(
+        help="A pod annotation KEY=VALUE for per-job backend resolution (repeatable), e.g. "
+             "snapshot.timeslice.io/backend=sglang; see docs/snapshot.md.", item=_key_value, metavar="KEY=VALUE")] = Field(
+        default_factory=dict, description="Pod annotations for per-job backend resolution (docs/snapshot.md).")
     command_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time a WorkloadChannel workload may "
                                                                           "take to answer a command.")
     probe_max_mismatched_prompts: int = Field(0, ge=0, le=3, description="vllm: probe prompts whose greedy tokens may "
@@ -250,6 +336,12 @@ class SidecarSettings(_Section):
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
+
+    @model_validator(mode="after")
+    def _backend_needs(self) -> SidecarSettings:
+        if self.backend == "cuda" and not self.pid:
+            raise RuleError("pid", "required with {backend=cuda} (the processes to checkpoint)")
+        return self
 
 
 SECTIONS: dict[str, type[BaseModel]] = {
@@ -303,45 +395,96 @@ class ConfigError(ValueError):
         super().__init__("; ".join(prefix + e for e in errors))
 
 
-def _known_keys(loc: tuple) -> list[str]:
-    """Field names valid at ``loc`` (the parent of an unknown key), for suggestions."""
-    model: Any = TimesliceConfig
+def _model_at(root: type[BaseModel], loc: tuple) -> Any:
+    """The model reached from ``root`` along the field names ``loc`` (None past a non-model)."""
+    model: Any = root
     for part in loc:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
-            return []
+            return None
         model = next((a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
                      field.annotation)
-    return list(getattr(model, "model_fields", {}))
+    return model
 
 
-def _error_line(err: dict) -> str:
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "json-or-python"))))
-    path = ".".join(str(p) for p in loc) or "(top level)"
-    kind, msg = err["type"], err["msg"]
-    if kind == "extra_forbidden":
-        parent, key = loc[:-1], str(loc[-1])
-        close = difflib.get_close_matches(key, _known_keys(parent), n=1)
-        line = f"{path}: unknown key" + (f" (did you mean {'.'.join([*map(str, parent), close[0]])}?)" if close else "")
-    elif kind == "missing":
-        line = f"{path}: required"
-    else:
-        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        if kind == "value_error" and re.match(r"^[a-z_.]+: ", msg):
-            line = f"{path}.{msg}" if loc else msg  # model validator naming its own field
+def _known_keys(loc: tuple, root: type[BaseModel] | None = None) -> list[str]:
+    """Field names valid at ``loc`` (the parent of an unknown key), for suggestions."""
+    return list(getattr(_model_at(root or TimesliceConfig, loc), "model_fields", {}))
+
+
+def env_name(path: tuple) -> str:
+    """The environment variable of a field: ``("gate", "max_hold_s")`` -> ``LLMD_TIMESLICE_GATE__MAX_HOLD_S``."""
+    return ENV_PREFIX + ENV_DELIMITER.join(str(p) for p in path).upper()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One invalid setting: ``loc`` the field's path (from the file's top level), ``message`` what is wrong."""
+
+    loc: tuple
+    message: str
+
+    def line(self) -> str:
+        """``dotted.field: message`` (``[from $VAR]`` when that variable is set)."""
+        path = ".".join(str(p) for p in self.loc) or "(top level)"
+        env = env_name(self.loc)
+        return f"{path}: {self.message}" + (f" [from ${env}]" if self.loc and env in os.environ else "")
+
+
+def problems(exc: ValidationError, prefix: tuple = (), ref: Callable[[str, str | None], str] | None = None,
+             root: type[BaseModel] | None = None) -> list[Problem]:
+    """One :class:`Problem` per error of ``exc``, raised validating ``root`` (at ``prefix`` in the file; default the
+    whole file); a broken rule (:class:`RuleError`) is reported on its own field, the fields it names written by
+    ``ref`` (default: as in a file)."""
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = (*prefix, *(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "json-or-python")))))
+        kind, msg = err["type"], err["msg"]
+        rule = (err.get("ctx") or {}).get("error")
+        if isinstance(rule, RuleError):
+            out.append(Problem((*loc, *rule.field.split(".")), render_refs(rule.message, ref or _file_ref)))
+        elif kind == "extra_forbidden":
+            parent, key = loc[:-1], str(loc[-1])
+            close = difflib.get_close_matches(key, _known_keys(parent[len(prefix):], root), n=1)
+            out.append(Problem(loc, "unknown key" + (f" (did you mean {'.'.join([*map(str, parent), close[0]])}?)"
+                                                      if close else "")))
+        elif kind == "missing":
+            out.append(Problem(loc, "required"))
         else:
+            msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
             got = err.get("input")
             shown = "" if kind == "value_error" or isinstance(got, dict | list) else f" (got {got!r})"
-            line = f"{path}: {msg}{shown}"
-    env = ENV_PREFIX + ENV_DELIMITER.join(str(p) for p in loc).upper()
-    if loc and env in os.environ:
-        line += f" [from ${env}]"
-    return line
+            out.append(Problem(loc, f"{msg}{shown}"))
+    return out
 
 
 def error_lines(exc: ValidationError) -> list[str]:
     """One line per problem, each starting with the dotted field name."""
-    return [_error_line(e) for e in exc.errors(include_url=False)]
+    return [p.line() for p in problems(exc)]
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The mapping a configuration file holds (YAML or JSON), its top-level keys checked.
+
+    Raises:
+        ConfigError: unreadable, not YAML, not a mapping, or a top-level key that is neither a section nor
+            ``token_file`` (with a suggestion when one is close).
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror or exc}"], source) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {' '.join(str(exc).split())}"], source) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}"],
+                          source)
+    return data
 
 
 def load_config(path: str | os.PathLike | None = None, *, env: bool = True) -> TimesliceConfig:
@@ -350,28 +493,160 @@ def load_config(path: str | os.PathLike | None = None, *, env: bool = True) -> T
     Raises:
         ConfigError: unreadable file, not YAML, not a mapping, or invalid fields (one line each).
     """
-    data: Any = {}
     source = str(path) if path is not None else "environment"
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError([f"cannot read: {exc.strerror or exc}"], source) from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"not valid YAML: {' '.join(str(exc).split())}"], source) from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError([f"expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}"],
-                              source)
+    data = read_config_file(path) if path is not None else {}
     try:
         return (TimesliceConfig if env else _FileOnlyConfig)(**data)
     except ValidationError as exc:
         raise ConfigError(error_lines(exc), source) from None
     except (ValueError, json.JSONDecodeError) as exc:  # e.g. an env variable that is not JSON for a list
         raise ConfigError([str(exc)], source) from None
+
+
+# --------------------------------------------------------------------------- one component
+@dataclass(frozen=True)
+class CliField:
+    """A settings field as an option of its component's command: ``path`` in the section
+    (``("kubernetes", "namespace")``), ``option`` (``--namespace``), its pydantic field and :class:`Flag`."""
+
+    path: tuple[str, ...]
+    option: str
+    field: Any  # pydantic FieldInfo
+    flag: Flag
+
+    @property
+    def param(self) -> str:
+        """The Python name of the option's parameter (``namespace``)."""
+        return self.option.removeprefix("--").replace("-", "_")
+
+
+def cli_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[CliField]:
+    """Every field of a section, a nested section's fields flattened (each named by its own field name), as options.
+
+    Raises:
+        ValueError: two fields would have the same option (a schema mistake).
+    """
+    out: list[CliField] = []
+    for key, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out.extend(cli_fields(field.annotation, (*prefix, key)))
+            continue
+        flag = next((m for m in field.metadata if isinstance(m, Flag)), Flag())
+        out.append(CliField((*prefix, key), flag.name or "--" + key.replace("_", "-"), field, flag))
+    seen: dict[str, tuple] = {}
+    for f in out:
+        if f.option in seen:
+            raise ValueError(f"{model.__name__}: {'.'.join(seen[f.option])} and {'.'.join(f.path)} are both {f.option}")
+        seen[f.option] = f.path
+    return out
+
+
+def _merge(*layers: Mapping) -> dict:
+    """Nested mappings merged left to right (a later layer wins; mappings merge key by key, other values replace)."""
+    out: dict = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+                out[key] = _merge(out[key], value)
+            else:
+                out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def _has(data: Mapping, path: tuple) -> bool:
+    for part in path:
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _nest(flat: Mapping[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _env_layer() -> dict:
+    """``LLMD_TIMESLICE_*`` variables as a nested mapping (JSON decoded for lists and maps), as ``config check``
+    reads them."""
+    from pydantic_settings import EnvSettingsSource
+
+    return EnvSettingsSource(TimesliceConfig)()
+
+
+def component_settings(section: str, path: str | os.PathLike | None = None,
+                       flags: Mapping[tuple, Any] | None = None) -> tuple[Any, Path | None]:
+    """The settings one component runs with, and its token file.
+
+    Layers, each over the one before: the section's defaults, its section in the file at ``path`` (YAML or JSON,
+    as for ``config check``), ``LLMD_TIMESLICE_<SECTION>__<FIELD>`` variables, then ``flags`` (field path ->
+    value, e.g. ``{("max_hold_s",): 30.0}``: the options given on the command line). The token file is the
+    section's ``token_file``, else the top-level ``token_file`` (variable ``LLMD_TIMESLICE_TOKEN_FILE`` over the
+    file).
+
+    Raises:
+        ConfigError: the file cannot be used, or settings are invalid; one line per problem, naming where the
+            value came from (``--flag``, ``$VARIABLE`` or ``FILE: section.field``); a missing required value names
+            all three.
+    """
+    model = SECTIONS[section]
+    flags = dict(flags or {})
+    file_data = read_config_file(path) if path is not None else {}
+    unknown = [k for k in file_data if k not in TimesliceConfig.model_fields]
+    if unknown:
+        lines = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), list(TimesliceConfig.model_fields), n=1)
+            lines.append(f"{key}: unknown key" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigError(lines, str(path))
+    file_section = file_data.get(section)
+    file_section = {} if file_section is None else file_section
+    if not isinstance(file_section, dict):
+        raise ConfigError([f"{section}: expected a mapping of settings, got {type(file_section).__name__}"], str(path))
+    try:
+        env = _env_layer()
+    except ValueError as exc:  # pydantic-settings' SettingsError: a variable that is not JSON for a list or a map
+        raise ConfigError([str(exc)], "environment") from None
+    env_section = env.get(section) or {}
+    options = {f.path: f.option for f in cli_fields(model)}
+    given = _nest(flags)
+
+    def option_ref(field: str, value: str | None) -> str:
+        opt = options.get(tuple(field.split(".")), field)
+        return opt if value is None else f"{opt} {value}"
+
+    try:
+        settings = model.model_validate(_merge(file_section, env_section, given))
+    except ValidationError as exc:
+        lines = []
+        for p in problems(exc, (section,), option_ref, model):
+            field_path = p.loc[1:]
+            at = next((field_path[:n] for n in range(len(field_path), 0, -1) if field_path[:n] in options), field_path)
+            option = options.get(at)
+            if option is not None and _has(given, at):
+                lines.append(f"{option}: {p.message}")
+            elif _has(env_section, at):
+                lines.append(p.line())
+            elif _has(file_section, at):
+                lines.append(f"{path}: {p.line()}")
+            elif option is not None and p.message == "required":
+                where = f" or {'.'.join(p.loc)} in {path}" if path is not None else ""
+                lines.append(f"{option}: required (or ${env_name(p.loc)}{where})")
+            elif option is not None:  # a rule about a value nobody set
+                lines.append(f"{option}: {p.message}")
+            else:
+                lines.append(p.line())
+        raise ConfigError(lines) from None
+    token_file = getattr(settings, "token_file", None)
+    if token_file is None:
+        top = env.get("token_file") or file_data.get("token_file")
+        token_file = Path(top) if top else None
+    return settings, token_file
 
 
 def json_schema() -> dict:
@@ -417,6 +692,14 @@ def summary_lines(cfg: TimesliceConfig) -> list[str]:
 
 
 # --------------------------------------------------------------------------- reference
+def _field_type(field) -> Any:
+    """The field's type, ``X | None`` unwrapped."""
+    ann = field.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) in (
+        typing.Union, getattr(__import__("types"), "UnionType", None)) else [ann]
+    return args[0] if len(args) == 1 else ann
+
+
 def _type_name(field) -> str:
     ann = field.annotation
     if Seconds in field.metadata or any(m is Seconds for m in field.metadata):
@@ -478,7 +761,7 @@ def _default(field) -> str:
     return f"`{json.dumps(value) if not isinstance(value, str) else value}`"
 
 
-def _rows(model: type[BaseModel], prefix: tuple[str, ...]) -> list[str]:
+def _rows(model: type[BaseModel], prefix: tuple[str, ...], options: Mapping[tuple, str]) -> list[str]:
     rows = []
     nested = []
     for key, field in model.model_fields.items():
@@ -490,11 +773,16 @@ def _rows(model: type[BaseModel], prefix: tuple[str, ...]) -> list[str]:
         desc = (field.description or "").replace("|", "\\|")
         type_name = _type_name(field)
         bounds = "" if type_name == "port" else _bounds(field)
+        option = f"`{options[path[1:]]}`"
+        if _field_type(field) is bool:
+            option += f" / `--no-{option[3:]}"
+        elif typing.get_origin(_field_type(field)) in (list, dict):
+            option += ", repeatable"
         rows.append(f"| `{'.'.join(path)}` | {type_name} | {_default(field)} | "
-                    f"{desc}{f' ({bounds})' if bounds else ''} | `{env}` |")
+                    f"{desc}{f' ({bounds})' if bounds else ''} | {option} | `{env}` |")
     for sub, path, field in nested:
-        rows.append(f"| **`{'.'.join(path)}`** | section | | {field.description or ''} | |")
-        rows.extend(_rows(sub, path))
+        rows.append(f"| **`{'.'.join(path)}`** | section | | {field.description or ''} | | |")
+        rows.extend(_rows(sub, path, options))
     return rows
 
 
@@ -506,16 +794,19 @@ def reference_markdown() -> str:
      llmd_timeslice/config.py; tests/test_config.py checks it is current. Edit the schema, not this file. -->
 
 One schema covers every component: a file has one section per component it configures (`gate`,
-`picker`, `orchestrator`, `sidecar`), plus the shared `token_file`. Every field mirrors a
-command-line option of that component's command (`llmd-timeslice gate --max-hold-s` is
-`gate.max_hold_s`; the few marked "no flag" exist only here or in the library).
+`picker`, `orchestrator`, `sidecar`), plus the shared `token_file`. Each field is also an option of
+that component's command (column "option": `llmd-timeslice gate --max-hold-s` is `gate.max_hold_s`)
+and an environment variable; the command builds its options from the same schema, so it reads
+every setting listed here and `config check` checks what it runs with.
 
 - **File**: YAML (or JSON). Unknown keys are refused, with a suggestion when one is close.
 - **Environment**: `LLMD_TIMESLICE_<SECTION>__<FIELD>`, `__` stepping into a section
   (`LLMD_TIMESLICE_GATE__MAX_HOLD_S=30`, `LLMD_TIMESLICE_ORCHESTRATOR__KUBERNETES__NAMESPACE=ns`);
   lists and maps as JSON (`LLMD_TIMESLICE_GATE__POOLS='["a","b"]'`). Setting one field creates its
   section.
-- **Precedence**: environment, then the file, then the defaults below.
+- **Precedence**: an option given on the command line, then the environment, then the file
+  (`llmd-timeslice gate --config FILE` reads its `gate` section and the top-level `token_file`),
+  then the defaults below.
 - **Durations** (`duration (s)`): seconds, as a number or with units: `500ms`, `30s`, `10m`, `1h`,
   `1m30s`.
 - **Ports**: 0–65535; 0 picks a free port (servers) or turns the endpoint off (`metrics_port`).
@@ -549,8 +840,8 @@ sidecar:
 
 ## Fields
 
-| key | type | default | description | environment |
-|---|---|---|---|---|
+| key | type | default | description | option | environment |
+|---|---|---|---|---|---|
 """
     rows = []
     for key, field in TimesliceConfig.model_fields.items():
@@ -558,10 +849,10 @@ sidecar:
         section = next((a for a in ann if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if section is None:
             env = ENV_PREFIX + key.upper()
-            rows.append(f"| `{key}` | {_type_name(field)} | {_default(field)} | {field.description} | `{env}` |")
+            rows.append(f"| `{key}` | {_type_name(field)} | {_default(field)} | {field.description} | | `{env}` |")
             continue
-        rows.append(f"| **`{key}`** | section | unset | {section.__doc__} | |")
-        rows.extend(_rows(section, (key,)))
+        rows.append(f"| **`{key}`** | section | unset | {section.__doc__} | | |")
+        rows.extend(_rows(section, (key,), {f.path: f.option for f in cli_fields(section)}))
     tail = """
 ## Pod contract of Kubernetes discovery
 

@@ -103,12 +103,12 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             rc = 1
     for gate in gates:
         with tls.channel(gate, tls_files) as ch:
-            stub = gpb_grpc.GateControlServiceStub(ch)
+            gate_stub = gpb_grpc.GateControlServiceStub(ch)
             try:
-                pools = stub.ListPools(gpb.ListPoolsRequest(), timeout=5, metadata=md).pools
+                pools = gate_stub.ListPools(gpb.ListPoolsRequest(), timeout=5, metadata=md).pools
                 t = table(f"gate @ {gate}", ("pool", "epoch", "endpoint", "state", "weight version", "in flight", "held"))
                 for p in pools:
-                    s = stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=p), timeout=5, metadata=md)
+                    s = gate_stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=p), timeout=5, metadata=md)
                     if not s.endpoints:
                         t.add_row(p, str(s.epoch), "-", "-", "-", "-", str(s.held))
                     for i, e in enumerate(s.endpoints):  # pool-wide figures on the pool's first row only

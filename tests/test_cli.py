@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 
-def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")}
     return subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**base, **(env or {})})
 
 
 @pytest.mark.parametrize("inventory,expected", [
@@ -108,6 +111,64 @@ def test_picker_binds_its_host_not_the_last_endpoints_host():
                     assert time.monotonic() < deadline, "the picker never answered on --host 127.0.0.1"
                     time.sleep(0.2)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_settings_problems_are_one_line_each_naming_option_variable_or_file(tmp_path):
+    f = tmp_path / "gate.yaml"
+    f.write_text("gate:\n  max_hodl_s: 1\n  pools: [a]\n")
+    r = run("gate", "--config", str(f), env={"LLMD_TIMESLICE_GATE__STALE_AFTER_S": "soon"})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert sorted(lines) == sorted([
+        f"llmd-timeslice gate: {f}: gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)",
+        "llmd-timeslice gate: gate.stale_after_s: invalid duration 'soon': expected seconds (a number) or a number "
+        "with a unit, e.g. 500ms, 30s, 10m, 1h, 1m30s [from $LLMD_TIMESLICE_GATE__STALE_AFTER_S]"]), lines
+    r = run("sidecar")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "llmd-timeslice sidecar: --job-id: required (or $LLMD_TIMESLICE_SIDECAR__JOB_ID)"), r.stderr
+    r = run("orchestrator", "--discovery", "kubernetes", "--state-file", "s.json", "--state-configmap", "cm")
+    assert r.returncode == 2 and "--state-configmap: choose one of --state-file and --state-configmap" in r.stderr
+
+
+def test_running_gate_holds_for_the_max_hold_its_environment_sets(tmp_path):
+    """Issue 16: `LLMD_TIMESLICE_GATE__MAX_HOLD_S` (listed in docs/configuration.md) was never read: the gate held
+    for its 600 s default. Here the file says 1 h and serves pool `p`, the environment 500 ms (it wins over the
+    file): a request held on `p` (no endpoint serves) must be refused `hold_expired` after about half a second."""
+    import httpx
+    import port_for
+
+    from epp_plugin import protocol
+
+    ext_proc, authz, control = (port_for.select_random() for _ in range(3))
+    cfg = tmp_path / "gate.yaml"
+    cfg.write_text(f"gate:\n  pools: [p]\n  default_pool: p\n  max_hold_s: 1h\n  authz_port: {authz}\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")},
+           "LLMD_TIMESLICE_GATE__MAX_HOLD_S": "500ms"}
+    proc = subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "gate", "--config", str(cfg),
+                             "--ext-proc-port", str(ext_proc), "--control-port", str(control)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{authz}/v1/completions"
+        with httpx.Client(timeout=20) as client:
+            deadline = time.monotonic() + 30
+            while True:  # ready when it answers a check for a pool it does not serve (refused at once)
+                try:
+                    r = client.post(url, headers={protocol.POOL_HEADER: "unknown"})
+                    break
+                except httpx.TransportError:
+                    assert proc.poll() is None, proc.stdout.read().decode()
+                    assert time.monotonic() < deadline, "the gate never answered on its ext_authz port"
+                    time.sleep(0.2)
+            assert r.headers[protocol.REASON_HEADER] == "unknown_pool"
+            started = time.monotonic()
+            r = client.post(url, headers={protocol.POOL_HEADER: "p"})
+            held_s = time.monotonic() - started
+        assert r.headers.get(protocol.REASON_HEADER) == "hold_expired", (r.status_code, r.headers)
+        assert r.headers.get(protocol.STATUS_HEADER) == "503"
+        assert 0.4 <= held_s < 10, f"held {held_s:.2f} s; the environment says 0.5 s, the file 3600 s"
     finally:
         proc.terminate()
         proc.wait(10)

@@ -76,11 +76,15 @@ def test_good_file_loads_with_units(tmp_path):
     ("gate:\n  max_hodl_s: 3\n", "gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)"),
     ("orchestrater:\n  port: 1\n", "orchestrater: unknown key (did you mean orchestrator?)"),
     ("gate:\n  ext_proc_port: 70000\n", "gate.ext_proc_port: Input should be less than or equal to 65535 (got 70000)"),
-    ("picker:\n  port: http\n", "picker.port: Input should be a valid integer"),
+    ("picker:\n  port: http\n  pools: {p: ['10.0.0.1:80']}\n", "picker.port: Input should be a valid integer"),
     ("gate:\n  max_hold_s: soon\n", "gate.max_hold_s: invalid duration 'soon'"),
     ("gate:\n  max_hold_s: 2h\n", "gate.max_hold_s: Input should be less than or equal to 3600"),
     ("sidecar:\n  job_id: s\n  operation_timeout_s: -5\n", "sidecar.operation_timeout_s: Input should be greater than 0"),
-    ("orchestrator:\n  port: 1\n", "orchestrator.inventory: required when discovery is static"),
+    ("orchestrator:\n  port: 1\n", "orchestrator.inventory: required when discovery: static"),
+    ("orchestrator:\n  inventory: i.yaml\n  state_configmap: cm\n", "orchestrator.state_configmap: needs discovery: "
+     "kubernetes"),
+    ("sidecar:\n  job_id: s\n  backend: cuda\n", "sidecar.pid: required with backend: cuda"),
+    ("picker: {}\n", "picker.pools: required"),
     ("sidecar:\n  port: 1\n", "sidecar.job_id: required"),
     ("gate:\n  orchestrator: nohost\n", "gate.orchestrator: expected host:port"),
 ])
@@ -135,25 +139,90 @@ def test_environment_errors_name_the_variable(tmp_path, monkeypatch):
     assert errors == ["gate.max_hold: unknown key (did you mean gate.max_hold_s?) [from $LLMD_TIMESLICE_GATE__MAX_HOLD]"]
 
 
-def test_every_cli_option_has_a_field():
+def test_each_component_command_has_one_option_per_field_and_nothing_else():
+    """The component commands are built from the settings models: an option per field (the kubernetes section's
+    fields flattened), the renamed ones kept (--pool, --release-rate, --endpoint), plus --config."""
     import typer.main
 
     from llmd_timeslice.cli import app
+    from llmd_timeslice.config import cli_fields
 
-    renamed = {("gate", "pool"): "pools", ("gate", "release_rate"): "release_rate_per_s", ("picker", "endpoint"): "pools"}
-    k8s = {"namespace", "label_selector", "default_pool", "manage_serving_label"}
     cmd = typer.main.get_command(app)
     for section, model in SECTIONS.items():
-        for param in cmd.commands[section].params:
-            name = renamed.get((section, param.name), param.name)
-            if section == "orchestrator" and name in k8s:
-                model_fields = SECTIONS["orchestrator"].model_fields["kubernetes"].annotation.model_fields
-                assert name in model_fields, f"orchestrator --{param.name}"
-            else:
-                assert name in model.model_fields, f"{section} --{param.name}"
-    for model in (*SECTIONS.values(), TimesliceConfig):
+        options = {o for p in cmd.commands[section].params for o in p.opts}
+        assert options == {"--config", *(f.option for f in cli_fields(model))}, section
+    assert {"--pool", "--release-rate"} <= {o for p in cmd.commands["gate"].params for o in p.opts}
+    assert "--endpoint" in {o for p in cmd.commands["picker"].params for o in p.opts}
+    k8s = {f.option for f in cli_fields(SECTIONS["orchestrator"]) if f.path[0] == "kubernetes"}
+    assert {"--namespace", "--label-selector", "--default-pool", "--manage-serving-label", "--kubeconfig"} <= k8s
+    for model in (*SECTIONS.values(), TimesliceConfig, SECTIONS["orchestrator"].model_fields["kubernetes"].annotation):
         for key, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{key} has no description"
+
+
+def test_component_settings_layers_flags_over_environment_over_file(tmp_path, monkeypatch):
+    from llmd_timeslice.config import component_settings
+
+    f = write(tmp_path, GOOD.replace("gate:\n", "gate:\n  max_held: 7\n  release_rate_per_s: 5\n"))
+    monkeypatch.setenv("LLMD_TIMESLICE_GATE__MAX_HOLD_S", "30s")
+    monkeypatch.setenv("LLMD_TIMESLICE_GATE__MAX_HELD", "8")
+    gate, token_file = component_settings("gate", f, {("max_held",): 9})
+    assert gate.max_held == 9  # flag over environment
+    assert gate.max_hold_s == 30.0  # environment over file (10m)
+    assert gate.release_rate_per_s == 5.0 and gate.pools == ["sampler-pool"]  # file over defaults
+    assert gate.ext_proc_port == 9002  # defaults
+    assert token_file == Path("/var/run/secrets/llmd-timeslice/token")  # the top-level token_file
+    monkeypatch.setenv("LLMD_TIMESLICE_TOKEN_FILE", "/env/token")
+    assert component_settings("gate", f)[1] == Path("/env/token")
+    assert component_settings("gate", f, {("token_file",): Path("/own")})[1] == Path("/own")
+    # Nested sections merge key by key; the environment alone is enough.
+    monkeypatch.setenv("LLMD_TIMESLICE_ORCHESTRATOR__KUBERNETES__LABEL_SELECTOR", "app=x")
+    orch, _ = component_settings("orchestrator", f, {("kubernetes", "sleep_level"): 2})
+    assert (orch.kubernetes.namespace, orch.kubernetes.label_selector, orch.kubernetes.sleep_level) == (
+        "llm-d-timeslice", "app=x", 2)
+    monkeypatch.setenv("LLMD_TIMESLICE_SIDECAR__JOB_ID", "env-job")
+    assert component_settings("sidecar")[0].job_id == "env-job"
+
+
+@pytest.mark.parametrize("file_text,env,flags,expected", [
+    ("gate:\n  max_hodl_s: 3\n", {}, {}, ["{f}: gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)"]),
+    ("gaet: {}\n", {}, {}, ["{f}: gaet: unknown key (did you mean gate?)"]),
+    ("gate: []\n", {}, {}, ["{f}: gate: expected a mapping of settings, got list"]),
+    ("gate:\n  max_hold_s: 2h\n", {}, {}, ["{f}: gate.max_hold_s: Input should be less than or equal to 3600"]),
+    ("", {"LLMD_TIMESLICE_GATE__MAX_HOLD_S": "2h"}, {},
+     ["gate.max_hold_s: Input should be less than or equal to 3600 (got 7200.0) [from $LLMD_TIMESLICE_GATE__MAX_HOLD_S]"]),
+    ("", {}, {("max_hold_s",): 7200.0}, ["--max-hold-s: Input should be less than or equal to 3600 (got 7200.0)"]),
+    ("gate:\n  orchestrator: nohost\n", {}, {("orchestrator",): "o:1"}, []),  # the flag replaces the bad value
+])
+def test_component_settings_errors_name_where_the_value_came_from(tmp_path, monkeypatch, file_text, env, flags,
+                                                                  expected):
+    from llmd_timeslice.config import component_settings
+
+    f = write(tmp_path, file_text)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if not expected:
+        component_settings("gate", f, flags)
+        return
+    with pytest.raises(ConfigError) as err:
+        component_settings("gate", f, flags)
+    lines = [f"{err.value.source}: {e}" if err.value.source else e for e in err.value.errors]
+    assert [ln[:len(e.format(f=f))] for ln, e in zip(lines, expected, strict=True)] == [e.format(f=f) for e in expected]
+
+
+def test_component_settings_missing_and_rule_errors_name_the_option(tmp_path):
+    from llmd_timeslice.config import component_settings
+
+    with pytest.raises(ConfigError) as err:
+        component_settings("sidecar")
+    assert err.value.errors == ["--job-id: required (or $LLMD_TIMESLICE_SIDECAR__JOB_ID)"]
+    with pytest.raises(ConfigError) as err:
+        component_settings("sidecar", write(tmp_path, "sidecar:\n  backend: cuda\n"), {("job_id",): "j"})
+    assert err.value.errors == ["--pid: required with --backend cuda (the processes to checkpoint)"]
+    with pytest.raises(ConfigError) as err:
+        component_settings("orchestrator", None, {("kubernetes", "manage_serving_label"): True,
+                                                  ("inventory",): Path("i.yaml")})
+    assert err.value.errors == ["--manage-serving-label: needs --discovery kubernetes"]
 
 
 def test_reference_doc_is_current():

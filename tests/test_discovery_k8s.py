@@ -84,6 +84,7 @@ class FakeKube:
         self.oldest_rv = 0  # a watch from an older resourceVersion gets 410 Gone
         self.forbid: set[str] = set()  # RBAC verbs refused with 403
         self.fail_next_watch: list[int] = []  # statuses for the next watch requests
+        self.fail_next_patch: list[int] = []  # statuses for the next patch requests
         self.requests: list[dict] = []
         self.cond = threading.Condition()
         self.generation = 0  # bump to end every open watch stream
@@ -237,6 +238,8 @@ class FakeKube:
                 ns, name = m.groups()
                 if "patch" in fake.forbid:
                     return self._forbidden("patch", ns)
+                if fake.fail_next_patch:
+                    return self._status(fake.fail_next_patch.pop(0), "InternalError", "etcd is having a bad day")
                 if name not in fake.pods:
                     return self._status(404, "NotFound", f'pods "{name}" not found')
                 patch = json.loads(body)
@@ -558,6 +561,21 @@ async def test_labeler_403_names_the_missing_verb_and_404_is_skipped(kube, api):
     PodLabeler(NS, api, lambda s: "gone").patch_serving("gone", True)  # 404: logged, no error
     with pytest.raises(KubernetesError, match="no pod known"):
         await PodLabeler(NS, api, lambda s: None).set_serving(SamplerEndpoint("p", "1.2.3.4:1", "1.2.3.4:2", "j"), True)
+
+
+def test_labeler_repeats_transient_failures_with_a_doubling_wait_then_gives_up(kube, api):
+    kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
+    labeler = PodLabeler(NS, api, lambda s: "s0", attempts=3, backoff_s=0.05)
+    kube.fail_next_patch = [503, 429]
+    started = time.monotonic()
+    labeler.patch_serving("s0", False)
+    assert len(kube.seen("PATCH")) == 3 and kube.pods["s0"]["metadata"]["labels"][LABEL_SERVING] == "false"
+    assert time.monotonic() - started >= 0.05 + 0.1  # waited 0.05 s, then 0.1 s
+    kube.fail_next_patch = [500, 500, 500]
+    with pytest.raises(KubernetesError, match="500"):
+        labeler.patch_serving("s0", True)
+    assert len(kube.seen("PATCH")) == 6, "three attempts, then the error"
+    assert kube.pods["s0"]["metadata"]["labels"][LABEL_SERVING] == "false"
 
 
 # --------------------------------------------------------------------------- actions hook

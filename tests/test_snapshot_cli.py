@@ -9,10 +9,10 @@ from llmd_timeslice.cli import app
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--backend", "cuda"], "at least one --pid"),
-    (["--backend", "criu"], "choose vllm, sglang, cuda or workload_channel"),
-    (["--pause-mode", "later"], "choose wait, keep or abort"),
-    (["--annotation", "novalue"], "is not KEY=VALUE"),
+    (["--backend", "cuda"], "--pid: required with --backend cuda"),
+    (["--backend", "criu"], "Input should be 'vllm', 'sglang', 'cuda' or 'workload_channel'"),
+    (["--pause-mode", "later"], "Input should be 'wait', 'keep' or 'abort'"),
+    (["--annotation", "novalue"], "expected KEY=VALUE, got 'novalue'"),
 ])
 def test_sidecar_refuses_bad_snapshot_options(args, message):
     r = CliRunner().invoke(app, ["sidecar", "--job-id", "j", "--port", "0", *args])

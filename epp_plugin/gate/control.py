@@ -35,7 +35,7 @@ class GateControl(pb_grpc.GateControlServiceServicer):
         self._pools = pools
         self._factory = pool_factory
 
-    async def _pool(self, name: str, context, create: bool = False) -> PoolState:
+    async def _pool(self, name: str, context: grpc.aio.ServicerContext, create: bool = False) -> PoolState:
         pool = self._pools.get(name)
         if pool is None and create and self._factory is not None and name:
             pool = self._pools[name] = self._factory(name)

@@ -153,10 +153,10 @@ class AuthzProtocol(asyncio.Protocol):
     """One connection from Envoy's ext_authz HTTP client: one check at a time (Envoy does not pipeline)."""
 
     __slots__ = ("__weakref__", "_answered", "_answered_at", "_closed", "_h", "_held", "_parser", "_svc", "_transport")
+    _transport: asyncio.Transport  # set by connection_made, before any data arrives
 
     def __init__(self, svc: AuthzService) -> None:
         self._svc = svc
-        self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._h: list = [None, None, None, None]
         self._held: asyncio.Task | None = None
@@ -166,7 +166,7 @@ class AuthzProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport) -> None:
-        self._transport = transport
+        self._transport = transport  # asyncio.Transport: this protocol is served by loop.create_server
         self._svc.open.add(self)
 
     def connection_lost(self, exc) -> None:
@@ -247,8 +247,9 @@ class AuthzProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection (the gate stops; held checks were answered by then)."""
-        if self._transport is not None:
-            self._transport.close()
+        transport = getattr(self, "_transport", None)  # None before connection_made
+        if transport is not None:
+            transport.close()
 
     def _refuse(self, pool_name: str | None, err: AdmissionRefused) -> None:
         metrics.REFUSED.labels(pool=pool_name or "", reason=err.reason).inc()

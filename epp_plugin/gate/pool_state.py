@@ -181,6 +181,7 @@ class PoolState:
         self._changed = asyncio.Condition()
         self._releaser: asyncio.Task | None = None
         self._drain_waiters = 0
+        self._tasks: set[asyncio.Task] = set()  # notifications in flight, kept: the loop holds tasks only weakly
         self.admitted_total = 0
         self.released_total = 0
         self.refused_total = 0
@@ -446,7 +447,9 @@ class PoolState:
     # ---------------------------------------------------------------- internals
     def _notify(self) -> None:
         if self._drain_waiters:  # skip a task when nobody waits (hot path)
-            asyncio.get_running_loop().create_task(self._notify_all())
+            task = asyncio.get_running_loop().create_task(self._notify_all())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _notify_all(self) -> None:
         async with self._changed:

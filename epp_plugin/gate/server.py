@@ -17,7 +17,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from epp_plugin.gate import ext_authz, metrics
 from epp_plugin.gate.access_log import GateAccessLogService
@@ -28,6 +28,7 @@ from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.subscription import StateSubscription
 from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
+from llmd_timeslice.config import GateSettings, Port
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -37,28 +38,20 @@ READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
 
 
 
-class GateConfig(BaseModel):
-    """Configuration of one gate process (all durations in seconds)."""
+class GateConfig(GateSettings):
+    """A gate process's settings (:class:`~llmd_timeslice.config.GateSettings`; durations in seconds) and what it
+    holds at run time: the control-plane token itself. One difference as a library: ``authz_port`` defaults to
+    None (no ext_authz edge); 0 picks a free port."""
 
-    host: str = Field("127.0.0.1", description="Address both servers bind to.")
-    ext_proc_port: int = Field(9002, description="gRPC data-plane port (ext_proc, access-log service, health).")
-    authz_port: int | None = Field(None, description="HTTP data-plane port for Envoy's ext_authz checks (the fast "
-                                   "path; 0: a free port; None: not served).")
-    lost_completion_after_s: float = Field(900.0, gt=0, description="Seconds after which a fast-path admission "
-                                           "without an access-log entry is dropped (above Envoy's route timeout).")
-    control_port: int = Field(9003, description="Control port (GateControlService, authenticated).")
-    pools: list[str] = Field(default_factory=lambda: ["default"], description="InferencePools this gate serves.")
-    default_pool: str = Field("default", description="Pool for streams without pool metadata.")
-    accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
-    max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429.")
-    max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds held; then 503 (Envoy caps at 3600).")
-    release_rate_per_s: float = Field(20_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
-    token: str | None = Field(None, description="Bearer token for the control port and the orchestrator.", repr=False)
-    orchestrator: str | None = Field(None, description="Orchestrator host:port to subscribe to (None: control API only).")
-    stale_after_s: float = Field(5.0, ge=0, le=600, description="Seconds without the orchestrator's state stream before "
-                                 "new requests are held instead of steered by a possibly outdated view (0: never).")
-    gate_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
-                         description="Stable id of this replica on the state stream (e.g. the pod name).")
+    authz_port: Port | None = Field(None, description="HTTP data-plane port for Envoy's ext_authz checks (the fast "
+                                    "path; 0: a free port; None: not served).")
+    token: str | None = Field(None, repr=False, exclude=True,
+                              description="Bearer token for the control port and the orchestrator.")
+
+    @classmethod
+    def from_settings(cls, settings: GateSettings, token: str | None) -> GateConfig:
+        """The configuration of a gate run from ``settings`` (as validated by ``llmd-timeslice gate``)."""
+        return cls.model_validate({**settings.model_dump(), "token": token})
 
 
 class GateServer:
@@ -78,10 +71,12 @@ class GateServer:
         self.authz_port = config.authz_port
         self.subscription: StateSubscription | None = None
         self._sub_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # readiness updates in flight, kept: the loop holds tasks only weakly
         self._health: health.aio.HealthServicer | None = None
         self._control: aio.Server | None = None
         self.ext_proc_port = config.ext_proc_port
         self.control_port = config.control_port
+        self.gate_id = config.gate_id or f"{socket.gethostname()}-{os.getpid()}"
 
     def _new_pool(self, name: str) -> PoolState:
         pool = PoolState(
@@ -120,7 +115,7 @@ class GateServer:
         metrics.COLLECTOR.pool_maps.append(self.pools)
         if cfg.orchestrator:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self.subscription = StateSubscription(cfg.orchestrator, cfg.gate_id, self.pools, self._new_pool, cfg.token,
+            self.subscription = StateSubscription(cfg.orchestrator, self.gate_id, self.pools, self._new_pool, cfg.token,
                                                   on_synced=self._synced, stale_after_s=cfg.stale_after_s,
                                                   tls_files=self.tls)
             self._sub_task = asyncio.get_running_loop().create_task(self.subscription.run())
@@ -132,13 +127,17 @@ class GateServer:
 
     def _synced(self) -> None:
         if self._health is not None:
-            asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 self._health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Refuse held requests (503 gate_shutting_down), then stop both servers."""
         if self._sub_task is not None:
             self._sub_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         if self.pools in metrics.COLLECTOR.pool_maps:
             metrics.COLLECTOR.pool_maps.remove(self.pools)
         if self.book in metrics.COLLECTOR.books:
@@ -147,7 +146,7 @@ class GateServer:
         for pool in self.pools.values():
             pool.close()
         await asyncio.sleep(0)
-        if self._authz_server is not None:
+        if self._authz_server is not None and self.authz is not None:
             self._authz_server.close()  # held checks were answered (gate_shutting_down) just above
             await asyncio.sleep(0)
             for conn in list(self.authz.open):

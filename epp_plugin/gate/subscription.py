@@ -6,8 +6,9 @@ nothing has come from the orchestrator for ``stale_after_s`` seconds (broken str
 peer) it marks every pool **stale**: new requests are held, not steered by a view that may be out of
 date, because the orchestrator may meanwhile have put those engines to sleep (it waits that long for
 a gate it lost before it does). Until then the last known state serves, so an orchestrator restart
-passes unnoticed. It reconnects with exponential back-off (0.2 s doubling to 5 s) and resyncs from the
-full snapshot the orchestrator sends first, which ends the stale state.
+passes unnoticed. It reconnects with exponential back-off (0.2 s doubling to 5 s, tenacity; a session that
+synced starts the next from 0.2 s again) and resyncs from the full snapshot the orchestrator sends first,
+which ends the stale state.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, MutableMapping
 
 import grpc
 from prometheus_client import Counter, Gauge
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from epp_plugin.gate import metrics
 from epp_plugin.gate.control import TO_CORE, export_pool
@@ -38,6 +40,9 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 RESYNCS = Counter("llmd_timeslice_gate_resyncs_total", "Full snapshots applied (first connect and every reconnect).")
+RECONNECT_FIRST_S = 0.2
+"""First wait before reconnecting (doubling, per failed session in a row, up to :data:`RECONNECT_MAX_S`)."""
+RECONNECT_MAX_S = 5.0
 
 
 class StateSubscription:
@@ -73,10 +78,14 @@ class StateSubscription:
 
     async def run(self) -> None:
         """Connect, apply, reconnect on failure; runs until cancelled."""
-        backoff = 0.2
         watchdog = asyncio.get_running_loop().create_task(self._watch_staleness())
+        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception), before_sleep=self._lost, reraise=True,
+                                 wait=wait_exponential(multiplier=RECONNECT_FIRST_S, max=RECONNECT_MAX_S))
         try:
-            await self._run(backoff)
+            while True:
+                await retrying(self._session_once)  # sessions that fail before they sync: waits double
+                self._disconnected()  # it synced, then ended: the next session starts from the first wait
+                await asyncio.sleep(RECONNECT_FIRST_S)
         finally:
             watchdog.cancel()
 
@@ -96,25 +105,36 @@ class StateSubscription:
         for pool in self.pools.values():
             pool.set_stale(stale)
 
-    async def _run(self, backoff: float) -> None:
-        while True:
-            try:
-                await self._session()
-                backoff = 0.2
-            except asyncio.CancelledError:
+    async def _session_once(self) -> None:
+        """One session: returns once it ended after the orchestrator's first snapshot was applied, however it
+        ended (logged here); raises what ended a session that never synced (tenacity waits, then retries)."""
+        synced = self.resyncs
+        try:
+            await self._session()
+        except Exception as exc:
+            if self.resyncs == synced:
                 raise
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    log.error("orchestrator %s refused the gate: %s (check the token)", self.target, exc.details())
-                else:
-                    log.warning("state stream to %s lost: %s %s; keeping the last known state, retrying in %.1f s",
-                                self.target, exc.code().name, exc.details(), backoff)
-            except Exception:
-                log.exception("state stream to %s failed; retrying in %.1f s", self.target, backoff)
-            self.connected.clear()
-            SUBSCRIBED.set(0)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            self._log_lost(exc, RECONNECT_FIRST_S)
+
+    def _lost(self, state: RetryCallState) -> None:
+        """tenacity's ``before_sleep``: a session failed before it synced."""
+        exc = state.outcome.exception() if state.outcome is not None else None
+        self._log_lost(exc, state.next_action.sleep if state.next_action is not None else 0.0)
+        self._disconnected()
+
+    def _log_lost(self, exc: BaseException | None, wait_s: float) -> None:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                log.error("orchestrator %s refused the gate: %s (check the token)", self.target, exc.details())
+            else:
+                log.warning("state stream to %s lost: %s %s; keeping the last known state, retrying in %.1f s",
+                            self.target, exc.code().name, exc.details(), wait_s)
+        elif exc is not None:
+            log.error("state stream to %s failed; retrying in %.1f s", self.target, wait_s, exc_info=exc)
+
+    def _disconnected(self) -> None:
+        self.connected.clear()
+        SUBSCRIBED.set(0)
 
     async def _outgoing(self, outbox: asyncio.Queue):
         yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools),

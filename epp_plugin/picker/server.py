@@ -24,9 +24,9 @@ from envoy.type.v3 import http_status_pb2
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
-from pydantic import BaseModel, Field
 
 from epp_plugin import protocol
+from llmd_timeslice.config import PickerSettings
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,9 @@ PICKED = Counter("llmd_timeslice_picker_picked_total", "Requests routed, by pool
 NO_ENDPOINT = Counter("llmd_timeslice_picker_no_endpoint_total", "Requests answered 503: nothing eligible.", ["pool"])
 
 
-class PickerConfig(BaseModel):
-    """Configuration of the picker: the endpoints (``ip:port``) of each InferencePool."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(9004, description="ext_proc port Envoy's second filter calls.")
-    pools: dict[str, list[str]] = Field(default_factory=dict, description="pool -> endpoints (ip:port).")
-    default_pool: str = "default"
+PickerConfig = PickerSettings
+"""Configuration of the picker (:class:`~llmd_timeslice.config.PickerSettings`): the endpoints (``ip:port``) of each
+InferencePool, its bind address and port."""
 
 
 def _no_endpoint(pool: str, why: str) -> pb.ProcessingResponse:

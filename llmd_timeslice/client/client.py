@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -168,7 +169,29 @@ def _defaults(target, job_id, group_id):
     )
 
 
-class TimeSliceOrchestratorClient:
+class _JobAndGroup:
+    """The job and default group a client acts for, and its leases' renewals (shared by the sync and asyncio
+    clients)."""
+
+    job_id: str | None
+    group_id: str | None
+    _beats: Mapping[tuple[str, str], _LeaseRenewal]
+
+    def _ids(self, job_id: str | None, group_id: str | None) -> tuple[str, str]:
+        job, group = job_id or self.job_id, group_id or self.group_id
+        if not job or not group:
+            raise TimeSliceError("job_id and group_id are required (arguments or TIMESLICE_JOB_ID / "
+                                 "TIMESLICE_TRAINER_GROUP)")
+        return job, group
+
+    def lease_lost(self, job_id: str | None = None, group_id: str | None = None) -> str | None:
+        """Why this job's lease on the group was lost (a refused or missed heartbeat), or None while it holds
+        (or without heartbeats). Lets a caller stop before acting on accelerators it no longer holds."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        return beat.lost if beat else None
+
+
+class TimeSliceOrchestratorClient(_JobAndGroup):
     """Synchronous client.
 
     Args:
@@ -199,13 +222,6 @@ class TimeSliceOrchestratorClient:
         self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _Heartbeat] = {}
-
-    def _ids(self, job_id, group_id) -> tuple[str, str]:
-        job, group = job_id or self.job_id, group_id or self.group_id
-        if not job or not group:
-            raise TimeSliceError("job_id and group_id are required (arguments or TIMESLICE_JOB_ID / "
-                                 "TIMESLICE_TRAINER_GROUP)")
-        return job, group
 
     def acquire(self, job_id: str | None = None, group_id: str | None = None,
                 timeout_sec: float | None = None) -> AcquireResult:
@@ -239,12 +255,6 @@ class TimeSliceOrchestratorClient:
         """The fencing token of this job's current grant (None without heartbeats)."""
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
-
-    def lease_lost(self, job_id: str | None = None, group_id: str | None = None) -> str | None:
-        """Why this job's lease on the group was lost (a refused or missed heartbeat), or None while it holds
-        (or without heartbeats). Lets a caller stop before acting on accelerators it no longer holds."""
-        beat = self._beats.get(self._ids(job_id, group_id))
-        return beat.lost if beat else None
 
     def publish_weights(self, weights: WeightUpdate, job_id: str | None = None,
                         group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
@@ -350,7 +360,7 @@ class TimeSliceOrchestratorClient:
         self.close()
 
 
-class AsyncTimeSliceOrchestratorClient:
+class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     """asyncio variant with the same methods (awaitable) and ``on_accelerators`` as async context manager/decorator.
 
     Like the sync client it renews the lease in the background (an asyncio task per held group) and
@@ -369,8 +379,6 @@ class AsyncTimeSliceOrchestratorClient:
         self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _AsyncHeartbeat] = {}
-
-    _ids = TimeSliceOrchestratorClient._ids
 
     async def acquire(self, job_id=None, group_id=None, timeout_sec=None) -> AcquireResult:
         job, group = self._ids(job_id, group_id)
@@ -394,8 +402,6 @@ class AsyncTimeSliceOrchestratorClient:
                 self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token,
                                                             lease.ttl_s)
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
-
-    lease_lost = TimeSliceOrchestratorClient.lease_lost
 
     async def publish_weights(self, weights: WeightUpdate, job_id=None, group_id=None) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.publish_weights`."""

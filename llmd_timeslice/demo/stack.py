@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import port_for
 import yaml
@@ -47,7 +48,7 @@ class ComponentProcess:
         self.name = name
         self.port = port
         self.log_path = logdir / f"{name}.log"
-        self._log = None
+        self._log: BinaryIO | None = None
         self._args = args
         self._exec: TCPExecutor | None = None
 

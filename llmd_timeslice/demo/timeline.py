@@ -14,7 +14,7 @@ TRAINER_COLORS = {"rollout": "#c7e9c0", "switch to trainer": "#e377c2", "train":
 
 
 def _spans(samples: list[tuple[float, str]]) -> list[tuple[float, float, str]]:
-    spans = []
+    spans: list[tuple[float, float, str]] = []
     for (t, s), (t2, _) in zip(samples, [*samples[1:], (samples[-1][0] + 0.1, "")], strict=True):
         if spans and spans[-1][2] == s:
             spans[-1] = (spans[-1][0], t2, s)

@@ -59,7 +59,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -67,6 +66,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter, Gauge
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_exponential_jitter,
+)
 
 from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint, SchedulingPolicy, SleepLevelPolicy
 
@@ -404,7 +412,8 @@ class KubernetesDiscovery:
         defaults: what pods do not say themselves.
         watch_timeout_s: server-side timeout of one watch request; the next one resumes from the
             last ``resourceVersion`` (the client's read timeout is 30 s above it).
-        backoff_s / backoff_max_s: first and longest wait after an API error (doubling, jittered).
+        backoff_s / backoff_max_s: first and longest wait after an API error (doubling, plus up to ``backoff_s``
+            of jitter; tenacity). A watch request that ended without an error starts the count again.
     """
 
     def __init__(self, namespace: str, api_client, *, label_selector: str = DEFAULT_LABEL_SELECTOR,
@@ -559,31 +568,49 @@ class KubernetesDiscovery:
             self._watch = None
 
     def _run(self) -> None:
-        delay = self.backoff_s
+        """The watch thread: rounds of (list if needed, watch) until :meth:`stop`; API errors are retried after a
+        doubling, jittered wait that :meth:`stop` cuts short (tenacity)."""
+        retrying = Retrying(retry=retry_if_exception_type(Exception), reraise=True,
+                            stop=lambda state: self._stopping.is_set(), sleep=self._pause,
+                            wait=wait_exponential_jitter(multiplier=self.backoff_s, max=self.backoff_max_s,
+                                                         jitter=self.backoff_s),
+                            before_sleep=self._retrying_in)
         while not self._stopping.is_set():
             try:
-                if self._rv is None:
-                    self._relist()
-                    self._publish()
-                self._watch_once()
-                delay = self.backoff_s
-                continue
-            except Exception as exc:
-                if self._stopping.is_set():
-                    return
-                status = getattr(exc, "status", None)
-                if status == 410:
-                    log.info("kubernetes discovery: watch expired (410 Gone: %s); re-listing", _api_message(exc))
-                    WATCH_ERRORS.labels(reason="gone").inc()
-                    self._rv = None
-                    continue
-                err = explain_api_error(exc, "watch" if self._rv else "list", "pods", self.namespace)
-                self.last_error = str(err)
-                WATCH_ERRORS.labels(reason=str(status or type(exc).__name__)).inc()
-                log.warning("%s; retrying in %.1f s", err, delay)
-            if self._stopping.wait(delay * random.uniform(0.8, 1.2)):
+                retrying(self._round)
+            except Exception:
+                return  # stop() was called during a failing round
+
+    def _round(self) -> None:
+        """List (when no resourceVersion is known), then one watch request. A 410 Gone ends the round normally
+        (the next one re-lists at once); another API error is recorded and raised as :class:`KubernetesError`."""
+        if self._stopping.is_set():
+            return
+        try:
+            if self._rv is None:
+                self._relist()
+                self._publish()
+            self._watch_once()
+        except Exception as exc:
+            if self._stopping.is_set():
                 return
-            delay = min(delay * 2, self.backoff_max_s)
+            status = getattr(exc, "status", None)
+            if status == 410:
+                log.info("kubernetes discovery: watch expired (410 Gone: %s); re-listing", _api_message(exc))
+                WATCH_ERRORS.labels(reason="gone").inc()
+                self._rv = None
+                return
+            err = explain_api_error(exc, "watch" if self._rv else "list", "pods", self.namespace)
+            self.last_error = str(err)
+            WATCH_ERRORS.labels(reason=str(status or type(exc).__name__)).inc()
+            raise err from exc
+
+    def _pause(self, seconds: float) -> None:
+        self._stopping.wait(seconds)  # stop() ends the wait
+
+    def _retrying_in(self, state: RetryCallState) -> None:
+        wait_s = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("%s; retrying in %.1f s", state.outcome.exception() if state.outcome else "", wait_s)
 
     def _snapshot(self) -> tuple[tuple, list[GroupSpec], dict[str, str]]:
         members = []
@@ -634,6 +661,12 @@ class KubernetesDiscovery:
                 task.add_done_callback(_log_failure)
 
 
+def _transient(exc: BaseException) -> bool:
+    """An API failure worth repeating: 5xx, 429 or no answer at all (connection)."""
+    status = getattr(exc, "status", None)
+    return isinstance(exc, Exception) and (status is None or status == 429 or status >= 500)
+
+
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("discovery on_change failed: %s", task.exception(), exc_info=task.exception())
@@ -647,7 +680,7 @@ class PodLabeler:
         namespace: the pods' namespace.
         api_client: a ``kubernetes.client.ApiClient``.
         pod_for: sampler -> pod name (e.g. :meth:`KubernetesDiscovery.pod_for`).
-        attempts / backoff_s: tries for transient failures (5xx, 429, connection), doubling wait.
+        attempts / backoff_s: tries for transient failures (5xx, 429, connection), doubling wait (tenacity).
 
     A 403 is never retried: its message names the missing RBAC verb (``patch``). A pod that is gone
     (404) is logged and skipped: a deleted pod serves nothing either way.
@@ -666,25 +699,20 @@ class PodLabeler:
     def patch_serving(self, pod: str, serving: bool) -> None:
         """Set the label on one pod (blocking). Raises :class:`KubernetesError`."""
         body = {"metadata": {"labels": {LABEL_SERVING: "true" if serving else "false"}}}
-        delay = self.backoff_s
-        for attempt in range(1, self.attempts + 1):
-            try:
-                self._core.patch_namespaced_pod(pod, self.namespace, body, _content_type=STRATEGIC_MERGE_PATCH,
-                                                _request_timeout=(5, 10))
-                SERVING_PATCHES.labels(result="ok").inc()
+        try:
+            for attempt in Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(self.attempts),
+                                    wait=wait_exponential(multiplier=self.backoff_s), reraise=True):
+                with attempt:
+                    self._core.patch_namespaced_pod(pod, self.namespace, body, _content_type=STRATEGIC_MERGE_PATCH,
+                                                    _request_timeout=(5, 10))
+        except Exception as exc:
+            if getattr(exc, "status", None) == 404:
+                SERVING_PATCHES.labels(result="gone").inc()
+                log.warning("serving label: pod %s/%s is gone; nothing to label", self.namespace, pod)
                 return
-            except Exception as exc:
-                status = getattr(exc, "status", None)
-                if status == 404:
-                    SERVING_PATCHES.labels(result="gone").inc()
-                    log.warning("serving label: pod %s/%s is gone; nothing to label", self.namespace, pod)
-                    return
-                transient = status is None or status == 429 or status >= 500
-                if not transient or attempt == self.attempts:
-                    SERVING_PATCHES.labels(result="error").inc()
-                    raise explain_api_error(exc, "patch", f"pod {pod!r}", self.namespace) from exc
-                time.sleep(delay)
-                delay *= 2
+            SERVING_PATCHES.labels(result="error").inc()
+            raise explain_api_error(exc, "patch", f"pod {pod!r}", self.namespace) from exc
+        SERVING_PATCHES.labels(result="ok").inc()
 
     async def set_serving(self, sampler: SamplerEndpoint, serving: bool) -> None:
         """The :class:`~llmd_timeslice.orchestrator.actions.ServingLabeler` hook."""

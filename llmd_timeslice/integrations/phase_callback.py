@@ -199,6 +199,12 @@ class _Config:
                 f"{'is' if len(missing) == 1 else 'are'} not set: set {' and '.join(missing)} "
                 f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing")
 
+    def groups(self) -> dict[str, str]:
+        """Role -> group; both are set whenever time-slicing is on (checked above)."""
+        if self.trainer_group is None or self.sampler_group is None:
+            raise TimesliceConfigError(f"time-slicing is off ({ENV_JOB_ID} unset): no groups")
+        return {TRAINER: self.trainer_group, SAMPLER: self.sampler_group}
+
     @classmethod
     def from_env(cls) -> _Config:
         e = os.environ
@@ -217,7 +223,7 @@ def _yield_failed(job_id: str | None, role: str, group: str, exc: TimeSliceError
 
 
 def _hands_weights(context: Mapping[str, Any] | None) -> bool:
-    return bool(context) and any(context.get(k) is not None for k in ("model", "checkpoint_dir", "weights"))
+    return context is not None and any(context.get(k) is not None for k in ("model", "checkpoint_dir", "weights"))
 
 
 def _served(status) -> bool:
@@ -273,7 +279,43 @@ class _WeightPublisher:
         self.version = max(self.version, update.version)
 
 
-class RoleLocks:
+class _Locks:
+    """What :class:`RoleLocks` and :class:`AsyncRoleLocks` share: the configuration, the lock plan, the weight
+    publisher and the client's lease state."""
+
+    config: _Config
+    job_id: str | None
+    enabled: bool
+    plan: _LockPlan
+    _weights: _WeightPublisher
+    _client: TimeSliceOrchestratorClient | AsyncTimeSliceOrchestratorClient | None
+
+    @property
+    def router_mode(self) -> bool:
+        """True when the sampler group is served behind the gate (sampler-only phases take no lock)."""
+        return self.plan.served_sampler
+
+    @property
+    def weight_version(self) -> int:
+        """The newest weight version of the sampler group this job knows of (published here or seen at start):
+        the minimum weight version rollouts should ask the gate for."""
+        return self._weights.version
+
+    def held(self, role: str) -> bool:
+        return self.enabled and role in (TRAINER, SAMPLER) and self.plan.role_held(role)
+
+    def _check_lease(self, role: str) -> None:
+        group = self.plan.groups[role]
+        lost = self._client.lease_lost(self.job_id, group) if self._client is not None else None
+        if lost:
+            raise LeaseLost(f"job {self.job_id!r} lost its lease on {group!r} ({role}) while a phase ran: {lost}; "
+                            "stop, restart from the last checkpoint and acquire again")
+
+    def _publishes_on(self, group: str) -> bool:
+        return self.router_mode and group == self.plan.groups[SAMPLER]
+
+
+class RoleLocks(_Locks):
     """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
     :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient` (bearer token and TLS from the environment, lease
     heartbeats, fencing tokens).
@@ -328,7 +370,7 @@ class RoleLocks:
             if isinstance(exc, TimesliceConfigError):
                 raise
             raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
-        self.plan = _LockPlan({TRAINER: cfg.trainer_group, SAMPLER: cfg.sampler_group}, served_sampler=served)
+        self.plan = _LockPlan(cfg.groups(), served_sampler=served)
         if status is not None:
             self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
         log.info("job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s", cfg.job_id, cfg.orch_addr,
@@ -341,30 +383,16 @@ class RoleLocks:
         c = _Config.from_env()
         return cls(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
 
-    @property
-    def router_mode(self) -> bool:
-        """True when the sampler group is served behind the gate (sampler-only phases take no lock)."""
-        return self.plan.served_sampler
-
-    @property
-    def weight_version(self) -> int:
-        """The newest weight version of the sampler group this job knows of (published here or seen at start):
-        the minimum weight version rollouts should ask the gate for."""
-        return self._weights.version
+    _client: TimeSliceOrchestratorClient | None
 
     @property
     def client(self) -> TimeSliceOrchestratorClient | None:
         return self._client
 
-    def held(self, role: str) -> bool:
-        return self.enabled and role in (TRAINER, SAMPLER) and self.plan.role_held(role)
-
-    def _check_lease(self, role: str) -> None:
-        group = self.plan.groups[role]
-        lost = self._client.lease_lost(self.job_id, group)
-        if lost:
-            raise LeaseLost(f"job {self.job_id!r} lost its lease on {group!r} ({role}) while a phase ran: {lost}; "
-                            "stop, restart from the last checkpoint and acquire again")
+    def _live(self) -> TimeSliceOrchestratorClient:
+        if self._client is None:
+            raise TimeSliceError("the phase locks are closed")
+        return self._client
 
     def acquire(self, role: str, timeout_sec: float | None = None) -> None:
         """Block until this job holds ``role``'s group (idempotent). Raises LockOrderError, UnknownRole,
@@ -378,7 +406,7 @@ class RoleLocks:
             self._check_lease(role)
             self.plan.acquired(role)
             return
-        r = self._client.acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
+        r = self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
         self.plan.acquired(role)
         log.info("job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s", self.job_id, role, group,
                  r.waited_ms, r.context_restored)
@@ -405,12 +433,12 @@ class RoleLocks:
         publish_error: Exception | None = None
         if update is not None:
             try:
-                self._client.publish_weights(update, self.job_id, group)
+                self._live().publish_weights(update, self.job_id, group)
                 self._weights.published(update)
             except TimeSliceError as exc:
                 publish_error = exc
         try:
-            r = self._client.release(self.job_id, group)
+            r = self._live().release(self.job_id, group)
             log.info("job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s", self.job_id, role,
                      group, r.pending_waiters, r.snapshot_deferred,
                      f" weight_version={update.version}" if update is not None and publish_error is None else "")
@@ -418,9 +446,6 @@ class RoleLocks:
             _yield_failed(self.job_id, role, group, exc)
         if publish_error is not None:
             raise publish_error
-
-    def _publishes_on(self, group: str) -> bool:
-        return self.router_mode and group == self.plan.groups[SAMPLER]
 
     def release_all(self) -> None:
         """Release everything, sampler role first."""
@@ -484,7 +509,7 @@ class TimesliceCallback(PhaseCallback):
         self.locks.close()
 
 
-class AsyncRoleLocks:
+class AsyncRoleLocks(_Locks):
     """:class:`RoleLocks` for asyncio drivers (verifiers-based trainers and other async rollout loops): the same
     plan and errors over :class:`~llmd_timeslice.client.AsyncTimeSliceOrchestratorClient`; create it with
     ``await AsyncRoleLocks.create(...)`` (the start-up check is a call)."""
@@ -535,7 +560,7 @@ class AsyncRoleLocks:
             if self._own_client:
                 await self._client.close()
             raise
-        self.plan = _LockPlan({TRAINER: cfg.trainer_group, SAMPLER: cfg.sampler_group}, served_sampler=served)
+        self.plan = _LockPlan(cfg.groups(), served_sampler=served)
         if status is not None:
             self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
         return self
@@ -545,11 +570,12 @@ class AsyncRoleLocks:
         c = _Config.from_env()
         return await cls.create(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
 
-    router_mode = RoleLocks.router_mode
-    weight_version = RoleLocks.weight_version
-    held = RoleLocks.held
-    _check_lease = RoleLocks._check_lease
-    _publishes_on = RoleLocks._publishes_on
+    _client: AsyncTimeSliceOrchestratorClient | None
+
+    def _live(self) -> AsyncTimeSliceOrchestratorClient:
+        if self._client is None:
+            raise TimeSliceError("the phase locks are closed")
+        return self._client
 
     async def acquire(self, role: str, timeout_sec: float | None = None) -> None:
         """See :meth:`RoleLocks.acquire`."""
@@ -562,7 +588,7 @@ class AsyncRoleLocks:
             self._check_lease(role)
             self.plan.acquired(role)
             return
-        r = await self._client.acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
+        r = await self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
         self.plan.acquired(role)
         log.info("job=%s ACQUIRE role=%s group=%s waited=%dms", self.job_id, role, group, r.waited_ms)
 
@@ -583,12 +609,12 @@ class AsyncRoleLocks:
         publish_error: Exception | None = None
         if update is not None:
             try:
-                await self._client.publish_weights(update, self.job_id, group)
+                await self._live().publish_weights(update, self.job_id, group)
                 self._weights.published(update)
             except TimeSliceError as exc:
                 publish_error = exc
         try:
-            await self._client.release(self.job_id, group)
+            await self._live().release(self.job_id, group)
             log.info("job=%s RELEASE role=%s group=%s", self.job_id, role, group)
         except TimeSliceError as exc:
             _yield_failed(self.job_id, role, group, exc)

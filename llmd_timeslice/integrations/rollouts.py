@@ -29,7 +29,6 @@ The ``openai`` SDK takes an ``httpx`` client as ``http_client`` (openai 2.x is b
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import itertools
@@ -40,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, Retrying
 
 from epp_plugin import protocol
 
@@ -284,6 +284,37 @@ def _refusal(response: httpx.Response) -> str | None:
     return response.headers.get(REASON_HEADER) if response.status_code in (400, 429, 503) else None
 
 
+class _Refusals:
+    """tenacity's ``retry`` and ``wait`` for one request: repeat a gate refusal for as long as the policy gives a
+    wait (the ``retry-after`` the gate sent, within the budget), then wait that long."""
+
+    def __init__(self, policy: GateRetryPolicy, record: RolloutRecord) -> None:
+        self.policy, self.record = policy, record
+        self.started = time.monotonic()
+        self.next_wait = 0.0
+
+    def attempted(self, response: httpx.Response) -> httpx.Response:
+        self.record.attempts += 1
+        reason = _refusal(response)
+        if reason is not None:
+            self.record.refusals.append(reason)
+        return response
+
+    def retry(self, state: RetryCallState) -> bool:
+        if state.outcome is None or state.outcome.failed:
+            return False  # a transport error: raised to the caller as it is
+        response = state.outcome.result()
+        wait = self.policy.delay(response, self.started, time.monotonic()) if _refusal(response) else None
+        if wait is None:
+            return False
+        self.next_wait = wait
+        return True
+
+    def wait(self, state: RetryCallState) -> float:
+        self.record.retry_wait_s += self.next_wait
+        return self.next_wait
+
+
 class GateTransport(httpx.BaseTransport):
     """Synchronous ``httpx`` transport: weight-version header, gate-aware retries, records (see module doc)."""
 
@@ -292,24 +323,19 @@ class GateTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         record = self.owner._prepare(request)
-        started = time.monotonic()
-        response = None
-        try:
-            while True:
-                record.attempts += 1
-                response = self.inner.handle_request(request)
-                reason = _refusal(response)
-                if reason is None:
-                    break
-                record.refusals.append(reason)
-                wait = self.owner.retry.delay(response, started, time.monotonic())
-                if wait is None:
-                    response.read()
-                    break
+        refusals = _Refusals(self.owner.retry, record)
+
+        def discard(state: RetryCallState) -> None:  # a refused answer about to be repeated
+            if state.outcome is not None:
+                response = state.outcome.result()
                 response.read()
                 response.close()
-                record.retry_wait_s += wait
-                time.sleep(wait)
+
+        try:
+            response = Retrying(retry=refusals.retry, wait=refusals.wait, before_sleep=discard, reraise=True)(
+                lambda: refusals.attempted(self.inner.handle_request(request)))
+            if _refusal(response) is not None:
+                response.read()
         except BaseException as exc:
             self.owner._finish(record, None, exc)
             raise
@@ -328,23 +354,22 @@ class AsyncGateTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         record = self.owner._prepare(request)
-        started = time.monotonic()
-        response = None
-        try:
-            while True:
-                record.attempts += 1
-                response = await self.inner.handle_async_request(request)
-                reason = _refusal(response)
-                if reason is None:
-                    break
-                record.refusals.append(reason)
-                wait = self.owner.retry.delay(response, started, time.monotonic())
+        refusals = _Refusals(self.owner.retry, record)
+
+        async def discard(state: RetryCallState) -> None:  # a refused answer about to be repeated
+            if state.outcome is not None:
+                response = state.outcome.result()
                 await response.aread()
-                if wait is None:
-                    break
                 await response.aclose()
-                record.retry_wait_s += wait
-                await asyncio.sleep(wait)
+
+        async def attempt() -> httpx.Response:
+            return refusals.attempted(await self.inner.handle_async_request(request))
+
+        try:
+            response: httpx.Response = await AsyncRetrying(retry=refusals.retry, wait=refusals.wait,
+                                                           before_sleep=discard, reraise=True)(attempt)
+            if _refusal(response) is not None:
+                await response.aread()
         except BaseException as exc:
             self.owner._finish(record, None, exc)
             raise

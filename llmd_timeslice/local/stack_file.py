@@ -21,8 +21,9 @@ from __future__ import annotations
 import difflib
 import os
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import yaml
@@ -184,8 +185,8 @@ class StackFile(_Strict):
             ports.append((f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
             if e.vllm is not None:
                 ports.append((f"engines[{i}] ({e.name}).vllm.port", e.vllm.port))
-            elif urlparse(e.url).hostname in local:  # type: ignore[arg-type]
-                ports.append((f"engines[{i}] ({e.name}).url", urlparse(e.url).port))  # type: ignore[arg-type]
+            elif urlparse(e.url).hostname in local:
+                ports.append((f"engines[{i}] ({e.name}).url", urlparse(e.url).port))
         for where, port in ports:
             if port in used:
                 out.append(f"{where}: port {port} is also {used[port]}")
@@ -261,7 +262,7 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _unknown_key(err: dict) -> str:
+def _unknown_key(err: Mapping[str, Any]) -> str:
     """``unknown key (did you mean stack.max_hold_s?)``, or the keys valid there when none is close."""
     loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
     parent, key = loc[:-1], str(loc[-1])
@@ -274,8 +275,8 @@ def _unknown_key(err: dict) -> str:
     return f"unknown key (known here: {', '.join(known)})" if known else "unknown key"
 
 
-def _loc(err: dict) -> str:
-    parts = []
+def _loc(err: Mapping[str, Any]) -> str:
+    parts: list[str] = []
     for p in err["loc"]:
         if isinstance(p, int):
             parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]

@@ -5,7 +5,7 @@ after ``stop_grace_s``) also stops what it spawned (vLLM's engine-core and worke
 child also gets SIGTERM from the kernel if the supervisor itself dies, even by SIGKILL
 (``prctl(PR_SET_PDEATHSIG)``), so a killed ``up`` leaves no orphans running. A child
 that exits while the stack runs is logged, marked ``backoff`` and started again after 1, 2, 4 ... 30 s
-(the delay resets once it stayed up for ``healthy_reset_s``).
+(tenacity; the delay resets once it stayed up for ``healthy_reset_s``).
 
 Ready means the probe answers *and* every port the child binds (``ChildSpec.listen``) has a listening
 socket in the child's own process group and none outside it: on a shared node a probe may reach another
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from llmd_timeslice.local.ports import split_listeners
 
@@ -93,6 +94,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 USAGE_ERROR_EXIT = 2
 """Exit code of a usage error (a bad flag or setting: click, argparse and ``llmd-timeslice`` itself)."""
+
+
+class _Exited(Exception):
+    """A child's process ended early while the stack ran (what the restarts retry)."""
 
 
 class StartFailed(Exception):
@@ -239,49 +244,76 @@ class Supervisor:
             raise
 
     async def _watch(self, c: Child) -> None:
-        backoff = self.backoff_s
-        failed_starts = 0
-        while not self.stopping:
+        """Keep ``c`` running. Each end of its process is retried by tenacity: a restart after a wait that doubles
+        from ``backoff_s`` to ``max_backoff_s``, the count starting over after a run of ``healthy_reset_s``. Failed
+        restarts count too; one that cannot succeed, or ``max_start_failures`` in a row, give the child up."""
+        failed = 0  # failed restarts in a row
+
+        async def run_once() -> None:
+            """(Re)start the child if its process is gone, then wait for it to end; raises :class:`_Exited` when
+            that was early (retried), returns after a long run (the waits start over) or when stopping."""
+            nonlocal failed
+            if self.stopping:
+                return
+            if c.proc is None or c.proc.returncode is not None:
+                c.restarts += 1
+                try:
+                    await self._spawn(c)
+                    await self._wait_ready(c)
+                except StartFailed as exc:
+                    failed += 1
+                    with contextlib.suppress(ProcessLookupError):
+                        await self._kill_group(c, 0.0)
+                    c.last_exit = f"start failed: {str(exc).splitlines()[0]}"
+                    c.state = "backoff"
+                    raise
+                failed = 0
+                self.on_event(c.spec.name, f"restarted (pid {c.pid}, restart #{c.restarts})")
             assert c.proc is not None
             rc = await c.proc.wait()
             if self.stopping:
                 return
             up = time.monotonic() - c.started_at
-            if up >= self.healthy_reset_s:
-                backoff = self.backoff_s
-            if failed_starts == 0:  # a failed restart was reported already
-                c.last_exit = f"exit code {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
-                self.on_event(c.spec.name, f"exited ({c.last_exit}) after {up:.0f} s; restarting in {backoff:g} s")
+            c.last_exit = f"exit code {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
             c.state = "backoff"
             c.ready_event.clear()
             await self._kill_group(c, 0.0)  # whatever it left behind in its process group
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.max_backoff_s)
-            if self.stopping:
-                return
-            c.restarts += 1
+            if up < self.healthy_reset_s:
+                raise _Exited(f"exited ({c.last_exit}) after {up:.0f} s")
+            self.on_event(c.spec.name, f"exited ({c.last_exit}) after {up:.0f} s; restarting in {self.backoff_s:g} s")
+
+        def retryable(exc: BaseException) -> bool:
+            return not self.stopping and (isinstance(exc, _Exited)
+                                          or (isinstance(exc, StartFailed) and not exc.permanent))
+
+        def announce(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            wait_s = state.next_action.sleep if state.next_action is not None else 0.0
+            what = f"restart failed: {str(exc).splitlines()[0]}" if isinstance(exc, StartFailed) else str(exc)
+            self.on_event(c.spec.name, f"{what}; restarting in {wait_s:g} s")
+
+        retrying = AsyncRetrying(retry=retry_if_exception(retryable), reraise=True,
+                                 stop=lambda state: failed >= self.max_start_failures,
+                                 wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+                                 before_sleep=announce)
+        while not self.stopping:
             try:
-                await self._spawn(c)
-                await self._wait_ready(c)
-                failed_starts = 0
-                self.on_event(c.spec.name, f"restarted (pid {c.pid}, restart #{c.restarts})")
+                await retrying(run_once)
+            except _Exited:
+                return  # stopping meanwhile
             except StartFailed as exc:
-                failed_starts += 1
-                with contextlib.suppress(ProcessLookupError):
-                    await self._kill_group(c, 0.0)
                 first = str(exc).splitlines()[0]
-                c.last_exit = f"start failed: {first}"
-                if exc.permanent or failed_starts >= self.max_start_failures:
-                    if not exc.permanent:
-                        exc = StartFailed(f"{c.spec.name} failed to start {failed_starts} times in a row; giving up. "
-                                          f"Last: {exc}", permanent=True)
-                    c.state = "failed"
-                    self.on_event(c.spec.name, f"failed for good, not restarting: {first}")
-                    if self.fatal is None:
-                        self.fatal = exc
-                        self.on_fatal(exc)
-                    return
-                self.on_event(c.spec.name, f"restart failed: {first}; restarting in {backoff:g} s")
+                if not exc.permanent:
+                    exc = StartFailed(f"{c.spec.name} failed to start {failed} times in a row; giving up. "
+                                      f"Last: {exc}", permanent=True)
+                c.state = "failed"
+                self.on_event(c.spec.name, f"failed for good, not restarting: {first}")
+                if self.fatal is None:
+                    self.fatal = exc
+                    self.on_fatal(exc)
+                return
+            if not self.stopping:
+                await asyncio.sleep(self.backoff_s)  # after a long run: the first wait again
 
     async def _kill_group(self, c: Child, grace_s: float) -> None:
         proc = c.proc

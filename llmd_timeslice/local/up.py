@@ -24,6 +24,8 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -51,7 +53,7 @@ STOP_BOUND_S = 60.0
 """Most seconds a stop takes: gate, engine wake-ups, then every process group (SIGKILL after its grace)."""
 
 
-def http_probe(url: str) -> callable:
+def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
     async def probe() -> bool:
         async with httpx.AsyncClient(timeout=2) as c:
             return (await c.get(url)).status_code == 200
@@ -59,10 +61,11 @@ def http_probe(url: str) -> callable:
     return probe
 
 
-def grpc_health_probe(target: str) -> callable:
+def grpc_health_probe(target: str) -> Callable[[], Awaitable[bool]]:
     async def probe() -> bool:
         async with grpc.aio.insecure_channel(target) as ch:
-            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            stub = health_pb2_grpc.HealthStub(ch)  # its stubs (types-grpcio-health-checking) declare no methods
+            r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)  # type: ignore[attr-defined]
             return r.status == health_pb2.HealthCheckResponse.SERVING
 
     return probe
@@ -150,7 +153,7 @@ class Stack:
                                 default_args=v.cpu_defaults)
             engines.append(ChildSpec(f"vllm-{e.name}", server.command(), server.log_path, v.port,
                                      probe=http_probe(f"{e.base_url}/health"), start_timeout_s=v.startup_timeout_s,
-                                     stop_grace_s=15.0, env_factory=lambda srv=server, env=v.env: srv.environment(env),
+                                     stop_grace_s=15.0, env_factory=partial(server.environment, v.env),
                                      listen=(v.port,)))
         sidecars = [ChildSpec(f"sidecar-{e.name}", self._cli("sidecar", "--job-id", e.name, "--engine-url", e.base_url,
                                                               "--host", h, "--port", str(e.sidecar_port), *tok),

@@ -114,7 +114,8 @@ class GrpcSwitchActions(SwitchActions):
         self._channels.clear()
 
     # ------------------------------------------------------------------- gates
-    async def _publish(self, samplers: list[SamplerEndpoint], state: int, weight_version: int | None = None) -> None:
+    async def _publish(self, samplers: list[SamplerEndpoint], state: gpb.EndpointState,
+                       weight_version: int | None = None) -> None:
         """Set ``state`` for ``samplers`` and wait until every connected gate acked it."""
         by_pool: dict[str, list[SamplerEndpoint]] = defaultdict(list)
         for s in samplers:

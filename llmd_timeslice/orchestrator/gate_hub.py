@@ -68,7 +68,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.ack_timeout_s = ack_timeout_s
         self.keepalive_s = keepalive_s
         self.epoch = 0
-        self.state: dict[str, dict[str, tuple[int, int]]] = {}  # pool -> address -> (wire state, weight version)
+        self.state: dict[str, dict[str, tuple[gpb.EndpointState, int]]] = {}  # pool -> address -> (wire state, weight version)
         self._gates: dict[str, _GateConn] = {}
         self._ids = itertools.count()
         self._contacts: dict[str, _Contact] = {}
@@ -177,13 +177,13 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             for pool, eps in self.state.items()
         ])
 
-    async def publish(self, pool: str, updates: list[tuple[str, int, int | None]]) -> tuple[int, list[str]]:
+    async def publish(self, pool: str, updates: list[tuple[str, gpb.EndpointState, int | None]]) -> tuple[int, list[str]]:
         """Apply ``(address, wire state, weight version or None)`` updates to ``pool``; send them to every gate
         and wait for each gate's ack. Returns ``(epoch, gate ids that did not ack in time)``."""
         eps = self.state.setdefault(pool, {})
         wire = []
         for address, state, version in updates:
-            prev_version = eps.get(address, (0, 0))[1]
+            prev_version = eps.get(address, (gpb.ENDPOINT_STATE_UNSPECIFIED, 0))[1]
             v = prev_version if version is None else version
             eps[address] = (state, v)
             wire.append(gpb.EndpointUpdate(address=address, state=state, weight_version=v))

@@ -116,7 +116,7 @@ class BackendResolver:
 
     def resolve(self, job_id: str, cfg: pb.BackendConfig | None) -> Resolution:
         which = cfg.WhichOneof("backend") if cfg is not None else None
-        if which == "app_endpoint":
+        if cfg is not None and which == "app_endpoint":
             c = cfg.app_endpoint
             if c.app == pb.APP_SGLANG:
                 backend = self._endpoint_backend("sglang", job_id, list(c.endpoints))
@@ -129,15 +129,15 @@ class BackendResolver:
                 raise ResolveError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown app {c.app}")
             mode = self._wire_mode(c.mode) or self._ann_mode() or SuspendMode.OFFLOAD
             return Resolution(backend, mode, list(c.tags), "request")
-        if which == "app_channel":
+        if cfg is not None and which == "app_channel":
             if self.registry.get(job_id) is None:
                 raise ResolveError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"app_channel requested but no workload registered for job {job_id!r} on "
                                    "WorkloadChannel; start the trainer's workload client first")
-            c = cfg.app_channel
-            mode = self._wire_mode(c.mode) or self._channel_mode(job_id)
-            return Resolution(self._build("workload_channel", job_id), mode, list(c.tags), "request")
-        if which == "cuda":
+            ch = cfg.app_channel
+            mode = self._wire_mode(ch.mode) or self._channel_mode(job_id)
+            return Resolution(self._build("workload_channel", job_id), mode, list(ch.tags), "request")
+        if cfg is not None and which == "cuda":
             pids = self._pids(job_id, list(cfg.cuda.explicit_target.pids))
             return Resolution(self._build("cuda", job_id, pids=pids), SuspendMode.OFFLOAD, [], "request")
         if which is not None:
@@ -166,7 +166,7 @@ class BackendResolver:
                            f"workloads {sorted(self.registry.channels)}")
 
     @staticmethod
-    def _wire_mode(m: int) -> SuspendMode | None:
+    def _wire_mode(m: pb.SuspendMode) -> SuspendMode | None:
         if m == pb.SUSPEND_MODE_UNSPECIFIED:
             return None
         if m not in PB_TO_MODE:

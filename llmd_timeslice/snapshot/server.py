@@ -71,7 +71,7 @@ class Operation:
     job_id: str
     kind: str
     started: float = field(default_factory=time.monotonic)
-    status: int = pb.OPERATION_STATUS_PENDING
+    status: pb.OperationStatus = pb.OPERATION_STATUS_PENDING
     elapsed_ms: int = 0
     error: str | None = None
     storage_bytes: int | None = None
@@ -250,7 +250,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         return xpb.GetServedWeightVersionResponse(weight_version=label or "", known=label is not None,
                                                   sleeping=sleeping)
 
-    async def _op(self, operation_id: str, context) -> Operation:
+    async def _op(self, operation_id: str, context: grpc.aio.ServicerContext) -> Operation:
         op = self.operations.get(operation_id)
         if op is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown operation {operation_id!r}")

@@ -70,7 +70,8 @@ class SglangBackend(SnapshotBackend):
         self._released |= set(tags) or {"weights", "kv_cache", "cuda_graph"}
         after = self.memory_reader() if self.memory_reader else None
         freed = before - after if before is not None and after is not None else None
-        if freed is not None and self.min_freed_fraction > 0 and before > 0 and freed < self.min_freed_fraction * before:
+        if (before is not None and freed is not None and self.min_freed_fraction > 0 and before > 0
+                and freed < self.min_freed_fraction * before):
             raise BackendError(f"SGLang {self.base_url} answered release with 200 but device memory went from {before} "
                                f"to {after} bytes (< {self.min_freed_fraction:.0%} freed); the endpoint stays out of "
                                "service")

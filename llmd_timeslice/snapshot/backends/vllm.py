@@ -378,7 +378,8 @@ class VllmBackend(SnapshotBackend):
         parked, action = await self._handle_parked(m)
         after = self._read_memory()
         freed = before - after if before is not None and after is not None else None
-        if freed is not None and self.min_freed_fraction > 0 and before > 0 and freed < self.min_freed_fraction * before:
+        if (before is not None and freed is not None and self.min_freed_fraction > 0 and before > 0
+                and freed < self.min_freed_fraction * before):
             raise BackendError(f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
                                f"bytes (freed {freed / before:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
                                "(--enable-sleep-mode)? the engine is left out of service")
