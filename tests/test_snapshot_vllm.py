@@ -54,11 +54,19 @@ async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
 
 async def _load(c: httpx.AsyncClient, url: str, model: str) -> list[asyncio.Task]:
     """LOAD_REQUESTS long completions, all running at once (~2.5 s of work). Warm decode of the tiny
-    model is fast (~1,500 tokens/s), so a single request would end before a sleep arrives. Returns
-    after LOAD_SETTLE_S, with the engine still busy."""
+    model is fast (~1,500 tokens/s), so a single request would end before a sleep arrives. Returns once
+    vLLM's ``/metrics`` counts all of them running (a slow machine may take longer than LOAD_SETTLE_S to
+    schedule them; a request still waiting when the sleep starts would be parked, not drained), with the
+    engine still busy."""
     tasks = [asyncio.create_task(c.post(url + "/v1/completions", json={"model": model, **LONG}))
              for _ in range(LOAD_REQUESTS)]
     await asyncio.sleep(LOAD_SETTLE_S)
+    deadline = asyncio.get_running_loop().time() + 30  # a bound on a loaded CI machine, not a speed target
+    while asyncio.get_running_loop().time() < deadline and not all(t.done() for t in tasks):
+        m = parse_engine_metrics((await c.get(url + "/metrics")).text)
+        if m.running >= LOAD_REQUESTS and m.waiting == 0:
+            break
+        await asyncio.sleep(0.02)
     assert not all(t.done() for t in tasks), "the load ended before the sleep: raise LOAD_REQUESTS"
     return tasks
 
@@ -177,6 +185,7 @@ async def test_semantic_probe_catches_an_engine_that_reloaded_wrong_weights_afte
             await b.resume([])
         assert await b.is_suspended(), "put back to sleep, out of service"
         shutil.copy(vllm_server.model_dir / "model.safetensors", good / "model.safetensors")
+        write_manifest(good, 1)  # published again: a reload re-verifies the files against the manifest first
         await b.resume([])  # the next restore reloads the (repaired) files; the probe matches again
         assert not await b.is_suspended()
     finally:
@@ -203,7 +212,7 @@ async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_ha
                     "model": model, "prompt": "sent straight to the engine", "max_tokens": 16}))
                 res = await sleep
                 finished = [(await t).json()["choices"][0]["finish_reason"] for t in tasks]
-                if res.parked_requests:
+                if res.parked_requests == 1:  # only the direct one; a slow start may park more: try again
                     break
                 await direct
                 await b.resume([])

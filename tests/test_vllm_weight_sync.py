@@ -23,6 +23,7 @@ from llmd_timeslice.snapshot.server import SidecarServer
 from llmd_timeslice.weights.manifest import save_weight_version
 from tests.support.router import start_router
 from tests.support.vllm import running_vllm
+from tests.support.weight_status import weight_status_when
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -96,7 +97,7 @@ async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_publis
         expected = [await asyncio.to_thread(_greedy_transformers, trained, ids) for ids, *_ in after]
         assert [toks for _, toks, _ in after] == expected, "vLLM serves exactly the published weights"
         assert [toks for _, toks, _ in after] != [toks for _, toks, _ in before], "and not version 0's"
-        status = await ts.weight_status("g")
+        status = await weight_status_when(ts, "g", lambda s: s.serving_version == 1)
         assert status.serving_version == 1 and [s.in_service for s in status.samplers] == [True]
         # The engine audit reads the real engine's own label through the sidecar: version 1, awake, no fault.
         g = orch.orchestrator.groups["g"]
@@ -197,7 +198,7 @@ async def test_a_damaged_weight_version_leaves_the_pool_serving_the_last_good_on
             served = await _greedy_via_router(c, router.url, vllm_server.model_name, 4)
             assert [toks for _, toks, _ in served] == [
                 await asyncio.to_thread(_greedy_transformers, good, ids) for ids, *_ in served]
-        status = await ts.weight_status("g")
+        status = await weight_status_when(ts, "g", lambda s: s.serving_version == 4)
         assert status.serving_version == 4 and status.rejected.version == 0
     finally:
         await ts.close()
