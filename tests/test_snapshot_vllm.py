@@ -1,9 +1,9 @@
 """The vLLM backend against real vLLM 0.32 on CPU: level-2 discard, wake-up by tags, pause modes, the field
 failures of issue 15 that a CPU build can show (a prefix-cache reset refused while requests hold blocks, the
 semantic probe catching wrong weights after a level-2 reload, a request parked in a sleeping engine), and an
-engine killed mid-sleep (the last test: it kills the module's server).
+engine killed mid-sleep (``kills_vllm``: it kills the session's server, so it runs after every other test using it).
 
-One server for the module (~40 s to start on 2 cores).
+On the session's real vLLM server (``vllm_server`` in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,18 +22,13 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc a
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend, parse_engine_metrics
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.support.vllm import running_vllm
+from tests.support.vllm import restore_initial_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 LONG = {"prompt": "the quick brown fox", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 LOAD_REQUESTS = 8  # = --max-num-seqs: all running, none queued
 LOAD_SETTLE_S = 0.25
-
-
-@pytest.fixture(scope="module")
-def vllm_server():
-    yield from running_vllm("vllm-snapshot-test.log")
 
 
 async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
@@ -181,9 +176,7 @@ async def test_semantic_probe_catches_an_engine_that_reloaded_wrong_weights_afte
         assert not await b.is_suspended()
     finally:
         await b.close()
-        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:  # the module's original weights
-            await c.post("/collective_rpc", json={"method": "reload_weights",
-                                                   "kwargs": {"weights_path": str(vllm_server.model_dir)}})
+        await asyncio.to_thread(restore_initial_weights, vllm_server)
 
 
 async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_hanging(vllm_server):
@@ -217,8 +210,9 @@ async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_ha
         await b.close()
 
 
+@pytest.mark.kills_vllm
 async def test_engine_killed_mid_sleep_fails_the_operation_and_stays_out_of_service(vllm_server):
-    """Last in the module: kills the shared server."""
+    """Kills the session's server (it runs after every other test using it)."""
     srv = SidecarServer({"s": VllmBackend(vllm_server.url, idle_timeout_s=0, memory_reader=lambda: None)}, port=0)
     await srv.start()
     ch = __import__("grpc").aio.insecure_channel(f"127.0.0.1:{srv.port}")

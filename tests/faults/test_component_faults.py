@@ -81,14 +81,16 @@ async def stack(tmp_path):
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
     st = {"engines": engines, "ports": ports, "addrs": addrs, "sidecars": sidecars, "orch": orch, "gate": gate,
           "client": client, "pool": gate.pools["default"]}
-    yield st
-    await client.close()
-    await gate.stop()
-    await orch.stop()
-    for s in st["sidecars"]:
-        s.stop()
-    for e in st["engines"]:
-        e.stop()
+    try:
+        yield st
+    finally:  # st["orch"]: a test may replace the orchestrator (restart), and the new one must be stopped too
+        await client.close()
+        await gate.stop()
+        await st["orch"].stop()
+        for s in st["sidecars"]:
+            s.stop()
+        for e in st["engines"]:
+            e.stop()
 
 
 async def _until(pred, timeout_s: float = 20.0, what: str = "condition") -> None:
