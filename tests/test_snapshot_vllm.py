@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 LONG = {"prompt": "the quick brown fox", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 LOAD_REQUESTS = 8  # = --max-num-seqs: all running, none queued
-LOAD_SETTLE_S = 0.25
+LOAD_START_S = 20.0  # at most this long for the load to be running (a few tenths of a second on an idle machine)
 
 
 async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
@@ -47,13 +47,31 @@ async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
         await b.close()
 
 
+async def _running(c: httpx.AsyncClient, url: str) -> float:
+    """``vllm:num_requests_running`` now (the engine's scheduler gauge, updated every step)."""
+    text = (await c.get(url + "/metrics")).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:num_requests_running"))
+
+
+async def _until_engine(c: httpx.AsyncClient, url: str, pred, what: str, timeout_s: float = LOAD_START_S) -> None:
+    """Poll until ``await pred(c, url)`` holds (the engine's own state, not a fixed sleep: a loaded machine is slow)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await pred(c, url):
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not seen in {timeout_s:g} s"
+        await asyncio.sleep(0.02)
+
+
 async def _load(c: httpx.AsyncClient, url: str, model: str) -> list[asyncio.Task]:
     """LOAD_REQUESTS long completions, all running at once (~2.5 s of work). Warm decode of the tiny
     model is fast (~1,500 tokens/s), so a single request would end before a sleep arrives. Returns
-    after LOAD_SETTLE_S, with the engine still busy."""
+    once the engine runs all of them (its ``vllm:num_requests_running``), with the engine still busy."""
     tasks = [asyncio.create_task(c.post(url + "/v1/completions", json={"model": model, **LONG}))
              for _ in range(LOAD_REQUESTS)]
-    await asyncio.sleep(LOAD_SETTLE_S)
+
+    async def all_running(c, url) -> bool:
+        return any(t.done() for t in tasks) or await _running(c, url) >= LOAD_REQUESTS
+
+    await _until_engine(c, url, all_running, f"{LOAD_REQUESTS} requests running")
     assert not all(t.done() for t in tasks), "the load ended before the sleep: raise LOAD_REQUESTS"
     return tasks
 
@@ -191,7 +209,12 @@ async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_ha
             for _attempt in range(ATTEMPTS):
                 tasks = await _load(c, url, model)
                 sleep = asyncio.create_task(b.suspend(SuspendMode.OFFLOAD, []))
-                await asyncio.sleep(0.3)  # the pause has begun: the running batch drains, new requests queue
+
+                async def paused(c, url, sleep=sleep) -> bool:
+                    return sleep.done() or (await c.get(url + "/is_paused")).json().get("is_paused") is True
+
+                # the pause has begun (GET /is_paused): the running batch drains, new requests queue
+                await _until_engine(c, url, paused, "the pause of the sleep")
                 direct = asyncio.create_task(c.post(url + "/v1/completions", json={
                     "model": model, "prompt": "sent straight to the engine", "max_tokens": 16}))
                 res = await sleep
