@@ -28,13 +28,19 @@ $(VLLM_STAMP):
 demo: setup
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
+# Tests run in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,
+# so 2 cores keep more than 2 busy. --dist loadgroup keeps the tests of one xdist_group in one process (those of
+# the session's vLLM server, see tests/conftest.py). TEST_WORKERS=0 runs them in this process, one at a time.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -m "not vllm"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,8 @@
-"""Shared fixtures: real servers on free loopback ports, logs kept under test-artifacts/."""
+"""Shared fixtures: real servers on free loopback ports, logs kept under test-artifacts/.
+
+Also here: the session's real vLLM server (``vllm_server``, see tests/support/vllm.py) and the order and xdist
+groups of the tests using it, and the check that every gRPC server a test starts is stopped by that test.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +70,130 @@ def pytest_unconfigure(config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])
+
+
+# ---------------------------------------------------------------------------------------------- the shared vLLM
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "kills_vllm: kills the session's shared vLLM server (runs after every other "
+                                       "test that uses it)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns xdist_group marks into node ids
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests using the session's vLLM server (``vllm_server``) run in one xdist worker, first, in collection order,
+    the ones that kill it last; then the other tests that start vLLM (they take longest: starting them early keeps
+    the end of a parallel run short); then the rest."""
+    from tests.support.vllm import SHARED_GROUP
+
+    shared, killing, other_vllm, rest = [], [], [], []
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUP))
+            (killing if item.get_closest_marker("kills_vllm") else shared).append(item)
+        elif item.get_closest_marker("vllm"):
+            other_vllm.append(item)
+        else:
+            rest.append(item)
+    items[:] = shared + killing + other_vllm + rest
+
+
+def pytest_collection_finish(session) -> None:
+    """In an xdist worker under ``--dist loadgroup``: refuse to run if xdist lost the groups (it then spreads the
+    vLLM tests over every worker, each starting its own server: seen with pytest 9.2, pytest-dev/pytest-xdist#1386)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        import sys
+
+        why = (f"--dist loadgroup ignored the xdist_group mark of {len(lost)} tests (e.g. {lost[0]}): pytest-xdist "
+               "does not support this pytest (pytest-dev/pytest-xdist#1386); see the pytest pin in pyproject.toml")
+        print(f"\nERROR: {why}", file=sys.__stderr__, flush=True)  # an xdist worker's own errors show as a crash
+        raise pytest.UsageError(why)
+
+
+@pytest.fixture(scope="session")
+def _shared_vllm():
+    from tests.support.vllm import SharedVllm
+
+    shared = SharedVllm()
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(_shared_vllm):
+    """The session's real vLLM server (a started ``VllmServer``; ``model_name``, ``model_dir``, ``url``, ``pid``):
+    started on first use, shared by every test that does not need an engine of its own."""
+    return _shared_vllm.get()
+
+
+@pytest.fixture(autouse=True)
+def _vllm_server_usable(request):
+    """Before each test using ``vllm_server``: running (started again after a test killed it) and awake."""
+    if "vllm_server" in request.fixturenames:
+        request.getfixturevalue("_shared_vllm").make_usable()
+
+
+# ------------------------------------------------------------------------ no gRPC server left to the collector
+_GRPC_SERVERS: list[dict] = []
+
+
+def _track_grpc_aio_servers() -> None:
+    """Wrap ``grpc.aio.server`` (how every server of the project is made) to record each server with its event loop
+    and whether its ``start()`` and ``stop()`` ran. A server still serving when its loop has stopped was left to
+    ``__del__``, which schedules its shutdown on that dead loop ("Event loop is closed", "coroutine
+    'AioServer.shutdown' was never awaited") in whatever later test the garbage collector runs."""
+    from grpc import aio
+
+    make = aio.server
+    if getattr(make, "_llmd_tracked", False):
+        return
+
+    def server(*args, **kwargs):
+        srv = make(*args, **kwargs)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return srv
+        rec = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0], "loop": loop,
+               "started": False, "stopped": False}
+        start, stop = srv.start, srv.stop
+
+        async def tracked_start():
+            await start()
+            rec["started"] = True
+
+        async def tracked_stop(grace):
+            rec["stopped"] = True
+            return await stop(grace)
+
+        srv.start, srv.stop = tracked_start, tracked_stop
+        _GRPC_SERVERS.append(rec)
+        return srv
+
+    server._llmd_tracked = True
+    aio.server = server
+
+
+_track_grpc_aio_servers()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test and its fixtures are torn down: every gRPC server whose event loop has ended was stopped."""
+    result = yield
+    left = []
+    for rec in list(_GRPC_SERVERS):
+        if rec["loop"].is_running():
+            continue  # a module or session fixture's loop: checked when it ends
+        _GRPC_SERVERS.remove(rec)
+        if rec["started"] and not rec["stopped"]:
+            left.append(rec["test"])
+    if left:
+        raise AssertionError(f"{len(left)} gRPC server(s) started in {sorted(set(left))} were never stopped "
+                             "(await server.stop() before the test's event loop ends)")
+    return result
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """Rollouts by clients nobody here wrote, through real Envoy + gate + vLLM on CPU, while a trainer time-slices.
 
-One stack for the module: a real vLLM (tiny Llama, with its chat template), its snapshot sidecar, the
+One stack for the module: the session's real vLLM (tiny Llama, with its chat template), its snapshot sidecar, the
 orchestrator (group ``rollout``, the trainer co-located on the sampler: trainer group = sampler group) and the
 router (Envoy, gate subscribed to the orchestrator, picker). The trainer side is the upstream-compatible
 ``TimesliceCallback`` (env contract), training the tiny model for real with ``transformers`` and publishing each
@@ -27,18 +27,13 @@ from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.conftest import ARTIFACTS, LoopThread
 from tests.support.router import start_router
-from tests.support.vllm import running_vllm
+from tests.support.vllm import restore_initial_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "integrations-token"
 GROUP = "rollout"
-
-
-@pytest.fixture(scope="module")
-def vllm_server():
-    yield from running_vllm("vllm-integrations.log")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +61,7 @@ def stack(vllm_server, tmp_path_factory):
         lt.run(orch.stop())
         lt.run(sidecar.stop())
         lt.close()
+        restore_initial_weights(vllm_server)  # the session's engine, as it was before the training steps
 
 
 @pytest.fixture

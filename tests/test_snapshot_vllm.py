@@ -1,9 +1,9 @@
 """The vLLM backend against real vLLM 0.32 on CPU: level-2 discard, wake-up by tags, pause modes, the field
 failures of issue 15 that a CPU build can show (a prefix-cache reset refused while requests hold blocks, the
 semantic probe catching wrong weights after a level-2 reload, a request parked in a sleeping engine), and an
-engine killed mid-sleep (the last test: it kills the module's server).
+engine killed mid-sleep (``kills_vllm``: it kills the session's server, so it runs after every other test using it).
 
-One server for the module (~40 s to start on 2 cores).
+On the session's real vLLM server (``vllm_server`` in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,18 +22,14 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc a
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend, parse_engine_metrics
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.support.vllm import running_vllm
+from tests.support.vllm import restore_initial_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 LONG = {"prompt": "the quick brown fox", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 LOAD_REQUESTS = 8  # = --max-num-seqs: all running, none queued
-LOAD_SETTLE_S = 0.25
-
-
-@pytest.fixture(scope="module")
-def vllm_server():
-    yield from running_vllm("vllm-snapshot-test.log")
+ATTEMPTS = 4  # vLLM CPU sometimes serves /sleep only after the running batch ended (then nothing is in flight)
+LOAD_START_S = 20.0  # at most this long for the load to be running (a few tenths of a second on an idle machine)
 
 
 async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
@@ -52,23 +48,39 @@ async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
         await b.close()
 
 
+async def _running(c: httpx.AsyncClient, url: str) -> float:
+    """``vllm:num_requests_running`` now (the engine's scheduler gauge, updated every step)."""
+    text = (await c.get(url + "/metrics")).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:num_requests_running"))
+
+
+async def _until_engine(c: httpx.AsyncClient, url: str, pred, what: str, timeout_s: float = LOAD_START_S) -> None:
+    """Poll until ``await pred(c, url)`` holds (the engine's own state, not a fixed sleep: a loaded machine is slow)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await pred(c, url):
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not seen in {timeout_s:g} s"
+        await asyncio.sleep(0.02)
+
+
 async def _load(c: httpx.AsyncClient, url: str, model: str) -> list[asyncio.Task]:
     """LOAD_REQUESTS long completions, all running at once (~2.5 s of work). Warm decode of the tiny
-    model is fast (~1,500 tokens/s), so a single request would end before a sleep arrives. Returns once
-    vLLM's ``/metrics`` counts all of them running (a slow machine may take longer than LOAD_SETTLE_S to
-    schedule them; a request still waiting when the sleep starts would be parked, not drained), with the
-    engine still busy."""
-    tasks = [asyncio.create_task(c.post(url + "/v1/completions", json={"model": model, **LONG}))
-             for _ in range(LOAD_REQUESTS)]
-    await asyncio.sleep(LOAD_SETTLE_S)
-    deadline = asyncio.get_running_loop().time() + 30  # a bound on a loaded CI machine, not a speed target
-    while asyncio.get_running_loop().time() < deadline and not all(t.done() for t in tasks):
-        m = parse_engine_metrics((await c.get(url + "/metrics")).text)
-        if m.running >= LOAD_REQUESTS and m.waiting == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert not all(t.done() for t in tasks), "the load ended before the sleep: raise LOAD_REQUESTS"
-    return tasks
+    model is fast (~1,500 tokens/s), so a single request would end before a sleep arrives. Returns
+    once the engine runs all of them (its ``vllm:num_requests_running``), with the engine still busy. On a loaded
+    machine the requests can trickle in so slowly that the first ends before the last starts: then the load is
+    sent again (ATTEMPTS times)."""
+    for _attempt in range(ATTEMPTS):
+        tasks = [asyncio.create_task(c.post(url + "/v1/completions", json={"model": model, **LONG}))
+                 for _ in range(LOAD_REQUESTS)]
+
+        async def all_running(c, url, tasks=tasks) -> bool:
+            return any(t.done() for t in tasks) or await _running(c, url) >= LOAD_REQUESTS
+
+        await _until_engine(c, url, all_running, f"{LOAD_REQUESTS} requests running")
+        if not any(t.done() for t in tasks):
+            return tasks
+        for r in await asyncio.gather(*tasks):
+            assert r.status_code == 200, r.text
+    raise AssertionError(f"never had {LOAD_REQUESTS} requests running at once in {ATTEMPTS} attempts")
 
 
 async def _sleep_while_busy(url: str, model: str, mode: str) -> tuple[int, list[tuple[str, int]]]:
@@ -86,9 +98,6 @@ async def _sleep_while_busy(url: str, model: str, mode: str) -> tuple[int, list[
             await b.close()
         bodies = [(await t).json() for t in tasks]
     return done_before_wake, [(x["choices"][0]["finish_reason"], x["usage"]["completion_tokens"]) for x in bodies]
-
-
-ATTEMPTS = 4  # vLLM CPU sometimes serves /sleep only after the running batch ended (then nothing is in flight)
 
 
 async def _until_mid_batch(url: str, model: str, mode: str, landed) -> tuple[int, list[tuple[str, int]]]:
@@ -190,9 +199,7 @@ async def test_semantic_probe_catches_an_engine_that_reloaded_wrong_weights_afte
         assert not await b.is_suspended()
     finally:
         await b.close()
-        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:  # the module's original weights
-            await c.post("/collective_rpc", json={"method": "reload_weights",
-                                                   "kwargs": {"weights_path": str(vllm_server.model_dir)}})
+        await asyncio.to_thread(restore_initial_weights, vllm_server)
 
 
 async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_hanging(vllm_server):
@@ -207,7 +214,12 @@ async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_ha
             for _attempt in range(ATTEMPTS):
                 tasks = await _load(c, url, model)
                 sleep = asyncio.create_task(b.suspend(SuspendMode.OFFLOAD, []))
-                await asyncio.sleep(0.3)  # the pause has begun: the running batch drains, new requests queue
+
+                async def paused(c, url, sleep=sleep) -> bool:
+                    return sleep.done() or (await c.get(url + "/is_paused")).json().get("is_paused") is True
+
+                # the pause has begun (GET /is_paused): the running batch drains, new requests queue
+                await _until_engine(c, url, paused, "the pause of the sleep")
                 direct = asyncio.create_task(c.post(url + "/v1/completions", json={
                     "model": model, "prompt": "sent straight to the engine", "max_tokens": 16}))
                 res = await sleep
@@ -226,8 +238,9 @@ async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_ha
         await b.close()
 
 
+@pytest.mark.kills_vllm
 async def test_engine_killed_mid_sleep_fails_the_operation_and_stays_out_of_service(vllm_server):
-    """Last in the module: kills the shared server."""
+    """Kills the session's server (it runs after every other test using it)."""
     srv = SidecarServer({"s": VllmBackend(vllm_server.url, idle_timeout_s=0, memory_reader=lambda: None)}, port=0)
     await srv.start()
     ch = __import__("grpc").aio.insecure_channel(f"127.0.0.1:{srv.port}")

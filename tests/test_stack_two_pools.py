@@ -29,6 +29,7 @@ import yaml
 
 from llmd_timeslice.client import TimeSliceOrchestratorClient
 from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME
+from tests.support.prometheus import sample
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -117,6 +118,10 @@ def test_two_pool_stack_serves_each_pool_keeps_one_serving_while_the_other_sleep
             t = threading.Thread(target=send_b)
             t.start()
             asleep = _latencies(c, f"{router}/v1/completions", 10)
+            deadline = time.monotonic() + 60
+            while sample(ep["metrics_gate"], "llmd_timeslice_gate_held", pool="pool-b") != 1:
+                assert time.monotonic() < deadline, "pool-b's request never reached the gate"
+                time.sleep(0.1)
             assert not held, "pool-b's request is held while its engine sleeps"
             assert c.get(engine_urls[0] + "/is_sleeping").json() == {"is_sleeping": False}
             trainer.release()

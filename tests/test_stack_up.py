@@ -19,6 +19,7 @@ import yaml
 
 from llmd_timeslice.client import TimeSliceOrchestratorClient
 from llmd_timeslice.local.up import alive
+from tests.support.prometheus import sample
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -103,7 +104,8 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
 
         t = threading.Thread(target=send)
         t.start()
-        time.sleep(2.0)
+        _wait(lambda: sample(ep["metrics_gate"], "llmd_timeslice_gate_held", pool="default") == 1, 60,
+              "the request to be held at the gate")
         assert not held, "the request is held while the trainer holds the group"
         t0 = time.monotonic()
         down = subprocess.run([*CLI, "down", "-f", str(stack_file)], capture_output=True, text=True, timeout=120)

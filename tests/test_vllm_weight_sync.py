@@ -22,18 +22,13 @@ from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from llmd_timeslice.weights.manifest import save_weight_version
 from tests.support.router import start_router
-from tests.support.vllm import running_vllm
+from tests.support.vllm import restore_initial_weights
 from tests.support.weight_status import weight_status_when
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "a small model"]
 N_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def vllm_server():
-    yield from running_vllm("vllm-weight-sync.log")
 
 
 async def _greedy_via_router(c: httpx.AsyncClient, url: str, model: str, min_version: int) -> list[tuple]:
@@ -109,9 +104,7 @@ async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_publis
         await orch.stop()
         await sidecar.stop()
         await router.stop()
-        # Leave the module's engine on its original weights for any later test.
-        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:
-            await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+        await asyncio.to_thread(restore_initial_weights, vllm_server)  # the session's engine, as it was
 
 
 def _train_from(model, text: str) -> torch.nn.Module:
@@ -205,5 +198,4 @@ async def test_a_damaged_weight_version_leaves_the_pool_serving_the_last_good_on
         await orch.stop()
         await sidecar.stop()
         await router.stop()
-        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as c:
-            await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+        await asyncio.to_thread(restore_initial_weights, vllm_server)

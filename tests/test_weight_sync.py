@@ -525,6 +525,7 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
         await asyncio.sleep(3)  # the repair's back-off grows (2 s, 4 s, ...) while the engine stays down
         with caplog.at_level(logging.WARNING, logger="llmd_timeslice.orchestrator.groups"):
             engine = st.engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
-            await _until(lambda: pool.serving(min_version=1) == (addr,), timeout_s=20)
+            # the gate serves the engine as soon as it is verified; the group records the repair's outcome after
+            await _until(lambda: pool.serving(min_version=1) == (addr,) and not g.sampler_errors, timeout_s=20)
         assert engine.weight_version == "1" and engine.weights_path == str(tmp_path / "v1") and not g.sampler_errors
         assert "its engine answers again; repairing now" in caplog.text

@@ -36,16 +36,21 @@ class Sidecar:
         self.log = open(logdir / f"sidecar-{job}.log", "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
 
-    async def start(self) -> None:
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Start the process and wait until it listens (a Python start-up: ~1-2 s, more on a loaded 2-core machine)."""
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
-        for _ in range(200):
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.proc.poll() is None and asyncio.get_running_loop().time() < deadline:
             try:
                 _, w = await asyncio.open_connection("127.0.0.1", self.port)
                 w.close()
                 return
             except OSError:
                 await asyncio.sleep(0.05)
-        raise RuntimeError("sidecar did not start")
+        code = self.proc.poll()
+        self.stop()
+        raise RuntimeError(f"sidecar did not listen on {self.port} within {timeout_s:g} s (exit code {code}); "
+                           f"see {self.log.name}")
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -54,7 +59,12 @@ class Sidecar:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
         self.log.close()
 
 
@@ -65,30 +75,36 @@ async def stack(tmp_path):
     ports = [port_for.select_random(), port_for.select_random()]
     engines = [FakeVllm(port=p).start() for p in ports]
     sidecars = [Sidecar(f"s{i}", e.url, str(token_file), tmp_path) for i, e in enumerate(engines)]
-    await asyncio.gather(*(s.start() for s in sidecars))
-    addrs = [e.url.removeprefix("http://") for e in engines]
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "drain_timeout_s": 5, "samplers": [
-        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
-        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]}]})
-    orch = OrchestratorServer(inv, port=0, token=TOKEN)
-    orch.actions._op_timeout = 10.0
-    await orch.start()
-    orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN,
-                                 max_hold_s=30))
-    await gate.start()
-    await asyncio.wait_for(gate.subscription.connected.wait(), 10)
-    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
-    st = {"engines": engines, "ports": ports, "addrs": addrs, "sidecars": sidecars, "orch": orch, "gate": gate,
-          "client": client, "pool": gate.pools["default"]}
-    yield st
-    await client.close()
-    await gate.stop()
-    await orch.stop()
-    for s in st["sidecars"]:
-        s.stop()
-    for e in st["engines"]:
-        e.stop()
+    st: dict = {"engines": engines, "ports": ports, "sidecars": sidecars}
+    try:  # whatever was started is stopped, also when the set-up fails half-way
+        await asyncio.gather(*(s.start() for s in sidecars))
+        addrs = [e.url.removeprefix("http://") for e in engines]
+        inv = Inventory.model_validate({"groups": [{"group_id": "g", "drain_timeout_s": 5, "samplers": [
+            {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
+            for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]}]})
+        orch = st["orch"] = OrchestratorServer(inv, port=0, token=TOKEN)
+        orch.actions._op_timeout = 10.0
+        await orch.start()
+        orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
+        gate = st["gate"] = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}",
+                                                  token=TOKEN, max_hold_s=30))
+        await gate.start()
+        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+        st["client"] = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g",
+                                                        token=TOKEN)
+        st.update(addrs=addrs, pool=gate.pools["default"])
+        yield st
+    finally:  # st["orch"]: a test may replace the orchestrator (restart), and the new one must be stopped too
+        if "client" in st:
+            await st["client"].close()
+        if "gate" in st:
+            await st["gate"].stop()
+        if "orch" in st:
+            await st["orch"].stop()
+        for s in st["sidecars"]:
+            s.stop()
+        for e in st["engines"]:
+            e.stop()
 
 
 async def _until(pred, timeout_s: float = 20.0, what: str = "condition") -> None:

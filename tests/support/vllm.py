@@ -1,16 +1,31 @@
-"""One real vLLM CPU server for a test module (tiny Llama built locally, log under test-artifacts/)."""
+"""The real vLLM CPU server of a test session (tiny Llama built locally, log under test-artifacts/).
+
+One server serves every test that does not need an engine of its own (``vllm_server`` in tests/conftest.py):
+it starts on first use (~45-60 s on 2 cores: three Python processes importing torch and vLLM) and stops at the end
+of the session. Sharing it rests on each test leaving it as it found it, which :func:`restore_initial_weights` and
+:meth:`SharedVllm.make_usable` (before each test) see to:
+
+* weights: a test that loads other weights reloads the initial ones and resets the weight version label when done;
+* sleep: an engine left asleep by a failed test is woken before the next one;
+* life: a test that kills the engine (``@pytest.mark.kills_vllm``) runs after every other test using it (tests/conftest.py
+  orders them), and a dead server is started again before the next test that needs it.
+
+Under pytest-xdist every test using it runs in one worker (``xdist_group`` added in tests/conftest.py): one
+server per run, and no two tests drive the same engine at once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
+import httpx
 import port_for
 
 from tests.conftest import ARTIFACTS
 
+SHARED_GROUP = "vllm-shared"
+"""xdist group of the tests using the session's server (tests/conftest.py adds the mark)."""
 
-def running_vllm(log_name: str) -> Iterator:
-    """Generator for a module-scoped fixture: yields a started ``VllmServer`` with ``model_name`` set."""
+
+def _start(log_name: str):
     from llmd_timeslice.demo.tiny_model import build_tiny_llama
     from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer
 
@@ -19,7 +34,57 @@ def running_vllm(log_name: str) -> Iterator:
     server = VllmServer(model, port_for.select_random(), ARTIFACTS / log_name)
     server.start(timeout_s=400)
     server.model_name = SERVED_MODEL_NAME
-    try:
-        yield server
-    finally:
-        server.stop()
+    return server
+
+
+class SharedVllm:
+    """The session's server, started on first use: a started ``VllmServer`` with ``model_name`` and
+    ``initial_weight_version`` (the label ``GET /weight_info`` reported after the start) set."""
+
+    def __init__(self, log_name: str = "vllm-shared.log") -> None:
+        self.log_name = log_name
+        self.server = None
+        self.starts = 0
+
+    def get(self):
+        """The running server: started on first use, or started again (same object and port) after a test killed
+        it; ~45-60 s either way."""
+        if self.server is None:
+            self.server = _start(self.log_name)
+        elif self.server.proc is None or self.server.proc.poll() is not None:
+            self.server.stop()  # reaps what is left of the killed one
+            self.server.start(timeout_s=400)
+        else:
+            return self.server
+        self.starts += 1
+        r = httpx.get(self.server.url + "/weight_info", timeout=30)
+        self.server.initial_weight_version = r.json()["weight_version"]
+        return self.server
+
+    def make_usable(self) -> None:
+        """Before a test: a running, awake engine with its initial weights (a failed test may have left it dead, or
+        asleep with other weights)."""
+        server = self.get()
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            asleep = c.get("/is_sleeping").json().get("is_sleeping")
+        if asleep:
+            httpx.post(server.url + "/wake_up", timeout=60).raise_for_status()
+            restore_initial_weights(server)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def restore_initial_weights(server) -> None:
+    """Reload the model directory's own weights into ``server`` and set its weight version label back to the one it
+    started with: for a test that loaded other weights into the shared engine. Blocking (call it with
+    ``asyncio.to_thread`` from a coroutine)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(server.model_dir)}})
+        r.raise_for_status()
+        label = getattr(server, "initial_weight_version", None)
+        if label is not None:
+            c.post("/update_weight_version", json={"new_version": str(label)}).raise_for_status()
+
