@@ -28,16 +28,18 @@ $(VLLM_STAMP):
 demo: setup
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
-# Tests run in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,
-# so 2 cores keep more than 2 busy. --dist loadgroup keeps the tests of one xdist_group in one process (those of
-# the session's vLLM server, see tests/conftest.py). TEST_WORKERS=0 runs them in this process, one at a time.
+# The tests that start real vLLM servers run first, one at a time: their checks land a sleep mid-batch, and on
+# 2 cores a parallel neighbour starves the engine's API server enough to miss it. The rest then run in
+# TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes, so 2 cores keep
+# more than 2 busy. TEST_WORKERS=0 runs them in this process, one at a time.
 TEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
+	$(VENV)/bin/pytest -m vllm
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
