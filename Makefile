@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-fast lint typecheck protos clean bench-deps
+.PHONY: setup demo test test-fast lint format typecheck protos clean bench-deps
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -37,6 +37,7 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -m vllm
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
@@ -46,6 +47,11 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Rewrites the tree in the project's format (ruff format; settings in pyproject.toml).
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
 
 # The type checker on the core packages (the file list and settings are [tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)

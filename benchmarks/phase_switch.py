@@ -45,8 +45,7 @@ def _start_server() -> tuple[OrchestratorServer, asyncio.AbstractEventLoop]:
 
 
 async def _run(target: str, jobs: int, switches: int) -> dict:
-    clients = [AsyncTimeSliceOrchestratorClient(target, job_id=f"job-{i}", group_id="g", token="bench")
-               for i in range(jobs)]
+    clients = [AsyncTimeSliceOrchestratorClient(target, job_id=f"job-{i}", group_id="g", token="bench") for i in range(jobs)]
     yielded_at: list[float] = []
     overheads: list[float] = []
     done = asyncio.Event()
@@ -74,8 +73,13 @@ async def _run(target: str, jobs: int, switches: int) -> dict:
         await c.close()
     # The first grants happen with nobody yielding; measured overheads start once the queue is full.
     steady = overheads[jobs:] or overheads
-    return {"jobs": jobs, "switches": count, "control_overhead_ms_p50": _pct(steady, 50) * 1000,
-            "control_overhead_ms_p99": _pct(steady, 99) * 1000, "switches_per_s": count / wall}
+    return {
+        "jobs": jobs,
+        "switches": count,
+        "control_overhead_ms_p50": _pct(steady, 50) * 1000,
+        "control_overhead_ms_p99": _pct(steady, 99) * 1000,
+        "switches_per_s": count / wall,
+    }
 
 
 async def _baseline(target: str, n: int = 300) -> float:
@@ -113,8 +117,10 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(result, indent=1))
     for r in runs:
-        print(f"{r['jobs']:>3} jobs: p50 {r['control_overhead_ms_p50']:.2f} ms, p99 {r['control_overhead_ms_p99']:.2f} ms, "
-              f"{r['switches_per_s']:.0f} switches/s")
+        print(
+            f"{r['jobs']:>3} jobs: p50 {r['control_overhead_ms_p50']:.2f} ms, p99 {r['control_overhead_ms_p99']:.2f} ms, "
+            f"{r['switches_per_s']:.0f} switches/s"
+        )
     print(f"baseline gRPC round-trip p50 {base_ms:.2f} ms; switch overhead = {result['ratio_to_grpc_roundtrip']:.1f}x it")
 
 

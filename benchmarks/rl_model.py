@@ -51,24 +51,32 @@ import simpy
 
 # --------------------------------------------------------------------------- sources
 SOURCES = {
-    "llmd_blog": ("llm-d blog 'RL Post-Training: Co-Operative Time-Slicing' (2026-06-28), "
-                  "github.com/llm-d/llm-d.github.io blog/2026-06-28_rl_time-slicing.md: 1 node of 8x H100 SXM5 80GB, "
-                  "Qwen2.5-7B GRPO (veRL), rollout batch 512, vLLM TP4, FSDP trainers; standalone duty cycle 41% "
-                  "(DCGM) -> 71% with two sampler workloads interleaved; ~95% theoretical peak"),
-    "llmd_guide": ("llm-d-rl-time-slicing guides/rl-batch-interleaving/README.md "
-                   "(github.com/llm-d-incubation/llm-d-rl-time-slicing): supervisor log 'drained in 2.82s', "
-                   "'vLLM slept (HBM -> host RAM) in 0.97s', 'vLLM woke in 0.05s' (Qwen2.5-0.5B); sleep/wake "
-                   "'~1 s per 15 GB to host RAM'; 'trainer checkpoint ~ full GPU allocation'; cuda-checkpoint "
-                   "'~10-35 s per swap for a 1.5 B trainer'"),
+    "llmd_blog": (
+        "llm-d blog 'RL Post-Training: Co-Operative Time-Slicing' (2026-06-28), "
+        "github.com/llm-d/llm-d.github.io blog/2026-06-28_rl_time-slicing.md: 1 node of 8x H100 SXM5 80GB, "
+        "Qwen2.5-7B GRPO (veRL), rollout batch 512, vLLM TP4, FSDP trainers; standalone duty cycle 41% "
+        "(DCGM) -> 71% with two sampler workloads interleaved; ~95% theoretical peak"
+    ),
+    "llmd_guide": (
+        "llm-d-rl-time-slicing guides/rl-batch-interleaving/README.md "
+        "(github.com/llm-d-incubation/llm-d-rl-time-slicing): supervisor log 'drained in 2.82s', "
+        "'vLLM slept (HBM -> host RAM) in 0.97s', 'vLLM woke in 0.05s' (Qwen2.5-0.5B); sleep/wake "
+        "'~1 s per 15 GB to host RAM'; 'trainer checkpoint ~ full GPU allocation'; cuda-checkpoint "
+        "'~10-35 s per swap for a 1.5 B trainer'"
+    ),
     "design_s8": "DESIGN.md section 8 (figures from the field)",
-    "zero": ("Rajbhandari et al., 'ZeRO: Memory Optimizations Toward Training Trillion Parameter Models' (SC'20): "
-             "mixed-precision Adam keeps 16 bytes per parameter (2 weights + 2 grads + 12 fp32 master/m/v)"),
+    "zero": (
+        "Rajbhandari et al., 'ZeRO: Memory Optimizations Toward Training Trillion Parameter Models' (SC'20): "
+        "mixed-precision Adam keeps 16 bytes per parameter (2 weights + 2 grads + 12 fp32 master/m/v)"
+    ),
     "vllm_docs": "vLLM engine arguments: --gpu-memory-utilization defaults to 0.9 (the KV-cache pool is preallocated)",
     "blake2": "blake2.net: BLAKE2b at 3.08 cycles/byte on Skylake, about 1 GB/s per core",
     "h100": "NVIDIA H100 SXM5: 80 GB HBM3, ~3.35 TB/s",
-    "torch_offload": ("llmd_timeslice/snapshot/torch_offload.py: tensor_checksum() = torch.sum over the tensor's raw "
-                      "words + a sum of its 4 KiB-chunk sums weighted by position (two reads of every byte, ~10 torch "
-                      "ops and 2 host syncs per tensor), on the tensor's device, before copy-out and after copy-in"),
+    "torch_offload": (
+        "llmd_timeslice/snapshot/torch_offload.py: tensor_checksum() = torch.sum over the tensor's raw "
+        "words + a sum of its 4 KiB-chunk sums weighted by position (two reads of every byte, ~10 torch "
+        "ops and 2 host syncs per tensor), on the tensor's device, before copy-out and after copy-in"
+    ),
 }
 
 
@@ -98,63 +106,118 @@ def default_inputs() -> dict[str, Input]:
         "node_accelerators": Input(8, "accelerators", pub, _src("llmd_blog", "one 8-GPU node")),
         "group_size": Input(4, "accelerators per phase", pub, _src("llmd_blog", "vLLM TP4 samplers; trainer on 4")),
         "model_b": Input(7, "billion parameters", pub, _src("llmd_blog", "Qwen2.5-7B")),
-        "phase_s_at_7b": Input(120, "s of rollout + training per iteration at 7B", asm,
-                               "no per-phase timing is published; 512 prompts x 1024 tokens on 4 H100 per phase is of "
-                               "the order of a minute each; phases scale linearly with parameters in the sweep"),
+        "phase_s_at_7b": Input(
+            120,
+            "s of rollout + training per iteration at 7B",
+            asm,
+            "no per-phase timing is published; 512 prompts x 1024 tokens on 4 H100 per phase is of "
+            "the order of a minute each; phases scale linearly with parameters in the sweep",
+        ),
         "rollout_fraction": Input(0.5, "rollout / (rollout + training)", asm, "swept 0.25..0.75"),
-        "cpu_gap_s": Input(3.0, "s per iteration (reward on CPU + rollout-buffer processing)", asm,
-                           _src("llmd_blog", "accelerators idle during reward computation on CPU and buffer processing")),
-        "weight_sync_gbps": Input(5.0, "GB/s effective trainer->sampler weight sync", asm,
-                                  "NCCL/IPC weight update incl. gather; 7B bf16 -> 2.8 s"),
+        "cpu_gap_s": Input(
+            3.0,
+            "s per iteration (reward on CPU + rollout-buffer processing)",
+            asm,
+            _src("llmd_blog", "accelerators idle during reward computation on CPU and buffer processing"),
+        ),
+        "weight_sync_gbps": Input(
+            5.0, "GB/s effective trainer->sampler weight sync", asm, "NCCL/IPC weight update incl. gather; 7B bf16 -> 2.8 s"
+        ),
         "requests_per_rollout": Input(512, "requests", pub, _src("llmd_blog", "rollout batch size 512")),
         "iterations": Input(24, "iterations per job (3 warm-up, last excluded)", asm, "steady state"),
         "jobs": Input(2, "RL jobs", pub, _src("llmd_blog", "two-job case")),
         # ---- hardware
         "hbm_gb": Input(80, "GB per accelerator", pub, _src("h100")),
-        "pcie_gbps": Input(50, "GB/s per direction per accelerator", pub,
-                           _src("design_s8", "PCIe Gen5 x16 ~63 GB/s theoretical, ~50 GB/s practical")),
+        "pcie_gbps": Input(
+            50,
+            "GB/s per direction per accelerator",
+            pub,
+            _src("design_s8", "PCIe Gen5 x16 ~63 GB/s theoretical, ~50 GB/s practical"),
+        ),
         "weight_bytes_per_param": Input(2, "bytes (bf16)", asm, "bf16 weights for sampling"),
         "trainer_state_bytes_per_param": Input(16, "bytes", pub, _src("zero")),
         "vllm_gpu_memory_utilization": Input(0.9, "of HBM held by a vLLM process", pub, _src("vllm_docs")),
-        "trainer_footprint_fraction": Input(0.9, "of HBM held by a trainer process", pub,
-                                            _src("llmd_guide", "'trainer checkpoint ~ full GPU allocation'")),
+        "trainer_footprint_fraction": Input(
+            0.9, "of HBM held by a trainer process", pub, _src("llmd_guide", "'trainer checkpoint ~ full GPU allocation'")
+        ),
         # ---- reference design
         "probe_drain_s": Input(2.82, "s", pub, _src("llmd_guide", "'drained in 2.82s'; DESIGN.md section 8: 2.8 s")),
         "operation_poll_s": Input(1.0, "s", pub, _src("design_s8", "orchestrator polls agent operations every 1 s")),
-        "ckpt_process_start_s": Input(2.7, "s per cuda-checkpoint call", pub,
-                                      _src("design_s8", "~2.7 s of process start per call unless a helper stays up")),
-        "ckpt_fixed_s": Input(1.0, "s per checkpoint/restore besides moving bytes", pub,
-                              _src("design_s8", "cuda-checkpoint ~1-3 s resume for small models (low end taken)")),
+        "ckpt_process_start_s": Input(
+            2.7, "s per cuda-checkpoint call", pub, _src("design_s8", "~2.7 s of process start per call unless a helper stays up")
+        ),
+        "ckpt_fixed_s": Input(
+            1.0,
+            "s per checkpoint/restore besides moving bytes",
+            pub,
+            _src("design_s8", "cuda-checkpoint ~1-3 s resume for small models (low end taken)"),
+        ),
         # ---- vLLM level-1 sleep/wake
         "vllm_sleep_fixed_s": Input(0.9, "s", pub, _src("llmd_guide", "0.97 s for Qwen2.5-0.5B (~1 GB) less its bytes")),
         "vllm_wake_fixed_s": Input(0.05, "s", pub, _src("llmd_guide", "'vLLM woke in 0.05s' (0.5B)")),
         "vllm_sleep_wake_gbps": Input(15, "GB/s per accelerator", pub, _src("llmd_guide", "'~1 s per 15 GB'")),
         # ---- this project, measured by --mode real (defaults: the run DEFAULT_REAL_RUN on this machine, 2 cores)
-        "ts_drain_s": Input(0.0015, "s (publish DRAINING + drain barrier, nothing in flight)", meas,
-                            "orchestrator switch_phase_seconds{publish_draining,drain}, --mode real"),
-        "ts_sleep_control_s": Input(0.149, "s (sidecar: idle check, /sleep, /is_sleeping + metric verification)", meas,
-                                    "switch_phase_seconds{sleep} on vLLM-CPU, where sleep moves no bytes, --mode real"),
-        "ts_wake_control_s": Input(0.176, "s (sidecar wake + verification incl. probe completion, publish SERVING)", meas,
-                                   "switch_phase_seconds{wake} on vLLM-CPU, --mode real"),
+        "ts_drain_s": Input(
+            0.0015,
+            "s (publish DRAINING + drain barrier, nothing in flight)",
+            meas,
+            "orchestrator switch_phase_seconds{publish_draining,drain}, --mode real",
+        ),
+        "ts_sleep_control_s": Input(
+            0.149,
+            "s (sidecar: idle check, /sleep, /is_sleeping + metric verification)",
+            meas,
+            "switch_phase_seconds{sleep} on vLLM-CPU, where sleep moves no bytes, --mode real",
+        ),
+        "ts_wake_control_s": Input(
+            0.176,
+            "s (sidecar wake + verification incl. probe completion, publish SERVING)",
+            meas,
+            "switch_phase_seconds{wake} on vLLM-CPU, --mode real",
+        ),
         "ts_release_s": Input(0.0042, "s (Yield RPC)", meas, "client release() wall time, --mode real"),
-        "ts_grant_s": Input(0.069, "s (publish ASLEEP, grant, Acquire reply)", meas,
-                            "acquire wall time less its measured phases, --mode real"),
+        "ts_grant_s": Input(
+            0.069, "s (publish ASLEEP, grant, Acquire reply)", meas, "acquire wall time less its measured phases, --mode real"
+        ),
         # ---- trainer-state checksum (as implemented: torch reductions on the device)
         "device_checksum_gbps": Input(
-            1300, "GB/s per accelerator (bytes covered per second by the on-device checksum)", asm,
-            _src("torch_offload", "two memory-bound reads of every byte at ~80% of H100 HBM3's 3.35 TB/s [h100]; "
-                 "not measured on an accelerator here")),
+            1300,
+            "GB/s per accelerator (bytes covered per second by the on-device checksum)",
+            asm,
+            _src(
+                "torch_offload",
+                "two memory-bound reads of every byte at ~80% of H100 HBM3's 3.35 TB/s [h100]; "
+                "not measured on an accelerator here",
+            ),
+        ),
         "device_checksum_fixed_s": Input(
-            0.15, "s per checksum of one rank's state (per-tensor launches and host syncs)", asm,
-            _src("torch_offload", "~1,700 state tensors per rank (FSDP2 shards of Qwen2.5-7B's 339 parameters: "
-                 "parameter, gradient, Adam exp_avg / exp_avg_sq / step) x ~90 us (~10 torch ops + 2 host syncs); "
-                 "taken as constant across model sizes")),
-        "cpu_checksum_gbps": Input(5.78, "GB/s (state_checksum over ~1 GB of trainer state on this machine's CPU)", meas,
-                                   "rl_real.py bulk_state_rates(), --mode real; CPU, no accelerator: used only as a "
-                                   "floor of device_checksum_gbps in the sensitivity"),
-        "host_blake2b_gbps": Input(1.0, "GB/s per rank (BLAKE2b over the host copy, one core)", pub,
-                                   _src("blake2", "historical variant only: the offloader before the device "
-                                        "checksum hashed every byte on offload and again on restore")),
+            0.15,
+            "s per checksum of one rank's state (per-tensor launches and host syncs)",
+            asm,
+            _src(
+                "torch_offload",
+                "~1,700 state tensors per rank (FSDP2 shards of Qwen2.5-7B's 339 parameters: "
+                "parameter, gradient, Adam exp_avg / exp_avg_sq / step) x ~90 us (~10 torch ops + 2 host syncs); "
+                "taken as constant across model sizes",
+            ),
+        ),
+        "cpu_checksum_gbps": Input(
+            5.78,
+            "GB/s (state_checksum over ~1 GB of trainer state on this machine's CPU)",
+            meas,
+            "rl_real.py bulk_state_rates(), --mode real; CPU, no accelerator: used only as a "
+            "floor of device_checksum_gbps in the sensitivity",
+        ),
+        "host_blake2b_gbps": Input(
+            1.0,
+            "GB/s per rank (BLAKE2b over the host copy, one core)",
+            pub,
+            _src(
+                "blake2",
+                "historical variant only: the offloader before the device "
+                "checksum hashed every byte on offload and again on restore",
+            ),
+        ),
     }
 
 
@@ -166,8 +229,9 @@ def with_measured(inputs: dict[str, Input], real: dict | None) -> dict[str, Inpu
     measured = real.get("model_inputs", {})
     for key, val in measured.items():
         if key in out and out[key].kind == "measured here" and val.get("value") is not None:
-            out[key] = replace(out[key], value=float(val["value"]),
-                               source=f"{out[key].source} ({real.get('run_id', 'rl_real.json')})")
+            out[key] = replace(
+                out[key], value=float(val["value"]), source=f"{out[key].source} ({real.get('run_id', 'rl_real.json')})"
+            )
     return out
 
 
@@ -193,21 +257,33 @@ class Workload:
         return self.cpu_gap_s + self.weight_sync_s
 
 
-def make_workload(inp: dict[str, Input], *, model_b: float | None = None, rollout_fraction: float | None = None,
-                  cpu_gap_s: float | None = None, layout: str = "interleaved", iterations: int | None = None,
-                  jobs: int | None = None) -> Workload:
+def make_workload(
+    inp: dict[str, Input],
+    *,
+    model_b: float | None = None,
+    rollout_fraction: float | None = None,
+    cpu_gap_s: float | None = None,
+    layout: str = "interleaved",
+    iterations: int | None = None,
+    jobs: int | None = None,
+) -> Workload:
     """Phase durations scale linearly with parameters from the 7B anchor (same tokens per iteration)."""
     b = float(model_b if model_b is not None else inp["model_b"].value)
     frac = float(rollout_fraction if rollout_fraction is not None else inp["rollout_fraction"].value)
     total = inp["phase_s_at_7b"].value * b / 7.0
     sync = b * 1e9 * inp["weight_bytes_per_param"].value / (inp["weight_sync_gbps"].value * 1e9)
     return Workload(
-        model_b=b, rollout_s=total * frac, train_s=total * (1 - frac),
-        cpu_gap_s=float(cpu_gap_s if cpu_gap_s is not None else inp["cpu_gap_s"].value), weight_sync_s=sync,
-        jobs=int(jobs or inp["jobs"].value), group_size=int(inp["group_size"].value),
+        model_b=b,
+        rollout_s=total * frac,
+        train_s=total * (1 - frac),
+        cpu_gap_s=float(cpu_gap_s if cpu_gap_s is not None else inp["cpu_gap_s"].value),
+        weight_sync_s=sync,
+        jobs=int(jobs or inp["jobs"].value),
+        group_size=int(inp["group_size"].value),
         node_accelerators=int(inp["node_accelerators"].value),
         requests_per_rollout=int(inp["requests_per_rollout"].value),
-        iterations=int(iterations or inp["iterations"].value), layout=layout,
+        iterations=int(iterations or inp["iterations"].value),
+        layout=layout,
     )
 
 
@@ -259,39 +335,61 @@ def make_strategy(name: str, inp: dict[str, Input], model_b: float, group_size: 
     vllm_bw = v["vllm_sleep_wake_gbps"] * 1e9
 
     if name == "dedicated":
+
         def none(role):
             return []
+
         return Strategy(name, none, none, dedicated=True)
     if name == "ceiling":
+
         def zero(role):
             return []
+
         return Strategy(name, zero, zero)
 
     def ckpt(role: str, what: str) -> list[Component]:
         footprint = by.sampler_footprint if role == "sampler" else by.trainer_footprint
         raw = v["ckpt_process_start_s"] + v["ckpt_fixed_s"] + footprint / pcie
-        keys = ("ckpt_process_start_s", "ckpt_fixed_s", "pcie_gbps",
-                "vllm_gpu_memory_utilization" if role == "sampler" else "trainer_footprint_fraction", "hbm_gb")
-        return [Component(f"{role} cuda-checkpoint {what} (process start + fixed + footprint/PCIe)", raw, keys),
-                Component(f"{role} {what}: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw,
-                          ("operation_poll_s",))]
+        keys = (
+            "ckpt_process_start_s",
+            "ckpt_fixed_s",
+            "pcie_gbps",
+            "vllm_gpu_memory_utilization" if role == "sampler" else "trainer_footprint_fraction",
+            "hbm_gb",
+        )
+        return [
+            Component(f"{role} cuda-checkpoint {what} (process start + fixed + footprint/PCIe)", raw, keys),
+            Component(f"{role} {what}: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",)),
+        ]
 
     def vllm_sleep(polled: bool) -> list[Component]:
         raw = v["vllm_sleep_fixed_s"] + by.sampler_weights / vllm_bw
-        out = [Component("sampler vLLM level-1 sleep (fixed + weights/15 GB/s)", raw,
-                         ("vllm_sleep_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"))]
+        out = [
+            Component(
+                "sampler vLLM level-1 sleep (fixed + weights/15 GB/s)",
+                raw,
+                ("vllm_sleep_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"),
+            )
+        ]
         if polled:
-            out.append(Component("sampler sleep: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw,
-                                 ("operation_poll_s",)))
+            out.append(
+                Component("sampler sleep: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",))
+            )
         return out
 
     def vllm_wake(polled: bool) -> list[Component]:
         raw = v["vllm_wake_fixed_s"] + by.sampler_weights / vllm_bw
-        out = [Component("sampler vLLM level-1 wake (fixed + weights/15 GB/s)", raw,
-                         ("vllm_wake_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"))]
+        out = [
+            Component(
+                "sampler vLLM level-1 wake (fixed + weights/15 GB/s)",
+                raw,
+                ("vllm_wake_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"),
+            )
+        ]
         if polled:
-            out.append(Component("sampler wake: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw,
-                                 ("operation_poll_s",)))
+            out.append(
+                Component("sampler wake: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",))
+            )
         return out
 
     if name in ("reference", "reference_vllm_sleep"):
@@ -312,34 +410,55 @@ def make_strategy(name: str, inp: dict[str, Input], model_b: float, group_size: 
 
     if name in ("llmd_timeslice", "llmd_timeslice_host_blake2b"):
         if name == "llmd_timeslice":  # as implemented: on the device, before copy-out / after copy-in
-            check = Component("trainer state checksum on the device (torch reductions)",
-                              v["device_checksum_fixed_s"] + by.trainer_state / (v["device_checksum_gbps"] * 1e9),
-                              ("device_checksum_gbps", "device_checksum_fixed_s"))
+            check = Component(
+                "trainer state checksum on the device (torch reductions)",
+                v["device_checksum_fixed_s"] + by.trainer_state / (v["device_checksum_gbps"] * 1e9),
+                ("device_checksum_gbps", "device_checksum_fixed_s"),
+            )
         else:  # historical: BLAKE2b over the host copy on one core, after copy-out / before copy-in
-            check = Component("trainer state checksum: BLAKE2b on one host core",
-                              by.trainer_state / (v["host_blake2b_gbps"] * 1e9), ("host_blake2b_gbps",))
+            check = Component(
+                "trainer state checksum: BLAKE2b on one host core",
+                by.trainer_state / (v["host_blake2b_gbps"] * 1e9),
+                ("host_blake2b_gbps",),
+            )
         on_device = name == "llmd_timeslice"
 
         def suspend(role):
             if role == "sampler":
-                return [Component("sampler drain: gate drain barrier (event)", v["ts_drain_s"], ("ts_drain_s",)),
-                        *vllm_sleep(False),
-                        Component("sampler sleep verification + control (sidecar)", v["ts_sleep_control_s"],
-                                  ("ts_sleep_control_s",))]
-            copy = Component("trainer offload: state/PCIe into reused pinned buffers", by.trainer_state / pcie,
-                             ("trainer_state_bytes_per_param", "pcie_gbps"))
-            return [*((check, copy) if on_device else (copy, check)),
-                    Component("trainer release (Yield RPC)", v["ts_release_s"], ("ts_release_s",))]
+                return [
+                    Component("sampler drain: gate drain barrier (event)", v["ts_drain_s"], ("ts_drain_s",)),
+                    *vllm_sleep(False),
+                    Component("sampler sleep verification + control (sidecar)", v["ts_sleep_control_s"], ("ts_sleep_control_s",)),
+                ]
+            copy = Component(
+                "trainer offload: state/PCIe into reused pinned buffers",
+                by.trainer_state / pcie,
+                ("trainer_state_bytes_per_param", "pcie_gbps"),
+            )
+            return [
+                *((check, copy) if on_device else (copy, check)),
+                Component("trainer release (Yield RPC)", v["ts_release_s"], ("ts_release_s",)),
+            ]
 
         def resume(role):
             if role == "sampler":
-                return [*vllm_wake(False),
-                        Component("sampler wake verification + control (probe completion, SERVING)",
-                                  v["ts_wake_control_s"], ("ts_wake_control_s",))]
-            copy = Component("trainer restore: state/PCIe from pinned buffers", by.trainer_state / pcie,
-                             ("trainer_state_bytes_per_param", "pcie_gbps"))
-            return [Component("trainer grant (control: publish, Acquire reply)", v["ts_grant_s"], ("ts_grant_s",)),
-                    *((copy, check) if on_device else (check, copy))]
+                return [
+                    *vllm_wake(False),
+                    Component(
+                        "sampler wake verification + control (probe completion, SERVING)",
+                        v["ts_wake_control_s"],
+                        ("ts_wake_control_s",),
+                    ),
+                ]
+            copy = Component(
+                "trainer restore: state/PCIe from pinned buffers",
+                by.trainer_state / pcie,
+                ("trainer_state_bytes_per_param", "pcie_gbps"),
+            )
+            return [
+                Component("trainer grant (control: publish, Acquire reply)", v["ts_grant_s"], ("ts_grant_s",)),
+                *((copy, check) if on_device else (check, copy)),
+            ]
 
         return Strategy(name, suspend, resume)
     raise ValueError(f"unknown strategy {name!r}")
@@ -486,8 +605,14 @@ def simulate(strategy: Strategy, wl: Workload, seed: int = 0, warmup: int = 3, k
     }
     if keep_trace:
         out["trace"] = {
-            "groups": [{"name": g.name, "busy": [(s, e, k, j) for s, e, k, j in g.busy],
-                        "switches": [(s, e, role) for s, e, _, role in g.switches]} for g in groups],
+            "groups": [
+                {
+                    "name": g.name,
+                    "busy": [(s, e, k, j) for s, e, k, j in g.busy],
+                    "switches": [(s, e, role) for s, e, _, role in g.switches],
+                }
+                for g in groups
+            ],
         }
     return out
 
@@ -515,11 +640,15 @@ def run_config(inp: dict[str, Input], names=STRATEGIES + VARIANTS, keep_trace: b
         for r in res.values():
             r["training_step_vs_dedicated"] = r["training_step_s"] / ded["training_step_s"]
             r["duty_cycle_vs_dedicated"] = r["duty_cycle"] / ded["duty_cycle"]
-            r["rollout_throughput_per_8_acc_vs_dedicated"] = (r["rollout_throughput_req_per_s_per_8_acc"]
-                                                              / ded["rollout_throughput_req_per_s_per_8_acc"])
-    return {"workload": wl.__dict__ | {"gap_s": wl.gap_s}, "results": res,
-            "analytic": {"dedicated_duty_cycle": analytic_dedicated(wl), "ceiling_duty_cycle": analytic_ceiling(wl)},
-            "trainer_state_fits_on_device": Bytes(inp, wl.model_b, wl.group_size).trainer_state_fits}
+            r["rollout_throughput_per_8_acc_vs_dedicated"] = (
+                r["rollout_throughput_req_per_s_per_8_acc"] / ded["rollout_throughput_req_per_s_per_8_acc"]
+            )
+    return {
+        "workload": wl.__dict__ | {"gap_s": wl.gap_s},
+        "results": res,
+        "analytic": {"dedicated_duty_cycle": analytic_dedicated(wl), "ceiling_duty_cycle": analytic_ceiling(wl)},
+        "trainer_state_fits_on_device": Bytes(inp, wl.model_b, wl.group_size).trainer_state_fits,
+    }
 
 
 def gap_for_dedicated_duty(inp: dict[str, Input], duty: float) -> float:
@@ -538,8 +667,14 @@ def winner(results: dict, names: tuple[str, ...], slack: float = 1.05) -> str:
 SWEEP_NAMES = ("dedicated", "reference", "llmd_timeslice", "ceiling")
 
 
-def sweep(inp: dict[str, Input], sizes=(1.5, 3, 7, 14, 32, 70), fractions=(0.25, 0.375, 0.5, 0.625, 0.75),
-          names=SWEEP_NAMES, layouts=("interleaved", "crossed"), slack: float = 1.05) -> list[dict]:
+def sweep(
+    inp: dict[str, Input],
+    sizes=(1.5, 3, 7, 14, 32, 70),
+    fractions=(0.25, 0.375, 0.5, 0.625, 0.75),
+    names=SWEEP_NAMES,
+    layouts=("interleaved", "crossed"),
+    slack: float = 1.05,
+) -> list[dict]:
     """Model size x rollout fraction; each time-slicing strategy takes the better of the layouts (an
     operator places the jobs), i.e. the highest duty cycle whose training step stays within ``slack``."""
     rows = []
@@ -555,28 +690,51 @@ def sweep(inp: dict[str, Input], sizes=(1.5, 3, 7, 14, 32, 70), fractions=(0.25,
                 lay, r = max(ok, key=lambda c: (round(c[1]["duty_cycle"], 3), -layouts.index(c[0])))
                 best[n], chosen[n] = r, lay
             wl = by_layout[layouts[0]]["workload"]
-            rows.append({
-                "model_b": b, "rollout_fraction": f, "rollout_s": wl["rollout_s"], "train_s": wl["train_s"],
-                "gap_s": wl["gap_s"],
-                "duty_cycle": {n: best[n]["duty_cycle"] for n in names},
-                "training_step_vs_dedicated": {n: best[n]["training_step_vs_dedicated"] for n in names},
-                "rollout_p99_latency_s": {n: best[n]["rollout_p99_latency_s"] for n in names},
-                "layout": chosen,
-                "by_layout": {lay: {n: {"duty_cycle": v["results"][n]["duty_cycle"],
-                                        "training_step_vs_dedicated": v["results"][n]["training_step_vs_dedicated"]}
-                                    for n in names} for lay, v in by_layout.items()},
-                "winner": winner(best, tuple(n for n in names if n != "ceiling"), slack),
-                "trainer_state_fits_on_device": by_layout[layouts[0]]["trainer_state_fits_on_device"],
-            })
+            rows.append(
+                {
+                    "model_b": b,
+                    "rollout_fraction": f,
+                    "rollout_s": wl["rollout_s"],
+                    "train_s": wl["train_s"],
+                    "gap_s": wl["gap_s"],
+                    "duty_cycle": {n: best[n]["duty_cycle"] for n in names},
+                    "training_step_vs_dedicated": {n: best[n]["training_step_vs_dedicated"] for n in names},
+                    "rollout_p99_latency_s": {n: best[n]["rollout_p99_latency_s"] for n in names},
+                    "layout": chosen,
+                    "by_layout": {
+                        lay: {
+                            n: {
+                                "duty_cycle": v["results"][n]["duty_cycle"],
+                                "training_step_vs_dedicated": v["results"][n]["training_step_vs_dedicated"],
+                            }
+                            for n in names
+                        }
+                        for lay, v in by_layout.items()
+                    },
+                    "winner": winner(best, tuple(n for n in names if n != "ceiling"), slack),
+                    "trainer_state_fits_on_device": by_layout[layouts[0]]["trainer_state_fits_on_device"],
+                }
+            )
     return rows
 
 
 # --------------------------------------------------------------------------- plots
-COLORS = {"dedicated": "#7f7f7f", "reference": "#ff7f0e", "llmd_timeslice": "#1f77b4",
-          "llmd_timeslice_host_blake2b": "#aec7e8", "reference_vllm_sleep": "#ffbb78", "ceiling": "#000000"}
-LABELS = {"dedicated": "dedicated", "reference": "reference TS", "llmd_timeslice": "llmd-timeslice",
-          "llmd_timeslice_host_blake2b": "llmd-timeslice (historical: host BLAKE2b)", "reference_vllm_sleep":
-          "reference + vLLM sleep", "ceiling": "zero-cost ceiling"}
+COLORS = {
+    "dedicated": "#7f7f7f",
+    "reference": "#ff7f0e",
+    "llmd_timeslice": "#1f77b4",
+    "llmd_timeslice_host_blake2b": "#aec7e8",
+    "reference_vllm_sleep": "#ffbb78",
+    "ceiling": "#000000",
+}
+LABELS = {
+    "dedicated": "dedicated",
+    "reference": "reference TS",
+    "llmd_timeslice": "llmd-timeslice",
+    "llmd_timeslice_host_blake2b": "llmd-timeslice (historical: host BLAKE2b)",
+    "reference_vllm_sleep": "reference + vLLM sleep",
+    "ceiling": "zero-cost ceiling",
+}
 
 
 CATEGORIES = {
@@ -625,8 +783,15 @@ def plot_model(path, report: dict) -> None:
     for k, (sname, off) in enumerate((("default", -width / 2), ("published_baseline", width / 2))):
         res = scen[sname]["results"]
         vals = [res[n]["duty_cycle"] for n in names]
-        bars = ax.bar([i + off for i in range(len(names))], vals, width, color=[COLORS[n] for n in names],
-                      alpha=1.0 if k == 0 else 0.45, edgecolor="k", linewidth=0.4)
+        bars = ax.bar(
+            [i + off for i in range(len(names))],
+            vals,
+            width,
+            color=[COLORS[n] for n in names],
+            alpha=1.0 if k == 0 else 0.45,
+            edgecolor="k",
+            linewidth=0.4,
+        )
         for b, v in zip(bars, vals, strict=True):
             ax.text(b.get_x() + b.get_width() / 2, v + 0.01, f"{v:.2f}", ha="center", fontsize=7)
     pub = report["published_points"]
@@ -638,8 +803,11 @@ def plot_model(path, report: dict) -> None:
     ax.set_xticks(range(len(names)), [LABELS[n].replace(" (", "\n(").replace(" + ", "\n+ ") for n in names], fontsize=7)
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("two-job duty cycle")
-    ax.set_title("duty cycle (model): solid = default workload, faded = gap calibrated to the published 41%;\n"
-                 "black diamonds = published (llm-d: 41% standalone, 71% two jobs, ~95% peak)", fontsize=8)
+    ax.set_title(
+        "duty cycle (model): solid = default workload, faded = gap calibrated to the published 41%;\n"
+        "black diamonds = published (llm-d: 41% standalone, 71% two jobs, ~95% peak)",
+        fontsize=8,
+    )
 
     # (b) switch cost breakdown at the default workload, components grouped by kind
     ax = fig.add_subplot(gs[0, 1])
@@ -662,8 +830,9 @@ def plot_model(path, report: dict) -> None:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per handover (suspend the resident worker + resume the incoming one)")
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in CATEGORIES.values()], list(CATEGORIES),
-              fontsize=7, loc="lower right")
+    ax.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=c) for c in CATEGORIES.values()], list(CATEGORIES), fontsize=7, loc="lower right"
+    )
     ax.set_title(f"switch cost breakdown, {scen['default']['workload']['model_b']:g}B, default workload", fontsize=9)
 
     # (c, d) model-size sweep at rollout fraction 0.5, default (interleaved) layout
@@ -673,14 +842,21 @@ def plot_model(path, report: dict) -> None:
         ax.axis("off")
     sw = [r for r in report["sweep"] if abs(r["rollout_fraction"] - 0.5) < 1e-9]
     sizes = [r["model_b"] for r in sw]
-    for col, key, ylabel in ((0, "duty_cycle", "two-job duty cycle"),
-                             (1, "training_step_vs_dedicated", "training step time / dedicated")):
+    for col, key, ylabel in (
+        (0, "duty_cycle", "two-job duty cycle"),
+        (1, "training_step_vs_dedicated", "training step time / dedicated"),
+    ):
         if not sw:
             break
         ax = fig.add_subplot(gs[1, col])
         for n in SWEEP_NAMES:
-            ax.plot(range(len(sizes)), [r["by_layout"]["interleaved"][n][key] for r in sw], marker="o",
-                    color=COLORS[n], label=LABELS[n])
+            ax.plot(
+                range(len(sizes)),
+                [r["by_layout"]["interleaved"][n][key] for r in sw],
+                marker="o",
+                color=COLORS[n],
+                label=LABELS[n],
+            )
         ax.set_xticks(range(len(sizes)), [f"{s:g}B" for s in sizes])
         ax.set_xlabel("model size (phases scale linearly with parameters; rollout = training)")
         ax.set_ylabel(ylabel)
@@ -709,8 +885,7 @@ def plot_model(path, report: dict) -> None:
             else:
                 duty, step = r["duty_cycle"]["llmd_timeslice"], r["training_step_vs_dedicated"]["llmd_timeslice"]
                 step_ok = step <= TARGET["training_step_vs_dedicated_max"]
-                color = ("#2ca02c" if step_ok and duty >= TARGET["duty_cycle_min"] else "#ffdd71" if step_ok
-                         else "#ff9896")
+                color = "#2ca02c" if step_ok and duty >= TARGET["duty_cycle_min"] else "#ffdd71" if step_ok else "#ff9896"
                 text = f"duty {duty:.2f}\nstep {step:.3f}x\n({r['layout']['llmd_timeslice']})"
             ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=color, alpha=0.75))
             ax.text(x, y, text, ha="center", va="center", fontsize=6.5)
@@ -721,11 +896,17 @@ def plot_model(path, report: dict) -> None:
         ax.set_xlabel("model size")
         ax.set_ylabel("rollout / (rollout + training)")
         if col == 0:
-            ax.set_title("winner (dedicated / reference / llmd-timeslice): highest duty cycle with training step\n"
-                         "<= 1.05x dedicated (best of the interleaved / crossed layouts)", fontsize=9)
+            ax.set_title(
+                "winner (dedicated / reference / llmd-timeslice): highest duty cycle with training step\n"
+                "<= 1.05x dedicated (best of the interleaved / crossed layouts)",
+                fontsize=9,
+            )
         else:
-            ax.set_title("llmd-timeslice per cell (best layout) against the target: green meets it;\n"
-                         "yellow: step <= 1.05x but duty < 0.90; red: step > 1.05x dedicated", fontsize=9)
+            ax.set_title(
+                "llmd-timeslice per cell (best layout) against the target: green meets it;\n"
+                "yellow: step <= 1.05x but duty < 0.90; red: step > 1.05x dedicated",
+                fontsize=9,
+            )
 
     # (g) DES timeline: reference, the historical host-BLAKE2b variant and this project, default workload
     ax = fig.add_subplot(gs[3, :])
@@ -739,9 +920,16 @@ def plot_model(path, report: dict) -> None:
     for y, (_, g, a) in enumerate(lanes):
         for s, e, kind, job in g["busy"]:
             if s < a + horizon and e > a:
-                ax.barh(y, min(e, a + horizon) - max(s, a), left=max(s, a) - a, height=0.6,
-                        color="#c7e9c0" if kind == "rollout" else "#fcbba1", edgecolor="k", linewidth=0.3,
-                        hatch="" if job == 0 else "..")
+                ax.barh(
+                    y,
+                    min(e, a + horizon) - max(s, a),
+                    left=max(s, a) - a,
+                    height=0.6,
+                    color="#c7e9c0" if kind == "rollout" else "#fcbba1",
+                    edgecolor="k",
+                    linewidth=0.3,
+                    hatch="" if job == 0 else "..",
+                )
         for s, e, _ in g["switches"]:
             if s < a + horizon and e > a:
                 ax.barh(y, min(e, a + horizon) - max(s, a), left=max(s, a) - a, height=0.6, color="#ff7f0e")
@@ -749,11 +937,14 @@ def plot_model(path, report: dict) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, horizon)
     ax.set_xlabel("seconds (steady state of the default workload; job A plain, job B dotted)")
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#c7e9c0", "#fcbba1", "#ff7f0e")],
-              ["rollout", "training", "switch (not busy)"], fontsize=7, loc="lower right")
+    ax.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#c7e9c0", "#fcbba1", "#ff7f0e")],
+        ["rollout", "training", "switch (not busy)"],
+        fontsize=7,
+        loc="lower right",
+    )
     ax.set_title("DES timeline per accelerator group (4 accelerators each)", fontsize=9)
-    fig.suptitle("RL rollout duty cycle model: one 8-accelerator node, two GRPO jobs (simpy discrete-event model)",
-                 fontsize=12)
+    fig.suptitle("RL rollout duty cycle model: one 8-accelerator node, two GRPO jobs (simpy discrete-event model)", fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.985))
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -761,8 +952,13 @@ def plot_model(path, report: dict) -> None:
 
 # --------------------------------------------------------------------------- report
 DEFAULT_REAL_RUN = "rl_real 2026-11-30 10:04"  # the --mode real run the built-in "measured here" defaults come from
-DEFAULT_CPU_STATE_RATES = {"trainer_state_bytes": 1073741840, "tensors": 20, "offload_gbps": 2.17,
-                           "restore_gbps": 1.36, "checksum_gbps": 5.78}
+DEFAULT_CPU_STATE_RATES = {
+    "trainer_state_bytes": 1073741840,
+    "tensors": 20,
+    "offload_gbps": 2.17,
+    "restore_gbps": 1.36,
+    "checksum_gbps": 5.78,
+}
 
 
 def cpu_state_rates(real: dict | None) -> dict:
@@ -770,9 +966,9 @@ def cpu_state_rates(real: dict | None) -> dict:
     bulk = (real or {}).get("summary", {}).get("bulk_state")
     return {
         "about": "TorchStateOffloader on ~1 GB of trainer state on this machine's CPU (no accelerator): offload = "
-                 "checksum + copy into the reused host buffers, restore = copy back + checksum; checksum = "
-                 "state_checksum() alone. CPU figures, not accelerator figures: the model moves state at pcie_gbps and "
-                 "checksums at device_checksum_gbps; checksum_gbps serves only as a floor in the sensitivity",
+        "checksum + copy into the reused host buffers, restore = copy back + checksum; checksum = "
+        "state_checksum() alone. CPU figures, not accelerator figures: the model moves state at pcie_gbps and "
+        "checksums at device_checksum_gbps; checksum_gbps serves only as a floor in the sensitivity",
         "kind": "measured here",
         "from": (real or {}).get("run_id", "rl_real.json") if bulk else f"built-in defaults ({DEFAULT_REAL_RUN})",
         **{k: (bulk or DEFAULT_CPU_STATE_RATES).get(k) for k in DEFAULT_CPU_STATE_RATES},
@@ -782,7 +978,7 @@ def cpu_state_rates(real: dict | None) -> dict:
 PUBLISHED_POINTS = {
     "duty_cycle": {"dedicated": 0.41, "reference": 0.71, "ceiling": 0.95},
     "source": "[llmd_blog] (41% standalone measured by DCGM, 71% with two sampler workloads interleaved, "
-              "~95% theoretical peak); DESIGN.md section 1 and 8",
+    "~95% theoretical peak); DESIGN.md section 1 and 8",
 }
 TARGET = {"duty_cycle_min": 0.90, "training_step_vs_dedicated_max": 1.05}
 
@@ -819,17 +1015,35 @@ def build_report(inp: dict[str, Input], real: dict | None, real_path: str | None
         for k, val in values.items():
             i2[k] = replace(inp[k], value=float(val))
         r = run_config(i2, names=("dedicated", "llmd_timeslice"))["results"]["llmd_timeslice"]
-        sens.append({"strategy": "llmd_timeslice", "change": change, "kind": kind, "duty_cycle": r["duty_cycle"],
-                     "training_step_vs_dedicated": r["training_step_vs_dedicated"]})
+        sens.append(
+            {
+                "strategy": "llmd_timeslice",
+                "change": change,
+                "kind": kind,
+                "duty_cycle": r["duty_cycle"],
+                "training_step_vs_dedicated": r["training_step_vs_dedicated"],
+            }
+        )
 
     dev, fixed = inp["device_checksum_gbps"].value, inp["device_checksum_fixed_s"].value
-    ts_row(f"device checksum 10x slower ({dev / 10:g} GB/s + {10 * fixed:g} s per checksum)", "assumption",
-           device_checksum_gbps=dev / 10, device_checksum_fixed_s=10 * fixed)
+    ts_row(
+        f"device checksum 10x slower ({dev / 10:g} GB/s + {10 * fixed:g} s per checksum)",
+        "assumption",
+        device_checksum_gbps=dev / 10,
+        device_checksum_fixed_s=10 * fixed,
+    )
     cpu = inp["cpu_checksum_gbps"].value
-    ts_row(f"floor: device checksum no faster than this machine's CPU ({cpu:.2f} GB/s, no fixed part)", "measured here",
-           device_checksum_gbps=cpu, device_checksum_fixed_s=0.0)
-    ts_row(f"PCIe halved ({inp['pcie_gbps'].value / 2:g} GB/s: two GPUs behind one PCIe switch moving at once)",
-           "assumption", pcie_gbps=inp["pcie_gbps"].value / 2)
+    ts_row(
+        f"floor: device checksum no faster than this machine's CPU ({cpu:.2f} GB/s, no fixed part)",
+        "measured here",
+        device_checksum_gbps=cpu,
+        device_checksum_fixed_s=0.0,
+    )
+    ts_row(
+        f"PCIe halved ({inp['pcie_gbps'].value / 2:g} GB/s: two GPUs behind one PCIe switch moving at once)",
+        "assumption",
+        pcie_gbps=inp["pcie_gbps"].value / 2,
+    )
     wl = make_workload(inp)
     by = Bytes(inp, wl.model_b, wl.group_size)
     for swap in (10.0, 35.0):  # llm-d guide: cuda-checkpoint ~10-35 s per swap for a 1.5B trainer
@@ -837,58 +1051,92 @@ def build_report(inp: dict[str, Input], real: dict | None, real_path: str | None
         i2 = dict(inp)
         i2["ckpt_fixed_s"] = replace(inp["ckpt_fixed_s"], value=max(0.0, fixed))
         r = run_config(i2, names=("dedicated", "reference"))["results"]["reference"]
-        sens.append({"strategy": "reference", "change": f"cuda-checkpoint {swap:g} s per swap", "kind": "published",
-                     "source": "[llmd_guide] '~10-35 s per swap for a 1.5 B trainer'",
-                     "duty_cycle": r["duty_cycle"], "training_step_vs_dedicated": r["training_step_vs_dedicated"]})
+        sens.append(
+            {
+                "strategy": "reference",
+                "change": f"cuda-checkpoint {swap:g} s per swap",
+                "kind": "published",
+                "source": "[llmd_guide] '~10-35 s per swap for a 1.5 B trainer'",
+                "duty_cycle": r["duty_cycle"],
+                "training_step_vs_dedicated": r["training_step_vs_dedicated"],
+            }
+        )
     for layout in ("crossed", "colocated"):
         for frac in (0.5, 0.75):
-            r = run_config(inp, names=("dedicated", "reference", "llmd_timeslice", "ceiling"),
-                           layout=layout, rollout_fraction=frac)["results"]
+            r = run_config(
+                inp, names=("dedicated", "reference", "llmd_timeslice", "ceiling"), layout=layout, rollout_fraction=frac
+            )["results"]
             for n in ("reference", "llmd_timeslice", "ceiling"):
-                sens.append({"strategy": n, "change": f"layout {layout}, rollout fraction {frac}", "kind": "model",
-                             "duty_cycle": r[n]["duty_cycle"],
-                             "training_step_vs_dedicated": r[n]["training_step_vs_dedicated"]})
+                sens.append(
+                    {
+                        "strategy": n,
+                        "change": f"layout {layout}, rollout fraction {frac}",
+                        "kind": "model",
+                        "duty_cycle": r[n]["duty_cycle"],
+                        "training_step_vs_dedicated": r[n]["training_step_vs_dedicated"],
+                    }
+                )
 
     target = dict(TARGET)
     for n in ("llmd_timeslice", "llmd_timeslice_host_blake2b"):
-        target[n] = {"duty_cycle": res[n]["duty_cycle"], "training_step_vs_dedicated": res[n]["training_step_vs_dedicated"],
-                     "met": bool(res[n]["duty_cycle"] >= TARGET["duty_cycle_min"]
-                                 and res[n]["training_step_vs_dedicated"] <= TARGET["training_step_vs_dedicated_max"])}
+        target[n] = {
+            "duty_cycle": res[n]["duty_cycle"],
+            "training_step_vs_dedicated": res[n]["training_step_vs_dedicated"],
+            "met": bool(
+                res[n]["duty_cycle"] >= TARGET["duty_cycle_min"]
+                and res[n]["training_step_vs_dedicated"] <= TARGET["training_step_vs_dedicated_max"]
+            ),
+        }
     measured_keys = [k for k, i in inp.items() if i.kind == "measured here"]
     report = {
         "what": "discrete-event model (simpy) of two GRPO jobs on one 8-accelerator node; see docs/benchmarks.md",
         "definitions": {
             "duty_cycle": "accelerator-seconds in useful rollout or training work / (accelerators provisioned x wall time), "
-                          "over whole steady-state iterations; switches, drains, waits and CPU gaps are not busy",
+            "over whole steady-state iterations; switches, drains, waits and CPU gaps are not busy",
             "two_job_case": "two RL jobs share one node's 8 accelerators: both samplers on group 0 (4 accelerators), both "
-                            "trainers on group 1 (4 accelerators), so while job A trains, job B rolls out; dedicated gives "
-                            "each job its own 4 + 4 (16 accelerators for two jobs)",
+            "trainers on group 1 (4 accelerators), so while job A trains, job B rolls out; dedicated gives "
+            "each job its own 4 + 4 (16 accelerators for two jobs)",
             "rollout_throughput_req_per_s_per_8_acc": "rollout requests completed per second per 8 accelerators provisioned",
             "training_step_s": "job-visible training step: request the trainer group -> step done (wait + switch + compute)",
             "rollout_p99_latency_s": "per rollout request: the job issues its batch -> the request completes "
-                                     "(held / queued time and switch included)",
+            "(held / queued time and switch included)",
         },
         "duty_cycle": metric("duty_cycle", STRATEGIES),
         "rollout_throughput_req_per_s_per_8_acc": metric("rollout_throughput_req_per_s_per_8_acc", STRATEGIES),
         "training_step_s": metric("training_step_s", STRATEGIES),
         "rollout_p99_latency_s": metric("rollout_p99_latency_s", STRATEGIES),
-        "vs_dedicated": {n: {"duty_cycle": res[n]["duty_cycle_vs_dedicated"],
-                             "training_step": res[n]["training_step_vs_dedicated"],
-                             "rollout_throughput_per_8_acc": res[n]["rollout_throughput_per_8_acc_vs_dedicated"]}
-                         for n in STRATEGIES + VARIANTS},
-        "variants": {n: {k: res[n][k] for k in ("duty_cycle", "rollout_throughput_req_per_s_per_8_acc", "training_step_s",
-                                                 "rollout_p99_latency_s")} for n in VARIANTS},
+        "vs_dedicated": {
+            n: {
+                "duty_cycle": res[n]["duty_cycle_vs_dedicated"],
+                "training_step": res[n]["training_step_vs_dedicated"],
+                "rollout_throughput_per_8_acc": res[n]["rollout_throughput_per_8_acc_vs_dedicated"],
+            }
+            for n in STRATEGIES + VARIANTS
+        },
+        "variants": {
+            n: {
+                k: res[n][k]
+                for k in ("duty_cycle", "rollout_throughput_req_per_s_per_8_acc", "training_step_s", "rollout_p99_latency_s")
+            }
+            for n in VARIANTS
+        },
         "target": target,
         "published_points": PUBLISHED_POINTS,
         "scenarios": {
-            "default": {"about": "default inputs (idle CPU gap + weight sync = 4.8% of the accelerator phases)",
-                        "workload": default["workload"], "analytic": default["analytic"],
-                        "results": res},
-            "published_baseline": {"about": "cpu_gap_s calibrated so that dedicated = 0.41, the published standalone "
-                                            "duty cycle; checks the reference cost model against the published 0.71",
-                                   "cpu_gap_s": calib_gap, "workload": calibrated["workload"],
-                                   "analytic": calibrated["analytic"],
-                                   "results": {n: _strip(r) for n, r in calibrated["results"].items()}},
+            "default": {
+                "about": "default inputs (idle CPU gap + weight sync = 4.8% of the accelerator phases)",
+                "workload": default["workload"],
+                "analytic": default["analytic"],
+                "results": res,
+            },
+            "published_baseline": {
+                "about": "cpu_gap_s calibrated so that dedicated = 0.41, the published standalone "
+                "duty cycle; checks the reference cost model against the published 0.71",
+                "cpu_gap_s": calib_gap,
+                "workload": calibrated["workload"],
+                "analytic": calibrated["analytic"],
+                "results": {n: _strip(r) for n, r in calibrated["results"].items()},
+            },
         },
         "sensitivity": sens,
         "sweep": sweep(inp) if do_sweep else [],
@@ -909,20 +1157,30 @@ def build_report(inp: dict[str, Input], real: dict | None, real_path: str | None
 def print_report(report: dict, log=print) -> None:
     res = report["scenarios"]["default"]["results"]
     wl = report["scenarios"]["default"]["workload"]
-    log(f"default workload: {wl['model_b']:g}B, rollout {wl['rollout_s']:.0f} s + training {wl['train_s']:.0f} s, "
-        f"idle gap {wl['gap_s']:.1f} s per iteration, {wl['jobs']} jobs, layout {wl['layout']}")
+    log(
+        f"default workload: {wl['model_b']:g}B, rollout {wl['rollout_s']:.0f} s + training {wl['train_s']:.0f} s, "
+        f"idle gap {wl['gap_s']:.1f} s per iteration, {wl['jobs']} jobs, layout {wl['layout']}"
+    )
     log(f"{'strategy':34s} {'duty':>6s} {'x ded':>6s} {'step s':>7s} {'x ded':>6s} {'p99 s':>7s} {'req/s/8acc':>10s}")
     for n in STRATEGIES + VARIANTS:
         r = res[n]
-        log(f"{n:34s} {r['duty_cycle']:6.3f} {r['duty_cycle_vs_dedicated']:6.2f} {r['training_step_s']:7.1f} "
+        log(
+            f"{n:34s} {r['duty_cycle']:6.3f} {r['duty_cycle_vs_dedicated']:6.2f} {r['training_step_s']:7.1f} "
             f"{r['training_step_vs_dedicated']:6.3f} {r['rollout_p99_latency_s']:7.1f} "
-            f"{r['rollout_throughput_req_per_s_per_8_acc']:10.2f}")
+            f"{r['rollout_throughput_req_per_s_per_8_acc']:10.2f}"
+        )
     cal = report["scenarios"]["published_baseline"]["results"]
-    log("gap calibrated to the published 41% dedicated: " + ", ".join(
-        f"{n} {cal[n]['duty_cycle']:.3f}" for n in ("dedicated", "reference", "llmd_timeslice_host_blake2b",
-                                                    "llmd_timeslice", "ceiling"))
-        + " (published: dedicated 0.41, reference 0.71)")
+    log(
+        "gap calibrated to the published 41% dedicated: "
+        + ", ".join(
+            f"{n} {cal[n]['duty_cycle']:.3f}"
+            for n in ("dedicated", "reference", "llmd_timeslice_host_blake2b", "llmd_timeslice", "ceiling")
+        )
+        + " (published: dedicated 0.41, reference 0.71)"
+    )
     for n in ("llmd_timeslice", "llmd_timeslice_host_blake2b"):
         t = report["target"][n]
-        log(f"target (duty >= 0.90, step <= 1.05x dedicated) for {n}: {'MET' if t['met'] else 'NOT met'} "
-            f"(duty {t['duty_cycle']:.3f}, step {t['training_step_vs_dedicated']:.3f}x)")
+        log(
+            f"target (duty >= 0.90, step <= 1.05x dedicated) for {n}: {'MET' if t['met'] else 'NOT met'} "
+            f"(duty {t['duty_cycle']:.3f}, step {t['training_step_vs_dedicated']:.3f}x)"
+        )

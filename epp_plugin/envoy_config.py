@@ -120,8 +120,13 @@ def lost_completion_after_s(route_timeout: float) -> float:
 # open ext_proc stream to the gate.
 _BIG_THRESHOLDS = {
     "thresholds": [
-        {"priority": "DEFAULT", "max_connections": 100_000, "max_pending_requests": 100_000,
-         "max_requests": 100_000, "max_retries": 10}
+        {
+            "priority": "DEFAULT",
+            "max_connections": 100_000,
+            "max_pending_requests": 100_000,
+            "max_requests": 100_000,
+            "max_retries": 10,
+        }
     ]
 }
 
@@ -273,8 +278,9 @@ def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: boo
         "server_uri": {"uri": "http://llmd-timeslice-gate", "cluster": cluster, "timeout": _dur(max_hold_s + 10)},
         "authorization_request": {"headers_to_add": to_add},
         "authorization_response": {
-            "allowed_upstream_headers": exact(protocol.ADMISSION_HEADER, protocol.SUBSET_HINT_HEADER,
-                                              protocol.DESTINATION_HEADER),
+            "allowed_upstream_headers": exact(
+                protocol.ADMISSION_HEADER, protocol.SUBSET_HINT_HEADER, protocol.DESTINATION_HEADER
+            ),
             "allowed_client_headers": exact(protocol.REASON_HEADER, "retry-after", "content-type"),
             "allowed_client_headers_on_success": exact(protocol.WEIGHT_VERSION_HEADER, protocol.HOLD_MS_HEADER),
             "dynamic_metadata_from_headers": exact(protocol.STATUS_HEADER),
@@ -282,8 +288,7 @@ def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: boo
     }
 
 
-def authz_filter(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False,
-                 failure_mode_allow: bool = False) -> dict:
+def authz_filter(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False, failure_mode_allow: bool = False) -> dict:
     """The gate's ext_authz filter (fast path). ``picks``: no EPP follows, the gate names the endpoint."""
     return {
         "name": AUTHZ_FILTER_NAME,
@@ -302,8 +307,10 @@ def authz_filter(cluster: str, pool: str, max_hold_s: float, *, picks: bool = Fa
 
 def authz_per_route(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False) -> dict:
     """Per-route override of the ext_authz filter naming the route's pool (``typed_per_filter_config``)."""
-    return {"@type": AUTHZ_PER_ROUTE_TYPE,
-            "check_settings": {"http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks)}}
+    return {
+        "@type": AUTHZ_PER_ROUTE_TYPE,
+        "check_settings": {"http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks)},
+    }
 
 
 def subset_hint_filter() -> dict:
@@ -314,12 +321,18 @@ def subset_hint_filter() -> dict:
         "name": SUBSET_HINT_FILTER_NAME,
         "typed_config": {
             "@type": HEADER_TO_METADATA_TYPE,
-            "request_rules": [{
-                "header": protocol.SUBSET_HINT_HEADER,
-                "on_header_present": {"metadata_namespace": protocol.SUBSET_HINT_NAMESPACE, "key": protocol.SUBSET_HINT_KEY,
-                                      "type": "PROTOBUF_VALUE", "encode": "BASE64"},
-                "remove": True,
-            }],
+            "request_rules": [
+                {
+                    "header": protocol.SUBSET_HINT_HEADER,
+                    "on_header_present": {
+                        "metadata_namespace": protocol.SUBSET_HINT_NAMESPACE,
+                        "key": protocol.SUBSET_HINT_KEY,
+                        "type": "PROTOBUF_VALUE",
+                        "encode": "BASE64",
+                    },
+                    "remove": True,
+                }
+            ],
         },
     }
 
@@ -376,14 +389,23 @@ def router_filter(upstream_log_cluster: str | None = None) -> dict:
 def refusal_local_reply() -> dict:
     """HCM ``local_reply_config``: a gate refusal the ext_authz answer carried as 429 with
     ``x-llmd-timeslice-status: 503`` reaches the client as 503 (body and headers kept)."""
-    return {"mappers": [{
-        "filter": {"metadata_filter": {
-            "matcher": {"filter": protocol.AUTHZ_METADATA_NAMESPACE, "path": [{"key": protocol.STATUS_HEADER}],
-                        "value": {"string_match": {"exact": "503"}}},
-            "match_if_key_not_found": False,
-        }},
-        "status_code": 503,
-    }]}
+    return {
+        "mappers": [
+            {
+                "filter": {
+                    "metadata_filter": {
+                        "matcher": {
+                            "filter": protocol.AUTHZ_METADATA_NAMESPACE,
+                            "path": [{"key": protocol.STATUS_HEADER}],
+                            "value": {"string_match": {"exact": "503"}},
+                        },
+                        "match_if_key_not_found": False,
+                    }
+                },
+                "status_code": 503,
+            }
+        ]
+    }
 
 
 def authz_cluster(name: str, host: str, port: int) -> dict:
@@ -416,12 +438,15 @@ def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig, prefix_rewrite
     if prefix_rewrite is not None:
         route["route"]["prefix_rewrite"] = prefix_rewrite
     if pool is not None:
-        override = {"@type": PER_ROUTE_TYPE, "overrides": {
-            "grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]}}
+        override = {
+            "@type": PER_ROUTE_TYPE,
+            "overrides": {"grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]},
+        }
         per_filter = {EPP_FILTER_NAME: override} if cfg.epp_port is not None else {}
         if cfg.fast_path:
-            per_filter[AUTHZ_FILTER_NAME] = authz_per_route("timeslice_gate_authz", pool, cfg.max_hold_s,
-                                                            picks=cfg.epp_port is None)
+            per_filter[AUTHZ_FILTER_NAME] = authz_per_route(
+                "timeslice_gate_authz", pool, cfg.max_hold_s, picks=cfg.epp_port is None
+            )
         elif cfg.gate_port is not None:
             per_filter[GATE_FILTER_NAME] = override
         route["typed_per_filter_config"] = per_filter
@@ -441,23 +466,27 @@ def _filters_disabled(cfg: EnvoyRouterConfig) -> dict:
 
 def _routes(cfg: EnvoyRouterConfig) -> list[dict]:
     """``<prefix>v1/`` per extra pool (prefix stripped), ``/v1/`` for the default pool, 404 for the rest."""
+
     def not_routed(match: dict) -> dict:
         # Engine admin endpoints (VLLM_SERVER_DEV_MODE=1) and anything else: never forwarded, never held.
-        return {"match": match, "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
-                "typed_per_filter_config": _filters_disabled(cfg)}
+        return {
+            "match": match,
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
+            "typed_per_filter_config": _filters_disabled(cfg),
+        }
 
     bases = [prefix.rstrip("/") for prefix in cfg.pools_by_prefix] + [""]
     routes = [not_routed({"path": base + p}) for base in bases for p in ADMIN_PATHS_UNDER_API]
-    routes += [_route(prefix.rstrip("/") + API_PREFIX, pool, cfg, prefix_rewrite=API_PREFIX)
-               for prefix, pool in cfg.pools_by_prefix.items()]
+    routes += [
+        _route(prefix.rstrip("/") + API_PREFIX, pool, cfg, prefix_rewrite=API_PREFIX)
+        for prefix, pool in cfg.pools_by_prefix.items()
+    ]
     routes.append(_route(API_PREFIX, None, cfg))
     routes.append(not_routed({"prefix": "/"}))
     return routes
 
 
-NOT_ROUTED_BODY = (
-    '{"error": {"type": "not_routed", "message": "only the OpenAI API (/v1/...) is routed to model servers"}}'
-)
+NOT_ROUTED_BODY = '{"error": {"type": "not_routed", "message": "only the OpenAI API (/v1/...) is routed to model servers"}}'
 
 
 def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
@@ -469,8 +498,15 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
     """
     filters = []
     if cfg.fast_path:
-        filters.append(authz_filter("timeslice_gate_authz", cfg.pool, cfg.max_hold_s, picks=cfg.epp_port is None,
-                                    failure_mode_allow=cfg.gate_failure_mode_allow))
+        filters.append(
+            authz_filter(
+                "timeslice_gate_authz",
+                cfg.pool,
+                cfg.max_hold_s,
+                picks=cfg.epp_port is None,
+                failure_mode_allow=cfg.gate_failure_mode_allow,
+            )
+        )
         if cfg.epp_port is not None:
             filters.append(subset_hint_filter())
     elif cfg.gate_port is not None:

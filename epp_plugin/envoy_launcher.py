@@ -36,7 +36,9 @@ def validate(config_path: Path) -> None:
     """Run ``envoy --mode validate``; raises ``ValueError`` with Envoy's message when invalid."""
     proc = subprocess.run(
         [str(envoy_binary()), "--mode", "validate", "-c", str(config_path), "--log-level", "error"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     if proc.returncode != 0:
         raise ValueError(f"envoy rejected {config_path}: {(proc.stderr or proc.stdout)[-2000:]}")
@@ -72,14 +74,26 @@ class EnvoyProcess:
     def start(self, timeout_s: float = 30.0) -> EnvoyProcess:
         write_bootstrap(self.cfg, self.config_path)
         cmd = [
-            str(envoy_binary()), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
-            "--log-level", self.log_level, "--use-dynamic-base-id", "--log-path", str(self.log_path),
+            str(envoy_binary()),
+            "-c",
+            str(self.config_path),
+            "--concurrency",
+            str(self.concurrency),
+            "--log-level",
+            self.log_level,
+            "--use-dynamic-base-id",
+            "--log-path",
+            str(self.log_path),
             "--disable-hot-restart",
         ]
         self.envoy_id = fresh_envoy_id()  # per process: a restarted Envoy is a new one to the gate
         self._exec = HTTPExecutor(
-            cmd, url=f"http://{self.cfg.host}:{self.cfg.admin_port}/ready", status=200, timeout=timeout_s,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cmd,
+            url=f"http://{self.cfg.host}:{self.cfg.admin_port}/ready",
+            status=200,
+            timeout=timeout_s,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             envvars={protocol.ENVOY_ID_ENV: self.envoy_id},
         )
         self._exec.start()

@@ -40,10 +40,18 @@ def rollout(router: str, model: str, min_version: int) -> list[dict]:
     out = []
     with httpx.Client(timeout=300) as c:
         for p in PROMPTS:
-            r = c.post(f"{router}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 8},
-                       headers={"x-llmd-timeslice-min-weight-version": str(min_version)})
-            out.append({"status": r.status_code, "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text,
-                        "weight_version": int(r.headers.get("x-llmd-timeslice-weight-version", -1))})
+            r = c.post(
+                f"{router}/v1/completions",
+                json={"model": model, "prompt": p, "max_tokens": 8},
+                headers={"x-llmd-timeslice-min-weight-version": str(min_version)},
+            )
+            out.append(
+                {
+                    "status": r.status_code,
+                    "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text,
+                    "weight_version": int(r.headers.get("x-llmd-timeslice-weight-version", -1)),
+                }
+            )
     return out
 
 
@@ -67,14 +75,27 @@ def train_step(model_dir: Path | None, state: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stack", type=Path, default=HERE / "cpu-stack.yaml",
-                    help="stack file of the running stack (its endpoints and token are used)")
-    ap.add_argument("--router", default=os.environ.get(ROUTER_URL_ENV),
-                    help=f"router URL (OpenAI-style API); default: ${ROUTER_URL_ENV}, else the running stack's")
-    ap.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCH_ADDR"),
-                    help="orchestrator host:port; default: $TIMESLICE_ORCH_ADDR, else the running stack's")
-    ap.add_argument("--token-file", default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"),
-                    help="control-plane token file; default: $LLMD_TIMESLICE_TOKEN_FILE, else the running stack's")
+    ap.add_argument(
+        "--stack",
+        type=Path,
+        default=HERE / "cpu-stack.yaml",
+        help="stack file of the running stack (its endpoints and token are used)",
+    )
+    ap.add_argument(
+        "--router",
+        default=os.environ.get(ROUTER_URL_ENV),
+        help=f"router URL (OpenAI-style API); default: ${ROUTER_URL_ENV}, else the running stack's",
+    )
+    ap.add_argument(
+        "--orchestrator",
+        default=os.environ.get("TIMESLICE_ORCH_ADDR"),
+        help="orchestrator host:port; default: $TIMESLICE_ORCH_ADDR, else the running stack's",
+    )
+    ap.add_argument(
+        "--token-file",
+        default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"),
+        help="control-plane token file; default: $LLMD_TIMESLICE_TOKEN_FILE, else the running stack's",
+    )
     ap.add_argument("--job-id", default="trainer-0")
     ap.add_argument("--group", default="rollout-group", help="the sampler group the trainer time-slices with")
     ap.add_argument("--model", default="tiny", help="served model name")
@@ -93,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     a.router = a.router or eps.get("router")
     a.orchestrator = a.orchestrator or eps.get("orchestrator")
     a.token_file = a.token_file or eps.get("token_file")
-    missing = [n for n, v in (("--router", a.router), ("--orchestrator", a.orchestrator), ("--token-file", a.token_file))
-               if not v]
+    missing = [
+        n for n, v in (("--router", a.router), ("--orchestrator", a.orchestrator), ("--token-file", a.token_file)) if not v
+    ]
     if missing:
-        print(f"rl_loop: no {', '.join(missing)}: no stack runs from {a.stack}; run the export line `llmd-timeslice up` "
-              f"printed ({ROUTER_URL_ENV}, TIMESLICE_ORCH_ADDR, LLMD_TIMESLICE_TOKEN_FILE), pass --stack FILE, or "
-              "pass the flags", file=sys.stderr)
+        print(
+            f"rl_loop: no {', '.join(missing)}: no stack runs from {a.stack}; run the export line `llmd-timeslice up` "
+            f"printed ({ROUTER_URL_ENV}, TIMESLICE_ORCH_ADDR, LLMD_TIMESLICE_TOKEN_FILE), pass --stack FILE, or "
+            "pass the flags",
+            file=sys.stderr,
+        )
         return 2
     try:
         client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token_file=a.token_file)
@@ -112,12 +137,18 @@ def main(argv: list[str] | None = None) -> int:
             served = sorted({r["weight_version"] for r in recs})
             good = all(r["status"] == 200 and r["weight_version"] >= version for r in recs)
             ok &= good
-            print(f"iteration {it}: rollout {sum(r['status'] == 200 for r in recs)}/{len(recs)} ok at weight "
-                  f"version(s) {served} (asked >= {version})", flush=True)
+            print(
+                f"iteration {it}: rollout {sum(r['status'] == 200 for r in recs)}/{len(recs)} ok at weight "
+                f"version(s) {served} (asked >= {version})",
+                flush=True,
+            )
             t = time.monotonic()
             res = client.acquire(timeout_sec=300)
-            print(f"  acquired the group in {(time.monotonic() - t) * 1000:.0f} ms"
-                  + (f"; last weight sync failed: {res.weight_sync_error}" if res.weight_sync_error else ""), flush=True)
+            print(
+                f"  acquired the group in {(time.monotonic() - t) * 1000:.0f} ms"
+                + (f"; last weight sync failed: {res.weight_sync_error}" if res.weight_sync_error else ""),
+                flush=True,
+            )
             train_step(a.model_dir, state)
             weights = None
             if a.model_dir is not None:

@@ -50,16 +50,21 @@ def make_rollout_func(rollouts, callback, model: str = "tiny", max_tokens: int =
     def rollout_func(prompts: list, trainer) -> dict:
         t0 = time.monotonic()
         tok = trainer.processing_class
-        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
-                 for p in prompts]
+        texts = [
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p for p in prompts
+        ]
         callback.on_phase_begin("generate", "sampler")
         out: dict = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "weight_version": []}
         try:
             for text in texts:
                 with rollouts.rollout() as r:
-                    resp = client.completions.create(model=model, prompt=text, max_tokens=max_tokens, logprobs=0,
-                                                     extra_body={"return_token_ids": True,
-                                                                 "add_special_tokens": False})
+                    resp = client.completions.create(
+                        model=model,
+                        prompt=text,
+                        max_tokens=max_tokens,
+                        logprobs=0,
+                        extra_body={"return_token_ids": True, "add_special_tokens": False},
+                    )
                 ch = resp.choices[0]
                 out["prompt_ids"].append(list(ch.prompt_token_ids))
                 out["completion_ids"].append(list(ch.token_ids))
@@ -90,8 +95,14 @@ def timeslice_trainer_callback(callback):
     return TimeSliceTrainerCallback()
 
 
-def run(router: str, model_dir: Path, max_steps: int = 2, weights_dir: Path | None = None,
-        output_dir: Path | None = None, model: str = "tiny") -> dict:
+def run(
+    router: str,
+    model_dir: Path,
+    max_steps: int = 2,
+    weights_dir: Path | None = None,
+    output_dir: Path | None = None,
+    model: str = "tiny",
+) -> dict:
     """Train ``max_steps`` GRPO steps; returns a summary (published versions, rollout records)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
@@ -105,24 +116,46 @@ def run(router: str, model_dir: Path, max_steps: int = 2, weights_dir: Path | No
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
-    args = GRPOConfig(output_dir=str(output_dir or tempfile.mkdtemp(prefix="trl-grpo-")), use_cpu=True, bf16=False,
-                      per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=max_steps,
-                      learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0)
+    args = GRPOConfig(
+        output_dir=str(output_dir or tempfile.mkdtemp(prefix="trl-grpo-")),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=max_steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+    )
     rollout_func = make_rollout_func(rollouts, cb, model)
-    trainer = GRPOTrainer(model=policy, reward_funcs=[word_reward], args=args, train_dataset=data,
-                          processing_class=tok, rollout_func=rollout_func,
-                          callbacks=[timeslice_trainer_callback(cb)])
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=[word_reward],
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        rollout_func=rollout_func,
+        callbacks=[timeslice_trainer_callback(cb)],
+    )
     try:
         trainer.train()
     finally:
         cb.close()
     records = rollouts.records
-    return {"steps": trainer.state.global_step, "published_weight_version": cb.weight_version,
-            "rollouts": len(records), "failed": len(rollouts.failed()), "below_requested": len(rollouts.below_requested()),
-            "served_weight_versions": sorted({r.served_weight_version for r in records if r.served_weight_version is not None}),
-            "asked_weight_versions": sorted({r.min_weight_version for r in records if r.min_weight_version is not None}),
-            "steps_timing": rollout_func.timings,
-            "held_ms_max": max((r.hold_ms or 0 for r in records), default=0)}
+    return {
+        "steps": trainer.state.global_step,
+        "published_weight_version": cb.weight_version,
+        "rollouts": len(records),
+        "failed": len(rollouts.failed()),
+        "below_requested": len(rollouts.below_requested()),
+        "served_weight_versions": sorted({r.served_weight_version for r in records if r.served_weight_version is not None}),
+        "asked_weight_versions": sorted({r.min_weight_version for r in records if r.min_weight_version is not None}),
+        "steps_timing": rollout_func.timings,
+        "held_ms_max": max((r.hold_ms or 0 for r in records), default=0),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,7 +101,7 @@ class Policy:
             if not c_ids:
                 continue
             ids = torch.tensor([p_ids + c_ids])
-            logits = self.model(ids).logits[0, len(p_ids) - 1:-1]
+            logits = self.model(ids).logits[0, len(p_ids) - 1 : -1]
             logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c_ids)[:, None]).sum()
             losses.append(-(adv if adv else 1e-3) * logp)  # a tiny push even when a group's rewards tie
         loss = torch.stack(losses).mean()
@@ -111,8 +111,15 @@ class Policy:
         return float(loss.detach())
 
 
-async def run(router: str, model_dir: Path, iterations: int = 2, rollouts_per_example: int = 2,
-              model: str = "tiny", max_tokens: int = 8, weights_dir: Path | None = None) -> dict:
+async def run(
+    router: str,
+    model_dir: Path,
+    iterations: int = 2,
+    rollouts_per_example: int = 2,
+    model: str = "tiny",
+    max_tokens: int = 8,
+    weights_dir: Path | None = None,
+) -> dict:
     """The loop; returns a summary (per iteration: rollouts, failures, served versions, asked version)."""
     from llmd_timeslice.integrations import AsyncTimesliceCallback, TimeSliceRollouts
     from llmd_timeslice.integrations.verifiers import verifiers_client
@@ -127,20 +134,36 @@ async def run(router: str, model_dir: Path, iterations: int = 2, rollouts_per_ex
         for it in range(iterations + 1):  # the last round only rolls out (with the last published version)
             asked = cb.weight_version
             await cb.on_phase_begin("generate", "sampler", {"rollout_id": it})
-            res = await env.evaluate(client=client, model=model, sampling_args={"max_tokens": max_tokens},
-                                     rollouts_per_example=rollouts_per_example, state_columns=["trajectory_id"],
-                                     on_progress=lambda *a, **k: None)
+            res = await env.evaluate(
+                client=client,
+                model=model,
+                sampling_args={"max_tokens": max_tokens},
+                rollouts_per_example=rollouts_per_example,
+                state_columns=["trajectory_id"],
+                on_progress=lambda *a, **k: None,
+            )
             await cb.on_phase_end("generate", "sampler", {"rollout_id": it})
             outputs = res["outputs"]
             per_rollout = rollouts.by_rollout()
-            served = {o["trajectory_id"]: min((r.served_weight_version if r.served_weight_version is not None else -1
-                                               for r in per_rollout.get(o["trajectory_id"], [])), default=-1)
-                      for o in outputs}
-            row = {"iteration": it, "asked_weight_version": asked, "rollouts": len(outputs),
-                   "failed": sum(1 for o in outputs if o.get("error")),
-                   "served_weight_versions": sorted(set(served.values())),
-                   "below_asked": sum(1 for v in served.values() if v < asked),
-                   "mean_reward": sum(o["reward"] or 0.0 for o in outputs) / max(1, len(outputs))}
+            served = {
+                o["trajectory_id"]: min(
+                    (
+                        r.served_weight_version if r.served_weight_version is not None else -1
+                        for r in per_rollout.get(o["trajectory_id"], [])
+                    ),
+                    default=-1,
+                )
+                for o in outputs
+            }
+            row = {
+                "iteration": it,
+                "asked_weight_version": asked,
+                "rollouts": len(outputs),
+                "failed": sum(1 for o in outputs if o.get("error")),
+                "served_weight_versions": sorted(set(served.values())),
+                "below_asked": sum(1 for v in served.values() if v < asked),
+                "mean_reward": sum(o["reward"] or 0.0 for o in outputs) / max(1, len(outputs)),
+            }
             if it < iterations:
                 await cb.on_phase_begin("train", "trainer", {"rollout_id": it})
                 row["loss"] = await asyncio.to_thread(policy.step, outputs)
@@ -153,8 +176,11 @@ async def run(router: str, model_dir: Path, iterations: int = 2, rollouts_per_ex
         await client.close()
     summary["failed_requests"] = len(rollouts.failed())
     summary["below_requested"] = len(rollouts.below_requested())
-    summary["ok"] = (not summary["failed_requests"] and not summary["below_requested"]
-                     and all(not r["failed"] and not r["below_asked"] for r in summary["iterations"]))
+    summary["ok"] = (
+        not summary["failed_requests"]
+        and not summary["below_requested"]
+        and all(not r["failed"] and not r["below_asked"] for r in summary["iterations"])
+    )
     return summary
 
 
@@ -179,10 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TIMESLICE_TRAINER_GROUP", "rollout-group")
     os.environ.setdefault("TIMESLICE_SAMPLER_GROUP", "rollout-group")
     router = a.router or eps.get("router") or "http://127.0.0.1:8080"
-    summary = asyncio.run(run(router, a.model_dir, a.iterations, a.rollouts_per_example, a.model,
-                              weights_dir=a.weights_dir))
-    print(f"verifiers_grpo: {'ok' if summary['ok'] else 'FAILED'}: {summary['failed_requests']} failed requests, "
-          f"{summary['below_requested']} served below the version asked for", flush=True)
+    summary = asyncio.run(run(router, a.model_dir, a.iterations, a.rollouts_per_example, a.model, weights_dir=a.weights_dir))
+    print(
+        f"verifiers_grpo: {'ok' if summary['ok'] else 'FAILED'}: {summary['failed_requests']} failed requests, "
+        f"{summary['below_requested']} served below the version asked for",
+        flush=True,
+    )
     return 0 if summary["ok"] else 1
 
 

@@ -55,8 +55,9 @@ def load_job_tokens(path: str | os.PathLike) -> dict[str, str]:
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v.strip()
-                                             for k, v in data.items()):
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) and v.strip() for k, v in data.items()
+    ):
         raise ValueError(f"{path}: expected a mapping of job id -> non-empty token")
     tokens = {k: v.strip() for k, v in data.items()}
     if len(set(tokens.values())) != len(tokens):
@@ -142,8 +143,9 @@ def _deny_handler(method: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def server_interceptors(token: str | None, open_methods: tuple[str, ...] = (),
-                        extra_tokens: tuple[str, ...] = ()) -> list[aio.ServerInterceptor]:
+def server_interceptors(
+    token: str | None, open_methods: tuple[str, ...] = (), extra_tokens: tuple[str, ...] = ()
+) -> list[aio.ServerInterceptor]:
     """Interceptors for a control-plane server; empty (auth off, warned) when ``token`` is None.
     ``extra_tokens`` (e.g. per-job tokens) are accepted too; what each may do is checked by the service."""
     if not token:
@@ -164,8 +166,10 @@ class _AddToken(
 
     def _details(self, d):
         md = [*list(d.metadata or ()), self._md]
-        return d._replace(metadata=md) if hasattr(d, "_replace") else aio.ClientCallDetails(
-            d.method, d.timeout, md, d.credentials, d.wait_for_ready
+        return (
+            d._replace(metadata=md)
+            if hasattr(d, "_replace")
+            else aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
         )
 
     async def intercept_unary_unary(self, continuation, d, request):

@@ -127,9 +127,17 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     store = FileStateStore(s.state_file) if s.state_file is not None else None
 
     def server(inventory, **kwargs) -> OrchestratorServer:
-        return OrchestratorServer(inventory, host=s.host, port=s.port, token=token, job_tokens=job_tokens,
-                                  require_job_tokens=s.require_job_tokens, tls_files=tls.from_env(),
-                                  engine_audit_interval_s=s.engine_audit_interval_s, **kwargs)
+        return OrchestratorServer(
+            inventory,
+            host=s.host,
+            port=s.port,
+            token=token,
+            job_tokens=job_tokens,
+            require_job_tokens=s.require_job_tokens,
+            tls_files=tls.from_env(),
+            engine_audit_interval_s=s.engine_audit_interval_s,
+            **kwargs,
+        )
 
     if s.discovery == "kubernetes":
         _metrics(s.metrics_port, s.host)
@@ -158,9 +166,13 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
     from llmd_timeslice.discovery.sync import InventorySync, inventory_from_specs
 
     k = s.kubernetes
-    defaults = k8s.DiscoveryDefaults(default_pool=k.default_pool, engine_port=k.engine_port,
-                                     sidecar_port=k.sidecar_port, sleep_level=k.sleep_level,
-                                     drain_timeout_s=k.drain_timeout_s)
+    defaults = k8s.DiscoveryDefaults(
+        default_pool=k.default_pool,
+        engine_port=k.engine_port,
+        sidecar_port=k.sidecar_port,
+        sleep_level=k.sleep_level,
+        drain_timeout_s=k.drain_timeout_s,
+    )
 
     async def main() -> None:
         api = k8s.make_api_client(k.kubeconfig)
@@ -171,9 +183,15 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
 
             state_store = ConfigMapStateStore(api, ns, s.state_configmap)
         changes: asyncio.Queue = asyncio.Queue()
-        disc = k8s.KubernetesDiscovery(ns, api, label_selector=k.label_selector, defaults=defaults,
-                                       on_change=changes.put_nowait, watch_timeout_s=k.watch_timeout_s,
-                                       backoff_max_s=k.backoff_max_s)
+        disc = k8s.KubernetesDiscovery(
+            ns,
+            api,
+            label_selector=k.label_selector,
+            defaults=defaults,
+            on_change=changes.put_nowait,
+            watch_timeout_s=k.watch_timeout_s,
+            backoff_max_s=k.backoff_max_s,
+        )
         specs = await disc.start()
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if k.manage_serving_label else None
         srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store)
@@ -214,19 +232,33 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
 
     async def main() -> None:
         if s.backend == "vllm":
-            defaults = {s.job_id: create_backend(s.backend, base_url=s.engine_url, idle_timeout_s=s.idle_timeout_s,
-                                                 pause_mode=s.pause_mode,
-                                                 probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
-                                                 **engine_kwargs)}
+            defaults = {
+                s.job_id: create_backend(
+                    s.backend,
+                    base_url=s.engine_url,
+                    idle_timeout_s=s.idle_timeout_s,
+                    pause_mode=s.pause_mode,
+                    probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
+                    **engine_kwargs,
+                )
+            }
         elif s.backend == "sglang":
             defaults = {s.job_id: create_backend(s.backend, base_url=s.engine_url, **engine_kwargs)}
         elif s.backend == "cuda":
             defaults = {s.job_id: create_backend(s.backend, pids=s.pid)}
         else:
             defaults = {}  # the job registers over WorkloadChannel
-        srv = SidecarServer(defaults, host=s.host, port=s.port, token=token, tls_files=tls.from_env(),
-                            operation_timeout_s=s.operation_timeout_s, annotations=s.annotation,
-                            command_timeout_s=s.command_timeout_s, backend_kwargs=engine_kwargs)
+        srv = SidecarServer(
+            defaults,
+            host=s.host,
+            port=s.port,
+            token=token,
+            tls_files=tls.from_env(),
+            operation_timeout_s=s.operation_timeout_s,
+            annotations=s.annotation,
+            command_timeout_s=s.command_timeout_s,
+            backend_kwargs=engine_kwargs,
+        )
         await srv.start()
         try:
             await asyncio.Event().wait()
@@ -236,8 +268,9 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     _run(main)
 
 
-StackFileOpt = Annotated[Path, typer.Option("--file", "-f", help="Stack file (see examples/cpu-stack.yaml).",
-                                            exists=True, dir_okay=False)]
+StackFileOpt = Annotated[
+    Path, typer.Option("--file", "-f", help="Stack file (see examples/cpu-stack.yaml).", exists=True, dir_okay=False)
+]
 WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
 
 
@@ -246,10 +279,17 @@ def status(
     orchestrator_addr: Annotated[str, typer.Option("--orchestrator", help="Orchestrator host:port.")] = "127.0.0.1:50051",
     gate_addr: Annotated[list[str], typer.Option("--gate", help="Gate control host:port (repeatable).")] = [],  # noqa: B006
     token_file: TokenFile = None,
-    file: Annotated[Path | None, typer.Option(
-        "--file", "-f", help="Stack file of a stack run by `up`: its components, then its groups and gate "
-                             "(addresses and token from the stack; the other options are ignored).",
-        exists=True, dir_okay=False)] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            "-f",
+            help="Stack file of a stack run by `up`: its components, then its groups and gate "
+            "(addresses and token from the stack; the other options are ignored).",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
     workdir: WorkdirOpt = None,
 ) -> None:
     """Show groups (holder, waiters, state, weight versions) and, per gate, endpoint states and held requests."""
@@ -266,8 +306,9 @@ def status(
 def up(
     file: StackFileOpt,
     workdir: WorkdirOpt = None,
-    live: Annotated[bool | None, typer.Option(
-        help="Live status table (default: when stdout is a terminal; else a line per event).")] = None,
+    live: Annotated[
+        bool | None, typer.Option(help="Live status table (default: when stdout is a terminal; else a line per event).")
+    ] = None,
     log_level: LogLevelOpt = LogLevel.warning,
 ) -> None:
     """Start the whole stack of a stack file and supervise it until Ctrl-C / SIGTERM / `down`.
@@ -325,15 +366,21 @@ def render_envoy(
     out: Annotated[Path, typer.Option(help="Where to write the bootstrap JSON.")],
     listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=0, max=65535)] = 8080,
     admin_port: Annotated[int, typer.Option(help="Envoy admin port.", min=0, max=65535)] = 9901,
-    gate_edge: Annotated[_GateEdge, typer.Option(
-        help="How Envoy calls the gate: ext_authz (the fast path: HTTP ext_authz + gRPC access log) or ext_proc.")]
-        = _GateEdge.ext_authz,
-    gate_port: Annotated[int, typer.Option(help="Gate gRPC data-plane port (ext_proc, access-log service).",
-                                           min=0, max=65535)] = 9002,
+    gate_edge: Annotated[
+        _GateEdge,
+        typer.Option(help="How Envoy calls the gate: ext_authz (the fast path: HTTP ext_authz + gRPC access log) or ext_proc."),
+    ] = _GateEdge.ext_authz,
+    gate_port: Annotated[
+        int, typer.Option(help="Gate gRPC data-plane port (ext_proc, access-log service).", min=0, max=65535)
+    ] = 9002,
     authz_port: Annotated[int, typer.Option(help="Gate HTTP ext_authz port (ext_authz edge).", min=0, max=65535)] = 9005,
-    picker: Annotated[_Picker, typer.Option(
-        help="Who picks the endpoint: the EPP (ext_proc filter after the gate) or, with the ext_authz edge only, "
-             "the gate itself (least in flight; no EPP).")] = _Picker.epp,
+    picker: Annotated[
+        _Picker,
+        typer.Option(
+            help="Who picks the endpoint: the EPP (ext_proc filter after the gate) or, with the ext_authz edge only, "
+            "the gate itself (least in flight; no EPP)."
+        ),
+    ] = _Picker.epp,
     epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=0, max=65535)] = 9004,
     pool: Annotated[str, typer.Option(help="Pool name sent to the gate and the EPP.")] = "default",
     max_hold_s: Annotated[float, typer.Option(help="Gate hold limit; Envoy timeouts are sized above it.")] = 600.0,
@@ -346,24 +393,42 @@ def render_envoy(
 
     if picker is _Picker.gate and gate_edge is not _GateEdge.ext_authz:
         raise typer.BadParameter("the gate picks the endpoint only on the ext_authz edge", param_hint="--picker")
-    write_bootstrap(EnvoyRouterConfig(listen_port, admin_port, gate_port, epp_port if picker is _Picker.epp else None,
-                                      pool=pool, max_hold_s=max_hold_s, gate_edge=gate_edge.value,
-                                      authz_port=authz_port), out)
+    write_bootstrap(
+        EnvoyRouterConfig(
+            listen_port,
+            admin_port,
+            gate_port,
+            epp_port if picker is _Picker.epp else None,
+            pool=pool,
+            max_hold_s=max_hold_s,
+            gate_edge=gate_edge.value,
+            authz_port=authz_port,
+        ),
+        out,
+    )
     if validate:
         envoy_launcher.validate(out)
     typer.echo(f"wrote {out}")
 
 
-config_app = typer.Typer(help="Check a configuration file or a stack file, print the configuration's JSON schema or its "
-                              "reference.", no_args_is_help=True, rich_markup_mode=None)
+config_app = typer.Typer(
+    help="Check a configuration file or a stack file, print the configuration's JSON schema or its reference.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 app.add_typer(config_app, name="config", short_help="Check a configuration or stack file; schema; reference.")
 
 
 @config_app.command("check", short_help="Validate a configuration file or a stack file.")
 def config_check(
-    file: Annotated[Path, typer.Argument(help="YAML (or JSON) configuration file (LLMD_TIMESLICE_* variables apply "
-                                              "on top), or a stack file of `up` (recognised by its `stack` or "
-                                              "`engines` key).")],
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="YAML (or JSON) configuration file (LLMD_TIMESLICE_* variables apply "
+            "on top), or a stack file of `up` (recognised by its `stack` or "
+            "`engines` key)."
+        ),
+    ],
     env: Annotated[bool, typer.Option(help="Apply LLMD_TIMESLICE_<SECTION>__<FIELD> environment variables.")] = True,
 ) -> None:
     """Validate FILE: prints OK and a summary, or one line per error (exit 2).
@@ -406,6 +471,7 @@ def _check_stack_file(file: Path) -> bool:
     from llmd_timeslice.local.up import Stack
 
     base = file.resolve().parent
+
     def n(items: list, what: str) -> str:
         return f"{len(items)} {what}{'' if len(items) == 1 else 's'}"
 

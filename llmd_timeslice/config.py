@@ -63,8 +63,9 @@ def parse_duration(value: Any) -> Any:
             pos = m.end()
         if text and pos == len(text):
             return total
-    raise ValueError(f"invalid duration {value!r}: expected seconds (a number) or a number with a unit, "
-                     f"e.g. 500ms, 30s, 10m, 1h, 1m30s")
+    raise ValueError(
+        f"invalid duration {value!r}: expected seconds (a number) or a number with a unit, e.g. 500ms, 30s, 10m, 1h, 1m30s"
+    )
 
 
 def _host_port(value: str) -> str:
@@ -131,9 +132,11 @@ def _file_ref(path: str, value: str | None) -> str:
 
 
 DURATION_PATTERN = r"^\s*(\d+(\.\d+)?|((\d+(\.\d+)?)(ms|s|m|h))+)\s*$"
-Duration = Annotated[float, BeforeValidator(parse_duration,
-                                            json_schema_input_type=float | Annotated[str, Field(pattern=DURATION_PATTERN)]),
-                     Seconds]
+Duration = Annotated[
+    float,
+    BeforeValidator(parse_duration, json_schema_input_type=float | Annotated[str, Field(pattern=DURATION_PATTERN)]),
+    Seconds,
+]
 Port = Annotated[int, Field(ge=0, le=65535)]
 HostPort = Annotated[str, AfterValidator(_host_port), Flag(metavar="HOST:PORT")]
 Url = Annotated[str, AfterValidator(_url), Flag(metavar="URL")]
@@ -155,8 +158,11 @@ def _host(default: str = "127.0.0.1", what: str = "Address the component binds t
 
 
 def _token_file() -> Any:
-    return Field(None, description="File holding the control-plane bearer token; unset: the top-level `token_file`, "
-                                   "else `$LLMD_TIMESLICE_TOKEN` (no token: authentication off, warned).")
+    return Field(
+        None,
+        description="File holding the control-plane bearer token; unset: the top-level `token_file`, "
+        "else `$LLMD_TIMESLICE_TOKEN` (no token: authentication off, warned).",
+    )
 
 
 def _metrics_port() -> Any:
@@ -190,30 +196,48 @@ class GateSettings(_Section):
     (the fast path) or ext_proc."""
 
     host: str = _host(what="Address every port binds to")
-    ext_proc_port: Port = Field(9002, description="gRPC data-plane port: Envoy's ext_proc, its access-log service "
-                                                  "(completions of the fast path) and gRPC health only.")
-    authz_port: Port | None = Field(9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of "
-                                                      "the fast path) only (null: not served).")
+    ext_proc_port: Port = Field(
+        9002,
+        description="gRPC data-plane port: Envoy's ext_proc, its access-log service "
+        "(completions of the fast path) and gRPC health only.",
+    )
+    authz_port: Port | None = Field(
+        9005, description="HTTP data-plane port: Envoy's ext_authz checks (admissions of the fast path) only (null: not served)."
+    )
     control_port: Port = Field(9003, description="Control port (GateControlService, authenticated).")
     pools: Annotated[list[str], Flag("--pool", help="An InferencePool served (repeatable).")] = Field(
-        ["default"], min_length=1, description="InferencePools served.")
+        ["default"], min_length=1, description="InferencePools served."
+    )
     default_pool: str = Field("default", min_length=1, description="Pool for ext_proc streams without pool metadata.")
     accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429 `hold_queue_full`.")
-    max_hold_s: Duration = Field(600.0, gt=0, le=3600,
-                                 description="Most time a request is held, then 503 `hold_expired` (Envoy caps at 3600 s).")
+    max_hold_s: Duration = Field(
+        600.0, gt=0, le=3600, description="Most time a request is held, then 503 `hold_expired` (Envoy caps at 3600 s)."
+    )
     release_rate_per_s: Annotated[float, Flag("--release-rate")] = Field(
-        20_000.0, ge=0, description="Held requests released per second (0 = unbounded).")
-    orchestrator: HostPort | None = Field(None, description="Orchestrator host:port to subscribe to for endpoint states "
-                                                            "(unset: only the control API sets them).")
-    gate_id: str | None = Field(None, description="Stable id of this replica on the state stream (default host-pid; "
-                                                  "the pod name in Kubernetes).")
-    stale_after_s: Duration = Field(5.0, ge=0, le=600, description="Time without the orchestrator's state stream before "
-                                    "new requests are held rather than steered by a possibly outdated view (0: never; "
-                                    "then a partitioned gate may send requests to sleeping engines).")
-    lost_completion_after_s: Duration = Field(900.0, ge=1, description="Time after which a fast-path admission with no "
-                                              "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
-                                              "route timeout.")
+        20_000.0, ge=0, description="Held requests released per second (0 = unbounded)."
+    )
+    orchestrator: HostPort | None = Field(
+        None, description="Orchestrator host:port to subscribe to for endpoint states (unset: only the control API sets them)."
+    )
+    gate_id: str | None = Field(
+        None, description="Stable id of this replica on the state stream (default host-pid; the pod name in Kubernetes)."
+    )
+    stale_after_s: Duration = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="Time without the orchestrator's state stream before "
+        "new requests are held rather than steered by a possibly outdated view (0: never; "
+        "then a partitioned gate may send requests to sleeping engines).",
+    )
+    lost_completion_after_s: Duration = Field(
+        900.0,
+        ge=1,
+        description="Time after which a fast-path admission with no "
+        "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
+        "route timeout.",
+    )
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -224,9 +248,10 @@ class PickerSettings(_Section):
 
     host: str = _host()
     port: Port = Field(9004, description="ext_proc port for Envoy's EPP filter.")
-    pools: Annotated[dict[str, list[HostPort]], Flag(
-        "--endpoint", help="POOL=ip:port of a model server (repeatable).", item=_pool_endpoint,
-        metavar="POOL=IP:PORT")] = Field(min_length=1, description="Pool -> model-server endpoints (ip:port).")
+    pools: Annotated[
+        dict[str, list[HostPort]],
+        Flag("--endpoint", help="POOL=ip:port of a model server (repeatable).", item=_pool_endpoint, metavar="POOL=IP:PORT"),
+    ] = Field(min_length=1, description="Pool -> model-server endpoints (ip:port).")
     default_pool: str = Field("default", min_length=1, description="Pool for streams without pool metadata.")
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -235,54 +260,89 @@ class PickerSettings(_Section):
 class KubernetesDiscoverySettings(_Section):
     """Kubernetes discovery of the orchestrator: pods by label, watched (see `llmd_timeslice/discovery/kubernetes.py`)."""
 
-    namespace: str | None = Field(None, description="Namespace of the pods (unset: the orchestrator's own, else the "
-                                                     "kubeconfig context's, else `default`).")
-    label_selector: str = Field("timeslice.io/group", min_length=1,
-                                description="Label selector of candidate pods (samplers: `timeslice.io/role=sampler`).")
-    default_pool: str = Field("default", min_length=1,
-                              description="Pool of sampler pods without the `timeslice.io/pool` annotation.")
-    manage_serving_label: bool = Field(False, description="Keep the pod label `timeslice.io/serving` current (label "
-                                                          "fallback; needs `patch` on pods).")
-    engine_port: Port = Field(8000, description="Engine port when a pod has neither the `timeslice.io/engine-port` "
-                                                "annotation nor a port on its `vllm` container.")
-    sidecar_port: Port = Field(9001, description="Sidecar port when a pod has neither the `timeslice.io/sidecar-port` "
-                                                 "annotation nor a container port named `ts-grpc`.")
-    sleep_level: int = Field(1, ge=1, le=2, description="Sleep level of groups whose pods do not say "
-                                                        "(`timeslice.io/sleep-level`): 1 offloads weights, 2 discards.")
-    drain_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Drain deadline of groups whose pods do not "
-                                                                      "say (`timeslice.io/drain-timeout-s`).")
-    watch_timeout_s: Duration = Field(300.0, ge=1, le=3600, description="Server-side timeout of one watch request; "
-                                                                       "the next resumes where it ended.")
+    namespace: str | None = Field(
+        None, description="Namespace of the pods (unset: the orchestrator's own, else the kubeconfig context's, else `default`)."
+    )
+    label_selector: str = Field(
+        "timeslice.io/group",
+        min_length=1,
+        description="Label selector of candidate pods (samplers: `timeslice.io/role=sampler`).",
+    )
+    default_pool: str = Field(
+        "default", min_length=1, description="Pool of sampler pods without the `timeslice.io/pool` annotation."
+    )
+    manage_serving_label: bool = Field(
+        False, description="Keep the pod label `timeslice.io/serving` current (label fallback; needs `patch` on pods)."
+    )
+    engine_port: Port = Field(
+        8000,
+        description="Engine port when a pod has neither the `timeslice.io/engine-port` "
+        "annotation nor a port on its `vllm` container.",
+    )
+    sidecar_port: Port = Field(
+        9001,
+        description="Sidecar port when a pod has neither the `timeslice.io/sidecar-port` "
+        "annotation nor a container port named `ts-grpc`.",
+    )
+    sleep_level: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="Sleep level of groups whose pods do not say (`timeslice.io/sleep-level`): 1 offloads weights, 2 discards.",
+    )
+    drain_timeout_s: Duration = Field(
+        60.0, gt=0, le=3600, description="Drain deadline of groups whose pods do not say (`timeslice.io/drain-timeout-s`)."
+    )
+    watch_timeout_s: Duration = Field(
+        300.0, ge=1, le=3600, description="Server-side timeout of one watch request; the next resumes where it ended."
+    )
     backoff_max_s: Duration = Field(30.0, gt=0, le=600, description="Longest wait between retries after API errors.")
-    kubeconfig: Path | None = Field(None, description="Kubeconfig outside a cluster (unset: in-cluster config, else "
-                                                      "`$KUBECONFIG` / `~/.kube/config`).")
+    kubeconfig: Path | None = Field(
+        None, description="Kubeconfig outside a cluster (unset: in-cluster config, else `$KUBECONFIG` / `~/.kube/config`)."
+    )
 
 
 class OrchestratorSettings(_Section):
     """`llmd-timeslice orchestrator`: acquire/yield locks and phase switches."""
 
     discovery: Literal["static", "kubernetes"] = Field(
-        "static", description="Where groups and samplers come from: the `inventory` file, or pod labels (list + watch).")
-    inventory: Path | None = Field(None, description="Static inventory file (groups and their samplers); required "
-                                                     "with `discovery` static.")
-    kubernetes: KubernetesDiscoverySettings = Field(default_factory=KubernetesDiscoverySettings,
-                                                    description="Used with `discovery` kubernetes.")
+        "static", description="Where groups and samplers come from: the `inventory` file, or pod labels (list + watch)."
+    )
+    inventory: Path | None = Field(
+        None, description="Static inventory file (groups and their samplers); required with `discovery` static."
+    )
+    kubernetes: KubernetesDiscoverySettings = Field(
+        default_factory=KubernetesDiscoverySettings, description="Used with `discovery` kubernetes."
+    )
     host: str = _host()
     port: Port = Field(50051, description="gRPC port (TimeSliceOrchestratorService and GateStateService).")
-    state_file: Path | None = Field(None, description="Local state file: holders, leases and group states survive a "
-                                    "restart (unset: kept in memory only).")
-    state_configmap: str | None = Field(None, description="With `discovery` kubernetes: ConfigMap (in the pods' "
-                                                          "namespace) that keeps holders, leases and group states "
-                                                          "across restarts.")
+    state_file: Path | None = Field(
+        None, description="Local state file: holders, leases and group states survive a restart (unset: kept in memory only)."
+    )
+    state_configmap: str | None = Field(
+        None,
+        description="With `discovery` kubernetes: ConfigMap (in the pods' "
+        "namespace) that keeps holders, leases and group states "
+        "across restarts.",
+    )
     token_file: Path | None = _token_file()
-    job_tokens_file: Path | None = Field(None, description="YAML mapping job id -> that job's own token: a job's token "
-                                                           "may act only for that job (acquire, yield, lease, weights).")
-    require_job_tokens: bool = Field(False, description="Jobs listed in `job_tokens_file` must use their own token (the "
-                                                        "control token no longer acts for them).")
+    job_tokens_file: Path | None = Field(
+        None,
+        description="YAML mapping job id -> that job's own token: a job's token "
+        "may act only for that job (acquire, yield, lease, weights).",
+    )
+    require_job_tokens: bool = Field(
+        False,
+        description="Jobs listed in `job_tokens_file` must use their own token (the control token no longer acts for them).",
+    )
     engine_audit_interval_s: Duration = Field(
-        10.0, ge=0, le=3600, description="Between switches, read the engines of idle groups through their sidecars "
+        10.0,
+        ge=0,
+        le=3600,
+        description="Between switches, read the engines of idle groups through their sidecars "
         "every this many seconds; one that restarted on its own (initial weights again) or sleeps while serving is "
-        "taken out of service and woken again at the group's weight version. 0: off.")
+        "taken out of service and woken again at the group's weight version. 0: off.",
+    )
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
 
@@ -308,31 +368,51 @@ class SidecarSettings(_Section):
     job_id: str = Field(min_length=1, description="Job id of the engine this sidecar serves (the pod name in Kubernetes).")
     engine_url: Url = Field("http://127.0.0.1:8000", description="URL of the vLLM server in the pod.")
     backend: Literal["vllm", "sglang", "cuda", "workload_channel"] = Field(
-        "vllm", description="Default snapshot backend of the job: vllm, sglang (`engine_url` is the SGLang server), "
+        "vllm",
+        description="Default snapshot backend of the job: vllm, sglang (`engine_url` is the SGLang server), "
         "cuda (cuda-checkpoint on `pid`; needs shareProcessNamespace + SYS_PTRACE) or workload_channel (the job "
-        "registers itself over WorkloadChannel); docs/snapshot.md.")
+        "registers itself over WorkloadChannel); docs/snapshot.md.",
+    )
     host: str = _host()
     port: Port = Field(9001, description="gRPC port (SnapshotAgentService).")
-    idle_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Time to wait for the engine to go idle "
-                                                                      "before sleep.")
+    idle_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Time to wait for the engine to go idle before sleep.")
     operation_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time one sleep or wake may take.")
     pause_mode: Literal["wait", "keep", "abort"] = Field(
-        "wait", description="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until "
-        "wake), abort (end them with finish_reason abort).")
-    min_freed_fraction: float = Field(0.0, ge=0, le=1, description="Where NVML is present: fail a sleep that frees "
-                                                                   "less than this fraction of used device memory "
-                                                                   "(0: only report).")
+        "wait",
+        description="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until "
+        "wake), abort (end them with finish_reason abort).",
+    )
+    min_freed_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Where NVML is present: fail a sleep that frees "
+        "less than this fraction of used device memory "
+        "(0: only report).",
+    )
     pid: Annotated[list[int], Flag(help="cuda backend: a process to checkpoint (repeatable).")] = Field(
-        default_factory=list, description="cuda backend: processes to checkpoint.")
-    annotation: Annotated[dict[str, str], Flag(
-        help="A pod annotation KEY=VALUE for per-job backend resolution (repeatable), e.g. "
-             "snapshot.timeslice.io/backend=sglang; see docs/snapshot.md.", item=_key_value, metavar="KEY=VALUE")] = Field(
-        default_factory=dict, description="Pod annotations for per-job backend resolution (docs/snapshot.md).")
-    command_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time a WorkloadChannel workload may "
-                                                                          "take to answer a command.")
-    probe_max_mismatched_prompts: int = Field(0, ge=0, le=3, description="vllm: probe prompts whose greedy tokens may "
-                                              "differ from the weight version's reference before a wake fails (0: exact; "
-                                              "1 tolerates a bf16 near-tie on GPUs; docs/snapshot.md).")
+        default_factory=list, description="cuda backend: processes to checkpoint."
+    )
+    annotation: Annotated[
+        dict[str, str],
+        Flag(
+            help="A pod annotation KEY=VALUE for per-job backend resolution (repeatable), e.g. "
+            "snapshot.timeslice.io/backend=sglang; see docs/snapshot.md.",
+            item=_key_value,
+            metavar="KEY=VALUE",
+        ),
+    ] = Field(default_factory=dict, description="Pod annotations for per-job backend resolution (docs/snapshot.md).")
+    command_timeout_s: Duration = Field(
+        300.0, gt=0, le=3600, description="Most time a WorkloadChannel workload may take to answer a command."
+    )
+    probe_max_mismatched_prompts: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="vllm: probe prompts whose greedy tokens may "
+        "differ from the weight version's reference before a wake fails (0: exact; "
+        "1 tolerates a bf16 near-tie on GPUs; docs/snapshot.md).",
+    )
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -345,26 +425,32 @@ class SidecarSettings(_Section):
 
 
 SECTIONS: dict[str, type[BaseModel]] = {
-    "gate": GateSettings, "picker": PickerSettings, "orchestrator": OrchestratorSettings, "sidecar": SidecarSettings,
+    "gate": GateSettings,
+    "picker": PickerSettings,
+    "orchestrator": OrchestratorSettings,
+    "sidecar": SidecarSettings,
 }
 
 
 class TimesliceConfig(BaseSettings):
     """Configuration of llmd-timeslice components; a section per component (absent: not configured)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="forbid",
-                                      use_enum_values=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="forbid", use_enum_values=True
+    )
 
-    token_file: Path | None = Field(None, description="Control-plane token file shared by every component (a "
-                                                      "section's own `token_file` wins); also `$LLMD_TIMESLICE_TOKEN_FILE`.")
+    token_file: Path | None = Field(
+        None,
+        description="Control-plane token file shared by every component (a "
+        "section's own `token_file` wins); also `$LLMD_TIMESLICE_TOKEN_FILE`.",
+    )
     gate: GateSettings | None = Field(None, description=GateSettings.__doc__)
     picker: PickerSettings | None = Field(None, description=PickerSettings.__doc__)
     orchestrator: OrchestratorSettings | None = Field(None, description=OrchestratorSettings.__doc__)
     sidecar: SidecarSettings | None = Field(None, description=SidecarSettings.__doc__)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                   file_secret_settings):
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return (env_settings, init_settings)  # environment over file (passed as init values) over defaults
 
     def configured(self) -> list[str]:
@@ -379,8 +465,7 @@ class _FileOnlyConfig(TimesliceConfig):
     """The same schema without the environment (``config check --no-env``)."""
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                   file_secret_settings):
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return (init_settings,)
 
 
@@ -402,8 +487,9 @@ def _model_at(root: type[BaseModel], loc: tuple) -> Any:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return None
-        model = next((a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
-                     field.annotation)
+        model = next(
+            (a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)), field.annotation
+        )
     return model
 
 
@@ -431,8 +517,12 @@ class Problem:
         return f"{path}: {self.message}" + (f" [from ${env}]" if self.loc and env in os.environ else "")
 
 
-def problems(exc: ValidationError, prefix: tuple = (), ref: Callable[[str, str | None], str] | None = None,
-             root: type[BaseModel] | None = None) -> list[Problem]:
+def problems(
+    exc: ValidationError,
+    prefix: tuple = (),
+    ref: Callable[[str, str | None], str] | None = None,
+    root: type[BaseModel] | None = None,
+) -> list[Problem]:
     """One :class:`Problem` per error of ``exc``, raised validating ``root`` (at ``prefix`` in the file; default the
     whole file); a broken rule (:class:`RuleError`) is reported on its own field, the fields it names written by
     ``ref`` (default: as in a file)."""
@@ -445,9 +535,10 @@ def problems(exc: ValidationError, prefix: tuple = (), ref: Callable[[str, str |
             out.append(Problem((*loc, *rule.field.split(".")), render_refs(rule.message, ref or _file_ref)))
         elif kind == "extra_forbidden":
             parent, key = loc[:-1], str(loc[-1])
-            close = difflib.get_close_matches(key, _known_keys(parent[len(prefix):], root), n=1)
-            out.append(Problem(loc, "unknown key" + (f" (did you mean {'.'.join([*map(str, parent), close[0]])}?)"
-                                                      if close else "")))
+            close = difflib.get_close_matches(key, _known_keys(parent[len(prefix) :], root), n=1)
+            out.append(
+                Problem(loc, "unknown key" + (f" (did you mean {'.'.join([*map(str, parent), close[0]])}?)" if close else ""))
+            )
         elif kind == "missing":
             out.append(Problem(loc, "required"))
         else:
@@ -482,8 +573,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([f"expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}"],
-                          source)
+        raise ConfigError([f"expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}"], source)
     return data
 
 
@@ -579,8 +669,9 @@ def _env_layer() -> dict:
     return EnvSettingsSource(TimesliceConfig)()
 
 
-def component_settings(section: str, path: str | os.PathLike | None = None,
-                       flags: Mapping[tuple, Any] | None = None) -> tuple[Any, Path | None]:
+def component_settings(
+    section: str, path: str | os.PathLike | None = None, flags: Mapping[tuple, Any] | None = None
+) -> tuple[Any, Path | None]:
     """The settings one component runs with, and its token file.
 
     Layers, each over the one before: the section's defaults, its section in the file at ``path`` (YAML or JSON,
@@ -662,9 +753,11 @@ def summary_lines(cfg: TimesliceConfig) -> list[str]:
     out = []
     if cfg.gate:
         g = cfg.gate
-        out.append(f"gate: ext_proc {g.host}:{g.ext_proc_port}, ext_authz {g.host}:{g.authz_port}, control "
-                   f"{g.host}:{g.control_port}, pools {g.pools}, "
-                   f"max_held {g.max_held}, max_hold {g.max_hold_s:g} s, orchestrator {g.orchestrator or '(none)'}")
+        out.append(
+            f"gate: ext_proc {g.host}:{g.ext_proc_port}, ext_authz {g.host}:{g.authz_port}, control "
+            f"{g.host}:{g.control_port}, pools {g.pools}, "
+            f"max_held {g.max_held}, max_hold {g.max_hold_s:g} s, orchestrator {g.orchestrator or '(none)'}"
+        )
     if cfg.picker:
         p = cfg.picker
         eps = sum(len(v) for v in p.pools.values())
@@ -675,8 +768,10 @@ def summary_lines(cfg: TimesliceConfig) -> list[str]:
             src = f"static inventory {o.inventory}"
         else:
             k = o.kubernetes
-            src = (f"kubernetes (namespace {k.namespace or '(own)'}, selector {k.label_selector!r}, "
-                   f"serving label {'managed' if k.manage_serving_label else 'not managed'})")
+            src = (
+                f"kubernetes (namespace {k.namespace or '(own)'}, selector {k.label_selector!r}, "
+                f"serving label {'managed' if k.manage_serving_label else 'not managed'})"
+            )
         out.append(f"orchestrator: {o.host}:{o.port}, discovery {src}")
     if cfg.sidecar:
         s = cfg.sidecar
@@ -695,8 +790,11 @@ def summary_lines(cfg: TimesliceConfig) -> list[str]:
 def _field_type(field) -> Any:
     """The field's type, ``X | None`` unwrapped."""
     ann = field.annotation
-    args = [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) in (
-        typing.Union, getattr(__import__("types"), "UnionType", None)) else [ann]
+    args = (
+        [a for a in typing.get_args(ann) if a is not type(None)]
+        if typing.get_origin(ann) in (typing.Union, getattr(__import__("types"), "UnionType", None))
+        else [ann]
+    )
     return args[0] if len(args) == 1 else ann
 
 
@@ -778,8 +876,10 @@ def _rows(model: type[BaseModel], prefix: tuple[str, ...], options: Mapping[tupl
             option += f" / `--no-{option[3:]}"
         elif typing.get_origin(_field_type(field)) in (list, dict):
             option += ", repeatable"
-        rows.append(f"| `{'.'.join(path)}` | {type_name} | {_default(field)} | "
-                    f"{desc}{f' ({bounds})' if bounds else ''} | {option} | `{env}` |")
+        rows.append(
+            f"| `{'.'.join(path)}` | {type_name} | {_default(field)} | "
+            f"{desc}{f' ({bounds})' if bounds else ''} | {option} | `{env}` |"
+        )
     for sub, path, field in nested:
         rows.append(f"| **`{'.'.join(path)}`** | section | | {field.description or ''} | | |")
         rows.extend(_rows(sub, path, options))

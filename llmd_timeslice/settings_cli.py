@@ -97,8 +97,13 @@ def _option(f: CliField) -> tuple[Any, Any]:
     if typing.get_origin(base) is dict:
         if f.flag.item is None:
             raise TypeError(f"{'.'.join(f.path)}: a map field needs Flag(item=...) to be an option")
-        return (Annotated[list[str], typer.Option(f.option, parser=_item_parser(f.flag.item), show_default=False,
-                                                  help=help_text, metavar=metavar)], None)
+        return (
+            Annotated[
+                list[str],
+                typer.Option(f.option, parser=_item_parser(f.flag.item), show_default=False, help=help_text, metavar=metavar),
+            ],
+            None,
+        )
     if typing.get_origin(base) is list:
         item = typing.get_args(base)[0]
         option = typer.Option(f.option, parser=_checker(item), help=help_text, metavar=metavar)
@@ -148,8 +153,11 @@ def settings_command(app: typer.Typer, section: str, *, short_help: str) -> Call
 
     def decorate(run: Run) -> Run:
         def command(ctx: typer.Context, **kwargs: Any) -> None:
-            given = {f.path: _flag_value(f, kwargs[f.param]) for f in fields
-                     if getattr(ctx.get_parameter_source(f.param), "name", None) == "COMMANDLINE"}
+            given = {
+                f.path: _flag_value(f, kwargs[f.param])
+                for f in fields
+                if getattr(ctx.get_parameter_source(f.param), "name", None) == "COMMANDLINE"
+            }
             try:
                 settings, token_file = component_settings(section, kwargs["config"], given)
             except ConfigError as exc:
@@ -158,23 +166,39 @@ def settings_command(app: typer.Typer, section: str, *, short_help: str) -> Call
                 raise typer.Exit(2) from None
             run(settings, token_file)
 
-        params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
-                  inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-            Path | None, typer.Option("--config", metavar="FILE", dir_okay=False, help=(
-                f"Configuration file (YAML or JSON): its {section} section and top-level token_file apply, "
-                f"under LLMD_TIMESLICE_{section.upper()}__* variables and the options given here."))])]
+        params = [
+            inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
+            inspect.Parameter(
+                "config",
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[
+                    Path | None,
+                    typer.Option(
+                        "--config",
+                        metavar="FILE",
+                        dir_okay=False,
+                        help=(
+                            f"Configuration file (YAML or JSON): its {section} section and top-level token_file apply, "
+                            f"under LLMD_TIMESLICE_{section.upper()}__* variables and the options given here."
+                        ),
+                    ),
+                ],
+            ),
+        ]
         for f in fields:
             annotation, default = _option(f)
-            params.append(inspect.Parameter(f.param, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                            annotation=annotation))
+            params.append(inspect.Parameter(f.param, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}
         command.__doc__ = run.__doc__
         command.__name__ = command.__qualname__ = section
-        epilog = (f"Every option is also a key of the {section} section of --config FILE and a variable "
-                  f"LLMD_TIMESLICE_{section.upper()}__<KEY> (docs/configuration.md names each; lists and maps as "
-                  "JSON). An option given here wins over the variable, the variable over the file. Durations: "
-                  "seconds, or with a unit: 500ms, 30s, 10m, 1h.")
+        epilog = (
+            f"Every option is also a key of the {section} section of --config FILE and a variable "
+            f"LLMD_TIMESLICE_{section.upper()}__<KEY> (docs/configuration.md names each; lists and maps as "
+            "JSON). An option given here wins over the variable, the variable over the file. Durations: "
+            "seconds, or with a unit: 500ms, 30s, 10m, 1h."
+        )
         app.command(section, short_help=short_help, epilog=epilog)(command)
         return run
 

@@ -59,9 +59,15 @@ def _weights_table(console: Console, ch: grpc.Channel, groups, md) -> None:
                 return
             raise
         for i, smp in enumerate(w.samplers):
-            t.add_row(gid if i == 0 else "", str(w.serving_version) if i == 0 else "",
-                      (str(w.pending.version) if w.pending.version else "-") if i == 0 else "", smp.address,
-                      str(smp.version), "yes" if smp.in_service else "[red]no[/red]", smp.error)
+            t.add_row(
+                gid if i == 0 else "",
+                str(w.serving_version) if i == 0 else "",
+                (str(w.pending.version) if w.pending.version else "-") if i == 0 else "",
+                smp.address,
+                str(smp.version),
+                "yes" if smp.in_service else "[red]no[/red]",
+                smp.error,
+            )
     if t.row_count:
         console.print(t)
 
@@ -79,10 +85,17 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             t = table(f"groups @ {orchestrator}", ("group", "state", "holder", "loaded", "waiters", "samplers"))
             for gid in groups:
                 s = stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=gid), timeout=5, metadata=md)
-                agents = ", ".join(f"{a.job_id}:{opb.SnapshotAgentJobState.State.Name(a.job_state)[6:]}"
-                                   for a in s.agent_job_states)
-                t.add_row(gid, opb.GroupStatus.State.Name(s.group.group_state)[6:], s.group.locking_job or "-",
-                          s.group.loaded_job or "samplers", str(s.group.waiter_queue_depth), agents)
+                agents = ", ".join(
+                    f"{a.job_id}:{opb.SnapshotAgentJobState.State.Name(a.job_state)[6:]}" for a in s.agent_job_states
+                )
+                t.add_row(
+                    gid,
+                    opb.GroupStatus.State.Name(s.group.group_state)[6:],
+                    s.group.locking_job or "-",
+                    s.group.loaded_job or "samplers",
+                    str(s.group.waiter_queue_depth),
+                    agents,
+                )
             console.print(t)
             _weights_table(console, ch, groups, md)
             info = info_grpc.OrchestratorInfoServiceStub(ch)
@@ -95,8 +108,9 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                 if sw.drain_cut_request_ids:
                     notes.append(f"{len(sw.drain_cut_request_ids)} cut at drain deadline (503)")
                 notes += [f"{a}: {n} parked" for a, n in sorted(sw.parked_requests.items())]
-                t.add_row(when, sw.group_id, sw.kind, sw.job_id or "-", "yes" if sw.ok else "[red]no[/red]", phases,
-                          "; ".join(notes))
+                t.add_row(
+                    when, sw.group_id, sw.kind, sw.job_id or "-", "yes" if sw.ok else "[red]no[/red]", phases, "; ".join(notes)
+                )
             console.print(t)
         except grpc.RpcError as exc:
             console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")
@@ -112,9 +126,15 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                     if not s.endpoints:
                         t.add_row(p, str(s.epoch), "-", "-", "-", "-", str(s.held))
                     for i, e in enumerate(s.endpoints):  # pool-wide figures on the pool's first row only
-                        t.add_row(p if i == 0 else "", str(s.epoch) if i == 0 else "", e.address,
-                                  gpb.EndpointState.Name(e.state)[15:], str(e.weight_version), str(e.in_flight),
-                                  str(s.held) if i == 0 else "")
+                        t.add_row(
+                            p if i == 0 else "",
+                            str(s.epoch) if i == 0 else "",
+                            e.address,
+                            gpb.EndpointState.Name(e.state)[15:],
+                            str(e.weight_version),
+                            str(e.in_flight),
+                            str(s.held) if i == 0 else "",
+                        )
                 console.print(t)
             except grpc.RpcError as exc:
                 console.print(f"[red]gate {gate}: {exc.code().name}: {exc.details()}[/red]")

@@ -70,8 +70,9 @@ SETTINGS_FILE = GUIDE / "settings.yaml"
 #   llm-d/llm-d guides/optimized-baseline (GUIDE_NAME, NAMESPACE=llm-d-<guide>, release and InferencePool
 #   named after the guide, model servers labelled llm-d.ai/guide=<guide>, Gateway llm-d-inference-gateway).
 LLMD_GUIDE_COMMIT = "05b03f75739f966c129498ad620aca5f18a30c99"
-DEFAULT_MODELSERVER = ("https://github.com/llm-d/llm-d//guides/optimized-baseline/modelserver/gpu/vllm/base"
-                       f"?ref={LLMD_GUIDE_COMMIT}")
+DEFAULT_MODELSERVER = (
+    f"https://github.com/llm-d/llm-d//guides/optimized-baseline/modelserver/gpu/vllm/base?ref={LLMD_GUIDE_COMMIT}"
+)
 
 
 @dataclass(frozen=True)
@@ -262,8 +263,7 @@ def llmd_epp_filter(cluster: str) -> dict:
         "name": EPP_FILTER_NAME,
         "typed_config": {
             "@type": EXT_PROC_TYPE,
-            "grpc_service": {"envoy_grpc": {"cluster_name": cluster, "authority": f"localhost:{EPP_PORT}"},
-                             "timeout": "10s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster, "authority": f"localhost:{EPP_PORT}"}, "timeout": "10s"},
             # EPP down => 503, never an unpicked endpoint (the chart's sidecar default is fail closed too).
             "failure_mode_allow": False,
             "status_on_error": {"code": 503},
@@ -291,13 +291,18 @@ def _standalone_routes(s: GuideSettings) -> list[dict]:
 
     def not_routed(match: dict) -> dict:
         # vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1) and anything else: 404 from Envoy, gate and EPP skipped.
-        return {"match": match, "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
-                "typed_per_filter_config": {GATE_FILTER_NAME: disabled, EPP_FILTER_NAME: disabled}}
+        return {
+            "match": match,
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
+            "typed_per_filter_config": {GATE_FILTER_NAME: disabled, EPP_FILTER_NAME: disabled},
+        }
 
     return [
         *(not_routed({"path": p}) for p in ADMIN_PATHS_UNDER_API),
-        {"match": {"prefix": API_PREFIX},
-         "route": {"cluster": "original_destination_cluster", "timeout": _dur(s.request_timeout_s)}},
+        {
+            "match": {"prefix": API_PREFIX},
+            "route": {"cluster": "original_destination_cluster", "timeout": _dur(s.request_timeout_s)},
+        },
         not_routed({"prefix": "/"}),
     ]
 
@@ -404,8 +409,10 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
                     "lb_policy": "LEAST_REQUEST",
                     "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
                     "typed_extension_protocol_options": _http2_options(),
-                    "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
-                        "@type": TLS_TYPE, "common_tls_context": {"validation_context": {}}}},
+                    "transport_socket": {
+                        "name": "envoy.transport_sockets.tls",
+                        "typed_config": {"@type": TLS_TYPE, "common_tls_context": {"validation_context": {}}},
+                    },
                     "load_assignment": {
                         "cluster_name": "ext_proc",
                         "endpoints": [{"lb_endpoints": [endpoint("127.0.0.1", EPP_PORT)]}],
@@ -425,8 +432,13 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
                     "typed_extension_protocol_options": _http2_options(),
                     "load_assignment": {
                         "cluster_name": "llmd_timeslice_gate",
-                        "endpoints": [{"lb_endpoints": [endpoint(
-                            f"{GATE_HEADLESS_SERVICE}.{namespace}.svc.cluster.local", GATE_EXT_PROC_PORT)]}],
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    endpoint(f"{GATE_HEADLESS_SERVICE}.{namespace}.svc.cluster.local", GATE_EXT_PROC_PORT)
+                                ]
+                            }
+                        ],
                     },
                 },
             ],
@@ -437,8 +449,7 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
 def values_standalone(s: GuideSettings) -> str:
     envoy_yaml = _dump(standalone_bootstrap(s, RELEASE_NAME, RELEASE_NAMESPACE))
     return (
-        HEADER
-        + "# Helm values for the llm-d-router-standalone chart (llm-d/llm-d-router v0.9.0, config/charts/\n"
+        HEADER + "# Helm values for the llm-d-router-standalone chart (llm-d/llm-d-router v0.9.0, config/charts/\n"
         "# llm-d-router-standalone), LAYERED LAST on the guide's own values (they keep the guide's EPP\n"
         "# plugins and its model-server selector):\n"
         "#   helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-standalone --version v0.9.0 \\\n"
@@ -458,8 +469,7 @@ def values_standalone(s: GuideSettings) -> str:
         "    configMap:\n"
         "      name: envoy\n"
         "      data:\n"
-        "        envoy.yaml: |\n"
-        + _indent(envoy_yaml, 10)
+        "        envoy.yaml: |\n" + _indent(envoy_yaml, 10)
     )
 
 
@@ -487,24 +497,28 @@ def values_gateway(s: GuideSettings) -> str:
         "* httpRoute.create false: the chart's HTTPRoute matches PathPrefix / (templates/httproute.yaml), which\n"
         "  would expose vLLM's /sleep, /wake_up, /collective_rpc; each gateway overlay ships its own route\n"
         f"  ({s.route}) for {API_PREFIX} only, with timeouts above the hold plus the longest generation.",
-        doc)
+        doc,
+    )
 
 
 def values_serving_label(s: GuideSettings) -> str:
-    doc = {"router": {
-        "modelServers": {"matchLabels": {"timeslice.io/serving": "true"}},
-        "epp": {"flags": {"disable-endpoint-subset-filter": True}},
-    }}
+    doc = {
+        "router": {
+            "modelServers": {"matchLabels": {"timeslice.io/serving": "true"}},
+            "epp": {"flags": {"disable-endpoint-subset-filter": True}},
+        }
+    }
     return _doc(
         "Layer after values-gateway.yaml where the subset hint cannot reach the EPP (agentgateway, the label\n"
         "fallback). The orchestrator (--manage-serving-label) keeps the pod label timeslice.io/serving\n"
-        "current: \"false\" from the start of a drain until the wake is verified.\n"
+        'current: "false" from the start of a drain until the wake is verified.\n'
         "* matchLabels: Helm merges maps, so the pool selects the guide's label AND serving=true: a draining\n"
         "  or sleeping pod leaves the InferencePool and the EPP never picks it.\n"
         "* disable-endpoint-subset-filter (EPP flag, llm-d-router v0.9.0 pkg/epp/server/options.go): requests\n"
         "  queued while the pool was empty carry an empty subset and would never dispatch once pods return\n"
         "  (kubernetes-sigs/gateway-api-inference-extension#2117); no gate writes a hint on these paths.",
-        doc)
+        doc,
+    )
 
 
 def values_flow_control(s: GuideSettings) -> str:
@@ -515,16 +529,21 @@ def values_flow_control(s: GuideSettings) -> str:
         # llm-d-router v0.9.0 apix/config/v1alpha1: one TTL for queued requests (noEndpointRequestTTL, which
         # splits the empty-pool case off, is newer than v0.9.0).
         "flowControl": {"defaultRequestTTL": _dur(s.max_hold_s)},
-        "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"},
-                    {"type": "prefix-cache-scorer"}],
-        "schedulingProfiles": [{"name": "default", "plugins": [
-            {"pluginRef": "queue-scorer", "weight": 2}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-            {"pluginRef": "prefix-cache-scorer", "weight": 3}]}],
+        "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}, {"type": "prefix-cache-scorer"}],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                ],
+            }
+        ],
     }
     text = _dump(epc)
     return (
-        HEADER
-        + "# Label fallback only (no gate on the request path): the EPP's flow control holds requests while\n"
+        HEADER + "# Label fallback only (no gate on the request path): the EPP's flow control holds requests while\n"
         "# the pool is empty (every sampler asleep) for up to defaultRequestTTL, then answers 503.\n"
         "# Layer after values-gateway.yaml and values-serving-label.yaml. This REPLACES the guide's\n"
         "# EndpointPickerConfig (the chart takes one plugins file): copy your guide's plugins and\n"
@@ -533,8 +552,7 @@ def values_flow_control(s: GuideSettings) -> str:
         "  epp:\n"
         "    pluginsConfigFile: timeslice-flow-control.yaml\n"
         "    pluginsCustomConfig:\n"
-        "      timeslice-flow-control.yaml: |\n"
-        + _indent(text, 8)
+        "      timeslice-flow-control.yaml: |\n" + _indent(text, 8)
     )
 
 
@@ -548,12 +566,14 @@ def httproute(s: GuideSettings, backend: dict) -> dict:
         "metadata": {"name": s.route, "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
         "spec": {
             "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway}],
-            "rules": [{
-                # Only the OpenAI API: vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1) stay unreachable.
-                "matches": [{"path": {"type": "PathPrefix", "value": API_PREFIX}}],
-                "backendRefs": [backend],
-                "timeouts": {"request": _dur(s.request_timeout_s)},
-            }],
+            "rules": [
+                {
+                    # Only the OpenAI API: vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1) stay unreachable.
+                    "matches": [{"path": {"type": "PathPrefix", "value": API_PREFIX}}],
+                    "backendRefs": [backend],
+                    "timeouts": {"request": _dur(s.request_timeout_s)},
+                }
+            ],
         },
     }
 
@@ -573,8 +593,10 @@ def istio_route_name(s: GuideSettings, route: str | None = None) -> str:
 
 def istio_gate_route_patch(s: GuideSettings, pool: str, route: str) -> dict:
     """Per-route pool for the gate (ExtProcPerRoute.overrides.grpc_initial_metadata): one per pool's route."""
-    override = {"@type": PER_ROUTE_TYPE, "overrides": {
-        "grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]}}
+    override = {
+        "@type": PER_ROUTE_TYPE,
+        "overrides": {"grpc_initial_metadata": [{"key": protocol.POOL_METADATA_KEY, "value": pool}]},
+    }
     return {
         "applyTo": "HTTP_ROUTE",
         "match": {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": istio_route_name(s, route)}}}},
@@ -616,19 +638,28 @@ def istio_ext_proc_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | N
                     #    (MERGE appends to the repeated field).
                     "applyTo": "HTTP_FILTER",
                     "match": copy.deepcopy(epp_match),
-                    "patch": {"operation": "MERGE", "value": {"name": EPP_FILTER_NAME, "typed_config": {
-                        "@type": EXT_PROC_TYPE,
-                        "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
-                    }}},
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {
+                            "name": EPP_FILTER_NAME,
+                            "typed_config": {
+                                "@type": EXT_PROC_TYPE,
+                                "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
+                            },
+                        },
+                    },
                 },
                 {
                     # 3. A held request sends no bytes: raise the stream idle timeout above hold + generation.
                     "applyTo": "NETWORK_FILTER",
                     "match": {"context": "GATEWAY", "listener": {"filterChain": copy.deepcopy(hcm_match)}},
-                    "patch": {"operation": "MERGE", "value": {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": {"@type": HCM_TYPE, "stream_idle_timeout": _dur(s.request_timeout_s)},
-                    }},
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": {"@type": HCM_TYPE, "stream_idle_timeout": _dur(s.request_timeout_s)},
+                        },
+                    },
                 },
                 # 4. Each pool's route tells the gate its pool.
                 *(istio_gate_route_patch(s, pool, route) for pool, route in pools.items()),
@@ -644,11 +675,12 @@ def istio_destinationrule(s: GuideSettings) -> dict:
         "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
         "spec": {
             "host": s.gate_fqdn,
-            "trafficPolicy": {"connectionPool": {
-                "tcp": {"maxConnections": 100_000},
-                "http": {"http2MaxRequests": 100_000, "http1MaxPendingRequests": 100_000,
-                         "maxRequestsPerConnection": 0},
-            }},
+            "trafficPolicy": {
+                "connectionPool": {
+                    "tcp": {"maxConnections": 100_000},
+                    "http": {"http2MaxRequests": 100_000, "http1MaxPendingRequests": 100_000, "maxRequestsPerConnection": 0},
+                }
+            },
         },
     }
 
@@ -670,8 +702,12 @@ of CPU per run (measured on the project's machine), hence the 5 s / 15 s periods
 def gate_probe(service: str, period_s: int) -> dict:
     """An exec probe running :data:`GATE_PROBE` against the gate's gRPC port on loopback (``service`` ``""``: the
     process is serving; the readiness service: it applied the orchestrator's first snapshot)."""
-    return {"exec": {"command": ["python", "-c", GATE_PROBE, f"{LOOPBACK}:{GATE_EXT_PROC_PORT}", service]},
-            "periodSeconds": period_s, "timeoutSeconds": 5, "failureThreshold": 3}
+    return {
+        "exec": {"command": ["python", "-c", GATE_PROBE, f"{LOOPBACK}:{GATE_EXT_PROC_PORT}", service]},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
 
 
 def gate_sidecar_container(s: GuideSettings) -> dict:
@@ -679,12 +715,12 @@ def gate_sidecar_container(s: GuideSettings) -> dict:
     log of that Envoy reach this one process (docs/gate.md, "Kubernetes: one gate process per Envoy")."""
     args = [
         "gate",
-        f"--host={LOOPBACK}",                      # only this pod's Envoy reaches it
-        f"--ext-proc-port={GATE_EXT_PROC_PORT}",   # gRPC: Envoy's access-log stream, health
-        f"--authz-port={GATE_AUTHZ_PORT}",         # HTTP: Envoy's ext_authz checks
-        f"--control-port={GATE_CONTROL_PORT}",     # `llmd-timeslice status` through kubectl port-forward
+        f"--host={LOOPBACK}",  # only this pod's Envoy reaches it
+        f"--ext-proc-port={GATE_EXT_PROC_PORT}",  # gRPC: Envoy's access-log stream, health
+        f"--authz-port={GATE_AUTHZ_PORT}",  # HTTP: Envoy's ext_authz checks
+        f"--control-port={GATE_CONTROL_PORT}",  # `llmd-timeslice status` through kubectl port-forward
         f"--orchestrator={ORCHESTRATOR_ADDRESS}",
-        "--gate-id=$(POD_NAME)",                   # one gate per Envoy pod on the orchestrator's state stream
+        "--gate-id=$(POD_NAME)",  # one gate per Envoy pod on the orchestrator's state stream
         f"--token-file={TOKEN_DIR}/token",
         f"--metrics-port={GATE_METRICS_PORT}",
         f"--pool={s.pool}",
@@ -706,19 +742,28 @@ def gate_sidecar_container(s: GuideSettings) -> dict:
         "livenessProbe": gate_probe("", 15),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "securityContext": {
-            "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True, "privileged": False, "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumeMounts": [{"name": "llmd-timeslice-token", "mountPath": TOKEN_DIR, "readOnly": True},
-                         {"name": "llmd-timeslice-tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [
+            {"name": "llmd-timeslice-token", "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": "llmd-timeslice-tmp", "mountPath": "/tmp"},
+        ],
     }
 
 
 def gate_sidecar_volumes() -> list[dict]:
     # 0444: the Envoy pod sets no fsGroup that would let the non-root gate read a 0440 root-owned file.
-    return [{"name": "llmd-timeslice-token", "secret": {"secretName": TOKEN_SECRET, "defaultMode": 0o444}},
-            {"name": "llmd-timeslice-tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    return [
+        {"name": "llmd-timeslice-token", "secret": {"secretName": TOKEN_SECRET, "defaultMode": 0o444}},
+        {"name": "llmd-timeslice-tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
 
 
 def envoy_id_env() -> dict:
@@ -736,14 +781,26 @@ def istio_gateway_overlay(s: GuideSettings) -> dict:
     ``infrastructure.parametersRef`` ConfigMap; istio 1.29.2 pilot/pkg/config/kube/gateway/deploymentcontroller.go,
     ``applyOverlay``): the gate container beside Envoy, the Envoy id on ``istio-proxy`` (pilot-agent starts Envoy
     with its own environment: pkg/envoy/proxy.go, ``cmd.Env = os.Environ()``), the gate's volumes."""
-    return {"spec": {"template": {"spec": {
-        "containers": [{"name": ISTIO_PROXY_CONTAINER, "env": [envoy_id_env()]}, gate_sidecar_container(s)],
-        "volumes": gate_sidecar_volumes(),
-    }}}}
+    return {
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [{"name": ISTIO_PROXY_CONTAINER, "env": [envoy_id_env()]}, gate_sidecar_container(s)],
+                    "volumes": gate_sidecar_volumes(),
+                }
+            }
+        }
+    }
 
 
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-               "volumeMounts": "mountPath", "ports": "containerPort"}
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 
 
 def strategic_merge(base, patch):
@@ -782,8 +839,10 @@ def istio_gateway_parameters(s: GuideSettings, recipe: dict | None = None) -> di
     if recipe is None:
         recipe = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": s.gateway}, "data": {}}
     if not isinstance(recipe, dict) or recipe.get("kind") != "ConfigMap" or not recipe.get("metadata", {}).get("name"):
-        raise ValueError("not a ConfigMap with a name (give the ConfigMap the Gateway's infrastructure.parametersRef "
-                         "names, e.g. <llm-d>/guides/recipes/gateway/istio/configmap.yaml)")
+        raise ValueError(
+            "not a ConfigMap with a name (give the ConfigMap the Gateway's infrastructure.parametersRef "
+            "names, e.g. <llm-d>/guides/recipes/gateway/istio/configmap.yaml)"
+        )
     cm = copy.deepcopy(recipe)
     cm["metadata"] = {k: v for k, v in cm["metadata"].items() if k in ("name", "labels", "annotations")}
     data = cm.setdefault("data", {}) or {}
@@ -803,8 +862,10 @@ def _istio_hcm_match() -> dict:
 
 
 def _istio_filter_match(name: str) -> dict:
-    return {"context": "GATEWAY",
-            "listener": {"filterChain": {"filter": {**_istio_hcm_match()["filter"], "subFilter": {"name": name}}}}}
+    return {
+        "context": "GATEWAY",
+        "listener": {"filterChain": {"filter": {**_istio_hcm_match()["filter"], "subFilter": {"name": name}}}},
+    }
 
 
 def _istio_route_match(s: GuideSettings, route: str) -> dict:
@@ -813,10 +874,20 @@ def _istio_route_match(s: GuideSettings, route: str) -> dict:
 
 def _istio_epp_forwards_subset_hint() -> dict:
     # Istio's EPP filter forwards only envoy.lb: add the subset hint namespace (MERGE appends to the repeated field).
-    return {"applyTo": "HTTP_FILTER", "match": _istio_filter_match(EPP_FILTER_NAME),
-            "patch": {"operation": "MERGE", "value": {"name": EPP_FILTER_NAME, "typed_config": {
-                "@type": EXT_PROC_TYPE,
-                "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}}}}}}
+    return {
+        "applyTo": "HTTP_FILTER",
+        "match": _istio_filter_match(EPP_FILTER_NAME),
+        "patch": {
+            "operation": "MERGE",
+            "value": {
+                "name": EPP_FILTER_NAME,
+                "typed_config": {
+                    "@type": EXT_PROC_TYPE,
+                    "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
+                },
+            },
+        },
+    }
 
 
 def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | None = None) -> dict:
@@ -850,38 +921,59 @@ def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | 
                 {
                     # 1. Admission: the gate's HTTP ext_authz, BEFORE the EPP's ext_proc that Istio adds for an
                     #    InferencePool backend. A held request is a check not answered yet.
-                    "applyTo": "HTTP_FILTER", "match": _istio_filter_match(EPP_FILTER_NAME),
-                    "patch": {"operation": "INSERT_BEFORE",
-                              "value": authz_filter(LOCAL_AUTHZ_CLUSTER, s.pool, s.max_hold_s)},
+                    "applyTo": "HTTP_FILTER",
+                    "match": _istio_filter_match(EPP_FILTER_NAME),
+                    "patch": {"operation": "INSERT_BEFORE", "value": authz_filter(LOCAL_AUTHZ_CLUSTER, s.pool, s.max_hold_s)},
                 },
                 {
                     # 2. The gate's answer header becomes the subset hint (envoy.lb.subset_hint), between the two.
-                    "applyTo": "HTTP_FILTER", "match": _istio_filter_match(EPP_FILTER_NAME),
+                    "applyTo": "HTTP_FILTER",
+                    "match": _istio_filter_match(EPP_FILTER_NAME),
                     "patch": {"operation": "INSERT_BEFORE", "value": subset_hint_filter()},
                 },
                 _istio_epp_forwards_subset_hint(),  # 3.
                 {
                     # 4. The router logs each upstream start (the endpoint the EPP picked) to the gate.
-                    "applyTo": "HTTP_FILTER", "match": _istio_filter_match(router_merge["name"]),
+                    "applyTo": "HTTP_FILTER",
+                    "match": _istio_filter_match(router_merge["name"]),
                     "patch": {"operation": "MERGE", "value": router_merge},
                 },
                 {
                     # 5. Stream idle timeout, the access log of each request's end, the refusal mapper.
                     "applyTo": "NETWORK_FILTER",
                     "match": {"context": "GATEWAY", "listener": {"filterChain": _istio_hcm_match()}},
-                    "patch": {"operation": "MERGE", "value": {
-                        "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm_merge}},
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm_merge},
+                    },
                 },
                 # 6. The gate of this pod, on loopback: its HTTP ext_authz port and its gRPC port (HTTP/2).
-                {"applyTo": "CLUSTER", "match": {"context": "GATEWAY"},
-                 "patch": {"operation": "ADD", "value": authz_cluster(LOCAL_AUTHZ_CLUSTER, LOOPBACK, GATE_AUTHZ_PORT)}},
-                {"applyTo": "CLUSTER", "match": {"context": "GATEWAY"},
-                 "patch": {"operation": "ADD", "value": grpc_cluster(LOCAL_GATE_CLUSTER, LOOPBACK, GATE_EXT_PROC_PORT)}},
+                {
+                    "applyTo": "CLUSTER",
+                    "match": {"context": "GATEWAY"},
+                    "patch": {"operation": "ADD", "value": authz_cluster(LOCAL_AUTHZ_CLUSTER, LOOPBACK, GATE_AUTHZ_PORT)},
+                },
+                {
+                    "applyTo": "CLUSTER",
+                    "match": {"context": "GATEWAY"},
+                    "patch": {"operation": "ADD", "value": grpc_cluster(LOCAL_GATE_CLUSTER, LOOPBACK, GATE_EXT_PROC_PORT)},
+                },
                 # 7. Each pool's route names its pool in the check (defect 12: never one pool for all routes).
-                *({"applyTo": "HTTP_ROUTE", "match": _istio_route_match(s, route),
-                   "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": {
-                       AUTHZ_FILTER_NAME: authz_per_route(LOCAL_AUTHZ_CLUSTER, pool, s.max_hold_s)}}}}
-                  for pool, route in pools.items()),
+                *(
+                    {
+                        "applyTo": "HTTP_ROUTE",
+                        "match": _istio_route_match(s, route),
+                        "patch": {
+                            "operation": "MERGE",
+                            "value": {
+                                "typed_per_filter_config": {
+                                    AUTHZ_FILTER_NAME: authz_per_route(LOCAL_AUTHZ_CLUSTER, pool, s.max_hold_s)
+                                }
+                            },
+                        },
+                    }
+                    for pool, route in pools.items()
+                ),
             ],
         },
     }
@@ -920,48 +1012,64 @@ def envoy_gateway_docs(s: GuideSettings) -> dict[str, dict]:
     ref_route = [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": s.route}]
     part_of = {"app.kubernetes.io/part-of": "llmd-timeslice"}
     eep = {
-        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "EnvoyExtensionPolicy",
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "EnvoyExtensionPolicy",
         "metadata": {"name": "llmd-timeslice", "labels": part_of},
-        "spec": {"targetRefs": ref_route, "extProc": [
-            {
-                "backendRefs": [{"name": GATE_SERVICE, "port": GATE_EXT_PROC_PORT}],
-                # One open stream per held request.
-                "backendSettings": {"circuitBreaker": {"maxConnections": 100_000, "maxPendingRequests": 100_000,
-                                                       "maxParallelRequests": 100_000}},
-                "failOpen": False,
-                "messageTimeout": _dur(s.max_hold_s + 10),
-                "processingMode": {"request": {}, "response": {"attributes": [protocol.UPSTREAM_ADDRESS_ATTRIBUTE]}},
-                "metadata": {"writableNamespaces": [protocol.SUBSET_HINT_NAMESPACE]},
-            },
-            {
-                # The guide's EPP serves TLS (self-signed): reached through a Backend with TLS, not verified,
-                # as the llm-d chart's own Envoy and its Istio DestinationRule do.
-                "backendRefs": [{"group": "gateway.envoyproxy.io", "kind": "Backend", "name": epp_backend,
-                                 "port": EPP_PORT}],
-                "failOpen": False,
-                "messageTimeout": "1000s",
-                "processingMode": {"request": {"body": "FullDuplexStreamed"}, "response": {"body": "FullDuplexStreamed"}},
-                "metadata": {"accessibleNamespaces": [protocol.SUBSET_HINT_NAMESPACE],
-                             "writableNamespaces": [protocol.DESTINATION_NAMESPACE]},
-            },
-        ]},
+        "spec": {
+            "targetRefs": ref_route,
+            "extProc": [
+                {
+                    "backendRefs": [{"name": GATE_SERVICE, "port": GATE_EXT_PROC_PORT}],
+                    # One open stream per held request.
+                    "backendSettings": {
+                        "circuitBreaker": {
+                            "maxConnections": 100_000,
+                            "maxPendingRequests": 100_000,
+                            "maxParallelRequests": 100_000,
+                        }
+                    },
+                    "failOpen": False,
+                    "messageTimeout": _dur(s.max_hold_s + 10),
+                    "processingMode": {"request": {}, "response": {"attributes": [protocol.UPSTREAM_ADDRESS_ATTRIBUTE]}},
+                    "metadata": {"writableNamespaces": [protocol.SUBSET_HINT_NAMESPACE]},
+                },
+                {
+                    # The guide's EPP serves TLS (self-signed): reached through a Backend with TLS, not verified,
+                    # as the llm-d chart's own Envoy and its Istio DestinationRule do.
+                    "backendRefs": [{"group": "gateway.envoyproxy.io", "kind": "Backend", "name": epp_backend, "port": EPP_PORT}],
+                    "failOpen": False,
+                    "messageTimeout": "1000s",
+                    "processingMode": {"request": {"body": "FullDuplexStreamed"}, "response": {"body": "FullDuplexStreamed"}},
+                    "metadata": {
+                        "accessibleNamespaces": [protocol.SUBSET_HINT_NAMESPACE],
+                        "writableNamespaces": [protocol.DESTINATION_NAMESPACE],
+                    },
+                },
+            ],
+        },
     }
     backend = {
-        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "Backend",
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "Backend",
         "metadata": {"name": epp_backend, "labels": part_of},
-        "spec": {"endpoints": [{"fqdn": {"hostname": f"{s.epp_service}.{s.namespace}.svc.cluster.local",
-                                         "port": EPP_PORT}}],
-                 "tls": {"insecureSkipVerify": True, "alpnProtocols": ["h2"]}},
+        "spec": {
+            "endpoints": [{"fqdn": {"hostname": f"{s.epp_service}.{s.namespace}.svc.cluster.local", "port": EPP_PORT}}],
+            "tls": {"insecureSkipVerify": True, "alpnProtocols": ["h2"]},
+        },
     }
     gate_filter_path = f"..http_filters[?(@.name=='{_eg_gate_filter_name(s)}')]"
     listener = f"{s.namespace}/{s.gateway}/{s.gateway_listener}"
 
     def add(json_path: str, path: str, value) -> dict:
-        return {"type": "type.googleapis.com/envoy.config.listener.v3.Listener", "name": listener,
-                "operation": {"op": "add", "jsonPath": json_path, "path": path, "value": value}}
+        return {
+            "type": "type.googleapis.com/envoy.config.listener.v3.Listener",
+            "name": listener,
+            "operation": {"op": "add", "jsonPath": json_path, "path": path, "value": value},
+        }
 
     epp_patch = {
-        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "EnvoyPatchPolicy",
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "EnvoyPatchPolicy",
         "metadata": {"name": "llmd-timeslice-gate", "labels": part_of},
         "spec": {
             "targetRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway},
@@ -976,25 +1084,31 @@ def envoy_gateway_docs(s: GuideSettings) -> dict[str, dict]:
         },
     }
     btp = {
-        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "BackendTrafficPolicy",
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "BackendTrafficPolicy",
         "metadata": {"name": s.route, "labels": part_of},
         "spec": {
             "targetRefs": ref_route,
-            "loadBalancer": {"type": "LeastRequest",
-                             # The endpoint the EPP wrote into x-gateway-destination-endpoint (EPP protocol).
-                             "endpointOverride": {"extractFrom": [{"header": protocol.DESTINATION_HEADER}]}},
-            "circuitBreaker": {"maxConnections": 100_000, "maxPendingRequests": 100_000,
-                               "maxParallelRequests": 100_000},
+            "loadBalancer": {
+                "type": "LeastRequest",
+                # The endpoint the EPP wrote into x-gateway-destination-endpoint (EPP protocol).
+                "endpointOverride": {"extractFrom": [{"header": protocol.DESTINATION_HEADER}]},
+            },
+            "circuitBreaker": {"maxConnections": 100_000, "maxPendingRequests": 100_000, "maxParallelRequests": 100_000},
         },
     }
     ctp = {
-        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "ClientTrafficPolicy",
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "ClientTrafficPolicy",
         "metadata": {"name": f"{s.gateway}-timeslice", "labels": part_of},
-        "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway}],
-                 "timeout": {"http": {"streamIdleTimeout": _dur(s.request_timeout_s)}}},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": s.gateway}],
+            "timeout": {"http": {"streamIdleTimeout": _dur(s.request_timeout_s)}},
+        },
     }
     service = {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": {"name": samplers, "labels": part_of},
         "spec": {
             # The route's backend. Envoy Gateway falls back to its load balancer when the EPP's pick is not
@@ -1005,9 +1119,15 @@ def envoy_gateway_docs(s: GuideSettings) -> dict[str, dict]:
         },
     }
     route = httproute(s, {"name": samplers, "port": ENGINE_PORT})
-    return {"httproute.yaml": route, "serving-samplers.yaml": service, "epp-backend.yaml": backend,
-            "envoyextensionpolicy.yaml": eep, "envoypatchpolicy.yaml": epp_patch,
-            "backendtrafficpolicy.yaml": btp, "clienttrafficpolicy.yaml": ctp}
+    return {
+        "httproute.yaml": route,
+        "serving-samplers.yaml": service,
+        "epp-backend.yaml": backend,
+        "envoyextensionpolicy.yaml": eep,
+        "envoypatchpolicy.yaml": epp_patch,
+        "backendtrafficpolicy.yaml": btp,
+        "clienttrafficpolicy.yaml": ctp,
+    }
 
 
 # ------------------------------------------------------------------------------ model servers
@@ -1021,10 +1141,14 @@ TRAINER_TARGET = {"group": "batch", "version": "v1", "kind": "Job", "labelSelect
 
 
 def sampler_component(s: GuideSettings) -> dict:
-    labels = {"apiVersion": "apps/v1", "kind": SAMPLER_TARGET_KIND, "metadata": {"name": "timeslice-sampler"},
-              "spec": {"template": {"metadata": {
-                  "labels": {"timeslice.io/group": s.group},
-                  "annotations": {"timeslice.io/pool": s.pool}}}}}
+    labels = {
+        "apiVersion": "apps/v1",
+        "kind": SAMPLER_TARGET_KIND,
+        "metadata": {"name": "timeslice-sampler"},
+        "spec": {
+            "template": {"metadata": {"labels": {"timeslice.io/group": s.group}, "annotations": {"timeslice.io/pool": s.pool}}}
+        },
+    }
     return _component(
         images=_images(s),
         patches=[
@@ -1036,12 +1160,18 @@ def sampler_component(s: GuideSettings) -> dict:
 
 
 def trainer_component(s: GuideSettings) -> dict:
-    labels = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "timeslice-trainer"},
-              "spec": {"template": {"metadata": {"labels": {"timeslice.io/group": s.group}}}}}
-    return _component(patches=[
-        {"path": "trainer-patch.yaml", "target": TRAINER_TARGET},
-        {"patch": _dump(labels), "target": TRAINER_TARGET},
-    ])
+    labels = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "timeslice-trainer"},
+        "spec": {"template": {"metadata": {"labels": {"timeslice.io/group": s.group}}}},
+    }
+    return _component(
+        patches=[
+            {"path": "trainer-patch.yaml", "target": TRAINER_TARGET},
+            {"patch": _dump(labels), "target": TRAINER_TARGET},
+        ]
+    )
 
 
 def claim_name(s: GuideSettings) -> str:
@@ -1052,33 +1182,58 @@ def resource_claim(s: GuideSettings) -> dict:
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
-        "metadata": {"name": claim_name(s), "labels": {"app.kubernetes.io/part-of": "llmd-timeslice",
-                                                       "timeslice.io/group": s.group}},
-        "spec": {"devices": {"requests": [{"name": "accelerators", "exactly": {
-            "deviceClassName": s.device_class, "allocationMode": "ExactCount", "count": s.accelerators}}]}},
+        "metadata": {
+            "name": claim_name(s),
+            "labels": {"app.kubernetes.io/part-of": "llmd-timeslice", "timeslice.io/group": s.group},
+        },
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "accelerators",
+                        "exactly": {"deviceClassName": s.device_class, "allocationMode": "ExactCount", "count": s.accelerators},
+                    }
+                ]
+            }
+        },
     }
 
 
 def shared_accelerator_component(s: GuideSettings) -> dict:
     def pod_patch(api: str, kind: str, container: str, extra_spec: dict | None = None) -> str:
-        return _dump({"apiVersion": api, "kind": kind, "metadata": {"name": "shared-accelerator"}, "spec": {
-            **(extra_spec or {}),
-            "template": {"spec": {
-                "containers": [{"name": container, "resources": {
-                    # null deletes the device-plugin request: its grants are exclusive, so the sampler and the
-                    # trainer could never get the same device.
-                    "limits": {"nvidia.com/gpu": None}, "requests": {"nvidia.com/gpu": None},
-                    "claims": [{"name": "accelerators"}]}}],
-                "resourceClaims": [{"name": "accelerators", "resourceClaimName": claim_name(s)}],
-            }},
-        }})
+        return _dump(
+            {
+                "apiVersion": api,
+                "kind": kind,
+                "metadata": {"name": "shared-accelerator"},
+                "spec": {
+                    **(extra_spec or {}),
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": container,
+                                    "resources": {
+                                        # null deletes the device-plugin request: its grants are exclusive, so the sampler and the
+                                        # trainer could never get the same device.
+                                        "limits": {"nvidia.com/gpu": None},
+                                        "requests": {"nvidia.com/gpu": None},
+                                        "claims": [{"name": "accelerators"}],
+                                    },
+                                }
+                            ],
+                            "resourceClaims": [{"name": "accelerators", "resourceClaimName": claim_name(s)}],
+                        }
+                    },
+                },
+            }
+        )
 
     return _component(
         resources=["resourceclaim.yaml"],
         patches=[
             # One sampler pod per claim: every pod referencing a ResourceClaim gets all of its devices.
-            {"patch": pod_patch("apps/v1", SAMPLER_TARGET_KIND, "modelserver", {"replicas": 1}),
-             "target": _sampler_target(s)},
+            {"patch": pod_patch("apps/v1", SAMPLER_TARGET_KIND, "modelserver", {"replicas": 1}), "target": _sampler_target(s)},
             {"patch": pod_patch("batch/v1", "Job", "trainer"), "target": TRAINER_TARGET},
         ],
     )
@@ -1109,10 +1264,14 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
         resources=["gate", "orchestrator"],
         images=_images(s),
         patches=[
-            {"target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-gate"},
-             "patch": _add_args(*pool_args, f"--max-hold-s={s.max_hold_s:g}")},
-            {"target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-orchestrator"},
-             "patch": _add_args(f"--default-pool={s.pool}")},
+            {
+                "target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-gate"},
+                "patch": _add_args(*pool_args, f"--max-hold-s={s.max_hold_s:g}"),
+            },
+            {
+                "target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-orchestrator"},
+                "patch": _add_args(f"--default-pool={s.pool}"),
+            },
         ],
     )
 
@@ -1127,15 +1286,17 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
         "base/kustomization.yaml": _doc(
             "The time-slicing control and data plane: gate + orchestrator, named from settings.yaml.\n"
             "Every gateway overlay includes it; with the standalone router apply it on its own:\n"
-            "  kubectl apply -k manifests/guides/time-slicing/base", base),
+            "  kubectl apply -k manifests/guides/time-slicing/base",
+            base,
+        ),
         "base/monitoring/kustomization.yaml": _doc(
             "Optional: needs the prometheus-operator CRDs (monitoring.coreos.com).\n"
             "  kubectl apply -k manifests/guides/time-slicing/base/monitoring",
-            _kustomization(namespace=ns, resources=["servicemonitors.yaml"])),
+            _kustomization(namespace=ns, resources=["servicemonitors.yaml"]),
+        ),
         "router/values-standalone.yaml": values_standalone(s),
         "router/standalone-envoy.yaml": HEADER + "# What the chart renders from values-standalone.yaml for release "
-                                        f"{s.pool!r} in {ns!r} (envoy --mode validate checks it).\n"
-                                        + _dump(standalone_bootstrap(s, s.pool, ns)),
+        f"{s.pool!r} in {ns!r} (envoy --mode validate checks it).\n" + _dump(standalone_bootstrap(s, s.pool, ns)),
         "router/values-gateway.yaml": values_gateway(s),
         "router/values-serving-label.yaml": values_serving_label(s),
         "router/values-flow-control.yaml": values_flow_control(s),
@@ -1147,86 +1308,107 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
             "(base without its replicated gate) + the EnvoyFilter + the /v1/-only route.\n"
             "  python3 manifests/generate.py --istio-parameters <recipe configmap> | kubectl apply -n <ns> -f -\n"
             "  kubectl apply -k manifests/guides/time-slicing/gateways/istio",
-            overlay("httproute.yaml", "envoyfilter.yaml", components=("../../components/no-gate-deployment",))),
-        "gateways/istio/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
-                                              httproute(s, _inference_pool_ref(s))),
+            overlay("httproute.yaml", "envoyfilter.yaml", components=("../../components/no-gate-deployment",)),
+        ),
+        "gateways/istio/httproute.yaml": _doc(
+            "The guide's InferencePool behind the Gateway, /v1/ only.", httproute(s, _inference_pool_ref(s))
+        ),
         "gateways/istio/envoyfilter.yaml": _doc(
             "Istio Gateway API mode with the inference extension: the fast path to the gate container of each\n"
-            "Gateway pod (127.0.0.1).", istio_fast_path_envoyfilter(s)),
+            "Gateway pod (127.0.0.1).",
+            istio_fast_path_envoyfilter(s),
+        ),
         "gateways/istio/gateway-parameters.yaml": _doc(
             "NOT applied by the kustomization. What `generate.py --istio-parameters none` prints: the Gateway's\n"
             "parameters ConfigMap with the gate container in its Deployment overlay (Istio applies it as a\n"
             "strategic merge patch to the Deployment it generates for the Gateway). Apply the one generate.py\n"
             "prints for YOUR Gateway's ConfigMap (the llm-d Istio recipe's: every key of it is kept).",
-            istio_gateway_parameters(s)),
+            istio_gateway_parameters(s),
+        ),
         "gateways/istio-ext-proc/kustomization.yaml": _doc(
             "Istio with the gate over ext_proc (replicated gate Deployment behind a Service): for an EPP that\n"
             "queues requests (flow control), whose requests the drain deadline must be able to cut (docs/gate.md),\n"
             "or where the Gateway's pods cannot take the gate container.\n"
             "  kubectl apply -k manifests/guides/time-slicing/gateways/istio-ext-proc",
-            overlay("httproute.yaml", "envoyfilter.yaml", "destinationrule.yaml")),
-        "gateways/istio-ext-proc/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
-                                                       httproute(s, _inference_pool_ref(s))),
-        "gateways/istio-ext-proc/envoyfilter.yaml": _doc("Istio Gateway API mode with the inference extension.",
-                                                         istio_ext_proc_envoyfilter(s)),
+            overlay("httproute.yaml", "envoyfilter.yaml", "destinationrule.yaml"),
+        ),
+        "gateways/istio-ext-proc/httproute.yaml": _doc(
+            "The guide's InferencePool behind the Gateway, /v1/ only.", httproute(s, _inference_pool_ref(s))
+        ),
+        "gateways/istio-ext-proc/envoyfilter.yaml": _doc(
+            "Istio Gateway API mode with the inference extension.", istio_ext_proc_envoyfilter(s)
+        ),
         "gateways/istio-ext-proc/destinationrule.yaml": _doc(
             "Each held request is one open ext_proc stream to the gate: raise Istio's connection pool limits.",
-            istio_destinationrule(s)),
+            istio_destinationrule(s),
+        ),
         "gateways/agentgateway/kustomization.yaml": _doc(
             "agentgateway (v1.1, inferenceExtension.enabled=true): base + the gate as an AgentgatewayPolicy\n"
             "extProc on the /v1/-only route. agentgateway sends the EPP no metadata from an earlier ext_proc,\n"
             "so the subset hint cannot reach it: steering is paired with the serving label (install the\n"
             "router with values-serving-label.yaml). The gate still holds and counts in-flight requests.\n"
             "  kubectl apply -k manifests/guides/time-slicing/gateways/agentgateway",
-            overlay("httproute.yaml", "policy.yaml", components=("../../components/serving-label",))),
-        "gateways/agentgateway/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
-                                                     httproute(s, _inference_pool_ref(s))),
-        "gateways/agentgateway/policy.yaml": _doc("The gate on the route (fail closed: the controller always sets "
-                                                  "FAIL_CLOSED).", agentgateway_policy(s)),
+            overlay("httproute.yaml", "policy.yaml", components=("../../components/serving-label",)),
+        ),
+        "gateways/agentgateway/httproute.yaml": _doc(
+            "The guide's InferencePool behind the Gateway, /v1/ only.", httproute(s, _inference_pool_ref(s))
+        ),
+        "gateways/agentgateway/policy.yaml": _doc(
+            "The gate on the route (fail closed: the controller always sets FAIL_CLOSED).", agentgateway_policy(s)
+        ),
         "gateways/envoy-gateway/kustomization.yaml": _doc(
             "Envoy Gateway (v1.9; no upstream llm-d path: this variant wires the EPP itself). Needs\n"
             "extensionApis.enableEnvoyPatchPolicy and enableBackend in the Envoy Gateway configuration.\n"
             "  kubectl apply -k manifests/guides/time-slicing/gateways/envoy-gateway",
-            overlay(*eg, components=("../../components/serving-label",))),
-        **{f"gateways/envoy-gateway/{name}": _doc("Envoy Gateway variant (see kustomization.yaml).", d)
-           for name, d in eg.items()},
+            overlay(*eg, components=("../../components/serving-label",)),
+        ),
+        **{
+            f"gateways/envoy-gateway/{name}": _doc("Envoy Gateway variant (see kustomization.yaml).", d) for name, d in eg.items()
+        },
         "gateways/label-fallback/kustomization.yaml": _doc(
             "For gateways that cannot chain an ext_proc before the EPP: no gate on the request path; the\n"
             "orchestrator keeps timeslice.io/serving current and the pool selects serving pods only.\n"
             "Install the router with values-gateway.yaml + values-serving-label.yaml + values-flow-control.yaml.\n"
             "  kubectl apply -k manifests/guides/time-slicing/gateways/label-fallback",
-            overlay("httproute.yaml", components=("../../components/serving-label",))),
-        "gateways/label-fallback/httproute.yaml": _doc("The guide's InferencePool behind the Gateway, /v1/ only.",
-                                                       httproute(s, _inference_pool_ref(s))),
+            overlay("httproute.yaml", components=("../../components/serving-label",)),
+        ),
+        "gateways/label-fallback/httproute.yaml": _doc(
+            "The guide's InferencePool behind the Gateway, /v1/ only.", httproute(s, _inference_pool_ref(s))
+        ),
         "modelserver/sampler/kustomization.yaml": _doc(
             "Adds time-slicing to the guide's vLLM model servers (Deployments labelled llm-d.ai/guide=<guide>):\n"
             "the snapshot sidecar, VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode on the container named\n"
             "modelserver (the first container), and the pod labels the orchestrator and gates agree on.",
-            sampler_component(s)),
+            sampler_component(s),
+        ),
         "modelserver/trainer/kustomization.yaml": _doc(
             "Connects trainer Jobs (labelled timeslice.io/role=trainer, container named trainer) to the\n"
-            "orchestrator: address, group, token.", trainer_component(s)),
+            "orchestrator: address, group, token.",
+            trainer_component(s),
+        ),
         "modelserver/shared-accelerator/kustomization.yaml": _doc(
             "The sampler and the trainer share ONE Dynamic Resource Allocation ResourceClaim (resource.k8s.io/v1),\n"
             "as llm-d-incubation/llm-d-rl-time-slicing does; device-plugin grants (nvidia.com/gpu) are exclusive.\n"
             "Needs Kubernetes 1.34+ and a DRA driver with the DeviceClass in settings.yaml (README).",
-            shared_accelerator_component(s)),
+            shared_accelerator_component(s),
+        ),
         "modelserver/shared-accelerator/resourceclaim.yaml": _doc(
-            f"The accelerators of group {s.group}: every pod that references this claim gets the same devices.",
-            resource_claim(s)),
+            f"The accelerators of group {s.group}: every pod that references this claim gets the same devices.", resource_claim(s)
+        ),
         "modelserver/guide/kustomization.yaml": _doc(
             "Your guide's model servers with time-slicing: the guide's own overlay (settings.yaml modelserver)\n"
             "plus the sampler and shared-accelerator components.\n"
             "  kubectl apply -k manifests/guides/time-slicing/modelserver/guide",
-            _kustomization(namespace=ns, resources=[s.modelserver],
-                           components=["../sampler", "../shared-accelerator"])),
+            _kustomization(namespace=ns, resources=[s.modelserver], components=["../sampler", "../shared-accelerator"]),
+        ),
         "modelserver/example/llm-d-guide/kustomization.yaml": _doc(
             "Stands for a guide's model-server overlay: labels the Deployment with llm-d.ai/guide the way the\n"
             "llm-d guides do (guides/optimized-baseline/modelserver/gpu/vllm/base/kustomization.yaml).",
             _kustomization(
                 resources=["vllm-sampler.yaml"],
                 labels=[{"pairs": {"llm-d.ai/guide": s.guide}, "includeSelectors": True, "includeTemplates": True}],
-            )),
+            ),
+        ),
         "modelserver/example/kustomization.yaml": _doc(
             "An upstream-shaped sampler Deployment (llm-d-guide/) and a trainer Job, with the components applied:\n"
             "they share one ResourceClaim (the tests build and validate it).\n"
@@ -1235,7 +1417,8 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
                 namespace=ns,
                 resources=["llm-d-guide", "trainer-job.yaml"],
                 components=["../sampler", "../trainer", "../shared-accelerator"],
-            )),
+            ),
+        ),
     }
     return {guide / k: v for k, v in out.items()}
 
@@ -1257,10 +1440,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="Only compare; exit 1 if a file is out of date.")
     parser.add_argument("--settings", type=Path, default=SETTINGS_FILE, help="Settings file (default: the guide's).")
     parser.add_argument("--out", type=Path, help="Write a full copy of the guide there instead of in place.")
-    parser.add_argument("--istio-parameters", metavar="CONFIGMAP|none",
-                        help="Then print (stdout) the Istio Gateway's parameters ConfigMap with the gate container "
-                             "folded into its Deployment overlay: give the ConfigMap file the Gateway's "
-                             "infrastructure.parametersRef names (the llm-d Istio recipe's), or none.")
+    parser.add_argument(
+        "--istio-parameters",
+        metavar="CONFIGMAP|none",
+        help="Then print (stdout) the Istio Gateway's parameters ConfigMap with the gate container "
+        "folded into its Deployment overlay: give the ConfigMap file the Gateway's "
+        "infrastructure.parametersRef names (the llm-d Istio recipe's), or none.",
+    )
     args = parser.parse_args(argv)
     if args.check and args.istio_parameters:
         parser.error("--check and --istio-parameters do not go together")

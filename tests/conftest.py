@@ -74,8 +74,9 @@ def pytest_unconfigure(config) -> None:
 
 # ---------------------------------------------------------------------------------------------- the shared vLLM
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "kills_vllm: kills the session's shared vLLM server (runs after every other "
-                                       "test that uses it)")
+    config.addinivalue_line(
+        "markers", "kills_vllm: kills the session's shared vLLM server (runs after every other test that uses it)"
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns xdist_group marks into node ids
@@ -106,8 +107,10 @@ def pytest_collection_finish(session) -> None:
     if lost:
         import sys
 
-        why = (f"--dist loadgroup ignored the xdist_group mark of {len(lost)} tests (e.g. {lost[0]}): pytest-xdist "
-               "does not support this pytest (pytest-dev/pytest-xdist#1386); see the pytest pin in pyproject.toml")
+        why = (
+            f"--dist loadgroup ignored the xdist_group mark of {len(lost)} tests (e.g. {lost[0]}): pytest-xdist "
+            "does not support this pytest (pytest-dev/pytest-xdist#1386); see the pytest pin in pyproject.toml"
+        )
         print(f"\nERROR: {why}", file=sys.__stderr__, flush=True)  # an xdist worker's own errors show as a crash
         raise pytest.UsageError(why)
 
@@ -156,8 +159,12 @@ def _track_grpc_aio_servers() -> None:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return srv
-        rec = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0], "loop": loop,
-               "started": False, "stopped": False}
+        rec = {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0],
+            "loop": loop,
+            "started": False,
+            "stopped": False,
+        }
         start, stop = srv.start, srv.stop
 
         async def tracked_start():
@@ -191,8 +198,10 @@ def pytest_runtest_teardown(item, nextitem):
         if rec["started"] and not rec["stopped"]:
             left.append(rec["test"])
     if left:
-        raise AssertionError(f"{len(left)} gRPC server(s) started in {sorted(set(left))} were never stopped "
-                             "(await server.stop() before the test's event loop ends)")
+        raise AssertionError(
+            f"{len(left)} gRPC server(s) started in {sorted(set(left))} were never stopped "
+            "(await server.stop() before the test's event loop ends)"
+        )
     return result
 
 

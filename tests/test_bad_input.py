@@ -20,10 +20,12 @@ async def test_min_weight_version_header_that_is_not_utf8_gets_400_not_a_crash()
     gate.pools["default"].set_states([("10.0.0.1:8000", EndpointState.SERVING, 0)])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gate.ext_proc_port}") as ch:
-            hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=protocol.MIN_WEIGHT_VERSION_HEADER,
-                                                                    raw_value=b"\x80\xff")])
+            hdrs = base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=protocol.MIN_WEIGHT_VERSION_HEADER, raw_value=b"\x80\xff")]
+            )
             call = xp_grpc.ExternalProcessorStub(ch).Process(
-                iter([xp.ProcessingRequest(request_headers=xp.HttpHeaders(headers=hdrs))]), timeout=5)
+                iter([xp.ProcessingRequest(request_headers=xp.HttpHeaders(headers=hdrs))]), timeout=5
+            )
             out = [r async for r in call]
         assert out[0].immediate_response.status.code == 400
         assert out[0].immediate_response.details == "bad_min_weight_version"

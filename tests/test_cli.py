@@ -12,17 +12,27 @@ import pytest
 
 def run(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")}
-    return subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "llmd_timeslice.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("inventory,expected", [
-    ("groups:\n  - group_id: g\n    sleep_levle: 1\n", "sleep_levle"),
-    ("groups:\n  - group_id: g\n    samplers:\n      - {address: '127.0.0.1:99999', sidecar: 'a:1', job_id: s}\n",
-     "expected host:port"),
-    ("groups:\n  - group_id: g\n  - group_id: g\n", "duplicate group_id"),
-    ("groups: [\n", "while parsing"),
-])
+@pytest.mark.parametrize(
+    "inventory,expected",
+    [
+        ("groups:\n  - group_id: g\n    sleep_levle: 1\n", "sleep_levle"),
+        (
+            "groups:\n  - group_id: g\n    samplers:\n      - {address: '127.0.0.1:99999', sidecar: 'a:1', job_id: s}\n",
+            "expected host:port",
+        ),
+        ("groups:\n  - group_id: g\n  - group_id: g\n", "duplicate group_id"),
+        ("groups: [\n", "while parsing"),
+    ],
+)
 def test_bad_inventory_is_one_line_naming_the_problem(tmp_path, inventory, expected):
     f = tmp_path / "inv.yaml"
     f.write_text(inventory)
@@ -96,9 +106,22 @@ def test_picker_binds_its_host_not_the_last_endpoints_host():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = port_for.select_random()
-    proc = subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "picker", "--host", "127.0.0.1", "--port",
-                             str(port), "--endpoint", "default=127.0.0.2:8000"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmd_timeslice.cli",
+            "picker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--endpoint",
+            "default=127.0.0.2:8000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 30
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -122,13 +145,17 @@ def test_settings_problems_are_one_line_each_naming_option_variable_or_file(tmp_
     r = run("gate", "--config", str(f), env={"LLMD_TIMESLICE_GATE__STALE_AFTER_S": "soon"})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert sorted(lines) == sorted([
-        f"llmd-timeslice gate: {f}: gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)",
-        "llmd-timeslice gate: gate.stale_after_s: invalid duration 'soon': expected seconds (a number) or a number "
-        "with a unit, e.g. 500ms, 30s, 10m, 1h, 1m30s [from $LLMD_TIMESLICE_GATE__STALE_AFTER_S]"]), lines
+    assert sorted(lines) == sorted(
+        [
+            f"llmd-timeslice gate: {f}: gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)",
+            "llmd-timeslice gate: gate.stale_after_s: invalid duration 'soon': expected seconds (a number) or a number "
+            "with a unit, e.g. 500ms, 30s, 10m, 1h, 1m30s [from $LLMD_TIMESLICE_GATE__STALE_AFTER_S]",
+        ]
+    ), lines
     r = run("sidecar")
     assert r.returncode == 2 and r.stderr.strip() == (
-        "llmd-timeslice sidecar: --job-id: required (or $LLMD_TIMESLICE_SIDECAR__JOB_ID)"), r.stderr
+        "llmd-timeslice sidecar: --job-id: required (or $LLMD_TIMESLICE_SIDECAR__JOB_ID)"
+    ), r.stderr
     r = run("orchestrator", "--discovery", "kubernetes", "--state-file", "s.json", "--state-configmap", "cm")
     assert r.returncode == 2 and "--state-configmap: choose one of --state-file and --state-configmap" in r.stderr
 
@@ -145,11 +172,27 @@ def test_running_gate_holds_for_the_max_hold_its_environment_sets(tmp_path):
     ext_proc, authz, control = (port_for.select_random() for _ in range(3))
     cfg = tmp_path / "gate.yaml"
     cfg.write_text(f"gate:\n  pools: [p]\n  default_pool: p\n  max_hold_s: 1h\n  authz_port: {authz}\n")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")},
-           "LLMD_TIMESLICE_GATE__MAX_HOLD_S": "500ms"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "gate", "--config", str(cfg),
-                             "--ext-proc-port", str(ext_proc), "--control-port", str(control)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")},
+        "LLMD_TIMESLICE_GATE__MAX_HOLD_S": "500ms",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmd_timeslice.cli",
+            "gate",
+            "--config",
+            str(cfg),
+            "--ext-proc-port",
+            str(ext_proc),
+            "--control-port",
+            str(control),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{authz}/v1/completions"
         with httpx.Client(timeout=20) as client:

@@ -40,8 +40,10 @@ def _given(case: str, tmp_path, monkeypatch) -> tuple[dict, str]:
         monkeypatch.setenv(TOKEN_ENV, "a-token-of-another-stack")
         return {}, f"the client's token came from ${TOKEN_ENV}"
     assert case == "no_token"
-    return {}, (f"the client sent no token: it looked at the token= and token_file= arguments, ${TOKEN_FILE_ENV} and "
-                f"${TOKEN_ENV} (none set)")
+    return {}, (
+        f"the client sent no token: it looked at the token= and token_file= arguments, ${TOKEN_FILE_ENV} and "
+        f"${TOKEN_ENV} (none set)"
+    )
 
 
 CASES = ["token_argument", "token_file_argument", "token_file_variable", "token_variable", "no_token"]
@@ -77,8 +79,10 @@ def test_another_jobs_token_is_an_auth_error_too(orchestrator, tmp_path, monkeyp
     monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "job-a-token"))
     (tmp_path / "job-a-token").write_text("token-of-job-a")
     denied = r"PERMISSION_DENIED: the token of job 'job-a' cannot act for job 'job-b'"
-    with TimeSliceOrchestratorClient(orchestrator, job_id="job-b", group_id="g") as c, \
-            pytest.raises(AuthError, match=denied) as ei:
+    with (
+        TimeSliceOrchestratorClient(orchestrator, job_id="job-b", group_id="g") as c,
+        pytest.raises(AuthError, match=denied) as ei,
+    ):
         c.acquire(timeout_sec=5)
     assert f"${TOKEN_FILE_ENV}: file {tmp_path / 'job-a-token'}" in str(ei.value)
 

@@ -72,22 +72,27 @@ def test_good_file_loads_with_units(tmp_path):
     assert load_config(write(tmp_path, "")).configured() == []
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("gate:\n  max_hodl_s: 3\n", "gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)"),
-    ("orchestrater:\n  port: 1\n", "orchestrater: unknown key (did you mean orchestrator?)"),
-    ("gate:\n  ext_proc_port: 70000\n", "gate.ext_proc_port: Input should be less than or equal to 65535 (got 70000)"),
-    ("picker:\n  port: http\n  pools: {p: ['10.0.0.1:80']}\n", "picker.port: Input should be a valid integer"),
-    ("gate:\n  max_hold_s: soon\n", "gate.max_hold_s: invalid duration 'soon'"),
-    ("gate:\n  max_hold_s: 2h\n", "gate.max_hold_s: Input should be less than or equal to 3600"),
-    ("sidecar:\n  job_id: s\n  operation_timeout_s: -5\n", "sidecar.operation_timeout_s: Input should be greater than 0"),
-    ("orchestrator:\n  port: 1\n", "orchestrator.inventory: required when discovery: static"),
-    ("orchestrator:\n  inventory: i.yaml\n  state_configmap: cm\n", "orchestrator.state_configmap: needs discovery: "
-     "kubernetes"),
-    ("sidecar:\n  job_id: s\n  backend: cuda\n", "sidecar.pid: required with backend: cuda"),
-    ("picker: {}\n", "picker.pools: required"),
-    ("sidecar:\n  port: 1\n", "sidecar.job_id: required"),
-    ("gate:\n  orchestrator: nohost\n", "gate.orchestrator: expected host:port"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("gate:\n  max_hodl_s: 3\n", "gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)"),
+        ("orchestrater:\n  port: 1\n", "orchestrater: unknown key (did you mean orchestrator?)"),
+        ("gate:\n  ext_proc_port: 70000\n", "gate.ext_proc_port: Input should be less than or equal to 65535 (got 70000)"),
+        ("picker:\n  port: http\n  pools: {p: ['10.0.0.1:80']}\n", "picker.port: Input should be a valid integer"),
+        ("gate:\n  max_hold_s: soon\n", "gate.max_hold_s: invalid duration 'soon'"),
+        ("gate:\n  max_hold_s: 2h\n", "gate.max_hold_s: Input should be less than or equal to 3600"),
+        ("sidecar:\n  job_id: s\n  operation_timeout_s: -5\n", "sidecar.operation_timeout_s: Input should be greater than 0"),
+        ("orchestrator:\n  port: 1\n", "orchestrator.inventory: required when discovery: static"),
+        (
+            "orchestrator:\n  inventory: i.yaml\n  state_configmap: cm\n",
+            "orchestrator.state_configmap: needs discovery: kubernetes",
+        ),
+        ("sidecar:\n  job_id: s\n  backend: cuda\n", "sidecar.pid: required with backend: cuda"),
+        ("picker: {}\n", "picker.pools: required"),
+        ("sidecar:\n  port: 1\n", "sidecar.job_id: required"),
+        ("gate:\n  orchestrator: nohost\n", "gate.orchestrator: expected host:port"),
+    ],
+)
 def test_each_error_is_one_line_naming_the_field(tmp_path, text, expected):
     errors = errors_of(tmp_path, text)
     assert len(errors) == 1 and errors[0].startswith(expected), errors
@@ -179,23 +184,32 @@ def test_component_settings_layers_flags_over_environment_over_file(tmp_path, mo
     monkeypatch.setenv("LLMD_TIMESLICE_ORCHESTRATOR__KUBERNETES__LABEL_SELECTOR", "app=x")
     orch, _ = component_settings("orchestrator", f, {("kubernetes", "sleep_level"): 2})
     assert (orch.kubernetes.namespace, orch.kubernetes.label_selector, orch.kubernetes.sleep_level) == (
-        "llm-d-timeslice", "app=x", 2)
+        "llm-d-timeslice",
+        "app=x",
+        2,
+    )
     monkeypatch.setenv("LLMD_TIMESLICE_SIDECAR__JOB_ID", "env-job")
     assert component_settings("sidecar")[0].job_id == "env-job"
 
 
-@pytest.mark.parametrize("file_text,env,flags,expected", [
-    ("gate:\n  max_hodl_s: 3\n", {}, {}, ["{f}: gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)"]),
-    ("gaet: {}\n", {}, {}, ["{f}: gaet: unknown key (did you mean gate?)"]),
-    ("gate: []\n", {}, {}, ["{f}: gate: expected a mapping of settings, got list"]),
-    ("gate:\n  max_hold_s: 2h\n", {}, {}, ["{f}: gate.max_hold_s: Input should be less than or equal to 3600"]),
-    ("", {"LLMD_TIMESLICE_GATE__MAX_HOLD_S": "2h"}, {},
-     ["gate.max_hold_s: Input should be less than or equal to 3600 (got 7200.0) [from $LLMD_TIMESLICE_GATE__MAX_HOLD_S]"]),
-    ("", {}, {("max_hold_s",): 7200.0}, ["--max-hold-s: Input should be less than or equal to 3600 (got 7200.0)"]),
-    ("gate:\n  orchestrator: nohost\n", {}, {("orchestrator",): "o:1"}, []),  # the flag replaces the bad value
-])
-def test_component_settings_errors_name_where_the_value_came_from(tmp_path, monkeypatch, file_text, env, flags,
-                                                                  expected):
+@pytest.mark.parametrize(
+    "file_text,env,flags,expected",
+    [
+        ("gate:\n  max_hodl_s: 3\n", {}, {}, ["{f}: gate.max_hodl_s: unknown key (did you mean gate.max_hold_s?)"]),
+        ("gaet: {}\n", {}, {}, ["{f}: gaet: unknown key (did you mean gate?)"]),
+        ("gate: []\n", {}, {}, ["{f}: gate: expected a mapping of settings, got list"]),
+        ("gate:\n  max_hold_s: 2h\n", {}, {}, ["{f}: gate.max_hold_s: Input should be less than or equal to 3600"]),
+        (
+            "",
+            {"LLMD_TIMESLICE_GATE__MAX_HOLD_S": "2h"},
+            {},
+            ["gate.max_hold_s: Input should be less than or equal to 3600 (got 7200.0) [from $LLMD_TIMESLICE_GATE__MAX_HOLD_S]"],
+        ),
+        ("", {}, {("max_hold_s",): 7200.0}, ["--max-hold-s: Input should be less than or equal to 3600 (got 7200.0)"]),
+        ("gate:\n  orchestrator: nohost\n", {}, {("orchestrator",): "o:1"}, []),  # the flag replaces the bad value
+    ],
+)
+def test_component_settings_errors_name_where_the_value_came_from(tmp_path, monkeypatch, file_text, env, flags, expected):
     from llmd_timeslice.config import component_settings
 
     f = write(tmp_path, file_text)
@@ -207,7 +221,7 @@ def test_component_settings_errors_name_where_the_value_came_from(tmp_path, monk
     with pytest.raises(ConfigError) as err:
         component_settings("gate", f, flags)
     lines = [f"{err.value.source}: {e}" if err.value.source else e for e in err.value.errors]
-    assert [ln[:len(e.format(f=f))] for ln, e in zip(lines, expected, strict=True)] == [e.format(f=f) for e in expected]
+    assert [ln[: len(e.format(f=f))] for ln, e in zip(lines, expected, strict=True)] == [e.format(f=f) for e in expected]
 
 
 def test_component_settings_missing_and_rule_errors_name_the_option(tmp_path):
@@ -220,8 +234,7 @@ def test_component_settings_missing_and_rule_errors_name_the_option(tmp_path):
         component_settings("sidecar", write(tmp_path, "sidecar:\n  backend: cuda\n"), {("job_id",): "j"})
     assert err.value.errors == ["--pid: required with --backend cuda (the processes to checkpoint)"]
     with pytest.raises(ConfigError) as err:
-        component_settings("orchestrator", None, {("kubernetes", "manage_serving_label"): True,
-                                                  ("inventory",): Path("i.yaml")})
+        component_settings("orchestrator", None, {("kubernetes", "manage_serving_label"): True, ("inventory",): Path("i.yaml")})
     assert err.value.errors == ["--manage-serving-label: needs --discovery kubernetes"]
 
 
@@ -231,13 +244,22 @@ def test_reference_doc_is_current():
     # The example in it is valid.
     example = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert TimesliceConfig.model_validate(__import__("yaml").safe_load(example)).configured() == [
-        "gate", "orchestrator", "sidecar"]
+        "gate",
+        "orchestrator",
+        "sidecar",
+    ]
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")}
-    return subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", *args], capture_output=True, text=True,
-                          timeout=30, env={**base, **(env or {})}, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "llmd_timeslice.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**base, **(env or {})},
+        cwd=ROOT,
+    )
 
 
 def test_config_check_command(tmp_path):

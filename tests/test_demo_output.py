@@ -10,14 +10,17 @@ from llmd_timeslice.demo import timeline
 from llmd_timeslice.demo.run import SUMMARY_LINES, _summary, summary_lines
 
 REPO = Path(__file__).resolve().parents[1]
-TITLE = re.compile(r"^llmd-timeslice demo: \d+ s in all = setup_s [\d.]+ \(tiny model, vLLM start-up, stack\) \+ "
-                   r"wall_s [\d.]+ \(stack up to the last answer: load and RL loop\) \+ stop$")
+TITLE = re.compile(
+    r"^llmd-timeslice demo: \d+ s in all = setup_s [\d.]+ \(tiny model, vLLM start-up, stack\) \+ "
+    r"wall_s [\d.]+ \(stack up to the last answer: load and RL loop\) \+ stop$"
+)
 
 
 def _sample_summary() -> dict:
-    records = [{"ok": True, "hold_ms": 0.0, "kind": "load", "stream": False, "weight_version": 0, "min_weight_version": 0},
-               {"ok": True, "hold_ms": 2021.4, "kind": "rollout", "stream": True, "weight_version": 1,
-                "min_weight_version": 1}]
+    records = [
+        {"ok": True, "hold_ms": 0.0, "kind": "load", "stream": False, "weight_version": 0, "min_weight_version": 0},
+        {"ok": True, "hold_ms": 2021.4, "kind": "rollout", "stream": True, "weight_version": 1, "min_weight_version": 1},
+    ]
     iters = [{"switch_ms": 250, "rollout_weight_versions": [0]}, {"switch_ms": 300, "rollout_weight_versions": [1, 2]}]
     return _summary(records, iters, 6.0, wall_s=62.34, setup_s=45.06)
 
@@ -47,17 +50,25 @@ def test_readme_shows_the_demo_summary_in_the_demos_own_form():
 
 
 def test_timeline_sampler_lanes_are_labelled_by_sampler_name(tmp_path, monkeypatch):
-    monitor = [{"t": 0.0, "held": 0, "endpoints": {"127.0.0.1:41873": "SERVING", "127.0.0.1:35011": "SERVING"}},
-               {"t": 1.0, "held": 2, "endpoints": {"127.0.0.1:41873": "ASLEEP", "127.0.0.1:35011": "ASLEEP"}}]
+    monitor = [
+        {"t": 0.0, "held": 0, "endpoints": {"127.0.0.1:41873": "SERVING", "127.0.0.1:35011": "SERVING"}},
+        {"t": 1.0, "held": 2, "endpoints": {"127.0.0.1:41873": "ASLEEP", "127.0.0.1:35011": "ASLEEP"}},
+    ]
     names = {"127.0.0.1:41873": "sampler-0", "127.0.0.1:35011": "sampler-1"}
     assert timeline.sampler_lanes(monitor, names) == [("127.0.0.1:41873", "sampler-0"), ("127.0.0.1:35011", "sampler-1")]
-    assert timeline.sampler_lanes(monitor) == [("127.0.0.1:35011", "127.0.0.1:35011"),
-                                               ("127.0.0.1:41873", "127.0.0.1:41873")], "no names: the address"
+    assert timeline.sampler_lanes(monitor) == [("127.0.0.1:35011", "127.0.0.1:35011"), ("127.0.0.1:41873", "127.0.0.1:41873")], (
+        "no names: the address"
+    )
     figures = []
     real_close = timeline.plt.close
     monkeypatch.setattr(timeline.plt, "close", lambda fig: (figures.append(fig), real_close(fig)))
-    out = timeline.plot_timeline(tmp_path / "timeline.png", monitor, [(0.0, 1.0, "train")],
-                                 [{"ok": True, "sent_at": 0.1, "done_at": 1.2, "hold_ms": 900.0}], names=names)
+    out = timeline.plot_timeline(
+        tmp_path / "timeline.png",
+        monitor,
+        [(0.0, 1.0, "train")],
+        [{"ok": True, "sent_at": 0.1, "done_at": 1.2, "hold_ms": 900.0}],
+        names=names,
+    )
     assert out.stat().st_size > 10_000
     labels = [t.get_text() for t in figures[0].axes[0].get_yticklabels()]
     assert labels == ["sampler-0", "sampler-1", "trainer"]

@@ -43,23 +43,41 @@ NS = "llm-d-timeslice"
 
 
 # --------------------------------------------------------------------------- fake API server
-def make_pod(name: str, group: str | None, role: str = "sampler", ip: str = "10.0.0.1", ready: bool = True,
-             phase: str = "Running", annotations: dict | None = None, labels: dict | None = None,
-             terminating: bool = False) -> dict:
-    lab = {"app": "vllm-sampler", **({"timeslice.io/group": group} if group else {}),
-           **({"timeslice.io/role": role} if role else {}), **(labels or {})}
+def make_pod(
+    name: str,
+    group: str | None,
+    role: str = "sampler",
+    ip: str = "10.0.0.1",
+    ready: bool = True,
+    phase: str = "Running",
+    annotations: dict | None = None,
+    labels: dict | None = None,
+    terminating: bool = False,
+) -> dict:
+    lab = {
+        "app": "vllm-sampler",
+        **({"timeslice.io/group": group} if group else {}),
+        **({"timeslice.io/role": role} if role else {}),
+        **(labels or {}),
+    }
     meta = {"name": name, "namespace": NS, "uid": f"uid-{name}", "labels": lab, "annotations": annotations or {}}
     if terminating:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
-        "spec": {"containers": [
-            {"name": "vllm", "image": "vllm", "ports": [{"name": "http", "containerPort": 8000}]},
-            {"name": "timeslice-sidecar", "image": "ts", "ports": [{"name": "ts-grpc", "containerPort": 9001},
-                                                                   {"name": "ts-metrics", "containerPort": 9095}]},
-        ]},
-        "status": {"phase": phase, "podIP": ip,
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "containers": [
+                {"name": "vllm", "image": "vllm", "ports": [{"name": "http", "containerPort": 8000}]},
+                {
+                    "name": "timeslice-sidecar",
+                    "image": "ts",
+                    "ports": [{"name": "ts-grpc", "containerPort": 9001}, {"name": "ts-metrics", "containerPort": 9095}],
+                },
+            ]
+        },
+        "status": {"phase": phase, "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
 
 
@@ -151,13 +169,27 @@ class FakeKube:
                 self.wfile.write(data)
 
             def _status(self, code: int, reason: str, message: str) -> None:
-                self._json(code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                  "message": message, "reason": reason, "code": code})
+                self._json(
+                    code,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Failure",
+                        "message": message,
+                        "reason": reason,
+                        "code": code,
+                    },
+                )
 
             def _forbidden(self, verb: str, ns: str) -> None:
-                self._status(403, "Forbidden", f'pods is forbidden: User "system:serviceaccount:{ns}:'
-                                               f'llmd-timeslice-orchestrator" cannot {verb} resource "pods" in API '
-                                               f'group "" in the namespace "{ns}"')
+                self._status(
+                    403,
+                    "Forbidden",
+                    f'pods is forbidden: User "system:serviceaccount:{ns}:'
+                    f'llmd-timeslice-orchestrator" cannot {verb} resource "pods" in API '
+                    f'group "" in the namespace "{ns}"',
+                )
 
             def do_GET(self):
                 url = urlparse(self.path)
@@ -167,8 +199,9 @@ class FakeKube:
                     return self._status(404, "NotFound", f"no route {url.path}")
                 ns = m.group(1)
                 watch = q.get("watch") in ("true", "1", "True")
-                fake.requests.append({"method": "GET", "path": url.path, "query": q, "watch": watch,
-                                      "headers": dict(self.headers)})
+                fake.requests.append(
+                    {"method": "GET", "path": url.path, "query": q, "watch": watch, "headers": dict(self.headers)}
+                )
                 verb = "watch" if watch else "list"
                 if verb in fake.forbid:
                     return self._forbidden(verb, ns)
@@ -177,8 +210,9 @@ class FakeKube:
                     with fake.cond:
                         items = [copy.deepcopy(p) for p in fake.pods.values() if _matches(p, selector)]
                         rv = fake.rv
-                    return self._json(200, {"kind": "PodList", "apiVersion": "v1",
-                                            "metadata": {"resourceVersion": str(rv)}, "items": items})
+                    return self._json(
+                        200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(rv)}, "items": items}
+                    )
                 if fake.fail_next_watch:
                     return self._status(fake.fail_next_watch.pop(0), "InternalError", "etcd is having a bad day")
                 self._stream(q, selector)
@@ -198,10 +232,20 @@ class FakeKube:
                 with fake.cond:
                     gen = fake.generation
                     if since < fake.oldest_rv:
-                        self._chunk({"type": "ERROR", "object": {
-                            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                            "message": f"too old resource version: {since} ({fake.oldest_rv})", "reason": "Expired",
-                            "code": 410}})
+                        self._chunk(
+                            {
+                                "type": "ERROR",
+                                "object": {
+                                    "kind": "Status",
+                                    "apiVersion": "v1",
+                                    "metadata": {},
+                                    "status": "Failure",
+                                    "message": f"too old resource version: {since} ({fake.oldest_rv})",
+                                    "reason": "Expired",
+                                    "code": 410,
+                                },
+                            }
+                        )
                         self.wfile.write(b"0\r\n\r\n")
                         return
                 try:
@@ -215,8 +259,16 @@ class FakeKube:
                                     continue
                         if not todo:
                             if q.get("allowWatchBookmarks") in ("true", "True"):
-                                self._chunk({"type": "BOOKMARK", "object": {
-                                    "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(since)}}})
+                                self._chunk(
+                                    {
+                                        "type": "BOOKMARK",
+                                        "object": {
+                                            "kind": "Pod",
+                                            "apiVersion": "v1",
+                                            "metadata": {"resourceVersion": str(since)},
+                                        },
+                                    }
+                                )
                             self.wfile.write(b"0\r\n\r\n")
                             self.wfile.flush()
                             return
@@ -231,8 +283,15 @@ class FakeKube:
                 url = urlparse(self.path)
                 m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", url.path)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                fake.requests.append({"method": "PATCH", "path": url.path, "watch": False,
-                                      "content_type": self.headers.get("Content-Type"), "body": json.loads(body or b"{}")})
+                fake.requests.append(
+                    {
+                        "method": "PATCH",
+                        "path": url.path,
+                        "watch": False,
+                        "content_type": self.headers.get("Content-Type"),
+                        "body": json.loads(body or b"{}"),
+                    }
+                )
                 if not m:
                     return self._status(404, "NotFound", "no route")
                 ns, name = m.groups()
@@ -296,10 +355,21 @@ DEFAULTS = DiscoveryDefaults(default_pool="sampler-pool")
 # --------------------------------------------------------------------------- discovery
 async def test_discovery_builds_groups_from_labelled_pods(kube, api):
     kube.add(make_pod("s0", "g0", ip="10.0.0.1"))
-    kube.add(make_pod("s1", "g0", ip="10.0.0.2", labels={"timeslice.io/job-id": "job-1"},
-                      annotations={"timeslice.io/pool": "other", "timeslice.io/engine-port": "8200",
-                                   "timeslice.io/sidecar-port": "9101", "timeslice.io/sleep-level": "2",
-                                   "timeslice.io/drain-timeout-s": "15"}))
+    kube.add(
+        make_pod(
+            "s1",
+            "g0",
+            ip="10.0.0.2",
+            labels={"timeslice.io/job-id": "job-1"},
+            annotations={
+                "timeslice.io/pool": "other",
+                "timeslice.io/engine-port": "8200",
+                "timeslice.io/sidecar-port": "9101",
+                "timeslice.io/sleep-level": "2",
+                "timeslice.io/drain-timeout-s": "15",
+            },
+        )
+    )
     kube.add(make_pod("t0", "g1", role="trainer", ip="10.0.0.9"))
     kube.add(make_pod("not-ready", "g0", ip="10.0.0.3", ready=False))
     kube.add(make_pod("pending", "g0", ip="", phase="Pending", ready=False))
@@ -312,8 +382,15 @@ async def test_discovery_builds_groups_from_labelled_pods(kube, api):
     finally:
         await disc.stop()
     assert specs == [
-        GroupSpec("g0", [SamplerEndpoint("sampler-pool", "10.0.0.1:8000", "10.0.0.1:9001", "s0"),
-                         SamplerEndpoint("other", "10.0.0.2:8200", "10.0.0.2:9101", "job-1")], 2, 15.0),
+        GroupSpec(
+            "g0",
+            [
+                SamplerEndpoint("sampler-pool", "10.0.0.1:8000", "10.0.0.1:9001", "s0"),
+                SamplerEndpoint("other", "10.0.0.2:8200", "10.0.0.2:9101", "job-1"),
+            ],
+            2,
+            15.0,
+        ),
         GroupSpec("g1", [], 1, 60.0),
     ]
     assert disc.pod_for("10.0.0.2:8200") == "s1" and disc.pod_for("10.9.9.9:1") is None
@@ -325,19 +402,27 @@ def _upstream_pod(ports_by_container: dict[str, int]) -> dict:
     """A sampler pod whose containers are named as given (each with one port), after our sidecar."""
     pod = make_pod("up", "g0", ip="10.0.0.7")
     sidecar = pod["spec"]["containers"][1]
-    pod["spec"]["containers"] = [sidecar, *({"name": name, "image": "vllm", "ports": [
-        {"name": "modelserver", "containerPort": port}]} for name, port in ports_by_container.items())]
+    pod["spec"]["containers"] = [
+        sidecar,
+        *(
+            {"name": name, "image": "vllm", "ports": [{"name": "modelserver", "containerPort": port}]}
+            for name, port in ports_by_container.items()
+        ),
+    ]
     return pod
 
 
-@pytest.mark.parametrize("containers, port", [
-    # llm-d's guides name the vLLM container `modelserver` and its port `modelserver`
-    # (tests/fixtures/llm-d-guide/modelserver/decode-deployment.yaml, upstream's shape).
-    ({"modelserver": 8123}, 8123),
-    ({"vllm": 8124}, 8124),                        # older manifests: still found
-    ({"vllm": 8126, "modelserver": 8125}, 8125),   # both: modelserver wins, whatever the order
-    ({"engine": 8127}, 8000),                      # neither: DiscoveryDefaults.engine_port
-])
+@pytest.mark.parametrize(
+    "containers, port",
+    [
+        # llm-d's guides name the vLLM container `modelserver` and its port `modelserver`
+        # (tests/fixtures/llm-d-guide/modelserver/decode-deployment.yaml, upstream's shape).
+        ({"modelserver": 8123}, 8123),
+        ({"vllm": 8124}, 8124),  # older manifests: still found
+        ({"vllm": 8126, "modelserver": 8125}, 8125),  # both: modelserver wins, whatever the order
+        ({"engine": 8127}, 8000),  # neither: DiscoveryDefaults.engine_port
+    ],
+)
 def test_engine_port_comes_from_the_container_named_modelserver_as_upstream_names_it(containers, port):
     from llmd_timeslice.discovery.kubernetes import pod_member
 
@@ -437,13 +522,38 @@ async def test_group_settings_come_from_pod_annotations_and_reach_the_orchestrat
     """Bug 2 of issue 16: in Kubernetes mode only the sleep level and the drain timeout were read; the scheduling
     policy, job priorities, lease TTL, sleep-level policy and per-job sleep levels were dropped (FIFO and defaults
     always). Group-wide settings come from any member pod; per-job ones from the job's own pods."""
-    kube.add(make_pod("s0", "g0", ip="10.0.0.1", annotations={
-        "timeslice.io/lease-ttl-s": "12", "timeslice.io/scheduling-policy": "priority",
-        "timeslice.io/sleep-level-policy": "auto"}))
-    kube.add(make_pod("t-a", "g0", role="trainer", ip="10.0.0.8", labels={"timeslice.io/job-id": "job-a"},
-                      annotations={"timeslice.io/job-priority": "5", "timeslice.io/job-sleep-level": "2"}))
-    kube.add(make_pod("t-b", "g0", role="trainer", ip="10.0.0.9", labels={"timeslice.io/job-id": "job-b"},
-                      annotations={"timeslice.io/job-priority": "-1"}))
+    kube.add(
+        make_pod(
+            "s0",
+            "g0",
+            ip="10.0.0.1",
+            annotations={
+                "timeslice.io/lease-ttl-s": "12",
+                "timeslice.io/scheduling-policy": "priority",
+                "timeslice.io/sleep-level-policy": "auto",
+            },
+        )
+    )
+    kube.add(
+        make_pod(
+            "t-a",
+            "g0",
+            role="trainer",
+            ip="10.0.0.8",
+            labels={"timeslice.io/job-id": "job-a"},
+            annotations={"timeslice.io/job-priority": "5", "timeslice.io/job-sleep-level": "2"},
+        )
+    )
+    kube.add(
+        make_pod(
+            "t-b",
+            "g0",
+            role="trainer",
+            ip="10.0.0.9",
+            labels={"timeslice.io/job-id": "job-b"},
+            annotations={"timeslice.io/job-priority": "-1"},
+        )
+    )
     disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
     try:
         specs = await disc.start()
@@ -457,26 +567,37 @@ async def test_group_settings_come_from_pod_annotations_and_reach_the_orchestrat
 
     built = by_id(inventory_from_specs(specs).group_specs())["g0"]
     assert (built.lease_ttl_s, built.policy, built.job_priorities, built.job_sleep_levels) == (
-        12.0, "priority", {"job-a": 5, "job-b": -1}, {"job-a": 2})
+        12.0,
+        "priority",
+        {"job-a": 5, "job-b": -1},
+        {"job-a": 2},
+    )
     orch = Orchestrator([GroupSpec("g0", list(g0.samplers))], InnerActions())
     try:
         await InventorySync(orch).apply(specs)
         spec = orch.groups["g0"].spec
         assert (spec.lease_ttl_s, spec.policy, spec.sleep_level_policy, spec.job_priorities) == (
-            12.0, "priority", "auto", {"job-a": 5, "job-b": -1})
+            12.0,
+            "priority",
+            "auto",
+            {"job-a": 5, "job-b": -1},
+        )
     finally:
         await orch.close()
 
 
-@pytest.mark.parametrize("key, value, why", [
-    ("timeslice.io/sleep-level", "3", "is not 1 or 2"),
-    ("timeslice.io/drain-timeout-s", "0", "is not seconds in (0, 3600]"),
-    ("timeslice.io/lease-ttl-s", "forever", "is not seconds in [0, 3600]"),
-    ("timeslice.io/scheduling-policy", "lifo", "is not one of fifo, priority, round_robin"),
-    ("timeslice.io/sleep-level-policy", "sometimes", "is not one of fixed, auto"),
-    ("timeslice.io/job-priority", "high", "is not an integer"),
-    ("timeslice.io/job-sleep-level", "0", "is not 1 or 2"),
-])
+@pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("timeslice.io/sleep-level", "3", "is not 1 or 2"),
+        ("timeslice.io/drain-timeout-s", "0", "is not seconds in (0, 3600]"),
+        ("timeslice.io/lease-ttl-s", "forever", "is not seconds in [0, 3600]"),
+        ("timeslice.io/scheduling-policy", "lifo", "is not one of fifo, priority, round_robin"),
+        ("timeslice.io/sleep-level-policy", "sometimes", "is not one of fixed, auto"),
+        ("timeslice.io/job-priority", "high", "is not an integer"),
+        ("timeslice.io/job-sleep-level", "0", "is not 1 or 2"),
+    ],
+)
 async def test_a_malformed_settings_annotation_is_ignored_naming_pod_key_and_value(kube, api, caplog, key, value, why):
     kube.add(make_pod("t0", "g0", role="trainer", ip="10.0.0.9", annotations={key: value}))
     disc = KubernetesDiscovery(NS, api, defaults=DEFAULTS)
@@ -605,8 +726,10 @@ class RecordingLabeler:
             raise KubernetesError("403 no patch for you", 403)
 
 
-SPEC = GroupSpec("g0", [SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "s0"),
-                        SamplerEndpoint("p", "10.0.0.2:8000", "10.0.0.2:9001", "s1")])
+SPEC = GroupSpec(
+    "g0",
+    [SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "s0"), SamplerEndpoint("p", "10.0.0.2:8000", "10.0.0.2:9001", "s1")],
+)
 
 
 async def _no_sidecar(self, sampler, group, kind, config, weights=None):
@@ -772,9 +895,24 @@ def test_cli_orchestrator_with_kubernetes_discovery(kube, tmp_path):
 
     kube.add(make_pod("t0", "g0", role="trainer", ip="10.0.0.9"))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--discovery", "kubernetes",
-                             "--port", str(port), "--log-level", "info"],
-                            env=_cli_env(tmp_path, kube.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmd_timeslice.cli",
+            "orchestrator",
+            "--discovery",
+            "kubernetes",
+            "--port",
+            str(port),
+            "--log-level",
+            "info",
+        ],
+        env=_cli_env(tmp_path, kube.url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.TimeSliceOrchestratorServiceStub(ch)
@@ -795,13 +933,21 @@ def test_cli_orchestrator_with_kubernetes_discovery(kube, tmp_path):
 
 def test_cli_kubernetes_errors_are_one_line(kube, tmp_path):
     kube.forbid = {"list"}
-    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--discovery", "kubernetes",
-                        "--port", "0"], env=_cli_env(tmp_path, kube.url), capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--discovery", "kubernetes", "--port", "0"],
+        env=_cli_env(tmp_path, kube.url),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "RBAC verb 'list'" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--manage-serving-label",
-                        "--inventory", __file__], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--manage-serving-label", "--inventory", __file__],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "--discovery kubernetes" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator"], capture_output=True, text=True,
-                       timeout=30)
+    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--inventory" in r.stderr and "required" in r.stderr

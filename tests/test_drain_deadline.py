@@ -31,12 +31,29 @@ async def slow_picker_stack(artifacts):
     sidecar = SidecarServer({"s0": VllmBackend(engine.url, idle_timeout_s=1, probe=False)}, port=0, token="t")
     await sidecar.start()
     addr = engine.url.removeprefix("http://")
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "drain_timeout_s": DRAIN_TIMEOUT_S, "samplers": [
-        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    "drain_timeout_s": DRAIN_TIMEOUT_S,
+                    "samplers": [{"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "s0"}],
+                }
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token="t")
     await orch.start()
-    router = await start_router(artifacts, [addr], picker_delay_s=PICKER_DELAY_S, epp_message_timeout_s=10, edge="ext_proc",
-                                orchestrator=f"127.0.0.1:{orch.port}", token="t", max_hold_s=30)
+    router = await start_router(
+        artifacts,
+        [addr],
+        picker_delay_s=PICKER_DELAY_S,
+        epp_message_timeout_s=10,
+        edge="ext_proc",
+        orchestrator=f"127.0.0.1:{orch.port}",
+        token="t",
+        max_hold_s=30,
+    )
     await asyncio.wait_for(router.gate.subscription.connected.wait(), 10)
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token="t")
     yield engine, addr, orch, router, client
@@ -48,12 +65,16 @@ async def slow_picker_stack(artifacts):
 
 
 async def test_request_still_travelling_at_the_drain_deadline_gets_a_retryable_503_and_never_reaches_the_asleep_engine(
-        slow_picker_stack):
+    slow_picker_stack,
+):
     engine, addr, orch, router, client = slow_picker_stack
     pool = router.pool()
     async with httpx.AsyncClient(timeout=30) as c:
-        req = asyncio.create_task(c.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                         headers={"x-request-id": "travelling-1"}))
+        req = asyncio.create_task(
+            c.post(
+                router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "travelling-1"}
+            )
+        )
         for _ in range(100):  # admitted (counted against the engine), now waiting on the slow picker
             if pool.in_flight([addr])[addr] == 1:
                 break
@@ -80,8 +101,9 @@ async def test_response_already_flowing_at_the_drain_deadline_completes_on_the_e
     pool = router.pool()
     engine.completion_delay_s = 2.5  # the stream's headers are out at once, its last event 2.5 s later
     async with httpx.AsyncClient(timeout=30) as c:
-        async with c.stream("POST", router.url + "/v1/completions", json={"stream": True},
-                            headers={"x-request-id": "flowing-1"}) as r:
+        async with c.stream(
+            "POST", router.url + "/v1/completions", json={"stream": True}, headers={"x-request-id": "flowing-1"}
+        ) as r:
             assert r.status_code == 200  # response headers passed the gate: the served endpoint is known
             acquire = asyncio.create_task(client.acquire(timeout_sec=30))
             body = b"".join([chunk async for chunk in r.aiter_bytes()])

@@ -63,14 +63,27 @@ async def group(request):
     ``@pytest.mark.parametrize("group", [{"sleep_level": 2}], indirect=True)`` sets group fields."""
     extra = getattr(request, "param", {}) or {}
     engines = [FakeVllm().start(), FakeVllm().start()]
-    sidecars = [SidecarServer({f"s{i}": VllmBackend(e.url, idle_timeout_s=1, memory_reader=lambda: None)}, port=0,
-                              token="t") for i, e in enumerate(engines)]
+    sidecars = [
+        SidecarServer({f"s{i}": VllmBackend(e.url, idle_timeout_s=1, memory_reader=lambda: None)}, port=0, token="t")
+        for i, e in enumerate(engines)
+    ]
     for s in sidecars:
         await s.start()
     addrs = [e.url.removeprefix("http://") for e in engines]
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", **extra, "samplers": [
-        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
-        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    **extra,
+                    "samplers": [
+                        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
+                        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))
+                    ],
+                }
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token="t")
     await orch.start()
     gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token="t"))
@@ -96,6 +109,7 @@ async def _until(pred, timeout: float = 10.0, what: str = "condition"):
 
 
 # ---------------------------------------------------------------- 1. a reset that reports it did nothing
+
 
 async def test_prefix_cache_reset_refused_with_200_is_done_again_with_running_requests_preempted(fake_vllm, backend):
     eng = fake_vllm()
@@ -134,6 +148,7 @@ async def test_sampler_whose_prefix_cache_reset_is_refused_is_never_published_se
 
 # ---------------------------------------------------------------- 2. awake but wrong
 
+
 async def test_engine_that_answers_nonsense_after_a_wake_fails_the_probe_and_is_put_back_to_sleep(fake_vllm, backend):
     eng = fake_vllm()
     b = backend(eng)
@@ -165,12 +180,12 @@ async def test_a_sampler_answering_nonsense_after_wake_stays_out_of_service_then
 
 # ---------------------------------------------------------------- 3. several engine cores behind one server
 
+
 def _metrics_text(states: list[str]) -> str:
     lines = ["# TYPE vllm:engine_sleep_state gauge"]
     for e, state in enumerate(states):
         for s in ("awake", "weights_offloaded", "discard_all"):
-            lines.append(f'vllm:engine_sleep_state{{engine="{e}",model_name="m",sleep_state="{s}"}} '
-                         f'{1.0 if s == state else 0.0}')
+            lines.append(f'vllm:engine_sleep_state{{engine="{e}",model_name="m",sleep_state="{s}"}} {1.0 if s == state else 0.0}')
     return "\n".join(lines) + "\n"
 
 
@@ -183,8 +198,7 @@ def test_metrics_of_two_engines_in_mixed_states_are_not_one_state(states):
 
 
 @pytest.mark.parametrize("lagging", ["0", "1"])
-async def test_sleep_verification_requires_every_engine_core_asleep_and_names_the_one_that_is_not(
-        fake_vllm, backend, lagging):
+async def test_sleep_verification_requires_every_engine_core_asleep_and_names_the_one_that_is_not(fake_vllm, backend, lagging):
     eng = fake_vllm()
     eng.engines = 2
     eng.engine_states = {lagging: "awake"}  # one data-parallel engine did not follow the sleep
@@ -195,8 +209,7 @@ async def test_sleep_verification_requires_every_engine_core_asleep_and_names_th
 
 
 @pytest.mark.parametrize("lagging", ["0", "1"])
-async def test_wake_verification_requires_every_engine_core_awake_and_names_the_one_that_is_not(
-        fake_vllm, backend, lagging):
+async def test_wake_verification_requires_every_engine_core_awake_and_names_the_one_that_is_not(fake_vllm, backend, lagging):
     eng = fake_vllm()
     eng.engines = 2
     b = backend(eng)
@@ -207,6 +220,7 @@ async def test_wake_verification_requires_every_engine_core_awake_and_names_the_
 
 
 # ---------------------------------------------------------------- 4. a request parked inside a sleeping engine
+
 
 def _slow_sleep(eng: FakeVllm) -> FakeVllm:
     """The engine takes 0.6 s to serve /sleep and parks what arrives meanwhile (vLLM queues it during the pause)."""
@@ -228,8 +242,7 @@ async def test_request_parked_in_a_sleeping_engine_is_aborted_and_reported_by_th
     await srv.start()
     ch = __import__("grpc").aio.insecure_channel(f"127.0.0.1:{srv.port}")
     stub, ops = pb_grpc.SnapshotAgentServiceStub(ch), xpb_grpc.SnapshotOperationsServiceStub(ch)
-    before = REGISTRY.get_sample_value("llmd_timeslice_sidecar_parked_requests_total",
-                                       {"job_id": "s", "action": "aborted"}) or 0
+    before = REGISTRY.get_sample_value("llmd_timeslice_sidecar_parked_requests_total", {"job_id": "s", "action": "aborted"}) or 0
     try:
         async with httpx.AsyncClient(timeout=30) as c:
             op = (await stub.Snapshot(pb.SnapshotRequest(job_id="s"))).operation_id
@@ -240,8 +253,7 @@ async def test_request_parked_in_a_sleeping_engine_is_aborted_and_reported_by_th
         assert (r.parked_requests, r.parked_action) == (1, "aborted")
         assert answer.json()["choices"][0]["finish_reason"] == "abort"
         assert eng.level == 1 and eng.parked == 0
-        after = REGISTRY.get_sample_value("llmd_timeslice_sidecar_parked_requests_total",
-                                          {"job_id": "s", "action": "aborted"})
+        after = REGISTRY.get_sample_value("llmd_timeslice_sidecar_parked_requests_total", {"job_id": "s", "action": "aborted"})
         assert after == before + 1
     finally:
         await ch.close()

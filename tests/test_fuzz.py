@@ -43,8 +43,9 @@ from tests.support.fake_engines import FakeVllm
 TOKEN = "fuzz"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 CRASH = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                         HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
 ints = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 1, 2**31, -(2**31)]))
@@ -74,14 +75,22 @@ class Servers:
         self.gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, token=TOKEN, max_hold_s=0.3, max_held=50))
         await self.gate.start()
         self.gate.pools["default"].set_states([("10.0.0.1:8000", EndpointState.SERVING, 3)])
-        inv = Inventory.model_validate({"groups": [
-            {"group_id": "g", "samplers": [{"pool": "default", "address": "10.0.0.1:8000", "sidecar": "127.0.0.1:1",
-                                            "job_id": "s"}]},
-            {"group_id": "t"}]})
+        inv = Inventory.model_validate(
+            {
+                "groups": [
+                    {
+                        "group_id": "g",
+                        "samplers": [{"pool": "default", "address": "10.0.0.1:8000", "sidecar": "127.0.0.1:1", "job_id": "s"}],
+                    },
+                    {"group_id": "t"},
+                ]
+            }
+        )
         self.orch = OrchestratorServer(inv, port=0, token=TOKEN, actions=NoopActions())
         await self.orch.start()
-        self.sidecar = SidecarServer({"s": VllmBackend(self.engine.url, idle_timeout_s=0.2)}, port=0, token=TOKEN,
-                                     operation_timeout_s=2)
+        self.sidecar = SidecarServer(
+            {"s": VllmBackend(self.engine.url, idle_timeout_s=0.2)}, port=0, token=TOKEN, operation_timeout_s=2
+        )
         await self.sidecar.start()
 
     async def _stop(self) -> None:
@@ -125,10 +134,15 @@ def _headers(pairs, eos):
     return xp.HttpHeaders(headers=hm, end_of_stream=eos)
 
 
-header_name = st.one_of(st.sampled_from([":path", ":method", "content-type", protocol.MIN_WEIGHT_VERSION_HEADER,
-                                         "x-request-id"]), st.from_regex(r"[a-z][a-z0-9-]{0,30}", fullmatch=True))
-header_value = st.one_of(st.binary(max_size=64), st.sampled_from([b"3", b"-1", b"99999999999999999999", b"", b"abc"]),
-                         st.integers(1, 200_000).map(lambda n: b"x" * n))
+header_name = st.one_of(
+    st.sampled_from([":path", ":method", "content-type", protocol.MIN_WEIGHT_VERSION_HEADER, "x-request-id"]),
+    st.from_regex(r"[a-z][a-z0-9-]{0,30}", fullmatch=True),
+)
+header_value = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([b"3", b"-1", b"99999999999999999999", b"", b"abc"]),
+    st.integers(1, 200_000).map(lambda n: b"x" * n),
+)
 headers = st.lists(st.tuples(header_name, header_value), max_size=6)
 served = st.one_of(st.none(), st.just("10.0.0.1:8000"), text)
 
@@ -137,14 +151,18 @@ def _response_headers(addr) -> xp.ProcessingRequest:
     req = xp.ProcessingRequest(response_headers=_headers([(":status", b"200")], False))
     if addr is not None:
         req.attributes[protocol.EXT_PROC_ATTRIBUTES_NAMESPACE].CopyFrom(
-            struct_pb2.Struct(fields={protocol.UPSTREAM_ADDRESS_ATTRIBUTE: struct_pb2.Value(string_value=addr)}))
+            struct_pb2.Struct(fields={protocol.UPSTREAM_ADDRESS_ATTRIBUTE: struct_pb2.Value(string_value=addr)})
+        )
     return req
 
 
 message = st.one_of(
     st.builds(lambda h, e: xp.ProcessingRequest(request_headers=_headers(h, e)), headers, st.booleans()),
-    st.builds(lambda b, e: xp.ProcessingRequest(request_body=xp.HttpBody(body=b, end_of_stream=e)),
-              st.binary(max_size=2048), st.booleans()),
+    st.builds(
+        lambda b, e: xp.ProcessingRequest(request_body=xp.HttpBody(body=b, end_of_stream=e)),
+        st.binary(max_size=2048),
+        st.booleans(),
+    ),
     st.just(xp.ProcessingRequest(request_trailers=xp.HttpTrailers())),
     st.builds(_response_headers, served),
     st.builds(lambda b: xp.ProcessingRequest(response_body=xp.HttpBody(body=b)), st.binary(max_size=256)),
@@ -156,8 +174,9 @@ pool_md = st.one_of(st.none(), st.sampled_from(["default", "", "nope"]), st.from
 
 @FUZZ
 @given(msgs=st.lists(message, max_size=7), pool=pool_md)
-@example(msgs=[xp.ProcessingRequest(request_headers=_headers([(protocol.MIN_WEIGHT_VERSION_HEADER, b"\x80")], False))],
-         pool="default")  # found by this test; tests/test_bad_input.py
+@example(
+    msgs=[xp.ProcessingRequest(request_headers=_headers([(protocol.MIN_WEIGHT_VERSION_HEADER, b"\x80")], False))], pool="default"
+)  # found by this test; tests/test_bad_input.py
 def test_fuzz_ext_proc_stream_never_crashes_and_leaves_nothing_behind(servers, msgs, pool):
     stub = xp_grpc.ExternalProcessorStub(servers.chans["ext_proc"])
     md = () if pool is None else ((protocol.POOL_METADATA_KEY, pool),)
@@ -180,8 +199,10 @@ async def _settle(pool, timeout_s: float = 3.0) -> None:
 
 def test_after_fuzzing_ext_proc_a_well_formed_request_is_admitted(servers):
     stub = xp_grpc.ExternalProcessorStub(servers.chans["ext_proc"])
-    msgs = [xp.ProcessingRequest(request_headers=_headers([(":path", b"/v1/completions")], True)),
-            _response_headers("10.0.0.1:8000")]
+    msgs = [
+        xp.ProcessingRequest(request_headers=_headers([(":path", b"/v1/completions")], True)),
+        _response_headers("10.0.0.1:8000"),
+    ]
     out = list(stub.Process(iter(msgs), metadata=((protocol.POOL_METADATA_KEY, "default"),), timeout=5))
     hint = out[0].dynamic_metadata.fields[protocol.SUBSET_HINT_NAMESPACE].struct_value
     assert [v.string_value for v in hint.fields[protocol.SUBSET_HINT_KEY].list_value.values] == ["10.0.0.1:8000"]
@@ -193,9 +214,10 @@ def test_after_fuzzing_ext_proc_a_well_formed_request_is_admitted(servers):
 @given(pool=text, states=st.lists(st.tuples(text, st.integers(-5, 50), ints), max_size=4))
 def test_fuzz_gate_control_set_states(servers, pool, states):
     stub = gpb_grpc.GateControlServiceStub(servers.chans["control"])
-    req = gpb.SetEndpointStatesRequest(pool=f"fz-{pool}" if pool else "",
-                                       endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v)
-                                                  for a, s, v in states])
+    req = gpb.SetEndpointStatesRequest(
+        pool=f"fz-{pool}" if pool else "",
+        endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v) for a, s, v in states],
+    )
     code = _code(lambda: stub.SetEndpointStates(req, metadata=MD, timeout=5))
     if any(s not in (1, 2, 3, 4) for _, s, _ in states):
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
@@ -203,16 +225,24 @@ def test_fuzz_gate_control_set_states(servers, pool, states):
 
 
 @FUZZ
-@given(job=text, group=st.one_of(text, st.sampled_from(["g", "t"])), timeout=st.floats(0.01, 0.3), token=ints,
-       token_md=st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=30)))
+@given(
+    job=text,
+    group=st.one_of(text, st.sampled_from(["g", "t"])),
+    timeout=st.floats(0.01, 0.3),
+    token=ints,
+    token_md=st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30)),
+)
 def test_fuzz_orchestrator_acquire_yield_lease(servers, job, group, timeout, token, token_md):
     stub = opb_grpc.TimeSliceOrchestratorServiceStub(servers.chans["orch"])
     leases = lease_pb2_grpc.LeaseServiceStub(servers.chans["orch"])
     md = MD if token_md is None else (*MD, ("x-llmd-timeslice-fencing-token", token_md))  # printable: gRPC's rule
     got = _code(lambda: stub.Acquire(opb.AcquireRequest(job_id=job, group_id=group), metadata=MD, timeout=timeout))
     _code(lambda: leases.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), metadata=MD, timeout=5))
-    _code(lambda: leases.Heartbeat(lease_pb2.HeartbeatRequest(job_id=job, group_id=group, fencing_token=token),
-                                   metadata=MD, timeout=5))
+    _code(
+        lambda: leases.Heartbeat(
+            lease_pb2.HeartbeatRequest(job_id=job, group_id=group, fencing_token=token), metadata=MD, timeout=5
+        )
+    )
     _code(lambda: stub.Yield(opb.YieldRequest(job_id=job, group_id=group), metadata=md, timeout=5))
     del got
     _code(lambda: stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=group), metadata=MD, timeout=5))
@@ -231,9 +261,16 @@ def _free(stub, leases, job: str, group: str) -> None:
 
 
 @FUZZ
-@given(job=text, group=st.sampled_from(["g", "t", "zz", ""]), version=ints, source=st.one_of(
-    text, st.sampled_from(["files", "vllm_weight_transfer"])), location=text,
-    info=st.one_of(text, st.dictionaries(text, st.integers(), max_size=3).map(json.dumps)), token=ints, limit=ints)
+@given(
+    job=text,
+    group=st.sampled_from(["g", "t", "zz", ""]),
+    version=ints,
+    source=st.one_of(text, st.sampled_from(["files", "vllm_weight_transfer"])),
+    location=text,
+    info=st.one_of(text, st.dictionaries(text, st.integers(), max_size=3).map(json.dumps)),
+    token=ints,
+    limit=ints,
+)
 def test_fuzz_weight_versions_and_switch_list(servers, job, group, version, source, location, info, token, limit):
     stub = weights_pb2_grpc.WeightVersionServiceStub(servers.chans["orch"])
     update = weights_pb2.WeightUpdate(version=version, source=source, location=location, update_info_json=info)
@@ -241,14 +278,23 @@ def test_fuzz_weight_versions_and_switch_list(servers, job, group, version, sour
     _code(lambda: stub.PublishWeightVersion(req, metadata=MD, timeout=5))
     _code(lambda: stub.GetWeightVersion(weights_pb2.GetWeightVersionRequest(group_id=group), metadata=MD, timeout=5))
     info_stub = ipb_grpc.OrchestratorInfoServiceStub(servers.chans["orch"])
-    _code(lambda: info_stub.ListSwitches(ipb.ListSwitchesRequest(limit=max(-(2**31), min(limit, 2**31 - 1)),
-                                                                 group_id=group), metadata=MD, timeout=5))
+    _code(
+        lambda: info_stub.ListSwitches(
+            ipb.ListSwitchesRequest(limit=max(-(2**31), min(limit, 2**31 - 1)), group_id=group), metadata=MD, timeout=5
+        )
+    )
 
 
 @FUZZ
-@given(job=st.one_of(text, st.just("s")), app=st.integers(-3, 20), mode=st.integers(-3, 20), op=text,
-       wait=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-10, 0.05)),
-       version=ints, source=text)
+@given(
+    job=st.one_of(text, st.just("s")),
+    app=st.integers(-3, 20),
+    mode=st.integers(-3, 20),
+    op=text,
+    wait=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-10, 0.05)),
+    version=ints,
+    source=text,
+)
 def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
     stub = spb_grpc.SnapshotAgentServiceStub(servers.chans["sidecar"])
     ext = xpb_grpc.SnapshotOperationsServiceStub(servers.chans["sidecar"])
@@ -258,9 +304,16 @@ def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
         _code(lambda c=call, r=req_cls: c(r(job_id=job, group="g", backend_config=cfg), metadata=MD, timeout=5))
     _code(lambda: stub.GetOperation(spb.GetOperationRequest(operation_id=op), metadata=MD, timeout=5))
     _code(lambda: ext.WaitOperation(xpb.WaitOperationRequest(operation_id=op, timeout_s=wait), metadata=MD, timeout=5))
-    _code(lambda: ext.RestoreWithWeights(xpb.RestoreWithWeightsRequest(
-        restore=spb.RestoreRequest(job_id=job, group="g"),
-        weights=weights_pb2.WeightUpdate(version=version, source=source, location="/nowhere")), metadata=MD, timeout=5))
+    _code(
+        lambda: ext.RestoreWithWeights(
+            xpb.RestoreWithWeightsRequest(
+                restore=spb.RestoreRequest(job_id=job, group="g"),
+                weights=weights_pb2.WeightUpdate(version=version, source=source, location="/nowhere"),
+            ),
+            metadata=MD,
+            timeout=5,
+        )
+    )
     _code(lambda: ext.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), metadata=MD, timeout=5))
     _code(lambda: stub.Status(spb.StatusRequest(), metadata=MD, timeout=5))
 

@@ -170,8 +170,9 @@ async def test_client_disconnect_while_held_leaves_the_queue(router, two_upstrea
 
 async def test_two_pools_at_once_each_route_gets_its_own_pool_and_subset_hint(artifacts, two_upstreams, chain):
     up_a, up_b = two_upstreams
-    stack = await start_router(artifacts, [up_a.address], pool="pool-a", extra_pools={"pool-b": ("/b/", [up_b.address])},
-                               edge=chain)
+    stack = await start_router(
+        artifacts, [up_a.address], pool="pool-a", extra_pools={"pool-b": ("/b/", [up_b.address])}, edge=chain
+    )
     try:
         stack.pool("pool-a").set_states([(up_a.address, EndpointState.SERVING, 0)])
         stack.pool("pool-b").set_states([(up_b.address, EndpointState.ASLEEP, 0)])
@@ -226,8 +227,9 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
     # reason the release keeps the former 5,000/s: once, in a full-suite run on a loaded machine, that in-process
     # picker answered the fast path's 20,000/s burst of new EPP streams with HTTP/2 resets ("protocol error" in
     # Envoy's log, 784 x 500 from the EPP filter). What is checked here is the gate: every request released and ended.
-    stack = await start_router(artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge,
-                               release_rate_per_s=5000)
+    stack = await start_router(
+        artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge, release_rate_per_s=5000
+    )
     try:
         stack.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
         limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
@@ -245,8 +247,10 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
             stats = await asyncio.to_thread(stack.envoy.stats, "ext_proc|ext_authz|rq_5xx|overflow|timeout|reset|flood|protocol")
             bad = [r for r in rs if getattr(r, "status_code", 0) != 200][:3]
             seen = [(getattr(r, "status_code", r), getattr(r, "text", "")[:200], dict(getattr(r, "headers", {}))) for r in bad]
-            raise AssertionError(f"not all released requests completed: {sorted(set(map(str, codes)))}, "
-                                 f"{codes.count(200)} ok; first failures {seen}\nenvoy stats:\n{stats}")
+            raise AssertionError(
+                f"not all released requests completed: {sorted(set(map(str, codes)))}, "
+                f"{codes.count(200)} ok; first failures {seen}\nenvoy stats:\n{stats}"
+            )
         for _ in range(200):  # stream ends (access-log entries) reach the gate just after the responses
             if stack.pool().live == 0:
                 break
@@ -256,7 +260,8 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
             book = stack.gate.book
             assert len(book) == 0 and book.lost_total == 0 and book.completed_total == 2000, (
                 f"every admission must end by its own access-log entry: open {len(book)}, lost {book.lost_total}, "
-                f"completed {book.completed_total}")
+                f"completed {book.completed_total}"
+            )
     finally:
         await stack.stop()
 
@@ -297,8 +302,11 @@ async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstream
         stack.pool(pool).set_states([(up.address, EndpointState.ASLEEP, 7)])
         async with httpx.AsyncClient(timeout=10) as c:
             assert (await c.get(stack.url + "/v1/completions")).status_code == 503
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for f in text_string_to_metric_families(generate_latest().decode()) for s in f.samples}
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(generate_latest().decode())
+            for s in f.samples
+        }
 
         def value(name, **labels):
             return samples.get((name, tuple(sorted(labels.items()))))
@@ -350,8 +358,11 @@ async def test_envoy_killed_its_held_and_in_flight_requests_stop_counting_and_a_
         await router.restart_envoy()
         assert all(isinstance(r, httpx.HTTPError) for r in await asyncio.gather(streaming, held, return_exceptions=True))
         await _until(lambda: pool.held == 0, what="the held check gone with its Envoy")
-        await _until(lambda: pool.live == 0 and pool.in_flight([up.address])[up.address] == 0, 5,
-                     "the dead Envoy's in-flight request no longer counted")
+        await _until(
+            lambda: pool.live == 0 and pool.in_flight([up.address])[up.address] == 0,
+            5,
+            "the dead Envoy's in-flight request no longer counted",
+        )
         if router.edge == "ext_authz":
             assert router.gate.book.lost_total == 1, "dropped because its Envoy is gone (no entry came)"
         pool.set_states([(up.address, EndpointState.SERVING, 0)])

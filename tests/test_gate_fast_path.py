@@ -106,8 +106,11 @@ def test_the_fast_path_config_carries_what_the_gate_relies_on():
     cfg = EnvoyRouterConfig(1, 2, 3, 4, authz_port=5)
     hcm = render_bootstrap(cfg)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names[:3] == ["envoy.filters.http.ext_authz.timeslice_gate",
-                         "envoy.filters.http.header_to_metadata.timeslice_subset_hint", "envoy.filters.http.ext_proc.epp"]
+    assert names[:3] == [
+        "envoy.filters.http.ext_authz.timeslice_gate",
+        "envoy.filters.http.header_to_metadata.timeslice_subset_hint",
+        "envoy.filters.http.ext_proc.epp",
+    ]
     authz = hcm["http_filters"][0]["typed_config"]
     assert authz["failure_mode_allow"] is False and authz["status_on_error"] == {"code": 503}
     assert authz["http_service"]["server_uri"]["timeout"] == "610.000s", "a hold of max_hold_s must fit"
@@ -119,8 +122,10 @@ def test_the_fast_path_config_carries_what_the_gate_relies_on():
     assert router["upstream_log_options"] == {"flush_upstream_log_on_upstream_stream": True}
     picks = EnvoyRouterConfig(1, 2, 3, None, authz_port=5)
     hcm = render_bootstrap(picks)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.ext_authz.timeslice_gate",
-                                                          "envoy.filters.http.router"]
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.ext_authz.timeslice_gate",
+        "envoy.filters.http.router",
+    ]
     with pytest.raises(ValueError, match="authz_port"):
         EnvoyRouterConfig(1, 2, 3, 4)
     with pytest.raises(ValueError, match="only the ext_authz edge"):
@@ -138,13 +143,25 @@ async def fast_path_stack(artifacts, tmp_path):
     inv.groups[0].drain_timeout_s = 1.0
     orch = OrchestratorServer(inv, port=0, token=token)
     await orch.start()
-    gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}",
-                                 token=token, lost_completion_after_s=4))
+    gate = GateServer(
+        GateConfig(
+            ext_proc_port=0,
+            authz_port=0,
+            control_port=0,
+            orchestrator=f"127.0.0.1:{orch.port}",
+            token=token,
+            lost_completion_after_s=4,
+        )
+    )
     await gate.start()
     await asyncio.wait_for(gate.subscription.connected.wait(), 10)
     proxy = await TcpProxy("127.0.0.1", gate.ext_proc_port).start()
-    envoy = EnvoyProcess(EnvoyRouterConfig(port_for.select_random(), port_for.select_random(), proxy.port, None,
-                                           authz_port=gate.authz_port, max_hold_s=30), artifacts)
+    envoy = EnvoyProcess(
+        EnvoyRouterConfig(
+            port_for.select_random(), port_for.select_random(), proxy.port, None, authz_port=gate.authz_port, max_hold_s=30
+        ),
+        artifacts,
+    )
     await asyncio.to_thread(envoy.start)
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=token)
     await _until(lambda: gate.pools["default"].serving() == (addr,), 20, "the sampler SERVING at the gate")
@@ -193,12 +210,15 @@ async def authz_gate():
     await gate.stop()
 
 
-@pytest.mark.parametrize("headers,status,reason", [
-    ({}, 400, "bad_check"),
-    ({protocol.POOL_HEADER: "ghost"}, 429, "unknown_pool"),  # a 503 carried as 429 (see ext_authz)
-    ({protocol.POOL_HEADER: "default", protocol.MIN_WEIGHT_VERSION_HEADER: "two"}, 400, "bad_min_weight_version"),
-    ({protocol.POOL_HEADER: "default", protocol.MIN_WEIGHT_VERSION_HEADER: b"\x80"}, 400, "bad_min_weight_version"),
-])
+@pytest.mark.parametrize(
+    "headers,status,reason",
+    [
+        ({}, 400, "bad_check"),
+        ({protocol.POOL_HEADER: "ghost"}, 429, "unknown_pool"),  # a 503 carried as 429 (see ext_authz)
+        ({protocol.POOL_HEADER: "default", protocol.MIN_WEIGHT_VERSION_HEADER: "two"}, 400, "bad_min_weight_version"),
+        ({protocol.POOL_HEADER: "default", protocol.MIN_WEIGHT_VERSION_HEADER: b"\x80"}, 400, "bad_min_weight_version"),
+    ],
+)
 async def test_a_bad_check_is_refused_with_its_reason_and_admits_nothing(authz_gate, headers, status, reason):
     async with httpx.AsyncClient(timeout=5) as c:
         r = await c.get(f"http://127.0.0.1:{authz_gate.authz_port}/v1/completions", headers=headers)
@@ -252,7 +272,9 @@ def test_render_envoy_renders_each_edge_and_refuses_the_gate_picking_on_ext_proc
     assert r.exit_code == 0, r.output
     filters = json.loads(out.read_text())["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert [f["name"] for f in filters["typed_config"]["http_filters"]] == [
-        "envoy.filters.http.ext_authz.timeslice_gate", "envoy.filters.http.router"]
+        "envoy.filters.http.ext_authz.timeslice_gate",
+        "envoy.filters.http.router",
+    ]
     r = runner.invoke(app, ["render-envoy", "--out", str(out), "--gate-edge", "ext_proc", "--picker", "gate"])
     said = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
     assert r.exit_code == 2 and "the gate picks the endpoint only on the ext_authz edge" in said, r.output

@@ -115,6 +115,7 @@ async def test_drain_deadline_cuts_requests_whose_response_has_not_started_and_l
         def on_cut(err):
             answers[name] = err
             asyncio.get_running_loop().call_soon(pool.finish, adm)
+
         adm.request_id, adm.on_cut = name, on_cut
         return adm
 

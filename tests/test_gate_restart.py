@@ -38,21 +38,35 @@ pytestmark = pytest.mark.envoy
 @pytest.mark.parametrize("edge", EDGES)
 async def test_gate_crash_while_held_gives_503_at_once_and_restart_resyncs(artifacts, edge):
     up = UpstreamServer().start()
-    orch = OrchestratorServer(Inventory.model_validate({"groups": [{"group_id": "g"}]}), port=0, token="tok",
-                              reconcile_on_start=False)
+    orch = OrchestratorServer(
+        Inventory.model_validate({"groups": [{"group_id": "g"}]}), port=0, token="tok", reconcile_on_start=False
+    )
     await orch.start()
     await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_SERVING, 0)])
     token_file = artifacts / "token"
     token_file.write_text("tok")
     ext_proc_port, authz_port, control_port = (port_for.select_random() for _ in range(3))
-    args = ["gate", "--ext-proc-port", str(ext_proc_port), "--authz-port", str(authz_port), "--control-port",
-            str(control_port), "--orchestrator", f"127.0.0.1:{orch.port}", "--gate-id", "gate-0", "--token-file",
-            str(token_file), "--log-level", "info"]
+    args = [
+        "gate",
+        "--ext-proc-port",
+        str(ext_proc_port),
+        "--authz-port",
+        str(authz_port),
+        "--control-port",
+        str(control_port),
+        "--orchestrator",
+        f"127.0.0.1:{orch.port}",
+        "--gate-id",
+        "gate-0",
+        "--token-file",
+        str(token_file),
+        "--log-level",
+        "info",
+    ]
     gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
     picker = PickerServer(PickerConfig(port=0, pools={"default": [up.address]}))
     await picker.start()
-    envoy = EnvoyProcess(envoy_config(edge, gate_port=ext_proc_port, authz_port=authz_port, epp_port=picker.port),
-                         artifacts)
+    envoy = EnvoyProcess(envoy_config(edge, gate_port=ext_proc_port, authz_port=authz_port, epp_port=picker.port), artifacts)
     await asyncio.to_thread(envoy.start)
     try:
         async with httpx.AsyncClient(timeout=30) as c:

@@ -62,8 +62,7 @@ def test_gate_filter_keeps_the_settings_the_stream_lifetime_depends_on():
         assert not cfg.get(field, False), f"{field}: the gate needs it false (docs/gate.md, Envoy versions)"
 
 
-async def test_with_response_trailers_skipped_envoy_ends_the_stream_at_the_response_headers(
-        artifacts, upstream, monkeypatch):
+async def test_with_response_trailers_skipped_envoy_ends_the_stream_at_the_response_headers(artifacts, upstream, monkeypatch):
     """Why the gate sends trailers: the same late body with SKIP leaves the count while the body is on its way."""
     import epp_plugin.envoy_config as ec
 

@@ -25,8 +25,9 @@ async def _orchestrator(port: int = 0) -> OrchestratorServer:
 
 
 async def _gate(orch_port: int, gate_id: str = "gate-a") -> GateServer:
-    g = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch_port}", token="tok",
-                              gate_id=gate_id))
+    g = GateServer(
+        GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch_port}", token="tok", gate_id=gate_id)
+    )
     await g.start()
     await asyncio.wait_for(g.subscription.connected.wait(), 10)
     return g
@@ -89,7 +90,8 @@ async def test_gate_keeps_last_known_state_while_orchestrator_is_down_and_resync
         resyncs = gate.subscription.resyncs
         await _until(lambda: gate.subscription.resyncs > resyncs and gate.pools["default"].serving() == (E2,), 15)
         assert E1 in gate.pools["default"].endpoints and gate.pools["default"].endpoints[E1].state is EndpointState.DRAINING, (
-            "an endpoint dropped from the snapshot with a request in flight is kept DRAINING until it ends")
+            "an endpoint dropped from the snapshot with a request in flight is kept DRAINING until it ends"
+        )
     finally:
         await gate.stop()
         await orch.stop()

@@ -464,8 +464,9 @@ async def _held_heartbeat_publish_queue_spec(e: Env):
 
 
 async def _held_start(e: Env):
-    e.orch.restore({"groups": {"s": {"holder": "A", "lease": {"job_id": "A", "token": 4, "ttl_s": 30, "armed": True},
-                                     "last_token": 4}}})
+    e.orch.restore(
+        {"groups": {"s": {"holder": "A", "lease": {"job_id": "A", "token": 4, "ttl_s": 30, "armed": True}, "last_token": 4}}}
+    )
     await e.orch.start()
     assert e.g().phase is P.HELD and ("asleep", "s", [S1.address, S2.address]) in e.acts.calls
     assert e.clock.pending(), "the armed lease runs again"
@@ -566,8 +567,11 @@ async def _abandon_everywhere(e: Env):
     await e.abandon("s")
 
 
-SCENARIOS = [v for k, v in sorted(globals().items()) if k.startswith("_") and k[1:2].islower() and callable(v)
-             and v.__code__.co_varnames[:1] == ("e",)]
+SCENARIOS = [
+    v
+    for k, v in sorted(globals().items())
+    if k.startswith("_") and k[1:2].islower() and callable(v) and v.__code__.co_varnames[:1] == ("e",)
+]
 
 
 async def test_every_edge_of_the_transition_table_is_walked():

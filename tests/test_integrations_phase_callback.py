@@ -30,13 +30,21 @@ from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.test_orchestrator import RecordingActions
 
 TOKEN = "cb-token"
-INVENTORY = Inventory.model_validate({"groups": [
-    {"group_id": "trainers"},
-    {"group_id": "samplers"},
-    {"group_id": "short-lease", "lease_ttl_s": 0.3},
-    {"group_id": "served", "samplers": [{"pool": "default", "address": "127.0.0.1:8001",
-                                         "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}]},
-]})
+INVENTORY = Inventory.model_validate(
+    {
+        "groups": [
+            {"group_id": "trainers"},
+            {"group_id": "samplers"},
+            {"group_id": "short-lease", "lease_ttl_s": 0.3},
+            {
+                "group_id": "served",
+                "samplers": [
+                    {"pool": "default", "address": "127.0.0.1:8001", "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}
+                ],
+            },
+        ]
+    }
+)
 
 
 class RecordingClient(TimeSliceOrchestratorClient):
@@ -73,8 +81,13 @@ def orch():
 
 @pytest.fixture
 def env(monkeypatch, orch):
-    for name in ("TIMESLICE_JOB_ID", "TIMESLICE_ORCH_ADDR", "TIMESLICE_TRAINER_GROUP", "TIMESLICE_SAMPLER_GROUP",
-                 "LLMD_TIMESLICE_WEIGHTS_DIR"):
+    for name in (
+        "TIMESLICE_JOB_ID",
+        "TIMESLICE_ORCH_ADDR",
+        "TIMESLICE_TRAINER_GROUP",
+        "TIMESLICE_SAMPLER_GROUP",
+        "LLMD_TIMESLICE_WEIGHTS_DIR",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LLMD_TIMESLICE_TOKEN", TOKEN)
     return monkeypatch
@@ -161,8 +174,9 @@ def run_async_driver(cb, orch, n_steps, sync_interval=1, with_eval=False) -> Non
         assert cb.locks.held("trainer")
         if step + 1 < n_steps:
             cb.on_phase_begin("generate", "sampler", {"rollout_id": step + 1})
-            assert (_holder(orch, "trainers"), _holder(orch, "samplers")) == ("job-a", "job-a"), \
+            assert (_holder(orch, "trainers"), _holder(orch, "samplers")) == ("job-a", "job-a"), (
                 "async: sampler group held while training"
+            )
         cb.on_phase_end("train", "trainer", ctx)
         if (step + 1) % sync_interval == 0:
             if step + 1 < n_steps and cb.locks.held("sampler"):
@@ -176,8 +190,9 @@ def run_async_driver(cb, orch, n_steps, sync_interval=1, with_eval=False) -> Non
     cb.close()
 
 
-@pytest.mark.parametrize("options", [{}, {"offload_rollout": True, "release_train": True, "with_eval": True}],
-                         ids=["basic", "all-options"])
+@pytest.mark.parametrize(
+    "options", [{}, {"offload_rollout": True, "release_train": True, "with_eval": True}], ids=["basic", "all-options"]
+)
 def test_upstream_sync_driver_sequence_takes_trainer_then_sampler_and_leaks_no_lock(env, orch, options):
     events: list = []
     cb = TimesliceCallback(_locks(orch, events))
@@ -186,8 +201,9 @@ def test_upstream_sync_driver_sequence_takes_trainer_then_sampler_and_leaks_no_l
     assert _held_after(events) == set()
     _trainer_first(events)
     assert _holder(orch, "trainers") is None and _holder(orch, "samplers") is None
-    assert events[:4] == [("acquire", "trainers"), ("acquire", "samplers"), ("release", "samplers"),
-                          ("release", "trainers")], "init: trainer, sampler; released in reverse"
+    assert events[:4] == [("acquire", "trainers"), ("acquire", "samplers"), ("release", "samplers"), ("release", "trainers")], (
+        "init: trainer, sampler; released in reverse"
+    )
 
 
 @pytest.mark.parametrize("sync_interval", [1, 3])
@@ -214,9 +230,17 @@ def test_callback_reads_the_upstream_environment_contract(env, orch):
 def test_without_a_job_id_every_phase_is_a_noop(env):
     cb = TimesliceCallback()  # TIMESLICE_JOB_ID unset: the same image runs without time-slicing
     assert not cb.locks.enabled
-    for ph, role in [("init", "both"), ("generate", "sampler"), ("train", "trainer"), ("weight_sync", "both"),
-                     ("offload", "sampler"), ("onload", "sampler"), ("eval", "sampler"), ("create", "trainer"),
-                     ("save", "trainer")]:
+    for ph, role in [
+        ("init", "both"),
+        ("generate", "sampler"),
+        ("train", "trainer"),
+        ("weight_sync", "both"),
+        ("offload", "sampler"),
+        ("onload", "sampler"),
+        ("eval", "sampler"),
+        ("create", "trainer"),
+        ("save", "trainer"),
+    ]:
         cb.on_phase_begin(ph, role)
         cb.on_phase_end(ph, role)
     cb.close()
@@ -224,8 +248,11 @@ def test_without_a_job_id_every_phase_is_a_noop(env):
 
 def test_bad_input_is_named(env, orch):
     cb = TimesliceCallback(_locks(orch, []))
-    with pytest.raises(UnknownPhase, match=r"unknown phase 'rollout'; known phases: init, generate, train, "
-                                           r"weight_sync, save, offload, onload, eval, create"):
+    with pytest.raises(
+        UnknownPhase,
+        match=r"unknown phase 'rollout'; known phases: init, generate, train, "
+        r"weight_sync, save, offload, onload, eval, create",
+    ):
         cb.on_phase_begin("rollout", "sampler")
     with pytest.raises(UnknownRole, match=r"unknown role 'actor' \(phase 'train'\); known roles: trainer, sampler, both"):
         cb.on_phase_begin("train", "actor")
@@ -306,8 +333,14 @@ def test_router_mode_generate_takes_no_lock_and_weight_sync_publishes_the_next_v
     assert cb.weight_version == 1
     status = locks.client.weight_status("served")
     assert max(status.serving_version, status.pending.version) == 1
-    assert events == [("acquire", "trainers"), ("release", "trainers"), ("acquire", "trainers"),
-                      ("acquire", "served"), ("release", "served"), ("release", "trainers")]
+    assert events == [
+        ("acquire", "trainers"),
+        ("release", "trainers"),
+        ("acquire", "trainers"),
+        ("acquire", "served"),
+        ("release", "served"),
+        ("release", "trainers"),
+    ]
     cb.close()
 
 
@@ -315,8 +348,9 @@ def test_router_mode_with_a_co_located_trainer_publishes_when_training_ends(env,
     import torch
 
     events: list = []
-    cb = TimesliceCallback(_locks(orch, events, job="job-c", trainer="served", sampler="served",
-                                  weights_dir=tmp_path / "weights"))
+    cb = TimesliceCallback(
+        _locks(orch, events, job="job-c", trainer="served", sampler="served", weights_dir=tmp_path / "weights")
+    )
     start = cb.weight_version
     cb.on_phase_begin("generate", "sampler")
     cb.on_phase_end("generate", "sampler")

@@ -42,8 +42,19 @@ def stack(vllm_server, tmp_path_factory):
     engine = vllm_server.url.removeprefix("http://")
     sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token=TOKEN)
     lt.run(sidecar.start())
-    inv = Inventory.model_validate({"groups": [{"group_id": GROUP, "sleep_level_policy": "auto", "samplers": [
-        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": GROUP,
+                    "sleep_level_policy": "auto",
+                    "samplers": [
+                        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}
+                    ],
+                }
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token=TOKEN)
     lt.run(orch.start())
     workdir = ARTIFACTS / "integrations-router"
@@ -110,8 +121,9 @@ def _every_kind(rollouts: TimeSliceRollouts, sync, model: str, tag: str) -> list
                 texts.append("".join(c.choices[0].text for c in r) if stream else r.choices[0].text)
             with rollouts.rollout(f"{tag}-sync-chat-{stream}"):
                 r = sync.chat.completions.create(model=model, messages=msgs, max_tokens=6, stream=stream)
-                texts.append("".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream
-                             else r.choices[0].message.content)
+                texts.append(
+                    "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+                )
 
     async def async_kinds() -> None:
         aio = rollouts.async_openai()  # an asyncio client belongs to its event loop: one per asyncio.run
@@ -159,11 +171,15 @@ def test_openai_sdk_rollouts_across_two_training_phases_are_never_older_than_ask
             held: list = []
 
             def send_early(n: int = nxt, out: list = held) -> None:
-                early = openai.OpenAI(base_url=rollouts.base_url, api_key="x", max_retries=0,
-                                      http_client=rollouts.http_client())
-                out.append(early.with_raw_response.completions.create(
-                    model=stack.model, prompt="held while training", max_tokens=4,
-                    extra_headers={protocol.MIN_WEIGHT_VERSION_HEADER: str(n)}))
+                early = openai.OpenAI(base_url=rollouts.base_url, api_key="x", max_retries=0, http_client=rollouts.http_client())
+                out.append(
+                    early.with_raw_response.completions.create(
+                        model=stack.model,
+                        prompt="held while training",
+                        max_tokens=4,
+                        extra_headers={protocol.MIN_WEIGHT_VERSION_HEADER: str(n)},
+                    )
+                )
 
             waiter = threading.Thread(target=send_early)
             waiter.start()
@@ -179,17 +195,16 @@ def test_openai_sdk_rollouts_across_two_training_phases_are_never_older_than_ask
     assert not rollouts.failed(), [r for r in rollouts.failed()]
     assert not rollouts.below_requested(), rollouts.below_requested()
     by = rollouts.by_rollout()
-    assert {r.served_weight_version for name, recs in by.items() if name and name.startswith("final") for r in recs} \
-        == {base + 2}, "after two training phases every rollout is served by the second published version"
-    assert {r.served_weight_version for name, recs in by.items() if name and name.startswith("it1") for r in recs} \
-        == {base + 1}
+    assert {r.served_weight_version for name, recs in by.items() if name and name.startswith("final") for r in recs} == {
+        base + 2
+    }, "after two training phases every rollout is served by the second published version"
+    assert {r.served_weight_version for name, recs in by.items() if name and name.startswith("it1") for r in recs} == {base + 1}
     assert len([n for n in by if n]) == 24, "8 kinds x 3 rounds, each recorded under its rollout"
 
 
 def test_verifiers_environment_rollouts_across_two_training_phases(stack, env, tmp_path):
     mod = _example("verifiers_grpo")
-    summary = asyncio.run(mod.run(stack.router_url, stack.model_dir, iterations=2, rollouts_per_example=2,
-                                  model=stack.model))
+    summary = asyncio.run(mod.run(stack.router_url, stack.model_dir, iterations=2, rollouts_per_example=2, model=stack.model))
     its = summary["iterations"]
     assert summary["ok"], summary
     assert [r["rollouts"] for r in its] == [8, 8, 8] and all(r["failed"] == 0 for r in its)

@@ -49,8 +49,9 @@ def _counting_client(cls, statuses: list):
 
 def _engine_answer(engine: FakeVllm, prompt: str, max_tokens: int) -> str:
     """What the engine itself answers to ``prompt`` (its greedy tokens as text): the router must pass it unchanged."""
-    return httpx.post(engine.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens},
-                      timeout=10).json()["choices"][0]["text"]
+    return httpx.post(engine.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=10).json()[
+        "choices"
+    ][0]["text"]
 
 
 async def _flip_after(pool, address: str, after_s: float, version: int = 0) -> None:
@@ -64,8 +65,9 @@ async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_
     try:
         stack.pool().set_states([(addr, EndpointState.ASLEEP, 0)])
         statuses: list[int] = []
-        plain = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x",
-                                   http_client=_counting_client(httpx.AsyncClient, statuses))
+        plain = openai.AsyncOpenAI(
+            base_url=stack.url + "/v1", api_key="x", http_client=_counting_client(httpx.AsyncClient, statuses)
+        )
         t0 = time.monotonic()
         with pytest.raises(openai.InternalServerError) as exc:
             await plain.completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -99,8 +101,9 @@ def test_hold_queue_full_the_sdk_alone_raises_rate_limit_the_helper_completes(ar
     stack = loop_thread.run(start_router(artifacts, [addr], max_held=1, max_hold_s=20))
     try:
         loop_thread.run(_set(stack.pool(), addr, EndpointState.ASLEEP))
-        occupant = threading.Thread(target=lambda: httpx.post(stack.url + "/v1/completions", timeout=30,
-                                                               json={"model": "tiny", "prompt": "a"}))
+        occupant = threading.Thread(
+            target=lambda: httpx.post(stack.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "a"})
+        )
         occupant.start()
         _wait(lambda: stack.pool().held == 1)
         statuses: list[int] = []
@@ -129,8 +132,9 @@ def test_hold_queue_full_the_sdk_alone_raises_rate_limit_the_helper_completes(ar
 
         # Budget spent: the refusal reaches the caller once, and the SDK does not retry it on its own.
         loop_thread.run(_set(stack.pool(), addr, EndpointState.ASLEEP))
-        occupant = threading.Thread(target=lambda: httpx.post(stack.url + "/v1/completions", timeout=30,
-                                                               json={"model": "tiny", "prompt": "a"}))
+        occupant = threading.Thread(
+            target=lambda: httpx.post(stack.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "a"})
+        )
         occupant.start()
         _wait(lambda: stack.pool().held == 1)
         no_budget = TimeSliceRollouts(stack.url, retry=GateRetryPolicy(budget_s=0))
@@ -151,8 +155,9 @@ def test_a_refusal_that_retrying_cannot_fix_is_returned_at_once(artifacts, engin
         loop_thread.run(_set(stack.pool(), addr, EndpointState.SERVING))
         rollouts = TimeSliceRollouts(stack.url, min_weight_version=0)
         with pytest.raises(openai.BadRequestError):
-            rollouts.openai().completions.create(model="tiny", prompt="hi", max_tokens=2,
-                                                 extra_headers={protocol.MIN_WEIGHT_VERSION_HEADER: "latest"})
+            rollouts.openai().completions.create(
+                model="tiny", prompt="hi", max_tokens=2, extra_headers={protocol.MIN_WEIGHT_VERSION_HEADER: "latest"}
+            )
         (rec,) = rollouts.records
         assert rec.status == 400 and rec.refusals == ["bad_min_weight_version"] and rec.attempts == 1
         ok = rollouts.openai().completions.create(model="tiny", prompt="hi", max_tokens=2)

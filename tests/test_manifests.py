@@ -66,8 +66,13 @@ OVERLAYS = [
     "gateways/envoy-gateway",
     "gateways/label-fallback",
 ]
-GATEWAYS = ["gateways/istio", "gateways/istio-ext-proc", "gateways/agentgateway", "gateways/envoy-gateway",
-            "gateways/label-fallback"]
+GATEWAYS = [
+    "gateways/istio",
+    "gateways/istio-ext-proc",
+    "gateways/agentgateway",
+    "gateways/envoy-gateway",
+    "gateways/label-fallback",
+]
 SUBSET_NS = protocol.SUBSET_HINT_NAMESPACE
 BIG = 100_000
 
@@ -124,8 +129,9 @@ def envoy_validate_all(configs: dict[str, dict], tmp_path: Path) -> None:
         name, cfg = item
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
-        proc = subprocess.run([binary, "--mode", "validate", "-c", str(path), "--log-level", "error"],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [binary, "--mode", "validate", "-c", str(path), "--log-level", "error"], capture_output=True, text=True, timeout=60
+        )
         return name, proc.returncode, (proc.stderr or proc.stdout)[-3000:]
 
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -152,15 +158,23 @@ def test_generated_files_are_current():
 
 
 def test_settings_file_refuses_unknown_keys_and_bad_values(tmp_path):
-    for text, needle in (("guide: a\nnamspace: b\n", "namspace"), ("max_hold_s: lots\n", "max_hold_s"),
-                         ("max_hold_s: 3595\n", "3600"), ("pool: ''\n", "pool")):
+    for text, needle in (
+        ("guide: a\nnamspace: b\n", "namspace"),
+        ("max_hold_s: lots\n", "max_hold_s"),
+        ("max_hold_s: 3595\n", "3600"),
+        ("pool: ''\n", "pool"),
+    ):
         p = tmp_path / "s.yaml"
         p.write_text(text)
         with pytest.raises(ValueError, match=needle):
             gen.load_settings(p)
     p.write_text("guide: a\nnamspace: b\n")
-    proc = subprocess.run([sys.executable, str(MANIFESTS / "generate.py"), "--settings", str(p), "--check"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(MANIFESTS / "generate.py"), "--settings", str(p), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "namspace" in proc.stderr
 
 
@@ -252,7 +266,8 @@ def validate_custom(d: dict) -> None:
     assert validator is not None, f"no vendored CRD schema for {d['apiVersion']} {d['kind']} (manifests/crd-schemas)"
     errors = sorted(validator.iter_errors(d), key=lambda e: list(e.path))
     assert not errors, f"{d['kind']}/{d['metadata']['name']}: " + "; ".join(
-        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5])
+        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5]
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -380,21 +395,28 @@ def test_orchestrator_discovers_pods_and_only_label_managing_variants_patch_them
     for overlay in ("gateways/label-fallback", "gateways/agentgateway", "gateways/envoy-gateway"):
         o = find(built(overlay), "Deployment", "llmd-timeslice-orchestrator")
         assert "--manage-serving-label" in o["spec"]["template"]["spec"]["containers"][0]["args"], overlay
-    assert "--manage-serving-label" not in find(built("gateways/istio"), "Deployment",
-                                                "llmd-timeslice-orchestrator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        "--manage-serving-label"
+        not in find(built("gateways/istio"), "Deployment", "llmd-timeslice-orchestrator")["spec"]["template"]["spec"][
+            "containers"
+        ][0]["args"]
+    )
 
 
 STATE_RULES = [
-    {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["llmd-timeslice-orchestrator-state"],
-     "verbs": ["get", "update"]},
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": ["llmd-timeslice-orchestrator-state"],
+        "verbs": ["get", "update"],
+    },
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
 ]
 
 
 def test_orchestrator_rbac_is_limited_to_pods_and_its_state_configmap():
     base_role = find(built("base"), "Role", "llmd-timeslice-orchestrator")
-    assert base_role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                                  *STATE_RULES]
+    assert base_role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}, *STATE_RULES]
     orch = find(built("base"), "Deployment", "llmd-timeslice-orchestrator")
     assert "--state-configmap=llmd-timeslice-orchestrator-state" in orch["spec"]["template"]["spec"]["containers"][0]["args"]
     fallback = find(built("gateways/label-fallback"), "Role", "llmd-timeslice-orchestrator")
@@ -402,8 +424,7 @@ def test_orchestrator_rbac_is_limited_to_pods_and_its_state_configmap():
     assert {v for r in pod_rules for v in r["verbs"]} == {"get", "list", "watch", "patch"}
     assert all(r["resources"] == ["pods"] and r["apiGroups"] == [""] for r in pod_rules)
     binding = find(built("base"), "RoleBinding", "llmd-timeslice-orchestrator")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llmd-timeslice-orchestrator",
-                                    "namespace": S.namespace}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llmd-timeslice-orchestrator", "namespace": S.namespace}]
     kinds = {d["kind"] for o in OVERLAYS for d in built(o)}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
 
@@ -417,8 +438,9 @@ def _guide_tree(tmp_path: Path, settings=S, fixture_guide: str | None = None) ->
     fixture = tmp_path / "llm-d-guide"
     shutil.copytree(FIXTURE, fixture)
     k = fixture / "modelserver" / "kustomization.yaml"
-    k.write_text(k.read_text().replace("llm-d.ai/guide: optimized-baseline",
-                                       f"llm-d.ai/guide: {fixture_guide or settings.guide}"))
+    k.write_text(
+        k.read_text().replace("llm-d.ai/guide: optimized-baseline", f"llm-d.ai/guide: {fixture_guide or settings.guide}")
+    )
     # kustomize takes local resources relative to the kustomization (modelserver/guide), never absolute.
     rel = os.path.relpath(fixture / "modelserver", tmp_path / "guide" / "modelserver" / "guide")
     return gen.render_tree(replace(settings, modelserver=rel), tmp_path / "guide")
@@ -537,14 +559,18 @@ def chart_inference_pool(vals: dict, release: str, namespace: str) -> dict:
     """The InferencePool llm-d-router v0.9.0 renders (config/charts/routerlib/templates/_inferencepool.yaml)."""
     r = vals["router"]
     return {
-        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
         "metadata": {"name": release, "namespace": namespace},
         "spec": {
             "targetPorts": [{"number": 8000}],
             "appProtocol": "http",
             "selector": {"matchLabels": {k: str(v) for k, v in r["modelServers"]["matchLabels"].items()}},
-            "endpointPickerRef": {"name": f"{release}-epp", "port": {"number": 9002},
-                                  "failureMode": r.get("inferencePool", {}).get("failureMode", "FailOpen")},
+            "endpointPickerRef": {
+                "name": f"{release}-epp",
+                "port": {"number": 9002},
+                "failureMode": r.get("inferencePool", {}).get("failureMode", "FailOpen"),
+            },
         },
     }
 
@@ -553,8 +579,9 @@ def _fixture_values(name: str) -> dict:
     return yaml.safe_load((FIXTURE / "router" / name).read_text())
 
 
-@pytest.mark.parametrize("ours", [["values-standalone.yaml"], ["values-gateway.yaml"],
-                                  ["values-gateway.yaml", "values-serving-label.yaml"]])
+@pytest.mark.parametrize(
+    "ours", [["values-standalone.yaml"], ["values-gateway.yaml"], ["values-gateway.yaml", "values-serving-label.yaml"]]
+)
 def test_our_router_values_layer_on_the_guides_and_keep_its_selector_and_plugins(ours):
     guide = helm_coalesce(_fixture_values("base.values.yaml"), _fixture_values("guide.values.yaml"))
     layered = helm_coalesce(guide, *(values(n) for n in ours))
@@ -609,8 +636,17 @@ def test_every_gateway_reference_names_the_guides_gateway():
 # ----------------------------------------------------- defect 5: one place for every name
 
 
-ALT = replace(S, guide="qwen-guide", namespace="team-rl", gateway="edge-gw", pool="qwen-pool", group="grp-7",
-              image="registry.example.com/ml/llmd-timeslice:1.2.3", max_hold_s=300.0, generation_timeout_s=900.0)
+ALT = replace(
+    S,
+    guide="qwen-guide",
+    namespace="team-rl",
+    gateway="edge-gw",
+    pool="qwen-pool",
+    group="grp-7",
+    image="registry.example.com/ml/llmd-timeslice:1.2.3",
+    max_hold_s=300.0,
+    generation_timeout_s=900.0,
+)
 
 
 def test_one_settings_file_renames_everything(tmp_path):
@@ -624,8 +660,13 @@ def test_one_settings_file_renames_everything(tmp_path):
         for d in docs:
             if overlay != "modelserver/guide":
                 assert d["metadata"]["namespace"] == ALT.namespace
-    for name in ("values-standalone.yaml", "values-gateway.yaml", "values-serving-label.yaml",
-                 "values-flow-control.yaml", "standalone-envoy.yaml"):
+    for name in (
+        "values-standalone.yaml",
+        "values-gateway.yaml",
+        "values-serving-label.yaml",
+        "values-flow-control.yaml",
+        "standalone-envoy.yaml",
+    ):
         texts[name] = (tree / "router" / name).read_text()
     texts["gateway-parameters.yaml"] = (tree / "gateways" / "istio" / "gateway-parameters.yaml").read_text()
     for old in defaults:
@@ -795,8 +836,7 @@ def test_standalone_envoy_orders_gate_before_epp_forwards_the_hint_and_fits_long
 
     vals = values("values-standalone.yaml")
     router = vals["router"]
-    assert gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(),
-                                       S.pool, S.namespace) == boot
+    assert gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(), S.pool, S.namespace) == boot
     assert router["proxy"]["failOpen"] is False and router["proxy"]["mode"] == "sidecar"
     assert router["inferencePool"]["failureMode"] == "FailClose"
     assert "flags" not in router.get("epp", {}), "the guide's EPP keeps its TLS and flags"
@@ -811,20 +851,24 @@ def test_istio_inserts_the_gate_before_the_epp_and_names_the_pool_per_route():
     assert insert["patch"]["operation"] == "INSERT_BEFORE" and insert["match"]["context"] == "GATEWAY"
     assert insert["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == gen.EPP_FILTER_NAME
     gate = insert["patch"]["value"]
-    assert gate == _expected_gate(f"outbound|{gen.GATE_EXT_PROC_PORT}||{S.gate_fqdn}", None), \
+    assert gate == _expected_gate(f"outbound|{gen.GATE_EXT_PROC_PORT}||{S.gate_fqdn}", None), (
         "no pool on the listener (defect 12)"
+    )
     _assert_gate_contract(gate)
     assert merge["patch"]["operation"] == "MERGE"
     assert merge["patch"]["value"]["typed_config"]["metadata_options"]["forwarding_namespaces"]["untyped"] == [SUBSET_NS]
     assert _seconds(hcm_merge["patch"]["value"]["typed_config"]["stream_idle_timeout"]) > _hold_plus_generation()
     (route_patch,) = routes
     route = find(built("gateways/istio-ext-proc"), "HTTPRoute")
-    assert route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"] == \
-        f"{route['metadata']['namespace']}.{route['metadata']['name']}.0"
+    assert (
+        route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+        == f"{route['metadata']['namespace']}.{route['metadata']['name']}.0"
+    )
     override = route_patch["patch"]["value"]["typed_per_filter_config"][gen.GATE_FILTER_NAME]
     assert override["overrides"]["grpc_initial_metadata"] == [{"key": protocol.POOL_METADATA_KEY, "value": S.pool}]
-    assert route["spec"]["rules"][0]["backendRefs"] == [{"group": "inference.networking.k8s.io",
-                                                        "kind": "InferencePool", "name": S.pool}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": S.pool}
+    ]
     assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _hold_plus_generation()
     dr = find(built("gateways/istio-ext-proc"), "DestinationRule")
     assert dr["spec"]["host"] == S.gate_fqdn
@@ -835,8 +879,9 @@ def test_agentgateway_runs_the_gate_on_the_route_and_pairs_the_serving_label():
     docs = built("gateways/agentgateway")
     pol = find(docs, "AgentgatewayPolicy")
     route = find(docs, "HTTPRoute")
-    assert pol["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
-                                          "name": route["metadata"]["name"]}]
+    assert pol["spec"]["targetRefs"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": route["metadata"]["name"]}
+    ]
     assert pol["spec"]["traffic"]["extProc"]["backendRef"] == {"name": gen.GATE_SERVICE, "port": gen.GATE_EXT_PROC_PORT}
     assert "failOpen" not in json.dumps(pol), "agentgateway's controller always sets FAIL_CLOSED"
     assert _seconds(pol["spec"]["traffic"]["timeouts"]["request"]) > _hold_plus_generation()
@@ -863,8 +908,12 @@ def kubectl_strategic_merge(obj: dict, patch: dict, tmp_path: Path) -> dict:
     assert kubectl, "kubectl is required: it is on the project's machine image"
     src = tmp_path / f"obj-{len(list(tmp_path.iterdir()))}.yaml"
     src.write_text(yaml.safe_dump(obj))
-    proc = subprocess.run([kubectl, "patch", "-f", str(src), "--local", "--type", "strategic", "-p", json.dumps(patch),
-                           "-o", "yaml"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [kubectl, "patch", "-f", str(src), "--local", "--type", "strategic", "-p", json.dumps(patch), "-o", "yaml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
@@ -890,16 +939,18 @@ def _socket(cluster: dict) -> tuple[str, int]:
 
 def test_istio_fast_path_orders_authz_hint_epp_and_keeps_the_gate_contract():
     _, hcm, by_name, names, clusters = _istio_fast_path_effective()
-    assert names == [AUTHZ, SUBSET_HINT_FILTER_NAME, gen.EPP_FILTER_NAME, "envoy.filters.http.router"], \
+    assert names == [AUTHZ, SUBSET_HINT_FILTER_NAME, gen.EPP_FILTER_NAME, "envoy.filters.http.router"], (
         "admission first, then the subset hint, then the EPP picks inside it"
+    )
     authz = by_name[AUTHZ]["typed_config"]
     assert authz["failure_mode_allow"] is False and authz["status_on_error"] == {"code": 503}, "gate down: 503 at once"
     svc = authz["http_service"]
     assert _seconds(svc["server_uri"]["timeout"]) > S.max_hold_s, "a hold of max_hold_s is an unanswered check"
     added = {h["key"]: h["value"] for h in svc["authorization_request"]["headers_to_add"]}
     assert added == {protocol.POOL_HEADER: S.pool, protocol.ENVOY_ID_HEADER: f"%ENVIRONMENT({protocol.ENVOY_ID_ENV})%"}
-    assert protocol.SUBSET_HINT_HEADER in [p["exact"] for p in
-                                           svc["authorization_response"]["allowed_upstream_headers"]["patterns"]]
+    assert protocol.SUBSET_HINT_HEADER in [
+        p["exact"] for p in svc["authorization_response"]["allowed_upstream_headers"]["patterns"]
+    ]
     assert by_name[SUBSET_HINT_FILTER_NAME] == subset_hint_filter()
     epp_fwd = by_name[gen.EPP_FILTER_NAME]["typed_config"]["metadata_options"]["forwarding_namespaces"]["untyped"]
     assert SUBSET_NS in epp_fwd and "envoy.lb" in epp_fwd, "Istio's own namespace kept, the hint added"
@@ -936,16 +987,18 @@ def test_istio_fast_path_with_two_pools_checks_each_route_as_its_own_pool(tmp_pa
         assert per_route["@type"].endswith("ExtAuthzPerRoute")
         svc = per_route["check_settings"]["http_service"]
         assert _seconds(svc["server_uri"]["timeout"]) > S.max_hold_s
-        (sent[r["name"]],) = [h["value"] for h in svc["authorization_request"]["headers_to_add"]
-                              if h["key"] == protocol.POOL_HEADER]
+        (sent[r["name"]],) = [
+            h["value"] for h in svc["authorization_request"]["headers_to_add"] if h["key"] == protocol.POOL_HEADER
+        ]
     assert sent == pools
     envoy_validate_all({"istio-fast-path-two-pools": boot}, tmp_path)
 
 
 def test_istio_fast_path_runs_no_replicated_gate_only_the_orchestrator():
     docs = built("gateways/istio")
-    assert not [d for d in docs if d["metadata"]["name"].startswith(gen.GATE_SERVICE)
-                and d["kind"] != "EnvoyFilter"], "the gate runs in the Gateway's pods (one process per Envoy)"
+    assert not [d for d in docs if d["metadata"]["name"].startswith(gen.GATE_SERVICE) and d["kind"] != "EnvoyFilter"], (
+        "the gate runs in the Gateway's pods (one process per Envoy)"
+    )
     find(docs, "Deployment", "llmd-timeslice-orchestrator")
     assert find(built("gateways/istio-ext-proc"), "Deployment", gen.GATE_SERVICE)["spec"]["replicas"] == 2
 
@@ -962,8 +1015,10 @@ def _check_gate_container(c: dict, spec: dict) -> None:
         args[name] = value
     assert args["--host"] == "127.0.0.1", "only this pod's Envoy may send checks and access-log entries"
     assert int(args["--authz-port"]) == gen.GATE_AUTHZ_PORT and int(args["--ext-proc-port"]) == gen.GATE_EXT_PROC_PORT
-    assert args["--gate-id"] == "$(POD_NAME)" and {"name": "POD_NAME", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.name"}}} in c["env"], "one gate per Envoy pod on the state stream"
+    assert (
+        args["--gate-id"] == "$(POD_NAME)"
+        and {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+    ), "one gate per Envoy pod on the state stream"
     assert args["--orchestrator"].split(":")[0] == "llmd-timeslice-orchestrator"
     assert args["--pool"] == args["--default-pool"] == S.pool and float(args["--max-hold-s"]) == S.max_hold_s
     assert float(args["--lost-completion-after-s"]) > S.request_timeout_s, "above the route timeout"
@@ -989,14 +1044,17 @@ def test_the_gateway_parameters_put_the_gate_beside_envoy_and_keep_every_recipe_
     cm = gen.istio_gateway_parameters(S, recipe)
     validate_builtin(cm, "gateway parameters")
     assert cm["metadata"] == recipe["metadata"], "the Gateway's parametersRef still names it; labels kept"
-    assert {k: v for k, v in cm["data"].items() if k != "deployment"} == \
-        {k: v for k, v in recipe["data"].items() if k != "deployment"}, "kubectl apply would delete a missing key"
+    assert {k: v for k, v in cm["data"].items() if k != "deployment"} == {
+        k: v for k, v in recipe["data"].items() if k != "deployment"
+    }, "kubectl apply would delete a missing key"
     dep = _gateway_pod_after_istio_applies(cm, tmp_path)
     # Our fold of the overlays is kubectl's: the recipe's overlay, then ours, give the same Deployment.
     base = yaml.safe_load(ISTIO_DEPLOYMENT.read_text())
     by_kubectl = kubectl_strategic_merge(
         kubectl_strategic_merge(base, yaml.safe_load(recipe["data"]["deployment"]), tmp_path),
-        gen.istio_gateway_overlay(S), tmp_path)
+        gen.istio_gateway_overlay(S),
+        tmp_path,
+    )
     assert dep == by_kubectl
     validate_builtin(dep, "the Istio gateway Deployment with the parameters applied")
     spec = dep["spec"]["template"]["spec"]
@@ -1006,8 +1064,9 @@ def test_the_gateway_parameters_put_the_gate_beside_envoy_and_keep_every_recipe_
     (recipe_proxy,) = recipe_proxy["spec"]["template"]["spec"]["containers"]
     assert proxy["args"] == recipe_proxy["args"] and proxy["resources"] == recipe_proxy["resources"]
     env = {e["name"]: e for e in proxy["env"]}
-    assert env[protocol.ENVOY_ID_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, \
+    assert env[protocol.ENVOY_ID_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, (
         "pilot-agent passes its environment to Envoy (istio 1.29.2 pkg/envoy/proxy.go)"
+    )
     assert "POD_NAME" in env and "CA_ADDR" in env, "Istio's own environment kept"
     assert dep["spec"]["template"]["metadata"]["labels"]["example.invalid/shared"] == "true"
     assert {"istio-envoy", "istio-token", "llmd-timeslice-token", "llmd-timeslice-tmp"} <= {v["name"] for v in spec["volumes"]}
@@ -1026,27 +1085,30 @@ def test_the_gateway_parameters_without_a_recipe_are_the_gate_alone_named_after_
 
 
 def _run_generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(MANIFESTS / "generate.py"), *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, str(MANIFESTS / "generate.py"), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_generate_prints_the_gateway_parameters_folded_into_the_recipes_configmap(tmp_path):
-    proc = _run_generate("--istio-parameters", str(FIXTURE / "istio-gateway-parameters.yaml"), "--out",
-                         str(tmp_path / "guide"))
+    proc = _run_generate("--istio-parameters", str(FIXTURE / "istio-gateway-parameters.yaml"), "--out", str(tmp_path / "guide"))
     assert proc.returncode == 0, proc.stderr
-    assert yaml.safe_load(proc.stdout) == gen.istio_gateway_parameters(S, _recipe_parameters()), \
+    assert yaml.safe_load(proc.stdout) == gen.istio_gateway_parameters(S, _recipe_parameters()), (
         "stdout is only the ConfigMap (for | kubectl apply -f -); messages go to stderr"
+    )
     assert (tmp_path / "guide" / "gateways" / "istio" / "envoyfilter.yaml").exists()
     none = _run_generate("--istio-parameters", "none", "--out", str(tmp_path / "guide2"))
     assert none.returncode == 0 and yaml.safe_load(none.stdout) == gen.istio_gateway_parameters(S)
 
 
-@pytest.mark.parametrize("content, needle", [
-    (None, "No such file"),
-    ("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\n", "not a ConfigMap"),
-    ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {deployment: '- a list'}\n", "must be a YAML mapping"),
-    ("kind: [unclosed\n", "not YAML"),
-], ids=["missing", "not-a-configmap", "overlay-not-a-mapping", "not-yaml"])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (None, "No such file"),
+        ("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\n", "not a ConfigMap"),
+        ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {deployment: '- a list'}\n", "must be a YAML mapping"),
+        ("kind: [unclosed\n", "not YAML"),
+    ],
+    ids=["missing", "not-a-configmap", "overlay-not-a-mapping", "not-yaml"],
+)
 def test_generate_refuses_a_bad_recipe_configmap_naming_the_file_and_what_is_wrong(tmp_path, content, needle):
     path = tmp_path / "recipe.yaml"
     if content is not None:
@@ -1066,8 +1128,9 @@ def test_the_gate_containers_command_line_starts_a_gate_whose_probes_answer(tmp_
     c = spec["containers"][1]
     token = tmp_path / "token"
     token.write_text("t" * 32)
-    ports = {flag: str(port_for.select_random()) for flag in ("--ext-proc-port", "--authz-port", "--control-port",
-                                                              "--metrics-port")}
+    ports = {
+        flag: str(port_for.select_random()) for flag in ("--ext-proc-port", "--authz-port", "--control-port", "--metrics-port")
+    }
 
     def start(orchestrator: str | None) -> subprocess.Popen:
         args = []
@@ -1079,8 +1142,9 @@ def test_the_gate_containers_command_line_starts_a_gate_whose_probes_answer(tmp_
                 value = orchestrator
             value = {"--token-file": str(token), "--gate-id": "gateway-pod-0", **ports}.get(name, value)
             args.append(f"{name}={value}")
-        return subprocess.Popen([sys.executable, "-m", "llmd_timeslice.cli", "gate", *args],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-m", "llmd_timeslice.cli", "gate", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
     def probe(kind: str) -> int:
         cmd = [sys.executable, *c[kind]["exec"]["command"][1:]]
@@ -1152,10 +1216,28 @@ def test_envoy_gateway_chains_gate_then_epp_over_tls_and_never_falls_back_to_a_s
 
 # Fields of llm-d-router v0.9.0 apix/config/v1alpha1 EndpointPickerConfig and FlowControlConfig (the EPP's
 # loader is strict: serializer.EnableStrict in pkg/epp/config/loader/configloader.go).
-_EPC_TOP = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "dataLayer", "flowControl",
-            "requestHandler", "saturationDetector", "parser"}
-_EPC_FLOW = {"maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand", "defaultNegativePriorityBand",
-             "priorityBands", "usageLimitPolicyPluginRef", "saturationDetector"}
+_EPC_TOP = {
+    "apiVersion",
+    "kind",
+    "featureGates",
+    "plugins",
+    "schedulingProfiles",
+    "dataLayer",
+    "flowControl",
+    "requestHandler",
+    "saturationDetector",
+    "parser",
+}
+_EPC_FLOW = {
+    "maxBytes",
+    "maxRequests",
+    "defaultRequestTTL",
+    "defaultPriorityBand",
+    "defaultNegativePriorityBand",
+    "priorityBands",
+    "usageLimitPolicyPluginRef",
+    "saturationDetector",
+}
 
 
 def _check_endpoint_picker_config(cfg: dict) -> None:
@@ -1174,8 +1256,9 @@ def _check_endpoint_picker_config(cfg: dict) -> None:
 
 def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool():
     serving = values("values-serving-label.yaml")["router"]
-    assert serving["epp"]["flags"]["disable-endpoint-subset-filter"] is True, \
+    assert serving["epp"]["flags"]["disable-endpoint-subset-filter"] is True, (
         "queued requests keep a stale (empty) subset otherwise (gateway-api-inference-extension#2117)"
+    )
     fc = values("values-flow-control.yaml")["router"]["epp"]
     cfg = yaml.safe_load(fc["pluginsCustomConfig"][fc["pluginsConfigFile"]])
     _check_endpoint_picker_config(cfg)
@@ -1190,33 +1273,75 @@ def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool
 # ------------------------------------------------------------- every Envoy config, validated
 
 
-def _bootstrap_with_chain(filters: list[dict], clusters: list[str], stream_idle: str, routes: list[dict] | None = None,
-                          router: bool = True, defined_clusters: tuple[dict, ...] = ()) -> dict:
+def _bootstrap_with_chain(
+    filters: list[dict],
+    clusters: list[str],
+    stream_idle: str,
+    routes: list[dict] | None = None,
+    router: bool = True,
+    defined_clusters: tuple[dict, ...] = (),
+) -> dict:
     """A gateway-like bootstrap around ``filters`` (the chain a variant produces), for validation. ``clusters``: names
     the gateway itself would define (stubs here); ``defined_clusters``: clusters the variant adds itself."""
+
     def cluster(name, port):
         return {
-            "name": name, "type": "STATIC", "connect_timeout": "1s",
+            "name": name,
+            "type": "STATIC",
+            "connect_timeout": "1s",
             "typed_extension_protocol_options": gen._http2_options(),
-            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]},
+            "load_assignment": {
+                "cluster_name": name,
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+                        ]
+                    }
+                ],
+            },
         }
+
     tail = [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}] if router else []
     hcm = {
-        "@type": HCM_TYPE, "stat_prefix": "gw", "stream_idle_timeout": stream_idle,
-        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes or [
-            {"match": {"prefix": "/v1/"}, "route": {"cluster": "original_destination_cluster"}}]}]},
+        "@type": HCM_TYPE,
+        "stat_prefix": "gw",
+        "stream_idle_timeout": stream_idle,
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": routes or [{"match": {"prefix": "/v1/"}, "route": {"cluster": "original_destination_cluster"}}],
+                }
+            ]
+        },
         "http_filters": [*filters, *tail],
     }
-    return {"static_resources": {
-        "listeners": [{"name": "gw", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 18080}},
-                       "filter_chains": [{"filters": [
-                           {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}],
-        "clusters": [*(cluster(n, 19002 + i) for i, n in enumerate(clusters)), *defined_clusters, {
-            "name": "original_destination_cluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "1s",
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER}}],
-    }}
+    return {
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gw",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 18080}},
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
+            "clusters": [
+                *(cluster(n, 19002 + i) for i, n in enumerate(clusters)),
+                *defined_clusters,
+                {
+                    "name": "original_destination_cluster",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": "1s",
+                    "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
+                },
+            ],
+        }
+    }
 
 
 def _merge(dst: dict, src: dict) -> None:
@@ -1237,13 +1362,20 @@ def istio_effective_config(envoyfilter: dict, pools: dict[str, str] | None = Non
     EnvoyFilter applied patch by patch as Istio does (HTTP_FILTER INSERT_BEFORE / MERGE by sub-filter name,
     NETWORK_FILTER MERGE on the HTTP connection manager, CLUSTER ADD, HTTP_ROUTE MERGE by route name; MERGE is proto
     merge: maps merge, repeated fields append). ``pools``: Istio route name -> pool, one route each."""
-    listener_epp = {"name": gen.EPP_FILTER_NAME, "typed_config": {
-        "@type": EXT_PROC_TYPE, "grpc_service": {"envoy_grpc": {"cluster_name": "dummy"}, "timeout": "10s"},
-        "failure_mode_allow": True,
-        "processing_mode": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
-        "message_timeout": "1000s",
-        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]},
-                             "forwarding_namespaces": {"untyped": ["envoy.lb"]}}}}
+    listener_epp = {
+        "name": gen.EPP_FILTER_NAME,
+        "typed_config": {
+            "@type": EXT_PROC_TYPE,
+            "grpc_service": {"envoy_grpc": {"cluster_name": "dummy"}, "timeout": "10s"},
+            "failure_mode_allow": True,
+            "processing_mode": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
+            "message_timeout": "1000s",
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+            },
+        },
+    }
     filters = [listener_epp, {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}]
     hcm_merge, added, route_patches = {}, [], []
     for p in envoyfilter["spec"]["configPatches"]:
@@ -1273,20 +1405,33 @@ def istio_effective_config(envoyfilter: dict, pools: dict[str, str] | None = Non
     for i, (route_name, pool) in enumerate((pools or {istio_route_name_default(): S.pool}).items()):
         epp_cluster = f"outbound|9002||{pool}-epp.{S.namespace}.svc.cluster.local"
         epp_clusters.append(epp_cluster)
-        route = {"name": route_name, "match": {"prefix": f"/p{i}/v1/" if i else "/v1/"},
-                 "route": {"cluster": "original_destination_cluster"},
-                 "typed_per_filter_config": {gen.EPP_FILTER_NAME: {"@type": PER_ROUTE_TYPE, "overrides": {
-                     "failure_mode_allow": False, "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}},
-                     "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
-                                         "request_trailer_mode": "SEND", "response_header_mode": "SEND",
-                                         "response_body_mode": "FULL_DUPLEX_STREAMED",
-                                         "response_trailer_mode": "SEND"}}}}}
+        route = {
+            "name": route_name,
+            "match": {"prefix": f"/p{i}/v1/" if i else "/v1/"},
+            "route": {"cluster": "original_destination_cluster"},
+            "typed_per_filter_config": {
+                gen.EPP_FILTER_NAME: {
+                    "@type": PER_ROUTE_TYPE,
+                    "overrides": {
+                        "failure_mode_allow": False,
+                        "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}},
+                        "processing_mode": {
+                            "request_header_mode": "SEND",
+                            "request_body_mode": "FULL_DUPLEX_STREAMED",
+                            "request_trailer_mode": "SEND",
+                            "response_header_mode": "SEND",
+                            "response_body_mode": "FULL_DUPLEX_STREAMED",
+                            "response_trailer_mode": "SEND",
+                        },
+                    },
+                }
+            },
+        }
         for rp in route_patches:
             if rp["match"]["routeConfiguration"]["vhost"]["route"]["name"] == route_name:
                 _merge(route, copy.deepcopy(rp["patch"]["value"]))
         routes.append(route)
-    boot = _bootstrap_with_chain(filters, [*stubs, *epp_clusters], "300s", routes, router=False,
-                                 defined_clusters=tuple(added))
+    boot = _bootstrap_with_chain(filters, [*stubs, *epp_clusters], "300s", routes, router=False, defined_clusters=tuple(added))
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     _merge(hcm, hcm_merge)
     return boot
@@ -1301,10 +1446,13 @@ def test_istio_with_two_pools_sends_each_routes_own_pool_to_the_gate(tmp_path):
     ef = gen.istio_ext_proc_envoyfilter(S, extra_pools={"other-pool": "other-pool-v1"})
     pools = {gen.istio_route_name(S): S.pool, gen.istio_route_name(S, "other-pool-v1"): "other-pool"}
     boot = istio_effective_config(ef, pools)
-    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"]
-    sent = {r["name"]: r["typed_per_filter_config"][gen.GATE_FILTER_NAME]["overrides"]["grpc_initial_metadata"][0]["value"]
-            for r in routes}
+    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"
+    ][0]["routes"]
+    sent = {
+        r["name"]: r["typed_per_filter_config"][gen.GATE_FILTER_NAME]["overrides"]["grpc_initial_metadata"][0]["value"]
+        for r in routes
+    }
     assert sent == pools
     gate = _hcm_filters(boot, "gw")[1][0]
     assert "initial_metadata" not in gate["typed_config"]["grpc_service"], "a listener-level pool would win for both"
@@ -1313,10 +1461,20 @@ def test_istio_with_two_pools_sends_each_routes_own_pool_to_the_gate(tmp_path):
 
 def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
     """Envoy Gateway's translation of one EnvoyExtensionPolicy extProc (internal/xds/translator/extproc.go)."""
-    modes = {"Streamed": "STREAMED", "Buffered": "BUFFERED", "BufferedPartial": "BUFFERED_PARTIAL",
-             "FullDuplexStreamed": "FULL_DUPLEX_STREAMED"}
-    pm = {"request_header_mode": "SKIP", "response_header_mode": "SKIP", "request_body_mode": "NONE",
-          "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+    modes = {
+        "Streamed": "STREAMED",
+        "Buffered": "BUFFERED",
+        "BufferedPartial": "BUFFERED_PARTIAL",
+        "FullDuplexStreamed": "FULL_DUPLEX_STREAMED",
+    }
+    pm = {
+        "request_header_mode": "SKIP",
+        "response_header_mode": "SKIP",
+        "request_body_mode": "NONE",
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
     cfg = {"@type": EXT_PROC_TYPE, "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": "10s"}}
     req, resp = ep["processingMode"].get("request"), ep["processingMode"].get("response")
     if req is not None:
@@ -1379,8 +1537,9 @@ def test_every_envoy_config_passes_envoy_validate(tmp_path):
     ef = find(built("gateways/istio-ext-proc"), "EnvoyFilter")
     configs = {
         "standalone": yaml.safe_load((GUIDE / "router" / "standalone-envoy.yaml").read_text()),
-        "values-standalone": gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(),
-                                                         S.pool, S.namespace),
+        "values-standalone": gen.render_chart_envoy_yaml(
+            (GUIDE / "router" / "values-standalone.yaml").read_text(), S.pool, S.namespace
+        ),
         "istio": istio_effective_config(ef),
         "istio-fast-path": istio_effective_config(find(built("gateways/istio"), "EnvoyFilter")),
         "envoy-gateway": envoy_gateway_effective_config()[0],
@@ -1409,10 +1568,17 @@ def test_readme_says_which_edge_each_variant_runs_and_the_istio_install_folds_th
     text = (GUIDE / "README.md").read_text()
     table = text.split("| variant | edge |")[1].split("\n\n")[0]
     edges = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in table.strip().splitlines()[2:]}
-    assert set(edges) == {"standalone Envoy", "Istio", "Istio (`istio-ext-proc`)", "agentgateway", "Envoy Gateway",
-                          "label fallback"}
+    assert set(edges) == {
+        "standalone Envoy",
+        "Istio",
+        "Istio (`istio-ext-proc`)",
+        "agentgateway",
+        "Envoy Gateway",
+        "label fallback",
+    }
     assert edges["Istio"].startswith("**fast path**") and all(
-        e.startswith("ext_proc") for v, e in edges.items() if v not in ("Istio", "label fallback"))
+        e.startswith("ext_proc") for v, e in edges.items() if v not in ("Istio", "label fallback")
+    )
     for why in ("**Standalone Envoy: ext_proc**", "**Envoy Gateway: ext_proc.**", "**Envoy id**"):
         assert why in text, f"the README must say why: {why}"
     block = text.split("#### Istio (fast path")[1].split("####")[0]

@@ -34,13 +34,19 @@ class RecordingActions(SwitchActions):
         self.calls.append("resume")
 
 
-INVENTORY = Inventory.model_validate({
-    "groups": [
-        {"group_id": "g0", "samplers": [{"pool": "default", "address": "127.0.0.1:8001",
-                                         "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}]},
-        {"group_id": "trainers-only"},
-    ],
-})
+INVENTORY = Inventory.model_validate(
+    {
+        "groups": [
+            {
+                "group_id": "g0",
+                "samplers": [
+                    {"pool": "default", "address": "127.0.0.1:8001", "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}
+                ],
+            },
+            {"group_id": "trainers-only"},
+        ],
+    }
+)
 
 
 async def test_switch_sequence_suspend_grant_yield_resume():
@@ -202,8 +208,9 @@ def test_client_heartbeats_keep_the_lease_and_a_silent_holder_loses_it(loop_thre
         time.sleep(0.8)
         status = b.group_status()
         assert status.group.locking_job == ""
-        assert [(a.job_id, a.job_state) for a in status.agent_job_states] == [
-            ("b", status.agent_job_states[0].STATE_FAULTED)], "the expired job is reported FAULTED"
+        assert [(a.job_id, a.job_state) for a in status.agent_job_states] == [("b", status.agent_job_states[0].STATE_FAULTED)], (
+            "the expired job is reported FAULTED"
+        )
         with pytest.raises(LeaseError, match="expired"):
             b.release()
     finally:
@@ -224,12 +231,25 @@ async def test_lock_order_trainer_group_before_sampler_group():
 
 
 class _SamplerInventory:
-    INV = Inventory.model_validate({"groups": [
-        {"group_id": "g0", "lease_ttl_s": 30, "samplers": [{"pool": "default", "address": "127.0.0.1:8001",
-                                                            "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}]},
-        {"group_id": "g1", "samplers": [{"pool": "default", "address": "127.0.0.1:8002",
-                                         "sidecar": "127.0.0.1:9102", "job_id": "sampler-1"}]},
-    ]})
+    INV = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g0",
+                    "lease_ttl_s": 30,
+                    "samplers": [
+                        {"pool": "default", "address": "127.0.0.1:8001", "sidecar": "127.0.0.1:9101", "job_id": "sampler-0"}
+                    ],
+                },
+                {
+                    "group_id": "g1",
+                    "samplers": [
+                        {"pool": "default", "address": "127.0.0.1:8002", "sidecar": "127.0.0.1:9102", "job_id": "sampler-1"}
+                    ],
+                },
+            ]
+        }
+    )
 
 
 class ReconcilingActions(RecordingActions):
@@ -347,8 +367,7 @@ async def test_async_client_heartbeats_keep_the_lease_and_report_loss():
 
 
 async def _grant_order(policy: str, priorities: dict | None = None, warmup: tuple = ()) -> list[str]:
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "policy": policy,
-                                                "job_priorities": priorities or {}}]})
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "policy": policy, "job_priorities": priorities or {}}]})
     orch = Orchestrator(inv.group_specs(), RecordingActions())
     for job in warmup:  # earlier grants (round-robin remembers them)
         await orch.acquire(job, "g")
@@ -391,8 +410,9 @@ def test_on_both_groups_takes_trainer_then_sampler_group(loop_thread):
     srv = OrchestratorServer(INVENTORY, port=0, actions=RecordingActions(), token="s3cret")
     loop_thread.run(srv.start())
     try:
-        c = TimeSliceOrchestratorClient(f"127.0.0.1:{srv.port}", job_id="sync-job", group_id="trainers-only",
-                                        sampler_group_id="g0", token="s3cret")
+        c = TimeSliceOrchestratorClient(
+            f"127.0.0.1:{srv.port}", job_id="sync-job", group_id="trainers-only", sampler_group_id="g0", token="s3cret"
+        )
         with c.on_both_groups(timeout_sec=10):
             groups = srv.orchestrator.groups
             assert groups["trainers-only"].holder == "sync-job" and groups["g0"].holder == "sync-job"

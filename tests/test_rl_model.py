@@ -39,9 +39,24 @@ def test_zero_cost_switch_reaches_the_ceiling(frac):
     res, wl = _run(m.default_inputs(), "ceiling", rollout_fraction=frac)
     assert res["duty_cycle"] == pytest.approx(m.analytic_ceiling(wl), rel=1e-3)
     # this project's strategy with every switch cost set to zero lands on the same ceiling
-    zero = _inp(**{k: 0.0 for k in ("ts_drain_s", "ts_sleep_control_s", "ts_wake_control_s", "ts_release_s", "ts_grant_s",
-                                    "vllm_sleep_fixed_s", "vllm_wake_fixed_s")},
-                vllm_sleep_wake_gbps=1e12, pcie_gbps=1e12, device_checksum_gbps=1e12, device_checksum_fixed_s=0.0)
+    zero = _inp(
+        **{
+            k: 0.0
+            for k in (
+                "ts_drain_s",
+                "ts_sleep_control_s",
+                "ts_wake_control_s",
+                "ts_release_s",
+                "ts_grant_s",
+                "vllm_sleep_fixed_s",
+                "vllm_wake_fixed_s",
+            )
+        },
+        vllm_sleep_wake_gbps=1e12,
+        pcie_gbps=1e12,
+        device_checksum_gbps=1e12,
+        device_checksum_fixed_s=0.0,
+    )
     ours, _ = _run(zero, "llmd_timeslice", rollout_fraction=frac)
     assert ours["duty_cycle"] == pytest.approx(res["duty_cycle"], rel=1e-6)
 
@@ -65,7 +80,8 @@ def _components(name, model_b, role, suspend=True, **values):
 def test_byte_costs_scale_with_the_bytes_moved():
     small, big = _components("llmd_timeslice", 1.0, "trainer"), _components("llmd_timeslice", 2.0, "trainer")
     assert big["trainer offload: state/PCIe into reused pinned buffers"] == pytest.approx(
-        2 * small["trainer offload: state/PCIe into reused pinned buffers"])
+        2 * small["trainer offload: state/PCIe into reused pinned buffers"]
+    )
     check, fixed = "trainer state checksum on the device (torch reductions)", 0.15
     assert big[check] - fixed == pytest.approx(2 * (small[check] - fixed))  # bytes part scales, per-tensor part fixed
     assert small[check] == pytest.approx(fixed + 1e9 * 16 / 4 / 1300e9)
@@ -77,7 +93,8 @@ def test_byte_costs_scale_with_the_bytes_moved():
     # doubling the PCIe bandwidth halves the transfer
     fast = _components("llmd_timeslice", 1.0, "trainer", pcie_gbps=100.0)
     assert fast["trainer offload: state/PCIe into reused pinned buffers"] == pytest.approx(
-        small["trainer offload: state/PCIe into reused pinned buffers"] / 2)
+        small["trainer offload: state/PCIe into reused pinned buffers"] / 2
+    )
 
 
 def test_process_checkpoint_moves_the_whole_footprint_whatever_the_model():
@@ -124,9 +141,15 @@ def test_strategies_order_and_targets_on_the_default_workload():
 
 
 def test_with_measured_replaces_only_measured_inputs():
-    real = {"run_id": "x", "model_inputs": {"ts_drain_s": {"value": 0.5}, "pcie_gbps": {"value": 1.0},
-                                            "cpu_checksum_gbps": {"value": 3.5},
-                                            "blake2b_gbps_this_machine": {"value": 0.3}}}
+    real = {
+        "run_id": "x",
+        "model_inputs": {
+            "ts_drain_s": {"value": 0.5},
+            "pcie_gbps": {"value": 1.0},
+            "cpu_checksum_gbps": {"value": 3.5},
+            "blake2b_gbps_this_machine": {"value": 0.3},
+        },
+    }
     inp = m.with_measured(m.default_inputs(), real)
     assert inp["ts_drain_s"].value == 0.5 and "(x)" in inp["ts_drain_s"].source
     assert inp["cpu_checksum_gbps"].value == 3.5
@@ -155,8 +178,11 @@ def test_model_cli_takes_the_measured_figures_of_a_real_run(tmp_path):
     from benchmarks.rl_rollout import main
 
     bulk = {"trainer_state_bytes": 1.07e9, "tensors": 20, "offload_gbps": 1.5, "restore_gbps": 0.9, "checksum_gbps": 2.5}
-    real = {"run_id": "rl_real test", "summary": {"bulk_state": bulk},
-            "model_inputs": {"ts_sleep_control_s": {"value": 0.5}, "cpu_checksum_gbps": {"value": 2.5}}}
+    real = {
+        "run_id": "rl_real test",
+        "summary": {"bulk_state": bulk},
+        "model_inputs": {"ts_sleep_control_s": {"value": 0.5}, "cpu_checksum_gbps": {"value": 2.5}},
+    }
     (tmp_path / "rl_real.json").write_text(json.dumps(real))
     assert main(["--mode", "model", "--out", str(tmp_path), "--no-sweep"]) == 0
     rep = json.loads((tmp_path / "rl_model.json").read_text())
@@ -172,9 +198,11 @@ def test_checksum_runs_on_the_device_before_copy_out_and_after_copy_in():
     s = m.make_strategy("llmd_timeslice", inp, 7, 4)
     out, back = [c.name for c in s.suspend("trainer")], [c.name for c in s.resume("trainer")]
     assert out.index("trainer state checksum on the device (torch reductions)") < out.index(
-        "trainer offload: state/PCIe into reused pinned buffers")
+        "trainer offload: state/PCIe into reused pinned buffers"
+    )
     assert back.index("trainer restore: state/PCIe from pinned buffers") < back.index(
-        "trainer state checksum on the device (torch reductions)")
+        "trainer state checksum on the device (torch reductions)"
+    )
     handover = sum(c.seconds for c in s.suspend("trainer") + s.resume("trainer"))
     # 28 GB per rank: 2 x 0.56 s over PCIe + 2 x (0.15 + 28/1300) s of checksum + grant and release
     control = inp["ts_grant_s"].value + inp["ts_release_s"].value

@@ -23,8 +23,16 @@ from tests.support.fake_engines import FakeVllm
 from tests.support.router import start_router
 
 # vLLM 0.32.0 with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev, vllm/entrypoints/rl): a sample of each kind.
-ADMIN_POSTS = ["/sleep?level=2", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/pause", "/update_weights",
-               "/update_weight_version", *ADMIN_PATHS_UNDER_API]
+ADMIN_POSTS = [
+    "/sleep?level=2",
+    "/wake_up",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/pause",
+    "/update_weights",
+    "/update_weight_version",
+    *ADMIN_PATHS_UNDER_API,
+]
 ADMIN_GETS = ["/is_sleeping", "/server_info", "/weight_info", "/metrics"]
 COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 2}
 
@@ -95,8 +103,17 @@ async def test_a_sleeping_pool_holds_its_requests_but_never_a_404(two_pool_route
 
 def _envoy(boot: dict, where) -> list[str]:
     where.write_text(json.dumps(boot))
-    return [str(envoy_binary()), "-c", str(where), "--concurrency", "1", "--log-level", "warn", "--use-dynamic-base-id",
-            "--disable-hot-restart"]
+    return [
+        str(envoy_binary()),
+        "-c",
+        str(where),
+        "--concurrency",
+        "1",
+        "--log-level",
+        "warn",
+        "--use-dynamic-base-id",
+        "--disable-hot-restart",
+    ]
 
 
 def _start_envoy(boot: dict, where) -> subprocess.Popen:
@@ -119,9 +136,13 @@ def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its
     """Envoy 1.40 binds listeners with SO_REUSEPORT by default: a second Envoy on the same port would start and take
     a share of the requests. The rendered router listener turns it off (the second line of defence behind `up`'s
     port check). Control: with Envoy's default on both, the second Envoy binds and stays up (so this test can fail)."""
+
     def boot(port: int, reuse: bool | None = None) -> dict:
-        b = render_bootstrap(EnvoyRouterConfig(listen_port=port, admin_port=port_for.select_random(), gate_port=None,
-                                               epp_port=port_for.select_random()))
+        b = render_bootstrap(
+            EnvoyRouterConfig(
+                listen_port=port, admin_port=port_for.select_random(), gate_port=None, epp_port=port_for.select_random()
+            )
+        )
         if reuse is not None:
             b["static_resources"]["listeners"][0]["enable_reuse_port"] = reuse
         return b
@@ -132,8 +153,9 @@ def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its
     try:
         # Whatever the second asks for, it cannot join a socket bound without SO_REUSEPORT.
         for reuse in (None, True):
-            second = subprocess.run(_envoy(boot(port, reuse), artifacts / "second.json"), capture_output=True,
-                                    text=True, timeout=30)
+            second = subprocess.run(
+                _envoy(boot(port, reuse), artifacts / "second.json"), capture_output=True, text=True, timeout=30
+            )
             assert second.returncode != 0, f"a second Envoy (reuse_port {reuse}) started on the router's port"
             assert "Address already in use" in second.stderr, second.stderr[-2000:]
     finally:

@@ -42,9 +42,14 @@ def _counter(name: str, **labels) -> float:
 
 
 def _inventory(addr: str = "10.0.0.1:8000", sidecar: str = "127.0.0.1:1") -> Inventory:
-    return Inventory.model_validate({"groups": [
-        {"group_id": "t"},
-        {"group_id": "g", "samplers": [{"pool": "default", "address": addr, "sidecar": sidecar, "job_id": "s"}]}]})
+    return Inventory.model_validate(
+        {
+            "groups": [
+                {"group_id": "t"},
+                {"group_id": "g", "samplers": [{"pool": "default", "address": addr, "sidecar": sidecar, "job_id": "s"}]},
+            ]
+        }
+    )
 
 
 async def _code(coro) -> grpc.StatusCode:
@@ -59,29 +64,37 @@ async def test_every_control_api_refuses_a_missing_or_wrong_token_and_counts_it(
     engine = FakeVllm().start()
     sidecar = SidecarServer({"s": VllmBackend(engine.url)}, port=0, token=TOKEN)
     await sidecar.start()
-    orch = OrchestratorServer(_inventory(engine.url.removeprefix("http://"), f"127.0.0.1:{sidecar.port}"), port=0,
-                              token=TOKEN)
+    orch = OrchestratorServer(_inventory(engine.url.removeprefix("http://"), f"127.0.0.1:{sidecar.port}"), port=0, token=TOKEN)
     await orch.start()
     gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, token=TOKEN))
     await gate.start()
     try:
         calls = {
             f"127.0.0.1:{orch.port}": [
-                ("/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/ListGroups",
-                 lambda ch, md: opb_grpc.TimeSliceOrchestratorServiceStub(ch).ListGroups(opb.ListGroupsRequest(),
-                                                                                       metadata=md, timeout=5)),
-                ("/llmd_timeslice.v1alpha1.LeaseService/GetLease",
-                 lambda ch, md: lease_pb2_grpc.LeaseServiceStub(ch).GetLease(
-                     lease_pb2.GetLeaseRequest(job_id="j", group_id="t"), metadata=md, timeout=5)),
+                (
+                    "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/ListGroups",
+                    lambda ch, md: opb_grpc.TimeSliceOrchestratorServiceStub(ch).ListGroups(
+                        opb.ListGroupsRequest(), metadata=md, timeout=5
+                    ),
+                ),
+                (
+                    "/llmd_timeslice.v1alpha1.LeaseService/GetLease",
+                    lambda ch, md: lease_pb2_grpc.LeaseServiceStub(ch).GetLease(
+                        lease_pb2.GetLeaseRequest(job_id="j", group_id="t"), metadata=md, timeout=5
+                    ),
+                ),
             ],
             f"127.0.0.1:{sidecar.port}": [
-                ("/snapshot_agent.v1alpha1.SnapshotAgentService/Status",
-                 lambda ch, md: spb_grpc.SnapshotAgentServiceStub(ch).Status(spb.StatusRequest(), metadata=md, timeout=5)),
+                (
+                    "/snapshot_agent.v1alpha1.SnapshotAgentService/Status",
+                    lambda ch, md: spb_grpc.SnapshotAgentServiceStub(ch).Status(spb.StatusRequest(), metadata=md, timeout=5),
+                ),
             ],
             f"127.0.0.1:{gate.control_port}": [
-                ("/llmd_timeslice.v1alpha1.GateControlService/ListPools",
-                 lambda ch, md: gpb_grpc.GateControlServiceStub(ch).ListPools(gpb.ListPoolsRequest(), metadata=md,
-                                                                            timeout=5)),
+                (
+                    "/llmd_timeslice.v1alpha1.GateControlService/ListPools",
+                    lambda ch, md: gpb_grpc.GateControlServiceStub(ch).ListPools(gpb.ListPoolsRequest(), metadata=md, timeout=5),
+                ),
             ],
         }
         for target, methods in calls.items():
@@ -126,8 +139,9 @@ async def test_gate_data_plane_ports_serve_only_ext_proc_access_log_health_and_e
             assert r.status == health_pb2.HealthCheckResponse.SERVING
             for call in (
                 gpb_grpc.GateControlServiceStub(ch).ListPools(gpb.ListPoolsRequest(), metadata=md, timeout=5),
-                gpb_grpc.GateControlServiceStub(ch).SetEndpointStates(gpb.SetEndpointStatesRequest(pool="default"),
-                                                                       metadata=md, timeout=5),
+                gpb_grpc.GateControlServiceStub(ch).SetEndpointStates(
+                    gpb.SetEndpointStatesRequest(pool="default"), metadata=md, timeout=5
+                ),
                 ch.unary_unary("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(b"", timeout=5),
                 ch.unary_unary("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")(b"", timeout=5),
             ):
@@ -138,11 +152,12 @@ async def test_gate_data_plane_ports_serve_only_ext_proc_access_log_health_and_e
 
 @pytest.fixture
 async def job_stack():
-    orch = OrchestratorServer(_inventory(), port=0, token=TOKEN, job_tokens=JOB_TOKENS,
-                              actions=_Noop())
+    orch = OrchestratorServer(_inventory(), port=0, token=TOKEN, job_tokens=JOB_TOKENS, actions=_Noop())
     await orch.start()
-    clients = {j: AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id=j, group_id="t", token=t)
-               for j, t in JOB_TOKENS.items()}
+    clients = {
+        j: AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id=j, group_id="t", token=t)
+        for j, t in JOB_TOKENS.items()
+    }
     yield orch, clients
     for c in clients.values():
         await c.close()
@@ -169,9 +184,12 @@ async def test_a_job_cannot_yield_renew_or_publish_for_another_job(job_stack):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as ch:
         md = (("authorization", "Bearer token-b"),)
         leases = lease_pb2_grpc.LeaseServiceStub(ch)
-        for call in (leases.Heartbeat(lease_pb2.HeartbeatRequest(job_id="job-a", group_id="t", fencing_token=token),
-                                      metadata=md, timeout=5),
-                     leases.GetLease(lease_pb2.GetLeaseRequest(job_id="job-a", group_id="t"), metadata=md, timeout=5)):
+        for call in (
+            leases.Heartbeat(
+                lease_pb2.HeartbeatRequest(job_id="job-a", group_id="t", fencing_token=token), metadata=md, timeout=5
+            ),
+            leases.GetLease(lease_pb2.GetLeaseRequest(job_id="job-a", group_id="t"), metadata=md, timeout=5),
+        ):
             assert await _code(call) == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(LeaseError, match="PERMISSION_DENIED"):
         await b.publish_weights(WeightUpdate(1, "files", "/w"), job_id="job-a", group_id="g")
@@ -210,8 +228,13 @@ async def test_a_caller_that_only_knows_the_job_id_cannot_yield_a_heartbeating_h
             md = (("authorization", f"Bearer {TOKEN}"),)
             code = await _code(stub.Yield(opb.YieldRequest(job_id="job-a", group_id="t"), metadata=md, timeout=5))
             assert code == grpc.StatusCode.FAILED_PRECONDITION
-            code = await _code(stub.Yield(opb.YieldRequest(job_id="job-a", group_id="t"),
-                                          metadata=(*md, ("x-llmd-timeslice-fencing-token", "999")), timeout=5))
+            code = await _code(
+                stub.Yield(
+                    opb.YieldRequest(job_id="job-a", group_id="t"),
+                    metadata=(*md, ("x-llmd-timeslice-fencing-token", "999")),
+                    timeout=5,
+                )
+            )
             assert code == grpc.StatusCode.FAILED_PRECONDITION
         assert orch.orchestrator.groups["t"].holder == "job-a"
         await holder.release()  # the holder passes its token
@@ -239,8 +262,11 @@ def pki():
     stranger = other_ca.issue_cert("stranger")
 
     def files(cert, authority) -> tls.TlsFiles:
-        return tls.TlsFiles(cert.cert_chain_pems[0].bytes() + b"".join(p.bytes() for p in cert.cert_chain_pems[1:]),
-                            cert.private_key_pem.bytes(), authority.cert_pem.bytes())
+        return tls.TlsFiles(
+            cert.cert_chain_pems[0].bytes() + b"".join(p.bytes() for p in cert.cert_chain_pems[1:]),
+            cert.private_key_pem.bytes(),
+            authority.cert_pem.bytes(),
+        )
 
     return {"server": files(server, ca), "client": files(client, ca), "stranger": files(stranger, other_ca)}
 
@@ -253,14 +279,14 @@ async def test_mutual_tls_end_to_end_and_peers_without_a_good_certificate_are_re
     # The orchestrator serves with the server certificate and calls sidecars with it (it is a client there too).
     orch = OrchestratorServer(_inventory(addr, f"127.0.0.1:{sidecar.port}"), port=0, token=TOKEN, tls_files=pki["server"])
     await orch.start()
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN),
-                      tls_files=pki["client"])
+    gate = GateServer(
+        GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN), tls_files=pki["client"]
+    )
     await gate.start()
     target = f"127.0.0.1:{orch.port}"
     try:
         await asyncio.wait_for(gate.subscription.connected.wait(), 10)  # the state stream runs over mTLS
-        good = AsyncTimeSliceOrchestratorClient(target, job_id="trainer", group_id="g", token=TOKEN,
-                                                tls_files=pki["client"])
+        good = AsyncTimeSliceOrchestratorClient(target, job_id="trainer", group_id="g", token=TOKEN, tls_files=pki["client"])
         await good.acquire(timeout_sec=30)  # drain via the gate, sleep via the sidecar: all over mTLS
         assert engine.level == 1
         await good.release()
@@ -268,12 +294,17 @@ async def test_mutual_tls_end_to_end_and_peers_without_a_good_certificate_are_re
         for name, make in [
             ("plaintext", lambda: grpc.aio.insecure_channel(target)),
             ("certificate from another CA", lambda: tls.aio_channel(target, pki["stranger"])),
-            ("no client certificate", lambda: grpc.aio.secure_channel(
-                target, grpc.ssl_channel_credentials(root_certificates=pki["client"].ca))),
+            (
+                "no client certificate",
+                lambda: grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=pki["client"].ca)),
+            ),
         ]:
             async with make() as ch:
-                code = await _code(opb_grpc.TimeSliceOrchestratorServiceStub(ch).ListGroups(
-                    opb.ListGroupsRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=3))
+                code = await _code(
+                    opb_grpc.TimeSliceOrchestratorServiceStub(ch).ListGroups(
+                        opb.ListGroupsRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=3
+                    )
+                )
             assert code == grpc.StatusCode.UNAVAILABLE, name
         # The environment configures every component and client the same way.
         monkeypatch.setenv(tls.CERT_ENV, "/nonexistent/cert.pem")
@@ -290,7 +321,11 @@ def test_every_channel_caps_the_reconnect_backoff_unless_the_caller_sets_it():
     from llmd_timeslice import tls
 
     merged = dict(tls._with_backoff({"options": [("grpc.max_reconnect_backoff_ms", 1000), ("x", 1)]})["options"])
-    assert merged == {"grpc.initial_reconnect_backoff_ms": 500, "grpc.min_reconnect_backoff_ms": 500,
-                      "grpc.max_reconnect_backoff_ms": 1000, "x": 1}
+    assert merged == {
+        "grpc.initial_reconnect_backoff_ms": 500,
+        "grpc.min_reconnect_backoff_ms": 500,
+        "grpc.max_reconnect_backoff_ms": 1000,
+        "x": 1,
+    }
     assert dict(tls._with_backoff({})["options"])["grpc.max_reconnect_backoff_ms"] == 5000
     tls.channel("127.0.0.1:1", options=[("x", 1)]).close()  # accepted by grpc as given

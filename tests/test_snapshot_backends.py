@@ -68,9 +68,13 @@ async def test_level2_wake_reloads_weights_then_kv_cache_then_resets_prefix_cach
         eng.calls.clear()
         await b.resume([])
         posts = [(p, q) for m, p, q in eng.calls if m == "POST"]
-        assert posts == [("/wake_up", {"tags": "weights"}), ("/collective_rpc", {"method": "reload_weights"}),
-                         ("/wake_up", {"tags": "kv_cache"}), ("/reset_prefix_cache", {}),
-                         ("/v1/completions", posts[-1][1])]
+        assert posts == [
+            ("/wake_up", {"tags": "weights"}),
+            ("/collective_rpc", {"method": "reload_weights"}),
+            ("/wake_up", {"tags": "kv_cache"}),
+            ("/reset_prefix_cache", {}),
+            ("/v1/completions", posts[-1][1]),
+        ]
     finally:
         await b.close()
 
@@ -155,7 +159,7 @@ async def test_sglang_error_answer_fails_with_what_to_do():
 def cuda_cli(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_STATE_DIR", str(tmp_path))
     exe = tmp_path / "cuda-checkpoint"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_CLI} \"$@\"\n")
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_CLI} "$@"\n')
     exe.chmod(0o755)
     return exe
 
@@ -216,8 +220,13 @@ async def test_sidecar_reports_device_bytes_freed_and_faults_a_lying_engine(fake
 
     good, liar = fake_vllm(), fake_vllm(lie_on_wake=True)
     readings = iter([8_000, 1_000])
-    srv = SidecarServer({"good": VllmBackend(good.url, memory_reader=lambda: next(readings, 1_000)),
-                         "liar": VllmBackend(liar.url, memory_reader=lambda: None)}, port=0)
+    srv = SidecarServer(
+        {
+            "good": VllmBackend(good.url, memory_reader=lambda: next(readings, 1_000)),
+            "liar": VllmBackend(liar.url, memory_reader=lambda: None),
+        },
+        port=0,
+    )
     await srv.start()
     ch = aio.insecure_channel(f"127.0.0.1:{srv.port}")
     stub, ops = pb_grpc.SnapshotAgentServiceStub(ch), xpb_grpc.SnapshotOperationsServiceStub(ch)
@@ -278,9 +287,15 @@ async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(
     live, dead = fake_vllm(), fake_vllm()
     dead.kill()
     not_vllm = FakeSglang().start()  # no /weight_info, no /is_sleeping
-    srv = SidecarServer({"live": VllmBackend(live.url), "dead": VllmBackend(dead.url),
-                         "odd": VllmBackend(not_vllm.url),
-                         "cuda": CudaCheckpointBackend(pids=[1], binary=str(tmp_path / "none"))}, port=0)
+    srv = SidecarServer(
+        {
+            "live": VllmBackend(live.url),
+            "dead": VllmBackend(dead.url),
+            "odd": VllmBackend(not_vllm.url),
+            "cuda": CudaCheckpointBackend(pids=[1], binary=str(tmp_path / "none")),
+        },
+        port=0,
+    )
     await srv.start()
     try:
         async with aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
@@ -289,8 +304,12 @@ async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(
             assert (r.weight_version, r.known, r.sleeping, r.engine_unreachable) == ("default", True, False, "")
             r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id="dead"), timeout=10)
             assert "did not answer" in r.engine_unreachable and not r.known
-            for job, code in (("", grpc.StatusCode.INVALID_ARGUMENT), ("nobody", grpc.StatusCode.NOT_FOUND),
-                              ("cuda", grpc.StatusCode.FAILED_PRECONDITION), ("odd", grpc.StatusCode.UNAVAILABLE)):
+            for job, code in (
+                ("", grpc.StatusCode.INVALID_ARGUMENT),
+                ("nobody", grpc.StatusCode.NOT_FOUND),
+                ("cuda", grpc.StatusCode.FAILED_PRECONDITION),
+                ("odd", grpc.StatusCode.UNAVAILABLE),
+            ):
                 with pytest.raises(aio.AioRpcError) as e:
                     await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), timeout=10)
                 assert e.value.code() is code and e.value.details(), (job, e.value.code())

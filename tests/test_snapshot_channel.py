@@ -56,6 +56,7 @@ async def _registered(srv, job_id, stream=None, timeout=5.0):
         while (ch := srv.servicer.workloads.get(job_id)) is None or ch is stream:
             await asyncio.sleep(0.01)
         return ch
+
     return await asyncio.wait_for(check(), timeout)
 
 
@@ -78,8 +79,9 @@ def _trainer():
 async def test_trainer_registers_and_snapshot_restore_offload_its_state(sidecar):
     model, opt = _trainer()
     before = state_checksum(model, opt)
-    client = WorkloadClient.for_offloader(f"127.0.0.1:{sidecar.port}", "trainer-0", TorchStateOffloader(model, opt),
-                                          group="g", token="tok")
+    client = WorkloadClient.for_offloader(
+        f"127.0.0.1:{sidecar.port}", "trainer-0", TorchStateOffloader(model, opt), group="g", token="tok"
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(client.run(stop))
     try:
@@ -115,8 +117,14 @@ async def test_without_token_the_channel_is_refused(sidecar):
 
 
 async def test_reregistration_replaces_the_earlier_stream_and_commands_go_to_the_new_one(sidecar):
-    reg = pb.WorkloadMessage(register=pb.RegisterWorkload(job_id="j", capabilities=pb.WorkloadCapabilities(
-        supported_modes=[pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD], default_mode=pb.SUSPEND_MODE_DISCARD)))
+    reg = pb.WorkloadMessage(
+        register=pb.RegisterWorkload(
+            job_id="j",
+            capabilities=pb.WorkloadCapabilities(
+                supported_modes=[pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD], default_mode=pb.SUSPEND_MODE_DISCARD
+            ),
+        )
+    )
     old = sidecar.stub.WorkloadChannel(metadata=sidecar.md)
     await old.write(reg)
     first = await _registered(sidecar, "j")
@@ -133,9 +141,17 @@ async def test_reregistration_replaces_the_earlier_stream_and_commands_go_to_the
     r = await sidecar.ops.WaitOperation(xpb.WaitOperationRequest(operation_id=op_id, timeout_s=10), metadata=sidecar.md)
     assert r.status == pb.OPERATION_STATUS_COMPLETE
     # an explicit app_channel mode wins over the default; a failed result fails the operation with its error
-    op_id = (await sidecar.stub.Snapshot(pb.SnapshotRequest(job_id="j", backend_config=pb.BackendConfig(
-        app_channel=pb.AppChannelConfig(mode=pb.SUSPEND_MODE_OFFLOAD, tags=["optimizer"]))),
-        metadata=sidecar.md)).operation_id
+    op_id = (
+        await sidecar.stub.Snapshot(
+            pb.SnapshotRequest(
+                job_id="j",
+                backend_config=pb.BackendConfig(
+                    app_channel=pb.AppChannelConfig(mode=pb.SUSPEND_MODE_OFFLOAD, tags=["optimizer"])
+                ),
+            ),
+            metadata=sidecar.md,
+        )
+    ).operation_id
     cmd = await asyncio.wait_for(new.read(), 5)
     assert cmd.snapshot.mode == pb.SUSPEND_MODE_OFFLOAD and list(cmd.snapshot.tags) == ["optimizer"]
     await new.write(pb.WorkloadMessage(result=pb.CommandResult(command_id=cmd.command_id, ok=False, error="OOM")))
@@ -171,8 +187,10 @@ async def test_disconnect_mid_command_fails_the_operation_and_unanswered_command
 
 async def test_app_channel_without_registration_is_failed_precondition(sidecar):
     with pytest.raises(aio.AioRpcError) as e:
-        await sidecar.stub.Snapshot(pb.SnapshotRequest(job_id="nobody", backend_config=pb.BackendConfig(
-            app_channel=pb.AppChannelConfig())), metadata=sidecar.md)
+        await sidecar.stub.Snapshot(
+            pb.SnapshotRequest(job_id="nobody", backend_config=pb.BackendConfig(app_channel=pb.AppChannelConfig())),
+            metadata=sidecar.md,
+        )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -183,9 +201,9 @@ def test_workload_client_in_a_thread_with_a_failing_callback(loop_thread):
     def boom(mode, tags):
         raise RuntimeError("host memory full")
 
-    handle = WorkloadClient(f"127.0.0.1:{srv.port}", "t", offload=boom, restore=lambda tags: None,
-                            token="").start_in_thread()
+    handle = WorkloadClient(f"127.0.0.1:{srv.port}", "t", offload=boom, restore=lambda tags: None, token="").start_in_thread()
     try:
+
         async def snap():
             await _registered(srv, "t")
             ch = srv.servicer.workloads.get("t")
@@ -194,6 +212,7 @@ def test_workload_client_in_a_thread_with_a_failing_callback(loop_thread):
                 await backend.suspend(SuspendMode.OFFLOAD, [])
             await backend.resume([])
             return ch
+
         assert not loop_thread.run(snap()).pending
     finally:
         handle.stop()
@@ -203,9 +222,15 @@ def test_workload_client_in_a_thread_with_a_failing_callback(loop_thread):
 async def test_resolution_order_request_then_channel_then_annotation_then_default():
     default = _Recording()
     reg = WorkloadRegistry()
-    r = BackendResolver({"j": default}, reg, annotations={"snapshot.timeslice.io/backend.k": "sglang",
-                                                          "snapshot.timeslice.io/endpoint": "http://127.0.0.1:30000",
-                                                          "snapshot.timeslice.io/mode": "discard"})
+    r = BackendResolver(
+        {"j": default},
+        reg,
+        annotations={
+            "snapshot.timeslice.io/backend.k": "sglang",
+            "snapshot.timeslice.io/endpoint": "http://127.0.0.1:30000",
+            "snapshot.timeslice.io/mode": "discard",
+        },
+    )
     try:
         assert r.resolve("j", None).backend is default and r.resolve("j", None).source == "default"
         a = r.resolve("k", None)
@@ -214,18 +239,25 @@ async def test_resolution_order_request_then_channel_then_annotation_then_defaul
         assert r.resolve("k", None).backend is a.backend, "built backends are reused (restore meets its snapshot)"
         reg.register(pb.RegisterWorkload(job_id="k"))
         assert r.resolve("k", None).source == "workload_channel"
-        explicit = r.resolve("k", pb.BackendConfig(app_endpoint=pb.AppEndpointConfig(
-            app=pb.APP_VLLM, endpoints=["127.0.0.1:8001"], mode=pb.SUSPEND_MODE_DISCARD, tags=["weights"])))
+        explicit = r.resolve(
+            "k",
+            pb.BackendConfig(
+                app_endpoint=pb.AppEndpointConfig(
+                    app=pb.APP_VLLM, endpoints=["127.0.0.1:8001"], mode=pb.SUSPEND_MODE_DISCARD, tags=["weights"]
+                )
+            ),
+        )
         assert explicit.source == "request" and isinstance(explicit.backend, VllmBackend)
         assert explicit.backend.base_url == "http://127.0.0.1:8001" and explicit.tags == ["weights"]
         # the orchestrator's plain request (APP_VLLM, no endpoint) reaches the job's own backend
         plain = r.resolve("j", pb.BackendConfig(app_endpoint=pb.AppEndpointConfig(app=pb.APP_VLLM)))
         assert plain.backend is default and plain.mode is SuspendMode.DISCARD  # annotation's pod-wide mode
-        cuda = r.resolve("j", pb.BackendConfig(cuda=pb.CudaBackendConfig(
-            explicit_target=pb.ProcessTarget(pids=[1, 2]))))
+        cuda = r.resolve("j", pb.BackendConfig(cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=[1, 2]))))
         assert cuda.backend.name == "cuda" and cuda.backend.pids == [1, 2]
-        for bad, code in [(pb.BackendConfig(direct_memory=pb.DirectMemoryBackendConfig()), "UNIMPLEMENTED"),
-                          (pb.BackendConfig(cuda=pb.CudaBackendConfig()), "INVALID_ARGUMENT")]:
+        for bad, code in [
+            (pb.BackendConfig(direct_memory=pb.DirectMemoryBackendConfig()), "UNIMPLEMENTED"),
+            (pb.BackendConfig(cuda=pb.CudaBackendConfig()), "INVALID_ARGUMENT"),
+        ]:
             with pytest.raises(ResolveError) as e:
                 r.resolve("j", bad)
             assert e.value.code.name == code

@@ -8,12 +8,15 @@ from typer.testing import CliRunner
 from llmd_timeslice.cli import app
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--backend", "cuda"], "--pid: required with --backend cuda"),
-    (["--backend", "criu"], "Input should be 'vllm', 'sglang', 'cuda' or 'workload_channel'"),
-    (["--pause-mode", "later"], "Input should be 'wait', 'keep' or 'abort'"),
-    (["--annotation", "novalue"], "expected KEY=VALUE, got 'novalue'"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "cuda"], "--pid: required with --backend cuda"),
+        (["--backend", "criu"], "Input should be 'vllm', 'sglang', 'cuda' or 'workload_channel'"),
+        (["--pause-mode", "later"], "Input should be 'wait', 'keep' or 'abort'"),
+        (["--annotation", "novalue"], "expected KEY=VALUE, got 'novalue'"),
+    ],
+)
 def test_sidecar_refuses_bad_snapshot_options(args, message):
     r = CliRunner().invoke(app, ["sidecar", "--job-id", "j", "--port", "0", *args])
     assert r.exit_code == 2

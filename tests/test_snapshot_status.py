@@ -17,11 +17,11 @@ async def test_status_lists_jobs_and_accelerator_memory():
     await srv.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            r = await pb_grpc.SnapshotAgentServiceStub(ch).Status(pb.StatusRequest(),
-                                                                  metadata=(("authorization", "Bearer t"),))
+            r = await pb_grpc.SnapshotAgentServiceStub(ch).Status(pb.StatusRequest(), metadata=(("authorization", "Bearer t"),))
         assert [(j.job_id, j.state) for j in r.job_statuses] == [("sampler-0", pb.JOB_STATE_RUNNING)]
         assert [(a.id, a.memory_used_bytes, a.memory_total_bytes) for a in r.accelerator_statuses] == [
-            ("GPU-0", 3 << 30, 80 << 30)]
+            ("GPU-0", 3 << 30, 80 << 30)
+        ]
     finally:
         await srv.stop()
 

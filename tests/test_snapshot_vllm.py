@@ -69,8 +69,9 @@ async def _load(c: httpx.AsyncClient, url: str, model: str) -> list[asyncio.Task
     machine the requests can trickle in so slowly that the first ends before the last starts: then the load is
     sent again (ATTEMPTS times)."""
     for _attempt in range(ATTEMPTS):
-        tasks = [asyncio.create_task(c.post(url + "/v1/completions", json={"model": model, **LONG}))
-                 for _ in range(LOAD_REQUESTS)]
+        tasks = [
+            asyncio.create_task(c.post(url + "/v1/completions", json={"model": model, **LONG})) for _ in range(LOAD_REQUESTS)
+        ]
 
         async def all_running(c, url, tasks=tasks) -> bool:
             return any(t.done() for t in tasks) or await _running(c, url) >= LOAD_REQUESTS
@@ -110,8 +111,9 @@ async def _until_mid_batch(url: str, model: str, mode: str, landed) -> tuple[int
 
 
 async def test_pause_mode_abort_ends_requests_in_flight_with_finish_reason_abort(vllm_server):
-    done, results = await _until_mid_batch(vllm_server.url, vllm_server.model_name, "abort",
-                                           lambda d, rs: any(r == "abort" for r, _ in rs))
+    done, results = await _until_mid_batch(
+        vllm_server.url, vllm_server.model_name, "abort", lambda d, rs: any(r == "abort" for r, _ in rs)
+    )
     assert done == LOAD_REQUESTS, "abort: nothing is left in flight once the sleep returns"
     assert any(r == "abort" for r, _ in results), results
     assert all(n < LONG["max_tokens"] for r, n in results if r == "abort")
@@ -126,8 +128,7 @@ async def test_pause_mode_wait_finishes_requests_before_sleeping(vllm_server):
 
 
 async def test_pause_mode_keep_freezes_requests_until_wake(vllm_server):
-    done, results = await _until_mid_batch(vllm_server.url, vllm_server.model_name, "keep",
-                                           lambda d, rs: d < LOAD_REQUESTS)
+    done, results = await _until_mid_batch(vllm_server.url, vllm_server.model_name, "keep", lambda d, rs: d < LOAD_REQUESTS)
     assert done < LOAD_REQUESTS, "keep: requests in flight stay frozen while the engine sleeps"
     assert results == [("length", LONG["max_tokens"])] * LOAD_REQUESTS, "and finish after the wake, no token lost"
 
@@ -138,8 +139,9 @@ async def test_prefix_cache_reset_answers_200_success_false_while_requests_hold_
     url, model = vllm_server.url, vllm_server.model_name
     b = VllmBackend(url, memory_reader=lambda: None)
     async with httpx.AsyncClient(timeout=120) as c:
-        assert parse_engine_metrics((await c.get(url + "/metrics")).text).sleep_states == {"0": "awake"}, \
+        assert parse_engine_metrics((await c.get(url + "/metrics")).text).sleep_states == {"0": "awake"}, (
             "one engine core, labelled engine=0"
+        )
         for _attempt in range(ATTEMPTS):
             tasks = await _load(c, url, model)
             plain = await c.post(url + "/reset_prefix_cache")
@@ -162,8 +164,10 @@ def _perturbed_copy(model_dir, dest):
     shutil.copytree(model_dir, dest, ignore=shutil.ignore_patterns(".*"))
     state = load_file(str(dest / "model.safetensors"))
     g = torch.Generator().manual_seed(15)
-    noisy = {k: (v + torch.randn(v.shape, generator=g) * v.float().std().clamp(min=0.02)).to(v.dtype)
-             if v.is_floating_point() else v for k, v in state.items()}
+    noisy = {
+        k: (v + torch.randn(v.shape, generator=g) * v.float().std().clamp(min=0.02)).to(v.dtype) if v.is_floating_point() else v
+        for k, v in state.items()
+    }
     save_file(noisy, str(dest / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -220,8 +224,11 @@ async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_ha
 
                 # the pause has begun (GET /is_paused): the running batch drains, new requests queue
                 await _until_engine(c, url, paused, "the pause of the sleep")
-                direct = asyncio.create_task(c.post(url + "/v1/completions", json={
-                    "model": model, "prompt": "sent straight to the engine", "max_tokens": 16}))
+                direct = asyncio.create_task(
+                    c.post(
+                        url + "/v1/completions", json={"model": model, "prompt": "sent straight to the engine", "max_tokens": 16}
+                    )
+                )
                 res = await sleep
                 finished = [(await t).json()["choices"][0]["finish_reason"] for t in tasks]
                 if res.parked_requests == 1:  # only the direct one; a slow start may park more: try again
@@ -254,8 +261,11 @@ async def test_engine_killed_mid_sleep_fails_the_operation_and_stays_out_of_serv
                 if status == pb.OPERATION_STATUS_PENDING:
                     break
                 await asyncio.gather(*tasks, return_exceptions=True)
-                await ops.WaitOperation(xpb.WaitOperationRequest(
-                    operation_id=(await stub.Restore(pb.RestoreRequest(job_id="s"))).operation_id, timeout_s=60))
+                await ops.WaitOperation(
+                    xpb.WaitOperationRequest(
+                        operation_id=(await stub.Restore(pb.RestoreRequest(job_id="s"))).operation_id, timeout_s=60
+                    )
+                )
             assert status == pb.OPERATION_STATUS_PENDING, "never caught the engine mid-sleep"
             os.killpg(vllm_server.pid, signal.SIGKILL)
             r = await ops.WaitOperation(xpb.WaitOperationRequest(operation_id=op, timeout_s=30))

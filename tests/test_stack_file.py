@@ -40,31 +40,55 @@ def test_gpu_example_is_valid_except_for_the_model_it_cannot_find_here():
     assert all("vllm.model: no model directory (config.json) at /models/Qwen2.5-7B-Instruct" in e for e in ei.value.errors)
 
 
-@pytest.mark.parametrize("case, mutate, message", [
-    ("unknown_key", lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key"),
-    ("unknown_engine_key", lambda d: d["engines"][0].update(gpu=1), "engines[0].gpu: unknown key"),
-    ("port_clash_stack", lambda d: d["stack"]["ports"].update(picker=9003),
-     "stack.ports.picker: port 9003 is also stack.ports.gate_control"),
-    ("port_clash_engine", lambda d: d["engines"][1]["vllm"].update(port=8001),
-     "engines[1] (sampler-1).vllm.port: port 8001 is also engines[0] (sampler-0).vllm.port"),
-    ("missing_model", lambda d: d["engines"][0]["vllm"].update(model="./no-such-model"),
-     "engines[0] (sampler-0).vllm.model: no model directory (config.json) at"),
-    ("unknown_group", lambda d: d["engines"][0].update(group="nope"),
-     "engines[0] (sampler-0).group: unknown group 'nope'; declared: ['rollout-group']"),
-    ("unknown_pool", lambda d: d["engines"][0].update(pool="nope"), "engines[0] (sampler-0).pool: unknown pool 'nope'"),
-    ("url_and_vllm", lambda d: d["engines"][0].update(url="http://127.0.0.1:7000"), "give exactly one of 'url'"),
-    ("bad_url", lambda d: (d["engines"][0].pop("vllm"), d["engines"][0].update(url="ftp://x")),
-     "url must be http://host:port"),
-    ("duplicate_engine", lambda d: d["engines"][1].update(name="sampler-0"), "engines: 'sampler-0' is declared more"),
-    ("job_unknown_group", lambda d: d["jobs"][0].update(groups=["zzz"]), "jobs[0] (trainer-0).groups: unknown group"),
-    ("bad_port", lambda d: d["stack"]["ports"].update(router=70000), "stack.ports.router: Input should be less than"),
-    ("no_groups", lambda d: d.update(groups=[]), "groups: List should have at least 1 item"),
-    ("zero_generation_timeout", lambda d: d["stack"].update(generation_timeout_s=0),
-     "stack.generation_timeout_s: Input should be greater than 0"),
-    ("second_pool_without_prefix", lambda d: d["pools"].append({"name": "other"}), "pools[1] (other).path_prefix"),
-    ("second_pool_prefix_is_root", lambda d: d["pools"].append({"name": "other", "path_prefix": "/"}),
-     "pools[1] (other).path_prefix: pools after the first need a path prefix starting with '/', other than '/'"),
-])
+@pytest.mark.parametrize(
+    "case, mutate, message",
+    [
+        ("unknown_key", lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key"),
+        ("unknown_engine_key", lambda d: d["engines"][0].update(gpu=1), "engines[0].gpu: unknown key"),
+        (
+            "port_clash_stack",
+            lambda d: d["stack"]["ports"].update(picker=9003),
+            "stack.ports.picker: port 9003 is also stack.ports.gate_control",
+        ),
+        (
+            "port_clash_engine",
+            lambda d: d["engines"][1]["vllm"].update(port=8001),
+            "engines[1] (sampler-1).vllm.port: port 8001 is also engines[0] (sampler-0).vllm.port",
+        ),
+        (
+            "missing_model",
+            lambda d: d["engines"][0]["vllm"].update(model="./no-such-model"),
+            "engines[0] (sampler-0).vllm.model: no model directory (config.json) at",
+        ),
+        (
+            "unknown_group",
+            lambda d: d["engines"][0].update(group="nope"),
+            "engines[0] (sampler-0).group: unknown group 'nope'; declared: ['rollout-group']",
+        ),
+        ("unknown_pool", lambda d: d["engines"][0].update(pool="nope"), "engines[0] (sampler-0).pool: unknown pool 'nope'"),
+        ("url_and_vllm", lambda d: d["engines"][0].update(url="http://127.0.0.1:7000"), "give exactly one of 'url'"),
+        (
+            "bad_url",
+            lambda d: (d["engines"][0].pop("vllm"), d["engines"][0].update(url="ftp://x")),
+            "url must be http://host:port",
+        ),
+        ("duplicate_engine", lambda d: d["engines"][1].update(name="sampler-0"), "engines: 'sampler-0' is declared more"),
+        ("job_unknown_group", lambda d: d["jobs"][0].update(groups=["zzz"]), "jobs[0] (trainer-0).groups: unknown group"),
+        ("bad_port", lambda d: d["stack"]["ports"].update(router=70000), "stack.ports.router: Input should be less than"),
+        ("no_groups", lambda d: d.update(groups=[]), "groups: List should have at least 1 item"),
+        (
+            "zero_generation_timeout",
+            lambda d: d["stack"].update(generation_timeout_s=0),
+            "stack.generation_timeout_s: Input should be greater than 0",
+        ),
+        ("second_pool_without_prefix", lambda d: d["pools"].append({"name": "other"}), "pools[1] (other).path_prefix"),
+        (
+            "second_pool_prefix_is_root",
+            lambda d: d["pools"].append({"name": "other", "path_prefix": "/"}),
+            "pools[1] (other).path_prefix: pools after the first need a path prefix starting with '/', other than '/'",
+        ),
+    ],
+)
 def test_bad_stack_file_gets_a_message_naming_the_field(tmp_path, case, mutate, message):
     d = _base()
     mutate(d)
@@ -86,8 +110,9 @@ def test_cli_prints_one_line_per_problem_and_exits_2(tmp_path):
     d["engines"][0]["vllm"]["model"] = "./missing"
     f = _write(tmp_path, d)
     for cmd in ("up", "down", "status"):
-        r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", cmd, "-f", str(f)], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "llmd_timeslice.cli", cmd, "-f", str(f)], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 2 and all(ln.startswith(str(f)) for ln in lines), (cmd, r.stderr)
@@ -111,16 +136,27 @@ async def test_stop_wakes_engines_the_stack_did_not_start(tmp_path):
         engine.stop()
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key (did you mean stack.max_hold_s?)"),
-    (lambda d: d["stack"]["ports"].update(routr=1), "stack.ports.routr: unknown key (did you mean stack.ports.router?)"),
-    (lambda d: d["groups"][0].update(sleep_levl=1), "groups[0].sleep_levl: unknown key (did you mean groups[0].sleep_level?)"),
-    (lambda d: d["engines"][1].update(sidecar_prot=1),
-     "engines[1].sidecar_prot: unknown key (did you mean engines[1].sidecar_port?)"),
-    (lambda d: d["engines"][0]["vllm"].update(modle="x"),
-     "engines[0].vllm.modle: unknown key (did you mean engines[0].vllm.model?)"),
-    (lambda d: d.update(gate={"max_hold_s": 3}), "gate: unknown key (known here: stack, pools, groups, jobs, engines)"),
-], ids=["stack.max_hold", "stack.ports.routr", "groups.sleep_levl", "engines.sidecar_prot", "engines.vllm.modle", "gate"])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["stack"].update(max_hold=3), "stack.max_hold: unknown key (did you mean stack.max_hold_s?)"),
+        (lambda d: d["stack"]["ports"].update(routr=1), "stack.ports.routr: unknown key (did you mean stack.ports.router?)"),
+        (
+            lambda d: d["groups"][0].update(sleep_levl=1),
+            "groups[0].sleep_levl: unknown key (did you mean groups[0].sleep_level?)",
+        ),
+        (
+            lambda d: d["engines"][1].update(sidecar_prot=1),
+            "engines[1].sidecar_prot: unknown key (did you mean engines[1].sidecar_port?)",
+        ),
+        (
+            lambda d: d["engines"][0]["vllm"].update(modle="x"),
+            "engines[0].vllm.modle: unknown key (did you mean engines[0].vllm.model?)",
+        ),
+        (lambda d: d.update(gate={"max_hold_s": 3}), "gate: unknown key (known here: stack, pools, groups, jobs, engines)"),
+    ],
+    ids=["stack.max_hold", "stack.ports.routr", "groups.sleep_levl", "engines.sidecar_prot", "engines.vllm.modle", "gate"],
+)
 def test_unknown_stack_file_key_gets_a_did_you_mean_suggestion(tmp_path, mutate, message):
     d = _base()
     mutate(d)
@@ -130,8 +166,9 @@ def test_unknown_stack_file_key_gets_a_did_you_mean_suggestion(tmp_path, mutate,
 
 
 def _config_check(f: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "config", "check", str(f)], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "llmd_timeslice.cli", "config", "check", str(f)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_config_check_recognises_a_stack_file_and_checks_it_without_starting_it(tmp_path):
@@ -182,8 +219,11 @@ def test_up_prints_an_export_line_with_the_router_url_and_where_the_tiny_model_i
     _print_endpoints(Console(file=buf, width=80), stack)
     lines = buf.getvalue().splitlines()
     export = next(ln for ln in lines if "export " in ln).split("export ", 1)[1].split()
-    assert export == ["TIMESLICE_ORCH_ADDR=127.0.0.1:50051", f"LLMD_TIMESLICE_TOKEN_FILE={tmp_path / 'work' / 'control-token'}",
-                      f"{ROUTER_URL_ENV}=http://127.0.0.1:8080"]
+    assert export == [
+        "TIMESLICE_ORCH_ADDR=127.0.0.1:50051",
+        f"LLMD_TIMESLICE_TOKEN_FILE={tmp_path / 'work' / 'control-token'}",
+        f"{ROUTER_URL_ENV}=http://127.0.0.1:8080",
+    ]
     assert any(ln.endswith(str(tmp_path / "work" / "tiny-llama")) for ln in lines), lines
     assert stack.endpoints()["tiny_model"] == str(tmp_path / "work" / "tiny-llama")
 
@@ -216,11 +256,14 @@ def _seconds(value: str) -> float:
     return float(value[:-1])
 
 
-@pytest.mark.parametrize("stack, route_s", [
-    ({}, 600 + 3600 + 60),                                              # defaults: hold 600 s, generation 3600 s
-    ({"max_hold_s": 120}, 120 + 3600 + 60),
-    ({"max_hold_s": 120, "generation_timeout_s": 7200}, 120 + 7200 + 60),
-])
+@pytest.mark.parametrize(
+    "stack, route_s",
+    [
+        ({}, 600 + 3600 + 60),  # defaults: hold 600 s, generation 3600 s
+        ({"max_hold_s": 120}, 120 + 3600 + 60),
+        ({"max_hold_s": 120, "generation_timeout_s": 7200}, 120 + 7200 + 60),
+    ],
+)
 def test_route_timeout_fits_a_hold_then_the_longest_generation(tmp_path, stack, route_s):
     """Defect 14 of issue 14 in the local stack: a 600 s route timeout cut generations longer than 10 minutes. The
     route timeout is hold + generation + 60 s, the stream idle timeout above it (a held request sends nothing), and

@@ -66,9 +66,11 @@ def _bind_when_free(port: int, timeout_s: float) -> socket.socket:
 
 
 def _stack_file(tmp_path: Path, name: str, ports: dict, sidecar_port: int, engine_url: str) -> Path:
-    d = {"stack": {"name": name, "workdir": str(tmp_path / name), "max_hold_s": 30, "ports": ports},
-         "groups": [{"group_id": GROUP, "drain_timeout_s": 5}],
-         "engines": [{"name": ENGINE, "group": GROUP, "sidecar_port": sidecar_port, "url": engine_url}]}
+    d = {
+        "stack": {"name": name, "workdir": str(tmp_path / name), "max_hold_s": 30, "ports": ports},
+        "groups": [{"group_id": GROUP, "drain_timeout_s": 5}],
+        "engines": [{"name": ENGINE, "group": GROUP, "sidecar_port": sidecar_port, "url": engine_url}],
+    }
     f = tmp_path / f"{name}.yaml"
     f.write_text(yaml.safe_dump(d))
     return f
@@ -110,8 +112,7 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
         state = _state(workdir)
         assert up.poll() is None and state["phase"] == "running"
         assert all(c["state"] == "ready" and c["restarts"] == 0 and alive(c["pid"]) for c in state["components"]), state
-        resp = httpx.post(ep["router"] + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2},
-                          timeout=30)
+        resp = httpx.post(ep["router"] + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert resp.status_code == 200, resp.text
 
         # `status -f` into a pipe (not a terminal, COLUMNS unset): whole values, no '…'.
@@ -127,13 +128,35 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
         export = re.search(r"export (.+)$", text, re.MULTILINE)
         assert export, text
         exported = dict(kv.split("=", 1) for kv in export.group(1).split())
-        assert exported == {"TIMESLICE_ORCH_ADDR": ep["orchestrator"], "LLMD_TIMESLICE_TOKEN_FILE": ep["token_file"],
-                            ROUTER_URL_ENV: ep["router"]}
-        rl_env = {k: v for k, v in os.environ.items() if k not in ("TIMESLICE_ORCH_ADDR", "LLMD_TIMESLICE_TOKEN_FILE",
-                                                                   "LLMD_TIMESLICE_TOKEN", ROUTER_URL_ENV)}
-        rl = subprocess.run([sys.executable, str(REPO / "examples" / "rl_loop.py"), "--stack", str(tmp_path / "none.yaml"),
-                             "--group", GROUP, "--model", "fake", "--iterations", "1"],
-                            env={**rl_env, **exported}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert exported == {
+            "TIMESLICE_ORCH_ADDR": ep["orchestrator"],
+            "LLMD_TIMESLICE_TOKEN_FILE": ep["token_file"],
+            ROUTER_URL_ENV: ep["router"],
+        }
+        rl_env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("TIMESLICE_ORCH_ADDR", "LLMD_TIMESLICE_TOKEN_FILE", "LLMD_TIMESLICE_TOKEN", ROUTER_URL_ENV)
+        }
+        rl = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "examples" / "rl_loop.py"),
+                "--stack",
+                str(tmp_path / "none.yaml"),
+                "--group",
+                GROUP,
+                "--model",
+                "fake",
+                "--iterations",
+                "1",
+            ],
+            env={**rl_env, **exported},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert rl.returncode == 0, rl.stdout + rl.stderr
         assert "iteration 0: rollout 4/4 ok" in rl.stdout and "final rollout" in rl.stdout, rl.stdout
         assert any(p == "/sleep" for p in engine.paths()), "the trainer's acquire put the engine to sleep"
@@ -162,9 +185,18 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
 def test_rl_script_without_a_router_stops_instead_of_guessing_a_port(tmp_path):
     """No flag, no exported variable, no running stack: exit 2 naming what is missing and the export line, rather than
     sending rollouts to 127.0.0.1:8080 (on a shared node, possibly another stack's router)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TIMESLICE_ORCH_ADDR", "LLMD_TIMESLICE_TOKEN_FILE",
-                                                             "LLMD_TIMESLICE_TOKEN", ROUTER_URL_ENV)}
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "rl_loop.py"), "--stack", str(tmp_path / "none.yaml")],
-                       env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TIMESLICE_ORCH_ADDR", "LLMD_TIMESLICE_TOKEN_FILE", "LLMD_TIMESLICE_TOKEN", ROUTER_URL_ENV)
+    }
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "rl_loop.py"), "--stack", str(tmp_path / "none.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no --router, --orchestrator, --token-file" in r.stderr and ROUTER_URL_ENV in r.stderr, r.stderr

@@ -46,13 +46,31 @@ def _state(workdir: Path) -> dict:
 
 
 def _stack_file(tmp_path: Path) -> tuple[Path, Path, dict]:
-    ports = {k: port_for.select_random() for k in ("router", "router_admin", "gate_ext_proc", "gate_control",
-                                                   "gate_metrics", "picker", "orchestrator", "orchestrator_metrics")}
+    ports = {
+        k: port_for.select_random()
+        for k in (
+            "router",
+            "router_admin",
+            "gate_ext_proc",
+            "gate_control",
+            "gate_metrics",
+            "picker",
+            "orchestrator",
+            "orchestrator_metrics",
+        )
+    }
     workdir = tmp_path / "work"
     engines = []
     for name, pool, group in (("sampler-a", "default", "group-a"), ("sampler-b", "pool-b", "group-b")):
-        engines.append({"name": name, "pool": pool, "group": group, "sidecar_port": port_for.select_random(),
-                        "vllm": {"model": "builtin:tiny-llama", "port": port_for.select_random()}})
+        engines.append(
+            {
+                "name": name,
+                "pool": pool,
+                "group": group,
+                "sidecar_port": port_for.select_random(),
+                "vllm": {"model": "builtin:tiny-llama", "port": port_for.select_random()},
+            }
+        )
     doc = {
         "stack": {"name": "two-pools", "workdir": str(workdir), "max_hold_s": 120, "ports": ports},
         "pools": [{"name": "default"}, {"name": "pool-b", "path_prefix": "/pool-b/"}],
@@ -105,8 +123,7 @@ def test_two_pool_stack_serves_each_pool_keeps_one_serving_while_the_other_sleep
             # 3. pool-b asleep: pool-a keeps serving; pool-b's request is held until the trainer yields.
             awake = _latencies(c, f"{router}/v1/completions", 10)
             token = Path(ep["token_file"]).read_text().strip()
-            trainer = TimeSliceOrchestratorClient(ep["orchestrator"], job_id="trainer-b", group_id="group-b",
-                                                  token=token)
+            trainer = TimeSliceOrchestratorClient(ep["orchestrator"], job_id="trainer-b", group_id="group-b", token=token)
             trainer.acquire(timeout_sec=180)
             assert c.get(engine_urls[1] + "/is_sleeping").json() == {"is_sleeping": True}
             held: dict = {}
@@ -127,8 +144,10 @@ def test_two_pool_stack_serves_each_pool_keeps_one_serving_while_the_other_sleep
             trainer.release()
             t.join(120)
             assert held.get("status") == 200 and int(held["hold_ms"]) > 0, held
-        print(f"\npool-a completion latency, median of 10: pool-b awake {statistics.median(awake) * 1e3:.0f} ms, "
-              f"pool-b asleep {statistics.median(asleep) * 1e3:.0f} ms")
+        print(
+            f"\npool-a completion latency, median of 10: pool-b awake {statistics.median(awake) * 1e3:.0f} ms, "
+            f"pool-b asleep {statistics.median(asleep) * 1e3:.0f} ms"
+        )
     finally:
         if trainer is not None:
             trainer.close()

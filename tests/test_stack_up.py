@@ -27,8 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "llmd_timeslice.cli"]
 
 
-
-
 def _state(workdir: Path) -> dict:
     try:
         return json.loads((workdir / "stack.json").read_text())
@@ -73,18 +71,35 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
 
         # The example RL script, public client API only: 2 iterations, real training, weight versions 1 and 2.
         env = {**os.environ, "TIMESLICE_ORCH_ADDR": ep["orchestrator"], "LLMD_TIMESLICE_TOKEN_FILE": ep["token_file"]}
-        r = subprocess.run([sys.executable, str(REPO / "examples" / "rl_loop.py"), "--router", ep["router"],
-                            "--iterations", "2", "--model-dir", str(workdir / "tiny-llama"),
-                            "--weights-dir", str(tmp_path / "weights")],
-                           env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "examples" / "rl_loop.py"),
+                "--router",
+                ep["router"],
+                "--iterations",
+                "2",
+                "--model-dir",
+                str(workdir / "tiny-llama"),
+                "--weights-dir",
+                str(tmp_path / "weights"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert "final rollout at weight version(s) [2]" in r.stdout, r.stdout
 
         # A child that dies is reported and restarted.
         before = _component(state, "sidecar-sampler-0")
         os.kill(before["pid"], 9)
-        _wait(lambda: (c := _component(_state(workdir), "sidecar-sampler-0"))["restarts"] == 1 and c["state"] == "ready",
-              60, "the sidecar to be restarted")
+        _wait(
+            lambda: (c := _component(_state(workdir), "sidecar-sampler-0"))["restarts"] == 1 and c["state"] == "ready",
+            60,
+            "the sidecar to be restarted",
+        )
         pids.append(_component(_state(workdir), "sidecar-sampler-0")["pid"])
         assert "sidecar-sampler-0: exited (signal SIGKILL)" in (tmp_path / "up.out").read_text()
         st = subprocess.run([*CLI, "status", "-f", str(stack_file)], capture_output=True, text=True, timeout=60)
@@ -92,20 +107,23 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
 
         # A trainer holds the group: a request is held; `down` answers it 503 with a reason.
         token = Path(ep["token_file"]).read_text().strip()
-        client = TimeSliceOrchestratorClient(ep["orchestrator"], job_id="trainer-0", group_id="rollout-group",
-                                             token=token)
+        client = TimeSliceOrchestratorClient(ep["orchestrator"], job_id="trainer-0", group_id="rollout-group", token=token)
         client.acquire(timeout_sec=120)
         held: dict = {}
 
         def send() -> None:
-            resp = httpx.post(ep["router"] + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
-                              timeout=120)
+            resp = httpx.post(
+                ep["router"] + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=120
+            )
             held.update(status=resp.status_code, reason=resp.headers.get("x-llmd-timeslice-reason"))
 
         t = threading.Thread(target=send)
         t.start()
-        _wait(lambda: sample(ep["metrics_gate"], "llmd_timeslice_gate_held", pool="default") == 1, 60,
-              "the request to be held at the gate")
+        _wait(
+            lambda: sample(ep["metrics_gate"], "llmd_timeslice_gate_held", pool="default") == 1,
+            60,
+            "the request to be held at the gate",
+        )
         assert not held, "the request is held while the trainer holds the group"
         t0 = time.monotonic()
         down = subprocess.run([*CLI, "down", "-f", str(stack_file)], capture_output=True, text=True, timeout=120)

@@ -36,8 +36,7 @@ class FakeConfigMaps:
             return body
 
         def conflict(reason: str, message: str) -> dict:
-            return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": 409,
-                    "message": message}
+            return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": 409, "message": message}
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -71,9 +70,15 @@ class FakeConfigMaps:
                     owner.put_versions.append(sent)
                     current = owner.items[(ns, name)]["metadata"]["resourceVersion"]
                     if sent and sent != current:
-                        return self._reply(409, conflict("Conflict", f'Operation cannot be fulfilled on configmaps '
-                                                         f'"{name}": the object has been modified; please apply your '
-                                                         "changes to the latest version and try again"))
+                        return self._reply(
+                            409,
+                            conflict(
+                                "Conflict",
+                                f"Operation cannot be fulfilled on configmaps "
+                                f'"{name}": the object has been modified; please apply your '
+                                "changes to the latest version and try again",
+                            ),
+                        )
                     owner.items[(ns, name)] = stamp(body)
                     return self._reply(200, body)
                 name = body["metadata"]["name"]
@@ -118,8 +123,12 @@ async def test_state_survives_a_restart_in_a_configmap(apiserver):
     assert ("POST", "/api/v1/namespaces/ml/configmaps") in apiserver.requests, "created on first save"
     saved = json.loads(apiserver.items[("ml", "orch-state")]["data"]["state.json"])
     assert saved["groups"]["g0"]["holder"] == "trainer"
-    second = OrchestratorServer(LEASE_INV, port=0, actions=RecordingActions(),
-                                state_store=ConfigMapStateStore(make_api_client(host=apiserver.url), "ml", "orch-state"))
+    second = OrchestratorServer(
+        LEASE_INV,
+        port=0,
+        actions=RecordingActions(),
+        state_store=ConfigMapStateStore(make_api_client(host=apiserver.url), "ml", "orch-state"),
+    )
     await second.start()
     try:
         assert second.orchestrator.groups["g0"].holder == "trainer"

@@ -24,11 +24,16 @@ async def _until(pred, timeout_s: float = 15.0) -> None:
 
 async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_path):
     port = port_for.select_random()
-    web = ChildSpec("web", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "web.log",
-                    port, probe=http_probe(f"http://127.0.0.1:{port}/"), stop_grace_s=2)
+    web = ChildSpec(
+        "web",
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        tmp_path / "web.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+        stop_grace_s=2,
+    )
     pidfile = tmp_path / "grandchild.pid"
-    family = ChildSpec("family", ["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"], tmp_path / "family.log",
-                       stop_grace_s=2)
+    family = ChildSpec("family", ["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"], tmp_path / "family.log", stop_grace_s=2)
     events: list[tuple[str, str]] = []
     sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)))
     await sup.start()
@@ -54,8 +59,13 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
 
 async def test_child_that_cannot_start_fails_the_start_with_its_log_and_stops_the_others(tmp_path):
     port = port_for.select_random()
-    ok = ChildSpec("ok", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "ok.log",
-                   port, probe=http_probe(f"http://127.0.0.1:{port}/"))
+    ok = ChildSpec(
+        "ok",
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        tmp_path / "ok.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+    )
     bad = ChildSpec("bad", [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"], tmp_path / "bad.log")
     sup = Supervisor([[ok], [bad]])
     with pytest.raises(StartFailed, match=r"(?s)bad exited with code 3 while starting.*no model here"):
@@ -64,8 +74,13 @@ async def test_child_that_cannot_start_fails_the_start_with_its_log_and_stops_th
 
 
 async def test_child_not_ready_in_time_fails_the_start(tmp_path):
-    never = ChildSpec("never", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "never.log",
-                      probe=lambda: asyncio.sleep(0, result=False), start_timeout_s=0.5)
+    never = ChildSpec(
+        "never",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        tmp_path / "never.log",
+        probe=lambda: asyncio.sleep(0, result=False),
+        start_timeout_s=0.5,
+    )
     sup = Supervisor([[never]])
     with pytest.raises(StartFailed, match=r"never was not ready within 0\.5 s"):
         await sup.start()
@@ -78,8 +93,9 @@ def _http_server(port: int) -> list[str]:
 
 async def _foreign_listener(port: int) -> asyncio.subprocess.Process:
     """Another user's server on ``port`` (not a child of the supervisor), answering once it listens."""
-    proc = await asyncio.create_subprocess_exec(*_http_server(port), stdout=asyncio.subprocess.DEVNULL,
-                                                stderr=asyncio.subprocess.DEVNULL)
+    proc = await asyncio.create_subprocess_exec(
+        *_http_server(port), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
     probe = http_probe(f"http://127.0.0.1:{port}/")
     for _ in range(200):
         try:
@@ -96,8 +112,15 @@ async def test_readiness_on_a_port_another_process_holds_fails_naming_the_holder
     port = port_for.select_random()
     other = await _foreign_listener(port)
     try:
-        child = ChildSpec("gate", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "gate.log", port,
-                          probe=http_probe(f"http://127.0.0.1:{port}/"), start_timeout_s=30, listen=(port,))
+        child = ChildSpec(
+            "gate",
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            tmp_path / "gate.log",
+            port,
+            probe=http_probe(f"http://127.0.0.1:{port}/"),
+            start_timeout_s=30,
+            listen=(port,),
+        )
         sup = Supervisor([[child]])
         t = asyncio.get_running_loop().time()
         with pytest.raises(StartFailed, match=rf"gate: port {port} is held by pid {other.pid} \(.*http\.server") as ei:
@@ -117,11 +140,23 @@ async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_p
     and the log's tail, and no further restart is tried."""
     port = port_for.select_random()
     marker = tmp_path / "second-start"
-    script = (f"if [ -e {marker} ]; then echo 'Error: No such option: --colour' >&2; exit 2; fi; "
-              f"touch {marker}; exec {' '.join(_http_server(port))}") if case == "usage_error" else " ".join(
-        ["exec", *_http_server(port)])
-    web = ChildSpec("web", ["sh", "-c", script], tmp_path / "web.log", port,
-                    probe=http_probe(f"http://127.0.0.1:{port}/"), stop_grace_s=2, listen=(port,))
+    script = (
+        (
+            f"if [ -e {marker} ]; then echo 'Error: No such option: --colour' >&2; exit 2; fi; "
+            f"touch {marker}; exec {' '.join(_http_server(port))}"
+        )
+        if case == "usage_error"
+        else " ".join(["exec", *_http_server(port)])
+    )
+    web = ChildSpec(
+        "web",
+        ["sh", "-c", script],
+        tmp_path / "web.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+        stop_grace_s=2,
+        listen=(port,),
+    )
     fatal: list[StartFailed] = []
     sup = Supervisor([[web]], backoff_s=0.5, on_fatal=fatal.append)
     await sup.start()
@@ -149,14 +184,28 @@ async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_p
 async def test_child_that_keeps_failing_to_start_is_given_up_after_max_start_failures(tmp_path):
     port = port_for.select_random()
     marker = tmp_path / "started"
-    script = (f"if [ -e {marker} ]; then echo 'engine crashed' >&2; exit 1; fi; "
-              f"touch {marker}; exec {' '.join(_http_server(port))}")
-    web = ChildSpec("web", ["sh", "-c", script], tmp_path / "web.log", port,
-                    probe=http_probe(f"http://127.0.0.1:{port}/"), stop_grace_s=2, listen=(port,))
+    script = (
+        f"if [ -e {marker} ]; then echo 'engine crashed' >&2; exit 1; fi; touch {marker}; exec {' '.join(_http_server(port))}"
+    )
+    web = ChildSpec(
+        "web",
+        ["sh", "-c", script],
+        tmp_path / "web.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+        stop_grace_s=2,
+        listen=(port,),
+    )
     fatal: list[StartFailed] = []
     events: list[tuple[str, str]] = []
-    sup = Supervisor([[web]], backoff_s=0.05, max_backoff_s=0.1, max_start_failures=3, on_fatal=fatal.append,
-                     on_event=lambda n, m: events.append((n, m)))
+    sup = Supervisor(
+        [[web]],
+        backoff_s=0.05,
+        max_backoff_s=0.1,
+        max_start_failures=3,
+        on_fatal=fatal.append,
+        on_event=lambda n, m: events.append((n, m)),
+    )
     await sup.start()
     try:
         os.kill(sup.child("web").pid, signal.SIGKILL)

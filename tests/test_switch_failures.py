@@ -21,14 +21,25 @@ from tests.support.fake_engines import FakeVllm
 @pytest.fixture
 async def stack():
     engines = [FakeVllm().start(), FakeVllm().start()]
-    sidecars = [SidecarServer({f"sampler-{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token="t")
-                for i, e in enumerate(engines)]
+    sidecars = [
+        SidecarServer({f"sampler-{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token="t") for i, e in enumerate(engines)
+    ]
     for s in sidecars:
         await s.start()
     addrs = [e.url.removeprefix("http://") for e in engines]
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "samplers": [
-        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"sampler-{i}"}
-        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    "samplers": [
+                        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"sampler-{i}"}
+                        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))
+                    ],
+                }
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token="t")
     await orch.start()
     gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token="t"))
@@ -94,8 +105,7 @@ async def test_status_shows_groups_endpoints_and_recent_switches(stack, tmp_path
     token = tmp_path / "token"
     token.write_text("t")
     console = Console(record=True, width=200)
-    rc = await asyncio.to_thread(print_status, f"127.0.0.1:{orch.port}", [f"127.0.0.1:{gate.control_port}"], token,
-                                 console)
+    rc = await asyncio.to_thread(print_status, f"127.0.0.1:{orch.port}", [f"127.0.0.1:{gate.control_port}"], token, console)
     text = console.export_text()
     assert rc == 0
     assert "LOCKED" in text and "trainer" in text, text

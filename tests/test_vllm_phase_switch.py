@@ -58,10 +58,18 @@ async def test_through_envoy_and_gate_a_request_sent_while_asleep_completes_afte
     engine = vllm_server.url.removeprefix("http://")
     sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token="t0k")
     await sidecar.start()
-    inv = Inventory.model_validate({
-        "groups": [{"group_id": "g", "samplers": [{"pool": "default", "address": engine,
-                                                    "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}],
-    })
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    "samplers": [
+                        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}
+                    ],
+                }
+            ],
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token="t0k")
     await orch.start()  # wakes/verifies the engine and publishes it SERVING
     router = await start_router(artifacts, [engine], max_hold_s=120, orchestrator=f"127.0.0.1:{orch.port}", token="t0k")

@@ -34,9 +34,18 @@ N_TOKENS = 8
 async def _greedy_via_router(c: httpx.AsyncClient, url: str, model: str, min_version: int) -> list[tuple]:
     out = []
     for p in PROMPTS:
-        r = await c.post(url + "/v1/completions", headers={protocol.MIN_WEIGHT_VERSION_HEADER: str(min_version)},
-                         json={"model": model, "prompt": p, "max_tokens": N_TOKENS, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True})
+        r = await c.post(
+            url + "/v1/completions",
+            headers={protocol.MIN_WEIGHT_VERSION_HEADER: str(min_version)},
+            json={
+                "model": model,
+                "prompt": p,
+                "max_tokens": N_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         assert r.status_code == 200, r.text
         assert int(r.headers[protocol.WEIGHT_VERSION_HEADER]) >= min_version
         ch = r.json()["choices"][0]
@@ -61,17 +70,29 @@ def _train_one_step(model_dir) -> torch.nn.Module:
 
 def _greedy_transformers(model, prompt_ids: tuple) -> tuple:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return tuple(out[0, len(prompt_ids):].tolist())
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False, pad_token_id=0
+        )
+    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_published(vllm_server, artifacts, tmp_path):
     engine = vllm_server.url.removeprefix("http://")
     sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token="t")
     await sidecar.start()
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "sleep_level_policy": "auto", "samplers": [
-        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    "sleep_level_policy": "auto",
+                    "samplers": [
+                        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}
+                    ],
+                }
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token="t")
     await orch.start()
     router = await start_router(artifacts, [engine], max_hold_s=120, orchestrator=f"127.0.0.1:{orch.port}", token="t")
@@ -133,8 +154,19 @@ async def test_a_damaged_weight_version_leaves_the_pool_serving_the_last_good_on
     engine = vllm_server.url.removeprefix("http://")
     sidecar = SidecarServer({"sampler-0": VllmBackend(vllm_server.url)}, port=0, token="t")
     await sidecar.start()
-    inv = Inventory.model_validate({"groups": [{"group_id": "g", "sleep_level_policy": "auto", "samplers": [
-        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    "sleep_level_policy": "auto",
+                    "samplers": [
+                        {"pool": "default", "address": engine, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": "sampler-0"}
+                    ],
+                }
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token="t")
     await orch.start()
     router = await start_router(artifacts, [engine], max_hold_s=120, orchestrator=f"127.0.0.1:{orch.port}", token="t")
@@ -190,7 +222,8 @@ async def test_a_damaged_weight_version_leaves_the_pool_serving_the_last_good_on
             await ts.release(weights=update)
             served = await _greedy_via_router(c, router.url, vllm_server.model_name, 4)
             assert [toks for _, toks, _ in served] == [
-                await asyncio.to_thread(_greedy_transformers, good, ids) for ids, *_ in served]
+                await asyncio.to_thread(_greedy_transformers, good, ids) for ids, *_ in served
+            ]
         status = await weight_status_when(ts, "g", lambda s: s.serving_version == 4)
         assert status.serving_version == 4 and status.rejected.version == 0
     finally:

@@ -52,14 +52,17 @@ def test_saved_version_verifies_and_reports_its_bytes(tmp_path):
         _weights(tmp_path, 3)
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("flip_byte", "does not match its sha256"),
-    ("truncate", "the manifest says"),
-    ("delete_file", "missing"),
-    ("delete_manifest", "weights-manifest.json does not exist"),
-    ("bad_manifest_json", "cannot be read"),
-    ("wrong_version", "is version 1, the update says 2"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip_byte", "does not match its sha256"),
+        ("truncate", "the manifest says"),
+        ("delete_file", "missing"),
+        ("delete_manifest", "weights-manifest.json does not exist"),
+        ("bad_manifest_json", "cannot be read"),
+        ("wrong_version", "is version 1, the update says 2"),
+    ],
+)
 def test_damaged_weight_directory_is_refused_naming_the_problem(tmp_path, damage, message):
     d = tmp_path / "v1"
     _weights(tmp_path, 1)
@@ -88,14 +91,17 @@ def test_missing_weight_directory_is_refused(tmp_path):
         verify_weights(tmp_path / "nowhere", 1)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"version": 0, "location": "/w"}, "weight version must be"),
-    ({"version": -4, "location": "/w"}, "weight version must be"),
-    ({"version": True, "location": "/w"}, "weight version must be"),
-    ({"version": 1, "source": "s3", "location": "/w"}, "unknown weight source 's3'"),
-    ({"version": 1, "source": "files"}, "needs a location"),
-    ({"version": 1, "source": "vllm_weight_transfer"}, "needs update_info"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"version": 0, "location": "/w"}, "weight version must be"),
+        ({"version": -4, "location": "/w"}, "weight version must be"),
+        ({"version": True, "location": "/w"}, "weight version must be"),
+        ({"version": 1, "source": "s3", "location": "/w"}, "unknown weight source 's3'"),
+        ({"version": 1, "source": "files"}, "needs a location"),
+        ({"version": 1, "source": "vllm_weight_transfer"}, "needs update_info"),
+    ],
+)
 def test_malformed_weight_update_is_refused(kwargs, message):
     with pytest.raises(InvalidWeightUpdate, match=message):
         WeightUpdate(**kwargs)
@@ -104,8 +110,7 @@ def test_malformed_weight_update_is_refused(kwargs, message):
 def test_update_info_that_is_not_a_json_object_is_refused():
     for raw in ("{oops", "[1, 2]"):
         with pytest.raises(InvalidWeightUpdate, match="update_info_json"):
-            WeightUpdate.from_pb(weights_pb2.WeightUpdate(version=1, source="vllm_weight_transfer",
-                                                          update_info_json=raw))
+            WeightUpdate.from_pb(weights_pb2.WeightUpdate(version=1, source="vllm_weight_transfer", update_info_json=raw))
 
 
 # ------------------------------------------------------------------------------------------------ backend
@@ -188,9 +193,17 @@ async def test_weight_transfer_loader_follows_vllms_start_update_finish_sequence
             await backend.resume_with_weights([], WeightUpdate(v, "vllm_weight_transfer", update_info=info))
             await backend.suspend(SuspendMode.OFFLOAD, [])
         paths = [p for m, p, _ in engine.calls if m == "POST" and "weight" in p]
-        assert paths == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                         "/finish_weight_update", "/update_weight_version",
-                         "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version"]
+        assert paths == [
+            "/init_weight_transfer_engine",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/update_weight_version",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/update_weight_version",
+        ]
         assert engine.transfer_updates == [info, info] and engine.weight_version == "2"
         with pytest.raises(BackendError, match="no loader for weight source 'files'"):
             await backend.resume_with_weights([], WeightUpdate(3, "files", "/w"))
@@ -203,16 +216,27 @@ async def test_weight_transfer_loader_follows_vllms_start_update_finish_sequence
 @pytest.fixture
 async def stack(tmp_path):
     engines = [FakeVllm().start(), FakeVllm().start()]
-    sidecars = [SidecarServer({f"sampler-{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token=TOKEN)
-                for i, e in enumerate(engines)]
+    sidecars = [
+        SidecarServer({f"sampler-{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token=TOKEN) for i, e in enumerate(engines)
+    ]
     for s in sidecars:
         await s.start()
     addrs = [e.url.removeprefix("http://") for e in engines]
-    inv = Inventory.model_validate({"groups": [
-        {"group_id": "g", "sleep_level_policy": "auto", "samplers": [
-            {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"sampler-{i}"}
-            for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]},
-        {"group_id": "trainers"}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": "g",
+                    "sleep_level_policy": "auto",
+                    "samplers": [
+                        {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"sampler-{i}"}
+                        for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))
+                    ],
+                },
+                {"group_id": "trainers"},
+            ]
+        }
+    )
     orch = OrchestratorServer(inv, port=0, token=TOKEN)
     await orch.start()
     gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
@@ -308,8 +332,7 @@ async def test_a_rejected_weight_version_leaves_the_pool_serving_the_last_good_o
     assert "the manifest says" in res.weight_sync_error
     await client.release()
     await _until(lambda: pool.serving(min_version=1) == tuple(addrs))
-    assert not [b for e in engines for _, p, b in e.calls
-                if p == "/collective_rpc" and str(tmp_path / "v2") in json.dumps(b)]
+    assert not [b for e in engines for _, p, b in e.calls if p == "/collective_rpc" and str(tmp_path / "v2") in json.dumps(b)]
     # Recover as usual: publish a good version.
     await client.acquire(timeout_sec=30)
     await client.release(weights=_weights(tmp_path, 3))
@@ -334,7 +357,9 @@ async def test_a_wake_that_fails_for_another_reason_keeps_that_sampler_out_of_se
     assert pool.endpoints[addrs[0]].state is EndpointState.ASLEEP and pool.endpoints[addrs[0]].weight_version == 0
     status = await client.weight_status("g")
     assert status.rejected.version == 0 and {s.address: (s.version, s.in_service) for s in status.samplers} == {
-        addrs[0]: (0, False), addrs[1]: (1, True)}
+        addrs[0]: (0, False),
+        addrs[1]: (1, True),
+    }
     engines[0].lie_on_wake = False
     res = await client.acquire(timeout_sec=30)
     assert "weight version 1 did not load on 1 of 2" in res.weight_sync_error
@@ -353,8 +378,7 @@ async def test_publish_is_refused_with_a_reason(stack, tmp_path):
     with pytest.raises(LeaseError, match="unknown group 'nope'"):
         await client.publish_weights(_weights(tmp_path, 6), group_id="nope")
     await client.release()
-    other = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="trainers",
-                                             token=TOKEN)
+    other = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="trainers", token=TOKEN)
     try:
         await other.acquire(timeout_sec=30)
         with pytest.raises(LeaseError, match=r"INVALID_ARGUMENT.*no samplers"):
@@ -376,17 +400,26 @@ async def test_sidecar_refuses_a_weight_sync_it_cannot_do(stack):
     try:
         for target, job, weights, message in [
             (side.port, "sg", weights_pb2.WeightUpdate(version=1, source="files", location="/w"), "cannot load weights"),
-            (sidecars[0].port, "sampler-0", weights_pb2.WeightUpdate(version=0, source="files", location="/w"),
-             "weight version must be"),
-            (sidecars[0].port, "sampler-0", weights_pb2.WeightUpdate(version=1, source="ftp", location="/w"),
-             "unknown weight source"),
+            (
+                sidecars[0].port,
+                "sampler-0",
+                weights_pb2.WeightUpdate(version=0, source="files", location="/w"),
+                "weight version must be",
+            ),
+            (
+                sidecars[0].port,
+                "sampler-0",
+                weights_pb2.WeightUpdate(version=1, source="ftp", location="/w"),
+                "unknown weight source",
+            ),
         ]:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{target}",
-                                                 interceptors=auth.client_interceptors(TOKEN)) as ch:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{target}", interceptors=auth.client_interceptors(TOKEN)) as ch:
                 stub = xpb_grpc.SnapshotOperationsServiceStub(ch)
                 with pytest.raises(grpc.aio.AioRpcError) as ei:
-                    await stub.RestoreWithWeights(xpb.RestoreWithWeightsRequest(
-                        restore=spb.RestoreRequest(job_id=job, group="g"), weights=weights), timeout=10)
+                    await stub.RestoreWithWeights(
+                        xpb.RestoreWithWeightsRequest(restore=spb.RestoreRequest(job_id=job, group="g"), weights=weights),
+                        timeout=10,
+                    )
                 assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert message in ei.value.details()
     finally:

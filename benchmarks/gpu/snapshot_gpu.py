@@ -76,15 +76,24 @@ def offloader_cycles(params_m: float, cycles: int) -> dict:
         except StateChecksumMismatch:
             checksum_ok = False
             raise
-        rows.append({"cycle": i, "offload_s": o.seconds, "restore_s": r.seconds, "copy_d2h_s": c_off,
-                     "copy_h2d_s": c_res, "device_bytes_freed": freed})
+        rows.append(
+            {
+                "cycle": i,
+                "offload_s": o.seconds,
+                "restore_s": r.seconds,
+                "copy_d2h_s": c_off,
+                "copy_h2d_s": c_res,
+                "device_bytes_freed": freed,
+            }
+        )
     del host
     steady = rows[1:]
     med = {k: statistics.median(r[k] for r in steady) for k in ("offload_s", "restore_s", "copy_d2h_s", "copy_h2d_s")}
     return {
-        "state_bytes": nbytes, "cycles": cycles, "checksum_ok": checksum_ok,
-        "first_cycle": {"offload_gbps": nbytes / rows[0]["offload_s"] / 1e9,
-                        "restore_gbps": nbytes / rows[0]["restore_s"] / 1e9},
+        "state_bytes": nbytes,
+        "cycles": cycles,
+        "checksum_ok": checksum_ok,
+        "first_cycle": {"offload_gbps": nbytes / rows[0]["offload_s"] / 1e9, "restore_gbps": nbytes / rows[0]["restore_s"] / 1e9},
         "steady_state": {k.replace("_s", "_gbps"): nbytes / v / 1e9 for k, v in med.items()},
         "ratio_to_copy": {"offload": med["copy_d2h_s"] / med["offload_s"], "restore": med["copy_h2d_s"] / med["restore_s"]},
         "device_bytes_freed_by_offload": rows[-1]["device_bytes_freed"],
@@ -113,16 +122,20 @@ def reserved_after_offload(params_m: float, max_reserved_mib: float) -> dict:
         reserved = torch.cuda.memory_reserved()
         free_after = torch.cuda.mem_get_info()[0]
         out["released" if release else "baseline_not_released"] = {
-            "reserved_while_training_bytes": reserved_trained, "reserved_after_offload_bytes": reserved,
-            "driver_free_before_trainer_bytes": free_before_trainer, "driver_free_after_offload_bytes": free_after,
+            "reserved_while_training_bytes": reserved_trained,
+            "reserved_after_offload_bytes": reserved,
+            "driver_free_before_trainer_bytes": free_before_trainer,
+            "driver_free_after_offload_bytes": free_after,
             "not_given_back_bytes": free_before_trainer - free_after,
         }
         off.restore()
         del model, opt, off
     rel, base = out["released"], out["baseline_not_released"]
-    out["passed"] = (rel["reserved_after_offload_bytes"] <= max_reserved_mib * 2**20
-                     and rel["not_given_back_bytes"] <= max_reserved_mib * 2**20)
-    out["given_back_ratio"] = (base["not_given_back_bytes"] / max(1, rel["not_given_back_bytes"]))
+    out["passed"] = (
+        rel["reserved_after_offload_bytes"] <= max_reserved_mib * 2**20
+        and rel["not_given_back_bytes"] <= max_reserved_mib * 2**20
+    )
+    out["given_back_ratio"] = base["not_given_back_bytes"] / max(1, rel["not_given_back_bytes"])
     return out
 
 
@@ -133,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--params-m", type=float, default=500.0, help="trainer parameters, millions (~16 B each)")
     ap.add_argument("--cycles", type=int, default=5)
-    ap.add_argument("--max-reserved-mib", type=float, default=64.0,
-                    help="most device memory (MiB) the process may keep reserved after an offload")
+    ap.add_argument(
+        "--max-reserved-mib",
+        type=float,
+        default=64.0,
+        help="most device memory (MiB) the process may keep reserved after an offload",
+    )
     a = ap.parse_args(argv)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
@@ -143,24 +160,35 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(json.dumps({"skipped": reason}))
         return 0
     t0 = time.monotonic()
-    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "copy": copy_bandwidth(a.gb, a.reps), "offloader": offloader_cycles(a.params_m, max(2, a.cycles)),
-           "release": reserved_after_offload(a.params_m, a.max_reserved_mib)}
+    res = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "copy": copy_bandwidth(a.gb, a.reps),
+        "offloader": offloader_cycles(a.params_m, max(2, a.cycles)),
+        "release": reserved_after_offload(a.params_m, a.max_reserved_mib),
+    }
     res["seconds"] = time.monotonic() - t0
     a.out.write_text(json.dumps(res, indent=2))
     c, o = res["copy"], res["offloader"]
-    print(f"{res['gpu']}: pinned d2h {c['d2h_pinned_gbps']:.1f} GB/s, h2d {c['h2d_pinned_gbps']:.1f} GB/s, "
-          f"pageable d2h {c['d2h_pageable_gbps']:.1f} GB/s")
-    print(f"offloader on {o['state_bytes'] / 1e9:.2f} GB: steady offload {o['steady_state']['offload_gbps']:.1f} GB/s, "
-          f"restore {o['steady_state']['restore_gbps']:.1f} GB/s; ratio_to_copy {o['ratio_to_copy']['offload']:.2f} / "
-          f"{o['ratio_to_copy']['restore']:.2f}; checksum_ok {o['checksum_ok']}; freed {o['device_bytes_freed_by_offload']}")
+    print(
+        f"{res['gpu']}: pinned d2h {c['d2h_pinned_gbps']:.1f} GB/s, h2d {c['h2d_pinned_gbps']:.1f} GB/s, "
+        f"pageable d2h {c['d2h_pageable_gbps']:.1f} GB/s"
+    )
+    print(
+        f"offloader on {o['state_bytes'] / 1e9:.2f} GB: steady offload {o['steady_state']['offload_gbps']:.1f} GB/s, "
+        f"restore {o['steady_state']['restore_gbps']:.1f} GB/s; ratio_to_copy {o['ratio_to_copy']['offload']:.2f} / "
+        f"{o['ratio_to_copy']['restore']:.2f}; checksum_ok {o['checksum_ok']}; freed {o['device_bytes_freed_by_offload']}"
+    )
     rel = res["release"]
     mib = 2**20
-    print(f"after an offload: reserved {rel['released']['reserved_after_offload_bytes'] / mib:.0f} MiB, not given back "
-          f"to the driver {rel['released']['not_given_back_bytes'] / mib:.0f} MiB (without empty_cache: "
-          f"{rel['baseline_not_released']['reserved_after_offload_bytes'] / mib:.0f} / "
-          f"{rel['baseline_not_released']['not_given_back_bytes'] / mib:.0f} MiB, ratio "
-          f"{rel['given_back_ratio']:.0f}x); {'PASS' if rel['passed'] else 'FAIL'} (<= {a.max_reserved_mib:g} MiB)")
+    print(
+        f"after an offload: reserved {rel['released']['reserved_after_offload_bytes'] / mib:.0f} MiB, not given back "
+        f"to the driver {rel['released']['not_given_back_bytes'] / mib:.0f} MiB (without empty_cache: "
+        f"{rel['baseline_not_released']['reserved_after_offload_bytes'] / mib:.0f} / "
+        f"{rel['baseline_not_released']['not_given_back_bytes'] / mib:.0f} MiB, ratio "
+        f"{rel['given_back_ratio']:.0f}x); {'PASS' if rel['passed'] else 'FAIL'} (<= {a.max_reserved_mib:g} MiB)"
+    )
     print(f"wrote {a.out} in {res['seconds']:.0f} s")
     return 0 if rel["passed"] else 1
 

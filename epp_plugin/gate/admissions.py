@@ -64,8 +64,13 @@ class AdmissionBook:
         clock: monotonic clock in seconds (the timers use the running loop's own clock).
     """
 
-    def __init__(self, lost_after_s: float, envoy_gone_grace_s: float = ENVOY_GONE_GRACE_S,
-                 on_lost: Callable[[str, int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lost_after_s: float,
+        envoy_gone_grace_s: float = ENVOY_GONE_GRACE_S,
+        on_lost: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.lost_after_s = lost_after_s
         self.envoy_gone_grace_s = envoy_gone_grace_s
         self.boot = secrets.token_hex(4)
@@ -150,8 +155,13 @@ class AdmissionBook:
         for aid in lost:
             self._lose(aid)
         if lost:
-            log.warning("envoy %s: every access-log stream ended %.1f s ago and none came back: its %d admissions "
-                        "still open are dropped (their requests ended with it)", envoy, self.envoy_gone_grace_s, len(lost))
+            log.warning(
+                "envoy %s: every access-log stream ended %.1f s ago and none came back: its %d admissions "
+                "still open are dropped (their requests ended with it)",
+                envoy,
+                self.envoy_gone_grace_s,
+                len(lost),
+            )
             self._report("envoy_gone", len(lost))
 
     # ----------------------------------------------------------------- age rule
@@ -173,8 +183,11 @@ class AdmissionBook:
             self._lose(aid)
             lost += 1
         if lost:
-            log.warning("%d admissions had no access-log entry %.0f s after admission: dropped as lost completions",
-                        lost, self.lost_after_s)
+            log.warning(
+                "%d admissions had no access-log entry %.0f s after admission: dropped as lost completions",
+                lost,
+                self.lost_after_s,
+            )
             self._report("age", lost)
         self._arm_age_timer()
 

@@ -93,5 +93,9 @@ def pool_status(pool: PoolState) -> pb.PoolStatus:
 
 def export_pool(pool: PoolState) -> None:
     """Hook after a state change (metrics are read at scrape time; kept for logging)."""
-    log.info("pool=%s epoch=%d endpoints=%s", pool.name, pool.epoch,
-             {e.address: f"{e.state.value}@v{e.weight_version}" for e in pool.endpoints.values()})
+    log.info(
+        "pool=%s epoch=%d endpoints=%s",
+        pool.name,
+        pool.epoch,
+        {e.address: f"{e.state.value}@v{e.weight_version}" for e in pool.endpoints.values()},
+    )

@@ -84,9 +84,12 @@ def refusal_answer(err: AdmissionRefused) -> bytes:
     status = err.http_status
     carrier = status if status < 500 else 429
     body = refusal_body(err)
-    head = [f"HTTP/1.1 {carrier} {http.HTTPStatus(carrier).phrase}\r\n".encode(),
-            _line("content-type", "application/json"), _line(protocol.REASON_HEADER, err.reason),
-            _line("content-length", str(len(body)))]
+    head = [
+        f"HTTP/1.1 {carrier} {http.HTTPStatus(carrier).phrase}\r\n".encode(),
+        _line("content-type", "application/json"),
+        _line(protocol.REASON_HEADER, err.reason),
+        _line("content-length", str(len(body))),
+    ]
     if err.retry_after_s is not None:
         head.append(_line("retry-after", str(err.retry_after_s)))
     if carrier != status:
@@ -128,16 +131,19 @@ class AuthzService:
             cache = self._cache(pool, True)
             head = cache.get(addr)
             if head is None:
-                head = cache[addr] = (b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n"
-                                      + _line(protocol.DESTINATION_HEADER, addr)
-                                      + _line(protocol.WEIGHT_VERSION_HEADER, str(pool.endpoints[addr].weight_version)))
+                head = cache[addr] = (
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n"
+                    + _line(protocol.DESTINATION_HEADER, addr)
+                    + _line(protocol.WEIGHT_VERSION_HEADER, str(pool.endpoints[addr].weight_version))
+                )
         else:
             cache = self._cache(pool, False)
             head = cache.get(adm.candidates)
             if head is None:
                 versions = {pool.endpoints[a].weight_version for a in adm.candidates}
-                head = (b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n"
-                        + _line(protocol.SUBSET_HINT_HEADER, subset_hint_value(adm.candidates)))
+                head = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n" + _line(
+                    protocol.SUBSET_HINT_HEADER, subset_hint_value(adm.candidates)
+                )
                 if len(versions) == 1:
                     head += _line(protocol.WEIGHT_VERSION_HEADER, str(versions.pop()))
                 cache[adm.candidates] = head
@@ -207,8 +213,10 @@ class AuthzProtocol(asyncio.Protocol):
         pool_name = pool_raw.decode("utf-8", "replace") if pool_raw is not None else None
         try:
             if pool_name is None:
-                raise BadCheck(f"a check needs the {protocol.POOL_HEADER} header (rendered by the gate's Envoy "
-                               "config); this port serves Envoy's ext_authz only")
+                raise BadCheck(
+                    f"a check needs the {protocol.POOL_HEADER} header (rendered by the gate's Envoy "
+                    "config); this port serves Envoy's ext_authz only"
+                )
             pool = svc.pools.get(pool_name)
             if pool is None:
                 raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")

@@ -52,7 +52,8 @@ def _version_response(version: int) -> pb.ProcessingResponse:
     """Response-headers answer that sets the weight-version header (prebuilt per version)."""
     resp = pb.ProcessingResponse()
     resp.response_headers.response.header_mutation.set_headers.add(
-        header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER, raw_value=str(version).encode()))
+        header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER, raw_value=str(version).encode())
+    )
     return resp
 
 
@@ -219,11 +220,15 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     if adm.hold_s > 0:
                         resp = pb.ProcessingResponse()
                         hdrs = resp.response_headers.response.header_mutation.set_headers
-                        hdrs.add(header=base_pb2.HeaderValue(key=protocol.HOLD_MS_HEADER,
-                                                             raw_value=str(round(adm.hold_s * 1000)).encode()))
+                        hdrs.add(
+                            header=base_pb2.HeaderValue(
+                                key=protocol.HOLD_MS_HEADER, raw_value=str(round(adm.hold_s * 1000)).encode()
+                            )
+                        )
                         if version is not None:
-                            hdrs.add(header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER,
-                                                                 raw_value=str(version).encode()))
+                            hdrs.add(
+                                header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER, raw_value=str(version).encode())
+                            )
                         yield resp
                     elif version is not None:
                         yield _version_response(version)

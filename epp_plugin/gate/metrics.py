@@ -28,7 +28,8 @@ LOST_COMPLETIONS = Counter(
     "llmd_timeslice_gate_lost_completions_total",
     "Fast-path admissions dropped without an access-log entry: reason age (older than lost_completion_after_s), "
     "envoy_gone (every access-log stream of that Envoy ended) or unread (Envoy reset the check as it was answered).",
-    ["reason"])
+    ["reason"],
+)
 
 
 class PoolCollector(Collector):
@@ -45,15 +46,19 @@ class PoolCollector(Collector):
 
     def collect(self):
         held = GaugeMetricFamily("llmd_timeslice_gate_held", "Requests held now.", labels=["pool"])
-        admitted = CounterMetricFamily("llmd_timeslice_gate_admitted", "Requests admitted (forwarded with a subset hint).",
-                                       labels=["pool"])
+        admitted = CounterMetricFamily(
+            "llmd_timeslice_gate_admitted", "Requests admitted (forwarded with a subset hint).", labels=["pool"]
+        )
         released = CounterMetricFamily("llmd_timeslice_gate_released", "Held requests released.", labels=["pool"])
         epoch = GaugeMetricFamily("llmd_timeslice_gate_state_epoch", "State epoch of the pool.", labels=["pool"])
-        in_flight = GaugeMetricFamily("llmd_timeslice_gate_in_flight", "Live requests that may reach the endpoint.",
-                                      labels=["pool", "endpoint"])
-        state = GaugeMetricFamily("llmd_timeslice_gate_endpoint_state",
-                                  "1 for the endpoint's current state, 0 for the others.",
-                                  labels=["pool", "endpoint", "state"])
+        in_flight = GaugeMetricFamily(
+            "llmd_timeslice_gate_in_flight", "Live requests that may reach the endpoint.", labels=["pool", "endpoint"]
+        )
+        state = GaugeMetricFamily(
+            "llmd_timeslice_gate_endpoint_state",
+            "1 for the endpoint's current state, 0 for the others.",
+            labels=["pool", "endpoint", "state"],
+        )
         for name, pool in self._pools():
             held.add_metric([name], pool.held)
             admitted.add_metric([name], pool.admitted_total)
@@ -65,21 +70,25 @@ class PoolCollector(Collector):
                     state.add_metric([name, ep.address, st.value], 1 if ep.state is st else 0)
         yield from (held, admitted, released, epoch, in_flight, state)
         if self.books:
-            open_ = GaugeMetricFamily("llmd_timeslice_gate_open_admissions",
-                                      "Fast-path admissions answered and not yet ended by an access-log entry.")
-            completed = CounterMetricFamily("llmd_timeslice_gate_completions",
-                                            "Fast-path admissions ended by an access-log entry.")
+            open_ = GaugeMetricFamily(
+                "llmd_timeslice_gate_open_admissions", "Fast-path admissions answered and not yet ended by an access-log entry."
+            )
+            completed = CounterMetricFamily(
+                "llmd_timeslice_gate_completions", "Fast-path admissions ended by an access-log entry."
+            )
             foreign = CounterMetricFamily(
                 "llmd_timeslice_gate_foreign_completions",
                 "Access-log entries naming another gate process's admission (an earlier incarnation, or another replica: "
-                "then one Envoy's checks and access log reach different replicas, see docs/gate.md).")
+                "then one Envoy's checks and access log reach different replicas, see docs/gate.md).",
+            )
             open_.add_metric([], sum(len(b) for b in self.books))
             completed.add_metric([], sum(b.completed_total for b in self.books))
             foreign.add_metric([], sum(b.foreign_total for b in self.books))
             yield from (open_, completed, foreign)
         if self.access_logs:
-            messages = CounterMetricFamily("llmd_timeslice_gate_access_log_messages",
-                                           "gRPC access-log messages received (each a batch of entries).")
+            messages = CounterMetricFamily(
+                "llmd_timeslice_gate_access_log_messages", "gRPC access-log messages received (each a batch of entries)."
+            )
             entries = CounterMetricFamily("llmd_timeslice_gate_access_log_entries", "Access-log entries received.")
             messages.add_metric([], sum(a.messages_total for a in self.access_logs))
             entries.add_metric([], sum(a.entries_total for a in self.access_logs))

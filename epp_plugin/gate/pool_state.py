@@ -206,9 +206,7 @@ class PoolState:
         if self.stale:
             return ()
         return tuple(
-            ep.address
-            for ep in self.endpoints.values()
-            if ep.state is EndpointState.SERVING and ep.weight_version >= min_version
+            ep.address for ep in self.endpoints.values() if ep.state is EndpointState.SERVING and ep.weight_version >= min_version
         )
 
     # ---------------------------------------------------------------- data path
@@ -404,10 +402,13 @@ class PoolState:
                 continue
             adm.cut = True
             hit = sorted(addrs.intersection(adm.candidates))
-            adm.on_cut(DrainDeadline(
-                f"the drain deadline of pool {self.name!r} passed while this request could still reach draining "
-                f"endpoint(s) {hit} and no response had started; retry: it will be admitted to a serving endpoint "
-                "or held"))
+            adm.on_cut(
+                DrainDeadline(
+                    f"the drain deadline of pool {self.name!r} passed while this request could still reach draining "
+                    f"endpoint(s) {hit} and no response had started; retry: it will be admitted to a serving endpoint "
+                    "or held"
+                )
+            )
             cut.append(adm)
         self.refused_total += len(cut)
         return cut

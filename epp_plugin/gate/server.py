@@ -37,16 +37,17 @@ READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
 """gRPC health service name that turns SERVING once the first state snapshot is applied."""
 
 
-
 class GateConfig(GateSettings):
     """A gate process's settings (:class:`~llmd_timeslice.config.GateSettings`; durations in seconds) and what it
     holds at run time: the control-plane token itself. One difference as a library: ``authz_port`` defaults to
     None (no ext_authz edge); 0 picks a free port."""
 
-    authz_port: Port | None = Field(None, description="HTTP data-plane port for Envoy's ext_authz checks (the fast "
-                                    "path; 0: a free port; None: not served).")
-    token: str | None = Field(None, repr=False, exclude=True,
-                              description="Bearer token for the control port and the orchestrator.")
+    authz_port: Port | None = Field(
+        None, description="HTTP data-plane port for Envoy's ext_authz checks (the fast path; 0: a free port; None: not served)."
+    )
+    token: str | None = Field(
+        None, repr=False, exclude=True, description="Bearer token for the control port and the orchestrator."
+    )
 
     @classmethod
     def from_settings(cls, settings: GateSettings, token: str | None) -> GateConfig:
@@ -64,8 +65,9 @@ class GateServer:
         for name in {*config.pools, config.default_pool}:
             self.pools[name] = self._new_pool(name)
         self._data: aio.Server | None = None
-        self.book = AdmissionBook(config.lost_completion_after_s,
-                                  on_lost=lambda reason, n: metrics.LOST_COMPLETIONS.labels(reason=reason).inc(n))
+        self.book = AdmissionBook(
+            config.lost_completion_after_s, on_lost=lambda reason, n: metrics.LOST_COMPLETIONS.labels(reason=reason).inc(n)
+        )
         self.authz: ext_authz.AuthzService | None = None
         self._authz_server: asyncio.Server | None = None
         self.authz_port = config.authz_port
@@ -115,20 +117,34 @@ class GateServer:
         metrics.COLLECTOR.pool_maps.append(self.pools)
         if cfg.orchestrator:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self.subscription = StateSubscription(cfg.orchestrator, self.gate_id, self.pools, self._new_pool, cfg.token,
-                                                  on_synced=self._synced, stale_after_s=cfg.stale_after_s,
-                                                  tls_files=self.tls)
+            self.subscription = StateSubscription(
+                cfg.orchestrator,
+                self.gate_id,
+                self.pools,
+                self._new_pool,
+                cfg.token,
+                on_synced=self._synced,
+                stale_after_s=cfg.stale_after_s,
+                tls_files=self.tls,
+            )
             self._sub_task = asyncio.get_running_loop().create_task(self.subscription.run())
         else:
             await health_servicer.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        log.info("gate ext_proc=%s:%d ext_authz=%s control=%s:%d pools=%s", cfg.host, self.ext_proc_port,
-                 f"{cfg.host}:{self.authz_port}" if self.authz_port is not None else "off", cfg.host, self.control_port,
-                 sorted(self.pools))
+        log.info(
+            "gate ext_proc=%s:%d ext_authz=%s control=%s:%d pools=%s",
+            cfg.host,
+            self.ext_proc_port,
+            f"{cfg.host}:{self.authz_port}" if self.authz_port is not None else "off",
+            cfg.host,
+            self.control_port,
+            sorted(self.pools),
+        )
 
     def _synced(self) -> None:
         if self._health is not None:
             task = asyncio.get_running_loop().create_task(
-                self._health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
+                self._health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

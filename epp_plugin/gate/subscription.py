@@ -31,8 +31,10 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb
 log = logging.getLogger(__name__)
 
 SUBSCRIBED = Gauge("llmd_timeslice_gate_subscribed", "1 while the gate's state stream to the orchestrator is up.")
-STALE = Gauge("llmd_timeslice_gate_state_stale", "1 while the gate holds new requests: its state stream has been "
-              "down longer than stale_after_s.")
+STALE = Gauge(
+    "llmd_timeslice_gate_state_stale",
+    "1 while the gate holds new requests: its state stream has been down longer than stale_after_s.",
+)
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),  # transport pings too, so a dead TCP peer ends the stream
     ("grpc.keepalive_timeout_ms", 2000),
@@ -58,10 +60,17 @@ class StateSubscription:
         stale_after_s: seconds without a stream before the pools go stale (0: never).
     """
 
-    def __init__(self, target: str, gate_id: str, pools: MutableMapping[str, PoolState],
-                 pool_factory: Callable[[str], PoolState], token: str | None = None,
-                 on_synced: Callable[[], None] | None = None, stale_after_s: float = 5.0,
-                 tls_files: tls.TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        gate_id: str,
+        pools: MutableMapping[str, PoolState],
+        pool_factory: Callable[[str], PoolState],
+        token: str | None = None,
+        on_synced: Callable[[], None] | None = None,
+        stale_after_s: float = 5.0,
+        tls_files: tls.TlsFiles | None = None,
+    ) -> None:
         self._tls = tls_files
         self.target, self.gate_id, self.pools = target, gate_id, pools
         self._factory = pool_factory
@@ -79,8 +88,12 @@ class StateSubscription:
     async def run(self) -> None:
         """Connect, apply, reconnect on failure; runs until cancelled."""
         watchdog = asyncio.get_running_loop().create_task(self._watch_staleness())
-        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception), before_sleep=self._lost, reraise=True,
-                                 wait=wait_exponential(multiplier=RECONNECT_FIRST_S, max=RECONNECT_MAX_S))
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(Exception),
+            before_sleep=self._lost,
+            reraise=True,
+            wait=wait_exponential(multiplier=RECONNECT_FIRST_S, max=RECONNECT_MAX_S),
+        )
         try:
             while True:
                 await retrying(self._session_once)  # sessions that fail before they sync: waits double
@@ -93,11 +106,19 @@ class StateSubscription:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(0.1)
-            if (self.stale_after_s > 0 and not self.stale and self.last_rx is not None
-                    and loop.time() - self.last_rx >= self.stale_after_s):
+            if (
+                self.stale_after_s > 0
+                and not self.stale
+                and self.last_rx is not None
+                and loop.time() - self.last_rx >= self.stale_after_s
+            ):
                 self._set_stale(True)
-                log.warning("no state stream from %s for %.1f s: holding new requests until it resyncs (the "
-                            "orchestrator may have put engines to sleep meanwhile)", self.target, self.stale_after_s)
+                log.warning(
+                    "no state stream from %s for %.1f s: holding new requests until it resyncs (the "
+                    "orchestrator may have put engines to sleep meanwhile)",
+                    self.target,
+                    self.stale_after_s,
+                )
 
     def _set_stale(self, stale: bool) -> None:
         self.stale = stale
@@ -127,8 +148,13 @@ class StateSubscription:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("orchestrator %s refused the gate: %s (check the token)", self.target, exc.details())
             else:
-                log.warning("state stream to %s lost: %s %s; keeping the last known state, retrying in %.1f s",
-                            self.target, exc.code().name, exc.details(), wait_s)
+                log.warning(
+                    "state stream to %s lost: %s %s; keeping the last known state, retrying in %.1f s",
+                    self.target,
+                    exc.code().name,
+                    exc.details(),
+                    wait_s,
+                )
         elif exc is not None:
             log.error("state stream to %s failed; retrying in %.1f s", self.target, wait_s, exc_info=exc)
 
@@ -137,8 +163,7 @@ class StateSubscription:
         SUBSCRIBED.set(0)
 
     async def _outgoing(self, outbox: asyncio.Queue):
-        yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools),
-                                                stale_after_s=self.stale_after_s))
+        yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools), stale_after_s=self.stale_after_s))
         while True:
             msg = await outbox.get()
             if msg is None:
@@ -150,8 +175,7 @@ class StateSubscription:
         self._outbox = outbox
         # Metadata passed on the call: grpc.aio's stream-stream client interceptors do not add it (seen with 1.85).
         async with tls.aio_channel(self.target, self._tls, options=KEEPALIVE_OPTIONS) as ch:
-            call = pb_grpc.GateStateServiceStub(ch).Connect(self._outgoing(outbox),
-                                                            metadata=auth.call_metadata(self._token))
+            call = pb_grpc.GateStateServiceStub(ch).Connect(self._outgoing(outbox), metadata=auth.call_metadata(self._token))
             try:
                 async for cmd in call:
                     if self.connected.is_set():
@@ -218,7 +242,13 @@ class StateSubscription:
             for adm in outcome.cut:
                 result.cut.add(request_id=adm.request_id, addresses=sorted(addrs.intersection(adm.candidates)))
             if outcome.cut:
-                log.warning("pool=%s drain deadline (%.1f s) passed: %d request(s) that could still reach %s were "
-                            "answered 503 drain_deadline: %s", q.pool, q.timeout_s, len(outcome.cut),
-                            sorted(addrs), [a.request_id for a in outcome.cut])
+                log.warning(
+                    "pool=%s drain deadline (%.1f s) passed: %d request(s) that could still reach %s were "
+                    "answered 503 drain_deadline: %s",
+                    q.pool,
+                    q.timeout_s,
+                    len(outcome.cut),
+                    sorted(addrs),
+                    [a.request_id for a in outcome.cut],
+                )
         outbox.put_nowait(pb.GateMessage(drain_result=result))

@@ -17,8 +17,15 @@ REPO = Path(__file__).resolve().parents[2]
 def main() -> int:
     protos = sorted(str(p.relative_to(REPO)) for p in (REPO / "llmd_timeslice" / "api").rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{REPO}", f"-I{include}", f"--python_out={REPO}", f"--pyi_out={REPO}",
-            f"--grpc_python_out={REPO}", *protos]
+    args = [
+        "protoc",
+        f"-I{REPO}",
+        f"-I{include}",
+        f"--python_out={REPO}",
+        f"--pyi_out={REPO}",
+        f"--grpc_python_out={REPO}",
+        *protos,
+    ]
     rc = protoc.main(args)
     if rc != 0:
         print("protoc failed", file=sys.stderr)

@@ -129,15 +129,16 @@ def _token_with_source(token: str | None, token_file: str | os.PathLike | None) 
         return auth.load_token(path), f"the client's token came from ${auth.TOKEN_FILE_ENV}: file {path}"
     if os.environ.get(auth.TOKEN_ENV):
         return os.environ[auth.TOKEN_ENV], f"the client's token came from ${auth.TOKEN_ENV}"
-    return None, (f"the client sent no token: it looked at the token= and token_file= arguments, "
-                  f"${auth.TOKEN_FILE_ENV} and ${auth.TOKEN_ENV} (none set)")
+    return None, (
+        f"the client sent no token: it looked at the token= and token_file= arguments, "
+        f"${auth.TOKEN_FILE_ENV} and ${auth.TOKEN_ENV} (none set)"
+    )
 
 
 def _translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSliceError:
     code = exc.code()
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return AuthError(f"{what}: {code.name}: {exc.details()}" + (f"; {token_source}" if token_source else ""),
-                         token_source)
+        return AuthError(f"{what}: {code.name}: {exc.details()}" + (f"; {token_source}" if token_source else ""), token_source)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return AcquireTimeout(f"{what}: timed out waiting ({exc.details()})")
     if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
@@ -147,14 +148,25 @@ def _translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSli
 
 # Retries on the upstream service name (transient UNAVAILABLE: orchestrator restarting, connection reset).
 # Acquire is safe to retry: a waiter whose call died is dropped from the queue by the orchestrator.
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"},
-                 {"service": "llmd_timeslice.v1alpha1.LeaseService"}],
-        "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE"]},
-    }],
-})
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"},
+                    {"service": "llmd_timeslice.v1alpha1.LeaseService"},
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
 
 
 def _channel_options(extra: list | None) -> list:
@@ -180,8 +192,7 @@ class _JobAndGroup:
     def _ids(self, job_id: str | None, group_id: str | None) -> tuple[str, str]:
         job, group = job_id or self.job_id, group_id or self.group_id
         if not job or not group:
-            raise TimeSliceError("job_id and group_id are required (arguments or TIMESLICE_JOB_ID / "
-                                 "TIMESLICE_TRAINER_GROUP)")
+            raise TimeSliceError("job_id and group_id are required (arguments or TIMESLICE_JOB_ID / TIMESLICE_TRAINER_GROUP)")
         return job, group
 
     def lease_lost(self, job_id: str | None = None, group_id: str | None = None) -> str | None:
@@ -208,10 +219,18 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         FileNotFoundError, ValueError: the token file is missing or empty.
     """
 
-    def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
-                 sampler_group_id: str | None = None, tls_files: tls.TlsFiles | None = None,
-                 token_file: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        channel_options: list | None = None,
+        token: str | None = None,
+        heartbeats: bool = True,
+        sampler_group_id: str | None = None,
+        tls_files: tls.TlsFiles | None = None,
+        token_file: str | os.PathLike | None = None,
+    ) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
         token, self._token_source = _token_with_source(token, token_file)
@@ -223,13 +242,13 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _Heartbeat] = {}
 
-    def acquire(self, job_id: str | None = None, group_id: str | None = None,
-                timeout_sec: float | None = None) -> AcquireResult:
+    def acquire(self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None) -> AcquireResult:
         """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
         job, group = self._ids(job_id, group_id)
         try:
-            r, call = self._stub.Acquire.with_call(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec,
-                                                   metadata=self._md)
+            r, call = self._stub.Acquire.with_call(
+                pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec, metadata=self._md
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, f"acquire {group!r} as {job!r}", self._token_source) from None
         if self.heartbeats:
@@ -238,8 +257,9 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
 
     def _start_heartbeats(self, job: str, group: str) -> None:
         try:
-            lease = self._leases_stub.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), timeout=10,
-                                               metadata=self._md)
+            lease = self._leases_stub.GetLease(
+                lease_pb2.GetLeaseRequest(job_id=job, group_id=group), timeout=10, metadata=self._md
+            )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return  # an orchestrator without the lease extension (upstream): nothing to renew
@@ -256,8 +276,9 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
 
-    def publish_weights(self, weights: WeightUpdate, job_id: str | None = None,
-                        group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
+    def publish_weights(
+        self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
+    ) -> weights_pb2.WeightVersionStatus:
         """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
         the group is yielded (wake weights -> load -> wake kv_cache -> reset prefix cache -> verify).
 
@@ -267,27 +288,30 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         """
         job, group = self._ids(job_id, group_id)
         beat = self._beats.get((job, group))
-        req = weights_pb2.PublishWeightVersionRequest(job_id=job, group_id=group, weights=weights.to_pb(),
-                                                      fencing_token=beat.token if beat else 0)
+        req = weights_pb2.PublishWeightVersionRequest(
+            job_id=job, group_id=group, weights=weights.to_pb(), fencing_token=beat.token if beat else 0
+        )
         try:
             return self._weights_stub.PublishWeightVersion(req, timeout=30, metadata=self._md)
         except grpc.RpcError as exc:
             if beat is not None and beat.lost is not None:
                 raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
-            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}",
-                             self._token_source) from None
+            raise _translate(
+                exc, f"publish weight version {weights.version} on {group!r} as {job!r}", self._token_source
+            ) from None
 
     def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
         """Weight versions of the group's samplers (serving, pending, failures)."""
         try:
             return self._weights_stub.GetWeightVersion(
                 weights_pb2.GetWeightVersionRequest(group_id=group_id or self.sampler_group_id or self.group_id or ""),
-                timeout=10, metadata=self._md)
+                timeout=10,
+                metadata=self._md,
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, "weight status", self._token_source) from None
 
-    def release(self, job_id: str | None = None, group_id: str | None = None,
-                weights: WeightUpdate | None = None) -> YieldResult:
+    def release(self, job_id: str | None = None, group_id: str | None = None, weights: WeightUpdate | None = None) -> YieldResult:
         """Yield the group (returns at once); with ``weights``, publish that weight version first
         (see :meth:`publish_weights`), so the samplers wake with it.
 
@@ -317,8 +341,9 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
     def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
         """Raw ``GetGroupStatusResponse`` of the group."""
         try:
-            return self._stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""),
-                                             timeout=10, metadata=self._md)
+            return self._stub.GetGroupStatus(
+                pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""), timeout=10, metadata=self._md
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, "group status", self._token_source) from None
 
@@ -328,8 +353,13 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         except grpc.RpcError as exc:
             raise _translate(exc, "list groups", self._token_source) from None
 
-    def on_accelerators(self, job_id: str | None = None, group_id: str | None = None,
-                        timeout_sec: float | None = None, state: StateOffloader | None = None) -> _Held:
+    def on_accelerators(
+        self,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        timeout_sec: float | None = None,
+        state: StateOffloader | None = None,
+    ) -> _Held:
         """Hold the group for a block or a function: ``with c.on_accelerators(...):`` or ``@c.on_accelerators(...)``.
 
         With ``state``, trainer state is restored after the grant and offloaded before the yield.
@@ -343,8 +373,10 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         ``$TIMESLICE_SAMPLER_GROUP``). Raises TimeSliceError when no sampler group is configured."""
         if not self.sampler_group_id:
             raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
-        with self.on_accelerators(job_id, self.group_id, timeout_sec), \
-                self.on_accelerators(job_id, self.sampler_group_id, timeout_sec):
+        with (
+            self.on_accelerators(job_id, self.group_id, timeout_sec),
+            self.on_accelerators(job_id, self.sampler_group_id, timeout_sec),
+        ):
             yield self
 
     def close(self) -> None:
@@ -367,13 +399,25 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     passes its fencing token on yield; ``release()`` raises :class:`LeaseLost` when the lease was lost.
     """
 
-    def __init__(self, target: str | None = None, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list | None = None, token: str | None = None, heartbeats: bool = True,
-                 tls_files: tls.TlsFiles | None = None, token_file: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        channel_options: list | None = None,
+        token: str | None = None,
+        heartbeats: bool = True,
+        tls_files: tls.TlsFiles | None = None,
+        token_file: str | os.PathLike | None = None,
+    ) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         tok, self._token_source = _token_with_source(token, token_file)
-        self._channel = tls.aio_channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options),
-                                             interceptors=auth.client_interceptors(tok))
+        self._channel = tls.aio_channel(
+            self.target,
+            tls_files or tls.from_env(),
+            options=_channel_options(channel_options),
+            interceptors=auth.client_interceptors(tok),
+        )
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
         self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
@@ -390,8 +434,7 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
             raise _translate(exc, f"acquire {group!r} as {job!r}", self._token_source) from None
         if self.heartbeats:
             try:
-                lease = await self._leases_stub.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group),
-                                                         timeout=10)
+                lease = await self._leases_stub.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), timeout=10)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # upstream orchestrator: nothing to renew
                     raise _translate(exc, f"lease of {group!r} as {job!r}", self._token_source) from None
@@ -399,29 +442,31 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
                 old = self._beats.pop((job, group), None)
                 if old is not None:
                     old.stop()
-                self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token,
-                                                            lease.ttl_s)
+                self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token, lease.ttl_s)
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
 
     async def publish_weights(self, weights: WeightUpdate, job_id=None, group_id=None) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.publish_weights`."""
         job, group = self._ids(job_id, group_id)
         beat = self._beats.get((job, group))
-        req = weights_pb2.PublishWeightVersionRequest(job_id=job, group_id=group, weights=weights.to_pb(),
-                                                      fencing_token=beat.token if beat else 0)
+        req = weights_pb2.PublishWeightVersionRequest(
+            job_id=job, group_id=group, weights=weights.to_pb(), fencing_token=beat.token if beat else 0
+        )
         try:
             return await self._weights_stub.PublishWeightVersion(req, timeout=30)
         except grpc.RpcError as exc:
             if beat is not None and beat.lost is not None:
                 raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
-            raise _translate(exc, f"publish weight version {weights.version} on {group!r} as {job!r}",
-                             self._token_source) from None
+            raise _translate(
+                exc, f"publish weight version {weights.version} on {group!r} as {job!r}", self._token_source
+            ) from None
 
     async def weight_status(self, group_id=None) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.weight_status`."""
         try:
             return await self._weights_stub.GetWeightVersion(
-                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.group_id or ""), timeout=10)
+                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.group_id or ""), timeout=10
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, "weight status", self._token_source) from None
 
@@ -444,8 +489,7 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
 
     yield_ = release
 
-    def on_accelerators(self, job_id=None, group_id=None, timeout_sec=None,
-                        state: StateOffloader | None = None) -> _AsyncHeld:
+    def on_accelerators(self, job_id=None, group_id=None, timeout_sec=None, state: StateOffloader | None = None) -> _AsyncHeld:
         """``async with c.on_accelerators(...):`` or ``@c.on_accelerators(...)`` on a coroutine function."""
         return _AsyncHeld(self, job_id, group_id, timeout_sec, state)
 

@@ -18,8 +18,12 @@ import httpx
 from epp_plugin import protocol
 
 PROMPTS = [
-    "the quick brown fox", "once upon a time", "a small model on a slow machine",
-    "training and sampling take turns", "the router holds the request", "hello world",
+    "the quick brown fox",
+    "once upon a time",
+    "a small model on a slow machine",
+    "training and sampling take turns",
+    "the router holds the request",
+    "hello world",
 ]
 
 
@@ -75,14 +79,23 @@ def _read_gate_headers(rec: RequestRecord, headers: httpx.Headers) -> None:
     rec.weight_version = int(headers.get(protocol.WEIGHT_VERSION_HEADER, -1))
 
 
-async def send_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str, *, stream: bool,
-                          kind: str, t0: float, max_tokens: int = 12, temperature: float = 0.8,
-                          min_weight_version: int = 0) -> RequestRecord:
+async def send_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    *,
+    stream: bool,
+    kind: str,
+    t0: float,
+    max_tokens: int = 12,
+    temperature: float = 0.8,
+    min_weight_version: int = 0,
+) -> RequestRecord:
     """Send one completion through the router and record what the client saw; with ``min_weight_version``
     the gate holds it until an engine at that weight version (or newer) serves."""
     rec = RequestRecord(kind, stream, time.monotonic() - t0, min_weight_version=min_weight_version)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": stream}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
     headers = {protocol.MIN_WEIGHT_VERSION_HEADER: str(min_weight_version)} if min_weight_version else None
     try:
         if stream:
@@ -134,8 +147,9 @@ class LoadGenerator:
         next_at = time.monotonic()
         while not self._stop.is_set():
             stream = self.stream_every > 0 and i % self.stream_every == 0
-            task = asyncio.create_task(send_completion(client, self.url, self.model, PROMPTS[i % len(PROMPTS)],
-                                                       stream=stream, kind="load", t0=self.t0))
+            task = asyncio.create_task(
+                send_completion(client, self.url, self.model, PROMPTS[i % len(PROMPTS)], stream=stream, kind="load", t0=self.t0)
+            )
             self._tasks.add(task)
             task.add_done_callback(self._done)
             i += 1

@@ -46,8 +46,6 @@ TRAINER_JOB = "trainer-0"
 console = output_console()  # lines whole in a log file or CI (not folded at 80 columns)
 
 
-
-
 class GateMonitor:
     """Samples the gate's pool status every ``period_s`` for the timeline (a demo view, not control)."""
 
@@ -60,8 +58,11 @@ class GateMonitor:
 
     async def snapshot(self) -> dict:
         s = await self._stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool="default"), timeout=5)
-        return {"t": time.monotonic() - self.t0, "held": s.held,
-                "endpoints": {e.address: gpb.EndpointState.Name(e.state)[15:] for e in s.endpoints}}
+        return {
+            "t": time.monotonic() - self.t0,
+            "held": s.held,
+            "endpoints": {e.address: gpb.EndpointState.Name(e.state)[15:] for e in s.endpoints},
+        }
 
     async def wait_serving(self, n: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -94,8 +95,18 @@ class GateMonitor:
         await self._ch.close()
 
 
-async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: int, train_s: float, t0: float,
-                   client: httpx.AsyncClient, phases: list, iters: list, rollout_records: list) -> None:
+async def _rl_loop(
+    stack: LocalStack,
+    token: str,
+    model_dir: Path,
+    iterations: int,
+    train_s: float,
+    t0: float,
+    client: httpx.AsyncClient,
+    phases: list,
+    iters: list,
+    rollout_records: list,
+) -> None:
     from transformers.utils import logging as hf_logging
 
     from llmd_timeslice.demo.trainer import Trainer
@@ -115,15 +126,29 @@ async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: i
         for it in range(iterations):
             a = now()
             prompts = [PROMPTS[(it + k) % len(PROMPTS)] for k in range(ROLLOUT_BATCH)]
-            recs = await asyncio.gather(*(send_completion(client, stack.router_url, SERVED_MODEL, p, stream=k % 2 == 1,
-                                                          kind="rollout", t0=t0, max_tokens=16,
-                                                          min_weight_version=version)
-                                          for k, p in enumerate(prompts)))
+            recs = await asyncio.gather(
+                *(
+                    send_completion(
+                        client,
+                        stack.router_url,
+                        SERVED_MODEL,
+                        p,
+                        stream=k % 2 == 1,
+                        kind="rollout",
+                        t0=t0,
+                        max_tokens=16,
+                        min_weight_version=version,
+                    )
+                    for k, p in enumerate(prompts)
+                )
+            )
             rollout_records.extend(recs)
             b = now()
             phases.append((a, b, "rollout"))
-            console.print(f"  iteration {it + 1}/{iterations}: rollout of {len(recs)} completions in {b - a:.2f} s "
-                          f"({sum(r.ok for r in recs)} ok); acquiring the group for training ...")
+            console.print(
+                f"  iteration {it + 1}/{iterations}: rollout of {len(recs)} completions in {b - a:.2f} s "
+                f"({sum(r.ok for r in recs)} ok); acquiring the group for training ..."
+            )
             acq = await ts.acquire(timeout_sec=300)
             if acq.weight_sync_error:
                 console.print(f"[red]    weight sync of version {version} failed:[/red] {acq.weight_sync_error}")
@@ -138,14 +163,25 @@ async def _rl_loop(stack: LocalStack, token: str, model_dir: Path, iterations: i
             d = now()
             phases.append((c, d, "train"))
             res = await ts.release(weights=update)
-            console.print(f"    switch to trainer {acq.waited_ms} ms (drain + verified sleep), trained "
-                          f"{fig['optimizer_steps']} steps (loss {fig['loss']:.3f}, reward {fig['reward_mean']:.2f}), "
-                          f"yielded with weight version {version} (pending waiters {res.pending_waiters}); "
-                          "samplers waking and loading it")
-            iters.append({"iteration": it, "rollout_s": b - a, "switch_ms": acq.waited_ms, "train_s": d - c,
-                          **fig, "offload_cycles": offloader.cycles, "rollout_min_weight_version": version - 1,
-                          "published_weight_version": version,
-                          "rollout_weight_versions": sorted({r.weight_version for r in recs})})
+            console.print(
+                f"    switch to trainer {acq.waited_ms} ms (drain + verified sleep), trained "
+                f"{fig['optimizer_steps']} steps (loss {fig['loss']:.3f}, reward {fig['reward_mean']:.2f}), "
+                f"yielded with weight version {version} (pending waiters {res.pending_waiters}); "
+                "samplers waking and loading it"
+            )
+            iters.append(
+                {
+                    "iteration": it,
+                    "rollout_s": b - a,
+                    "switch_ms": acq.waited_ms,
+                    "train_s": d - c,
+                    **fig,
+                    "offload_cycles": offloader.cycles,
+                    "rollout_min_weight_version": version - 1,
+                    "published_weight_version": version,
+                    "rollout_weight_versions": sorted({r.weight_version for r in recs}),
+                }
+            )
     finally:
         await ts.close()
 
@@ -174,16 +210,19 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
     try:
         with console.status("starting 2 vLLM servers on CPU (about a minute) ..."):
             await asyncio.to_thread(start_many, servers)
-        console.print(f"[green]vLLM servers up[/green] in {time.monotonic() - t_setup:.0f} s: "
-                      + ", ".join(s.address for s in samplers))
+        console.print(
+            f"[green]vLLM servers up[/green] in {time.monotonic() - t_setup:.0f} s: " + ", ".join(s.address for s in samplers)
+        )
         with console.status("starting gate, picker, sidecars, orchestrator, Envoy ...") as st:
             await asyncio.to_thread(stack.start, lambda m: st.update(f"starting {m} ..."))
         t0 = time.monotonic()
         monitor = GateMonitor(stack.gate_control_addr, token, t0)
         await monitor.wait_serving(len(samplers), 120)
-        console.print(f"[green]stack up[/green]: router {stack.router_url}, orchestrator {stack.orchestrator_addr}; "
-                      f"logs in {out / 'logs'}\n  look from another shell: .venv/bin/llmd-timeslice status --orchestrator "
-                      f"{stack.orchestrator_addr} --gate {stack.gate_control_addr} --token-file {token_file}")
+        console.print(
+            f"[green]stack up[/green]: router {stack.router_url}, orchestrator {stack.orchestrator_addr}; "
+            f"logs in {out / 'logs'}\n  look from another shell: .venv/bin/llmd-timeslice status --orchestrator "
+            f"{stack.orchestrator_addr} --gate {stack.gate_control_addr} --token-file {token_file}"
+        )
         mon_task = asyncio.create_task(monitor.run())
         phases: list = []
         iters: list = []
@@ -204,8 +243,7 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
         summary = _summary(records, iters, load_rps, time.monotonic() - t0, t0 - t_begin)
         (out / "requests.json").write_text(json.dumps(records))
         (out / "iterations.json").write_text(json.dumps(iters, indent=1))
-        plot_timeline(out / "timeline.png", monitor.samples, phases, records,
-                      names={s.address: s.job_id for s in samplers})
+        plot_timeline(out / "timeline.png", monitor.samples, phases, records, names={s.address: s.job_id for s in samplers})
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
     finally:
@@ -242,13 +280,15 @@ def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: fl
         "setup_s": round(setup_s, 1),
         "wall_s": round(wall_s, 1),
         "failures": [f"{r['kind']} sent at {r['sent_at']:.1f}s: {r['error']}" for r in failed][:20],
-        "notes": ("phase_switches counts both directions (samplers->trainer and back); switch_ms is the "
-                  "trainer's acquire latency: drain barrier + verified sleep of both engines; hold_ms "
-                  "percentiles are over the requests that were held. rollout_weight_versions: per iteration, the "
-                  "weight versions (gate header) that served its rollout; iteration i asks for version >= i. "
-                  "setup_s: building the tiny model, starting the vLLM servers and the stack; wall_s: from the stack "
-                  "being up to the last answer (background load and the RL loop); the run's total, printed on the "
-                  "summary's first line, adds both and the stop."),
+        "notes": (
+            "phase_switches counts both directions (samplers->trainer and back); switch_ms is the "
+            "trainer's acquire latency: drain barrier + verified sleep of both engines; hold_ms "
+            "percentiles are over the requests that were held. rollout_weight_versions: per iteration, the "
+            "weight versions (gate header) that served its rollout; iteration i asks for version >= i. "
+            "setup_s: building the tiny model, starting the vLLM servers and the stack; wall_s: from the stack "
+            "being up to the last answer (background load and the RL loop); the run's total, printed on the "
+            "summary's first line, adds both and the stop."
+        ),
     }
 
 
@@ -272,9 +312,11 @@ def _figure(v) -> str:
 def summary_lines(summary: dict, total_s: float) -> list[str]:
     """The demo's printed summary (the README shows the same lines): a title line that says what each
     duration measures, then ``figure value · figure value`` lines (:data:`SUMMARY_LINES`)."""
-    title = (f"llmd-timeslice demo: {total_s:.0f} s in all = setup_s {_figure(summary['setup_s'])} (tiny model, vLLM "
-             f"start-up, stack) + wall_s {_figure(summary['wall_s'])} (stack up to the last answer: load and RL loop) "
-             "+ stop")
+    title = (
+        f"llmd-timeslice demo: {total_s:.0f} s in all = setup_s {_figure(summary['setup_s'])} (tiny model, vLLM "
+        f"start-up, stack) + wall_s {_figure(summary['wall_s'])} (stack up to the last answer: load and RL loop) "
+        "+ stop"
+    )
     return [title, *(" · ".join(f"{k} {_figure(summary[k])}" for k in line if k in summary) for line in SUMMARY_LINES)]
 
 
@@ -306,6 +348,8 @@ def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: flo
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     for f in summary["failures"]:
         console.print(f"[red]failed:[/red] {escape(f)}")
-    console.print(f"wrote {out / 'summary.json'} (every figure, with notes), {out / 'timeline.png'}, "
-                  f"{out / 'requests.json'}", soft_wrap=True)
+    console.print(
+        f"wrote {out / 'summary.json'} (every figure, with notes), {out / 'timeline.png'}, {out / 'requests.json'}",
+        soft_wrap=True,
+    )
     return 0 if summary["requests_failed"] == 0 and summary["rollout_requests_older_than_iteration"] == 0 else 1

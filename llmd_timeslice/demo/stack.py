@@ -55,8 +55,9 @@ class ComponentProcess:
     def start(self, timeout_s: float = 60.0) -> ComponentProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the child's lifetime; one run per file
         cmd = [sys.executable, "-m", "llmd_timeslice.cli", *self._args]
-        self._exec = TCPExecutor(cmd, host="127.0.0.1", port=self.port, timeout=timeout_s,
-                                 stdout=self._log, stderr=subprocess.STDOUT)
+        self._exec = TCPExecutor(
+            cmd, host="127.0.0.1", port=self.port, timeout=timeout_s, stdout=self._log, stderr=subprocess.STDOUT
+        )
         try:
             self._exec.start()
         except Exception as exc:
@@ -103,8 +104,16 @@ class LocalStack:
         edge: ``ext_authz`` (the fast path, the gate picks the endpoint) or ``ext_proc`` (gate, then the picker).
     """
 
-    def __init__(self, samplers: list[Sampler], workdir: Path, group_id: str, token_file: Path,
-                 max_hold_s: float = 120.0, log_level: str = "info", edge: str = "ext_authz") -> None:
+    def __init__(
+        self,
+        samplers: list[Sampler],
+        workdir: Path,
+        group_id: str,
+        token_file: Path,
+        max_hold_s: float = 120.0,
+        log_level: str = "info",
+        edge: str = "ext_authz",
+    ) -> None:
         self.samplers = samplers
         self.workdir = workdir
         self.logdir = workdir / "logs"
@@ -132,14 +141,18 @@ class LocalStack:
 
     def write_inventory(self) -> Path:
         inv = {
-            "groups": [{
-                "group_id": self.group_id,
-                "sleep_level": 1,
-                "sleep_level_policy": "auto",  # the trainer publishes weights each step: its samplers discard them
-                "drain_timeout_s": 30,
-                "samplers": [{"pool": s.pool, "address": s.address, "sidecar": f"127.0.0.1:{s.sidecar_port}",
-                              "job_id": s.job_id} for s in self.samplers],
-            }],
+            "groups": [
+                {
+                    "group_id": self.group_id,
+                    "sleep_level": 1,
+                    "sleep_level_policy": "auto",  # the trainer publishes weights each step: its samplers discard them
+                    "drain_timeout_s": 30,
+                    "samplers": [
+                        {"pool": s.pool, "address": s.address, "sidecar": f"127.0.0.1:{s.sidecar_port}", "job_id": s.job_id}
+                        for s in self.samplers
+                    ],
+                }
+            ],
         }
         path = self.workdir / "inventory.yaml"
         path.write_text(yaml.safe_dump(inv, sort_keys=False))
@@ -153,32 +166,69 @@ class LocalStack:
     def start(self, progress=lambda msg: None) -> LocalStack:
         p, tok = self.ports, ["--token-file", str(self.token_file)]
         progress("gate")
-        self._start("gate", ["gate", "--ext-proc-port", str(p.gate_ext_proc), "--authz-port", str(p.gate_authz),
-                             "--control-port", str(p.gate_control), "--max-hold-s", str(self.max_hold_s),
-                             "--metrics-port", str(p.gate_metrics), "--orchestrator", self.orchestrator_addr,
-                             "--gate-id", "gate-0", *tok],
-                    p.gate_control)
+        self._start(
+            "gate",
+            [
+                "gate",
+                "--ext-proc-port",
+                str(p.gate_ext_proc),
+                "--authz-port",
+                str(p.gate_authz),
+                "--control-port",
+                str(p.gate_control),
+                "--max-hold-s",
+                str(self.max_hold_s),
+                "--metrics-port",
+                str(p.gate_metrics),
+                "--orchestrator",
+                self.orchestrator_addr,
+                "--gate-id",
+                "gate-0",
+                *tok,
+            ],
+            p.gate_control,
+        )
         if self.edge == "ext_proc":
             progress("picker")
             eps = [a for s in self.samplers for a in ("--endpoint", f"{s.pool}={s.address}")]
             self._start("picker", ["picker", "--port", str(p.picker), *eps], p.picker)
         for s in self.samplers:
             progress(f"sidecar {s.job_id}")
-            self._start(f"sidecar-{s.job_id}", ["sidecar", "--job-id", s.job_id, "--engine-url",
-                                                f"http://{s.address}", "--port", str(s.sidecar_port), *tok],
-                        s.sidecar_port)
+            self._start(
+                f"sidecar-{s.job_id}",
+                ["sidecar", "--job-id", s.job_id, "--engine-url", f"http://{s.address}", "--port", str(s.sidecar_port), *tok],
+                s.sidecar_port,
+            )
         progress("orchestrator (wakes and verifies the samplers)")
         state = self.workdir / "orchestrator-state.json"
         state.unlink(missing_ok=True)  # a fresh demo: no holder carried over from an earlier run
-        self._start("orchestrator", ["orchestrator", "--inventory", str(self.write_inventory()), "--port",
-                                     str(p.orchestrator), "--metrics-port", str(p.orchestrator_metrics),
-                                     "--state-file", str(state), *tok],
-                    p.orchestrator)
+        self._start(
+            "orchestrator",
+            [
+                "orchestrator",
+                "--inventory",
+                str(self.write_inventory()),
+                "--port",
+                str(p.orchestrator),
+                "--metrics-port",
+                str(p.orchestrator_metrics),
+                "--state-file",
+                str(state),
+                *tok,
+            ],
+            p.orchestrator,
+        )
         progress("envoy")
         self.envoy = EnvoyProcess(
-            EnvoyRouterConfig(listen_port=p.envoy, admin_port=p.envoy_admin, gate_port=p.gate_ext_proc,
-                              epp_port=p.picker if self.edge == "ext_proc" else None, max_hold_s=self.max_hold_s,
-                              gate_edge=self.edge, authz_port=p.gate_authz),
+            EnvoyRouterConfig(
+                listen_port=p.envoy,
+                admin_port=p.envoy_admin,
+                gate_port=p.gate_ext_proc,
+                epp_port=p.picker if self.edge == "ext_proc" else None,
+                max_hold_s=self.max_hold_s,
+                gate_edge=self.edge,
+                authz_port=p.gate_authz,
+            ),
             self.logdir,
         ).start()
         return self

@@ -31,16 +31,20 @@ def sampler_lanes(monitor: list[dict], names: dict[str, str] | None = None) -> l
     return sorted(((a, names.get(a, a)) for a in addresses), key=lambda x: (x[1], x[0]))
 
 
-def plot_timeline(path: Path, monitor: list[dict], trainer_phases: list[tuple[float, float, str]],
-                  requests: list[dict], names: dict[str, str] | None = None) -> Path:
+def plot_timeline(
+    path: Path,
+    monitor: list[dict],
+    trainer_phases: list[tuple[float, float, str]],
+    requests: list[dict],
+    names: dict[str, str] | None = None,
+) -> Path:
     """Write the PNG: a lane per sampler (gate endpoint state) and the trainer, held requests below.
 
     ``monitor``: samples ``{"t": s, "held": n, "endpoints": {address: state}}``; ``trainer_phases``:
     ``(start_s, end_s, phase)``; ``requests``: request records (``sent_at``, ``done_at``, ``hold_ms``, ``ok``);
     ``names``: ``{address: sampler name}`` for the lane labels (see :func:`sampler_lanes`).
     """
-    fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True,
-                                       gridspec_kw={"height_ratios": [2.2, 1.2, 1.2]})
+    fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True, gridspec_kw={"height_ratios": [2.2, 1.2, 1.2]})
     samplers = sampler_lanes(monitor, names)
     addresses = [a for a, _ in samplers]
     lanes = [*(label for _, label in samplers), "trainer"]
@@ -50,22 +54,34 @@ def plot_timeline(path: Path, monitor: list[dict], trainer_phases: list[tuple[fl
                 ax.barh(i, end - start, left=start, color=STATE_COLORS.get(state, "k"), height=0.6)
     ti = len(addresses)
     for start, end, phase in trainer_phases:
-        ax.barh(ti, end - start, left=start, color=TRAINER_COLORS.get(phase, "k"), height=0.6,
-                edgecolor="k", linewidth=0.3)
+        ax.barh(ti, end - start, left=start, color=TRAINER_COLORS.get(phase, "k"), height=0.6, edgecolor="k", linewidth=0.3)
     ax.set_yticks(range(len(lanes)), lanes)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
     handles += [plt.Rectangle((0, 0), 1, 1, color=TRAINER_COLORS[k]) for k in ("rollout", "switch to trainer", "train")]
-    ax.legend(handles, [*STATE_COLORS, "rollout", "switch to trainer", "train"], ncol=7, fontsize=8,
-              loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.legend(
+        handles,
+        [*STATE_COLORS, "rollout", "switch to trainer", "train"],
+        ncol=7,
+        fontsize=8,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+    )
     fig.suptitle("llmd-timeslice demo: gate endpoint state per sampler, trainer phases, held requests, latency")
     ax2.step([m["t"] for m in monitor], [m["held"] for m in monitor], where="post", color="#9467bd")
     ax2.set_ylabel("held at gate")
     ok = [r for r in requests if r["ok"]]
     bad = [r for r in requests if not r["ok"]]
-    for subset, color, label in (([r for r in ok if not r["hold_ms"]], "#1f77b4", "completed"),
-                                 ([r for r in ok if r["hold_ms"]], "#d62728", "completed, was held by the gate")):
-        ax3.scatter([r["done_at"] for r in subset], [max(1.0, (r["done_at"] - r["sent_at"]) * 1000) for r in subset],
-                    s=6, c=color, label=label)
+    for subset, color, label in (
+        ([r for r in ok if not r["hold_ms"]], "#1f77b4", "completed"),
+        ([r for r in ok if r["hold_ms"]], "#d62728", "completed, was held by the gate"),
+    ):
+        ax3.scatter(
+            [r["done_at"] for r in subset],
+            [max(1.0, (r["done_at"] - r["sent_at"]) * 1000) for r in subset],
+            s=6,
+            c=color,
+            label=label,
+        )
     if bad:
         ax3.scatter([r["done_at"] for r in bad], [1000] * len(bad), marker="x", c="k", label="failed")
     ax3.set_yscale("log")

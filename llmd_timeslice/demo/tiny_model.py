@@ -50,24 +50,78 @@ CHAT_TEMPLATE = (
 )
 
 _SUBJECTS = (
-    "the cat", "a dog", "my friend", "the teacher", "our neighbour", "the old man",
-    "a young girl", "the farmer", "the pilot", "a small bird", "the river",
-    "the engineer", "the server", "a student", "the captain", "the baker",
+    "the cat",
+    "a dog",
+    "my friend",
+    "the teacher",
+    "our neighbour",
+    "the old man",
+    "a young girl",
+    "the farmer",
+    "the pilot",
+    "a small bird",
+    "the river",
+    "the engineer",
+    "the server",
+    "a student",
+    "the captain",
+    "the baker",
 )
 _VERBS = (
-    "runs", "walks", "sings", "reads", "writes", "jumps", "sleeps", "waits",
-    "listens", "answers", "builds", "paints", "carries", "finds", "opens",
-    "watches", "helps", "cooks", "counts", "moves",
+    "runs",
+    "walks",
+    "sings",
+    "reads",
+    "writes",
+    "jumps",
+    "sleeps",
+    "waits",
+    "listens",
+    "answers",
+    "builds",
+    "paints",
+    "carries",
+    "finds",
+    "opens",
+    "watches",
+    "helps",
+    "cooks",
+    "counts",
+    "moves",
 )
 _OBJECTS = (
-    "a book", "the door", "a letter", "the window", "some bread", "a song",
-    "the garden", "a red apple", "the long road", "a quiet room", "the map",
-    "a warm coat", "the blue sky", "a wooden box", "the morning news",
+    "a book",
+    "the door",
+    "a letter",
+    "the window",
+    "some bread",
+    "a song",
+    "the garden",
+    "a red apple",
+    "the long road",
+    "a quiet room",
+    "the map",
+    "a warm coat",
+    "the blue sky",
+    "a wooden box",
+    "the morning news",
 )
 _ADVERBS = (
-    "slowly", "quickly", "today", "again", "every morning", "at night",
-    "in the park", "near the sea", "after lunch", "before dinner", "with care",
-    "without a word", "in the rain", "under the tree", "by the window",
+    "slowly",
+    "quickly",
+    "today",
+    "again",
+    "every morning",
+    "at night",
+    "in the park",
+    "near the sea",
+    "after lunch",
+    "before dinner",
+    "with care",
+    "without a word",
+    "in the rain",
+    "under the tree",
+    "by the window",
 )
 _EXTRA = (
     "hello world. hello there. good morning. good night. thank you very much.",
@@ -89,10 +143,7 @@ def _corpus(seed: int, n_sentences: int = 400) -> list[str]:
     rng = random.Random(seed)
     lines = list(_EXTRA)
     for _ in range(n_sentences):
-        sentence = (
-            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} "
-            f"{rng.choice(_OBJECTS)} {rng.choice(_ADVERBS)}."
-        )
+        sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_ADVERBS)}."
         lines.append(sentence.capitalize() if rng.random() < 0.5 else sentence)
     return lines
 

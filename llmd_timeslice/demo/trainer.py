@@ -55,5 +55,9 @@ class Trainer:
             self.steps += 1
             if time.perf_counter() - t0 >= min_seconds:
                 break
-        return {"loss": loss.item(), "reward_mean": rewards.mean().item(), "optimizer_steps": n,
-                "train_s": time.perf_counter() - t0}
+        return {
+            "loss": loss.item(),
+            "reward_mean": rewards.mean().item(),
+            "optimizer_steps": n,
+            "train_s": time.perf_counter() - t0,
+        }

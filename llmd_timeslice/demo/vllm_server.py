@@ -73,11 +73,16 @@ SERVED_MODEL_NAME = "tiny"
 #: also works, float32 just avoids the conversion).
 #: Override any of them through ``extra_args`` (``--no-enforce-eager`` exists).
 DEFAULT_ARGS: tuple[str, ...] = (
-    "--served-model-name", SERVED_MODEL_NAME,
-    "--max-model-len", "512",
-    "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "512",
-    "--dtype", "float32",
+    "--served-model-name",
+    SERVED_MODEL_NAME,
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "512",
+    "--dtype",
+    "float32",
     "--enforce-eager",
 )
 
@@ -167,10 +172,15 @@ class VllmServer:
     def command(self) -> list[str]:
         """Full argv used to launch the server."""
         return [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             *(DEFAULT_ARGS if self.default_args else ("--served-model-name", SERVED_MODEL_NAME)),
             *self.extra_args,
         ]

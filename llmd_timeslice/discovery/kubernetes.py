@@ -123,9 +123,12 @@ def explain_api_error(exc: Exception, verb: str, what: str, namespace: str) -> K
     status = getattr(exc, "status", None)
     detail = _api_message(exc)
     if status == 403:
-        msg = (f"kubernetes API refused to {verb} {what} in namespace {namespace!r} (403 Forbidden: {detail}); the "
-               f"orchestrator's ServiceAccount needs the RBAC verb {verb!r} on pods there ({RBAC_HINT}"
-               + ("; `patch` is added by gateways/label-fallback" if verb == "patch" else "") + ")")
+        msg = (
+            f"kubernetes API refused to {verb} {what} in namespace {namespace!r} (403 Forbidden: {detail}); the "
+            f"orchestrator's ServiceAccount needs the RBAC verb {verb!r} on pods there ({RBAC_HINT}"
+            + ("; `patch` is added by gateways/label-fallback" if verb == "patch" else "")
+            + ")"
+        )
     elif status == 401:
         msg = f"kubernetes API did not accept our credentials to {verb} {what} (401 Unauthorized: {detail})"
     elif status == 404:
@@ -187,8 +190,10 @@ def make_api_client(kubeconfig: str | os.PathLike | None = None, host: str | Non
     try:
         config.load_kube_config(config_file=str(kubeconfig) if kubeconfig else None, client_configuration=cfg)
     except (config.ConfigException, OSError, TypeError) as exc:
-        raise KubernetesError(f"no Kubernetes configuration: not in a cluster and no usable kubeconfig "
-                              f"({kubeconfig or os.environ.get('KUBECONFIG') or '~/.kube/config'}): {exc}") from exc
+        raise KubernetesError(
+            f"no Kubernetes configuration: not in a cluster and no usable kubeconfig "
+            f"({kubeconfig or os.environ.get('KUBECONFIG') or '~/.kube/config'}): {exc}"
+        ) from exc
     return client.ApiClient(cfg)
 
 
@@ -252,6 +257,7 @@ def _seconds(low: float, low_inclusive: bool) -> Callable[[str], float]:
         if not (low <= v if low_inclusive else low < v) or not v <= 3600:
             raise ValueError(f"is not seconds in {'[' if low_inclusive else '('}{low:g}, 3600]")
         return v
+
     return parse
 
 
@@ -261,6 +267,7 @@ def _choice(enum_cls: type[SchedulingPolicy] | type[SleepLevelPolicy]) -> Callab
             return enum_cls(value)
         except ValueError:
             raise ValueError(f"is not one of {', '.join(e.value for e in enum_cls)}") from None
+
     return parse
 
 
@@ -329,19 +336,28 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
     if not group or meta.get("deletionTimestamp") or status.get("phase") != "Running":
         return None
     role = labels.get(LABEL_ROLE, "")
-    settings = tuple((fld, v) for key, (fld, parse) in GROUP_ANNOTATIONS.items()
-                     if (v := _annotation(name, ann, key, parse)) is not None)
+    settings = tuple(
+        (fld, v) for key, (fld, parse) in GROUP_ANNOTATIONS.items() if (v := _annotation(name, ann, key, parse)) is not None
+    )
     job_id = labels.get(LABEL_JOB_ID) or name
     if role != ROLE_SAMPLER:
-        return PodMember(name, group, role, None, settings, job_id,
-                         _annotation(name, ann, ANNOTATION_JOB_PRIORITY, _integer),
-                         _annotation(name, ann, ANNOTATION_JOB_SLEEP_LEVEL, _sleep_level))
+        return PodMember(
+            name,
+            group,
+            role,
+            None,
+            settings,
+            job_id,
+            _annotation(name, ann, ANNOTATION_JOB_PRIORITY, _integer),
+            _annotation(name, ann, ANNOTATION_JOB_SLEEP_LEVEL, _sleep_level),
+        )
     ip = status.get("podIP")
     if not ip:
         return None
     engine_port = _port(ann.get(ANNOTATION_ENGINE_PORT)) or _engine_container_port(pod) or defaults.engine_port
-    sidecar_port = (_port(ann.get(ANNOTATION_SIDECAR_PORT)) or _container_port(pod, None, SIDECAR_PORT_NAME)
-                    or defaults.sidecar_port)
+    sidecar_port = (
+        _port(ann.get(ANNOTATION_SIDECAR_PORT)) or _container_port(pod, None, SIDECAR_PORT_NAME) or defaults.sidecar_port
+    )
     host = f"[{ip}]" if ":" in ip else ip
     sampler = SamplerEndpoint(
         pool=ann.get(ANNOTATION_POOL) or defaults.default_pool,
@@ -355,8 +371,13 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
 def _first_wins(gid: str, what: str, values: dict[str, Any]) -> Any:
     """The value of the lexically first pod in ``values`` (pod name -> value), warning when pods disagree."""
     if len(set(values.values())) > 1:
-        log.warning("group %s: pods disagree on the %s (%s); using pod %s's", gid, what,
-                    {k: getattr(v, "value", v) for k, v in values.items()}, min(values))
+        log.warning(
+            "group %s: pods disagree on the %s (%s); using pod %s's",
+            gid,
+            what,
+            {k: getattr(v, "value", v) for k, v in values.items()},
+            min(values),
+        )
     return values[min(values)]
 
 
@@ -416,10 +437,19 @@ class KubernetesDiscovery:
             of jitter; tenacity). A watch request that ended without an error starts the count again.
     """
 
-    def __init__(self, namespace: str, api_client, *, label_selector: str = DEFAULT_LABEL_SELECTOR,
-                 defaults: DiscoveryDefaults | None = None, on_change: OnChange | None = None,
-                 watch_timeout_s: float = 300.0, backoff_s: float = 0.5, backoff_max_s: float = 30.0,
-                 page_size: int = 500) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        api_client,
+        *,
+        label_selector: str = DEFAULT_LABEL_SELECTOR,
+        defaults: DiscoveryDefaults | None = None,
+        on_change: OnChange | None = None,
+        watch_timeout_s: float = 300.0,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        page_size: int = 500,
+    ) -> None:
         from kubernetes import client
 
         self.namespace = namespace
@@ -471,8 +501,12 @@ class KubernetesDiscovery:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name=f"k8s-watch-{self.namespace}", daemon=True)
         self._thread.start()
-        log.info("kubernetes discovery: namespace=%s selector=%r groups=%s", self.namespace, self.label_selector,
-                 {g.group_id: [s.address for s in g.samplers] for g in self._groups})
+        log.info(
+            "kubernetes discovery: namespace=%s selector=%r groups=%s",
+            self.namespace,
+            self.label_selector,
+            {g.group_id: [s.address for s in g.samplers] for g in self._groups},
+        )
         return self.groups()
 
     async def stop(self) -> None:
@@ -512,8 +546,12 @@ class KubernetesDiscovery:
         pods: dict[str, dict] = {}
         cont = None
         while True:
-            kwargs: dict[str, Any] = {"label_selector": self.label_selector, "limit": self.page_size,
-                                      "_preload_content": False, "_request_timeout": (10, 60)}
+            kwargs: dict[str, Any] = {
+                "label_selector": self.label_selector,
+                "limit": self.page_size,
+                "_preload_content": False,
+                "_request_timeout": (10, 60),
+            }
             if cont:
                 kwargs["_continue"] = cont
             resp: Any = self._core.list_namespaced_pod(self.namespace, **kwargs)  # raw urllib3 response (no preload)
@@ -545,10 +583,15 @@ class KubernetesDiscovery:
         if self._stopping.is_set():
             return
         try:
-            for ev in w.stream(self._core.list_namespaced_pod, self.namespace, label_selector=self.label_selector,
-                               resource_version=self._rv, allow_watch_bookmarks=True,
-                               timeout_seconds=max(1, int(self.watch_timeout_s)),
-                               _request_timeout=(10, self.watch_timeout_s + 30)):
+            for ev in w.stream(
+                self._core.list_namespaced_pod,
+                self.namespace,
+                label_selector=self.label_selector,
+                resource_version=self._rv,
+                allow_watch_bookmarks=True,
+                timeout_seconds=max(1, int(self.watch_timeout_s)),
+                _request_timeout=(10, self.watch_timeout_s + 30),
+            ):
                 if self._stopping.is_set():
                     return
                 kind, obj = ev.get("type"), ev.get("raw_object") or {}
@@ -570,11 +613,14 @@ class KubernetesDiscovery:
     def _run(self) -> None:
         """The watch thread: rounds of (list if needed, watch) until :meth:`stop`; API errors are retried after a
         doubling, jittered wait that :meth:`stop` cuts short (tenacity)."""
-        retrying = Retrying(retry=retry_if_exception_type(Exception), reraise=True,
-                            stop=lambda state: self._stopping.is_set(), sleep=self._pause,
-                            wait=wait_exponential_jitter(multiplier=self.backoff_s, max=self.backoff_max_s,
-                                                         jitter=self.backoff_s),
-                            before_sleep=self._retrying_in)
+        retrying = Retrying(
+            retry=retry_if_exception_type(Exception),
+            reraise=True,
+            stop=lambda state: self._stopping.is_set(),
+            sleep=self._pause,
+            wait=wait_exponential_jitter(multiplier=self.backoff_s, max=self.backoff_max_s, jitter=self.backoff_s),
+            before_sleep=self._retrying_in,
+        )
         while not self._stopping.is_set():
             try:
                 retrying(self._round)
@@ -686,8 +732,14 @@ class PodLabeler:
     (404) is logged and skipped: a deleted pod serves nothing either way.
     """
 
-    def __init__(self, namespace: str, api_client, pod_for: Callable[[SamplerEndpoint], str | None] | None = None,
-                 attempts: int = 3, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        api_client,
+        pod_for: Callable[[SamplerEndpoint], str | None] | None = None,
+        attempts: int = 3,
+        backoff_s: float = 0.2,
+    ) -> None:
         from kubernetes import client
 
         self.namespace = namespace
@@ -700,11 +752,16 @@ class PodLabeler:
         """Set the label on one pod (blocking). Raises :class:`KubernetesError`."""
         body = {"metadata": {"labels": {LABEL_SERVING: "true" if serving else "false"}}}
         try:
-            for attempt in Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(self.attempts),
-                                    wait=wait_exponential(multiplier=self.backoff_s), reraise=True):
+            for attempt in Retrying(
+                retry=retry_if_exception(_transient),
+                stop=stop_after_attempt(self.attempts),
+                wait=wait_exponential(multiplier=self.backoff_s),
+                reraise=True,
+            ):
                 with attempt:
-                    self._core.patch_namespaced_pod(pod, self.namespace, body, _content_type=STRATEGIC_MERGE_PATCH,
-                                                    _request_timeout=(5, 10))
+                    self._core.patch_namespaced_pod(
+                        pod, self.namespace, body, _content_type=STRATEGIC_MERGE_PATCH, _request_timeout=(5, 10)
+                    )
         except Exception as exc:
             if getattr(exc, "status", None) == 404:
                 SERVING_PATCHES.labels(result="gone").inc()

@@ -50,10 +50,13 @@ class GroupEntry(BaseModel):
     policy: Literal["fifo", "priority", "round_robin"] = Field("fifo", description="Scheduling policy of the waiters.")
     job_priorities: dict[str, int] = Field(default_factory=dict, description="Per-job priority (priority policy).")
     sleep_level_policy: Literal["fixed", "auto"] = Field(
-        "fixed", description="fixed: sleep_level for every job; auto: level 2 (discard) for a job that published a "
-                             "weight version at its previous grant (the weights will be replaced anyway), else sleep_level.")
-    job_sleep_levels: dict[str, Literal[1, 2]] = Field(default_factory=dict,
-                                                       description="Per-job sleep level (overrides the policy).")
+        "fixed",
+        description="fixed: sleep_level for every job; auto: level 2 (discard) for a job that published a "
+        "weight version at its previous grant (the weights will be replaced anyway), else sleep_level.",
+    )
+    job_sleep_levels: dict[str, Literal[1, 2]] = Field(
+        default_factory=dict, description="Per-job sleep level (overrides the policy)."
+    )
     samplers: list[SamplerEntry] = Field(default_factory=list)
 
 

@@ -46,8 +46,9 @@ class InventorySync:
                 if gid not in desired and g.spec.samplers:
                     log.warning("group %s: no pods match any more; its samplers are removed, the group is kept", gid)
                     desired[gid] = g.spec.copy(samplers=[])
-            changed = [s for gid, s in sorted(desired.items())
-                       if gid not in self.orch.groups or _differs(self.orch.groups[gid].spec, s)]
+            changed = [
+                s for gid, s in sorted(desired.items()) if gid not in self.orch.groups or _differs(self.orch.groups[gid].spec, s)
+            ]
             await asyncio.gather(*(self.orch.update_spec(s) for s in changed))
 
 
@@ -60,12 +61,17 @@ def inventory_from_specs(specs: list[GroupSpec]):
     from llmd_timeslice.discovery.static import GroupEntry, Inventory, SamplerEntry
 
     groups = [
-        GroupEntry(group_id=s.group_id, sleep_level=s.sleep_level, drain_timeout_s=s.drain_timeout_s,
-                   lease_ttl_s=s.lease_ttl_s, policy=s.policy.value, job_priorities=dict(s.job_priorities),
-                   sleep_level_policy=s.sleep_level_policy.value,
-                   job_sleep_levels={job: 2 if level == 2 else 1 for job, level in s.job_sleep_levels.items()},
-                   samplers=[SamplerEntry(pool=e.pool, address=e.address, sidecar=e.sidecar, job_id=e.job_id)
-                             for e in s.samplers])
+        GroupEntry(
+            group_id=s.group_id,
+            sleep_level=s.sleep_level,
+            drain_timeout_s=s.drain_timeout_s,
+            lease_ttl_s=s.lease_ttl_s,
+            policy=s.policy.value,
+            job_priorities=dict(s.job_priorities),
+            sleep_level_policy=s.sleep_level_policy.value,
+            job_sleep_levels={job: 2 if level == 2 else 1 for job, level in s.job_sleep_levels.items()},
+            samplers=[SamplerEntry(pool=e.pool, address=e.address, sidecar=e.sidecar, job_id=e.job_id) for e in s.samplers],
+        )
         for s in specs
     ]
     if not groups:

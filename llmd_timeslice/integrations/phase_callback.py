@@ -154,12 +154,12 @@ class _LockPlan:
     def before_acquire(self, role: str) -> str | None:
         """The group to acquire for ``role`` (None: already held by this job). Raises LockOrderError."""
         group = self.groups[role]
-        if (role == TRAINER and not self.role_held(TRAINER) and self.role_held(SAMPLER)
-                and self.groups[SAMPLER] != group):
+        if role == TRAINER and not self.role_held(TRAINER) and self.role_held(SAMPLER) and self.groups[SAMPLER] != group:
             raise LockOrderError(
                 f"lock order: the trainer group {group!r} was requested while the sampler group "
                 f"{self.groups[SAMPLER]!r} is held; the global order is trainer first, then sampler "
-                "(end the sampler phase first)")
+                "(end the sampler phase first)"
+            )
         return None if group in self.held else group
 
     def acquired(self, role: str) -> None:
@@ -184,20 +184,27 @@ class _LockPlan:
 class _Config:
     """What :meth:`RoleLocks.from_env` reads, checked: the job id switches time-slicing on."""
 
-    def __init__(self, job_id: str | None, orch_addr: str | None, trainer_group: str | None,
-                 sampler_group: str | None) -> None:
+    def __init__(self, job_id: str | None, orch_addr: str | None, trainer_group: str | None, sampler_group: str | None) -> None:
         self.job_id, self.orch_addr = job_id or None, orch_addr or None
         self.trainer_group, self.sampler_group = trainer_group or None, sampler_group or None
         self.enabled = self.job_id is not None
         if not self.enabled:
             return
-        missing = [name for name, value in ((ENV_ORCH_ADDR, self.orch_addr), (ENV_TRAINER_GROUP, self.trainer_group),
-                                            (ENV_SAMPLER_GROUP, self.sampler_group)) if not value]
+        missing = [
+            name
+            for name, value in (
+                (ENV_ORCH_ADDR, self.orch_addr),
+                (ENV_TRAINER_GROUP, self.trainer_group),
+                (ENV_SAMPLER_GROUP, self.sampler_group),
+            )
+            if not value
+        ]
         if missing:
             raise TimesliceConfigError(
                 f"{ENV_JOB_ID}={self.job_id!r} turns time-slicing on, but {', '.join(missing)} "
                 f"{'is' if len(missing) == 1 else 'are'} not set: set {' and '.join(missing)} "
-                f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing")
+                f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing"
+            )
 
     def groups(self) -> dict[str, str]:
         """Role -> group; both are set whenever time-slicing is on (checked above)."""
@@ -235,7 +242,8 @@ def _check_groups(cfg: _Config, served_sampler: bool) -> None:
         raise TimesliceConfigError(
             f"{ENV_TRAINER_GROUP} and {ENV_SAMPLER_GROUP} are both {cfg.trainer_group!r}, a group without samplers: "
             "the trainer and sampler pools must be distinct groups (equal groups are allowed only for a served "
-            "sampler group, i.e. a trainer co-located on the samplers' accelerators)")
+            "sampler group, i.e. a trainer co-located on the samplers' accelerators)"
+        )
 
 
 class _WeightPublisher:
@@ -270,7 +278,8 @@ class _WeightPublisher:
         if not root:
             raise TimesliceConfigError(
                 f"context['model'] hands over weights but there is no weights directory: set {ENV_WEIGHTS_DIR} "
-                "(a directory the samplers can read), pass weights_dir=, or context['weights_dir']")
+                "(a directory the samplers can read), pass weights_dir=, or context['weights_dir']"
+            )
         from llmd_timeslice.weights.manifest import save_weight_version
 
         return save_weight_version(context["model"], root, version)
@@ -308,8 +317,10 @@ class _Locks:
         group = self.plan.groups[role]
         lost = self._client.lease_lost(self.job_id, group) if self._client is not None else None
         if lost:
-            raise LeaseLost(f"job {self.job_id!r} lost its lease on {group!r} ({role}) while a phase ran: {lost}; "
-                            "stop, restart from the last checkpoint and acquire again")
+            raise LeaseLost(
+                f"job {self.job_id!r} lost its lease on {group!r} ({role}) while a phase ran: {lost}; "
+                "stop, restart from the last checkpoint and acquire again"
+            )
 
     def _publishes_on(self, group: str) -> bool:
         return self.router_mode and group == self.plan.groups[SAMPLER]
@@ -333,9 +344,17 @@ class RoleLocks(_Locks):
 
     DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
 
-    def __init__(self, job_id: str | None, orch_addr: str | None, trainer_group: str | None,
-                 sampler_group: str | None, *, weights_dir: str | os.PathLike | None = None,
-                 client: TimeSliceOrchestratorClient | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        job_id: str | None,
+        orch_addr: str | None,
+        trainer_group: str | None,
+        sampler_group: str | None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        client: TimeSliceOrchestratorClient | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.config = _Config(job_id, orch_addr, trainer_group, sampler_group)
         self.job_id = self.config.job_id
         self.enabled = self.config.enabled
@@ -348,8 +367,7 @@ class RoleLocks(_Locks):
             self.plan = _LockPlan({TRAINER: "", SAMPLER: ""}, served_sampler=False)
             return
         cfg = self.config
-        self._client = client or TimeSliceOrchestratorClient(cfg.orch_addr, job_id=cfg.job_id,
-                                                             sampler_group_id=cfg.sampler_group)
+        self._client = client or TimeSliceOrchestratorClient(cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group)
         try:
             status = self._client.weight_status(cfg.sampler_group)
         except TimeSliceError as exc:
@@ -373,8 +391,14 @@ class RoleLocks(_Locks):
         self.plan = _LockPlan(cfg.groups(), served_sampler=served)
         if status is not None:
             self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
-        log.info("job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s", cfg.job_id, cfg.orch_addr,
-                 cfg.trainer_group, cfg.sampler_group, " (served: router mode)" if served else "")
+        log.info(
+            "job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s",
+            cfg.job_id,
+            cfg.orch_addr,
+            cfg.trainer_group,
+            cfg.sampler_group,
+            " (served: router mode)" if served else "",
+        )
         atexit.register(self._atexit_cleanup)
 
     @classmethod
@@ -408,8 +432,14 @@ class RoleLocks(_Locks):
             return
         r = self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
         self.plan.acquired(role)
-        log.info("job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s", self.job_id, role, group,
-                 r.waited_ms, r.context_restored)
+        log.info(
+            "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",
+            self.job_id,
+            role,
+            group,
+            r.waited_ms,
+            r.context_restored,
+        )
 
     def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
         """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
@@ -428,8 +458,11 @@ class RoleLocks(_Locks):
             return
         update = self._weights.update_from(context) if self._publishes_on(group) else None
         if update is None and group == self.plan.groups[SAMPLER] and not self.router_mode and _hands_weights(context):
-            log.warning("sampler group %r has no samplers behind the gate: weights handed to the callback are not "
-                        "published (the framework syncs them itself)", group)
+            log.warning(
+                "sampler group %r has no samplers behind the gate: weights handed to the callback are not "
+                "published (the framework syncs them itself)",
+                group,
+            )
         publish_error: Exception | None = None
         if update is not None:
             try:
@@ -439,9 +472,15 @@ class RoleLocks(_Locks):
                 publish_error = exc
         try:
             r = self._live().release(self.job_id, group)
-            log.info("job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s", self.job_id, role,
-                     group, r.pending_waiters, r.snapshot_deferred,
-                     f" weight_version={update.version}" if update is not None and publish_error is None else "")
+            log.info(
+                "job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s",
+                self.job_id,
+                role,
+                group,
+                r.pending_waiters,
+                r.snapshot_deferred,
+                f" weight_version={update.version}" if update is not None and publish_error is None else "",
+            )
         except TimeSliceError as exc:
             _yield_failed(self.job_id, role, group, exc)
         if publish_error is not None:
@@ -526,9 +565,16 @@ class AsyncRoleLocks(_Locks):
         self._closed = False
 
     @classmethod
-    async def create(cls, job_id: str | None, orch_addr: str | None, trainer_group: str | None,
-                     sampler_group: str | None, *, weights_dir: str | os.PathLike | None = None,
-                     client: AsyncTimeSliceOrchestratorClient | None = None) -> AsyncRoleLocks:
+    async def create(
+        cls,
+        job_id: str | None,
+        orch_addr: str | None,
+        trainer_group: str | None,
+        sampler_group: str | None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        client: AsyncTimeSliceOrchestratorClient | None = None,
+    ) -> AsyncRoleLocks:
         """See :class:`RoleLocks` (same arguments and errors)."""
         self = cls()
         cfg = _Config(job_id, orch_addr, trainer_group, sampler_group)
@@ -663,8 +709,7 @@ class AsyncTimesliceCallback:
         await self.locks.close()
 
 
-def phase(callback: TimesliceCallback, name: str, role: str | None = None,
-          context: Mapping[str, Any] | None = None) -> Callable:
+def phase(callback: TimesliceCallback, name: str, role: str | None = None, context: Mapping[str, Any] | None = None) -> Callable:
     """``with phase(cb, "train"):`` -- ``on_phase_begin`` / ``on_phase_end`` around a block (role from
     :data:`PHASES` when omitted). The end runs even when the block raises, so the locks are given back."""
     import contextlib

@@ -116,8 +116,11 @@ class RolloutRecord:
     @property
     def below_requested(self) -> bool:
         """Served by an endpoint older than the version the request asked for."""
-        return (self.ok and self.min_weight_version is not None
-                and (self.served_weight_version is None or self.served_weight_version < self.min_weight_version))
+        return (
+            self.ok
+            and self.min_weight_version is not None
+            and (self.served_weight_version is None or self.served_weight_version < self.min_weight_version)
+        )
 
 
 class RolloutScope:
@@ -158,9 +161,16 @@ class TimeSliceRollouts:
         ValueError: a negative or non-integer minimum weight version.
     """
 
-    def __init__(self, router_url: str, *, min_weight_version: int | Callable[[], int] | None = None,
-                 retry: GateRetryPolicy | None = None, api_key: str = "EMPTY", timeout_s: float = 600.0,
-                 max_retries: int = 2) -> None:
+    def __init__(
+        self,
+        router_url: str,
+        *,
+        min_weight_version: int | Callable[[], int] | None = None,
+        retry: GateRetryPolicy | None = None,
+        api_key: str = "EMPTY",
+        timeout_s: float = 600.0,
+        max_retries: int = 2,
+    ) -> None:
         base = router_url.rstrip("/")
         self.router_url = base.removesuffix("/v1")
         self.base_url = self.router_url + "/v1"
@@ -218,22 +228,23 @@ class TimeSliceRollouts:
         return httpx.Client(transport=GateTransport(self, httpx.HTTPTransport()), timeout=self.timeout_s, **kw)
 
     def async_http_client(self, **kw) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=AsyncGateTransport(self, httpx.AsyncHTTPTransport()),
-                                 timeout=self.timeout_s, **kw)
+        return httpx.AsyncClient(transport=AsyncGateTransport(self, httpx.AsyncHTTPTransport()), timeout=self.timeout_s, **kw)
 
     def openai(self, **kw):
         """An ``openai.OpenAI`` client on the router (extra keyword arguments go to its constructor)."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=self.max_retries,
-                             http_client=self.http_client(), **kw)
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=self.api_key, max_retries=self.max_retries, http_client=self.http_client(), **kw
+        )
 
     def async_openai(self, **kw):
         """An ``openai.AsyncOpenAI`` client on the router."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=self.max_retries,
-                                  http_client=self.async_http_client(), **kw)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key, max_retries=self.max_retries, http_client=self.async_http_client(), **kw
+        )
 
     # -- transport side --------------------------------------------------------------------------------------
     def _prepare(self, request: httpx.Request) -> RolloutRecord:
@@ -245,8 +256,9 @@ class TimeSliceRollouts:
         else:
             version = _parse_int(asked)
         scope = _SCOPE.get()
-        return RolloutRecord(rollout=scope.name if scope else None, method=request.method, path=request.url.path,
-                             min_weight_version=version)
+        return RolloutRecord(
+            rollout=scope.name if scope else None, method=request.method, path=request.url.path, min_weight_version=version
+        )
 
     def _finish(self, record: RolloutRecord, response: httpx.Response | None, error: BaseException | None) -> None:
         if response is not None:
@@ -263,8 +275,14 @@ class TimeSliceRollouts:
         with self._lock:
             self.records.append(record)
         if record.refusals:
-            log.info("%s %s: %d refusal(s) %s, then %s", record.method, record.path, len(record.refusals),
-                     ",".join(record.refusals), record.status or record.error)
+            log.info(
+                "%s %s: %d refusal(s) %s, then %s",
+                record.method,
+                record.path,
+                len(record.refusals),
+                ",".join(record.refusals),
+                record.status or record.error,
+            )
 
 
 def _check_version(value) -> int:
@@ -333,7 +351,8 @@ class GateTransport(httpx.BaseTransport):
 
         try:
             response = Retrying(retry=refusals.retry, wait=refusals.wait, before_sleep=discard, reraise=True)(
-                lambda: refusals.attempted(self.inner.handle_request(request)))
+                lambda: refusals.attempted(self.inner.handle_request(request))
+            )
             if _refusal(response) is not None:
                 response.read()
         except BaseException as exc:
@@ -366,8 +385,9 @@ class AsyncGateTransport(httpx.AsyncBaseTransport):
             return refusals.attempted(await self.inner.handle_async_request(request))
 
         try:
-            response: httpx.Response = await AsyncRetrying(retry=refusals.retry, wait=refusals.wait,
-                                                           before_sleep=discard, reraise=True)(attempt)
+            response: httpx.Response = await AsyncRetrying(
+                retry=refusals.retry, wait=refusals.wait, before_sleep=discard, reraise=True
+            )(attempt)
             if _refusal(response) is not None:
                 await response.aread()
         except BaseException as exc:

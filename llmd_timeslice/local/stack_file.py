@@ -64,26 +64,35 @@ class StackPorts(_Strict):
 class StackSettings(_Strict):
     name: str = Field("local", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     host: str = Field("127.0.0.1", description="Bind address of every component.")
-    workdir: Path | None = Field(None, description="Logs, state, token, rendered configs (default: "
-                                                   "<stack file folder>/.llmd-timeslice/<name>).")
+    workdir: Path | None = Field(
+        None, description="Logs, state, token, rendered configs (default: <stack file folder>/.llmd-timeslice/<name>)."
+    )
     token_file: Path | None = Field(None, description="Control-plane bearer token file (default: generated in workdir).")
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds the gate holds a request.")
     generation_timeout_s: float = Field(
-        3600.0, gt=0, le=7 * 86400,
+        3600.0,
+        gt=0,
+        le=7 * 86400,
         description="Longest generation (seconds) a client may wait for once admitted. Envoy's route timeout is "
-                    "max_hold_s + this + 60 s (a held request sends nothing, then the response may take this long), "
-                    "its stream idle timeout max_hold_s above that, and the gate's lost-completion age 300 s above it.")
+        "max_hold_s + this + 60 s (a held request sends nothing, then the response may take this long), "
+        "its stream idle timeout max_hold_s above that, and the gate's lost-completion age 300 s above it.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     gate_edge: Literal["ext_authz", "ext_proc"] = Field(
-        "ext_authz", description="How Envoy calls the gate: ext_authz (the fast path; the gate also picks the "
-                                 "endpoint, no picker runs) or ext_proc (then the EPP-protocol picker picks).")
+        "ext_authz",
+        description="How Envoy calls the gate: ext_authz (the fast path; the gate also picks the "
+        "endpoint, no picker runs) or ext_proc (then the EPP-protocol picker picks).",
+    )
     ports: StackPorts = Field(default_factory=StackPorts)
 
 
 class PoolEntry(_Strict):
     name: str = Field(min_length=1)
-    path_prefix: str | None = Field(None, description="<path_prefix>v1/... goes to this pool, the prefix stripped "
-                                                      "before the engine (the first pool serves /v1/...).")
+    path_prefix: str | None = Field(
+        None,
+        description="<path_prefix>v1/... goes to this pool, the prefix stripped "
+        "before the engine (the first pool serves /v1/...).",
+    )
 
 
 class GroupEntry(_Strict):
@@ -106,10 +115,12 @@ class VllmLaunch(_Strict):
     model: str = Field(description=f"Model directory, or {BUILTIN_TINY!r} (a tiny Llama built locally, CPU demo).")
     port: int = Field(ge=1, le=65535)
     args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags (e.g. --enable-sleep-mode on GPU).")
-    cpu_defaults: bool = Field(True, description="Prepend the CPU-sized defaults of the demo (max-model-len 512, "
-                                                 "float32, enforce-eager); false on GPUs.")
-    python: str | None = Field(None, description="Interpreter with vLLM (default: .venv-vllm/bin/python or "
-                                                 "$LLMD_TIMESLICE_VLLM_PYTHON).")
+    cpu_defaults: bool = Field(
+        True, description="Prepend the CPU-sized defaults of the demo (max-model-len 512, float32, enforce-eager); false on GPUs."
+    )
+    python: str | None = Field(
+        None, description="Interpreter with vLLM (default: .venv-vllm/bin/python or $LLMD_TIMESLICE_VLLM_PYTHON)."
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment (e.g. CUDA_VISIBLE_DEVICES).")
     startup_timeout_s: float = Field(600.0, gt=0)
 
@@ -195,8 +206,10 @@ class StackFile(_Strict):
         prefixes = [p.path_prefix for p in self.pools[1:]]
         for i, p in enumerate(self.pools[1:], 1):
             if not p.path_prefix or not p.path_prefix.startswith("/") or not p.path_prefix.strip("/"):
-                out.append(f"pools[{i}] ({p.name}).path_prefix: pools after the first need a path prefix starting "
-                           "with '/', other than '/' itself (the first pool serves '/v1/')")
+                out.append(
+                    f"pools[{i}] ({p.name}).path_prefix: pools after the first need a path prefix starting "
+                    "with '/', other than '/' itself (the first pool serves '/v1/')"
+                )
         dupes("pools.path_prefix", [p for p in prefixes if p])
         return out
 
@@ -214,14 +227,15 @@ class StackFile(_Strict):
         """A short human summary (``llmd-timeslice config check`` on a stack file)."""
         p = self.stack.ports
         started = [e for e in self.engines if e.vllm is not None]
-        out = [f"stack {self.stack.name!r} on {self.stack.host}, workdir {self.workdir(base_dir)}",
-               f"router http://{self.stack.host}:{p.router}, orchestrator {self.stack.host}:{p.orchestrator}, gate "
-               f"ext_proc {p.gate_ext_proc} / control {p.gate_control}, picker {p.picker}, max hold {self.stack.max_hold_s:g} s",
-               f"pools: {', '.join(pl.name + (f' ({pl.path_prefix})' if pl.path_prefix else ' (/)') for pl in self.pools)}",
-               f"groups: {', '.join(f'{g.group_id} (sleep level {g.sleep_level}, {g.policy})' for g in self.groups)}"]
+        out = [
+            f"stack {self.stack.name!r} on {self.stack.host}, workdir {self.workdir(base_dir)}",
+            f"router http://{self.stack.host}:{p.router}, orchestrator {self.stack.host}:{p.orchestrator}, gate "
+            f"ext_proc {p.gate_ext_proc} / control {p.gate_control}, picker {p.picker}, max hold {self.stack.max_hold_s:g} s",
+            f"pools: {', '.join(pl.name + (f' ({pl.path_prefix})' if pl.path_prefix else ' (/)') for pl in self.pools)}",
+            f"groups: {', '.join(f'{g.group_id} (sleep level {g.sleep_level}, {g.policy})' for g in self.groups)}",
+        ]
         for e in self.engines:
-            src = (f"started: vllm {e.vllm.model} on port {e.vllm.port}" if e.vllm is not None
-                   else f"running at {e.url}")
+            src = f"started: vllm {e.vllm.model} on port {e.vllm.port}" if e.vllm is not None else f"running at {e.url}"
             out.append(f"engine {e.name}: pool {e.pool}, group {e.group}, sidecar {e.sidecar_port}, {src}")
         out.append(f"{len(started)} of {len(self.engines)} engines started by the stack")
         return out
@@ -232,13 +246,18 @@ class StackFile(_Strict):
         sidecar_host = "127.0.0.1" if self.stack.host in ("0.0.0.0", "::") else self.stack.host
         for g in self.groups:
             jobs = [j for j in self.jobs if not j.groups or g.group_id in j.groups]
-            groups.append({
-                **g.model_dump(),
-                "job_priorities": {j.job_id: j.priority for j in jobs if j.priority},
-                "job_sleep_levels": {j.job_id: j.sleep_level for j in jobs if j.sleep_level is not None},
-                "samplers": [{"pool": e.pool, "address": e.address, "sidecar": f"{sidecar_host}:{e.sidecar_port}",
-                              "job_id": e.name} for e in self.engines if e.group == g.group_id],
-            })
+            groups.append(
+                {
+                    **g.model_dump(),
+                    "job_priorities": {j.job_id: j.priority for j in jobs if j.priority},
+                    "job_sleep_levels": {j.job_id: j.sleep_level for j in jobs if j.sleep_level is not None},
+                    "samplers": [
+                        {"pool": e.pool, "address": e.address, "sidecar": f"{sidecar_host}:{e.sidecar_port}", "job_id": e.name}
+                        for e in self.engines
+                        if e.group == g.group_id
+                    ],
+                }
+            )
         return Inventory.model_validate({"groups": groups})
 
 

@@ -77,9 +77,16 @@ class Child:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
 
     def to_json(self) -> dict:
-        return {"name": self.spec.name, "state": self.state, "pid": self.pid, "port": self.spec.port,
-                "restarts": self.restarts, "uptime_s": round(time.monotonic() - self.started_at, 1)
-                if self.pid else 0.0, "last_exit": self.last_exit, "log": str(self.spec.log_path)}
+        return {
+            "name": self.spec.name,
+            "state": self.state,
+            "pid": self.pid,
+            "port": self.spec.port,
+            "restarts": self.restarts,
+            "uptime_s": round(time.monotonic() - self.started_at, 1) if self.pid else 0.0,
+            "last_exit": self.last_exit,
+            "log": str(self.spec.log_path),
+        }
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -130,9 +137,16 @@ class Supervisor:
             ``max_start_failures``), with the :class:`StartFailed` that says why.
     """
 
-    def __init__(self, stages: list[list[ChildSpec]], max_backoff_s: float = 30.0, healthy_reset_s: float = 60.0,
-                 on_event: Callable[[str, str], None] | None = None, backoff_s: float = 1.0,
-                 max_start_failures: int = 5, on_fatal: Callable[[StartFailed], None] | None = None) -> None:
+    def __init__(
+        self,
+        stages: list[list[ChildSpec]],
+        max_backoff_s: float = 30.0,
+        healthy_reset_s: float = 60.0,
+        on_event: Callable[[str, str], None] | None = None,
+        backoff_s: float = 1.0,
+        max_start_failures: int = 5,
+        on_fatal: Callable[[StartFailed], None] | None = None,
+    ) -> None:
         self.stages = [[Child(s) for s in stage] for stage in stages]
         self.children = [c for stage in self.stages for c in stage]
         self.backoff_s = backoff_s
@@ -154,12 +168,17 @@ class Supervisor:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = spec.env_factory() if spec.env_factory else ({**os.environ, **spec.env} if spec.env else None)
         with open(spec.log_path, "ab") as logf:
-            logf.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start #{c.restarts + 1}: {' '.join(spec.argv)}\n"
-                       .encode())
+            logf.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start #{c.restarts + 1}: {' '.join(spec.argv)}\n".encode())
             logf.flush()
-            c.proc = await asyncio.create_subprocess_exec(*spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf,
-                                                          stderr=asyncio.subprocess.STDOUT, env=env,
-                                                          start_new_session=True, preexec_fn=_die_with_parent)
+            c.proc = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=logf,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         c.started_at = time.monotonic()
         c.state = "starting"
 
@@ -186,8 +205,10 @@ class Supervisor:
                 c.ready_event.set()
                 return
             if time.monotonic() > deadline:
-                raise StartFailed(f"{spec.name} was not ready within {spec.start_timeout_s:g} s; last lines of "
-                                  f"{spec.log_path}:\n{_tail(spec.log_path)}")
+                raise StartFailed(
+                    f"{spec.name} was not ready within {spec.start_timeout_s:g} s; last lines of "
+                    f"{spec.log_path}:\n{_tail(spec.log_path)}"
+                )
             await asyncio.sleep(0.2)
 
     async def _owns_ports(self, c: Child) -> bool:
@@ -208,9 +229,11 @@ class Supervisor:
     def _port_message(c: Child, foreign: dict) -> str:
         port, holders = next(iter(foreign.items()))
         pid = c.proc.pid if c.proc is not None else None
-        return (f"{c.spec.name}: port {port} is held by {', '.join(h.describe() for h in holders)}, not by the "
-                f"{c.spec.name} this stack started (pid {pid}); another stack on the same ports? Last lines of "
-                f"{c.spec.log_path}:\n{_tail(c.spec.log_path)}")
+        return (
+            f"{c.spec.name}: port {port} is held by {', '.join(h.describe() for h in holders)}, not by the "
+            f"{c.spec.name} this stack started (pid {pid}); another stack on the same ports? Last lines of "
+            f"{c.spec.log_path}:\n{_tail(c.spec.log_path)}"
+        )
 
     async def _exit_failure(self, c: Child) -> StartFailed:
         """Why a child exited while starting; permanent when a restart cannot help."""
@@ -222,11 +245,15 @@ class Supervisor:
                 if foreign:
                     return StartFailed(self._port_message(c, foreign), permanent=True)
         if rc == USAGE_ERROR_EXIT:
-            return StartFailed(f"{spec.name} exited with code {rc} while starting (a usage error: a bad flag or "
-                               f"setting; starting it again cannot help); last lines of {spec.log_path}:\n"
-                               f"{_tail(spec.log_path)}", permanent=True)
-        return StartFailed(f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n"
-                           f"{_tail(spec.log_path)}")
+            return StartFailed(
+                f"{spec.name} exited with code {rc} while starting (a usage error: a bad flag or "
+                f"setting; starting it again cannot help); last lines of {spec.log_path}:\n"
+                f"{_tail(spec.log_path)}",
+                permanent=True,
+            )
+        return StartFailed(
+            f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n{_tail(spec.log_path)}"
+        )
 
     async def start(self, progress: Callable[[str], None] = lambda msg: None) -> None:
         """Start every stage in order and begin watching. Raises StartFailed (everything started is stopped)."""
@@ -283,8 +310,7 @@ class Supervisor:
             self.on_event(c.spec.name, f"exited ({c.last_exit}) after {up:.0f} s; restarting in {self.backoff_s:g} s")
 
         def retryable(exc: BaseException) -> bool:
-            return not self.stopping and (isinstance(exc, _Exited)
-                                          or (isinstance(exc, StartFailed) and not exc.permanent))
+            return not self.stopping and (isinstance(exc, _Exited) or (isinstance(exc, StartFailed) and not exc.permanent))
 
         def announce(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
@@ -292,10 +318,13 @@ class Supervisor:
             what = f"restart failed: {str(exc).splitlines()[0]}" if isinstance(exc, StartFailed) else str(exc)
             self.on_event(c.spec.name, f"{what}; restarting in {wait_s:g} s")
 
-        retrying = AsyncRetrying(retry=retry_if_exception(retryable), reraise=True,
-                                 stop=lambda state: failed >= self.max_start_failures,
-                                 wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
-                                 before_sleep=announce)
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(retryable),
+            reraise=True,
+            stop=lambda state: failed >= self.max_start_failures,
+            wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+            before_sleep=announce,
+        )
         while not self.stopping:
             try:
                 await retrying(run_once)
@@ -304,8 +333,9 @@ class Supervisor:
             except StartFailed as exc:
                 first = str(exc).splitlines()[0]
                 if not exc.permanent:
-                    exc = StartFailed(f"{c.spec.name} failed to start {failed} times in a row; giving up. "
-                                      f"Last: {exc}", permanent=True)
+                    exc = StartFailed(
+                        f"{c.spec.name} failed to start {failed} times in a row; giving up. Last: {exc}", permanent=True
+                    )
                 c.state = "failed"
                 self.on_event(c.spec.name, f"failed for good, not restarting: {first}")
                 if self.fatal is None:

@@ -149,17 +149,35 @@ class Stack:
                 model = build_tiny_llama(self.workdir / TINY_MODEL_DIR)
             else:
                 model = self.sf.resolve(self.base_dir, v.model)
-            server = VllmServer(model, v.port, self.logdir / f"vllm-{e.name}.log", python=v.python, extra_args=v.args,
-                                default_args=v.cpu_defaults)
-            engines.append(ChildSpec(f"vllm-{e.name}", server.command(), server.log_path, v.port,
-                                     probe=http_probe(f"{e.base_url}/health"), start_timeout_s=v.startup_timeout_s,
-                                     stop_grace_s=15.0, env_factory=partial(server.environment, v.env),
-                                     listen=(v.port,)))
-        sidecars = [ChildSpec(f"sidecar-{e.name}", self._cli("sidecar", "--job-id", e.name, "--engine-url", e.base_url,
-                                                              "--host", h, "--port", str(e.sidecar_port), *tok),
-                              self.logdir / f"sidecar-{e.name}.log", e.sidecar_port,
-                              probe=grpc_health_probe(f"{h}:{e.sidecar_port}"), listen=(e.sidecar_port,))
-                    for e in self.sf.engines]
+            server = VllmServer(
+                model, v.port, self.logdir / f"vllm-{e.name}.log", python=v.python, extra_args=v.args, default_args=v.cpu_defaults
+            )
+            engines.append(
+                ChildSpec(
+                    f"vllm-{e.name}",
+                    server.command(),
+                    server.log_path,
+                    v.port,
+                    probe=http_probe(f"{e.base_url}/health"),
+                    start_timeout_s=v.startup_timeout_s,
+                    stop_grace_s=15.0,
+                    env_factory=partial(server.environment, v.env),
+                    listen=(v.port,),
+                )
+            )
+        sidecars = [
+            ChildSpec(
+                f"sidecar-{e.name}",
+                self._cli(
+                    "sidecar", "--job-id", e.name, "--engine-url", e.base_url, "--host", h, "--port", str(e.sidecar_port), *tok
+                ),
+                self.logdir / f"sidecar-{e.name}.log",
+                e.sidecar_port,
+                probe=grpc_health_probe(f"{h}:{e.sidecar_port}"),
+                listen=(e.sidecar_port,),
+            )
+            for e in self.sf.engines
+        ]
         # Orchestrator state lives as long as one `up`: it carries the orchestrator over its own restarts (the
         # supervisor restarts it), but a new `up` starts new engines, so holders and versions start over too.
         (self.workdir / "orchestrator-state.json").unlink(missing_ok=True)
@@ -167,52 +185,122 @@ class Stack:
         import yaml
 
         inventory.write_text(yaml.safe_dump(self.sf.inventory().model_dump(mode="json"), sort_keys=False))
-        orch = ChildSpec("orchestrator", self._cli("orchestrator", "--inventory", str(inventory), "--host", h, "--port",
-                                                   str(p.orchestrator), "--metrics-port", str(p.orchestrator_metrics),
-                                                   "--state-file", str(self.workdir / "orchestrator-state.json"), *tok),
-                         self.logdir / "orchestrator.log", p.orchestrator,
-                         probe=grpc_health_probe(f"{h}:{p.orchestrator}"), start_timeout_s=300.0,
-                         listen=(p.orchestrator, p.orchestrator_metrics))
+        orch = ChildSpec(
+            "orchestrator",
+            self._cli(
+                "orchestrator",
+                "--inventory",
+                str(inventory),
+                "--host",
+                h,
+                "--port",
+                str(p.orchestrator),
+                "--metrics-port",
+                str(p.orchestrator_metrics),
+                "--state-file",
+                str(self.workdir / "orchestrator-state.json"),
+                *tok,
+            ),
+            self.logdir / "orchestrator.log",
+            p.orchestrator,
+            probe=grpc_health_probe(f"{h}:{p.orchestrator}"),
+            start_timeout_s=300.0,
+            listen=(p.orchestrator, p.orchestrator_metrics),
+        )
         pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
         # entries must never end a request the route may still be serving (docs/gate.md, "Completions").
         route_timeout = route_timeout_s(s.max_hold_s, s.generation_timeout_s)
-        gate = ChildSpec("gate", self._cli("gate", "--host", h, "--ext-proc-port", str(p.gate_ext_proc), "--authz-port",
-                                           str(p.gate_authz), "--control-port",
-                                           str(p.gate_control), "--metrics-port", str(p.gate_metrics), "--max-hold-s",
-                                           str(s.max_hold_s), "--orchestrator", f"{h}:{p.orchestrator}", "--gate-id",
-                                           f"{s.name}-gate", "--default-pool", self.sf.pools[0].name,
-                                           "--lost-completion-after-s", f"{lost_completion_after_s(route_timeout):g}",
-                                           *pools, *tok),
-                         self.logdir / "gate.log", p.gate_ext_proc, probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
-                         listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics))
+        gate = ChildSpec(
+            "gate",
+            self._cli(
+                "gate",
+                "--host",
+                h,
+                "--ext-proc-port",
+                str(p.gate_ext_proc),
+                "--authz-port",
+                str(p.gate_authz),
+                "--control-port",
+                str(p.gate_control),
+                "--metrics-port",
+                str(p.gate_metrics),
+                "--max-hold-s",
+                str(s.max_hold_s),
+                "--orchestrator",
+                f"{h}:{p.orchestrator}",
+                "--gate-id",
+                f"{s.name}-gate",
+                "--default-pool",
+                self.sf.pools[0].name,
+                "--lost-completion-after-s",
+                f"{lost_completion_after_s(route_timeout):g}",
+                *pools,
+                *tok,
+            ),
+            self.logdir / "gate.log",
+            p.gate_ext_proc,
+            probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
+            listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics),
+        )
         eps = [a for e in self.sf.engines for a in ("--endpoint", f"{e.pool}={e.address}")]
-        picker = ChildSpec("picker", self._cli("picker", "--host", h, "--port", str(p.picker), "--default-pool",
-                                               self.sf.pools[0].name, *eps),
-                           self.logdir / "picker.log", p.picker, probe=grpc_health_probe(f"{h}:{p.picker}"),
-                           listen=(p.picker,))
+        picker = ChildSpec(
+            "picker",
+            self._cli("picker", "--host", h, "--port", str(p.picker), "--default-pool", self.sf.pools[0].name, *eps),
+            self.logdir / "picker.log",
+            p.picker,
+            probe=grpc_health_probe(f"{h}:{p.picker}"),
+            listen=(p.picker,),
+        )
         fast = s.gate_edge == "ext_authz"  # the fast path: the gate picks the endpoint, no picker process
-        cfg = EnvoyRouterConfig(listen_port=p.router, admin_port=p.router_admin, gate_port=p.gate_ext_proc,
-                                epp_port=None if fast else p.picker, gate_edge=s.gate_edge, authz_port=p.gate_authz,
-                                pool=self.sf.pools[0].name, host=h, max_hold_s=s.max_hold_s,
-                                upstream_timeout_s=route_timeout,
-                                pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:]
-                                                 if pool.path_prefix})
+        cfg = EnvoyRouterConfig(
+            listen_port=p.router,
+            admin_port=p.router_admin,
+            gate_port=p.gate_ext_proc,
+            epp_port=None if fast else p.picker,
+            gate_edge=s.gate_edge,
+            authz_port=p.gate_authz,
+            pool=self.sf.pools[0].name,
+            host=h,
+            max_hold_s=s.max_hold_s,
+            upstream_timeout_s=route_timeout,
+            pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:] if pool.path_prefix},
+        )
         bootstrap = self.workdir / "envoy.json"
         write_bootstrap(cfg, bootstrap)
-        envoy = ChildSpec("envoy", [str(envoy_binary()), "-c", str(bootstrap), "--concurrency", "2", "--log-level", "warn",
-                                    "--use-dynamic-base-id", "--disable-hot-restart"],
-                          self.logdir / "envoy.log", p.router, probe=http_probe(f"http://{h}:{p.router_admin}/ready"),
-                          listen=(p.router, p.router_admin),
-                          env_factory=lambda: {**os.environ, ENVOY_ID_ENV: fresh_envoy_id()})  # a new id per process
+        envoy = ChildSpec(
+            "envoy",
+            [
+                str(envoy_binary()),
+                "-c",
+                str(bootstrap),
+                "--concurrency",
+                "2",
+                "--log-level",
+                "warn",
+                "--use-dynamic-base-id",
+                "--disable-hot-restart",
+            ],
+            self.logdir / "envoy.log",
+            p.router,
+            probe=http_probe(f"http://{h}:{p.router_admin}/ready"),
+            listen=(p.router, p.router_admin),
+            env_factory=lambda: {**os.environ, ENVOY_ID_ENV: fresh_envoy_id()},
+        )  # a new id per process
         stages = [engines, sidecars, [orch], [gate] if fast else [gate, picker], [envoy]]
         return [st for st in stages if st]
 
     # ------------------------------------------------------------------ state file
     def write_state(self, sup: Supervisor | None, phase: str) -> None:
-        state = {"name": self.sf.stack.name, "pid": os.getpid(), "phase": phase, "updated_unix_s": time.time(),
-                 "endpoints": self.endpoints(), "workdir": str(self.workdir),
-                 "components": sup.snapshot() if sup else []}
+        state = {
+            "name": self.sf.stack.name,
+            "pid": os.getpid(),
+            "phase": phase,
+            "updated_unix_s": time.time(),
+            "endpoints": self.endpoints(),
+            "workdir": str(self.workdir),
+            "components": sup.snapshot() if sup else [],
+        }
         tmp = self.workdir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(self.workdir / STATE_FILE)
@@ -238,13 +326,22 @@ class Stack:
 
 # ---------------------------------------------------------------------- up
 def _table(stack: Stack, sup: Supervisor) -> Table:
-    t = table(f"llmd-timeslice stack {stack.sf.stack.name!r} ({stack.workdir})",
-              ("component", "state", "pid", "port", "restarts", "up (s)", "last exit"))
+    t = table(
+        f"llmd-timeslice stack {stack.sf.stack.name!r} ({stack.workdir})",
+        ("component", "state", "pid", "port", "restarts", "up (s)", "last exit"),
+    )
     colors = {"ready": "green", "starting": "yellow", "backoff": "red", "failed": "red"}
     for c in sup.snapshot():
         st = c["state"]
-        t.add_row(c["name"], f"[{colors.get(st, 'white')}]{st}[/]", str(c["pid"] or "-"), str(c["port"] or "-"),
-                  str(c["restarts"]), f"{c['uptime_s']:.0f}" if c["pid"] else "-", c["last_exit"] or "-")
+        t.add_row(
+            c["name"],
+            f"[{colors.get(st, 'white')}]{st}[/]",
+            str(c["pid"] or "-"),
+            str(c["port"] or "-"),
+            str(c["restarts"]),
+            f"{c['uptime_s']:.0f}" if c["pid"] else "-",
+            c["last_exit"] or "-",
+        )
     return t
 
 
@@ -361,16 +458,22 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
         with contextlib.suppress(ValueError, OSError):
             prev = json.loads(state.read_text())
             if prev.get("phase") in ("starting", "running") and alive(prev.get("pid")):
-                console.print(f"[red]a stack already runs from {stack.workdir} (pid {prev['pid']}); "
-                              "`llmd-timeslice down -f FILE` first[/red]")
+                console.print(
+                    f"[red]a stack already runs from {stack.workdir} (pid {prev['pid']}); "
+                    "`llmd-timeslice down -f FILE` first[/red]"
+                )
                 return 2
     taken = stack.port_problems()
     if taken:
         err = output_console(stderr=True)
         for line in taken:
             err.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
-        err.print(f"llmd-timeslice up: nothing started; stop what holds the port(s) or give {file} other ports",
-                  markup=False, highlight=False, soft_wrap=True)
+        err.print(
+            f"llmd-timeslice up: nothing started; stop what holds the port(s) or give {file} other ports",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return 2
     return asyncio.run(_up(stack, console, sys.stdout.isatty() if live_table is None else live_table))
 
@@ -446,12 +549,20 @@ def print_stack_status(file: Path, workdir: Path | None = None) -> int:
         console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
         return 1
     running = alive(state.get("pid")) and state.get("phase") in ("starting", "running")
-    t = table(f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
-              ("component", "state", "pid", "port", "restarts", "last exit"))
+    t = table(
+        f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
+        ("component", "state", "pid", "port", "restarts", "last exit"),
+    )
     for c in state.get("components", []):
         is_alive = alive(c.get("pid"))
-        t.add_row(c["name"], c["state"] if running else ("orphan!" if is_alive else "stopped"), str(c["pid"] or "-"),
-                  str(c["port"] or "-"), str(c["restarts"]), c["last_exit"] or "-")
+        t.add_row(
+            c["name"],
+            c["state"] if running else ("orphan!" if is_alive else "stopped"),
+            str(c["pid"] or "-"),
+            str(c["port"] or "-"),
+            str(c["restarts"]),
+            c["last_exit"] or "-",
+        )
     console.print(t)
     console.print(f"logs: {Path(state['workdir']) / 'logs'}/<component>.log")
     if not running:

@@ -85,8 +85,14 @@ class GrpcSwitchActions(SwitchActions):
 
     can_read_engines: ClassVar[bool] = True
 
-    def __init__(self, hub: GateHub, token: str | None = None, operation_timeout_s: float = 300.0,
-                 labeler: ServingLabeler | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        hub: GateHub,
+        token: str | None = None,
+        operation_timeout_s: float = 300.0,
+        labeler: ServingLabeler | None = None,
+        tls_files: tls.TlsFiles | None = None,
+    ) -> None:
         self._tls = tls_files
         self.hub = hub
         self.labeler = labeler
@@ -104,8 +110,7 @@ class GrpcSwitchActions(SwitchActions):
             # tls.aio_channel caps the reconnect back-off at 5 s: the engine audit keeps probing a dead sidecar,
             # and with gRPC's default (up to 120 s) a sidecar back after a minute stayed unreachable (fail-fast
             # UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
-            ch = self._channels[target] = tls.aio_channel(target, self._tls,
-                                                          interceptors=auth.client_interceptors(self._token))
+            ch = self._channels[target] = tls.aio_channel(target, self._tls, interceptors=auth.client_interceptors(self._token))
         return ch
 
     async def close(self) -> None:
@@ -114,8 +119,9 @@ class GrpcSwitchActions(SwitchActions):
         self._channels.clear()
 
     # ------------------------------------------------------------------- gates
-    async def _publish(self, samplers: list[SamplerEndpoint], state: gpb.EndpointState,
-                       weight_version: int | None = None) -> None:
+    async def _publish(
+        self, samplers: list[SamplerEndpoint], state: gpb.EndpointState, weight_version: int | None = None
+    ) -> None:
         """Set ``state`` for ``samplers`` and wait until every connected gate acked it."""
         by_pool: dict[str, list[SamplerEndpoint]] = defaultdict(list)
         for s in samplers:
@@ -123,8 +129,7 @@ class GrpcSwitchActions(SwitchActions):
         for pool, eps in by_pool.items():
             await self.hub.publish(pool, [(e.address, state, weight_version) for e in eps])
 
-    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float,
-                            cut: list[str] | None = None) -> bool:
+    async def _wait_drained(self, samplers: list[SamplerEndpoint], timeout_s: float, cut: list[str] | None = None) -> bool:
         """The gates' drain barrier; at ``timeout_s`` the gates answer 503 drain_deadline to requests that had not
         reached a response yet (their ids go to ``cut``); those already responding finish (sleep mode=wait)."""
         by_pool: dict[str, list[str]] = defaultdict(list)
@@ -134,8 +139,12 @@ class GrpcSwitchActions(SwitchActions):
         drained = all(d for d, _ in results)
         if not drained:
             left = {k: v for _, m in results for k, v in m.items() if v}
-            log.warning("drain deadline (%.1f s) passed with requests still in flight: %s; the engines' own "
-                        "sleep(mode=wait) finishes them", timeout_s, left)
+            log.warning(
+                "drain deadline (%.1f s) passed with requests still in flight: %s; the engines' own "
+                "sleep(mode=wait) finishes them",
+                timeout_s,
+                left,
+            )
         return drained
 
     async def _set_serving(self, samplers: list[SamplerEndpoint], serving: bool) -> None:
@@ -145,12 +154,17 @@ class GrpcSwitchActions(SwitchActions):
         results = await asyncio.gather(*(self.labeler.set_serving(s, serving) for s in samplers), return_exceptions=True)
         errors = [f"{s.address}: {r}" for s, r in zip(samplers, results, strict=True) if isinstance(r, BaseException)]
         if errors:
-            raise SamplerStepFailed(", ".join(s.address for s in samplers), "label", StepFault.LABEL,
-                                    f"serving label {str(serving).lower()}: " + "; ".join(errors))
+            raise SamplerStepFailed(
+                ", ".join(s.address for s in samplers),
+                "label",
+                StepFault.LABEL,
+                f"serving label {str(serving).lower()}: " + "; ".join(errors),
+            )
 
     # ---------------------------------------------------------------- sidecars
-    async def _operation(self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig,
-                         weights: WeightUpdate | None = None) -> spb.GetOperationResponse:
+    async def _operation(
+        self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig, weights: WeightUpdate | None = None
+    ) -> spb.GetOperationResponse:
         """One sleep or wake through the sidecar, waited for; returns the finished operation. Raises
         :class:`SamplerStepFailed`."""
         ch = self._channel(sampler.sidecar)
@@ -160,8 +174,11 @@ class GrpcSwitchActions(SwitchActions):
         try:
             # wait_for_ready: a sidecar that is (re)connecting gets START_RPC_TIMEOUT_S, not a fail-fast error.
             if kind == "sleep":
-                resp = await stub.Snapshot(spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config),
-                                           timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
+                resp = await stub.Snapshot(
+                    spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config),
+                    timeout=START_RPC_TIMEOUT_S,
+                    wait_for_ready=True,
+                )
             else:
                 restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config)
                 if weights is None:
@@ -169,7 +186,9 @@ class GrpcSwitchActions(SwitchActions):
                 else:
                     resp = await waiter.RestoreWithWeights(
                         xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()),
-                        timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
+                        timeout=START_RPC_TIMEOUT_S,
+                        wait_for_ready=True,
+                    )
             wait = xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout)
             try:
                 result = await waiter.WaitOperationResult(wait, timeout=self._op_timeout + RPC_TIMEOUT_S)
@@ -181,9 +200,12 @@ class GrpcSwitchActions(SwitchActions):
                 op = await waiter.WaitOperation(wait, timeout=self._op_timeout + RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.sampler_states[sampler.address] = JobState.FAULTED
-            raise SamplerStepFailed(sampler.address, kind, StepFault.SIDECAR,
-                                    f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {exc.code().name}: "
-                                    f"{exc.details()}") from exc
+            raise SamplerStepFailed(
+                sampler.address,
+                kind,
+                StepFault.SIDECAR,
+                f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {exc.code().name}: {exc.details()}",
+            ) from exc
         if op.status != spb.OPERATION_STATUS_COMPLETE:
             self.sampler_states[sampler.address] = JobState.FAULTED
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
@@ -196,8 +218,9 @@ class GrpcSwitchActions(SwitchActions):
         mode = spb.SUSPEND_MODE_DISCARD if level == 2 else spb.SUSPEND_MODE_OFFLOAD
         return spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=spb.APP_VLLM, mode=mode))
 
-    async def suspend_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, config: spb.BackendConfig,
-                              record: SwitchRecord | None = None) -> None:
+    async def suspend_sampler(
+        self, spec: GroupSpec, sampler: SamplerEndpoint, config: spb.BackendConfig, record: SwitchRecord | None = None
+    ) -> None:
         """Put one sampler's engine to sleep through its sidecar, verified there; requests the sidecar found
         parked inside the sleeping engine (and what it did with them) go to ``record.parked_requests``.
         Raises SamplerStepFailed."""
@@ -207,8 +230,9 @@ class GrpcSwitchActions(SwitchActions):
         if record is not None and op.parked_requests:
             record.parked_requests[sampler.address] = f"{op.parked_requests} {op.parked_action}"
 
-    async def resume_sampler(self, spec: GroupSpec, sampler: SamplerEndpoint, record: SwitchRecord,
-                             config: spb.BackendConfig) -> None:
+    async def resume_sampler(
+        self, spec: GroupSpec, sampler: SamplerEndpoint, record: SwitchRecord, config: spb.BackendConfig
+    ) -> None:
         """Wake one sampler (loading ``record.weights``; on a rejected version, its last good one), label it,
         publish it SERVING at the version it serves. On failure: published ASLEEP, error in
         ``record.sampler_errors``, and SamplerStepFailed raised."""
@@ -224,15 +248,19 @@ class GrpcSwitchActions(SwitchActions):
                     raise
                 # Wake it with its last good version (a plain restore reloads it) so the pool keeps serving. Only
                 # if that works was the version at fault rather than the engine.
-                log.error("sampler %s refused weight version %d (%s); waking it with its last good version",
-                          address, weights.version, exc)
+                log.error(
+                    "sampler %s refused weight version %d (%s); waking it with its last good version",
+                    address,
+                    weights.version,
+                    exc,
+                )
                 loaded = False
                 try:
                     await self._operation(sampler, spec.group_id, "wake", config)
                 except SamplerStepFailed as again:
-                    raise SamplerStepFailed(address, "wake", again.fault,
-                                            f"{exc}; waking it with its last good version failed too: {again}"
-                                            ) from again
+                    raise SamplerStepFailed(
+                        address, "wake", again.fault, f"{exc}; waking it with its last good version failed too: {again}"
+                    ) from again
                 record.weights_rejected[address] = str(exc)
             await self._set_serving([sampler], True)
         except Exception as exc:
@@ -256,11 +284,14 @@ class GrpcSwitchActions(SwitchActions):
         await self._set_serving(spec.samplers, False)
         record.phases["publish_draining"] = time.monotonic() - t
         t = time.monotonic()
-        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s,
-                                                                          record.drain_cut))
+        record.phases["drained_in_time"] = float(await self._wait_drained(spec.samplers, spec.drain_timeout_s, record.drain_cut))
         if record.drain_cut:
-            log.warning("group=%s drain deadline: %d request(s) answered 503 drain_deadline: %s", spec.group_id,
-                        len(record.drain_cut), record.drain_cut)
+            log.warning(
+                "group=%s drain deadline: %d request(s) answered 503 drain_deadline: %s",
+                spec.group_id,
+                len(record.drain_cut),
+                record.drain_cut,
+            )
         record.phases["drain"] = time.monotonic() - t
 
     async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
@@ -274,8 +305,9 @@ class GrpcSwitchActions(SwitchActions):
         t = time.monotonic()
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_WAKING)
         cfg = self._config(spec.sleep_level)
-        results = await asyncio.gather(*(self.resume_sampler(spec, s, record, cfg) for s in spec.samplers),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.resume_sampler(spec, s, record, cfg) for s in spec.samplers), return_exceptions=True
+        )
         record.phases["wake"] = time.monotonic() - t
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
@@ -288,8 +320,7 @@ class GrpcSwitchActions(SwitchActions):
         async def read(s: SamplerEndpoint) -> EngineReading | None:
             stub = xpb_grpc.SnapshotOperationsServiceStub(self._channel(s.sidecar))
             try:
-                r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=s.job_id),
-                                                      timeout=RPC_TIMEOUT_S)
+                r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=s.job_id), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 log.debug("engine audit: %s via %s: %s %s", s.address, s.sidecar, exc.code().name, exc.details())
                 return None

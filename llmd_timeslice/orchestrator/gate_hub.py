@@ -95,8 +95,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             self._close(old, "replaced by a new stream from the same gate_id")
         self._gates[conn.gate_id] = conn
         CONNECTED_GATES.set(len(self._gates))
-        log.info("gate %s connected (pools %s); sending snapshot at epoch %d", conn.gate_id, list(first.hello.pools),
-                 self.epoch)
+        log.info("gate %s connected (pools %s); sending snapshot at epoch %d", conn.gate_id, list(first.hello.pools), self.epoch)
         conn.outbox.put_nowait(pb.GateCommand(state=self._snapshot()))
         reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
         keepalive = pb.GateCommand(keepalive=pb.KeepAlive())
@@ -171,11 +170,16 @@ class GateHub(pb_grpc.GateStateServiceServicer):
 
     # ------------------------------------------------------------------ state
     def _snapshot(self) -> pb.StateUpdate:
-        return pb.StateUpdate(epoch=self.epoch, full_snapshot=True, pools=[
-            pb.PoolEndpoints(pool=pool, endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v)
-                                                   for a, (s, v) in eps.items()])
-            for pool, eps in self.state.items()
-        ])
+        return pb.StateUpdate(
+            epoch=self.epoch,
+            full_snapshot=True,
+            pools=[
+                pb.PoolEndpoints(
+                    pool=pool, endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v) for a, (s, v) in eps.items()]
+                )
+                for pool, eps in self.state.items()
+            ],
+        )
 
     async def publish(self, pool: str, updates: list[tuple[str, gpb.EndpointState, int | None]]) -> tuple[int, list[str]]:
         """Apply ``(address, wire state, weight version or None)`` updates to ``pool``; send them to every gate
@@ -196,8 +200,12 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         results = await asyncio.gather(*(self._wait_ack(c, epoch) for c in conns))
         laggards = [c.gate_id for c, ok in zip(conns, results, strict=True) if not ok]
         if laggards:
-            log.warning("epoch %d: no ack within %.1f s from gates %s; closing their streams and waiting until they "
-                        "hold by themselves", epoch, self.ack_timeout_s, laggards)
+            log.warning(
+                "epoch %d: no ack within %.1f s from gates %s; closing their streams and waiting until they hold by themselves",
+                epoch,
+                self.ack_timeout_s,
+                laggards,
+            )
             for c, ok in zip(conns, results, strict=True):
                 if not ok:
                     self._close(c, f"no ack of epoch {epoch} within {self.ack_timeout_s:g} s")
@@ -222,8 +230,11 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                     continue
                 if contact.stale_after_s <= 0:
                     if gid not in logged:
-                        log.error("gate %s is out of contact and announced stale_after_s 0: it may keep steering by an "
-                                  "old state; proceeding without it", gid)
+                        log.error(
+                            "gate %s is out of contact and announced stale_after_s 0: it may keep steering by an "
+                            "old state; proceeding without it",
+                            gid,
+                        )
                         logged.add(gid)
                     continue
                 until = contact.at + contact.stale_after_s + 0.2
@@ -232,22 +243,26 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             if not pending:
                 return
             for gid in pending.keys() - logged:
-                log.warning("epoch %d: waiting up to %.1f s for gate %s (out of contact) to ack or hold by itself",
-                            epoch, pending[gid] - now, gid)
+                log.warning(
+                    "epoch %d: waiting up to %.1f s for gate %s (out of contact) to ack or hold by itself",
+                    epoch,
+                    pending[gid] - now,
+                    gid,
+                )
                 logged.add(gid)
             await asyncio.sleep(min(0.05, max(0.0, min(pending.values()) - now)))
 
     async def _wait_ack(self, conn: _GateConn, epoch: int) -> bool:
         try:
             async with conn.acked:
-                await asyncio.wait_for(conn.acked.wait_for(lambda: conn.acked_epoch >= epoch or conn.closed),
-                                       self.ack_timeout_s)
+                await asyncio.wait_for(conn.acked.wait_for(lambda: conn.acked_epoch >= epoch or conn.closed), self.ack_timeout_s)
             return conn.acked_epoch >= epoch
         except TimeoutError:
             return False
 
-    async def wait_drained(self, pool: str, addresses: list[str], timeout_s: float,
-                           cut: list[str] | None = None) -> tuple[bool, dict[str, int]]:
+    async def wait_drained(
+        self, pool: str, addresses: list[str], timeout_s: float, cut: list[str] | None = None
+    ) -> tuple[bool, dict[str, int]]:
         """Ask every connected gate for its drain barrier on ``addresses``; True when all report drained.
 
         A gate that disconnects while asked counts as not drained (its requests may still be in flight).
@@ -264,10 +279,10 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             fut = loop.create_future()
             c.drains[qid] = fut
             futs.append(fut)
-            c.outbox.put_nowait(pb.GateCommand(drain=pb.DrainQuery(query_id=qid, pool=pool, addresses=addresses,
-                                                                   timeout_s=timeout_s)))
-        done = await asyncio.gather(*(asyncio.wait_for(f, timeout_s + self.ack_timeout_s) for f in futs),
-                                    return_exceptions=True)
+            c.outbox.put_nowait(
+                pb.GateCommand(drain=pb.DrainQuery(query_id=qid, pool=pool, addresses=addresses, timeout_s=timeout_s))
+            )
+        done = await asyncio.gather(*(asyncio.wait_for(f, timeout_s + self.ack_timeout_s) for f in futs), return_exceptions=True)
         drained = True
         left: dict[str, int] = {}
         for r in done:

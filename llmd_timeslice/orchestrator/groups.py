@@ -75,11 +75,38 @@ from llmd_timeslice.orchestrator.switch import (
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 __all__ = [
-    "SAMPLERS", "AcquireResult", "AcquireTimedOut", "Command", "EngineFault", "EngineReading", "Group",
-    "GroupCommand", "GroupPhase", "GroupSpec", "GroupState", "IllegalTransition", "InvalidArgument", "Lease",
-    "LockOrderViolation", "NotHolder", "Orchestrator", "OrchestratorError", "RejectedWeights", "RestoreOutcome",
-    "SamplerEndpoint", "SchedulingPolicy", "SleepLevelPolicy", "StaleFencingToken", "StaleWeightVersion",
-    "StateNotSaved", "SwitchActions", "SwitchFailed", "SwitchKind", "SwitchRecord", "UnknownGroup", "YieldResult",
+    "SAMPLERS",
+    "AcquireResult",
+    "AcquireTimedOut",
+    "Command",
+    "EngineFault",
+    "EngineReading",
+    "Group",
+    "GroupCommand",
+    "GroupPhase",
+    "GroupSpec",
+    "GroupState",
+    "IllegalTransition",
+    "InvalidArgument",
+    "Lease",
+    "LockOrderViolation",
+    "NotHolder",
+    "Orchestrator",
+    "OrchestratorError",
+    "RejectedWeights",
+    "RestoreOutcome",
+    "SamplerEndpoint",
+    "SchedulingPolicy",
+    "SleepLevelPolicy",
+    "StaleFencingToken",
+    "StaleWeightVersion",
+    "StateNotSaved",
+    "SwitchActions",
+    "SwitchFailed",
+    "SwitchKind",
+    "SwitchRecord",
+    "UnknownGroup",
+    "YieldResult",
 ]
 
 log = logging.getLogger(__name__)
@@ -195,14 +222,18 @@ def judge_engines(g: Group, readings: dict[str, EngineReading]) -> dict[str, tup
             continue
         want = g.sampler_versions.get(smp.address, 0)
         if r.unreachable:
-            faults[smp.address] = (EngineFault.UNREACHABLE,
-                                   f"its engine refuses connections (down or restarting): {r.unreachable}")
+            faults[smp.address] = (
+                EngineFault.UNREACHABLE,
+                f"its engine refuses connections (down or restarting): {r.unreachable}",
+            )
         elif r.sleeping:
             faults[smp.address] = (EngineFault.ASLEEP, "its engine sleeps while it should serve")
         elif want > 0 and r.weight_version is not None and r.weight_version != str(want):
-            faults[smp.address] = (EngineFault.RESTARTED,
-                                   f"its engine reports weight version {r.weight_version!r}, not {want} (it restarted "
-                                   "on its own and serves its initial weights)")
+            faults[smp.address] = (
+                EngineFault.RESTARTED,
+                f"its engine reports weight version {r.weight_version!r}, not {want} (it restarted "
+                "on its own and serves its initial weights)",
+            )
     return faults
 
 
@@ -415,17 +446,22 @@ class Group:
         job = cmd.job_id
         if self.holder != job:
             why = self.expired_jobs.get(job)
-            raise NotHolder(f"job {job!r} does not hold group {self.group_id!r} (holder: {self.holder!r})"
-                            + (f"; {why}" if why else ""))
+            raise NotHolder(
+                f"job {job!r} does not hold group {self.group_id!r} (holder: {self.holder!r})" + (f"; {why}" if why else "")
+            )
         lease = self.lease
         if cmd.token and lease is not None and cmd.token != lease.token:
-            raise StaleFencingToken(f"fencing token {cmd.token} of job {job!r} is stale: group {self.group_id!r} is at "
-                                    f"token {lease.token}; this holder must stop and acquire again")
+            raise StaleFencingToken(
+                f"fencing token {cmd.token} of job {job!r} is stale: group {self.group_id!r} is at "
+                f"token {lease.token}; this holder must stop and acquire again"
+            )
         if cmd.kind is not C.HEARTBEAT and not cmd.token and lease is not None and lease.expires_at is not None:
             # A holder that heartbeats knows its fencing token: a yield or publish for it without the token is
             # refused, so a caller that merely knows the job id cannot end or steer the lease.
-            raise StaleFencingToken(f"group {self.group_id!r}: job {job!r}'s lease is kept alive by heartbeats; "
-                                    "this call must carry its fencing token (x-llmd-timeslice-fencing-token)")
+            raise StaleFencingToken(
+                f"group {self.group_id!r}: job {job!r}'s lease is kept alive by heartbeats; "
+                "this call must carry its fencing token (x-llmd-timeslice-fencing-token)"
+            )
 
     async def _grant(self, w: _Waiter, kind: GroupCommand) -> None:
         """Give the lease to ``w`` (saved before the waiter learns of it)."""
@@ -452,8 +488,9 @@ class Group:
             await self._release(job, C.GRANT_NOT_SAVED)
             return
         if not w.future.done():
-            w.future.set_result(AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False,
-                                              self.weight_sync_errors.pop(job, "")))
+            w.future.set_result(
+                AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False, self.weight_sync_errors.pop(job, ""))
+            )
 
     async def _release(self, job: str, kind: GroupCommand) -> YieldResult:
         """The holder is gone (yield, lease expired, grant taken back): the next waiter, the samplers, or a
@@ -491,13 +528,17 @@ class Group:
         if any(x.job_id == job for x in self.waiters):
             raise NotHolder(f"job {job!r} is already waiting for group {self.group_id!r}")
         if not self.spec.samplers:
-            held = [o.group_id for o in self._orch.groups.values() if o.spec.samplers and
-                    (o.holder == job or any(x.job_id == job for x in o.waiters))]
+            held = [
+                o.group_id
+                for o in self._orch.groups.values()
+                if o.spec.samplers and (o.holder == job or any(x.job_id == job for x in o.waiters))
+            ]
             if held:
                 raise LockOrderViolation(
                     f"lock order: job {job!r} holds or waits for sampler group(s) {held} and asks for trainer group "
                     f"{self.group_id!r}; take the trainer group first, then the sampler group (weight sync holds "
-                    "both), so that no two jobs can deadlock")
+                    "both), so that no two jobs can deadlock"
+                )
         self._waiters.append(w)
         if self.phase in (P.FREE, P.DEFERRED):
             await self._grant(w, C.ACQUIRE)  # nothing to switch: no samplers
@@ -524,12 +565,19 @@ class Group:
     async def _on_lease_expired(self, cmd: Command) -> None:
         lease = self.lease
         now = self._orch.clock.now()
-        if (lease is None or lease.token != cmd.token or self.holder != lease.job_id or lease.expires_at is None
-                or now < lease.expires_at):
+        if (
+            lease is None
+            or lease.token != cmd.token
+            or self.holder != lease.job_id
+            or lease.expires_at is None
+            or now < lease.expires_at
+        ):
             self._enter(P.HELD, C.LEASE_EXPIRED)  # a heartbeat renewed it meanwhile, or another grant
             return
-        why = (f"its lease (token {lease.token}) expired: no heartbeat for {lease.ttl_s:g} s, so the group was "
-               "reclaimed; restart the job from its last checkpoint and acquire again")
+        why = (
+            f"its lease (token {lease.token}) expired: no heartbeat for {lease.ttl_s:g} s, so the group was "
+            "reclaimed; restart the job from its last checkpoint and acquire again"
+        )
         log.error("group=%s job=%s %s", self.group_id, lease.job_id, why)
         self.expired_jobs[lease.job_id] = why
         self.last_error = f"job {lease.job_id!r}: {why}"
@@ -552,20 +600,20 @@ class Group:
             self._lease_timer.cancel()
         assert lease.expires_at is not None
         token = lease.token
-        self._lease_timer = self._orch.clock.call_at(
-            lease.expires_at, lambda: self.post(Command(C.LEASE_EXPIRED, token=token)))
+        self._lease_timer = self._orch.clock.call_at(lease.expires_at, lambda: self.post(Command(C.LEASE_EXPIRED, token=token)))
 
     async def _on_publish(self, cmd: Command) -> Group:
         weights = cmd.weights
         if not self.spec.samplers:
-            raise InvalidArgument(f"group {self.group_id!r} has no samplers to load weights into; publish on the "
-                                  "sampler group")
+            raise InvalidArgument(f"group {self.group_id!r} has no samplers to load weights into; publish on the sampler group")
         if not isinstance(weights, WeightUpdate):
             raise InvalidArgument("weights must be a WeightUpdate")
         latest = max(self.weights.version if self.weights else 0, max(self.sampler_versions.values(), default=0))
         if weights.version <= latest:
-            raise StaleWeightVersion(f"weight version {weights.version} is not newer than group {self.group_id!r}'s "
-                                     f"latest ({latest}); versions must increase")
+            raise StaleWeightVersion(
+                f"weight version {weights.version} is not newer than group {self.group_id!r}'s "
+                f"latest ({latest}); versions must increase"
+            )
         self._enter(P.HELD, C.PUBLISH_WEIGHTS)
         self.weights = weights
         self.weights_publisher = cmd.job_id
@@ -630,12 +678,17 @@ class Group:
         phase = self.phase
         if phase is P.HELD:
             if added:
-                log.warning("group=%s is held by %r: samplers %s join now and serve after its next wake",
-                            self.group_id, self.holder, [s.address for s in added])
+                log.warning(
+                    "group=%s is held by %r: samplers %s join now and serve after its next wake",
+                    self.group_id,
+                    self.holder,
+                    [s.address for s in added],
+                )
             self._enter(P.HELD, kind)
         elif added:
-            log.info("group=%s samplers added %s; waking/verifying them before they serve", self.group_id,
-                     [s.address for s in added])
+            log.info(
+                "group=%s samplers added %s; waking/verifying them before they serve", self.group_id, [s.address for s in added]
+            )
             self.deferred_job = None
             self._start_resume(SwitchKind.DISCOVERED, kind, samplers=added, replies=replies)
             return
@@ -670,11 +723,16 @@ class Group:
         rec.sleep_level = self.spec.sleep_level_for(w.job_id, w.job_id in self.publishers)
         self._switch = _Switch(rec, w)
         self._enter(P.DRAINING, kind)
-        self._spawn(self._step(self._orch.actions.drain_samplers, self.spec.copy(), rec, C.DRAINED, C.DRAIN_FAILED),
-                    "drain")
+        self._spawn(self._step(self._orch.actions.drain_samplers, self.spec.copy(), rec, C.DRAINED, C.DRAIN_FAILED), "drain")
 
-    async def _step(self, action: Callable[[GroupSpec, SwitchRecord], Coroutine[Any, Any, None]], spec: GroupSpec,
-                    rec: SwitchRecord, ok: GroupCommand, failed: GroupCommand) -> None:
+    async def _step(
+        self,
+        action: Callable[[GroupSpec, SwitchRecord], Coroutine[Any, Any, None]],
+        spec: GroupSpec,
+        rec: SwitchRecord,
+        ok: GroupCommand,
+        failed: GroupCommand,
+    ) -> None:
         try:
             await action(spec, rec)
         except Exception as exc:
@@ -685,8 +743,10 @@ class Group:
     async def _on_drained(self, cmd: Command) -> None:
         assert self._switch is not None
         self._enter(P.SUSPENDING, C.DRAINED)
-        self._spawn(self._step(self._orch.actions.suspend_samplers, self.spec.copy(), self._switch.record,
-                               C.SUSPENDED, C.SUSPEND_FAILED), "suspend")
+        self._spawn(
+            self._step(self._orch.actions.suspend_samplers, self.spec.copy(), self._switch.record, C.SUSPENDED, C.SUSPEND_FAILED),
+            "suspend",
+        )
 
     async def _on_suspended(self, cmd: Command) -> None:
         sw = self._switch
@@ -719,23 +779,28 @@ class Group:
         self._start_resume(SwitchKind.TO_SAMPLERS, cmd.kind, after_job=rec.job_id)
 
     # ------------------------------------------------------------------ switch to the samplers
-    def resume_record(self, kind: SwitchKind, after_job: str = "",
-                      samplers: list[SamplerEndpoint] | None = None) -> SwitchRecord:
+    def resume_record(self, kind: SwitchKind, after_job: str = "", samplers: list[SamplerEndpoint] | None = None) -> SwitchRecord:
         """A record for waking ``samplers`` (default: all): their weight versions, and the version to load (the
         target) when any is below it (always for a reconcile or repair: an engine may have restarted meanwhile)."""
         rec = SwitchRecord(self.group_id, kind, after_job, self._orch.clock.wall())
         for smp in self.spec.samplers if samplers is None else samplers:
             rec.sampler_versions[smp.address] = self.sampler_versions.get(smp.address, 0)
         target = self.target_weights
-        if target is not None and (kind in (SwitchKind.RECONCILE, SwitchKind.REPAIR)
-                                   or any(v < target.version for v in rec.sampler_versions.values())):
+        if target is not None and (
+            kind in (SwitchKind.RECONCILE, SwitchKind.REPAIR) or any(v < target.version for v in rec.sampler_versions.values())
+        ):
             rec.weights = target
         return rec
 
-    def _start_resume(self, kind: SwitchKind, cmd: GroupCommand, after_job: str = "",
-                      samplers: list[SamplerEndpoint] | None = None,
-                      replies: list[asyncio.Future[Any]] | None = None,
-                      engine_faults: dict[str, EngineFault] | None = None) -> None:
+    def _start_resume(
+        self,
+        kind: SwitchKind,
+        cmd: GroupCommand,
+        after_job: str = "",
+        samplers: list[SamplerEndpoint] | None = None,
+        replies: list[asyncio.Future[Any]] | None = None,
+        engine_faults: dict[str, EngineFault] | None = None,
+    ) -> None:
         targets = list(self.spec.samplers) if samplers is None else samplers
         rec = self.resume_record(kind, after_job, targets)
         rec.engine_faults = dict(engine_faults or {})
@@ -747,14 +812,18 @@ class Group:
         take_out = self._orch.actions.take_out_of_service if engine_faults else None
         self._spawn(self._resume_step(spec, rec, done, take_out), "repair" if repair else "resume")
 
-    async def _resume_step(self, spec: GroupSpec, rec: SwitchRecord, done: GroupCommand,
-                           take_out: Callable[[GroupSpec], Coroutine[Any, Any, None]] | None) -> None:
+    async def _resume_step(
+        self,
+        spec: GroupSpec,
+        rec: SwitchRecord,
+        done: GroupCommand,
+        take_out: Callable[[GroupSpec], Coroutine[Any, Any, None]] | None,
+    ) -> None:
         if take_out is not None:
             try:
                 await take_out(spec)
             except Exception as exc:
-                log.error("group=%s taking %s out of service failed: %s", spec.group_id,
-                          [s.address for s in spec.samplers], exc)
+                log.error("group=%s taking %s out of service failed: %s", spec.group_id, [s.address for s in spec.samplers], exc)
         try:
             await self._orch.actions.resume_samplers(spec, rec)
         except Exception as exc:
@@ -813,19 +882,25 @@ class Group:
             if not loaded and self.weights is not None and w.version == self.weights.version:
                 # Nobody could load it: not retried until a newer version is published.
                 self.rejected = RejectedWeights(w.version, reasons)
-                problems.append(f"weight version {w.version} was rejected by {len(rec.weights_rejected)} of {n} "
-                                "sampler(s) and is not retried until a newer version is published; they serve "
-                                f"version {self.serving_version}: {reasons}")
+                problems.append(
+                    f"weight version {w.version} was rejected by {len(rec.weights_rejected)} of {n} "
+                    "sampler(s) and is not retried until a newer version is published; they serve "
+                    f"version {self.serving_version}: {reasons}"
+                )
             else:
-                problems.append(f"weight version {w.version} was refused by {len(rec.weights_rejected)} of {n} "
-                                f"sampler(s), which serve their last good version: {reasons}")
+                problems.append(
+                    f"weight version {w.version} was refused by {len(rec.weights_rejected)} of {n} "
+                    f"sampler(s), which serve their last good version: {reasons}"
+                )
             log.error("group=%s %s", self.group_id, problems[-1])
         if loaded and (self.last_good is None or w.version > self.last_good.version):
             self.last_good = w
         if rec.sampler_errors:
-            problems.append(f"weight version {w.version} did not load on {len(rec.sampler_errors)} of {n} "
-                            "sampler(s), which stay out of service at their old version: "
-                            + "; ".join(f"{a}: {e}" for a, e in sorted(rec.sampler_errors.items())))
+            problems.append(
+                f"weight version {w.version} did not load on {len(rec.sampler_errors)} of {n} "
+                "sampler(s), which stay out of service at their old version: "
+                + "; ".join(f"{a}: {e}" for a, e in sorted(rec.sampler_errors.items()))
+            )
         if problems:
             self.weight_sync_errors[publisher] = "; ".join(problems)
 
@@ -866,8 +941,7 @@ class Group:
                 self.unreachable_engines.add(addr)
         self.last_error = "; ".join(f"{a}: {why}" for a, (_, why) in sorted(faults.items()))
         bad = [s for s in self.spec.samplers if s.address in faults]
-        self._start_resume(SwitchKind.REPAIR, C.AUDITED, samplers=bad,
-                           engine_faults={a: f for a, (f, _) in faults.items()})
+        self._start_resume(SwitchKind.REPAIR, C.AUDITED, samplers=bad, engine_faults={a: f for a, (f, _) in faults.items()})
 
     async def _on_probed(self, cmd: Command) -> None:
         back = False
@@ -885,8 +959,11 @@ class Group:
             self._enter(P.OUT_OF_SERVICE, C.PROBED)
 
     async def _on_repair_tick(self, cmd: Command) -> None:
-        log.warning("group=%s samplers out of service (%s); retrying the wake", self.group_id,
-                    self.last_error or ", ".join(sorted(self.sampler_errors)))
+        log.warning(
+            "group=%s samplers out of service (%s); retrying the wake",
+            self.group_id,
+            self.last_error or ", ".join(sorted(self.sampler_errors)),
+        )
         self._start_repair(C.REPAIR_TICK)
 
     def _start_repair(self, kind: GroupCommand) -> None:
@@ -913,18 +990,21 @@ class Group:
         """What survives a restart, JSON-serialisable."""
         lease = self.lease
         return {
-            "state": self.state.value, "phase": self.phase.value, "holder": self.holder,
+            "state": self.state.value,
+            "phase": self.phase.value,
+            "holder": self.holder,
             "loaded_job": self.deferred_job if self.phase is P.DEFERRED else self.holder,
             "last_token": self.last_token,
-            "lease": None if lease is None else {"job_id": lease.job_id, "token": lease.token, "ttl_s": lease.ttl_s,
-                                                "armed": lease.expires_at is not None},
+            "lease": None
+            if lease is None
+            else {"job_id": lease.job_id, "token": lease.token, "ttl_s": lease.ttl_s, "armed": lease.expires_at is not None},
             "expired_jobs": dict(self.expired_jobs),
             "weights": None if self.weights is None else self.weights.to_json(),
             "last_good": None if self.last_good is None else self.last_good.to_json(),
-            "rejected": None if self.rejected is None else {"version": self.rejected.version,
-                                                            "error": self.rejected.error},
+            "rejected": None if self.rejected is None else {"version": self.rejected.version, "error": self.rejected.error},
             "weights_publisher": self.weights_publisher,
-            "sampler_versions": dict(self.sampler_versions), "publishers": sorted(self.publishers),
+            "sampler_versions": dict(self.sampler_versions),
+            "publishers": sorted(self.publishers),
         }
 
     def restore(self, d: dict[str, Any] | None) -> RestoreOutcome:
@@ -941,8 +1021,7 @@ class Group:
             self.rejected = RejectedWeights(int(rej["version"]), str(rej.get("error", ""))) if rej else None
             self.weights_publisher = d.get("weights_publisher")
             known = {s.address for s in self.spec.samplers}
-            self.sampler_versions.update({a: int(v) for a, v in (d.get("sampler_versions") or {}).items()
-                                          if a in known})
+            self.sampler_versions.update({a: int(v) for a, v in (d.get("sampler_versions") or {}).items() if a in known})
             self.publishers = set(d.get("publishers") or [])
             lease = d.get("lease")
             if d.get("holder") and lease:
@@ -985,11 +1064,24 @@ class Group:
             _fail(fut, err)
 
     _handlers: dict[GroupCommand, Callable[[Group, Command], Coroutine[Any, Any, Any]]] = {
-        C.ACQUIRE: _on_acquire, C.ABANDON: _on_abandon, C.YIELD: _on_yield, C.HEARTBEAT: _on_heartbeat,
-        C.PUBLISH_WEIGHTS: _on_publish, C.LEASE_EXPIRED: _on_lease_expired, C.SPEC_UPDATE: _on_spec_update,
-        C.AUDIT_TICK: _on_audit_tick, C.REPAIR_TICK: _on_repair_tick, C.START: _on_start, C.DRAINED: _on_drained,
-        C.DRAIN_FAILED: _on_switch_failed, C.SUSPENDED: _on_suspended, C.SUSPEND_FAILED: _on_switch_failed,
-        C.RESUMED: _on_resumed, C.REPAIRED: _on_resumed, C.AUDITED: _on_audited, C.PROBED: _on_probed,
+        C.ACQUIRE: _on_acquire,
+        C.ABANDON: _on_abandon,
+        C.YIELD: _on_yield,
+        C.HEARTBEAT: _on_heartbeat,
+        C.PUBLISH_WEIGHTS: _on_publish,
+        C.LEASE_EXPIRED: _on_lease_expired,
+        C.SPEC_UPDATE: _on_spec_update,
+        C.AUDIT_TICK: _on_audit_tick,
+        C.REPAIR_TICK: _on_repair_tick,
+        C.START: _on_start,
+        C.DRAINED: _on_drained,
+        C.DRAIN_FAILED: _on_switch_failed,
+        C.SUSPENDED: _on_suspended,
+        C.SUSPEND_FAILED: _on_switch_failed,
+        C.RESUMED: _on_resumed,
+        C.REPAIRED: _on_resumed,
+        C.AUDITED: _on_audited,
+        C.PROBED: _on_probed,
     }
 
 
@@ -1009,8 +1101,13 @@ class Orchestrator:
         clock: time for leases, repair and audit (default: the event loop's).
     """
 
-    def __init__(self, specs: Iterable[GroupSpec], actions: SwitchActions,
-                 on_switch: Callable[[SwitchRecord], None] | None = None, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        specs: Iterable[GroupSpec],
+        actions: SwitchActions,
+        on_switch: Callable[[SwitchRecord], None] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         if not isinstance(actions, SwitchActions):
             raise TypeError(f"actions must be a SwitchActions subclass, got {type(actions).__name__}")
         self.clock: Clock = clock or LoopClock()
@@ -1069,8 +1166,8 @@ class Orchestrator:
             if w.future.done() and not w.future.cancelled():
                 return w.future.result()  # granted (or failed) just before it gave up
             raise AcquireTimedOut(
-                f"job {job_id!r} waited {timeout_s:g} s for group {group_id!r} (holder {g.holder!r}, "
-                f"{len(g.waiters)} waiting)") from None
+                f"job {job_id!r} waited {timeout_s:g} s for group {group_id!r} (holder {g.holder!r}, {len(g.waiters)} waiting)"
+            ) from None
         except asyncio.CancelledError:
             g.post(Command(C.ABANDON, waiter=w))
             raise
@@ -1087,8 +1184,7 @@ class Orchestrator:
         result: YieldResult = await self.group(group_id).ask(Command(C.YIELD, job_id=job_id, token=fencing_token))
         return result
 
-    async def publish_weights(self, job_id: str, group_id: str, weights: WeightUpdate,
-                              fencing_token: int | None = None) -> Group:
+    async def publish_weights(self, job_id: str, group_id: str, weights: WeightUpdate, fencing_token: int | None = None) -> Group:
         """Record ``weights`` as the group's next weight version; the samplers load it when they wake.
 
         Raises:
@@ -1097,8 +1193,7 @@ class Orchestrator:
         """
         if not job_id:
             raise InvalidArgument("job_id is required")
-        g: Group = await self.group(group_id).ask(Command(C.PUBLISH_WEIGHTS, job_id=job_id, token=fencing_token,
-                                                          weights=weights))
+        g: Group = await self.group(group_id).ask(Command(C.PUBLISH_WEIGHTS, job_id=job_id, token=fencing_token, weights=weights))
         return g
 
     def lease(self, job_id: str, group_id: str) -> Lease:
@@ -1108,8 +1203,9 @@ class Orchestrator:
         g = self.group(group_id)
         if g.holder != job_id or g.lease is None:
             why = g.expired_jobs.get(job_id)
-            raise NotHolder(f"job {job_id!r} does not hold group {group_id!r} (holder: {g.holder!r})"
-                            + (f"; {why}" if why else ""))
+            raise NotHolder(
+                f"job {job_id!r} does not hold group {group_id!r} (holder: {g.holder!r})" + (f"; {why}" if why else "")
+            )
         return replace(g.lease)
 
     async def heartbeat(self, job_id: str, group_id: str, fencing_token: int) -> Lease:

@@ -115,8 +115,10 @@ class FileStateStore:
         try:
             return json.loads(self.path.read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"orchestrator state file {self.path} is not valid JSON ({exc}); fix or remove it "
-                             "(removing it forgets current holders: samplers are woken at start)") from exc
+            raise ValueError(
+                f"orchestrator state file {self.path} is not valid JSON ({exc}); fix or remove it "
+                "(removing it forgets current holders: samplers are woken at start)"
+            ) from exc
 
     def save(self, state: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,9 +167,10 @@ class ConfigMapStateStore:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise RuntimeError(f"reading ConfigMap {self.namespace}/{self.name}: HTTP {exc.status} {exc.reason}"
-                               + (" (RBAC: the orchestrator needs `get` on configmaps)" if exc.status == 403 else "")
-                               ) from None
+            raise RuntimeError(
+                f"reading ConfigMap {self.namespace}/{self.name}: HTTP {exc.status} {exc.reason}"
+                + (" (RBAC: the orchestrator needs `get` on configmaps)" if exc.status == 403 else "")
+            ) from None
         self.resource_version = cm.metadata.resource_version if cm.metadata is not None else None
         raw = (cm.data or {}).get(self.KEY)
         if not raw:
@@ -175,17 +178,22 @@ class ConfigMapStateStore:
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"ConfigMap {self.namespace}/{self.name} key {self.KEY} is not valid JSON ({exc}); "
-                             "fix or delete it (deleting forgets current holders)") from exc
+            raise ValueError(
+                f"ConfigMap {self.namespace}/{self.name} key {self.KEY} is not valid JSON ({exc}); "
+                "fix or delete it (deleting forgets current holders)"
+            ) from exc
 
     def save(self, state: dict) -> None:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
         where = f"ConfigMap {self.namespace}/{self.name}"
-        meta = client.V1ObjectMeta(name=self.name, namespace=self.namespace,
-                                   labels={"app.kubernetes.io/name": "llmd-timeslice"},
-                                   resource_version=self.resource_version)
+        meta = client.V1ObjectMeta(
+            name=self.name,
+            namespace=self.namespace,
+            labels={"app.kubernetes.io/name": "llmd-timeslice"},
+            resource_version=self.resource_version,
+        )
         body = client.V1ConfigMap(metadata=meta, data={self.KEY: json.dumps(state)})
         try:
             if self.resource_version is None:
@@ -199,12 +207,14 @@ class ConfigMapStateStore:
                     f"{where} was changed by another writer since this orchestrator last read or wrote it "
                     f"(HTTP 409 at resourceVersion {self.resource_version or '(new)'}): is a second orchestrator "
                     "running against it? Nothing was overwritten; stop the other one (one replica, strategy "
-                    "Recreate), then restart this one so that it reads the current state") from None
+                    "Recreate), then restart this one so that it reads the current state"
+                ) from None
             if exc.status == 404 and self.resource_version is not None:
                 self.resource_version = None  # deleted meanwhile: create it again
                 return self.save(state)
             log.error("saving orchestrator state to %s failed: HTTP %s", where, exc.status)
-            raise RuntimeError(f"saving state to {where}: HTTP {exc.status}"
-                               + (" (RBAC: needs `update`/`create` on configmaps)" if exc.status == 403 else "")
-                               ) from None
+            raise RuntimeError(
+                f"saving state to {where}: HTTP {exc.status}"
+                + (" (RBAC: needs `update`/`create` on configmaps)" if exc.status == 403 else "")
+            ) from None
         self.resource_version = written.metadata.resource_version if written.metadata is not None else None

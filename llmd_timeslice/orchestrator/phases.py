@@ -80,24 +80,26 @@ class GroupState(enum.Enum):
     SWITCHING = "SWITCHING"
 
 
-WIRE_STATE: MappingProxyType[GroupPhase, GroupState] = MappingProxyType({
-    GroupPhase.FREE: GroupState.IDLE,
-    GroupPhase.SERVING: GroupState.IDLE,
-    GroupPhase.OUT_OF_SERVICE: GroupState.IDLE,
-    GroupPhase.DRAINING: GroupState.SWITCHING,
-    GroupPhase.SUSPENDING: GroupState.SWITCHING,
-    GroupPhase.HELD: GroupState.LOCKED,
-    GroupPhase.DEFERRED: GroupState.IDLE_YIELDED,
-    GroupPhase.RESUMING: GroupState.SWITCHING,
-    GroupPhase.REPAIRING: GroupState.SWITCHING,
-})
+WIRE_STATE: MappingProxyType[GroupPhase, GroupState] = MappingProxyType(
+    {
+        GroupPhase.FREE: GroupState.IDLE,
+        GroupPhase.SERVING: GroupState.IDLE,
+        GroupPhase.OUT_OF_SERVICE: GroupState.IDLE,
+        GroupPhase.DRAINING: GroupState.SWITCHING,
+        GroupPhase.SUSPENDING: GroupState.SWITCHING,
+        GroupPhase.HELD: GroupState.LOCKED,
+        GroupPhase.DEFERRED: GroupState.IDLE_YIELDED,
+        GroupPhase.RESUMING: GroupState.SWITCHING,
+        GroupPhase.REPAIRING: GroupState.SWITCHING,
+    }
+)
 
-STABLE_PHASES = frozenset({GroupPhase.FREE, GroupPhase.SERVING, GroupPhase.OUT_OF_SERVICE, GroupPhase.HELD,
-                           GroupPhase.DEFERRED})
+STABLE_PHASES = frozenset({GroupPhase.FREE, GroupPhase.SERVING, GroupPhase.OUT_OF_SERVICE, GroupPhase.HELD, GroupPhase.DEFERRED})
 """Phases with no phase switch in flight: a spec update applies at once in them."""
 
-SAMPLERS_LOADED = frozenset({GroupPhase.SERVING, GroupPhase.OUT_OF_SERVICE, GroupPhase.RESUMING,
-                             GroupPhase.REPAIRING, GroupPhase.DRAINING})
+SAMPLERS_LOADED = frozenset(
+    {GroupPhase.SERVING, GroupPhase.OUT_OF_SERVICE, GroupPhase.RESUMING, GroupPhase.REPAIRING, GroupPhase.DRAINING}
+)
 """Phases in which the samplers hold the accelerators (awake, or some of them being woken)."""
 
 
@@ -128,64 +130,66 @@ class GroupCommand(enum.Enum):
 
 P, C = GroupPhase, GroupCommand
 
-TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPhase]] = MappingProxyType({
-    key: frozenset(nexts) for key, nexts in {
-        # no samplers, nothing loaded
-        (P.FREE, C.ACQUIRE): {P.HELD},
-        (P.FREE, C.SPEC_UPDATE): {P.FREE, P.RESUMING},
-        (P.FREE, C.START): {P.FREE},
-        # samplers serving
-        (P.SERVING, C.ACQUIRE): {P.DRAINING},
-        (P.SERVING, C.SPEC_UPDATE): {P.SERVING, P.RESUMING, P.FREE},
-        (P.SERVING, C.AUDIT_TICK): {P.SERVING},
-        (P.SERVING, C.AUDITED): {P.SERVING, P.REPAIRING},
-        (P.SERVING, C.START): {P.SERVING, P.RESUMING},
-        # samplers loaded, some out of service
-        (P.OUT_OF_SERVICE, C.ACQUIRE): {P.DRAINING},
-        (P.OUT_OF_SERVICE, C.SPEC_UPDATE): {P.OUT_OF_SERVICE, P.SERVING, P.RESUMING, P.FREE},
-        (P.OUT_OF_SERVICE, C.REPAIR_TICK): {P.REPAIRING},
-        (P.OUT_OF_SERVICE, C.AUDIT_TICK): {P.OUT_OF_SERVICE},
-        (P.OUT_OF_SERVICE, C.PROBED): {P.OUT_OF_SERVICE, P.REPAIRING},
-        # drain barrier
-        (P.DRAINING, C.DRAINED): {P.SUSPENDING},
-        (P.DRAINING, C.DRAIN_FAILED): {P.RESUMING},
-        (P.DRAINING, C.ACQUIRE): {P.DRAINING},
-        (P.DRAINING, C.SPEC_UPDATE): {P.DRAINING},
-        # engines going to sleep
-        (P.SUSPENDING, C.SUSPENDED): {P.HELD, P.RESUMING},
-        (P.SUSPENDING, C.SUSPEND_FAILED): {P.RESUMING},
-        (P.SUSPENDING, C.ACQUIRE): {P.SUSPENDING},
-        (P.SUSPENDING, C.SPEC_UPDATE): {P.SUSPENDING},
-        # a job holds the lease
-        (P.HELD, C.YIELD): {P.HELD, P.RESUMING, P.DEFERRED},
-        (P.HELD, C.LEASE_EXPIRED): {P.HELD, P.RESUMING, P.DEFERRED},
-        (P.HELD, C.GRANT_NOT_SAVED): {P.HELD, P.RESUMING, P.FREE},
-        (P.HELD, C.HEARTBEAT): {P.HELD},
-        (P.HELD, C.PUBLISH_WEIGHTS): {P.HELD},
-        (P.HELD, C.ACQUIRE): {P.HELD},
-        (P.HELD, C.SPEC_UPDATE): {P.HELD},
-        (P.HELD, C.START): {P.HELD},
-        # deferred snapshot (no samplers)
-        (P.DEFERRED, C.ACQUIRE): {P.HELD},
-        (P.DEFERRED, C.SPEC_UPDATE): {P.DEFERRED, P.RESUMING},
-        (P.DEFERRED, C.START): {P.DEFERRED},
-        # samplers waking
-        (P.RESUMING, C.RESUMED): {P.SERVING, P.OUT_OF_SERVICE, P.DRAINING},
-        (P.RESUMING, C.ACQUIRE): {P.RESUMING},
-        (P.RESUMING, C.SPEC_UPDATE): {P.RESUMING},
-        # out-of-service samplers waking
-        (P.REPAIRING, C.REPAIRED): {P.SERVING, P.OUT_OF_SERVICE, P.DRAINING},
-        (P.REPAIRING, C.ACQUIRE): {P.REPAIRING},
-        (P.REPAIRING, C.SPEC_UPDATE): {P.REPAIRING},
-        # a waiter gives up (deadline, disconnect): it leaves the queue, in any phase
-        **{(p, C.ABANDON): {p} for p in GroupPhase},
-    }.items()
-})
+TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPhase]] = MappingProxyType(
+    {
+        key: frozenset(nexts)
+        for key, nexts in {
+            # no samplers, nothing loaded
+            (P.FREE, C.ACQUIRE): {P.HELD},
+            (P.FREE, C.SPEC_UPDATE): {P.FREE, P.RESUMING},
+            (P.FREE, C.START): {P.FREE},
+            # samplers serving
+            (P.SERVING, C.ACQUIRE): {P.DRAINING},
+            (P.SERVING, C.SPEC_UPDATE): {P.SERVING, P.RESUMING, P.FREE},
+            (P.SERVING, C.AUDIT_TICK): {P.SERVING},
+            (P.SERVING, C.AUDITED): {P.SERVING, P.REPAIRING},
+            (P.SERVING, C.START): {P.SERVING, P.RESUMING},
+            # samplers loaded, some out of service
+            (P.OUT_OF_SERVICE, C.ACQUIRE): {P.DRAINING},
+            (P.OUT_OF_SERVICE, C.SPEC_UPDATE): {P.OUT_OF_SERVICE, P.SERVING, P.RESUMING, P.FREE},
+            (P.OUT_OF_SERVICE, C.REPAIR_TICK): {P.REPAIRING},
+            (P.OUT_OF_SERVICE, C.AUDIT_TICK): {P.OUT_OF_SERVICE},
+            (P.OUT_OF_SERVICE, C.PROBED): {P.OUT_OF_SERVICE, P.REPAIRING},
+            # drain barrier
+            (P.DRAINING, C.DRAINED): {P.SUSPENDING},
+            (P.DRAINING, C.DRAIN_FAILED): {P.RESUMING},
+            (P.DRAINING, C.ACQUIRE): {P.DRAINING},
+            (P.DRAINING, C.SPEC_UPDATE): {P.DRAINING},
+            # engines going to sleep
+            (P.SUSPENDING, C.SUSPENDED): {P.HELD, P.RESUMING},
+            (P.SUSPENDING, C.SUSPEND_FAILED): {P.RESUMING},
+            (P.SUSPENDING, C.ACQUIRE): {P.SUSPENDING},
+            (P.SUSPENDING, C.SPEC_UPDATE): {P.SUSPENDING},
+            # a job holds the lease
+            (P.HELD, C.YIELD): {P.HELD, P.RESUMING, P.DEFERRED},
+            (P.HELD, C.LEASE_EXPIRED): {P.HELD, P.RESUMING, P.DEFERRED},
+            (P.HELD, C.GRANT_NOT_SAVED): {P.HELD, P.RESUMING, P.FREE},
+            (P.HELD, C.HEARTBEAT): {P.HELD},
+            (P.HELD, C.PUBLISH_WEIGHTS): {P.HELD},
+            (P.HELD, C.ACQUIRE): {P.HELD},
+            (P.HELD, C.SPEC_UPDATE): {P.HELD},
+            (P.HELD, C.START): {P.HELD},
+            # deferred snapshot (no samplers)
+            (P.DEFERRED, C.ACQUIRE): {P.HELD},
+            (P.DEFERRED, C.SPEC_UPDATE): {P.DEFERRED, P.RESUMING},
+            (P.DEFERRED, C.START): {P.DEFERRED},
+            # samplers waking
+            (P.RESUMING, C.RESUMED): {P.SERVING, P.OUT_OF_SERVICE, P.DRAINING},
+            (P.RESUMING, C.ACQUIRE): {P.RESUMING},
+            (P.RESUMING, C.SPEC_UPDATE): {P.RESUMING},
+            # out-of-service samplers waking
+            (P.REPAIRING, C.REPAIRED): {P.SERVING, P.OUT_OF_SERVICE, P.DRAINING},
+            (P.REPAIRING, C.ACQUIRE): {P.REPAIRING},
+            (P.REPAIRING, C.SPEC_UPDATE): {P.REPAIRING},
+            # a waiter gives up (deadline, disconnect): it leaves the queue, in any phase
+            **{(p, C.ABANDON): {p} for p in GroupPhase},
+        }.items()
+    }
+)
 """(phase, command) -> the phases the command may lead to (the current one where it stays)."""
 
 IGNORED: frozenset[tuple[GroupPhase, GroupCommand]] = frozenset(
-    {(p, c) for p in GroupPhase for c in (C.AUDIT_TICK, C.REPAIR_TICK, C.AUDITED, C.PROBED, C.LEASE_EXPIRED)}
-    - set(TRANSITIONS)
+    {(p, c) for p in GroupPhase for c in (C.AUDIT_TICK, C.REPAIR_TICK, C.AUDITED, C.PROBED, C.LEASE_EXPIRED)} - set(TRANSITIONS)
 )
 """Late timer ticks and stale advisory results: dropped without a transition (not an error)."""
 
@@ -194,17 +198,20 @@ class IllegalTransition(OrchestratorError):
     """A command arrived in a phase that does not accept it, or led to a phase the table does not list
     (a bug in the orchestrator, or a caller acting out of turn); the message names both (FAILED_PRECONDITION)."""
 
-    def __init__(self, group_id: str, phase: GroupPhase, command: GroupCommand,
-                 to: GroupPhase | None = None) -> None:
+    def __init__(self, group_id: str, phase: GroupPhase, command: GroupCommand, to: GroupPhase | None = None) -> None:
         self.group_id, self.phase, self.command, self.to = group_id, phase, command, to
         allowed = sorted(p.name for p in TRANSITIONS.get((phase, command), ()))
         if to is None:
             accepted = sorted(c.name for (p, c) in TRANSITIONS if p is phase)
-            msg = (f"group {group_id!r}: command {command.name} is not accepted in phase {phase.name} "
-                   f"(accepted there: {', '.join(accepted)})")
+            msg = (
+                f"group {group_id!r}: command {command.name} is not accepted in phase {phase.name} "
+                f"(accepted there: {', '.join(accepted)})"
+            )
         else:
-            msg = (f"group {group_id!r}: {command.name} in phase {phase.name} cannot lead to {to.name} "
-                   f"(legal: {', '.join(allowed) or 'none'})")
+            msg = (
+                f"group {group_id!r}: {command.name} in phase {phase.name} cannot lead to {to.name} "
+                f"(legal: {', '.join(allowed) or 'none'})"
+            )
         super().__init__(msg)
 
 

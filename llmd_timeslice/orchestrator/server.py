@@ -57,12 +57,22 @@ class OrchestratorServer:
         clock: time for leases, repair and audit (default: the event loop's).
     """
 
-    def __init__(self, inventory: Inventory, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 token: str | None = None, actions: SwitchActions | None = None,
-                 reconcile_on_start: bool = True, state_store: StateStore | None = None,
-                 job_tokens: dict[str, str] | None = None, require_job_tokens: bool = False,
-                 tls_files: tls.TlsFiles | None = None, engine_audit_interval_s: float = 10.0,
-                 labeler: ServingLabeler | None = None, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        inventory: Inventory,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        token: str | None = None,
+        actions: SwitchActions | None = None,
+        reconcile_on_start: bool = True,
+        state_store: StateStore | None = None,
+        job_tokens: dict[str, str] | None = None,
+        require_job_tokens: bool = False,
+        tls_files: tls.TlsFiles | None = None,
+        engine_audit_interval_s: float = 10.0,
+        labeler: ServingLabeler | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.inventory = inventory
         self.engine_audit_interval_s = engine_audit_interval_s
         self.jobs = auth.JobAuthorizer(job_tokens, require_job_tokens)
@@ -79,17 +89,21 @@ class OrchestratorServer:
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
-        self._server = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(
-            self.token, extra_tokens=tuple(self.jobs.job_tokens.values())))
+        self._server = aio.server(
+            options=SERVER_OPTIONS,
+            interceptors=auth.server_interceptors(self.token, extra_tokens=tuple(self.jobs.job_tokens.values())),
+        )
         pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
             OrchestratorService(self.orchestrator, self.jobs), self._server
         )
         gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
         lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator, self.jobs), self._server)
-        weights_pb2_grpc.add_WeightVersionServiceServicer_to_server(WeightVersionServicer(self.orchestrator, self.jobs),
-                                                                   self._server)
-        orchestrator_info_pb2_grpc.add_OrchestratorInfoServiceServicer_to_server(OrchestratorInfo(self.orchestrator),
-                                                                                 self._server)
+        weights_pb2_grpc.add_WeightVersionServiceServicer_to_server(
+            WeightVersionServicer(self.orchestrator, self.jobs), self._server
+        )
+        orchestrator_info_pb2_grpc.add_OrchestratorInfoServiceServicer_to_server(
+            OrchestratorInfo(self.orchestrator), self._server
+        )
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
@@ -99,8 +113,11 @@ class OrchestratorServer:
             if saved:
                 todo = self.orchestrator.restore(saved)
                 self.hub.assume_recent(saved.get("gates") or {})
-                log.info("restored state: %s; gates known before the restart: %s",
-                         {gid: o.value for gid, o in todo.items()}, sorted(saved.get("gates") or {}))
+                log.info(
+                    "restored state: %s; gates known before the restart: %s",
+                    {gid: o.value for gid, o in todo.items()},
+                    sorted(saved.get("gates") or {}),
+                )
                 held = [gid for gid, o in todo.items() if o is RestoreOutcome.HELD]
                 if held:
                     log.info("groups still held after the restart (samplers stay asleep): %s", held)

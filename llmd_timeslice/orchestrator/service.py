@@ -30,12 +30,16 @@ from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 # Upstream metric names where the meaning is the same (shared/upstream-api.md).
 QUEUE_DEPTH = Gauge("timeslice_orchestrator_queue_depth", "Jobs waiting for the group.", ["group_id"])
 ACQUIRE_WAIT = Histogram(
-    "timeslice_orchestrator_acquire_wait_duration_seconds", "Seconds from Acquire to grant.", ["group_id"],
+    "timeslice_orchestrator_acquire_wait_duration_seconds",
+    "Seconds from Acquire to grant.",
+    ["group_id"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
 DEFERRED = Counter("timeslice_orchestrator_deferred_snapshots_total", "Yields that deferred the snapshot.", ["group_id"])
 SWITCH_PHASE = Histogram(
-    "llmd_timeslice_orchestrator_switch_phase_seconds", "Seconds per phase-switch step.", ["group_id", "phase"],
+    "llmd_timeslice_orchestrator_switch_phase_seconds",
+    "Seconds per phase-switch step.",
+    ["group_id", "phase"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
@@ -67,13 +71,22 @@ _CODES: dict[type[core.OrchestratorError], grpc.StatusCode] = {
 }
 WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"
 """Trailing metadata of an Acquire granted to a job whose last published weight version failed to load."""
-WEIGHT_VERSION = Gauge("llmd_timeslice_orchestrator_sampler_weight_version",
-                       "Weight version each sampler serves (or last served, while out of service).", ["group_id", "address"])
-WEIGHT_SYNC_FAILED = Gauge("llmd_timeslice_orchestrator_sampler_weight_sync_failed",
-                           "1 while a sampler is out of service because its weight load failed.", ["group_id", "address"])
-ENGINE_FAULTS = Counter("llmd_timeslice_orchestrator_engine_faults_total",
-                        "Serving samplers whose engine the audit found restarted (another weight version) or asleep; "
-                        "each was taken out of service and woken again.", ["group_id", "reason"])
+WEIGHT_VERSION = Gauge(
+    "llmd_timeslice_orchestrator_sampler_weight_version",
+    "Weight version each sampler serves (or last served, while out of service).",
+    ["group_id", "address"],
+)
+WEIGHT_SYNC_FAILED = Gauge(
+    "llmd_timeslice_orchestrator_sampler_weight_sync_failed",
+    "1 while a sampler is out of service because its weight load failed.",
+    ["group_id", "address"],
+)
+ENGINE_FAULTS = Counter(
+    "llmd_timeslice_orchestrator_engine_faults_total",
+    "Serving samplers whose engine the audit found restarted (another weight version) or asleep; "
+    "each was taken out of service and woken again.",
+    ["group_id", "reason"],
+)
 
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"
 """Optional call metadata on Yield (project clients): the holder's fencing token, checked against the group's."""
@@ -171,14 +184,16 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
         )
         states = self._actions.job_states()
         agents = [
-            pb.SnapshotAgentJobState(agent=s.sidecar, job_id=s.job_id,
-                                     job_state=_JOB_STATE[states.get(s.address, JobState.RUNNING)])
+            pb.SnapshotAgentJobState(
+                agent=s.sidecar, job_id=s.job_id, job_state=_JOB_STATE[states.get(s.address, JobState.RUNNING)]
+            )
             for s in g.spec.samplers
         ]
         # Jobs whose lease expired are FAULTED until they acquire again (the message says what to do).
-        agents += [pb.SnapshotAgentJobState(agent="orchestrator", job_id=job,
-                                            job_state=pb.SnapshotAgentJobState.STATE_FAULTED)
-                   for job in sorted(g.expired_jobs)]
+        agents += [
+            pb.SnapshotAgentJobState(agent="orchestrator", job_id=job, job_state=pb.SnapshotAgentJobState.STATE_FAULTED)
+            for job in sorted(g.expired_jobs)
+        ]
         return pb.GetGroupStatusResponse(group=status, agent_job_states=agents)
 
 
@@ -204,8 +219,9 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     @staticmethod
     def _wire(lease: core.Lease, group_id: str, now: float) -> lease_pb2.Lease:
         left = max(0.0, lease.expires_at - now) if lease.expires_at is not None else 0.0
-        return lease_pb2.Lease(job_id=lease.job_id, group_id=group_id, fencing_token=lease.token, ttl_s=lease.ttl_s,
-                               expires_in_s=left)
+        return lease_pb2.Lease(
+            job_id=lease.job_id, group_id=group_id, fencing_token=lease.token, ttl_s=lease.ttl_s, expires_in_s=left
+        )
 
     async def GetLease(self, request, context):  # noqa: N802
         await _authorize(self._jobs, context, request.job_id)
@@ -241,13 +257,22 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
         else:
             groups = list(self._orch.groups.values())
         records = sorted((r for g in groups for r in g.history), key=lambda r: r.started_at, reverse=True)
-        return orchestrator_info_pb2.ListSwitchesResponse(switches=[
-            orchestrator_info_pb2.SwitchInfo(
-                group_id=r.group_id, kind=r.kind.value, job_id=r.job_id, started_at_unix_s=r.started_at, ok=r.ok,
-                error=r.error, phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"},
-                drain_cut_request_ids=r.drain_cut, parked_requests=r.parked_requests)
-            for r in records[: request.limit or 10]
-        ])
+        return orchestrator_info_pb2.ListSwitchesResponse(
+            switches=[
+                orchestrator_info_pb2.SwitchInfo(
+                    group_id=r.group_id,
+                    kind=r.kind.value,
+                    job_id=r.job_id,
+                    started_at_unix_s=r.started_at,
+                    ok=r.ok,
+                    error=r.error,
+                    phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"},
+                    drain_cut_request_ids=r.drain_cut,
+                    parked_requests=r.parked_requests,
+                )
+                for r in records[: request.limit or 10]
+            ]
+        )
 
 
 def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:
@@ -255,14 +280,21 @@ def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:
     ``rejected``: the latest published version samplers refused, until a newer one is published)."""
     target = g.target_weights
     pending = target if target is not None and any(v < target.version for v in g.sampler_versions.values()) else None
-    rejected = (weights_pb2.RejectedWeightVersion(version=g.rejected.version, error=g.rejected.error[:4000])
-                if g.rejected is not None else None)
+    rejected = (
+        weights_pb2.RejectedWeightVersion(version=g.rejected.version, error=g.rejected.error[:4000])
+        if g.rejected is not None
+        else None
+    )
     return weights_pb2.WeightVersionStatus(
-        group_id=g.spec.group_id, serving_version=g.serving_version,
+        group_id=g.spec.group_id,
+        serving_version=g.serving_version,
         pending=pending.to_pb() if pending is not None else None,
-        samplers=[weights_pb2.SamplerWeightVersion(address=a, version=v, in_service=a not in g.sampler_errors,
-                                                   error=g.sampler_errors.get(a, ""))
-                  for a, v in sorted(g.sampler_versions.items())],
+        samplers=[
+            weights_pb2.SamplerWeightVersion(
+                address=a, version=v, in_service=a not in g.sampler_errors, error=g.sampler_errors.get(a, "")
+            )
+            for a, v in sorted(g.sampler_versions.items())
+        ],
         last_error=g.last_error,
         rejected=rejected,
     )
@@ -286,8 +318,7 @@ class WeightVersionServicer(weights_pb2_grpc.WeightVersionServiceServicer):
         except InvalidWeightUpdate as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            g = await self._orch.publish_weights(request.job_id, request.group_id, update,
-                                                 request.fencing_token or None)
+            g = await self._orch.publish_weights(request.job_id, request.group_id, update, request.fencing_token or None)
         except core.OrchestratorError as exc:
             await _abort(context, exc)
         return weight_status(g)

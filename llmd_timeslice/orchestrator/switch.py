@@ -149,15 +149,29 @@ class GroupSpec:
 
     def settings(self) -> tuple:
         """Everything but the samplers (compared to decide whether a spec update changes settings)."""
-        return (self.sleep_level, self.drain_timeout_s, self.lease_ttl_s, self.policy,
-                tuple(sorted(self.job_priorities.items())), self.sleep_level_policy,
-                tuple(sorted(self.job_sleep_levels.items())))
+        return (
+            self.sleep_level,
+            self.drain_timeout_s,
+            self.lease_ttl_s,
+            self.policy,
+            tuple(sorted(self.job_priorities.items())),
+            self.sleep_level_policy,
+            tuple(sorted(self.job_sleep_levels.items())),
+        )
 
     def copy(self, samplers: list[SamplerEndpoint] | None = None) -> GroupSpec:
         """A copy (its own lists and maps), optionally with other samplers."""
-        return GroupSpec(self.group_id, list(self.samplers if samplers is None else samplers), self.sleep_level,
-                         self.drain_timeout_s, self.lease_ttl_s, self.policy, dict(self.job_priorities),
-                         self.sleep_level_policy, dict(self.job_sleep_levels))
+        return GroupSpec(
+            self.group_id,
+            list(self.samplers if samplers is None else samplers),
+            self.sleep_level,
+            self.drain_timeout_s,
+            self.lease_ttl_s,
+            self.policy,
+            dict(self.job_priorities),
+            self.sleep_level_policy,
+            dict(self.job_sleep_levels),
+        )
 
 
 @dataclass

@@ -45,8 +45,7 @@ class WorkloadChannel:
 
     @classmethod
     def from_register(cls, reg: pb.RegisterWorkload) -> WorkloadChannel:
-        modes = tuple(PB_TO_MODE[m] for m in reg.capabilities.supported_modes if m in PB_TO_MODE) or (
-            SuspendMode.OFFLOAD,)
+        modes = tuple(PB_TO_MODE[m] for m in reg.capabilities.supported_modes if m in PB_TO_MODE) or (SuspendMode.OFFLOAD,)
         default = PB_TO_MODE.get(reg.capabilities.default_mode, modes[0])
         return cls(reg.job_id, reg.group, modes, default, tuple(reg.capabilities.tags))
 
@@ -61,13 +60,16 @@ class WorkloadChannel:
         try:
             res: pb.CommandResult = await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise BackendError(f"workload {self.job_id!r} did not answer {kind} command {cmd.command_id} within "
-                               f"{timeout_s:g} s; it is left out of service: check the trainer process") from None
+            raise BackendError(
+                f"workload {self.job_id!r} did not answer {kind} command {cmd.command_id} within "
+                f"{timeout_s:g} s; it is left out of service: check the trainer process"
+            ) from None
         finally:
             self.pending.pop(cmd.command_id, None)
         if not res.ok:
-            raise BackendError(f"workload {self.job_id!r} failed {kind} command {cmd.command_id}: "
-                               f"{res.error or 'no error given'}")
+            raise BackendError(
+                f"workload {self.job_id!r} failed {kind} command {cmd.command_id}: {res.error or 'no error given'}"
+            )
 
     def on_result(self, res: pb.CommandResult) -> None:
         fut = self.pending.get(res.command_id)
@@ -83,8 +85,11 @@ class WorkloadChannel:
         self.closed = reason
         for cid, fut in list(self.pending.items()):
             if not fut.done():
-                fut.set_exception(BackendError(f"workload {self.job_id!r}: command {cid} got no result: {reason}; "
-                                               "the workload is left out of service"))
+                fut.set_exception(
+                    BackendError(
+                        f"workload {self.job_id!r}: command {cid} got no result: {reason}; the workload is left out of service"
+                    )
+                )
         self.outbox.put_nowait(None)
 
 
@@ -100,8 +105,7 @@ class WorkloadRegistry:
         self.channels[reg.job_id] = ch
         if old is not None:
             old.close(f"replaced by a newer registration of job {reg.job_id!r}")
-        log.info("workload registered job=%s group=%s modes=%s", reg.job_id, reg.group,
-                 [m.name for m in ch.supported_modes])
+        log.info("workload registered job=%s group=%s modes=%s", reg.job_id, reg.group, [m.name for m in ch.supported_modes])
         return ch
 
     def unregister(self, ch: WorkloadChannel) -> None:
@@ -130,17 +134,20 @@ class WorkloadChannelBackend(SnapshotBackend):
     def _channel(self) -> WorkloadChannel:
         ch = self.registry.get(self.job_id)
         if ch is None:
-            raise BackendError(f"no workload registered on WorkloadChannel for job {self.job_id!r}; start the trainer's "
-                               "workload client (llmd_timeslice.snapshot.workload) before snapshot/restore")
+            raise BackendError(
+                f"no workload registered on WorkloadChannel for job {self.job_id!r}; start the trainer's "
+                "workload client (llmd_timeslice.snapshot.workload) before snapshot/restore"
+            )
         return ch
 
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
         ch = self._channel()
         if mode not in ch.supported_modes:
-            raise BackendError(f"workload {self.job_id!r} does not support mode {mode.name} "
-                               f"(it registered {[m.name for m in ch.supported_modes]})")
-        cmd = pb.AgentCommand(command_id=uuid.uuid4().hex,
-                              snapshot=pb.SnapshotCommand(mode=MODE_TO_PB[mode], tags=tags))
+            raise BackendError(
+                f"workload {self.job_id!r} does not support mode {mode.name} "
+                f"(it registered {[m.name for m in ch.supported_modes]})"
+            )
+        cmd = pb.AgentCommand(command_id=uuid.uuid4().hex, snapshot=pb.SnapshotCommand(mode=MODE_TO_PB[mode], tags=tags))
         await ch.call(cmd, self.command_timeout_s)
         self._suspended = True
         return SuspendResult()

@@ -53,9 +53,14 @@ class BackendResolver:
     """Resolves (job, request config) to a backend; backends built on demand are kept and reused
     (a restore must reach the instance that did the snapshot, e.g. to know vLLM's sleep level)."""
 
-    def __init__(self, defaults: dict[str, SnapshotBackend], registry: WorkloadRegistry,
-                 annotations: dict[str, str] | None = None, command_timeout_s: float = 300.0,
-                 backend_kwargs: dict | None = None) -> None:
+    def __init__(
+        self,
+        defaults: dict[str, SnapshotBackend],
+        registry: WorkloadRegistry,
+        annotations: dict[str, str] | None = None,
+        command_timeout_s: float = 300.0,
+        backend_kwargs: dict | None = None,
+    ) -> None:
         self.defaults = defaults
         self.registry = registry
         self.annotations = dict(annotations or {})
@@ -96,8 +101,10 @@ class BackendResolver:
 
     def _endpoint_backend(self, name: str, job_id: str, endpoints: list[str]) -> SnapshotBackend:
         if len(endpoints) > 1:
-            raise ResolveError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{len(endpoints)} endpoints for job {job_id!r}; a sidecar job has one engine endpoint")
+            raise ResolveError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(endpoints)} endpoints for job {job_id!r}; a sidecar job has one engine endpoint",
+            )
         if endpoints:
             url = endpoints[0] if "://" in endpoints[0] else f"http://{endpoints[0]}"
             return self._build(name, job_id, base_url=url)
@@ -109,9 +116,10 @@ class BackendResolver:
     def _pids(self, job_id: str, given: list[int]) -> list[int]:
         pids = list(given) or [int(p) for p in (self._ann("pids", job_id) or "").replace(" ", "").split(",") if p]
         if not pids:
-            raise ResolveError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"cuda backend for job {job_id!r} needs pids (explicit_target or the "
-                               f"{ANNOTATION_PREFIX}pids annotation)")
+            raise ResolveError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cuda backend for job {job_id!r} needs pids (explicit_target or the {ANNOTATION_PREFIX}pids annotation)",
+            )
         return pids
 
     def resolve(self, job_id: str, cfg: pb.BackendConfig | None) -> Resolution:
@@ -131,9 +139,11 @@ class BackendResolver:
             return Resolution(backend, mode, list(c.tags), "request")
         if cfg is not None and which == "app_channel":
             if self.registry.get(job_id) is None:
-                raise ResolveError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"app_channel requested but no workload registered for job {job_id!r} on "
-                                   "WorkloadChannel; start the trainer's workload client first")
+                raise ResolveError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"app_channel requested but no workload registered for job {job_id!r} on "
+                    "WorkloadChannel; start the trainer's workload client first",
+                )
             ch = cfg.app_channel
             mode = self._wire_mode(ch.mode) or self._channel_mode(job_id)
             return Resolution(self._build("workload_channel", job_id), mode, list(ch.tags), "request")
@@ -141,29 +151,32 @@ class BackendResolver:
             pids = self._pids(job_id, list(cfg.cuda.explicit_target.pids))
             return Resolution(self._build("cuda", job_id, pids=pids), SuspendMode.OFFLOAD, [], "request")
         if which is not None:
-            raise ResolveError(grpc.StatusCode.UNIMPLEMENTED,
-                               f"backend config {which!r} is not served by this sidecar "
-                               "(it serves app_endpoint vLLM/SGLang, app_channel and cuda)")
+            raise ResolveError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"backend config {which!r} is not served by this sidecar "
+                "(it serves app_endpoint vLLM/SGLang, app_channel and cuda)",
+            )
         if self.registry.get(job_id) is not None:
-            return Resolution(self._build("workload_channel", job_id), self._channel_mode(job_id), [],
-                              "workload_channel")
+            return Resolution(self._build("workload_channel", job_id), self._channel_mode(job_id), [], "workload_channel")
         if name := self._ann("backend", job_id):
             mode = self._ann_mode() or SuspendMode.OFFLOAD
             if name == "cuda":
-                return Resolution(self._build("cuda", job_id, pids=self._pids(job_id, [])), SuspendMode.OFFLOAD, [],
-                                  "annotation")
+                return Resolution(self._build("cuda", job_id, pids=self._pids(job_id, [])), SuspendMode.OFFLOAD, [], "annotation")
             if name in ("vllm", "sglang"):
                 return Resolution(self._endpoint_backend(name, job_id, []), mode, [], "annotation")
             if name == "workload_channel":
                 return Resolution(self._build("workload_channel", job_id), mode, [], "annotation")
-            raise ResolveError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"pod annotation names unknown snapshot backend {name!r}; known: vllm, sglang, cuda, "
-                               "workload_channel")
+            raise ResolveError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pod annotation names unknown snapshot backend {name!r}; known: vllm, sglang, cuda, workload_channel",
+            )
         if job_id in self.defaults:
             return Resolution(self.defaults[job_id], self._ann_mode() or SuspendMode.OFFLOAD, [], "default")
-        raise ResolveError(grpc.StatusCode.NOT_FOUND,
-                           f"unknown job {job_id!r} on this sidecar; it serves {sorted(self.defaults)} and registered "
-                           f"workloads {sorted(self.registry.channels)}")
+        raise ResolveError(
+            grpc.StatusCode.NOT_FOUND,
+            f"unknown job {job_id!r} on this sidecar; it serves {sorted(self.defaults)} and registered "
+            f"workloads {sorted(self.registry.channels)}",
+        )
 
     @staticmethod
     def _wire_mode(m: pb.SuspendMode) -> SuspendMode | None:

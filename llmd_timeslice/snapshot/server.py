@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 PARKED_REQUESTS = Counter(
     "llmd_timeslice_sidecar_parked_requests_total",
     "Requests found inside an engine after its verified sleep (they reached it after the drain), by what was done: "
-    "aborted (finish_reason abort at once) or kept (pause mode keep: they resume on wake).", ["job_id", "action"])
+    "aborted (finish_reason abort at once) or kept (pause mode keep: they resume on wake).",
+    ["job_id", "action"],
+)
 
 MAX_OPERATIONS_KEPT = 1000
 MAX_WAIT_S = 3600.0
@@ -82,8 +84,7 @@ class Operation:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def to_pb(self) -> pb.GetOperationResponse:
-        elapsed = self.elapsed_ms if self.status != pb.OPERATION_STATUS_PENDING else int(
-            (time.monotonic() - self.started) * 1000)
+        elapsed = self.elapsed_ms if self.status != pb.OPERATION_STATUS_PENDING else int((time.monotonic() - self.started) * 1000)
         resp = pb.GetOperationResponse(status=self.status, elapsed_ms=elapsed)
         if self.error is not None:
             resp.error = self.error
@@ -107,9 +108,14 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
     """
 
-    def __init__(self, backends: dict[str, SnapshotBackend], operation_timeout_s: float = 300.0,
-                 annotations: dict[str, str] | None = None, command_timeout_s: float = 300.0,
-                 backend_kwargs: dict | None = None) -> None:
+    def __init__(
+        self,
+        backends: dict[str, SnapshotBackend],
+        operation_timeout_s: float = 300.0,
+        annotations: dict[str, str] | None = None,
+        command_timeout_s: float = 300.0,
+        backend_kwargs: dict | None = None,
+    ) -> None:
         self.backends = backends
         self.workloads = WorkloadRegistry()
         self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
@@ -130,12 +136,15 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         except ResolveError as exc:
             await context.abort(exc.code, str(exc))
         if kind == "snapshot" and res.mode not in res.backend.supported_modes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"backend {res.backend.name!r} does not support mode {res.mode.name}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"backend {res.backend.name!r} does not support mode {res.mode.name}"
+            )
         if weights is not None and not res.backend.supports_weight_sync:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"backend {res.backend.name!r} of job {request.job_id!r} cannot load weights "
-                                "(weight sync needs the vllm backend)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"backend {res.backend.name!r} of job {request.job_id!r} cannot load weights "
+                "(weight sync needs the vllm backend)",
+            )
         self.states.setdefault(request.job_id, "RUNNING")
         self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
@@ -164,8 +173,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 if self.operations[old].done.is_set():
                     del self.operations[old]
 
-    async def _run(self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str],
-                   weights: WeightUpdate | None = None) -> None:
+    async def _run(
+        self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str], weights: WeightUpdate | None = None
+    ) -> None:
         async with self._locks[op.job_id]:
             self.states[op.job_id] = "TRANSITIONING"
             try:
@@ -186,9 +196,13 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     self.states[op.job_id] = "RUNNING"
                 op.status = pb.OPERATION_STATUS_COMPLETE
             except TimeoutError:
-                op.status, op.error = pb.OPERATION_STATUS_FAILED, (
-                    f"{op.kind} of job {op.job_id!r} took more than {self._timeout:g} s; the engine is left out "
-                    "of service: check its logs, then retry the operation")
+                op.status, op.error = (
+                    pb.OPERATION_STATUS_FAILED,
+                    (
+                        f"{op.kind} of job {op.job_id!r} took more than {self._timeout:g} s; the engine is left out "
+                        "of service: check its logs, then retry the operation"
+                    ),
+                )
                 self.states[op.job_id] = "FAULTED"
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
@@ -196,8 +210,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
                 self.states[op.job_id] = "FAULTED"
             except asyncio.CancelledError:
-                op.status, op.error = pb.OPERATION_STATUS_FAILED, (
-                    f"{op.kind} of job {op.job_id!r} was cancelled: the sidecar is stopping")
+                op.status, op.error = (
+                    pb.OPERATION_STATUS_FAILED,
+                    (f"{op.kind} of job {op.job_id!r} was cancelled: the sidecar is stopping"),
+                )
                 self.states[op.job_id] = "FAULTED"
                 raise
             except Exception as exc:
@@ -207,11 +223,17 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             finally:
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
                 op.done.set()
-                log.info("operation=%s job=%s kind=%s%s status=%s elapsed_ms=%d%s%s", op.id, op.job_id, op.kind,
-                         f" weight_version={weights.version}" if weights is not None else "",
-                         pb.OperationStatus.Name(op.status), op.elapsed_ms,
-                         f" parked_requests={op.parked_requests} ({op.parked_action})" if op.parked_requests else "",
-                         f" error={op.error}" if op.error else "")
+                log.info(
+                    "operation=%s job=%s kind=%s%s status=%s elapsed_ms=%d%s%s",
+                    op.id,
+                    op.job_id,
+                    op.kind,
+                    f" weight_version={weights.version}" if weights is not None else "",
+                    pb.OperationStatus.Name(op.status),
+                    op.elapsed_ms,
+                    f" parked_requests={op.parked_requests} ({op.parked_action})" if op.parked_requests else "",
+                    f" error={op.error}" if op.error else "",
+                )
 
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start(request, context, "snapshot"))
@@ -238,8 +260,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         except ResolveError as exc:
             await context.abort(exc.code, str(exc))
         if not backend.supports_weight_sync:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"backend {backend.name!r} of job {request.job_id!r} has no weight version")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"backend {backend.name!r} of job {request.job_id!r} has no weight version"
+            )
         try:
             label = await backend.served_weight_version()
             sleeping = await backend.is_suspended()
@@ -247,8 +270,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             return xpb.GetServedWeightVersionResponse(engine_unreachable=str(exc))
         except BackendError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return xpb.GetServedWeightVersionResponse(weight_version=label or "", known=label is not None,
-                                                  sleeping=sleeping)
+        return xpb.GetServedWeightVersionResponse(weight_version=label or "", known=label is not None, sleeping=sleeping)
 
     async def _op(self, operation_id: str, context: grpc.aio.ServicerContext) -> Operation:
         op = self.operations.get(operation_id)
@@ -281,9 +303,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         accelerators = []
         if self.accelerator_reader is not None:
             try:
-                accelerators = [pb.AcceleratorStatus(id=a.id, memory_used_bytes=a.memory_used_bytes,
-                                                     memory_total_bytes=a.memory_total_bytes)
-                                for a in await asyncio.to_thread(self.accelerator_reader)]
+                accelerators = [
+                    pb.AcceleratorStatus(id=a.id, memory_used_bytes=a.memory_used_bytes, memory_total_bytes=a.memory_total_bytes)
+                    for a in await asyncio.to_thread(self.accelerator_reader)
+                ]
             except Exception as exc:
                 log.warning("reading accelerator memory failed: %r", exc)
         return pb.StatusResponse(
@@ -299,8 +322,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         except StopAsyncIteration:
             return
         if first.WhichOneof("message") != "register" or not first.register.job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first WorkloadMessage must be RegisterWorkload with a job_id")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first WorkloadMessage must be RegisterWorkload with a job_id"
+            )
         ch = self.workloads.register(first.register)
         if self.states.get(ch.job_id) not in ("RUNNING", "SAVED"):
             self.states[ch.job_id] = "RUNNING"
@@ -334,10 +358,18 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
 class SidecarServer:
     """The sidecar's gRPC server in this event loop."""
 
-    def __init__(self, backends: dict[str, SnapshotBackend], host: str = "127.0.0.1", port: int = 9001,
-                 token: str | None = None, operation_timeout_s: float = 300.0,
-                 annotations: dict[str, str] | None = None, command_timeout_s: float = 300.0,
-                 backend_kwargs: dict | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        backends: dict[str, SnapshotBackend],
+        host: str = "127.0.0.1",
+        port: int = 9001,
+        token: str | None = None,
+        operation_timeout_s: float = 300.0,
+        annotations: dict[str, str] | None = None,
+        command_timeout_s: float = 300.0,
+        backend_kwargs: dict | None = None,
+        tls_files: tls.TlsFiles | None = None,
+    ) -> None:
         self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs)
         self.host, self.port, self.token = host, port, token
         self.tls = tls_files

@@ -146,8 +146,13 @@ class TorchStateOffloader:
             (:func:`release_cached_device_memory`); False only to measure what it saves.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 pin_memory: bool | None = None, release_device_cache: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        pin_memory: bool | None = None,
+        release_device_cache: bool = True,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.release_device_cache = release_device_cache

@@ -48,10 +48,18 @@ class WorkloadClient:
         token: bearer token (default: ``LLMD_TIMESLICE_TOKEN`` / ``_FILE``).
     """
 
-    def __init__(self, target: str, job_id: str, offload: OffloadFn, restore: RestoreFn, group: str = "",
-                 supported_modes: tuple[SuspendMode, ...] = (SuspendMode.OFFLOAD,),
-                 default_mode: SuspendMode = SuspendMode.OFFLOAD, tags: tuple[str, ...] = (),
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        job_id: str,
+        offload: OffloadFn,
+        restore: RestoreFn,
+        group: str = "",
+        supported_modes: tuple[SuspendMode, ...] = (SuspendMode.OFFLOAD,),
+        default_mode: SuspendMode = SuspendMode.OFFLOAD,
+        tags: tuple[str, ...] = (),
+        token: str | None = None,
+    ) -> None:
         self.target, self.job_id, self.group = target, job_id, group
         self.offload, self.restore = offload, restore
         self.supported_modes, self.default_mode, self.tags = supported_modes, default_mode, tags
@@ -63,14 +71,20 @@ class WorkloadClient:
     def for_offloader(cls, target: str, job_id: str, offloader, **kw) -> WorkloadClient:
         """A client whose callbacks are a :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`'s
         ``offload()`` / ``restore()`` (offload only: a trainer cannot re-provision discarded state)."""
-        return cls(target, job_id, offload=lambda mode, tags: offloader.offload(),
-                   restore=lambda tags: offloader.restore(), **kw)
+        return cls(target, job_id, offload=lambda mode, tags: offloader.offload(), restore=lambda tags: offloader.restore(), **kw)
 
     def _register(self) -> pb.WorkloadMessage:
-        return pb.WorkloadMessage(register=pb.RegisterWorkload(
-            job_id=self.job_id, group=self.group,
-            capabilities=pb.WorkloadCapabilities(supported_modes=[MODE_TO_PB[m] for m in self.supported_modes],
-                                                 default_mode=MODE_TO_PB[self.default_mode], tags=list(self.tags))))
+        return pb.WorkloadMessage(
+            register=pb.RegisterWorkload(
+                job_id=self.job_id,
+                group=self.group,
+                capabilities=pb.WorkloadCapabilities(
+                    supported_modes=[MODE_TO_PB[m] for m in self.supported_modes],
+                    default_mode=MODE_TO_PB[self.default_mode],
+                    tags=list(self.tags),
+                ),
+            )
+        )
 
     async def _execute(self, cmd: pb.AgentCommand) -> pb.CommandResult:
         kind = cmd.WhichOneof("command")

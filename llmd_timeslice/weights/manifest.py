@@ -56,8 +56,12 @@ def write_manifest(directory: str | os.PathLike, version: int) -> dict:
     files = sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
     with ThreadPoolExecutor(_threads(len(files))) as pool:
         digests = list(pool.map(_sha256, files))
-    manifest = {"format": MANIFEST_FORMAT, "version": version, "algorithm": "sha256",
-                "files": {p.name: {"bytes": p.stat().st_size, "sha256": h} for p, h in zip(files, digests, strict=True)}}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": version,
+        "algorithm": "sha256",
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": h} for p, h in zip(files, digests, strict=True)},
+    }
     (d / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -68,8 +72,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     try:
         m = json.loads(p.read_text())
     except FileNotFoundError:
-        raise WeightManifestError(f"{p} does not exist: was the version written with save_weight_version / "
-                                  "write_manifest, and is the volume mounted in the sampler pod?") from None
+        raise WeightManifestError(
+            f"{p} does not exist: was the version written with save_weight_version / "
+            "write_manifest, and is the volume mounted in the sampler pod?"
+        ) from None
     except (OSError, ValueError) as exc:
         raise WeightManifestError(f"{p} cannot be read: {exc}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), dict):
@@ -91,8 +97,10 @@ def verify_weights(directory: str | os.PathLike, version: int | None = None) -> 
         raise WeightManifestError(f"weight directory {d} does not exist (or is not a directory) on this node")
     m = read_manifest(d)
     if version is not None and m.get("version") != version:
-        raise WeightManifestError(f"{d / MANIFEST_NAME} is version {m.get('version')!r}, the update says {version}; "
-                                  "publish the directory that holds that version")
+        raise WeightManifestError(
+            f"{d / MANIFEST_NAME} is version {m.get('version')!r}, the update says {version}; "
+            "publish the directory that holds that version"
+        )
     entries = sorted(m["files"].items())
     if not any(name.endswith(".safetensors") for name, _ in entries):
         raise WeightManifestError(f"{d}: the manifest lists no .safetensors file")
@@ -103,14 +111,17 @@ def verify_weights(directory: str | os.PathLike, version: int | None = None) -> 
         if not p.is_file():
             raise WeightManifestError(f"{p} is listed in the manifest but missing")
         if p.stat().st_size != e.get("bytes"):
-            raise WeightManifestError(f"{p} has {p.stat().st_size} bytes, the manifest says {e.get('bytes')}: "
-                                      "a partial copy? write the version again")
+            raise WeightManifestError(
+                f"{p} has {p.stat().st_size} bytes, the manifest says {e.get('bytes')}: a partial copy? write the version again"
+            )
     with ThreadPoolExecutor(_threads(len(entries))) as pool:
         digests = list(pool.map(_sha256, [d / name for name, _ in entries]))
     for (name, e), h in zip(entries, digests, strict=True):
         if h != e.get("sha256"):
-            raise WeightManifestError(f"{d / name} does not match its sha256 in the manifest: corrupt or changed "
-                                      "after publishing; write the version again")
+            raise WeightManifestError(
+                f"{d / name} does not match its sha256 in the manifest: corrupt or changed "
+                "after publishing; write the version again"
+            )
     return sum(int(e["bytes"]) for _, e in entries)
 
 
@@ -143,8 +154,9 @@ def _save_state_dict(state: Mapping, directory: Path, shard_bytes: int) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def save_weight_version(model_or_state_dict, root: str | os.PathLike, version: int,
-                        shard_bytes: int = DEFAULT_SHARD_BYTES) -> WeightUpdate:
+def save_weight_version(
+    model_or_state_dict, root: str | os.PathLike, version: int, shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> WeightUpdate:
     """Write weight version ``version`` under ``root/v{version}`` (safetensors + manifest), atomically.
 
     ``model_or_state_dict``: a ``transformers`` model (saved with ``save_pretrained``, config

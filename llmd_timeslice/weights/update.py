@@ -49,8 +49,12 @@ class WeightUpdate:
             raise InvalidWeightUpdate("a 'vllm_weight_transfer' weight update needs update_info (names, dtypes, shapes)")
 
     def to_pb(self) -> weights_pb2.WeightUpdate:
-        return weights_pb2.WeightUpdate(version=self.version, source=self.source, location=self.location,
-                                        update_info_json=json.dumps(self.update_info) if self.update_info else "")
+        return weights_pb2.WeightUpdate(
+            version=self.version,
+            source=self.source,
+            location=self.location,
+            update_info_json=json.dumps(self.update_info) if self.update_info else "",
+        )
 
     @classmethod
     def from_pb(cls, msg: weights_pb2.WeightUpdate) -> WeightUpdate:

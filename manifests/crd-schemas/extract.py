@@ -45,27 +45,53 @@ class Source:
 
 SOURCES: dict[str, Source] = {
     "inference.networking.k8s.io": Source(
-        "kubernetes-sigs/gateway-api-inference-extension", "v1.5.0", "9cd2896dd6c1f6e79be4098e5a55ae0a01119e44",
-        ("config/crd/bases/inference.networking.k8s.io_inferencepools.yaml",)),
+        "kubernetes-sigs/gateway-api-inference-extension",
+        "v1.5.0",
+        "9cd2896dd6c1f6e79be4098e5a55ae0a01119e44",
+        ("config/crd/bases/inference.networking.k8s.io_inferencepools.yaml",),
+    ),
     "gateway.networking.k8s.io": Source(
-        "kubernetes-sigs/gateway-api", "v1.5.1", "e7677b70ae75d14a4448fba94870e7deea6cf0ad",
-        ("config/crd/standard/gateway.networking.k8s.io_httproutes.yaml",
-         "config/crd/standard/gateway.networking.k8s.io_gateways.yaml")),
+        "kubernetes-sigs/gateway-api",
+        "v1.5.1",
+        "e7677b70ae75d14a4448fba94870e7deea6cf0ad",
+        (
+            "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml",
+            "config/crd/standard/gateway.networking.k8s.io_gateways.yaml",
+        ),
+    ),
     "gateway.envoyproxy.io": Source(
-        "envoyproxy/gateway", "v1.9.0", "3cfc0df171ec89945cefdebc939e5cabcab55b7d",
-        tuple(f"charts/gateway-crds-helm/templates/generated/gateway.envoyproxy.io_{n}.yaml" for n in
-              ("envoyextensionpolicies", "envoypatchpolicies", "backendtrafficpolicies", "clienttrafficpolicies",
-               "backends"))),
+        "envoyproxy/gateway",
+        "v1.9.0",
+        "3cfc0df171ec89945cefdebc939e5cabcab55b7d",
+        tuple(
+            f"charts/gateway-crds-helm/templates/generated/gateway.envoyproxy.io_{n}.yaml"
+            for n in (
+                "envoyextensionpolicies",
+                "envoypatchpolicies",
+                "backendtrafficpolicies",
+                "clienttrafficpolicies",
+                "backends",
+            )
+        ),
+    ),
     "networking.istio.io": Source(
-        "istio/istio", "1.29.2", "5c9e58b03ec3dd5ae1c87dba463d7388e0792fb8",
-        ("manifests/charts/base/files/crd-all.gen.yaml",)),
+        "istio/istio", "1.29.2", "5c9e58b03ec3dd5ae1c87dba463d7388e0792fb8", ("manifests/charts/base/files/crd-all.gen.yaml",)
+    ),
     "agentgateway.dev": Source(
-        "agentgateway/agentgateway", "v1.1.0", "d204f9ce1ac785d4b23145cce64c4a34a5c540c9",
-        ("controller/install/helm/agentgateway-crds/templates/agentgateway.dev_agentgatewaypolicies.yaml",)),
+        "agentgateway/agentgateway",
+        "v1.1.0",
+        "d204f9ce1ac785d4b23145cce64c4a34a5c540c9",
+        ("controller/install/helm/agentgateway-crds/templates/agentgateway.dev_agentgatewaypolicies.yaml",),
+    ),
     "monitoring.coreos.com": Source(
-        "prometheus-operator/prometheus-operator", "v0.93.0+24", "6adcebc5076c",
-        ("example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
-         "example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml")),
+        "prometheus-operator/prometheus-operator",
+        "v0.93.0+24",
+        "6adcebc5076c",
+        (
+            "example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
+            "example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml",
+        ),
+    ),
 }
 
 WANTED = {
@@ -121,8 +147,9 @@ def from_mirrors(mirrors: Path, found: set) -> None:
             print(f"skipped {group}: no mirror at {git_dir} (the vendored files are kept)")
             continue
         for path in src.paths:
-            text = subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{src.commit}:{path}"],
-                                  capture_output=True, text=True, check=True).stdout
+            text = subprocess.run(
+                ["git", "--git-dir", str(git_dir), "show", f"{src.commit}:{path}"], capture_output=True, text=True, check=True
+            ).stdout
             _write(_docs(text), src.describe(path), found)
 
 

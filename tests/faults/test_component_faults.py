@@ -31,8 +31,22 @@ class Sidecar:
 
     def __init__(self, job: str, engine_url: str, token_file: str, logdir) -> None:
         self.port = port_for.select_random()
-        self.args = [sys.executable, "-m", "llmd_timeslice.cli", "sidecar", "--job-id", job, "--engine-url", engine_url,
-                     "--port", str(self.port), "--idle-timeout-s", "1", "--token-file", token_file]
+        self.args = [
+            sys.executable,
+            "-m",
+            "llmd_timeslice.cli",
+            "sidecar",
+            "--job-id",
+            job,
+            "--engine-url",
+            engine_url,
+            "--port",
+            str(self.port),
+            "--idle-timeout-s",
+            "1",
+            "--token-file",
+            token_file,
+        ]
         self.log = open(logdir / f"sidecar-{job}.log", "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
 
@@ -49,8 +63,9 @@ class Sidecar:
                 await asyncio.sleep(0.05)
         code = self.proc.poll()
         self.stop()
-        raise RuntimeError(f"sidecar did not listen on {self.port} within {timeout_s:g} s (exit code {code}); "
-                           f"see {self.log.name}")
+        raise RuntimeError(
+            f"sidecar did not listen on {self.port} within {timeout_s:g} s (exit code {code}); see {self.log.name}"
+        )
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -79,19 +94,30 @@ async def stack(tmp_path):
     try:  # whatever was started is stopped, also when the set-up fails half-way
         await asyncio.gather(*(s.start() for s in sidecars))
         addrs = [e.url.removeprefix("http://") for e in engines]
-        inv = Inventory.model_validate({"groups": [{"group_id": "g", "drain_timeout_s": 5, "samplers": [
-            {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
-            for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))]}]})
+        inv = Inventory.model_validate(
+            {
+                "groups": [
+                    {
+                        "group_id": "g",
+                        "drain_timeout_s": 5,
+                        "samplers": [
+                            {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
+                            for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))
+                        ],
+                    }
+                ]
+            }
+        )
         orch = st["orch"] = OrchestratorServer(inv, port=0, token=TOKEN)
         orch.actions._op_timeout = 10.0
         await orch.start()
         orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
-        gate = st["gate"] = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}",
-                                                  token=TOKEN, max_hold_s=30))
+        gate = st["gate"] = GateServer(
+            GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN, max_hold_s=30)
+        )
         await gate.start()
         await asyncio.wait_for(gate.subscription.connected.wait(), 10)
-        st["client"] = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g",
-                                                        token=TOKEN)
+        st["client"] = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
         st.update(addrs=addrs, pool=gate.pools["default"])
         yield st
     finally:  # st["orch"]: a test may replace the orchestrator (restart), and the new one must be stopped too
@@ -228,8 +254,13 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
     """The engine audit keeps calling a dead sidecar, which grows gRPC's reconnect back-off (to 120 s by default):
     found by tests/test_stack_up.py, the first switch after the sidecar came back failed fast with UNAVAILABLE.
     The orchestrator's sidecar channels cap the back-off and the switch RPCs wait for the channel to be ready."""
-    core, sidecars, client, pool, addrs = (stack["orch"].orchestrator, stack["sidecars"], stack["client"],
-                                           stack["pool"], stack["addrs"])
+    core, sidecars, client, pool, addrs = (
+        stack["orch"].orchestrator,
+        stack["sidecars"],
+        stack["client"],
+        stack["pool"],
+        stack["addrs"],
+    )
     core.start_repair(first_s=0.5, max_s=2.0, audit_interval_s=0.2)
     sidecars[0].kill()
     await asyncio.sleep(6)  # ~30 audit probes of the dead sidecar: no verdict on its engine, nothing changes

@@ -26,8 +26,9 @@ async def _stack(stale_after_s: float):
     orch.hub.ack_timeout_s = 1.0
     await orch.start()
     proxy = await TcpProxy("127.0.0.1", orch.port).start()
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN,
-                                 stale_after_s=stale_after_s))
+    gate = GateServer(
+        GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN, stale_after_s=stale_after_s)
+    )
     await gate.start()
     await asyncio.wait_for(gate.subscription.connected.wait(), 10)
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
@@ -109,8 +110,7 @@ async def test_restarted_orchestrator_waits_for_gates_it_knew_before_sleeping_en
     orch = OrchestratorServer(inv, port=0, token=TOKEN, state_store=store)
     await orch.start()
     proxy = await TcpProxy("127.0.0.1", orch.port).start()
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN,
-                                 stale_after_s=1.5))
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN, stale_after_s=1.5))
     await gate.start()
     await asyncio.wait_for(gate.subscription.connected.wait(), 10)
     pool = gate.pools["default"]

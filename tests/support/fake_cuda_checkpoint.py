@@ -29,8 +29,10 @@ def main(argv: list[str]) -> int:
         print(USAGE_ACTION if api == "action" else USAGE_TOGGLE)
         return 0
     if os.environ.get("FAKE_CUDA_CHECKPOINT_FAIL") == "driver":
-        print("cuda-checkpoint: Could not initialize the NVIDIA driver (libcuda.so.1: cannot open shared object file)",
-              file=sys.stderr)
+        print(
+            "cuda-checkpoint: Could not initialize the NVIDIA driver (libcuda.so.1: cannot open shared object file)",
+            file=sys.stderr,
+        )
         return 1
     time.sleep(float(os.environ.get("FAKE_CUDA_CHECKPOINT_HANG", "0")))
     args = dict(zip(argv[::2], argv[1::2], strict=False)) if "--toggle" not in argv and "--get-state" not in argv else {}
@@ -56,8 +58,12 @@ def main(argv: list[str]) -> int:
             return 1
     elif "--action" in argv and api == "action":
         action = args.get("--action")
-        allowed = {"lock": ("running", "locked"), "checkpoint": ("locked", "checkpointed"),
-                   "restore": ("checkpointed", "locked"), "unlock": ("locked", "running")}
+        allowed = {
+            "lock": ("running", "locked"),
+            "checkpoint": ("locked", "checkpointed"),
+            "restore": ("checkpointed", "locked"),
+            "unlock": ("locked", "running"),
+        }
         if action not in allowed or state != allowed[action][0]:
             print(f"cannot {action} a process in state {state}", file=sys.stderr)
             return 1

@@ -137,8 +137,15 @@ class FakeVllm(_FakeEngine):
       meanwhile); ``/sleep?mode=wait`` waits for running completions, like vLLM.
     """
 
-    def __init__(self, lie_on_sleep: bool = False, lie_on_wake: bool = False, export_sleep_state: bool = True,
-                 port: int = 0, sleep_delay_s: float = 0.0, wake_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        lie_on_sleep: bool = False,
+        lie_on_wake: bool = False,
+        export_sleep_state: bool = True,
+        port: int = 0,
+        sleep_delay_s: float = 0.0,
+        wake_delay_s: float = 0.0,
+    ) -> None:
         super().__init__(port)
         self.sleep_delay_s, self.wake_delay_s = sleep_delay_s, wake_delay_s
         self.completions_while_asleep = 0
@@ -207,8 +214,11 @@ class FakeVllm(_FakeEngine):
                     self._parked.append(entry)
                 entry["event"].wait(120)
                 if entry["aborted"]:
-                    return 200, {"choices": [{"index": i, "text": "", "finish_reason": "abort"}
-                                             for i in range(len(prompts))]}, "application/json"
+                    return (
+                        200,
+                        {"choices": [{"index": i, "text": "", "finish_reason": "abort"} for i in range(len(prompts))]},
+                        "application/json",
+                    )
         if body.get("stream"):
             chunks = [(self.completion_delay_s, b'data: {"choices": [{"text": "x"}]}\n\n'), (0.0, b"data: [DONE]\n\n")]
             return 200, chunks, "text/event-stream"
@@ -254,10 +264,14 @@ class FakeVllm(_FakeEngine):
                 for e in range(self.engines):
                     state = self.engine_states.get(str(e), self._state())
                     for s in ("awake", "weights_offloaded", "discard_all"):
-                        lines.append(f'vllm:engine_sleep_state{{engine="{e}",model_name="fake",sleep_state="{s}"}} '
-                                     f'{1.0 if s == state else 0.0}')
-            lines += ["# TYPE vllm:request_success counter",
-                      f'vllm:request_success_total{{engine="0",finished_reason="abort"}} {float(self.aborted_total)}']
+                        lines.append(
+                            f'vllm:engine_sleep_state{{engine="{e}",model_name="fake",sleep_state="{s}"}} '
+                            f"{1.0 if s == state else 0.0}"
+                        )
+            lines += [
+                "# TYPE vllm:request_success counter",
+                f'vllm:request_success_total{{engine="0",finished_reason="abort"}} {float(self.aborted_total)}',
+            ]
             return 200, "\n".join(lines) + "\n", "text/plain"
         if path == "/sleep":
             self.pausing = True

@@ -14,6 +14,14 @@ async def one_sampler(token: str, job_id: str = "s0", group_id: str = "g"):
     sidecar = SidecarServer({job_id: VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=token)
     await sidecar.start()
     addr = engine.url.removeprefix("http://")
-    inv = Inventory.model_validate({"groups": [{"group_id": group_id, "samplers": [
-        {"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": job_id}]}]})
+    inv = Inventory.model_validate(
+        {
+            "groups": [
+                {
+                    "group_id": group_id,
+                    "samplers": [{"pool": "default", "address": addr, "sidecar": f"127.0.0.1:{sidecar.port}", "job_id": job_id}],
+                }
+            ]
+        }
+    )
     return engine, addr, sidecar, inv

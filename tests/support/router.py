@@ -24,13 +24,18 @@ EDGES = ["ext_authz", "ext_proc"]
 ALL_CHAINS = ["ext_authz", "ext_authz-pick", "ext_proc"]
 
 
-def envoy_config(edge: str, *, gate_port: int | None, authz_port: int | None, epp_port: int | None,
-                 **kw) -> EnvoyRouterConfig:
+def envoy_config(edge: str, *, gate_port: int | None, authz_port: int | None, epp_port: int | None, **kw) -> EnvoyRouterConfig:
     """Router config for ``edge`` (one of ``ALL_CHAINS``) on free loopback ports."""
     gate_edge = "ext_proc" if edge == "ext_proc" else "ext_authz"
-    return EnvoyRouterConfig(listen_port=port_for.select_random(), admin_port=port_for.select_random(),
-                             gate_port=gate_port, epp_port=None if edge == "ext_authz-pick" else epp_port,
-                             gate_edge=gate_edge, authz_port=authz_port, **kw)
+    return EnvoyRouterConfig(
+        listen_port=port_for.select_random(),
+        admin_port=port_for.select_random(),
+        gate_port=gate_port,
+        epp_port=None if edge == "ext_authz-pick" else epp_port,
+        gate_edge=gate_edge,
+        authz_port=authz_port,
+        **kw,
+    )
 
 
 @dataclass
@@ -64,9 +69,17 @@ class RouterStack:
             await self.picker_proxy.stop()
 
 
-async def start_router(workdir: Path, endpoints: list[str], pool: str = "default", *, edge: str = "ext_authz",
-                       extra_pools: dict[str, tuple[str, list[str]]] | None = None, epp_message_timeout_s: float = 5.0,
-                       picker_delay_s: float = 0.0, **gate_kw) -> RouterStack:
+async def start_router(
+    workdir: Path,
+    endpoints: list[str],
+    pool: str = "default",
+    *,
+    edge: str = "ext_authz",
+    extra_pools: dict[str, tuple[str, list[str]]] | None = None,
+    epp_message_timeout_s: float = 5.0,
+    picker_delay_s: float = 0.0,
+    **gate_kw,
+) -> RouterStack:
     """Start gate, picker and Envoy on free loopback ports; Envoy logs go to ``workdir``.
 
     ``extra_pools``: pool -> (path prefix, endpoints), routed per prefix (per-route pool override).
@@ -74,17 +87,25 @@ async def start_router(workdir: Path, endpoints: list[str], pool: str = "default
     (a slow EPP).
     """
     extra_pools = extra_pools or {}
-    gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0, pools=[pool, *extra_pools],
-                                 default_pool=pool, **gate_kw))
+    gate = GateServer(
+        GateConfig(ext_proc_port=0, authz_port=0, control_port=0, pools=[pool, *extra_pools], default_pool=pool, **gate_kw)
+    )
     await gate.start()
-    picker = PickerServer(PickerConfig(port=0, pools={pool: endpoints, **{p: e for p, (_, e) in extra_pools.items()}},
-                                       default_pool=pool))
+    picker = PickerServer(
+        PickerConfig(port=0, pools={pool: endpoints, **{p: e for p, (_, e) in extra_pools.items()}}, default_pool=pool)
+    )
     await picker.start()
     proxy = await TcpProxy("127.0.0.1", picker.port, delay_s=picker_delay_s).start() if picker_delay_s > 0 else None
-    cfg = envoy_config(edge, gate_port=gate.ext_proc_port, authz_port=gate.authz_port,
-                       epp_port=proxy.port if proxy is not None else picker.port, pool=pool,
-                       max_hold_s=gate.config.max_hold_s, epp_message_timeout_s=epp_message_timeout_s,
-                       pools_by_prefix={prefix: p for p, (prefix, _) in extra_pools.items()})
+    cfg = envoy_config(
+        edge,
+        gate_port=gate.ext_proc_port,
+        authz_port=gate.authz_port,
+        epp_port=proxy.port if proxy is not None else picker.port,
+        pool=pool,
+        max_hold_s=gate.config.max_hold_s,
+        epp_message_timeout_s=epp_message_timeout_s,
+        pools_by_prefix={prefix: p for p, (prefix, _) in extra_pools.items()},
+    )
     envoy = EnvoyProcess(cfg, workdir)
     await asyncio.to_thread(envoy.start)
     return RouterStack(gate, picker, envoy, edge, proxy)

@@ -87,4 +87,3 @@ def restore_initial_weights(server) -> None:
         label = getattr(server, "initial_weight_version", None)
         if label is not None:
             c.post("/update_weight_version", json={"new_version": str(label)}).raise_for_status()
-

@@ -51,8 +51,15 @@ class CudaCheckpointBackend(SnapshotBackend):
     name = "cuda"
     supported_modes = (SuspendMode.OFFLOAD,)
 
-    def __init__(self, pids: list[int], binary: str | None = None, timeout_s: float = 120.0, api: str = "auto",
-                 lock_timeout_ms: int = 10_000, **_ignored) -> None:
+    def __init__(
+        self,
+        pids: list[int],
+        binary: str | None = None,
+        timeout_s: float = 120.0,
+        api: str = "auto",
+        lock_timeout_ms: int = 10_000,
+        **_ignored,
+    ) -> None:
         if not pids:
             raise ValueError("the cuda backend needs at least one pid")
         if api not in ("auto", "toggle", "action"):
@@ -66,18 +73,21 @@ class CudaCheckpointBackend(SnapshotBackend):
     async def _cli(self, *args: str) -> str:
         exe = shutil.which(self.binary)
         if exe is None:
-            raise BackendError(f"{self.binary!r} not found (PATH or ${BINARY_ENV_VAR}); install NVIDIA's "
-                               "cuda-checkpoint (github.com/NVIDIA/cuda-checkpoint, driver 550 or newer) in the sidecar "
-                               "image, or choose another snapshot backend")
-        proc = await asyncio.create_subprocess_exec(exe, *args, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
+            raise BackendError(
+                f"{self.binary!r} not found (PATH or ${BINARY_ENV_VAR}); install NVIDIA's "
+                "cuda-checkpoint (github.com/NVIDIA/cuda-checkpoint, driver 550 or newer) in the sidecar "
+                "image, or choose another snapshot backend"
+            )
+        proc = await asyncio.create_subprocess_exec(exe, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            raise BackendError(f"cuda-checkpoint {' '.join(args)} took more than {self.timeout_s:g} s and was killed; "
-                               "the process is left out of service: check the driver (nvidia-smi) and retry") from None
+            raise BackendError(
+                f"cuda-checkpoint {' '.join(args)} took more than {self.timeout_s:g} s and was killed; "
+                "the process is left out of service: check the driver (nvidia-smi) and retry"
+            ) from None
         text = (out.decode(errors="replace") + err.decode(errors="replace")).strip()
         if proc.returncode != 0:
             hint = ""
@@ -108,8 +118,10 @@ class CudaCheckpointBackend(SnapshotBackend):
     async def _expect(self, pid: int, want: str, step: str) -> None:
         got = await self.state(pid)
         if got != want:
-            raise BackendError(f"cuda-checkpoint {step} of pid {pid} returned 0 but its state is {got!r} "
-                               f"(expected {want!r}); the process is left out of service")
+            raise BackendError(
+                f"cuda-checkpoint {step} of pid {pid} returned 0 but its state is {got!r} "
+                f"(expected {want!r}); the process is left out of service"
+            )
 
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
         if mode is not SuspendMode.OFFLOAD:

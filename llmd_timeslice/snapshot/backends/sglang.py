@@ -41,8 +41,15 @@ class SglangBackend(SnapshotBackend):
     name = "sglang"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
 
-    def __init__(self, base_url: str, probe: bool = True, request_timeout_s: float = 120.0,
-                 memory_reader: MemoryReader | None = None, min_freed_fraction: float = 0.0, **_ignored) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        probe: bool = True,
+        request_timeout_s: float = 120.0,
+        memory_reader: MemoryReader | None = None,
+        min_freed_fraction: float = 0.0,
+        **_ignored,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.probe = probe
         self.memory_reader = memory_reader if memory_reader is not None else nvml_memory_reader()
@@ -57,11 +64,15 @@ class SglangBackend(SnapshotBackend):
         try:
             r = await self._http.post(path, json=body)
         except httpx.HTTPError as exc:
-            raise BackendError(f"SGLang at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
-                               "The endpoint stays out of service: restart the engine, then restore") from exc
+            raise BackendError(
+                f"SGLang at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
+                "The endpoint stays out of service: restart the engine, then restore"
+            ) from exc
         if r.status_code != 200:
-            raise BackendError(f"SGLang POST {path} answered {r.status_code}: {r.text[:300]}; is the server started "
-                               "with --enable-memory-saver? The endpoint stays out of service")
+            raise BackendError(
+                f"SGLang POST {path} answered {r.status_code}: {r.text[:300]}; is the server started "
+                "with --enable-memory-saver? The endpoint stays out of service"
+            )
         return r
 
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
@@ -70,11 +81,18 @@ class SglangBackend(SnapshotBackend):
         self._released |= set(tags) or {"weights", "kv_cache", "cuda_graph"}
         after = self.memory_reader() if self.memory_reader else None
         freed = before - after if before is not None and after is not None else None
-        if (before is not None and freed is not None and self.min_freed_fraction > 0 and before > 0
-                and freed < self.min_freed_fraction * before):
-            raise BackendError(f"SGLang {self.base_url} answered release with 200 but device memory went from {before} "
-                               f"to {after} bytes (< {self.min_freed_fraction:.0%} freed); the endpoint stays out of "
-                               "service")
+        if (
+            before is not None
+            and freed is not None
+            and self.min_freed_fraction > 0
+            and before > 0
+            and freed < self.min_freed_fraction * before
+        ):
+            raise BackendError(
+                f"SGLang {self.base_url} answered release with 200 but device memory went from {before} "
+                f"to {after} bytes (< {self.min_freed_fraction:.0%} freed); the endpoint stays out of "
+                "service"
+            )
         return SuspendResult(device_bytes_freed=freed)
 
     async def resume(self, tags: list[str]) -> None:
@@ -88,8 +106,9 @@ class SglangBackend(SnapshotBackend):
         except ValueError:
             ok = False
         if not ok:
-            raise BackendError(f"SGLang {self.base_url} probe /generate gave no text: {r.text[:200]}; "
-                               "the endpoint stays out of service")
+            raise BackendError(
+                f"SGLang {self.base_url} probe /generate gave no text: {r.text[:200]}; the endpoint stays out of service"
+            )
 
     async def is_suspended(self) -> bool:
         return bool(self._released)

@@ -174,8 +174,11 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         elif fam.name == "vllm:num_requests_waiting":
             m.waiting = sum(s.value for s in fam.samples if s.name == fam.name)
         elif fam.name.removesuffix("_total") == "vllm:request_success":  # the parser names counters either way
-            m.aborted_total += sum(s.value for s in fam.samples
-                                  if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
+            m.aborted_total += sum(
+                s.value
+                for s in fam.samples
+                if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort"
+            )
         elif fam.name == "vllm:engine_sleep_state":
             for s in fam.samples:
                 if "sleep_state" not in s.labels:
@@ -188,8 +191,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
 
 
 def _describe_engines(bad: dict[str, str | None]) -> str:
-    return ", ".join(f"engine {e or '?'} is {s!r}" if s else f"engine {e or '?'} reports no sleep state"
-                     for e, s in bad.items())
+    return ", ".join(f"engine {e or '?'} is {s!r}" if s else f"engine {e or '?'} reports no sleep state" for e, s in bad.items())
 
 
 PROBE_PROMPTS = ("The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n):", "Once upon a time")
@@ -235,13 +237,23 @@ class VllmBackend(SnapshotBackend):
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
     supports_weight_sync = True
 
-    def __init__(self, base_url: str, idle_timeout_s: float = 60.0, idle_poll_s: float = 0.05,
-                 probe: bool = True, request_timeout_s: float = 120.0, pause_mode: str = "wait",
-                 reload_weights: bool = True, reset_prefix_cache: bool = True,
-                 memory_reader: MemoryReader | None = None, min_freed_fraction: float = 0.0,
-                 weight_loaders: dict[str, WeightLoader] | None = None,
-                 probe_prompts: tuple[str, ...] = PROBE_PROMPTS, probe_tokens: int = PROBE_TOKENS,
-                 probe_max_mismatched_prompts: int = 0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        idle_timeout_s: float = 60.0,
+        idle_poll_s: float = 0.05,
+        probe: bool = True,
+        request_timeout_s: float = 120.0,
+        pause_mode: str = "wait",
+        reload_weights: bool = True,
+        reset_prefix_cache: bool = True,
+        memory_reader: MemoryReader | None = None,
+        min_freed_fraction: float = 0.0,
+        weight_loaders: dict[str, WeightLoader] | None = None,
+        probe_prompts: tuple[str, ...] = PROBE_PROMPTS,
+        probe_tokens: int = PROBE_TOKENS,
+        probe_max_mismatched_prompts: int = 0,
+    ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         if not 0.0 <= min_freed_fraction <= 1.0:
@@ -249,8 +261,9 @@ class VllmBackend(SnapshotBackend):
         if probe and (not probe_prompts or probe_tokens < 1):
             raise ValueError("the probe needs at least one prompt and probe_tokens >= 1")
         if not 0 <= probe_max_mismatched_prompts < max(1, len(probe_prompts)):
-            raise ValueError(f"probe_max_mismatched_prompts must be in [0, {len(probe_prompts)}), "
-                             f"got {probe_max_mismatched_prompts}")
+            raise ValueError(
+                f"probe_max_mismatched_prompts must be in [0, {len(probe_prompts)}), got {probe_max_mismatched_prompts}"
+            )
         self.probe_prompts, self.probe_tokens = tuple(probe_prompts), probe_tokens
         self.probe_max_mismatched_prompts = probe_max_mismatched_prompts
         self.probe_references: dict[int, list[list[int]]] = {}
@@ -285,19 +298,25 @@ class VllmBackend(SnapshotBackend):
             return await self._http.get(path)
         except httpx.HTTPError as exc:
             kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
-            raise kind(f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
-                               "The endpoint stays out of service: restart the engine (or its pod), then restore") from exc
+            raise kind(
+                f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
+                "The endpoint stays out of service: restart the engine (or its pod), then restore"
+            ) from exc
 
     async def _post(self, path: str, **kw) -> httpx.Response:
         try:
             r = await self._http.post(path, **kw)
         except httpx.HTTPError as exc:
             kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
-            raise kind(f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
-                               "The endpoint stays out of service: restart the engine (or its pod), then restore") from exc
+            raise kind(
+                f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
+                "The endpoint stays out of service: restart the engine (or its pod), then restore"
+            ) from exc
         if r.status_code != 200:
-            raise BackendError(f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
-                               "is the server started with VLLM_SERVER_DEV_MODE=1 (and sleep mode enabled on GPU)?")
+            raise BackendError(
+                f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
+                "is the server started with VLLM_SERVER_DEV_MODE=1 (and sleep mode enabled on GPU)?"
+            )
         return r
 
     async def post_checked(self, path: str, **kw) -> httpx.Response:
@@ -356,10 +375,16 @@ class VllmBackend(SnapshotBackend):
         level = 2 if mode is SuspendMode.DISCARD else 1
         idle = await self.wait_idle()
         if not idle:
-            log.warning("engine %s still busy after %.1f s; sleeping with mode=%s", self.base_url, self.idle_timeout_s,
-                        self.pause_mode)
-        if (self.probe and idle and self.weight_version not in self.probe_references and not self.weights_unusable
-                and not await self.is_suspended()):
+            log.warning(
+                "engine %s still busy after %.1f s; sleeping with mode=%s", self.base_url, self.idle_timeout_s, self.pause_mode
+            )
+        if (
+            self.probe
+            and idle
+            and self.weight_version not in self.probe_references
+            and not self.weights_unusable
+            and not await self.is_suspended()
+        ):
             # It has been serving this version: its answers are the reference. Only when idle: on a busy engine the
             # probe would wait for the running batch and delay the sleep (the next verified wake records it then).
             self.probe_references[self.weight_version] = await self._probe_tokens()
@@ -367,22 +392,33 @@ class VllmBackend(SnapshotBackend):
         await self.sleep(level)
         self.level = level
         if not await self.is_suspended():
-            raise BackendError(f"vLLM {self.base_url} answered /sleep with 200 but /is_sleeping says awake; "
-                               "the engine is left out of service: check its logs, then retry the snapshot")
+            raise BackendError(
+                f"vLLM {self.base_url} answered /sleep with 200 but /is_sleeping says awake; "
+                "the engine is left out of service: check its logs, then retry the snapshot"
+            )
         m = await self.metrics()
         bad = m.engines_not_in(SLEEP_STATE_FOR_LEVEL[level])
         if bad:
-            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state after sleep level {level} (expected "
-                               f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {_describe_engines(bad)}; the "
-                               "engine is left out of service")
+            raise BackendError(
+                f"vLLM {self.base_url}: vllm:engine_sleep_state after sleep level {level} (expected "
+                f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {_describe_engines(bad)}; the "
+                "engine is left out of service"
+            )
         parked, action = await self._handle_parked(m)
         after = self._read_memory()
         freed = before - after if before is not None and after is not None else None
-        if (before is not None and freed is not None and self.min_freed_fraction > 0 and before > 0
-                and freed < self.min_freed_fraction * before):
-            raise BackendError(f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
-                               f"bytes (freed {freed / before:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
-                               "(--enable-sleep-mode)? the engine is left out of service")
+        if (
+            before is not None
+            and freed is not None
+            and self.min_freed_fraction > 0
+            and before > 0
+            and freed < self.min_freed_fraction * before
+        ):
+            raise BackendError(
+                f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
+                f"bytes (freed {freed / before:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
+                "(--enable-sleep-mode)? the engine is left out of service"
+            )
         return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
 
     async def _handle_parked(self, m: EngineMetrics) -> tuple[int, str]:
@@ -396,15 +432,20 @@ class VllmBackend(SnapshotBackend):
         if self.pause_mode == "keep":
             frozen = int(m.running) + queued
             if frozen:
-                log.warning("engine %s sleeps with %d request(s) frozen inside (pause mode keep): they resume on wake",
-                            self.base_url, frozen)
+                log.warning(
+                    "engine %s sleeps with %d request(s) frozen inside (pause mode keep): they resume on wake",
+                    self.base_url,
+                    frozen,
+                )
             return frozen, "kept" if frozen else ""
         try:
             r = await self._http.post("/pause", params={"mode": "abort", "clear_cache": "false"})
         except httpx.HTTPError as exc:
-            raise BackendError(f"vLLM {self.base_url} did not answer POST /pause?mode=abort after the sleep: {exc!r}; "
-                               "requests may be waiting inside the sleeping engine: the endpoint stays out of "
-                               "service") from exc
+            raise BackendError(
+                f"vLLM {self.base_url} did not answer POST /pause?mode=abort after the sleep: {exc!r}; "
+                "requests may be waiting inside the sleeping engine: the endpoint stays out of "
+                "service"
+            ) from exc
         if r.status_code == 200:
             aborted = int((await self.metrics()).aborted_total - m.aborted_total)
             deadline = time.monotonic() + 0.5
@@ -413,17 +454,25 @@ class VllmBackend(SnapshotBackend):
                 aborted = int((await self.metrics()).aborted_total - m.aborted_total)
             count = aborted or queued  # the counter when it moved; else the queue (its outputs may still be on the way)
             if count:
-                log.warning("engine %s: %d request(s) reached the engine after the drain and waited inside it while "
-                            "asleep; aborted them (finish_reason abort) instead of leaving them hanging until the "
-                            "next wake (abort counter +%d, engine queue %d)", self.base_url, count, aborted, queued)
+                log.warning(
+                    "engine %s: %d request(s) reached the engine after the drain and waited inside it while "
+                    "asleep; aborted them (finish_reason abort) instead of leaving them hanging until the "
+                    "next wake (abort counter +%d, engine queue %d)",
+                    self.base_url,
+                    count,
+                    aborted,
+                    queued,
+                )
             return count, "aborted" if count else ""
         if r.status_code == 404 and queued == 0:
             return 0, ""  # no pause route (not dev mode), and nothing queued inside
         await self._post("/wake_up")  # they finish now rather than hang until the next wake
         self.level = None
-        raise BackendError(f"vLLM {self.base_url}: {queued or 'some'} request(s) are queued inside the sleeping engine "
-                           f"and POST /pause?mode=abort answered {r.status_code} (VLLM_SERVER_DEV_MODE=1 serves it); "
-                           "woke the engine again so they finish, and the sleep fails: retry the switch")
+        raise BackendError(
+            f"vLLM {self.base_url}: {queued or 'some'} request(s) are queued inside the sleeping engine "
+            f"and POST /pause?mode=abort answered {r.status_code} (VLLM_SERVER_DEV_MODE=1 serves it); "
+            "woke the engine again so they finish, and the sleep fails: retry the switch"
+        )
 
     async def _current_level(self) -> int | None:
         if self.level is None:  # e.g. the sidecar restarted while the engine slept: ask the engine
@@ -433,8 +482,10 @@ class VllmBackend(SnapshotBackend):
 
     async def _verify_still_asleep(self, step: str) -> None:
         if not await self.is_suspended():
-            raise BackendError(f"vLLM {self.base_url}: /is_sleeping says awake after {step}, but the kv cache is not "
-                               "woken yet; the endpoint stays out of service")
+            raise BackendError(
+                f"vLLM {self.base_url}: /is_sleeping says awake after {step}, but the kv cache is not "
+                "woken yet; the endpoint stays out of service"
+            )
 
     async def resume(self, tags: list[str]) -> None:
         """Wake up. ``tags`` empty: the whole sequence; ``["weights"]`` then ``["kv_cache"]``: in two steps.
@@ -474,15 +525,19 @@ class VllmBackend(SnapshotBackend):
         since it loaded; on vLLM 0.32 a failed reload kills the engine core). Raises BackendError when no version
         can be reloaded from files or the last good version's files no longer match their manifest."""
         if self.weights_unusable is not None and self.weights_location is None and self.weight_version:
-            raise BackendError(f"vLLM {self.base_url}: {self.weights_unusable}; no earlier version can be reloaded "
-                               "from files, so the engine stays out of service: publish a weight version again")
+            raise BackendError(
+                f"vLLM {self.base_url}: {self.weights_unusable}; no earlier version can be reloaded "
+                "from files, so the engine stays out of service: publish a weight version again"
+            )
         if self.weights_location is not None:
             try:
                 await asyncio.to_thread(verify_weights, self.weights_location, self.weight_version or None)
             except WeightManifestError as exc:
-                raise BackendError(f"vLLM {self.base_url}: the last good weight version's files changed since it "
-                                   f"loaded ({exc}); not reloaded, the engine stays out of service: publish a weight "
-                                   "version again") from None
+                raise BackendError(
+                    f"vLLM {self.base_url}: the last good weight version's files changed since it "
+                    f"loaded ({exc}); not reloaded, the engine stays out of service: publish a weight "
+                    "version again"
+                ) from None
         await self.reload_weights(self.weights_location)
         self.weights_unusable = None
 
@@ -499,8 +554,9 @@ class VllmBackend(SnapshotBackend):
             raise BackendError("a weight sync wakes the whole engine; send no wake-up tags with it")
         loader = self.weight_loaders.get(weights.source)
         if loader is None:
-            raise WeightVersionRejected(f"vLLM backend has no loader for weight source {weights.source!r}; "
-                                        f"known: {sorted(self.weight_loaders)}")
+            raise WeightVersionRejected(
+                f"vLLM backend has no loader for weight source {weights.source!r}; known: {sorted(self.weight_loaders)}"
+            )
         t0 = time.perf_counter()
         if not await self.is_suspended():
             # Awake (e.g. reconciled after a restart): pause it the verified way first.
@@ -513,9 +569,11 @@ class VllmBackend(SnapshotBackend):
             nbytes = await loader.load(self, weights)
         except BackendError as exc:
             self.weights_unusable = f"loading weight version {weights.version} failed ({exc})"
-            raise WeightVersionRejected(f"vLLM {self.base_url}: loading weight version {weights.version} failed; "
-                                        f"the engine stays asleep (last good version {old}, reloaded by a plain "
-                                        f"restore): {exc}") from None
+            raise WeightVersionRejected(
+                f"vLLM {self.base_url}: loading weight version {weights.version} failed; "
+                f"the engine stays asleep (last good version {old}, reloaded by a plain "
+                f"restore): {exc}"
+            ) from None
         load_s = time.perf_counter() - t1
         self.weights_unusable = None
         self.weight_version = weights.version
@@ -529,8 +587,10 @@ class VllmBackend(SnapshotBackend):
         await self._verify_awake()
         served = await self.served_weight_version()
         if served is not None and served != str(weights.version):
-            raise BackendError(f"vLLM {self.base_url} reports weight version {served!r} after loading "
-                               f"{weights.version}; the endpoint stays out of service")
+            raise BackendError(
+                f"vLLM {self.base_url} reports weight version {served!r} after loading "
+                f"{weights.version}; the endpoint stays out of service"
+            )
         self.last_sync = {"load_s": load_s, "total_s": time.perf_counter() - t0, "bytes": float(nbytes or 0)}
 
     async def _reset_prefix_cache(self) -> None:
@@ -546,24 +606,33 @@ class VllmBackend(SnapshotBackend):
             success = body.get("success", r.status_code == 200) if isinstance(body, dict) else r.status_code == 200
             if r.status_code == 200 and success:
                 if params:
-                    log.warning("engine %s: prefix cache reset refused while requests held cache blocks; reset with "
-                                "those requests preempted (they recompute with the new weights)", self.base_url)
+                    log.warning(
+                        "engine %s: prefix cache reset refused while requests held cache blocks; reset with "
+                        "those requests preempted (they recompute with the new weights)",
+                        self.base_url,
+                    )
                 return
             answers.append(f"{r.status_code} {r.text[:120]!r}" + (" with reset_running_requests=true" if params else ""))
-        raise BackendError(f"vLLM {self.base_url} refused to reset its prefix cache after the weights changed "
-                           f"({'; then '.join(answers)}): cached prefixes computed with the old weights would be served, "
-                           "so the endpoint stays out of service; retry the restore once its requests are done")
+        raise BackendError(
+            f"vLLM {self.base_url} refused to reset its prefix cache after the weights changed "
+            f"({'; then '.join(answers)}): cached prefixes computed with the old weights would be served, "
+            "so the endpoint stays out of service; retry the restore once its requests are done"
+        )
 
     async def _verify_awake(self) -> None:
         if await self.is_suspended():
-            raise BackendError(f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
-                               "asleep; the endpoint stays out of service: check the engine's logs, then retry the "
-                               "restore")
+            raise BackendError(
+                f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
+                "asleep; the endpoint stays out of service: check the engine's logs, then retry the "
+                "restore"
+            )
         m = await self.metrics()
         bad = m.engines_not_in("awake")
         if bad:
-            raise BackendError(f"vLLM {self.base_url}: vllm:engine_sleep_state after wake-up (expected 'awake' on every "
-                               f"engine): {_describe_engines(bad)}; the endpoint stays out of service")
+            raise BackendError(
+                f"vLLM {self.base_url}: vllm:engine_sleep_state after wake-up (expected 'awake' on every "
+                f"engine): {_describe_engines(bad)}; the endpoint stays out of service"
+            )
         self.level = None
         if self.probe:
             await self._probe()
@@ -576,17 +645,27 @@ class VllmBackend(SnapshotBackend):
                 self._model = r.json()["data"][0]["id"]
             except (ValueError, KeyError, IndexError) as exc:
                 raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
-        r = await self._post("/v1/completions", json={
-            "model": self._model, "prompt": list(self.probe_prompts), "max_tokens": self.probe_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        r = await self._post(
+            "/v1/completions",
+            json={
+                "model": self._model,
+                "prompt": list(self.probe_prompts),
+                "max_tokens": self.probe_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         try:
             choices = sorted(r.json()["choices"], key=lambda c: c.get("index", 0))
             out = [list(c["token_ids"]) if c.get("token_ids") is not None else [c["text"]] for c in choices]
         except (ValueError, KeyError, TypeError) as exc:
             raise BackendError(f"vLLM {self.base_url} probe completion is malformed: {r.text[:200]}") from exc
         if len(out) != len(self.probe_prompts):
-            raise BackendError(f"vLLM {self.base_url} probe completion returned {len(out)} choices for "
-                               f"{len(self.probe_prompts)} prompts: {r.text[:200]}")
+            raise BackendError(
+                f"vLLM {self.base_url} probe completion returned {len(out)} choices for "
+                f"{len(self.probe_prompts)} prompts: {r.text[:200]}"
+            )
         return out
 
     async def _probe(self) -> None:
@@ -600,14 +679,18 @@ class VllmBackend(SnapshotBackend):
         if len(wrong) <= self.probe_max_mismatched_prompts:
             return
         i = wrong[0]
-        why = (f"vLLM {self.base_url} is awake but answers the probe prompts differently from weight version "
-               f"{self.weight_version}'s reference (recorded when that version first served): {len(wrong)} of "
-               f"{len(ref)} prompts differ, e.g. {self.probe_prompts[i]!r} -> {got[i]} instead of {ref[i]}")
+        why = (
+            f"vLLM {self.base_url} is awake but answers the probe prompts differently from weight version "
+            f"{self.weight_version}'s reference (recorded when that version first served): {len(wrong)} of "
+            f"{len(ref)} prompts differ, e.g. {self.probe_prompts[i]!r} -> {got[i]} instead of {ref[i]}"
+        )
         self.weights_unusable = why
         try:  # out of service and back to a state the next restore repairs: weights discarded, reloaded on wake
             await self.sleep(2, "abort")
             self.level = 2
         except BackendError as exc:
             log.error("engine %s could not be put back to sleep after the failed probe: %s", self.base_url, exc)
-        raise ProbeMismatch(f"{why}; its weights are wrong (a bad reload?): the engine was put back to sleep and stays "
-                            "out of service; the next restore reloads its weights")
+        raise ProbeMismatch(
+            f"{why}; its weights are wrong (a bad reload?): the engine was put back to sleep and stays "
+            "out of service; the next restore reloads its weights"
+        )
