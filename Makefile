@@ -28,8 +28,9 @@ $(VLLM_STAMP):
 demo: setup
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
-# The tests that start real vLLM servers run first, one at a time: their checks land a sleep mid-batch, and on
-# 2 cores a parallel neighbour starves the engine's API server enough to miss it. The rest then run in
+# The tests that start real vLLM servers (and the `alone` burst tests) run first, one at a time: their checks land
+# a sleep mid-batch or push thousands of requests through one process, and on 2 cores a parallel neighbour starves
+# them enough to miss (vLLM's API server) or refuse (the in-process picker). The rest then run in
 # TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes, so 2 cores keep
 # more than 2 busy. TEST_WORKERS=0 runs them in this process, one at a time.
 TEST_WORKERS ?= 4
@@ -39,11 +40,12 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -m vllm
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
+	$(VENV)/bin/pytest -m "vllm or alone"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm and not alone"
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
+	$(VENV)/bin/pytest -m "alone and not vllm"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm and not alone"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
