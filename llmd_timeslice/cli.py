@@ -383,16 +383,26 @@ def render_envoy(
     ] = _Picker.epp,
     epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=0, max=65535)] = 9004,
     pool: Annotated[str, typer.Option(help="Pool name sent to the gate and the EPP.")] = "default",
-    max_hold_s: Annotated[float, typer.Option(help="Gate hold limit; Envoy timeouts are sized above it.")] = 600.0,
+    max_hold_s: Annotated[float, typer.Option(help="Gate hold limit (seconds); Envoy timeouts are sized above it.")] = 600.0,
+    generation_timeout_s: Annotated[
+        float,
+        typer.Option(
+            help="Longest generation once a request is admitted (seconds). The route timeout is max hold + this + 60 s; "
+            "start the gate with the --lost-completion-after-s this command prints.",
+            min=1.0,
+        ),
+    ] = 3600.0,
     validate: Annotated[bool, typer.Option(help="Check it with `envoy --mode validate`.")] = True,
 ) -> None:
     """Render the local Envoy bootstrap (gate -> EPP -> ORIGINAL_DST). With the ext_authz edge, start Envoy with
-    LLMD_TIMESLICE_ENVOY_ID set to a fresh id per process."""
+    LLMD_TIMESLICE_ENVOY_ID set to a fresh id per process. The route timeout fits a full hold plus the longest
+    generation (as ``llmd-timeslice up`` sizes it); the gate's matching ``--lost-completion-after-s`` is printed."""
     from epp_plugin import envoy_launcher
-    from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
+    from epp_plugin.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s, write_bootstrap
 
     if picker is _Picker.gate and gate_edge is not _GateEdge.ext_authz:
         raise typer.BadParameter("the gate picks the endpoint only on the ext_authz edge", param_hint="--picker")
+    route_timeout = route_timeout_s(max_hold_s, generation_timeout_s)
     write_bootstrap(
         EnvoyRouterConfig(
             listen_port,
@@ -401,6 +411,7 @@ def render_envoy(
             epp_port if picker is _Picker.epp else None,
             pool=pool,
             max_hold_s=max_hold_s,
+            upstream_timeout_s=route_timeout,
             gate_edge=gate_edge.value,
             authz_port=authz_port,
         ),
@@ -408,7 +419,10 @@ def render_envoy(
     )
     if validate:
         envoy_launcher.validate(out)
-    typer.echo(f"wrote {out}")
+    typer.echo(f"wrote {out} (route timeout {route_timeout:g} s)")
+    typer.echo(
+        f"start the gate with: --max-hold-s {max_hold_s:g} --lost-completion-after-s {lost_completion_after_s(route_timeout):g}"
+    )
 
 
 config_app = typer.Typer(

@@ -275,6 +275,13 @@ def test_render_envoy_renders_each_edge_and_refuses_the_gate_picking_on_ext_proc
         "envoy.filters.http.ext_authz.timeslice_gate",
         "envoy.filters.http.router",
     ]
+    routes = filters["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert {rt["route"]["timeout"] for rt in routes if "route" in rt} == {"4260.000s"}, "hold 600 + generation 3600 + 60"
+    assert "--lost-completion-after-s 4560" in r.output, r.output
+    r = runner.invoke(
+        app, ["render-envoy", "--out", str(out), "--max-hold-s", "30", "--generation-timeout-s", "7200", "--no-validate"]
+    )
+    assert r.exit_code == 0 and "route timeout 7290 s" in r.output, r.output
     r = runner.invoke(app, ["render-envoy", "--out", str(out), "--gate-edge", "ext_proc", "--picker", "gate"])
     said = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
     assert r.exit_code == 2 and "the gate picks the endpoint only on the ext_authz edge" in said, r.output
