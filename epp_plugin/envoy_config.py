@@ -152,8 +152,8 @@ class EnvoyRouterConfig:
     host: str = "127.0.0.1"
     max_hold_s: float = 600.0
     upstream_timeout_s: float = 600.0
-    """Route timeout (seconds). The default pairs with the gate's default ``--lost-completion-after-s`` (900 s);
-    ``llmd-timeslice up`` sizes both from the stack file (:func:`route_timeout_s`, :func:`lost_completion_after_s`).
+    """Route timeout (seconds); stays below the gate's default ``--lost-completion-after-s`` (4560 s).
+    ``llmd-timeslice up`` and ``render-envoy`` size both (:func:`route_timeout_s`, :func:`lost_completion_after_s`).
     The HTTP connection manager's stream idle timeout is ``max_hold_s`` above it."""
     epp_message_timeout_s: float = 5.0
     gate_failure_mode_allow: bool = False

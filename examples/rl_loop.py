@@ -73,6 +73,16 @@ def train_step(model_dir: Path | None, state: dict) -> None:
     state["opt"].zero_grad()
 
 
+def _versions(client: TimeSliceOrchestratorClient, group: str, weights_dir: Path) -> tuple[int, int]:
+    """(the weight version the group serves, the next version to publish): the next one is newer than every version
+    the group knows (serving, pending or rejected: the orchestrator refuses a version not newer than its latest) and
+    than every ``v<N>`` already in ``weights_dir`` (published versions are immutable), so the loop can run again."""
+    status = client.weight_status(group)
+    known = [status.serving_version, status.pending.version, status.rejected.version]
+    on_disk = [int(p.name[1:]) for p in weights_dir.glob("v*") if p.name[1:].isdigit()] if weights_dir.is_dir() else []
+    return status.serving_version, max(known + on_disk) + 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -130,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"rl_loop: token file: {exc}", file=sys.stderr)
         return 2
-    version, state, ok = 0, {}, True
+    state, ok = {}, True
     try:
+        version, next_version = _versions(client, a.group, a.weights_dir)
         for it in range(a.iterations):
             recs = rollout(a.router, a.model, version)
             served = sorted({r["weight_version"] for r in recs})
@@ -149,17 +160,25 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"; last weight sync failed: {res.weight_sync_error}" if res.weight_sync_error else ""),
                 flush=True,
             )
-            train_step(a.model_dir, state)
             weights = None
-            if a.model_dir is not None:
-                version += 1
-                weights = save_weight_version(state["model"], a.weights_dir, version)
+            try:
+                train_step(a.model_dir, state)
+                if a.model_dir is not None:
+                    weights = save_weight_version(state["model"], a.weights_dir, next_version)
+            except BaseException:
+                client.release()  # yield before failing: the samplers wake instead of waiting out the lease
+                raise
+            if weights is not None:
+                version, next_version = next_version, next_version + 1
             client.release(weights=weights)
             print(f"  trained; yielded{f' with weight version {version}' if weights else ''}", flush=True)
         recs = rollout(a.router, a.model, version)
         ok &= all(r["status"] == 200 and r["weight_version"] >= version for r in recs)
         print(f"final rollout at weight version(s) {sorted({r['weight_version'] for r in recs})}", flush=True)
-    except (TimeSliceError, httpx.HTTPError) as exc:
+    except httpx.TransportError as exc:
+        print(f"rl_loop: router {a.router}: {exc}: is the stack up? (`llmd-timeslice status -f FILE`)", file=sys.stderr)
+        return 1
+    except (TimeSliceError, httpx.HTTPError, OSError) as exc:
         print(f"rl_loop: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -232,11 +232,11 @@ class GateSettings(_Section):
         "then a partitioned gate may send requests to sleeping engines).",
     )
     lost_completion_after_s: Duration = Field(
-        900.0,
+        4560.0,
         ge=1,
         description="Time after which a fast-path admission with no "
         "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
-        "route timeout.",
+        "route timeout (the default fits `render-envoy`'s: hold 600 + generation 3600 + 60, plus 300).",
     )
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()

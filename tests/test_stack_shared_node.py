@@ -200,3 +200,21 @@ def test_rl_script_without_a_router_stops_instead_of_guessing_a_port(tmp_path):
     )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no --router, --orchestrator, --token-file" in r.stderr and ROUTER_URL_ENV in r.stderr, r.stderr
+
+
+def test_second_up_of_a_workdir_while_the_first_starts_is_refused_before_building_anything(tmp_path):
+    """Found by a first-time user: a second `up` 3 s after the first passed both checks (no stack.json yet, engines
+    not yet on their ports), rebuilt the model the first stack was loading and started more engines. The first `up`
+    holds WORKDIR/up.lock from before its start-up; here the test holds it, as that `up` would."""
+    from filelock import FileLock
+
+    ports = {k: port_for.select_random() for k in StackPorts.model_fields}
+    f = _stack_file(tmp_path, "locked", ports, port_for.select_random(), "http://127.0.0.1:9")
+    workdir = tmp_path / "locked"
+    workdir.mkdir()
+    with FileLock(workdir / "up.lock"):
+        r = subprocess.run([*CLI, "up", "-f", str(f), "--no-live"], capture_output=True, text=True, timeout=60)
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"another `llmd-timeslice up` is starting or running a stack from {workdir}" in said, r.stdout
+    assert sorted(p.name for p in workdir.iterdir()) == ["up.lock"], "nothing built, nothing started"

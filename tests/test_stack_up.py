@@ -91,6 +91,10 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
         )
         assert r.returncode == 0, r.stdout + r.stderr
         assert "final rollout at weight version(s) [2]" in r.stdout, r.stdout
+        # Run again (the same command, the same weights folder): it goes on from version 2 instead of failing on v1.
+        again = subprocess.run([*r.args[:5], "1", *r.args[6:]], env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "final rollout at weight version(s) [3]" in again.stdout, again.stdout
 
         # A child that dies is reported and restarted.
         before = _component(state, "sidecar-sampler-0")

@@ -44,6 +44,8 @@ from llmd_timeslice.status import output_console, table
 log = logging.getLogger(__name__)
 
 STATE_FILE = "stack.json"
+UP_LOCK_FILE = "up.lock"
+"""Locked (``flock``) by the ``up`` that runs the workdir's stack, from before its start-up until it exits."""
 ROUTER_URL_ENV = "LLMD_TIMESLICE_ROUTER_URL"
 """Environment variable naming the router URL (OpenAI-style API) of a stack; ``up`` prints it on its export line
 next to ``TIMESLICE_ORCH_ADDR`` and ``LLMD_TIMESLICE_TOKEN_FILE``, and ``examples/rl_loop.py`` reads it."""
@@ -446,13 +448,36 @@ async def _stop(stack: Stack, sup: Supervisor) -> None:
 
 def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None) -> int:
     """``llmd-timeslice up``; returns the exit code: 0 after a clean stop, 1 if the stack did not start or a
-    component failed for good, 2 if a stack already runs from the workdir or a port of the stack is taken
-    (one line per port on stderr, naming the process that holds it; nothing is started)."""
+    component failed for good, 2 if a stack already runs from the workdir, another ``up`` of the workdir is starting
+    (it holds ``WORKDIR/up.lock``) or a port of the stack is taken (one line per port on stderr, naming the process
+    that holds it; nothing is started)."""
+    from filelock import FileLock, Timeout
+
     from llmd_timeslice.local.stack_file import load_stack_file
 
     sf = load_stack_file(file)
     stack = Stack(sf, file.resolve().parent, workdir)
     console = output_console()
+    stack.workdir.mkdir(parents=True, exist_ok=True)
+    # Held for the life of this `up`, taken before anything is built or started: a second `up` of the same workdir
+    # during the first one's start-up (before stack.json or any port shows it) is refused here. The kernel drops
+    # the lock with the process, so a killed `up` leaves nothing to clean.
+    lock = FileLock(stack.workdir / UP_LOCK_FILE)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        console.print(
+            f"[red]another `llmd-timeslice up` is starting or running a stack from {stack.workdir} (it holds "
+            f"{lock.lock_file}); `llmd-timeslice status -f FILE` to see it, `llmd-timeslice down -f FILE` to stop it[/red]"
+        )
+        return 2
+    try:
+        return _run_up_locked(file, stack, console, live_table)
+    finally:
+        lock.release()
+
+
+def _run_up_locked(file: Path, stack: Stack, console, live_table: bool | None) -> int:
     state = stack.workdir / STATE_FILE
     if state.exists():
         with contextlib.suppress(ValueError, OSError):
