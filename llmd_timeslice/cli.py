@@ -28,7 +28,11 @@ app = typer.Typer(
 LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (logs go to stderr, key=value).")]
 TokenFile = Annotated[
     Path | None,
-    typer.Option("--token-file", help="File holding the control-plane bearer token (else $LLMD_TIMESLICE_TOKEN)."),
+    typer.Option(
+        "--token-file",
+        help="File holding the control-plane bearer token "
+        "(default: $LLMD_TIMESLICE_TOKEN_FILE; else the token in $LLMD_TIMESLICE_TOKEN).",
+    ),
 ]
 
 
@@ -343,7 +347,7 @@ def demo(
     train_s: Annotated[float, typer.Option(help="Least seconds of training per iteration.", min=0)] = 4.0,
     log_level: LogLevelOpt = LogLevel.warning,
 ) -> None:
-    """Run the whole stack on this machine (Envoy, gate, picker, orchestrator, 2 vLLM + sidecars)
+    """Run the whole stack on this machine (Envoy, gate on the fast path picking the endpoint, orchestrator, 2 vLLM + sidecars)
     and an RL loop with background load; writes OUT/summary.json and OUT/timeline.png."""
     from llmd_timeslice.demo.run import run_demo
 

@@ -229,8 +229,14 @@ class StackFile(_Strict):
         started = [e for e in self.engines if e.vllm is not None]
         out = [
             f"stack {self.stack.name!r} on {self.stack.host}, workdir {self.workdir(base_dir)}",
-            f"router http://{self.stack.host}:{p.router}, orchestrator {self.stack.host}:{p.orchestrator}, gate "
-            f"ext_proc {p.gate_ext_proc} / control {p.gate_control}, picker {p.picker}, max hold {self.stack.max_hold_s:g} s",
+            f"router http://{self.stack.host}:{p.router}, orchestrator {self.stack.host}:{p.orchestrator}, "
+            + (
+                f"gate ext_authz {p.gate_authz} (fast path, the gate picks) / access log {p.gate_ext_proc} / control "
+                f"{p.gate_control}, no picker"
+                if self.stack.gate_edge == "ext_authz"
+                else f"gate ext_proc {p.gate_ext_proc} / control {p.gate_control}, picker {p.picker}"
+            )
+            + f", max hold {self.stack.max_hold_s:g} s",
             f"pools: {', '.join(pl.name + (f' ({pl.path_prefix})' if pl.path_prefix else ' (/)') for pl in self.pools)}",
             f"groups: {', '.join(f'{g.group_id} (sleep level {g.sleep_level}, {g.policy})' for g in self.groups)}",
         ]
