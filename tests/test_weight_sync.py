@@ -467,7 +467,9 @@ async def _audited_sampler_at_v1(tmp_path, audit_interval_s: float):
     gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token=TOKEN))
     await gate.start()
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
-    st = types.SimpleNamespace(engine=engine, addr=addr, pool=gate.pools["default"], g=orch.orchestrator.groups["g"])
+    st = types.SimpleNamespace(
+        engine=engine, addr=addr, pool=gate.pools["default"], g=orch.orchestrator.groups["g"], client=client
+    )
     try:
         await asyncio.wait_for(gate.subscription.connected.wait(), 10)
         await client.acquire(timeout_sec=30)
@@ -562,3 +564,8 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
             await _until(lambda: pool.serving(min_version=1) == (addr,) and not g.sampler_errors, timeout_s=20)
         assert engine.weight_version == "1" and engine.weights_path == str(tmp_path / "v1") and not g.sampler_errors
         assert "its engine answers again; repairing now" in caplog.text
+        # The publisher's next acquire tells what failed while the engine was down, and that it is repaired since.
+        res = await st.client.acquire(timeout_sec=30)
+        assert "weight version 1 did not load on 1 of 1 sampler(s) woken with it" in res.weight_sync_error
+        assert res.weight_sync_error.endswith("(since repaired: every sampler serves weight version 1 now)"), res
+        await st.client.release()

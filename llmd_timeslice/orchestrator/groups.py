@@ -489,8 +489,18 @@ class Group:
             return
         if not w.future.done():
             w.future.set_result(
-                AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False, self.weight_sync_errors.pop(job, ""))
+                AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False, self._weight_sync_error_for(job))
             )
+
+    def _weight_sync_error_for(self, job: str) -> str:
+        """The weight-sync problems kept for ``job`` since it published (popped: told once), marked as repaired when
+        every sampler serves the published version in service by now (a repair or a restarted engine fixed it)."""
+        error = self.weight_sync_errors.pop(job, "")
+        w = self.weights
+        repaired = w is not None and not self.sampler_errors and bool(self.sampler_versions)
+        if error and w is not None and repaired and all(v == w.version for v in self.sampler_versions.values()):
+            error += f" (since repaired: every sampler serves weight version {w.version} now)"
+        return error
 
     async def _release(self, job: str, kind: GroupCommand) -> YieldResult:
         """The holder is gone (yield, lease expired, grant taken back): the next waiter, the samplers, or a
@@ -898,7 +908,7 @@ class Group:
         if rec.sampler_errors:
             problems.append(
                 f"weight version {w.version} did not load on {len(rec.sampler_errors)} of {n} "
-                "sampler(s), which stay out of service at their old version: "
+                "sampler(s) woken with it, which stay out of service at their old version: "
                 + "; ".join(f"{a}: {e}" for a, e in sorted(rec.sampler_errors.items()))
             )
         if problems:
