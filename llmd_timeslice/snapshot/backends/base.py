@@ -47,6 +47,19 @@ class SuspendResult:
     parked_action: str = ""
 
 
+def freed_too_little(before: int | None, after: int | None, min_fraction: float) -> tuple[int | None, float | None]:
+    """``(freed, fraction)``: the device memory a suspend freed (bytes; None when either reading is missing) and,
+    only when it is below ``min_fraction`` of ``before`` (the engine answered its release call but kept its memory;
+    ``min_fraction`` 0 turns the check off), the fraction it freed; else None. Shared by the backends that read
+    device memory around a suspend."""
+    if before is None or after is None:
+        return None, None
+    freed = before - after
+    if min_fraction > 0 and before > 0 and freed < min_fraction * before:
+        return freed, freed / before
+    return freed, None
+
+
 class SnapshotBackend(abc.ABC):
     """One workload's suspend/resume. Every call verifies its effect before returning."""
 

@@ -22,6 +22,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
+    freed_too_little,
     register_backend,
 )
 from llmd_timeslice.snapshot.backends.vllm import MemoryReader, nvml_memory_reader
@@ -80,14 +81,8 @@ class SglangBackend(SnapshotBackend):
         await self._post("/release_memory_occupation", {"tags": list(tags) or None})
         self._released |= set(tags) or {"weights", "kv_cache", "cuda_graph"}
         after = self.memory_reader() if self.memory_reader else None
-        freed = before - after if before is not None and after is not None else None
-        if (
-            before is not None
-            and freed is not None
-            and self.min_freed_fraction > 0
-            and before > 0
-            and freed < self.min_freed_fraction * before
-        ):
+        freed, fraction = freed_too_little(before, after, self.min_freed_fraction)
+        if fraction is not None:
             raise BackendError(
                 f"SGLang {self.base_url} answered release with 200 but device memory went from {before} "
                 f"to {after} bytes (< {self.min_freed_fraction:.0%} freed); the endpoint stays out of "

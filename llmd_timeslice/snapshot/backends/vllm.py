@@ -93,6 +93,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendMode,
     SuspendResult,
     WeightVersionRejected,
+    freed_too_little,
     register_backend,
 )
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
@@ -406,17 +407,11 @@ class VllmBackend(SnapshotBackend):
             )
         parked, action = await self._handle_parked(m)
         after = self._read_memory()
-        freed = before - after if before is not None and after is not None else None
-        if (
-            before is not None
-            and freed is not None
-            and self.min_freed_fraction > 0
-            and before > 0
-            and freed < self.min_freed_fraction * before
-        ):
+        freed, fraction = freed_too_little(before, after, self.min_freed_fraction)
+        if fraction is not None:
             raise BackendError(
                 f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
-                f"bytes (freed {freed / before:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
+                f"bytes (freed {fraction:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
                 "(--enable-sleep-mode)? the engine is left out of service"
             )
         return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
