@@ -29,6 +29,7 @@ from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend, parse_engine_metrics
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm
+from tests.support.waits import until as _until
 
 
 @pytest.fixture
@@ -100,14 +101,6 @@ async def group(request):
         e.stop()
 
 
-async def _until(pred, timeout: float = 10.0, what: str = "condition"):
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
-
-
 # ---------------------------------------------------------------- 1. a reset that reports it did nothing
 
 
@@ -174,7 +167,7 @@ async def test_a_sampler_answering_nonsense_after_wake_stays_out_of_service_then
     assert "answers the probe prompts differently" in g.sampler_errors[addrs[0]], g.sampler_errors
     assert pool.endpoints[addrs[0]].state is EndpointState.ASLEEP
     # The repair loop (2 s back-off) restores it: weights reloaded, probe matches, SERVING again.
-    await _until(lambda: set(pool.serving()) == set(addrs), timeout=15, what="the repaired sampler serving")
+    await _until(lambda: set(pool.serving()) == set(addrs), timeout_s=15, what="the repaired sampler serving")
     assert not engines[0].garbled
 
 

@@ -18,6 +18,7 @@ from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
 from tests.support.router import ALL_CHAINS, EDGES, start_router
 from tests.support.upstream import UpstreamServer
+from tests.support.waits import until as _until
 
 pytestmark = pytest.mark.envoy
 
@@ -30,14 +31,6 @@ def edge(request) -> str:
 @pytest.fixture(params=ALL_CHAINS)
 def chain(request) -> str:
     return request.param
-
-
-async def _until(pred, timeout_s: float = 5.0, what: str = "condition") -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout_s} s")
 
 
 @pytest.fixture

@@ -27,16 +27,9 @@ from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.one_sampler import one_sampler
 from tests.support.tcp_proxy import TcpProxy
+from tests.support.waits import until as _until
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
-
-
-async def _until(pred, timeout_s: float = 5.0, what: str = "condition") -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout_s} s")
 
 
 # ------------------------------------------------------------------------------- the book, no Envoy

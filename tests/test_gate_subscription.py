@@ -12,6 +12,7 @@ from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.support.waits import until as _until
 
 INV = Inventory.model_validate({"groups": [{"group_id": "g"}]})
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -31,14 +32,6 @@ async def _gate(orch_port: int, gate_id: str = "gate-a") -> GateServer:
     await g.start()
     await asyncio.wait_for(g.subscription.connected.wait(), 10)
     return g
-
-
-async def _until(pred, timeout=5.0):
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 async def test_publish_waits_for_the_gates_ack_and_the_gate_applies_it():

@@ -13,13 +13,7 @@ import pytest
 
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
 from llmd_timeslice.local.up import alive, http_probe
-
-
-async def _until(pred, timeout_s: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
+from tests.support.waits import until as _until
 
 
 async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_path):

@@ -16,6 +16,7 @@ from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm
+from tests.support.waits import until as _until
 
 
 @pytest.fixture
@@ -54,14 +55,6 @@ async def stack():
         await s.stop()
     for e in engines:
         e.stop()
-
-
-async def _until(pred, timeout=10.0):
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 async def test_engine_that_lies_about_sleeping_fails_the_acquire_and_the_group_recovers(stack):

@@ -32,6 +32,7 @@ from llmd_timeslice.weights.manifest import MANIFEST_NAME, WeightManifestError, 
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 from tests.support.fake_engines import FakeSglang, FakeVllm
 from tests.support.one_sampler import one_sampler
+from tests.support.waits import until as _until
 from tests.support.weight_status import weight_status_when
 
 TOKEN = "t"
@@ -251,13 +252,6 @@ async def stack(tmp_path):
         await s.stop()
     for e in engines:
         e.stop()
-
-
-async def _until(pred, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_yield_with_a_weight_version_wakes_samplers_serving_that_version(stack, tmp_path):

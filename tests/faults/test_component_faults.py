@@ -21,6 +21,7 @@ from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.fake_engines import FakeVllm
+from tests.support.waits import until as _until
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "t"
@@ -131,13 +132,6 @@ async def stack(tmp_path):
             s.stop()
         for e in st["engines"]:
             e.stop()
-
-
-async def _until(pred, timeout_s: float = 20.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, f"{what} not reached in {timeout_s} s"
-        await asyncio.sleep(0.05)
 
 
 async def _requests(pool, n: int) -> list:
