@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from llmd_timeslice.demo import timeline
 from llmd_timeslice.demo.run import SUMMARY_LINES, _summary, summary_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +49,8 @@ def test_readme_shows_the_demo_summary_in_the_demos_own_form():
 
 
 def test_timeline_sampler_lanes_are_labelled_by_sampler_name(tmp_path, monkeypatch):
+    from llmd_timeslice.demo import timeline  # matplotlib: imported by the test using it, not by every worker
+
     monitor = [
         {"t": 0.0, "held": 0, "endpoints": {"127.0.0.1:41873": "SERVING", "127.0.0.1:35011": "SERVING"}},
         {"t": 1.0, "held": 2, "endpoints": {"127.0.0.1:41873": "ASLEEP", "127.0.0.1:35011": "ASLEEP"}},

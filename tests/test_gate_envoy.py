@@ -8,9 +8,12 @@ endpoint itself (``chain``: ``ext_authz-pick``, the local stack's chain without 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+from typing import NamedTuple
 
+import aiohttp
 import httpx
 import pytest
 
@@ -21,6 +24,12 @@ from tests.support.upstream import UpstreamServer
 from tests.support.waits import until as _until
 
 pytestmark = pytest.mark.envoy
+
+
+class _Answer(NamedTuple):
+    status_code: int
+    text: str
+    headers: dict
 
 
 @pytest.fixture(params=EDGES)
@@ -213,22 +222,29 @@ async def test_min_weight_version_header_holds_until_that_version_serves(router_
         assert bad.status_code == 400 and bad.headers[protocol.REASON_HEADER] == "bad_min_weight_version"
 
 
-@pytest.mark.alone  # with parallel neighbours on 2 cores its in-process picker refused 182 of the burst
 async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstreams, edge):
     up = two_upstreams[0]
     # The test's picker shares one Python event loop with the gate and 2,000 clients on 2 cores, so the
     # EPP answer to a burst of releases can take seconds: its message timeout is raised here only. For the same
-    # reason the release keeps the former 5,000/s: once, in a full-suite run on a loaded machine, that in-process
-    # picker answered the fast path's 20,000/s burst of new EPP streams with HTTP/2 resets ("protocol error" in
-    # Envoy's log, 784 x 500 from the EPP filter). What is checked here is the gate: every request released and ended.
+    # reason the release is paced at 2,000/s: in full-suite runs on a loaded machine, that starved in-process picker
+    # stopped reading its HTTP/2 connection during the burst of new EPP streams, Envoy's queue of control frames
+    # to it overflowed (`cluster.epp.http2.outbound_control_flood`, at 20,000/s and once at 5,000/s) and the
+    # requests on that connection failed (450-784 x 500 from the EPP filter). A real EPP is its own process. What
+    # is checked here is the gate: every request released and ended (benchmarks.router_overhead times the release).
     stack = await start_router(
-        artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge, release_rate_per_s=5000
+        artifacts, [up.address], max_hold_s=120, epp_message_timeout_s=60, edge=edge, release_rate_per_s=2000
     )
     try:
         stack.pool().set_states([(up.address, EndpointState.ASLEEP, 0)])
-        limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-            tasks = [asyncio.create_task(c.get(stack.url + "/v1/completions")) for _ in range(2000)]
+
+        async def get(session: aiohttp.ClientSession) -> _Answer:
+            async with session.get(stack.url + "/v1/completions") as r:
+                return _Answer(r.status, await r.text(), dict(r.headers))
+
+        # aiohttp: httpx's connection pool scans every connection per request (quadratic at 2,000)
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as c:
+            tasks = [asyncio.create_task(get(c)) for _ in range(2000)]
             for _ in range(600):
                 if stack.pool().held == 2000:
                     break
@@ -245,10 +261,10 @@ async def test_two_thousand_held_requests_are_all_released(artifacts, two_upstre
                 f"not all released requests completed: {sorted(set(map(str, codes)))}, "
                 f"{codes.count(200)} ok; first failures {seen}\nenvoy stats:\n{stats}"
             )
-        for _ in range(200):  # stream ends (access-log entries) reach the gate just after the responses
-            if stack.pool().live == 0:
-                break
-            await asyncio.sleep(0.05)
+        # Stream ends (access-log entries) reach the gate after the responses: on a loaded 2-core machine, with this
+        # process also running the 2,000 clients, the last of them came more than 10 s later (seen in a full run).
+        with contextlib.suppress(AssertionError):
+            await _until(lambda: stack.pool().live == 0, 60, "every stream end at the gate")
         assert stack.pool().held == 0 and stack.pool().live == 0, "every request must end at the gate (nothing leaks)"
         if edge == "ext_authz":
             book = stack.gate.book
@@ -267,11 +283,16 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
     router.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
     proc = psutil.Process()
     rss, tasks = [], []
-    for _ in range(5):
-        limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=1.0, limits=limits) as c:
-            rs = await asyncio.gather(*(c.get(router.url + "/v1/completions") for _ in range(300)), return_exceptions=True)
-        assert all(isinstance(r, httpx.TimeoutException) for r in rs)
+
+    async def get(session: aiohttp.ClientSession) -> int:
+        async with session.get(router.url + "/v1/completions") as r:
+            return r.status
+
+    for _ in range(5):  # aiohttp: see test_two_thousand_held_requests_are_all_released
+        connector = aiohttp.TCPConnector(limit=400, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1.0)) as c:
+            rs = await asyncio.gather(*(get(c) for _ in range(300)), return_exceptions=True)
+        assert all(isinstance(r, asyncio.TimeoutError) for r in rs), {repr(r) for r in rs}
         for _ in range(100):
             if router.pool().held == 0:
                 break

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-import torch
-
-from benchmarks import snapshot
-from benchmarks.gpu import snapshot_gpu
+# torch (through the benchmarks) is imported by the tests that need it: each pytest-xdist worker imports every
+# test module, and torch alone is ~2 s of CPU.
 
 
 def test_snapshot_benchmark_writes_ratio_to_copy_and_first_vs_steady(tmp_path):
+    from benchmarks import snapshot
+
     out = tmp_path / "s.json"
     assert snapshot.main(["--out", str(out), "--params-m", "0.5", "--cycles", "3", "--device", "cpu"]) == 0
     res = json.loads(out.read_text())
@@ -20,6 +20,10 @@ def test_snapshot_benchmark_writes_ratio_to_copy_and_first_vs_steady(tmp_path):
 
 
 def test_gpu_benchmark_exits_cleanly_without_cuda(tmp_path, capsys):
+    import torch
+
+    from benchmarks.gpu import snapshot_gpu
+
     out = tmp_path / "g.json"
     assert snapshot_gpu.main(["--out", str(out)]) == 0
     if not torch.cuda.is_available():

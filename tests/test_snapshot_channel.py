@@ -6,7 +6,6 @@ import asyncio
 
 import grpc
 import pytest
-import torch
 from grpc import aio
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
@@ -19,7 +18,6 @@ from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.channel import WorkloadChannelBackend, WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.snapshot.server import SidecarServer
-from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
 from llmd_timeslice.snapshot.workload import WorkloadClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,6 +66,8 @@ async def _op(srv, kind, job_id, **kw):
 
 
 def _trainer():
+    import torch  # here, not at the top: ~2 s of CPU in every pytest-xdist worker's collection
+
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters())
@@ -77,6 +77,8 @@ def _trainer():
 
 
 async def test_trainer_registers_and_snapshot_restore_offload_its_state(sidecar):
+    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
+
     model, opt = _trainer()
     before = state_checksum(model, opt)
     client = WorkloadClient.for_offloader(

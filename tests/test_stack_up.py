@@ -1,11 +1,23 @@
-"""``llmd-timeslice up`` end to end: a stack from the CPU example (real Envoy, real vLLM on CPU), the example RL
-script against it with phase switches and weight versions, a killed child restarted, a request held while a
-trainer holds the group answered 503 on `down`, and no process left afterwards."""
+"""``llmd-timeslice up`` end to end on real vLLM (CPU) behind the stack's real Envoy, in one stack start (the
+vLLM starts are most of this test's time):
+
+* the CPU example's stack with its second engine moved to a second pool and group (``pool-b`` serves
+  ``/pool-b/v1/...``; the prefix is stripped before the engine, which only knows ``/v1/``): each pool serves;
+  engine admin paths (``POST /sleep``, ``/wake_up``, ``/collective_rpc``, ...) sent to the router get 404, with
+  and without a pool prefix, and leave the engines awake (issue 15 item 8, issue 14);
+* the example RL script against the default pool, run twice (phase switches, weight versions 1-3);
+* pool-b asleep (a trainer holds its group): the default pool keeps serving, pool-b's request is held and served
+  once the trainer yields (the default pool's latency with pool-b awake and asleep is printed: a figure, not an
+  assertion);
+* a killed child reported and restarted;
+* a request held while a trainer holds the group answered 503 on ``down``, and no process left afterwards.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -18,6 +30,7 @@ import pytest
 import yaml
 
 from llmd_timeslice.client import TimeSliceOrchestratorClient
+from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME
 from llmd_timeslice.local.up import alive
 from tests.support.prometheus import sample
 
@@ -25,6 +38,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "llmd_timeslice.cli"]
+COMPLETION = {"model": SERVED_MODEL_NAME, "prompt": "the quick brown", "max_tokens": 4, "temperature": 0}
+ADMIN = ["/sleep?level=1", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/pause"]
 
 
 def _state(workdir: Path) -> dict:
@@ -45,13 +60,79 @@ def _component(state: dict, name: str) -> dict:
     return next(c for c in state["components"] if c["name"] == name)
 
 
-def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_leaves_nothing(tmp_path):
+def _latencies(c: httpx.Client, url: str, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        r = c.post(url, json=COMPLETION)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _check_pools_serve_and_admin_paths_are_refused(router: str, engine_urls: list[str]) -> None:
+    with httpx.Client(timeout=120) as c:
+        # Each pool serves; pool-b's engine sees /v1/completions (a 404 from vLLM otherwise).
+        for prefix in ("", "/pool-b"):
+            r = c.post(f"{router}{prefix}/v1/completions", json=COMPLETION)
+            assert r.status_code == 200, f"{prefix or '/'}: {r.status_code} {r.text}"
+        # Engine admin paths through the router: 404, and the engines stay awake.
+        for prefix in ("", "/pool-b"):
+            for path in ADMIN:
+                r = c.post(f"{router}{prefix}{path}", json={"method": "reload_weights"})
+                assert r.status_code == 404, f"POST {prefix}{path} through the router: {r.status_code} {r.text}"
+        for url in engine_urls:
+            assert c.get(url + "/is_sleeping").json() == {"is_sleeping": False}, f"{url} must stay awake"
+
+
+def _check_pool_b_asleep_holds_its_request_while_the_default_pool_serves(ep: dict, engine_urls: list[str]) -> None:
+    router = ep["router"]
+    token = Path(ep["token_file"]).read_text().strip()
+    with (
+        httpx.Client(timeout=120) as c,
+        TimeSliceOrchestratorClient(ep["orchestrator"], job_id="trainer-b", group_id="group-b", token=token) as trainer,
+    ):
+        awake = _latencies(c, f"{router}/v1/completions", 10)
+        trainer.acquire(timeout_sec=180)
+        assert c.get(engine_urls[1] + "/is_sleeping").json() == {"is_sleeping": True}
+        held: dict = {}
+
+        def send_b() -> None:
+            resp = httpx.post(f"{router}/pool-b/v1/completions", json=COMPLETION, timeout=120)
+            held.update(status=resp.status_code, hold_ms=resp.headers.get("x-llmd-timeslice-hold-ms"))
+
+        t = threading.Thread(target=send_b)
+        t.start()
+        asleep = _latencies(c, f"{router}/v1/completions", 10)
+        _wait(
+            lambda: sample(ep["metrics_gate"], "llmd_timeslice_gate_held", pool="pool-b") == 1,
+            60,
+            "pool-b's request to be held at the gate",
+        )
+        assert not held, "pool-b's request is held while its engine sleeps"
+        assert c.get(engine_urls[0] + "/is_sleeping").json() == {"is_sleeping": False}
+        trainer.release()
+        t.join(120)
+        assert held.get("status") == 200 and int(held["hold_ms"]) > 0, held
+    print(
+        f"\ndefault pool completion latency, median of 10: pool-b awake {statistics.median(awake) * 1e3:.0f} ms, "
+        f"pool-b asleep {statistics.median(asleep) * 1e3:.0f} ms"
+    )
+
+
+def test_up_runs_a_two_pool_stack_for_an_rl_script_restarts_children_and_down_leaves_nothing(tmp_path):
     d = yaml.safe_load((REPO / "examples" / "cpu-stack.yaml").read_text())
     for k in d["stack"]["ports"]:
         d["stack"]["ports"][k] = port_for.select_random()
-    d["engines"] = d["engines"][:1]  # one engine keeps the test short; the file is otherwise the example's
-    d["engines"][0]["sidecar_port"] = port_for.select_random()
-    d["engines"][0]["vllm"]["port"] = port_for.select_random()
+    # The example's file, with its second engine in a pool and group of its own.
+    assert [e["name"] for e in d["engines"]] == ["sampler-0", "sampler-1"]
+    d["pools"].append({"name": "pool-b", "path_prefix": "/pool-b/"})
+    d["groups"].append({"group_id": "group-b", "drain_timeout_s": 20})
+    d["engines"][1].update(pool="pool-b", group="group-b")
+    for e in d["engines"]:
+        e["sidecar_port"] = port_for.select_random()
+        e["vllm"]["port"] = port_for.select_random()
+    engine_urls = [f"http://127.0.0.1:{e['vllm']['port']}" for e in d["engines"]]
     workdir = tmp_path / "work"
     d["stack"]["workdir"] = str(workdir)
     stack_file = tmp_path / "stack.yaml"
@@ -67,7 +148,8 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
         ep = state["endpoints"]
         text = (tmp_path / "up.out").read_text()
         assert ep["router"] in text and ep["orchestrator"] in text, "up prints what to connect to"
-        assert (workdir / "logs" / "gate.log").exists() and (workdir / "logs" / "vllm-sampler-0.log").exists()
+        assert (workdir / "logs" / "gate.log").exists() and (workdir / "logs" / "vllm-sampler-1.log").exists()
+        _check_pools_serve_and_admin_paths_are_refused(ep["router"], engine_urls)
 
         # The example RL script, public client API only: 2 iterations, real training, weight versions 1 and 2.
         env = {**os.environ, "TIMESLICE_ORCH_ADDR": ep["orchestrator"], "LLMD_TIMESLICE_TOKEN_FILE": ep["token_file"]}
@@ -95,6 +177,8 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
         again = subprocess.run([*r.args[:5], "1", *r.args[6:]], env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stdout + again.stderr
         assert "final rollout at weight version(s) [3]" in again.stdout, again.stdout
+
+        _check_pool_b_asleep_holds_its_request_while_the_default_pool_serves(ep, engine_urls)
 
         # A child that dies is reported and restarted.
         before = _component(state, "sidecar-sampler-0")
@@ -145,7 +229,7 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
             up.wait()
         out.close()
     assert not [p for p in pids if alive(p)], "no component is left running"
-    vllm_port = str(d["engines"][0]["vllm"]["port"])
+    vllm_ports = [str(e["vllm"]["port"]) for e in d["engines"]]
     leftovers = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -153,7 +237,7 @@ def test_up_runs_the_example_stack_for_an_rl_script_restarts_children_and_down_l
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if str(workdir) in cmd or f"--port {vllm_port}" in cmd:
+            if str(workdir) in cmd or any(f"--port {port}" in cmd for port in vllm_ports):
                 leftovers.append(cmd)
     assert not leftovers, leftovers
     assert _state(workdir)["phase"] == "stopped"

@@ -98,7 +98,7 @@ class FakeConfigMaps:
 
         self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+        threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def stop(self) -> None:
         self._srv.shutdown()

@@ -9,10 +9,10 @@ decoding of the trained weights (first 8 tokens) and differ from version 0's.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-import torch
 
 from epp_plugin import protocol
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
@@ -24,6 +24,9 @@ from llmd_timeslice.weights.manifest import save_weight_version
 from tests.support.router import start_router
 from tests.support.vllm import restore_initial_weights
 from tests.support.weight_status import weight_status_when
+
+if TYPE_CHECKING:
+    import torch  # imported where used: ~2 s of CPU in every pytest-xdist worker's collection otherwise
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -55,6 +58,7 @@ async def _greedy_via_router(c: httpx.AsyncClient, url: str, model: str, min_ver
 
 
 def _train_one_step(model_dir) -> torch.nn.Module:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -69,6 +73,8 @@ def _train_one_step(model_dir) -> torch.nn.Module:
 
 
 def _greedy_transformers(model, prompt_ids: tuple) -> tuple:
+    import torch
+
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False, pad_token_id=0
@@ -129,6 +135,8 @@ async def test_rollout_after_the_switch_uses_the_weights_the_trainer_just_publis
 
 
 def _train_from(model, text: str) -> torch.nn.Module:
+    import torch
+
     """One more training step of ``model`` (in place) on ``text``; returns it in eval mode."""
     from transformers import AutoTokenizer
 
@@ -142,6 +150,8 @@ def _train_from(model, text: str) -> torch.nn.Module:
 
 
 async def test_a_damaged_weight_version_leaves_the_pool_serving_the_last_good_one(vllm_server, artifacts, tmp_path):
+    import torch
+
     """Issue 15 item 9 on real vLLM: versions 1 and 2 (a training step each) are served in turn; version 3, whose
     file is damaged after its manifest was written, is rejected at the switch back. The sampler (slept at level 2:
     weights discarded) reloads version 2 from its files and keeps serving exactly version 2's greedy tokens; the

@@ -13,7 +13,6 @@ import types
 
 import grpc
 import pytest
-import torch
 
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
@@ -39,6 +38,8 @@ TOKEN = "t"
 
 
 def _weights(root, version: int, seed: int = 0) -> WeightUpdate:
+    import torch  # here, not at the top: ~2 s of CPU in every pytest-xdist worker's collection
+
     g = torch.Generator().manual_seed(seed + version)
     return save_weight_version({"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}, root, version)
 

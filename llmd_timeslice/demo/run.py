@@ -35,7 +35,6 @@ from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.demo.loadgen import PROMPTS, LoadGenerator, send_completion
 from llmd_timeslice.demo.loadgen import percentile as _pct
 from llmd_timeslice.demo.stack import LocalStack, Sampler
-from llmd_timeslice.demo.timeline import plot_timeline
 from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
 from llmd_timeslice.status import output_console
 
@@ -243,6 +242,8 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
         summary = _summary(records, iters, load_rps, time.monotonic() - t0, t0 - t_begin)
         (out / "requests.json").write_text(json.dumps(records))
         (out / "iterations.json").write_text(json.dumps(iters, indent=1))
+        from llmd_timeslice.demo.timeline import plot_timeline  # matplotlib: ~0.5 s to import, only here
+
         plot_timeline(out / "timeline.png", monitor.samples, phases, records, names={s.address: s.job_id for s in samplers})
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,8 @@ _REQUIRED_FILES = (
     "tokenizer_config.json",
 )
 _BUILD_VERSION = 2  # 2: the tokenizer has a chat template (weights unchanged for a given seed)
+#: Environment variable naming the cache of finished builds (:func:`tiny_model_cache_dir`); empty disables it.
+CACHE_ENV_VAR = "LLMD_TIMESLICE_TINY_MODEL_CACHE"
 #: Chat template (Jinja, as ``transformers`` and vLLM's ``/v1/chat/completions`` apply it): one ``role: content``
 #: line per message, then ``assistant:`` when a generation prompt is asked for. Only what chat APIs need.
 CHAT_TEMPLATE = (
@@ -201,7 +204,30 @@ def _train_tokenizer(seed: int):
     return fast
 
 
-def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+def tiny_model_cache_dir() -> Path | None:
+    """Where finished builds are kept for reuse: ``$LLMD_TIMESLICE_TINY_MODEL_CACHE`` (empty: no cache), else
+    ``$XDG_CACHE_HOME/llmd-timeslice/tiny-llama`` (``~/.cache/...`` without it)."""
+    value = os.environ.get(CACHE_ENV_VAR)
+    if value is not None:
+        return Path(value) if value else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmd-timeslice" / "tiny-llama"
+
+
+def _library_key() -> str:
+    """The versions a build's bytes depend on (tokenizer training, weight init, serialisation), without importing
+    them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for dist in ("torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            parts.append(f"{dist}-{version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist}-none")
+    return "_".join(parts).replace("+", "-")
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0, use_cache: bool = True) -> Path:
     """Create (or reuse) a tiny random Llama model directory for vLLM.
 
     Args:
@@ -211,6 +237,10 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
             ``save_pretrained`` emits) and a completion marker.
         seed: seeds both the training corpus and the weight initialisation;
             the same seed yields byte-identical files.
+        use_cache: copy a finished build for ``seed`` from :func:`tiny_model_cache_dir` (building it there first
+            when missing), keyed by the versions of torch, transformers, tokenizers and safetensors. A build takes
+            ~6 s of CPU (torch and transformers imports, tokenizer training); a copy a few milliseconds. Each
+            ``llmd-timeslice up`` workdir, demo run and test session gets its own copy (RL examples train it).
 
     Returns:
         ``out_dir`` (as a ``Path``). If it already holds a complete build for
@@ -218,12 +248,36 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
 
     Files are first written to a temporary sibling directory and then moved
     into ``out_dir`` one by one, with the marker last, so an interrupted build
-    is never mistaken for a complete one.
+    (or copy) is never mistaken for a complete one.
     """
     out_dir = Path(out_dir)
     if _is_complete(out_dir, seed):
         return out_dir
+    cache = tiny_model_cache_dir() if use_cache else None
+    if cache is None:
+        return _build(out_dir, seed)
+    cached = cache / f"seed-{seed}-v{_BUILD_VERSION}-{_library_key()}"
+    if not _is_complete(cached, seed):
+        _build(cached, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        for name in sorted(n.name for n in cached.iterdir() if n.is_file() and n.name != _MARKER):
+            shutil.copy2(cached / name, Path(tmp) / name)
+        _move_in(Path(tmp), out_dir, seed)
+    return out_dir
 
+
+def _move_in(tmp_dir: Path, out_dir: Path, seed: int) -> None:
+    """Move a finished build's files from ``tmp_dir`` into ``out_dir``, the completion marker last."""
+    (out_dir / _MARKER).unlink(missing_ok=True)
+    for src in sorted(tmp_dir.iterdir()):
+        src.chmod(0o644)  # safetensors writes 0600 files
+        os.replace(src, out_dir / src.name)
+    (out_dir / _MARKER).write_text(json.dumps({"seed": seed, "version": _BUILD_VERSION}))
+
+
+def _build(out_dir: Path, seed: int) -> Path:
+    """Build the model for ``seed`` into ``out_dir`` (see :func:`build_tiny_llama`)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -261,9 +315,5 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         model.save_pretrained(tmp_dir, safe_serialization=True)
         generation_config.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
-        (out_dir / _MARKER).unlink(missing_ok=True)
-        for src in sorted(tmp_dir.iterdir()):
-            src.chmod(0o644)  # safetensors writes 0600 files
-            os.replace(src, out_dir / src.name)
-    (out_dir / _MARKER).write_text(json.dumps({"seed": seed, "version": _BUILD_VERSION}))
+        _move_in(tmp_dir, out_dir, seed)
     return out_dir

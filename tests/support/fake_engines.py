@@ -88,7 +88,8 @@ class _FakeEngine(abc.ABC):
         self._srv = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self._srv.owner = self  # type: ignore[attr-defined]
         self._srv.daemon_threads = True
-        self._t = threading.Thread(target=self._srv.serve_forever, daemon=True)
+        # shutdown() returns at the serve loop's next poll (0.5 s by default, paid by every test's teardown)
+        self._t = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     @property
     def url(self) -> str:

@@ -93,7 +93,8 @@ class UpstreamServer:
         self.hits = 0
         self.paths: list[str] = []
         """Request paths in arrival order."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        # stop() returns at the serve loop's next poll (0.5 s by default, paid by every test's teardown)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def start(self) -> UpstreamServer:
         self._thread.start()
