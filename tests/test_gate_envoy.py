@@ -283,16 +283,13 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
     router.pool().set_states([(two_upstreams[0].address, EndpointState.ASLEEP, 0)])
     proc = psutil.Process()
     rss, tasks = [], []
-
-    async def get(session: aiohttp.ClientSession) -> int:
-        async with session.get(router.url + "/v1/completions") as r:
-            return r.status
-
-    for _ in range(5):  # aiohttp: see test_two_thousand_held_requests_are_all_released
-        connector = aiohttp.TCPConnector(limit=400, force_close=True)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1.0)) as c:
-            rs = await asyncio.gather(*(get(c) for _ in range(300)), return_exceptions=True)
-        assert all(isinstance(r, asyncio.TimeoutError) for r in rs), {repr(r) for r in rs}
+    # httpx here, not aiohttp as in the 2,000-request test: this test reads the resident size of its own process,
+    # and with aiohttp's clients in it that grew 5.1 % over the rounds (one full parallel run), gate or not.
+    for _ in range(5):
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=1.0, limits=limits) as c:
+            rs = await asyncio.gather(*(c.get(router.url + "/v1/completions") for _ in range(300)), return_exceptions=True)
+        assert all(isinstance(r, httpx.TimeoutException) for r in rs)
         for _ in range(100):
             if router.pool().held == 0:
                 break
