@@ -169,7 +169,7 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
     stack = LocalStack(samplers, out, GROUP, token_file)
     t_setup = time.monotonic()
     try:
-        log("starting 2 vLLM servers on CPU (about a minute) ...")
+        log("starting 2 vLLM servers on CPU (about half a minute) ...")
         await asyncio.to_thread(start_many, servers)
         log(f"vLLM up in {time.monotonic() - t_setup:.0f} s; starting gate, picker, sidecars, orchestrator, Envoy ...")
         await asyncio.to_thread(stack.start)

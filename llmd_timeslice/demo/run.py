@@ -207,7 +207,7 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
     stack = LocalStack(samplers, out, GROUP, token_file)
     t_setup = time.monotonic()
     try:
-        with console.status("starting 2 vLLM servers on CPU (about a minute) ..."):
+        with console.status("starting 2 vLLM servers on CPU (about half a minute) ..."):
             await asyncio.to_thread(start_many, servers)
         console.print(
             f"[green]vLLM servers up[/green] in {time.monotonic() - t_setup:.0f} s: " + ", ".join(s.address for s in samplers)

@@ -1,8 +1,8 @@
 """The real vLLM CPU server of a test session (tiny Llama built locally, log under test-artifacts/).
 
 One server serves every test that does not need an engine of its own (``vllm_server`` in tests/conftest.py):
-it starts on first use (~45-60 s on 2 cores: three Python processes importing torch and vLLM) and stops at the end
-of the session. Sharing it rests on each test leaving it as it found it, which :func:`restore_initial_weights` and
+it starts on first use (~22 s on 2 cores: two Python processes importing torch and vLLM, with the caches of
+llmd_timeslice/demo/vllm_server.py) and stops at the end of the session. Sharing it rests on each test leaving it as it found it, which :func:`restore_initial_weights` and
 :meth:`SharedVllm.make_usable` (before each test) see to:
 
 * weights: a test that loads other weights reloads the initial ones and resets the weight version label when done;
@@ -48,7 +48,7 @@ class SharedVllm:
 
     def get(self):
         """The running server: started on first use, or started again (same object and port) after a test killed
-        it; ~45-60 s either way."""
+        it; ~22 s either way."""
         if self.server is None:
             self.server = _start(self.log_name)
         elif self.server.proc is None or self.server.proc.poll() is not None:
