@@ -2,8 +2,8 @@
 
 One server serves every test that does not need an engine of its own (``vllm_server`` in tests/conftest.py):
 it starts on first use (~22 s on 2 cores: two Python processes importing torch and vLLM, with the caches of
-llmd_timeslice/demo/vllm_server.py) and stops at the end of the session. Sharing it rests on each test leaving it as it found it, which :func:`restore_initial_weights` and
-:meth:`SharedVllm.make_usable` (before each test) see to:
+llmd_timeslice/demo/vllm_server.py) and stops at the end of the session. Sharing it rests on each test leaving it
+as it found it, which :func:`restore_initial_weights` and :meth:`SharedVllm.make_usable` (before each test) see to:
 
 * weights: a test that loads other weights reloads the initial ones and resets the weight version label when done;
 * sleep: an engine left asleep by a failed test is woken before the next one;
