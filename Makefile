@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[demo,dev]'
-	$(VENV)/bin/python -m compileall -q llmd_timeslice epp_plugin benchmarks examples > /dev/null
+	$(VENV)/bin/python -m compileall -q llmd_timeslice epp_plugin benchmarks examples tests > /dev/null
 	touch $@
 
 # vLLM runs as a separate server process with its own environment (its pins never touch ours).
