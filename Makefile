@@ -41,10 +41,12 @@ $(VLLM_CACHE_STAMP): $(VLLM_STAMP) | $(STAMP)
 demo: setup
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
-# Every test in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,
+# The tests in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,
 # so 2 cores keep 4 busy (6 was slower here: more collection and contention). The tests sharing the session's vLLM
 # server run in one of them, in order (tests/conftest.py). The type checker runs beside them (its report is
-# printed after pytest's; either failing fails the target). TEST_WORKERS=0 runs the tests in one process.
+# printed after pytest's; any failure fails the target). Then the `alone` tests, with no neighbour: a burst of
+# 2,000 requests whose in-process EPP, starved by parallel neighbours, stopped reading its HTTP/2 connection
+# (Envoy's outbound_control_flood guard; docs/decisions.md). TEST_WORKERS=0 runs the tests in one process.
 TEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
@@ -52,13 +54,15 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/mypy > .mypy.out 2>&1 & mypy_pid=$$!; \
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL); rc=$$?; \
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not alone"; rc=$$?; \
+	$(VENV)/bin/pytest -m alone; alone_rc=$$?; \
 	wait $$mypy_pid; mypy_rc=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
-	[ $$rc -eq 0 ] && [ $$mypy_rc -eq 0 ]
+	[ $$rc -eq 0 ] && [ $$alone_rc -eq 0 ] && [ $$mypy_rc -eq 0 ]
 
 # Without the tests that start vLLM (about half the time).
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm and not alone"
+	$(VENV)/bin/pytest -m alone
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
