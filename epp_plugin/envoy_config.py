@@ -182,19 +182,41 @@ def _dur(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
+def grpc_http2_options(max_streams: int = 2_147_483_647) -> dict:
+    """HTTP/2 options of Envoy's connections to the gate and the EPP (``typed_extension_protocol_options``).
+
+    Each held request is one stream on one connection, so the stream limit is lifted, and so are Envoy's outbound
+    flood limits, which count frames queued for a peer that is not reading (envoy/config/core/v3/protocol.proto:
+    ``max_outbound_control_frames``, PING/SETTINGS/RST_STREAM, default 1,000; ``max_outbound_frames``, default
+    10,000; on upstream connections too). Every ext_proc stream Envoy ends is one RST_STREAM, so when a whole hold
+    queue (``max_held``, 10,000 per pool) is released, a busy peer can fall 1,000 frames behind: Envoy then closed
+    the connection and failed every request on it (a test's EPP, starved of CPU, at 2,000 released requests:
+    ``cluster.epp.http2.outbound_control_flood`` 1, hundreds of 500s; docs/decisions.md). These peers are the
+    router's own; the limits stay finite (memory) and cover five full hold queues.
+    """
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": HTTP_OPTIONS_TYPE,
+            "explicit_http_config": {
+                "http2_protocol_options": {
+                    "max_concurrent_streams": max_streams,
+                    "max_outbound_control_frames": 50_000,
+                    "max_outbound_frames": 200_000,
+                }
+            },
+        }
+    }
+
+
 def grpc_cluster(name: str, host: str, port: int) -> dict:
     """A STATIC HTTP/2 cluster for a gRPC service at ``host:port`` (the gate's ext_proc and access-log service, the
-    EPP): unlimited streams per connection, circuit breakers raised (each held request is one stream)."""
+    EPP): unlimited streams per connection, circuit breakers and flood limits raised (each held request is one
+    stream; :func:`grpc_http2_options`)."""
     return {
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": HTTP_OPTIONS_TYPE,
-                "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 2_147_483_647}},
-            }
-        },
+        "typed_extension_protocol_options": grpc_http2_options(),
         "circuit_breakers": _BIG_THRESHOLDS,
         "load_assignment": {
             "cluster_name": name,

@@ -44,7 +44,6 @@ from epp_plugin.envoy_config import (  # noqa: E402
     AUTHZ_FILTER_NAME,
     EXT_PROC_TYPE,
     HCM_TYPE,
-    HTTP_OPTIONS_TYPE,
     NOT_ROUTED_BODY,
     PER_ROUTE_TYPE,
     ROUTER_TYPE,
@@ -54,6 +53,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     gate_access_log,
     gate_filter,
     grpc_cluster,
+    grpc_http2_options,
     lost_completion_after_s,
     refusal_local_reply,
     route_timeout_s,
@@ -247,15 +247,6 @@ def _add_args(*args: str) -> str:
 # ------------------------------------------------------------------------------ Envoy: standalone
 
 
-def _http2_options(max_streams: int = 2_147_483_647) -> dict:
-    return {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": HTTP_OPTIONS_TYPE,
-            "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": max_streams}},
-        }
-    }
-
-
 def llmd_epp_filter(cluster: str) -> dict:
     """The llm-d EPP's ext_proc filter as the llm-d-router-standalone chart renders it (values.yaml,
     proxy.presets.envoy), plus the metadata forwarding that lets the EPP see the gate's subset hint."""
@@ -408,7 +399,7 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
                     "connect_timeout": "1s",
                     "lb_policy": "LEAST_REQUEST",
                     "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
-                    "typed_extension_protocol_options": _http2_options(),
+                    "typed_extension_protocol_options": grpc_http2_options(),
                     "transport_socket": {
                         "name": "envoy.transport_sockets.tls",
                         "typed_config": {"@type": TLS_TYPE, "common_tls_context": {"validation_context": {}}},
@@ -429,7 +420,7 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
                     "connect_timeout": "1s",
                     "lb_policy": "LEAST_REQUEST",
                     "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
-                    "typed_extension_protocol_options": _http2_options(),
+                    "typed_extension_protocol_options": grpc_http2_options(),
                     "load_assignment": {
                         "cluster_name": "llmd_timeslice_gate",
                         "endpoints": [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -38,10 +39,12 @@ from epp_plugin.envoy_config import (
     PER_ROUTE_TYPE,
     ROUTER_TYPE,
     SUBSET_HINT_FILTER_NAME,
+    EnvoyRouterConfig,
     gate_access_log,
     gate_filter,
     gate_upstream_log,
     refusal_local_reply,
+    render_bootstrap,
     subset_hint_filter,
 )
 from epp_plugin.envoy_launcher import envoy_binary
@@ -1289,7 +1292,7 @@ def _bootstrap_with_chain(
             "name": name,
             "type": "STATIC",
             "connect_timeout": "1s",
-            "typed_extension_protocol_options": gen._http2_options(),
+            "typed_extension_protocol_options": gen.grpc_http2_options(),
             "load_assignment": {
                 "cluster_name": name,
                 "endpoints": [
@@ -1551,6 +1554,44 @@ def test_every_envoy_config_passes_envoy_validate(tmp_path):
     eg_names = _names(_hcm_filters(configs["envoy-gateway"], "gw")[1])
     assert eg_names[0].endswith("/extproc/0") and eg_names[1].endswith("/extproc/1"), "gate first on Envoy Gateway"
     envoy_validate_all(configs, tmp_path)
+
+
+def test_gate_and_epp_connections_lift_envoys_outbound_flood_limits():
+    """Every ext_proc stream Envoy ends sends one RST_STREAM, and Envoy closes an HTTP/2 connection whose queue of
+    such frames passes ``max_outbound_control_frames`` (default 1,000): a release of 2,000 held requests to a
+    CPU-starved EPP failed hundreds of them that way (tests/test_gate_envoy.py). Every HTTP/2 cluster of every
+    rendered Envoy config (the gate's and the EPP's) must allow more than a full hold queue (``max_held``)."""
+    from epp_plugin.gate.pool_state import PoolState
+
+    max_held = inspect.signature(PoolState).parameters["max_held"].default
+    configs = {
+        "local": render_bootstrap(EnvoyRouterConfig(listen_port=1, admin_port=2, gate_port=3, epp_port=4, gate_edge="ext_proc")),
+        "standalone": yaml.safe_load((GUIDE / "router" / "standalone-envoy.yaml").read_text()),
+        "values-standalone": gen.render_chart_envoy_yaml(
+            (GUIDE / "router" / "values-standalone.yaml").read_text(), S.pool, S.namespace
+        ),
+        # the cluster the fast path's EnvoyFilter adds (the istio-ext-proc variant adds none: there, as for the
+        # EPP, Istio builds the clusters)
+        "istio-fast-path": find(built("gateways/istio"), "EnvoyFilter"),
+    }
+
+    def http2_options(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "http2_protocol_options":
+                    yield v
+                else:
+                    yield from http2_options(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from http2_options(v)
+
+    for name, cfg in configs.items():
+        found = list(http2_options(cfg))
+        assert found, f"{name}: no HTTP/2 cluster"
+        for opts in found:
+            assert opts.get("max_outbound_control_frames", 1000) > max_held, (name, opts)
+            assert opts.get("max_outbound_frames", 10_000) > 2 * max_held, (name, opts)
 
 
 def test_envoy_validate_rejects_a_broken_config(tmp_path):
