@@ -1,5 +1,8 @@
 """A real router stack for tests: gate + picker (in the test's event loop) + the real Envoy binary.
 
+``picker_process=True`` runs the picker as ``llmd-timeslice picker`` in a process of its own, as a real EPP is
+(for bursts where an in-process picker would share the test's event loop with thousands of clients).
+
 Every gate test runs against each edge (``EDGES``): the fast path (``ext_authz``: HTTP ext_authz admission,
 completions from the access-log stream, the picker as EPP), the same with the gate picking the endpoint
 (``ext_authz-pick``: no EPP, the local stack's chain) and ``ext_proc``.
@@ -8,6 +11,8 @@ completions from the access-log stream, the picker as EPP), the same with the ga
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +43,48 @@ def envoy_config(edge: str, *, gate_port: int | None, authz_port: int | None, ep
     )
 
 
+class PickerProcess:
+    """``llmd-timeslice picker`` in a child process on a free loopback port (same interface as the stack needs)."""
+
+    def __init__(self, pools: dict[str, list[str]], default_pool: str, logfile: Path) -> None:
+        self.port = port_for.select_random()
+        eps = [a for p, addrs in pools.items() for e in addrs for a in ("--endpoint", f"{p}={e}")]
+        cmd = [sys.executable, "-m", "llmd_timeslice.cli", "picker", "--host", "127.0.0.1", "--port", str(self.port)]
+        self._log = logfile.open("ab")
+        self.proc = subprocess.Popen([*cmd, "--default-pool", default_pool, *eps], stdout=self._log, stderr=subprocess.STDOUT)
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Wait until the picker accepts connections; raises RuntimeError if it exits or ``timeout_s`` passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if self.proc.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"picker exited with {self.proc.returncode} (log: {self._log.name})")
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", self.port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            w.close()
+            return
+        await self.stop(0)
+        raise RuntimeError(f"picker not listening on port {self.port} after {timeout_s} s (log: {self._log.name})")
+
+    async def stop(self, grace_s: float) -> None:
+        self.proc.terminate()
+        try:
+            await asyncio.to_thread(self.proc.wait, grace_s + 5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+        self._log.close()
+
+
 @dataclass
 class RouterStack:
     gate: GateServer
-    picker: PickerServer
+    picker: PickerServer | PickerProcess
     envoy: EnvoyProcess
     edge: str
     picker_proxy: TcpProxy | None = None
@@ -78,22 +121,26 @@ async def start_router(
     extra_pools: dict[str, tuple[str, list[str]]] | None = None,
     epp_message_timeout_s: float = 5.0,
     picker_delay_s: float = 0.0,
+    picker_process: bool = False,
     **gate_kw,
 ) -> RouterStack:
     """Start gate, picker and Envoy on free loopback ports; Envoy logs go to ``workdir``.
 
     ``extra_pools``: pool -> (path prefix, endpoints), routed per prefix (per-route pool override).
     ``picker_delay_s`` > 0: Envoy reaches the picker through a :class:`TcpProxy` that holds its answers back that long
-    (a slow EPP).
+    (a slow EPP). ``picker_process``: the picker runs in its own process (:class:`PickerProcess`).
     """
     extra_pools = extra_pools or {}
     gate = GateServer(
         GateConfig(ext_proc_port=0, authz_port=0, control_port=0, pools=[pool, *extra_pools], default_pool=pool, **gate_kw)
     )
     await gate.start()
-    picker = PickerServer(
-        PickerConfig(port=0, pools={pool: endpoints, **{p: e for p, (_, e) in extra_pools.items()}}, default_pool=pool)
-    )
+    pools = {pool: endpoints, **{p: e for p, (_, e) in extra_pools.items()}}
+    picker: PickerServer | PickerProcess
+    if picker_process:
+        picker = PickerProcess(pools, pool, workdir / "picker.log")
+    else:
+        picker = PickerServer(PickerConfig(port=0, pools=pools, default_pool=pool))
     await picker.start()
     proxy = await TcpProxy("127.0.0.1", picker.port, delay_s=picker_delay_s).start() if picker_delay_s > 0 else None
     cfg = envoy_config(
