@@ -31,6 +31,32 @@ def _raise_open_file_limit() -> None:
 _raise_open_file_limit()
 
 
+def _ports_of_this_worker() -> None:
+    """Give each xdist worker its own share of port_for's free ports (port modulo the worker count).
+
+    Many tests choose ports ahead of binding them (stack files, Envoy configs, a vLLM server binds its port about
+    20 s after it is chosen), and port_for checks only that a port is free *now*: in a parallel run, another worker's
+    test chose and bound a port of the `up` test's stack in that window (seen once: "port ... is in use by pid ...
+    [pytest-xdist running] ..."). Disjoint shares make that impossible between workers. The shares stay below the
+    kernel's ephemeral range (port_for's list does), so client sockets cannot take them either.
+    """
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit():
+        return
+    index, n = int(worker[2:]), int(count)
+    import port_for.api
+
+    all_good = port_for.api.available_good_ports
+
+    def share(*args, **kwargs) -> set[int]:
+        return {p for p in all_good(*args, **kwargs) if p % n == index}
+
+    port_for.api.available_good_ports = share  # select_random looks it up at each call
+
+
+_ports_of_this_worker()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _grpc_aio_stays_initialised():
     """Keep one grpc.aio channel for the whole run. grpc.aio shuts its poller down (and joins the poller thread)
