@@ -9,15 +9,14 @@ import time
 
 import pytest
 
+from tests.support.cli import run_cli as run  # the commands that exit at once, in this process
 
-def run(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
+
+def run_process(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """``python -m llmd_timeslice.cli ARGS`` as a child process (the entry point as installed)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")}
     return subprocess.run(
-        [sys.executable, "-m", "llmd_timeslice.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**base, **(env or {})},
+        [sys.executable, "-m", "llmd_timeslice.cli", *args], capture_output=True, text=True, timeout=timeout, env=base
     )
 
 
@@ -61,7 +60,7 @@ def test_every_subcommand_has_help():
 
     from llmd_timeslice.cli import app
 
-    r = run("gate", "--help")  # through the process entry point once; each command in this process below
+    r = run_process("gate", "--help")  # through the process entry point once; each command in this process below
     assert r.returncode == 0 and "--help" in r.stdout, r.stderr
     for cmd in ("gate", "picker", "orchestrator", "sidecar", "status", "demo", "render-envoy"):
         r = CliRunner().invoke(app, [cmd, "--help"])

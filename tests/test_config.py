@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from llmd_timeslice.config import (
     parse_duration,
     reference_markdown,
 )
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -251,15 +252,8 @@ def test_reference_doc_is_current():
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "llmd_timeslice.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**base, **(env or {})},
-        cwd=ROOT,
-    )
+    with contextlib.chdir(ROOT):
+        return run_cli(*args, env=env)
 
 
 def test_config_check_command(tmp_path):

@@ -38,6 +38,7 @@ from llmd_timeslice.discovery.sync import InventorySync
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.groups import GroupSpec, GroupState, Orchestrator, SamplerEndpoint, SwitchRecord
 from llmd_timeslice.orchestrator.switch import SwitchActions, SwitchKind
+from tests.support.cli import run_cli
 
 NS = "llm-d-timeslice"
 
@@ -933,7 +934,7 @@ def test_cli_orchestrator_with_kubernetes_discovery(kube, tmp_path):
 
 def test_cli_kubernetes_errors_are_one_line(kube, tmp_path):
     kube.forbid = {"list"}
-    r = subprocess.run(
+    r = subprocess.run(  # a process: the discovery's first list runs in the command's event loop
         [sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--discovery", "kubernetes", "--port", "0"],
         env=_cli_env(tmp_path, kube.url),
         capture_output=True,
@@ -942,12 +943,7 @@ def test_cli_kubernetes_errors_are_one_line(kube, tmp_path):
     )
     assert r.returncode == 2 and "RBAC verb 'list'" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--manage-serving-label", "--inventory", __file__],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = run_cli("orchestrator", "--manage-serving-label", "--inventory", __file__)
     assert r.returncode == 2 and "--discovery kubernetes" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", "orchestrator"], capture_output=True, text=True, timeout=30)
+    r = run_cli("orchestrator")
     assert r.returncode == 2 and "--inventory" in r.stderr and "required" in r.stderr

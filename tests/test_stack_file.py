@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from llmd_timeslice.local.stack_file import StackError, load_stack_file
+from tests.support.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,9 +110,7 @@ def test_cli_prints_one_line_per_problem_and_exits_2(tmp_path):
     d["engines"][0]["vllm"]["model"] = "./missing"
     f = _write(tmp_path, d)
     for cmd in ("up", "down", "status"):
-        r = subprocess.run(
-            [sys.executable, "-m", "llmd_timeslice.cli", cmd, "-f", str(f)], capture_output=True, text=True, timeout=60
-        )
+        r = run_cli(cmd, "-f", str(f))
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 2 and all(ln.startswith(str(f)) for ln in lines), (cmd, r.stderr)
@@ -166,9 +164,7 @@ def test_unknown_stack_file_key_gets_a_did_you_mean_suggestion(tmp_path, mutate,
 
 
 def _config_check(f: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmd_timeslice.cli", "config", "check", str(f)], capture_output=True, text=True, timeout=60
-    )
+    return run_cli("config", "check", str(f))
 
 
 def test_config_check_recognises_a_stack_file_and_checks_it_without_starting_it(tmp_path):
