@@ -79,6 +79,8 @@ class GrpcSwitchActions(SwitchActions):
         hub: the gate state hub (gates subscribe to it).
         token: bearer token for the sidecars (None: no auth).
         operation_timeout_s: most seconds one sleep or wake may take before the switch fails.
+        start_rpc_timeout_s: deadline (seconds) of the call that starts a sleep or wake on a sidecar, which waits
+            for the channel to be ready: a dead sidecar fails the switch after this long (``START_RPC_TIMEOUT_S``).
         labeler: optional serving-label hook (None: gates only).
         tls_files: mutual TLS for the sidecar channels (None: plain TCP).
     """
@@ -92,12 +94,14 @@ class GrpcSwitchActions(SwitchActions):
         operation_timeout_s: float = 300.0,
         labeler: ServingLabeler | None = None,
         tls_files: tls.TlsFiles | None = None,
+        start_rpc_timeout_s: float = START_RPC_TIMEOUT_S,
     ) -> None:
         self._tls = tls_files
         self.hub = hub
         self.labeler = labeler
         self._token = token
-        self._op_timeout = operation_timeout_s
+        self.operation_timeout_s = operation_timeout_s
+        self.start_rpc_timeout_s = start_rpc_timeout_s
         self._channels: dict[str, aio.Channel] = {}
         self.sampler_states: dict[str, JobState] = {}
 
@@ -172,32 +176,32 @@ class GrpcSwitchActions(SwitchActions):
         waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
         fault = xpb.OPERATION_FAULT_UNSPECIFIED
         try:
-            # wait_for_ready: a sidecar that is (re)connecting gets START_RPC_TIMEOUT_S, not a fail-fast error.
+            # wait_for_ready: a sidecar that is (re)connecting gets start_rpc_timeout_s, not a fail-fast error.
             if kind == "sleep":
                 resp = await stub.Snapshot(
                     spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config),
-                    timeout=START_RPC_TIMEOUT_S,
+                    timeout=self.start_rpc_timeout_s,
                     wait_for_ready=True,
                 )
             else:
                 restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config)
                 if weights is None:
-                    resp = await stub.Restore(restore, timeout=START_RPC_TIMEOUT_S, wait_for_ready=True)
+                    resp = await stub.Restore(restore, timeout=self.start_rpc_timeout_s, wait_for_ready=True)
                 else:
                     resp = await waiter.RestoreWithWeights(
                         xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()),
-                        timeout=START_RPC_TIMEOUT_S,
+                        timeout=self.start_rpc_timeout_s,
                         wait_for_ready=True,
                     )
-            wait = xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self._op_timeout)
+            wait = xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self.operation_timeout_s)
             try:
-                result = await waiter.WaitOperationResult(wait, timeout=self._op_timeout + RPC_TIMEOUT_S)
+                result = await waiter.WaitOperationResult(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S)
                 op, fault = result.operation, result.fault
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 # A sidecar of an older release: no fault kinds.
-                op = await waiter.WaitOperation(wait, timeout=self._op_timeout + RPC_TIMEOUT_S)
+                op = await waiter.WaitOperation(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.sampler_states[sampler.address] = JobState.FAULTED
             raise SamplerStepFailed(

@@ -110,7 +110,7 @@ async def stack(tmp_path):
             }
         )
         orch = st["orch"] = OrchestratorServer(inv, port=0, token=TOKEN)
-        orch.actions._op_timeout = 10.0
+        orch.actions.operation_timeout_s = 10.0
         await orch.start()
         orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
         gate = st["gate"] = GateServer(
@@ -146,6 +146,7 @@ async def _requests(pool, n: int) -> list:
 
 async def test_sidecar_killed_mid_sleep_fails_the_acquire_then_the_group_repairs_itself(stack):
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
+    stack["orch"].actions.start_rpc_timeout_s = 2.0  # how long a call to the dead sidecar waits (6 s by default)
     for e in engines:
         e.sleep_delay_s = 1.0
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))
