@@ -24,6 +24,7 @@ import port_for
 import pytest
 
 from epp_plugin.envoy_launcher import EnvoyProcess
+from epp_plugin.gate.server import READINESS_SERVICE
 from epp_plugin.picker.server import PickerConfig, PickerServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.demo.stack import ComponentProcess
@@ -33,6 +34,22 @@ from tests.support.router import EDGES, envoy_config
 from tests.support.upstream import UpstreamServer
 
 pytestmark = pytest.mark.envoy
+
+
+async def _until_ready(control_port: int, timeout_s: float = 30.0) -> None:
+    """Wait until the gate's readiness service answers SERVING (it has synced with the orchestrator)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{control_port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=5, wait_for_ready=True)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            assert time.monotonic() < deadline, "the restarted gate never became ready (synced)"
+            await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("edge", EDGES)
@@ -98,9 +115,16 @@ async def test_gate_crash_while_held_gives_503_at_once_and_restart_resyncs(artif
                     assert not completed, "ext_proc: Envoy resets a request whose gate stream died"
             gate.stop()
             gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
+            # Ready once resynced (its readiness service; until then it refuses with 503, as Kubernetes would not
+            # route to it): on a loaded machine the first request could otherwise arrive before the state stream.
+            await _until_ready(control_port)
             held = asyncio.create_task(c.get(envoy.url + "/v1/completions"))  # the restarted gate resyncs: ASLEEP -> held
             await asyncio.sleep(1.5)
-            assert not held.done(), "after resync the endpoint is still ASLEEP: the request must be held"
+            early = held.result() if held.done() else None
+            assert early is None, (
+                f"after resync the endpoint is still ASLEEP: the request must be held, got {early.status_code} "
+                f"{early.headers.get('x-llmd-timeslice-reason')} {early.text!r}"
+            )
             await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_SERVING, 0)])
             r = await asyncio.wait_for(held, 10)
             assert r.status_code == 200 and r.json()["served_by"] == up.address

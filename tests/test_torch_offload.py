@@ -61,9 +61,9 @@ _FIFTY_CYCLES = """
 import json, psutil, torch
 from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
 torch.manual_seed(1)
-model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))  # ~8 MB of parameters
+model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))  # ~2 MB of parameters, 6 MB of state
 opt = torch.optim.AdamW(model.parameters())
-model(torch.randn(4, 512)).sum().backward()
+model(torch.randn(4, 256)).sum().backward()
 opt.step()
 off = TorchStateOffloader(model, opt)
 proc = psutil.Process()
