@@ -339,21 +339,39 @@ async def test_gate_metrics_show_pool_state_and_refusals(artifacts, two_upstream
 
 
 async def test_held_requests_are_released_in_arrival_order(router, two_upstreams):
+    """FIFO at the gate: the held checks (one per request, in arrival order) are answered in that order. The order
+    is read where the gate decides it (the pool's ``admit`` calls, as the edge makes them); what the upstream then
+    sees also depends on Envoy's threads and on this process's own (the upstream server), which under parallel
+    test load reordered neighbours released 100 ms apart (0, 3, 1, 2, ...), so it is printed, not asserted."""
     up = two_upstreams[0]
     pool = router.pool()
     pool.set_states([(up.address, EndpointState.ASLEEP, 0)])
-    # one release every 100 ms: the order shows at the upstream, also on a loaded machine (25 ms apart, Envoy
-    # and the upstream's threads reordered neighbours under parallel test load)
-    pool.release_burst, pool.release_rate_per_s = 1, 10.0
-    async with httpx.AsyncClient(timeout=30) as c:
-        held = []
-        for i in range(8):
-            held.append(asyncio.create_task(c.get(f"{router.url}/v1/order/{i}")))
-            await _until(lambda n=i + 1: pool.held == n, what=f"request {i} held")
-        pool.set_states([(up.address, EndpointState.SERVING, 0)])
-        assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 8
+    pool.release_burst, pool.release_rate_per_s = 1, 20.0
+    admit, calls, answered = pool.admit, [], []
+
+    async def spy(*args, **kwargs):
+        n = len(calls)
+        calls.append(n)
+        adm = await admit(*args, **kwargs)
+        answered.append(n)
+        return adm
+
+    pool.admit = spy
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            held = []
+            for i in range(8):
+                held.append(asyncio.create_task(c.get(f"{router.url}/v1/order/{i}")))
+                await _until(lambda n=i + 1: pool.held == n, what=f"request {i} held")
+            pool.set_states([(up.address, EndpointState.SERVING, 0)])
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 8
+    finally:
+        del pool.admit
+    assert calls == list(range(8)), "each request was held once, in arrival order"
+    assert answered == calls, f"held requests must be released FIFO, got {answered}"
     order = [p for p in up.paths if p.startswith("/v1/order/")]
-    assert order == [f"/v1/order/{i}" for i in range(8)], f"held requests must be released FIFO, got {order}"
+    assert sorted(order) == sorted(f"/v1/order/{i}" for i in range(8))
+    print(f"\norder at the upstream: {[int(p.rsplit('/', 1)[1]) for p in order]}")
 
 
 async def test_envoy_killed_its_held_and_in_flight_requests_stop_counting_and_a_new_envoy_serves(router, two_upstreams):
