@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import uuid
 from pathlib import Path
@@ -33,7 +34,8 @@ def envoy_binary() -> Path:
 
 
 def validate(config_path: Path) -> None:
-    """Run ``envoy --mode validate``; raises ``ValueError`` with Envoy's message when invalid."""
+    """Run ``envoy --mode validate``; raises ``ValueError`` with Envoy's reason when invalid (one line: Envoy prints
+    its log prefix, the reason, then the whole bootstrap, which is left out)."""
     proc = subprocess.run(
         [str(envoy_binary()), "--mode", "validate", "-c", str(config_path), "--log-level", "error"],
         capture_output=True,
@@ -41,7 +43,19 @@ def validate(config_path: Path) -> None:
         timeout=60,
     )
     if proc.returncode != 0:
-        raise ValueError(f"envoy rejected {config_path}: {(proc.stderr or proc.stdout)[-2000:]}")
+        raise ValueError(f"envoy rejected {config_path}: {_envoy_reason(proc.stderr or proc.stdout)}")
+
+
+def _envoy_reason(output: str) -> str:
+    """The reason in ``envoy --mode validate``'s output: its first line without the log prefix
+    (``[time][tid][critical][main] [file:line] ``) or the bootstrap dump that follows it (``: {``)."""
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    if not lines:
+        return "(no output)"
+    first = re.sub(r"^(\[[^\]]*\])+\s*(\[[^\]]*\]\s*)?", "", lines[0]).rstrip()
+    if first.endswith("{"):
+        first = first[:-1].rstrip().removesuffix(":")
+    return " ".join(first.split())
 
 
 class EnvoyProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -368,16 +369,16 @@ class _Picker(enum.StrEnum):
 @app.command("render-envoy", short_help="Render the local Envoy bootstrap.")
 def render_envoy(
     out: Annotated[Path, typer.Option(help="Where to write the bootstrap JSON.")],
-    listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=0, max=65535)] = 8080,
-    admin_port: Annotated[int, typer.Option(help="Envoy admin port.", min=0, max=65535)] = 9901,
+    listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=1, max=65535)] = 8080,
+    admin_port: Annotated[int, typer.Option(help="Envoy admin port.", min=1, max=65535)] = 9901,
     gate_edge: Annotated[
         _GateEdge,
         typer.Option(help="How Envoy calls the gate: ext_authz (the fast path: HTTP ext_authz + gRPC access log) or ext_proc."),
     ] = _GateEdge.ext_authz,
     gate_port: Annotated[
-        int, typer.Option(help="Gate gRPC data-plane port (ext_proc, access-log service).", min=0, max=65535)
+        int, typer.Option(help="Gate gRPC data-plane port (ext_proc, access-log service).", min=1, max=65535)
     ] = 9002,
-    authz_port: Annotated[int, typer.Option(help="Gate HTTP ext_authz port (ext_authz edge).", min=0, max=65535)] = 9005,
+    authz_port: Annotated[int, typer.Option(help="Gate HTTP ext_authz port (ext_authz edge).", min=1, max=65535)] = 9005,
     picker: Annotated[
         _Picker,
         typer.Option(
@@ -385,15 +386,22 @@ def render_envoy(
             "the gate itself (least in flight; no EPP)."
         ),
     ] = _Picker.epp,
-    epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=0, max=65535)] = 9004,
+    epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=1, max=65535)] = 9004,
     pool: Annotated[str, typer.Option(help="Pool name sent to the gate and the EPP.")] = "default",
-    max_hold_s: Annotated[float, typer.Option(help="Gate hold limit (seconds); Envoy timeouts are sized above it.")] = 600.0,
+    max_hold_s: Annotated[
+        float,
+        typer.Option(
+            help="Gate hold limit (seconds, above 0, at most 3600 as the gate's); Envoy timeouts are sized above it.",
+            max=3600.0,
+        ),
+    ] = 600.0,
     generation_timeout_s: Annotated[
         float,
         typer.Option(
             help="Longest generation once a request is admitted (seconds). The route timeout is max hold + this + 60 s; "
-            "start the gate with the --lost-completion-after-s this command prints.",
+            "start the gate with the --lost-completion-after-s this command prints. At most 7 days.",
             min=1.0,
+            max=7 * 86400.0,
         ),
     ] = 3600.0,
     validate: Annotated[bool, typer.Option(help="Check it with `envoy --mode validate`.")] = True,
@@ -406,6 +414,25 @@ def render_envoy(
 
     if picker is _Picker.gate and gate_edge is not _GateEdge.ext_authz:
         raise typer.BadParameter("the gate picks the endpoint only on the ext_authz edge", param_hint="--picker")
+    for name, value in (("--max-hold-s", max_hold_s), ("--generation-timeout-s", generation_timeout_s)):
+        if not math.isfinite(value) or value <= 0:  # click's range check lets nan through
+            raise typer.BadParameter(f"must be a positive number of seconds, not {value:g}", param_hint=name)
+    if not pool.strip():
+        raise typer.BadParameter("must not be empty", param_hint="--pool")
+    ports = {"--listen-port": listen_port, "--admin-port": admin_port}
+    if gate_edge is _GateEdge.ext_authz:
+        ports["--authz-port"] = authz_port
+    ports["--gate-port"] = gate_port  # the access-log service (ext_authz edge) or ext_proc
+    if picker is _Picker.epp:
+        ports["--epp-port"] = epp_port
+    by_port: dict[int, list[str]] = {}
+    for name, port in ports.items():
+        by_port.setdefault(port, []).append(name)
+    clash = [names for names in by_port.values() if len(names) > 1]
+    if clash:
+        raise typer.BadParameter(
+            "; ".join(f"{' and '.join(names)} are the same port {ports[names[0]]}" for names in clash), param_hint="ports"
+        )
     route_timeout = route_timeout_s(max_hold_s, generation_timeout_s)
     write_bootstrap(
         EnvoyRouterConfig(
@@ -422,7 +449,11 @@ def render_envoy(
         out,
     )
     if validate:
-        envoy_launcher.validate(out)
+        try:
+            envoy_launcher.validate(out)
+        except ValueError:
+            out.unlink(missing_ok=True)  # a rejected bootstrap is not left where Envoy would be pointed at it
+            raise
     typer.echo(f"wrote {out} (route timeout {route_timeout:g} s)")
     typer.echo(
         f"start the gate with: --max-hold-s {max_hold_s:g} --lost-completion-after-s {lost_completion_after_s(route_timeout):g}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import ipaddress
 import json
 import os
 import re
@@ -181,14 +182,18 @@ def _key_value(text: str, what: str = "KEY=VALUE") -> tuple[str, str]:
 
 
 def _pool_endpoint(text: str) -> tuple[str, str]:
-    """``POOL=ip:port`` -> ``(pool, "ip:port")`` (the last ``=`` splits: a pool name has none)."""
+    """``POOL=ip:port`` -> ``(pool, "ip:port")`` (the last ``=`` splits: a pool name has none). An IP address, not a
+    host name: the picker's answer is Envoy's ORIGINAL_DST destination header, which Envoy parses as an address and
+    does not resolve (EPP protocol, GIE proposal 004: ``x-gateway-destination-endpoint`` is ``ip:port``)."""
     pool, sep, address = text.rpartition("=")
     if not sep or not pool:
         raise ValueError(f"expected POOL=ip:port, got {text!r}")
     try:
-        return pool, _host_port(address)
+        _host_port(address)
+        ipaddress.ip_address(address.rpartition(":")[0].removeprefix("[").removesuffix("]"))
     except ValueError:
-        raise ValueError(f"expected POOL=ip:port with a port in 1..65535, got {text!r}") from None
+        raise ValueError(f"expected POOL=ip:port (an IP address, a port in 1..65535), got {text!r}") from None
+    return pool, address
 
 
 class GateSettings(_Section):

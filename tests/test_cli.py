@@ -50,9 +50,32 @@ def test_missing_token_file_is_one_line():
     assert r.returncode == 2 and "/nonexistent/token" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bad_picker_endpoint_is_refused():
-    r = run("picker", "--endpoint", "default=notanaddr")
-    assert r.returncode == 2 and "POOL=ip:port" in r.stderr
+@pytest.mark.parametrize("endpoint", ["default=notanaddr", "default=example.com:80", "default=10.0.0.1:99999"])
+def test_bad_picker_endpoint_is_refused(endpoint):
+    """An IP address and a port: the picker's answer is Envoy's ORIGINAL_DST header, which Envoy does not resolve."""
+    r = run("picker", "--endpoint", endpoint)
+    assert r.returncode == 2 and "POOL=ip:port (an IP address" in r.stderr and endpoint in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--max-hold-s", "nan"], "--max-hold-s"),
+        (["--max-hold-s", "-5"], "--max-hold-s: must be a positive number of seconds, not -5"),
+        (["--max-hold-s", "0"], "--max-hold-s: must be a positive number of seconds, not 0"),
+        (["--max-hold-s", "7200"], "--max-hold-s"),
+        (["--generation-timeout-s", "1e300"], "--generation-timeout-s"),
+        (["--listen-port", "9901"], "--listen-port and --admin-port are the same port 9901"),
+        (["--gate-edge", "ext_proc", "--gate-port", "9004"], "--gate-port and --epp-port are the same port 9004"),
+        (["--listen-port", "0"], "--listen-port"),
+        (["--pool", ""], "--pool: must not be empty"),
+    ],
+)
+def test_render_envoy_refuses_what_the_gate_or_envoy_would_and_writes_nothing(tmp_path, args, expected):
+    out = tmp_path / "envoy.json"
+    r = run("render-envoy", "--out", str(out), "--no-validate", *args)
+    assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists()
 
 
 def test_every_subcommand_has_help():
@@ -220,3 +243,19 @@ def test_running_gate_holds_for_the_max_hold_its_environment_sets(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_render_envoy_removes_a_bootstrap_envoy_rejects(tmp_path, monkeypatch):
+    """Should Envoy refuse what was rendered (another Envoy version), the file is not left for Envoy to be pointed at."""
+    from epp_plugin import envoy_launcher
+
+    def reject(path):
+        assert path.exists()
+        raise ValueError(f"envoy rejected {path}: error initializing configuration (test)")
+
+    monkeypatch.setattr(envoy_launcher, "validate", reject)
+    out = tmp_path / "envoy.json"
+    r = run("render-envoy", "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"llmd-timeslice: error: envoy rejected {out}: error initializing configuration (test)"
+    assert not out.exists()

@@ -169,3 +169,17 @@ def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its
     finally:
         first.terminate()
         first.wait(10)
+
+
+def test_envoy_validate_reports_envoys_reason_in_one_line(tmp_path):
+    """Envoy prints its log prefix, the reason, then the whole bootstrap: the error keeps the reason only."""
+    from epp_plugin.envoy_config import write_bootstrap
+    from epp_plugin.envoy_launcher import validate
+
+    cfg = EnvoyRouterConfig(8080, 9901, 9002, 9004, max_hold_s=float("nan"), gate_edge="ext_proc")
+    bad = write_bootstrap(cfg, tmp_path / "bad.json")
+    with pytest.raises(ValueError) as e:
+        validate(bad)
+    msg = str(e.value)
+    assert "\n" not in msg and "{" not in msg and "duration must start with an integer" in msg, msg
+    assert msg.startswith(f"envoy rejected {bad}: error initializing configuration"), msg
