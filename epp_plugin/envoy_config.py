@@ -182,7 +182,7 @@ def _dur(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def grpc_http2_options(max_streams: int = 2_147_483_647) -> dict:
+def grpc_http2_options() -> dict:
     """HTTP/2 options of Envoy's connections to the gate and the EPP (``typed_extension_protocol_options``).
 
     Each held request is one stream on one connection, so the stream limit is lifted, and so are Envoy's outbound
@@ -199,7 +199,7 @@ def grpc_http2_options(max_streams: int = 2_147_483_647) -> dict:
             "@type": HTTP_OPTIONS_TYPE,
             "explicit_http_config": {
                 "http2_protocol_options": {
-                    "max_concurrent_streams": max_streams,
+                    "max_concurrent_streams": 2_147_483_647,
                     "max_outbound_control_frames": 50_000,
                     "max_outbound_frames": 200_000,
                 }
