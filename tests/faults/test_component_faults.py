@@ -7,10 +7,6 @@ back (the orchestrator's repair loop)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 
 import port_for
 import pytest
@@ -20,6 +16,7 @@ from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.support.cli import CliProcess
 from tests.support.fake_engines import FakeVllm
 from tests.support.waits import until as _until
 
@@ -27,61 +24,13 @@ pytestmark = pytest.mark.timeout(120)
 TOKEN = "t"
 
 
-class Sidecar:
+class Sidecar(CliProcess):
     """``llmd-timeslice sidecar`` as a child process."""
 
     def __init__(self, job: str, engine_url: str, token_file: str, logdir) -> None:
-        self.port = port_for.select_random()
-        self.args = [
-            sys.executable,
-            "-m",
-            "llmd_timeslice.cli",
-            "sidecar",
-            "--job-id",
-            job,
-            "--engine-url",
-            engine_url,
-            "--port",
-            str(self.port),
-            "--idle-timeout-s",
-            "1",
-            "--token-file",
-            token_file,
-        ]
-        self.log = open(logdir / f"sidecar-{job}.log", "ab")  # noqa: SIM115
-        self.proc: subprocess.Popen | None = None
-
-    async def start(self, timeout_s: float = 60.0) -> None:
-        """Start the process and wait until it listens (a Python start-up: ~1-2 s, more on a loaded 2-core machine)."""
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.proc.poll() is None and asyncio.get_running_loop().time() < deadline:
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", self.port)
-                w.close()
-                return
-            except OSError:
-                await asyncio.sleep(0.05)
-        code = self.proc.poll()
-        self.stop()
-        raise RuntimeError(
-            f"sidecar did not listen on {self.port} within {timeout_s:g} s (exit code {code}); see {self.log.name}"
-        )
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        self.log.close()
+        port = port_for.select_random()
+        args = ["sidecar", "--job-id", job, "--engine-url", engine_url, "--port", str(port), "--idle-timeout-s", "1"]
+        super().__init__([*args, "--token-file", token_file], port, logdir / f"sidecar-{job}.log")
 
 
 @pytest.fixture

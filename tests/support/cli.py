@@ -1,4 +1,5 @@
-"""`llmd-timeslice ARGS` through its console entry point, in the test's process, for commands that exit at once.
+"""`llmd-timeslice ARGS` for tests: through its console entry point in the test's process, for commands that exit
+at once (:func:`run_cli`), or as a child process that serves on a port (:class:`CliProcess`).
 
 A Python start with the CLI's imports is ~0.5 s of CPU here, and several seconds of wall time on 2 loaded cores;
 the commands that only check their input and exit (usage errors, `config check`, bad stack files) run
@@ -8,12 +9,16 @@ a real process, and tests/test_cli.py runs the installed entry point as a proces
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
+from typing import IO
 from unittest import mock
 
 
@@ -68,3 +73,61 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         err.write(code + "\n")
         code = 1
     return subprocess.CompletedProcess(["llmd-timeslice", *args], code or 0, out.getvalue(), err.getvalue())
+
+
+class CliProcess:
+    """``python -m llmd_timeslice.cli ARGS`` as a child process, ready once it accepts connections on ``port``;
+    its output goes to ``log`` (appended across restarts). ``start`` may be called again after ``kill``/``stop``."""
+
+    def __init__(self, args: list[str], port: int, log: Path) -> None:
+        self.args = [sys.executable, "-m", "llmd_timeslice.cli", *args]
+        self.port, self.log_path = port, log
+        self.proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Start the process and wait until it listens (a Python start: ~1-2 s, more on a loaded 2-core machine).
+        Raises RuntimeError (naming the log) if it exits or does not listen within ``timeout_s``."""
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.proc.poll() is None and loop.time() < deadline:
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", self.port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            w.close()
+            return
+        code = self.proc.poll()
+        self.stop()
+        raise RuntimeError(
+            f"{self.args[3]} did not listen on {self.port} within {timeout_s:g} s (exit code {code}); see {self.log_path}"
+        )
+
+    def kill(self) -> None:
+        """SIGKILL, nothing flushed."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._close_log()
+
+    def stop(self) -> None:
+        """SIGTERM; SIGKILL (and TimeoutExpired raised) if it is still running 10 s later."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise
+        finally:
+            self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -11,8 +11,6 @@ completions from the access-log stream, the picker as EPP), the same with the ga
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from epp_plugin.envoy_config import EnvoyRouterConfig
 from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.server import GateConfig, GateServer
 from epp_plugin.picker.server import PickerConfig, PickerServer
+from tests.support.cli import CliProcess
 from tests.support.tcp_proxy import TcpProxy
 
 EDGES = ["ext_authz", "ext_proc"]
@@ -43,42 +42,13 @@ def envoy_config(edge: str, *, gate_port: int | None, authz_port: int | None, ep
     )
 
 
-class PickerProcess:
-    """``llmd-timeslice picker`` in a child process on a free loopback port (same interface as the stack needs)."""
+class PickerProcess(CliProcess):
+    """``llmd-timeslice picker`` in a child process on a free loopback port."""
 
-    def __init__(self, pools: dict[str, list[str]], default_pool: str, logfile: Path) -> None:
-        self.port = port_for.select_random()
+    def __init__(self, pools: dict[str, list[str]], default_pool: str, log: Path) -> None:
+        port = port_for.select_random()
         eps = [a for p, addrs in pools.items() for e in addrs for a in ("--endpoint", f"{p}={e}")]
-        cmd = [sys.executable, "-m", "llmd_timeslice.cli", "picker", "--host", "127.0.0.1", "--port", str(self.port)]
-        self._log = logfile.open("ab")
-        self.proc = subprocess.Popen([*cmd, "--default-pool", default_pool, *eps], stdout=self._log, stderr=subprocess.STDOUT)
-
-    async def start(self, timeout_s: float = 30.0) -> None:
-        """Wait until the picker accepts connections; raises RuntimeError if it exits or ``timeout_s`` passes."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            if self.proc.poll() is not None:
-                self._log.close()
-                raise RuntimeError(f"picker exited with {self.proc.returncode} (log: {self._log.name})")
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", self.port)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
-            w.close()
-            return
-        await self.stop(0)
-        raise RuntimeError(f"picker not listening on port {self.port} after {timeout_s} s (log: {self._log.name})")
-
-    async def stop(self, grace_s: float) -> None:
-        self.proc.terminate()
-        try:
-            await asyncio.to_thread(self.proc.wait, grace_s + 5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            await asyncio.to_thread(self.proc.wait)
-        self._log.close()
+        super().__init__(["picker", "--host", "127.0.0.1", "--port", str(port), "--default-pool", default_pool, *eps], port, log)
 
 
 @dataclass
@@ -107,7 +77,10 @@ class RouterStack:
     async def stop(self) -> None:
         await asyncio.to_thread(self.envoy.stop)
         await self.gate.stop(0.5)
-        await self.picker.stop(0.5)
+        if isinstance(self.picker, PickerProcess):
+            await asyncio.to_thread(self.picker.stop)
+        else:
+            await self.picker.stop(0.5)
         if self.picker_proxy is not None:
             await self.picker_proxy.stop()
 
