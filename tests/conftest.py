@@ -41,9 +41,21 @@ def _ports_of_this_worker() -> None:
     kernel's ephemeral range (port_for's list does), so client sockets cannot take them either.
     """
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not worker.startswith("gw") or not count.isdigit():
+    # LLMD_TEST_PORT_SHARE=I/N: this run is run I of N at once on one machine (e.g. checkouts side by side):
+    # it takes share I of N, split again between its xdist workers.
+    run_index, runs = 0, 1
+    outer = os.environ.get("LLMD_TEST_PORT_SHARE", "")
+    if outer:
+        i, _, n_runs = outer.partition("/")
+        if not (i.isdigit() and n_runs.isdigit() and int(i) < int(n_runs)):
+            raise pytest.UsageError(f"LLMD_TEST_PORT_SHARE={outer!r}: expected I/N with 0 <= I < N, e.g. 1/4")
+        run_index, runs = int(i), int(n_runs)
+    if worker.startswith("gw") and count.isdigit():
+        index, n = run_index * int(count) + int(worker[2:]), runs * int(count)
+    elif runs > 1:
+        index, n = run_index, runs
+    else:
         return
-    index, n = int(worker[2:]), int(count)
     import port_for.api
 
     all_good = port_for.api.available_good_ports
