@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 class EndpointState(enum.Enum):
@@ -184,6 +187,8 @@ class PoolState:
         self._drain_waiters = 0
         self._tasks: set[asyncio.Task] = set()  # notifications in flight, kept: the loop holds tasks only weakly
         self.admitted_total = 0
+        self.forgotten_at_sleep_total = 0
+        """Admissions ended because their endpoint was verified asleep (see ``_forget_at``)."""
         self.released_total = 0
         self.refused_total = 0
         self.closed = False
@@ -342,6 +347,8 @@ class PoolState:
                 self.endpoints[address] = Endpoint(address, state, version or 0)
                 changed = True
                 continue
+            if state is EndpointState.ASLEEP and ep.state is not EndpointState.ASLEEP and ep.in_flight > 0:
+                self._forget_at(address)
             if ep.state is not state or (version is not None and version != ep.weight_version):
                 ep.state = state
                 if version is not None:
@@ -353,6 +360,36 @@ class PoolState:
                 self._kick_releaser()
             self._notify()
         return self.epoch
+
+    def _forget_at(self, address: str) -> None:
+        """``address`` was verified asleep (the orchestrator publishes ASLEEP only after its sidecar saw the engine
+        idle, slept it with ``mode=wait`` and aborted what was parked inside): no admission still counted against it
+        can be at that engine. Such counts are lost completions (an access-log entry Envoy dropped while this gate
+        was slow or stalled): without this, each would keep every later drain of the endpoint waiting to its
+        deadline until the age rule (``--lost-completion-after-s``). An admission that may still reach another
+        candidate keeps that one."""
+        ended = narrowed = 0
+        for adm in list(self._live):
+            if address not in adm.candidates:
+                continue
+            if adm.served == address or adm.candidates == (address,):
+                self.finish(adm)
+                ended += 1
+            else:
+                adm.candidates = tuple(a for a in adm.candidates if a != address)
+                self._uncount(address)
+                narrowed += 1
+        self.forgotten_at_sleep_total += ended
+        if ended or narrowed:
+            log.warning(
+                "pool=%s endpoint=%s verified asleep with %d admission(s) still counted against it: ended %d, "
+                "narrowed %d to their other candidates (their completions never came: access-log entries lost)",
+                self.name,
+                address,
+                ended + narrowed,
+                ended,
+                narrowed,
+            )
 
     def replace_states(self, items: Iterable[tuple[str, EndpointState, int | None]]) -> int:
         """Make ``items`` the whole endpoint list (a full snapshot); returns the new epoch.
