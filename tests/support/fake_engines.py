@@ -136,6 +136,17 @@ class FakeVllm(_FakeEngine):
       queued before its last engine step, not later arrivals).
     * ``completion_delay_s``: seconds each completion computes (counted in ``vllm:num_requests_running``
       meanwhile); ``/sleep?mode=wait`` waits for running completions, like vLLM.
+    * the scheduler pause, as in vLLM 0.32 (``vllm/entrypoints/rl/online/api_router.py``, ``EngineCore`` in
+      ``vllm/v1/engine/core.py``): ``POST /pause`` pauses (``paused``), ``POST /resume`` resumes, ``GET /is_paused``;
+      ``/is_sleeping`` is true while paused; a full wake resumes the scheduler. ``pause_after_next_wake``: another
+      client pauses the engine right after its next full wake and never resumes it; ``wake_resumes_pause`` False: a
+      full wake leaves the scheduler paused (a vLLM whose wake does not resume it). Completions sent while paused
+      are handled like those sent while asleep.
+    * ``core_dead``: the engine core process died behind a live API server, as vLLM 0.32 answers then with
+      ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` (measured on the CPU build, engine core SIGKILLed while asleep): every
+      route that reaches the core answers 500 ``{"error": {"message": "EngineCore encountered an issue..."}}``,
+      ``GET /health`` 503, ``/metrics`` keeps the last sleep state; ``die_after_next_sleep``: the next ``/sleep``
+      answers 200, then the core dies. :meth:`restart` brings a live core back.
     """
 
     def __init__(
@@ -165,6 +176,11 @@ class FakeVllm(_FakeEngine):
         self._parked: list[dict] = []  # {"event": threading.Event, "aborted": bool}
         self.lie_on_sleep, self.lie_on_wake, self.export_sleep_state = lie_on_sleep, lie_on_wake, export_sleep_state
         self.level = 0  # 0 awake, else the sleep level
+        self.paused = False
+        self.core_dead = False
+        self.die_after_next_sleep = False
+        self.pause_after_next_wake = False
+        self.wake_resumes_pause = True
         self.asleep_tags = {"weights", "kv_cache"}
         self.weight_version = "default"  # vLLM's label before any update
         self.weights_path: str | None = None  # last reload_weights(weights_path=...)
@@ -178,6 +194,7 @@ class FakeVllm(_FakeEngine):
         initial weights and weight version label again."""
         with self.lock:
             self.level = 0
+            self.paused = self.core_dead = False
             self.asleep_tags = {"weights", "kv_cache"}
             self.weight_version = "default"
             self.weights_path = None
@@ -207,7 +224,7 @@ class FakeVllm(_FakeEngine):
         prompts = body.get("prompt", "")
         prompts = prompts if isinstance(prompts, list) else [prompts]
         n = int(body.get("max_tokens") or 1)
-        if self.level != 0 or (self.pausing and self.park_while_asleep):
+        if self.level != 0 or self.paused or (self.pausing and self.park_while_asleep):
             self.completions_while_asleep += 1  # a real vLLM would hang this request
             if self.park_while_asleep:
                 entry = {"event": threading.Event(), "aborted": False}
@@ -250,9 +267,34 @@ class FakeVllm(_FakeEngine):
             self.asleep_tags = {"weights", "kv_cache"}
         return 200, {"status": "sleeping", "level": int(query.get("level", 1))}, "application/json"
 
+    _DEAD_CORE = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause."}}
+
     def handle(self, method, path, query, body):
+        if self.core_dead and path not in ("/metrics", "/v1/models"):
+            if path == "/health":
+                return 503, "", "text/plain"
+            if path == "/is_paused":
+                return 500, {"error": "Failed to fetch pause status: " + self._DEAD_CORE["error"]["message"]}, "application/json"
+            return 500, self._DEAD_CORE, "application/json"
+        if path == "/health":
+            return 200, "", "text/plain"
         if path == "/is_sleeping":
-            return 200, {"is_sleeping": self.level != 0}, "application/json"
+            return 200, {"is_sleeping": self.level != 0 or self.paused}, "application/json"
+        if path == "/is_paused":
+            return (
+                (404, {"detail": "Not Found"}, "application/json")
+                if not self.abort_route
+                else (
+                    200,
+                    {"is_paused": self.paused},
+                    "application/json",
+                )
+            )
+        if path == "/resume":
+            self.paused = False
+            if self.level == 0:
+                self._release_parked(aborted=False)
+            return 200, {"status": "resumed"}, "application/json"
         if path == "/metrics":
             lines = ["# TYPE vllm:num_requests_running gauge", "# TYPE vllm:num_requests_waiting gauge"]
             for e in range(self.engines):  # the running count goes to engine 0; parked requests are not counted (vLLM
@@ -280,24 +322,31 @@ class FakeVllm(_FakeEngine):
                 return self._sleep(query)
             finally:
                 self.pausing = False
+                if self.die_after_next_sleep:
+                    self.die_after_next_sleep, self.core_dead = False, True
         if path == "/wake_up":
             time.sleep(self.wake_delay_s)
             tags = query.get("tags")
             tags = [tags] if isinstance(tags, str) else (tags or ["weights", "kv_cache"])
             if not self.lie_on_wake:
                 self.asleep_tags -= set(tags)
-                if not self.asleep_tags and self.level:
+                if not self.asleep_tags and (self.level or self.paused):
                     self.level = 0
                     if self.garble_next_wake:
                         self.garble_next_wake, self.garbled = False, True
-                    self._release_parked(aborted=False)
+                    if self.wake_resumes_pause:
+                        self.paused = False
+                        self._release_parked(aborted=False)
+                    if self.pause_after_next_wake:
+                        self.pause_after_next_wake, self.paused = False, True
             return 200, {"status": "awake" if self.level == 0 else "sleeping", "tags": tags}, "application/json"
         if path == "/pause":
             if not self.abort_route:
                 return 404, {"detail": "Not Found"}, "application/json"
-            if query.get("mode") == "abort":
+            if query.get("mode", "abort") == "abort":
                 self._release_parked(aborted=True)
                 time.sleep(0.02)  # like AsyncLLM.pause_generation: lets the abort outputs out first
+            self.paused = True
             return 200, {"status": "paused"}, "application/json"
         if path == "/collective_rpc":
             if (body or {}).get("method") == "reload_weights":

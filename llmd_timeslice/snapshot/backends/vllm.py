@@ -88,6 +88,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
+    EngineDead,
+    EnginePaused,
     EngineUnreachable,
     SnapshotBackend,
     SuspendMode,
@@ -296,13 +298,33 @@ class VllmBackend(SnapshotBackend):
 
     async def _get(self, path: str) -> httpx.Response:
         try:
-            return await self._http.get(path)
+            r = await self._http.get(path)
         except httpx.HTTPError as exc:
             kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
             raise kind(
                 f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
                 "The endpoint stays out of service: restart the engine (or its pod), then restore"
             ) from exc
+        await self._raise_if_core_dead("GET", path, r)
+        return r
+
+    async def _raise_if_core_dead(self, method: str, path: str, r: httpx.Response) -> None:
+        """After an answer >= 500: raise :class:`EngineDead` when ``GET /health`` answers 503 too (module doc,
+        "A dead engine core"); else return (the caller handles the answer)."""
+        if r.status_code < 500:
+            return
+        try:
+            health = (await self._http.get("/health")).status_code
+        except httpx.HTTPError:
+            return  # the caller reports the first answer; the next call finds the engine gone
+        if health == 503:
+            raise EngineDead(
+                f"vLLM {self.base_url}: {method} {path} answered {r.status_code} ({r.text[:120]!r}) and GET "
+                "/health answers 503: its engine core is dead behind a live API server "
+                "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up; without it the server exits within ~5 s). Its "
+                "/metrics still show the last sleep state. The endpoint stays out of service until the engine "
+                "(its pod) restarts"
+            )
 
     async def _post(self, path: str, **kw) -> httpx.Response:
         try:
@@ -313,6 +335,7 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
                 "The endpoint stays out of service: restart the engine (or its pod), then restore"
             ) from exc
+        await self._raise_if_core_dead("POST", path, r)
         if r.status_code != 200:
             raise BackendError(
                 f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
@@ -441,6 +464,7 @@ class VllmBackend(SnapshotBackend):
                 "requests may be waiting inside the sleeping engine: the endpoint stays out of "
                 "service"
             ) from exc
+        await self._raise_if_core_dead("POST", "/pause", r)
         if r.status_code == 200:
             aborted = int((await self.metrics()).aborted_total - m.aborted_total)
             deadline = time.monotonic() + 0.5
@@ -493,6 +517,8 @@ class VllmBackend(SnapshotBackend):
         if unknown:
             raise BackendError(f"unknown vLLM wake-up tags {sorted(unknown)}; known: weights, kv_cache")
         level = await self._current_level()
+        if level is None and not tags:
+            await self._refuse_another_clients_pause()
         if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
         reloaded = False
@@ -615,22 +641,65 @@ class VllmBackend(SnapshotBackend):
         )
 
     async def _verify_awake(self) -> None:
-        if await self.is_suspended():
+        """After a full wake: awake on every engine core, not paused (module doc, "Paused after a wake"), probe."""
+        sleeping = await self.is_suspended()
+        m = await self.metrics()
+        bad = m.engines_not_in("awake")
+        if sleeping and (bad or not m.sleep_states):
             raise BackendError(
                 f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
                 "asleep; the endpoint stays out of service: check the engine's logs, then retry the "
                 "restore"
             )
-        m = await self.metrics()
-        bad = m.engines_not_in("awake")
         if bad:
             raise BackendError(
                 f"vLLM {self.base_url}: vllm:engine_sleep_state after wake-up (expected 'awake' on every "
                 f"engine): {_describe_engines(bad)}; the endpoint stays out of service"
             )
-        self.level = None
+        self.level = None  # awake on every engine core
+        if sleeping:  # ... yet /is_sleeping says asleep: a paused scheduler?
+            await self._check_not_paused()
         if self.probe:
             await self._probe()
+
+    async def _is_paused(self) -> bool | None:
+        """``GET /is_paused`` -> ``{"is_paused": bool}`` (vLLM 0.32 dev mode; None where the route is absent)."""
+        r = await self._get("/is_paused")
+        if r.status_code == 404:
+            return None
+        try:
+            return bool(r.json()["is_paused"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(f"vLLM {self.base_url} /is_paused answered {r.status_code}: {r.text[:200]}") from exc
+
+    def _paused(self) -> EnginePaused:
+        return EnginePaused(
+            f"vLLM {self.base_url} is awake but its scheduler is paused (GET /is_paused: true): a POST /pause "
+            "without the matching POST /resume, e.g. another client's weight update (vLLM 0.32 lifts the pause of "
+            "its own sleep on a full wake-up); requests sent to it would wait. Not resumed here: resuming another "
+            "client's pause could serve weights in the middle of its update. The endpoint stays out of service; "
+            "the repair loop serves it again once that client sends POST /resume"
+        )
+
+    async def _check_not_paused(self) -> None:
+        """Every engine core reports awake but ``/is_sleeping`` says asleep: on vLLM 0.32 a paused scheduler
+        (``EngineCore.is_sleeping`` = scheduler paused or executor asleep, ``vllm/v1/engine/core.py``). Raises
+        :class:`EnginePaused` when ``GET /is_paused`` confirms it, else BackendError (module doc)."""
+        paused = await self._is_paused()
+        if paused:
+            raise self._paused()
+        raise BackendError(
+            f"vLLM {self.base_url}: every engine core reports 'awake' but /is_sleeping says asleep and "
+            f"/is_paused says {'not paused' if paused is False else 'nothing (no route)'}; the endpoint "
+            "stays out of service: check the engine's logs, then retry the restore"
+        )
+
+    async def _refuse_another_clients_pause(self) -> None:
+        """Before waking an engine of unknown state that reports awake: on vLLM 0.32 ``/wake_up`` resumes a paused
+        scheduler (``EngineCore.wake_up``), so an engine paused by another client is left as it is
+        (:class:`EnginePaused`) rather than resumed behind that client's back."""
+        if (await self.metrics()).sleep_state == "awake" and await self._is_paused():
+            raise self._paused()
 
     async def _probe_tokens(self) -> list[list[int]]:
         """Greedy token ids of each probe prompt (text where the engine returns no token ids)."""
