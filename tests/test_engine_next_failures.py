@@ -21,9 +21,11 @@ import pytest
 from epp_plugin.gate.pool_state import EndpointState
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
-from llmd_timeslice.snapshot.backends.base import EngineDead, EnginePaused, SuspendMode
-from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.backends.base import BackendError, EngineDead, EnginePaused, SuspendMode
+from llmd_timeslice.snapshot.backends.sglang import SglangBackend
+from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
+from tests.support.fake_engines import FakeSglang
 from tests.support.waits import until as _until
 from tests.test_engine_field_failures import backend, fake_vllm, group  # noqa: F401 - pytest fixtures
 from tests.test_weight_sync import _audited_sampler_at_v1
@@ -137,3 +139,81 @@ async def test_a_dead_engine_core_behind_a_live_api_server_is_taken_out_of_servi
         engine.restart()  # back with its initial weights: repaired at the group's version
         await _until(lambda: pool.serving(min_version=1) == (addr,) and not g.sampler_errors, timeout_s=20)
         assert engine.weight_version == "1"
+
+
+# ---------------------------------------------------------------- 3. SGLang: garbage after a full release, busy release
+
+
+@pytest.fixture
+async def sglang():
+    made: list[tuple[FakeSglang, SglangBackend]] = []
+
+    def make(**kw) -> tuple[FakeSglang, SglangBackend]:
+        eng = FakeSglang().start()
+        made.append((eng, SglangBackend(eng.url, **{"memory_reader": lambda: None, "idle_timeout_s": 1, **kw})))
+        return made[-1]
+
+    yield make
+    for eng, b in made:
+        await b.close()
+        eng.stop()
+
+
+async def test_sglang_engine_answering_garbage_after_a_full_release_fails_the_probe_and_is_released_again(sglang):
+    eng, b = sglang()
+    await b.suspend(SuspendMode.DISCARD, [])  # idle: the reference of its weight version, recorded before the release
+    assert set(b.probe_references) == {"default"}
+    await b.resume([])  # same tokens: served
+    await b.suspend(SuspendMode.DISCARD, [])
+    eng.garble_next_resume = True  # answers (HTTP 200, text present) but other tokens: the old check passed this
+    with pytest.raises(ProbeMismatch, match=r"answers the probe prompts differently from weight version default's"):
+        await b.resume([])
+    assert eng.released == set(FakeSglang.ALL_TAGS) and await b.is_suspended(), "released again, not serving garbage"
+    eng.restart()  # its pod restarted: the right weights again
+    await b.resume([])
+    assert not eng.released and not await b.is_suspended()
+
+
+async def test_sglang_release_waits_for_the_requests_still_queued_on_the_engine(sglang):
+    eng, b = sglang(idle_timeout_s=10)
+    eng.queue(3, for_s=0.4)  # straight to the engine, or left when the drain ended
+    await b.suspend(SuspendMode.OFFLOAD, [])
+    assert eng.released_while_busy == 0 and eng.aborted == 0, "waited for them to finish; none cut"
+    assert "/pause_generation" not in eng.paths()
+
+
+async def test_sglang_release_of_an_engine_still_busy_after_the_idle_timeout_pauses_it_first(sglang):
+    eng, b = sglang(idle_timeout_s=0.2)
+    eng.queue(2, for_s=60)
+    await b.suspend(SuspendMode.OFFLOAD, [])
+    assert ("POST", "/pause_generation", {"mode": "abort"}) in eng.calls
+    assert eng.released_while_busy == 0 and eng.aborted == 2 and eng.released
+    await b.resume([])
+    posts = eng.paths()
+    assert posts.index("/continue_generation") < len(posts) - 1 and posts[-1] == "/generate", posts
+    assert not eng.paused, "generation continued after the resume, before the probe"
+
+
+async def test_sglang_without_load_metrics_pauses_before_every_release(sglang):
+    eng, b = sglang()
+    eng.metrics = False  # no --enable-metrics: the load is unknown
+    await b.suspend(SuspendMode.OFFLOAD, [])
+    assert ("POST", "/pause_generation", {"mode": "abort"}) in eng.calls
+    await b.resume([])
+    assert not eng.paused
+
+
+async def test_sglang_release_refused_after_a_pause_continues_generation(sglang):
+    eng, b = sglang(idle_timeout_s=0.1)
+    eng.queue(1, for_s=60)
+    eng.fail_release = True
+    with pytest.raises(BackendError, match="answered 400"):
+        await b.suspend(SuspendMode.OFFLOAD, [])
+    assert not eng.paused, "a failed release leaves generation running, not paused"
+
+
+def test_sglang_pause_mode_is_checked_and_maps_the_vllm_modes():
+    assert SglangBackend("http://127.0.0.1:1", pause_mode="keep").pause_mode == "retract"
+    assert SglangBackend("http://127.0.0.1:1", pause_mode="wait").pause_mode == "abort"
+    with pytest.raises(ValueError, match="SGLang pause_mode must be one of"):
+        SglangBackend("http://127.0.0.1:1", pause_mode="in_place")

@@ -381,7 +381,18 @@ class FakeVllm(_FakeEngine):
 
 class FakeSglang(_FakeEngine):
     """SGLang's memory-occupation endpoints; ``released`` holds the released tags.
-    ``fail_release``: answer 400 like SGLang does on a bad request."""
+    ``fail_release``: answer 400 like SGLang does on a bad request.
+
+    Also, as in sgl-project/sglang (``python/sglang/srt/entrypoints/http_server.py``, the scheduler's metrics
+    collector): ``GET /metrics`` with ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs`` (``metrics`` False:
+    404, a server without ``--enable-metrics``); ``POST /pause_generation {"mode": ...}`` (``abort`` ends the
+    requests inside) and ``POST /continue_generation``; ``GET /get_weight_version``; ``POST /generate`` with a list of
+    texts answering a list (``output_ids``: greedy tokens, a function of the prompt and of the weights).
+
+    Field failures: :meth:`queue` puts requests inside the engine (running, for ``for_s`` seconds); a release while
+    requests are inside answers 500 like SGLang's idle assertion and is counted in ``released_while_busy``;
+    ``garble_next_resume``: the next full resume leaves it answering other tokens (until :meth:`restart`).
+    """
 
     ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
 
@@ -389,19 +400,77 @@ class FakeSglang(_FakeEngine):
         super().__init__()
         self.fail_release = fail_release
         self.released: set[str] = set()
+        self.metrics = True
+        self.paused = False
+        self.garble_next_resume = False
+        self.garbled = False
+        self.released_while_busy = 0
+        self.aborted = 0
+        self._inside = 0
+        self._busy_until = 0.0
+
+    def queue(self, n: int, for_s: float) -> None:
+        """``n`` requests inside the engine for the next ``for_s`` seconds (then they finish)."""
+        self._inside, self._busy_until = n, time.monotonic() + for_s
+
+    @property
+    def inside(self) -> int:
+        return self._inside if time.monotonic() < self._busy_until else 0
+
+    def restart(self) -> None:
+        self.released, self.paused, self.garbled = set(), False, False
+
+    def _tokens(self, prompt: str, n: int) -> list[int]:
+        digest = hashlib.sha256(f"{'garbled' if self.garbled else 'ok'}|{prompt}".encode()).digest()
+        return [digest[i % len(digest)] * 5 % 900 for i in range(n)]
+
+    def _generate(self, body: dict):
+        if self.released:
+            return 503, {"error": f"released: {sorted(self.released)}"}, "application/json"
+        texts = body.get("text", "")
+        n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 1)
+        answers = [
+            {"text": "x", "output_ids": self._tokens(str(t), n), "meta_info": {"finish_reason": {"type": "length"}}}
+            for t in (texts if isinstance(texts, list) else [texts])
+        ]
+        return 200, answers if isinstance(texts, list) else answers[0], "application/json"
 
     def handle(self, method, path, query, body):
         tags = set((body or {}).get("tags") or self.ALL_TAGS)
         if path == "/release_memory_occupation" and method == "POST":
             if self.fail_release:
                 return 400, {"error": "memory saver is not enabled (--enable-memory-saver)"}, "application/json"
+            if self.inside:
+                self.released_while_busy += 1
+                return 500, {"error": "release_memory_occupation should be called only when server is idle."}, "application/json"
             self.released |= tags
             return 200, "", "text/plain"
         if path == "/resume_memory_occupation" and method == "POST":
             self.released -= tags
+            if not self.released and self.garble_next_resume:
+                self.garble_next_resume, self.garbled = False, True
             return 200, "", "text/plain"
         if path == "/generate" and method == "POST":
-            if self.released:
-                return 503, {"error": f"released: {sorted(self.released)}"}, "application/json"
-            return 200, {"text": "x", "meta_info": {"finish_reason": {"type": "length"}}}, "application/json"
+            return self._generate(body or {})
+        if path == "/metrics" and method == "GET":
+            if not self.metrics:
+                return 404, {"detail": "Not Found"}, "application/json"
+            text = (
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f'sglang:num_running_reqs{{model_name="fake"}} {float(self.inside)}\n'
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                'sglang:num_queue_reqs{model_name="fake"} 0.0\n'
+            )
+            return 200, text, "text/plain"
+        if path == "/pause_generation" and method == "POST":
+            self.paused = True
+            if (body or {}).get("mode", "abort") == "abort":
+                self.aborted += self.inside
+                self._inside = 0
+            return 200, {"message": "Generation paused successfully.", "status": "ok"}, "application/json"
+        if path == "/continue_generation" and method == "POST":
+            self.paused = False
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}, "application/json"
+        if path == "/get_weight_version" and method == "GET":
+            return 200, {"weight_version": "default"}, "application/json"
         return 404, {"error": path}, "application/json"
