@@ -217,3 +217,40 @@ def test_sglang_pause_mode_is_checked_and_maps_the_vllm_modes():
     assert SglangBackend("http://127.0.0.1:1", pause_mode="wait").pause_mode == "abort"
     with pytest.raises(ValueError, match="SGLang pause_mode must be one of"):
         SglangBackend("http://127.0.0.1:1", pause_mode="in_place")
+
+
+# ---------------------------------------------------------------- 4. LoRA adapters (what the CPU build cannot play)
+
+
+async def test_lora_adapter_answering_wrong_after_a_wake_fails_the_probe_naming_it_and_the_reload_repairs_it(
+    fake_vllm,  # noqa: F811
+    backend,  # noqa: F811
+):
+    eng = fake_vllm()
+    eng.lora_adapters = ["ad-a", "ad-b"]
+    b = backend(eng)
+    await b.suspend(SuspendMode.DISCARD, [])  # references of the base model and of each adapter, before sleeping
+    assert set(b.probe_references[0]) == {"fake", "ad-a", "ad-b"}
+    await b.resume([])
+    await b.suspend(SuspendMode.OFFLOAD, [])
+    eng.garble_adapter_next_wake = "ad-b"  # its slot's memory lost (a GPU discard) and not reloaded: base model fine
+    with pytest.raises(ProbeMismatch, match=r"through LoRA adapter 'ad-b' ->"):
+        await b.resume([])
+    assert eng.level == 2, "put back to sleep: the next restore reloads the weights (vLLM resets its LoRA state then)"
+    await b.resume([])
+    assert eng.level == 0 and not eng.garbled_adapter
+
+
+async def test_lora_adapter_unloaded_while_asleep_is_forgotten_with_a_warning_not_a_failed_wake(
+    fake_vllm,  # noqa: F811
+    backend,  # noqa: F811
+    caplog,
+):
+    eng = fake_vllm()
+    eng.lora_adapters = ["ad-a"]
+    b = backend(eng)
+    await b.suspend(SuspendMode.OFFLOAD, [])
+    eng.lora_adapters = []  # POST /v1/unload_lora_adapter while it slept: its requests get vLLM's 404
+    await b.resume([])
+    assert "no longer serves LoRA adapter 'ad-a'" in caplog.text
+    assert set(b.probe_references[0]) == {"fake"}

@@ -147,6 +147,10 @@ class FakeVllm(_FakeEngine):
       route that reaches the core answers 500 ``{"error": {"message": "EngineCore encountered an issue..."}}``,
       ``GET /health`` 503, ``/metrics`` keeps the last sleep state; ``die_after_next_sleep``: the next ``/sleep``
       answers 200, then the core dies. :meth:`restart` brings a live core back.
+    * ``lora_adapters``: LoRA adapter names served besides the base model (listed by ``/v1/models`` with ``parent``,
+      each with its own greedy tokens); ``garble_adapter_next_wake``: that adapter answers other tokens after the
+      next full wake until the weights are reloaded (``reload_weights`` resets vLLM 0.32's LoRA state,
+      ``GPUModelRunner.reload_weights``): an adapter slot whose memory a level-2 sleep discarded.
     """
 
     def __init__(
@@ -177,6 +181,9 @@ class FakeVllm(_FakeEngine):
         self.lie_on_sleep, self.lie_on_wake, self.export_sleep_state = lie_on_sleep, lie_on_wake, export_sleep_state
         self.level = 0  # 0 awake, else the sleep level
         self.paused = False
+        self.lora_adapters: list[str] = []
+        self.garble_adapter_next_wake = ""
+        self.garbled_adapter = ""
         self.core_dead = False
         self.die_after_next_sleep = False
         self.pause_after_next_wake = False
@@ -214,9 +221,11 @@ class FakeVllm(_FakeEngine):
         """Completions waiting inside the sleeping engine now."""
         return len(self._parked)
 
-    def _tokens(self, prompt: str, n: int) -> list[int]:
-        """Greedy tokens of ``prompt``: a function of the prompt and the weights loaded (and of the garbling)."""
-        seed = f"{self.weights_path or 'initial'}|{'garbled' if self.garbled else 'ok'}|{prompt}"
+    def _tokens(self, prompt: str, n: int, model: str = "fake") -> list[int]:
+        """Greedy tokens of ``prompt``: a function of the prompt, the weights loaded, the model or adapter (and of the
+        garbling)."""
+        garbled = self.garbled or (model != "fake" and model == self.garbled_adapter)
+        seed = f"{self.weights_path or 'initial'}|{'garbled' if garbled else 'ok'}|{model}|{prompt}"
         digest = hashlib.sha256(seed.encode()).digest()
         return [digest[i % len(digest)] * 7 % 1000 for i in range(n)]
 
@@ -247,9 +256,12 @@ class FakeVllm(_FakeEngine):
         finally:
             with self.lock:
                 self.running -= 1
+        model = body.get("model") or "fake"
+        if model not in ("fake", *self.lora_adapters):
+            return 404, {"error": {"message": f"The model `{model}` does not exist."}}, "application/json"
         choices = []
         for i, p in enumerate(prompts):
-            tokens = self._tokens(str(p), n)
+            tokens = self._tokens(str(p), n, model)
             choice = {"index": i, "text": " ".join(map(str, tokens)), "finish_reason": "length"}
             if body.get("return_token_ids"):
                 choice["token_ids"] = tokens
@@ -334,6 +346,8 @@ class FakeVllm(_FakeEngine):
                     self.level = 0
                     if self.garble_next_wake:
                         self.garble_next_wake, self.garbled = False, True
+                    if self.garble_adapter_next_wake:
+                        self.garbled_adapter, self.garble_adapter_next_wake = self.garble_adapter_next_wake, ""
                     if self.wake_resumes_pause:
                         self.paused = False
                         self._release_parked(aborted=False)
@@ -353,7 +367,7 @@ class FakeVllm(_FakeEngine):
                 if "weights" in self.asleep_tags and self.level:
                     return 500, {"error": "weights are asleep"}, "application/json"
                 self.weights_path = ((body or {}).get("kwargs") or {}).get("weights_path", self.weights_path)
-                self.garbled = False
+                self.garbled, self.garbled_adapter = False, ""
             return 200, {"results": [None]}, "application/json"
         if path == "/update_weight_version":
             self.weight_version = body["new_version"]
@@ -373,7 +387,8 @@ class FakeVllm(_FakeEngine):
             refused = self.refuse_prefix_reset == "always" or (self.refuse_prefix_reset == "plain" and not preempt)
             return 200, {"success": not refused}, "application/json"
         if path == "/v1/models":
-            return 200, {"data": [{"id": "fake"}]}, "application/json"
+            cards = [{"id": "fake", "parent": None}] + [{"id": a, "parent": "fake"} for a in self.lora_adapters]
+            return 200, {"data": cards}, "application/json"
         if path == "/v1/completions":
             return self._completion(body or {})
         return 404, {"error": path}, "application/json"

@@ -269,8 +269,9 @@ class VllmBackend(SnapshotBackend):
             )
         self.probe_prompts, self.probe_tokens = tuple(probe_prompts), probe_tokens
         self.probe_max_mismatched_prompts = probe_max_mismatched_prompts
-        self.probe_references: dict[int, list[list[int]]] = {}
-        """Weight version -> greedy token ids per probe prompt, recorded when that version first served."""
+        self.probe_references: dict[int, dict[str, list[list[int]]]] = {}
+        """Weight version -> served model name (base, then LoRA adapters) -> greedy token ids per probe prompt,
+        recorded when that version first served."""
         self.pause_mode = pause_mode
         self.reload = reload_weights
         self.reset_prefix_cache = reset_prefix_cache
@@ -282,7 +283,6 @@ class VllmBackend(SnapshotBackend):
         self.idle_poll_s = idle_poll_s
         self.probe = probe
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s)
-        self._model: str | None = None
         if weight_loaders is None:
             from llmd_timeslice.snapshot.backends.vllm_weights import default_loaders
 
@@ -701,18 +701,26 @@ class VllmBackend(SnapshotBackend):
         if (await self.metrics()).sleep_state == "awake" and await self._is_paused():
             raise self._paused()
 
-    async def _probe_tokens(self) -> list[list[int]]:
-        """Greedy token ids of each probe prompt (text where the engine returns no token ids)."""
-        if self._model is None:
-            r = await self._get("/v1/models")
-            try:
-                self._model = r.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError) as exc:
-                raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
+    async def _served_models(self) -> list[str]:
+        """``GET /v1/models``: the base model's name, then each LoRA adapter's (vLLM lists an adapter with its base
+        model in ``parent``: ``vllm/entrypoints/openai/models/serving.py`` in vLLM 0.32)."""
+        r = await self._get("/v1/models")
+        try:
+            cards = r.json()["data"]
+            base = [c["id"] for c in cards if not c.get("parent")]
+            adapters = sorted(c["id"] for c in cards if c.get("parent"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
+        if not base:
+            raise BackendError(f"vLLM {self.base_url} /v1/models lists no base model: {r.text[:200]}")
+        return base[:1] + adapters
+
+    async def _greedy_tokens(self, model: str) -> list[list[int]]:
+        """Greedy token ids of each probe prompt through ``model`` (text where the engine returns no token ids)."""
         r = await self._post(
             "/v1/completions",
             json={
-                "model": self._model,
+                "model": model,
                 "prompt": list(self.probe_prompts),
                 "max_tokens": self.probe_tokens,
                 "temperature": 0,
@@ -732,21 +740,40 @@ class VllmBackend(SnapshotBackend):
             )
         return out
 
+    async def _probe_tokens(self) -> dict[str, list[list[int]]]:
+        """Served model name -> greedy token ids of each probe prompt: the base model and every LoRA adapter."""
+        return {m: await self._greedy_tokens(m) for m in await self._served_models()}
+
     async def _probe(self) -> None:
-        """The semantic probe (module doc): compare with the reference of the version served, or record it."""
+        """The semantic probe (module doc): compare with the reference of the version served, or record it. An
+        adapter first seen now is recorded; one no longer served is forgotten (a warning: its requests get vLLM's 404)."""
         got = await self._probe_tokens()
         ref = self.probe_references.get(self.weight_version)
         if ref is None:
             self.probe_references[self.weight_version] = got
             return
-        wrong = [i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
+        for model, tokens in got.items():
+            ref.setdefault(model, tokens)
+        for model in sorted(set(ref) - set(got)):  # unloaded, or lost with a restart: its requests get vLLM's 404
+            log.warning(
+                "engine %s no longer serves LoRA adapter %r (GET /v1/models); forgetting its probe reference",
+                self.base_url,
+                model,
+            )
+            del ref[model]
+        wrong = [(m, i) for m in ref for i, (a, b) in enumerate(zip(ref[m], got[m], strict=True)) if a != b]
         if len(wrong) <= self.probe_max_mismatched_prompts:
             return
-        i = wrong[0]
+        base = next(iter(got))
+        m, i = wrong[0]
+        of = "" if m == base else f" through LoRA adapter {m!r}"
+        adapters = [a for a in ref if a != base]
         why = (
             f"vLLM {self.base_url} is awake but answers the probe prompts differently from weight version "
-            f"{self.weight_version}'s reference (recorded when that version first served): {len(wrong)} of "
-            f"{len(ref)} prompts differ, e.g. {self.probe_prompts[i]!r} -> {got[i]} instead of {ref[i]}"
+            f"{self.weight_version}'s reference (recorded when that version first served"
+            f"{', base model and LoRA adapters ' + ', '.join(map(repr, adapters)) if adapters else ''}): "
+            f"{len(wrong)} of {len(ref) * len(self.probe_prompts)} prompts differ, e.g. {self.probe_prompts[i]!r}{of} "
+            f"-> {got[m][i]} instead of {ref[m][i]}"
         )
         self.weights_unusable = why
         try:  # out of service and back to a state the next restore repairs: weights discarded, reloaded on wake
