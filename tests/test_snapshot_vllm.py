@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -204,6 +205,44 @@ async def test_semantic_probe_catches_an_engine_that_reloaded_wrong_weights_afte
     finally:
         await b.close()
         await asyncio.to_thread(restore_initial_weights, vllm_server)
+
+
+async def test_lora_adapters_keep_their_greedy_tokens_across_a_level1_and_a_level2_wake(vllm_server, tmp_path):
+    """Issue 24 §3 on vLLM 0.32 with ``--enable-lora`` (the session's server serves two tiny adapters): the probe
+    checks the base model and every adapter, each with its own greedy tokens, after a level-1 wake and after a level-2
+    wake (``reload_weights`` resets vLLM's LoRA state, ``GPUModelRunner.reload_weights``: adapters load again from
+    their directories on first use). An adapter whose directory changed while the engine slept answers differently
+    after the reload: the probe names it and the engine is put back to sleep; with its files back, the next restore
+    serves again."""
+    import shutil
+
+    from llmd_timeslice.demo.tiny_model import build_tiny_lora
+    from tests.support.vllm import LORA_ADAPTERS
+
+    b = VllmBackend(vllm_server.url, memory_reader=lambda: None)
+    adapter_b = Path(vllm_server.lora_adapters[LORA_ADAPTERS[1]])
+    kept = tmp_path / "kept.safetensors"
+    shutil.copy(adapter_b / "adapter_model.safetensors", kept)
+    try:
+        await b.suspend(SuspendMode.OFFLOAD, [])  # references: recorded while it served, before the sleep
+        ref = b.probe_references[0]
+        assert list(ref) == [vllm_server.model_name, *LORA_ADAPTERS], list(ref)
+        assert len({str(tokens) for tokens in ref.values()}) == 3, "each adapter has tokens of its own"
+        await b.resume([])  # level 1: the probe matches for the base model and both adapters
+        await b.suspend(SuspendMode.DISCARD, [])
+        await b.resume([])  # level 2: weights reloaded, LoRA state reset, adapters loaded again: matches
+        await b.suspend(SuspendMode.DISCARD, [])
+        other = build_tiny_lora(vllm_server.model_dir, tmp_path / "other", seed=7)
+        shutil.copy(other / "adapter_model.safetensors", adapter_b / "adapter_model.safetensors")
+        with pytest.raises(ProbeMismatch, match=f"through LoRA adapter '{LORA_ADAPTERS[1]}'"):
+            await b.resume([])
+        assert await b.is_suspended(), "put back to sleep, out of service"
+        shutil.copy(kept, adapter_b / "adapter_model.safetensors")
+        await b.resume([])  # the next restore reloads; the adapter loads from its own files again
+        assert not await b.is_suspended()
+    finally:
+        shutil.copy(kept, adapter_b / "adapter_model.safetensors")
+        await b.close()
 
 
 async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_hanging(vllm_server):

@@ -46,6 +46,36 @@ so the endpoint stays out of service and the next restore reloads the weights. G
 is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
 ``probe_max_mismatched_prompts`` tolerates.
 
+LoRA adapters: the probe runs for the base model and for every LoRA adapter ``GET /v1/models`` lists (an entry
+with ``parent``), each with a reference of its own per weight version; a mismatch through one adapter fails the wake
+the same way, naming it (the next restore reloads the weights, and vLLM 0.32's ``GPUModelRunner.reload_weights``
+resets the LoRA state, so adapters load again from their directories on first use). An adapter first listed at a
+wake is recorded then; one no longer listed is forgotten with a warning (its requests get vLLM's 404). Checked on
+vLLM 0.32 CPU with ``--enable-lora``: level-1 and level-2 wakes keep every adapter's greedy tokens. On a GPU the
+adapters' slots are allocated with the weights (``load_model`` under the ``weights`` memory pool,
+``vllm/v1/worker/gpu_worker.py``): offloaded and restored by level 1, discarded by level 2 and filled again after the
+reload's reset; not measured here.
+
+Paused after a wake: vLLM 0.32's ``/is_sleeping`` is true while the scheduler is paused (``EngineCore.is_sleeping``
+= scheduler paused or executor asleep, ``vllm/v1/engine/core.py``), and ``GET /is_paused`` (RL routes, dev mode)
+says which. A full ``/wake_up`` resumes the scheduler, lifting the pause the sleep made (``EngineCore.wake_up``), so
+an engine whose every core reports ``awake`` while ``/is_paused`` is true after the wake was paused by another
+client (a ``POST /pause`` without its ``POST /resume``: vLLM's pause exists for weight updates). The wake fails with
+:class:`~llmd_timeslice.snapshot.backends.base.EnginePaused` and the engine is not resumed: resuming another
+client's pause could serve weights in the middle of its update, and a probe passing at one instant says nothing
+about the next. The endpoint stays out of service; a later restore of an engine that reports awake checks
+``/is_paused`` before sending ``/wake_up`` (which would lift that pause) and serves it once the other client has
+resumed it.
+
+A dead engine core: ``/sleep`` can answer 200 and the engine core process die after it (OOM killer, a crash). Then
+(measured on vLLM 0.32 CPU, engine core SIGKILLed while asleep) every route that reaches the core answers 500
+``EngineCore encountered an issue``, ``GET /health`` answers 503, and ``/metrics`` keeps showing the last sleep
+state; without ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` the API server exits about a second later (connection
+refused). Any answer >= 500 is followed by ``GET /health``; a 503 there raises
+:class:`~llmd_timeslice.snapshot.backends.base.EngineDead` (an ``EngineUnreachable``), so the sleep's verification
+(``/is_sleeping``), the next wake, and the engine audit's ``GetServedWeightVersion`` (``engine_unreachable``) all
+read it as an engine that cannot serve: out of service, repaired once an engine listens there again.
+
 Prefix cache reset (after a wake that reloaded weights): vLLM 0.32's ``POST /reset_prefix_cache`` answers
 200 ``{"success": false}`` when blocks are still held, e.g. by running requests
 (``vllm/entrypoints/serve/dev/cache/api_router.py``; ``BlockPool.reset_prefix_cache`` in
@@ -216,7 +246,7 @@ class VllmBackend(SnapshotBackend):
         idle_timeout_s: most seconds to wait for running + waiting requests to reach 0 before
             sleeping (the drain's last step; then ``mode=wait`` lets vLLM finish the rest).
         idle_poll_s: period of that metric poll, in seconds (a poll: vLLM has no idle event).
-        probe: send a one-token completion after each wake and fail the wake if it errors.
+        probe: the semantic probe after each full wake (module doc); off: no check of what the engine answers.
         request_timeout_s: timeout of each HTTP call, in seconds.
         pause_mode: ``/sleep?mode=`` (``wait``: finish requests in flight; ``keep``: freeze them
             until wake; ``abort``: end them with ``finish_reason: abort``).
