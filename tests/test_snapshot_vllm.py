@@ -20,7 +20,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
+from llmd_timeslice.snapshot.backends.base import BackendError, EnginePaused, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend, parse_engine_metrics
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.vllm import restore_initial_weights
@@ -243,6 +243,37 @@ async def test_lora_adapters_keep_their_greedy_tokens_across_a_level1_and_a_leve
     finally:
         shutil.copy(kept, adapter_b / "adapter_model.safetensors")
         await b.close()
+
+
+async def test_a_pause_is_lifted_by_a_full_wake_and_one_made_after_it_keeps_the_engine_out_of_service(vllm_server):
+    """Issue 24 §3 on vLLM 0.32: another client's ``POST /pause`` made while the engine sleeps is lifted by the full
+    wake (``EngineCore.wake_up`` resumes the scheduler), so one seen after a wake was made after it. An engine paused
+    while awake reports ``/is_sleeping`` true and ``/is_paused`` true with its sleep-state gauge ``awake``: the sidecar
+    does not resume it (:class:`EnginePaused`, no ``/wake_up`` sent, which would lift the pause) until that client
+    sends ``POST /resume``."""
+    url = vllm_server.url
+    b = VllmBackend(url, memory_reader=lambda: None)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            await b.suspend(SuspendMode.OFFLOAD, [])
+            (await c.post("/pause", params={"mode": "keep"})).raise_for_status()  # another client, while asleep
+            await b.resume([])  # lifted by the wake: verified awake, not paused, probe passed
+            assert (await c.get("/is_paused")).json() == {"is_paused": False}
+            (await c.post("/pause", params={"mode": "abort"})).raise_for_status()  # another client, while awake
+            assert (await c.get("/is_sleeping")).json() == {"is_sleeping": True}
+            assert (await b.metrics()).sleep_state == "awake"
+            fresh = VllmBackend(url, memory_reader=lambda: None)  # e.g. a repair after the sidecar restarted
+            try:
+                with pytest.raises(EnginePaused, match="GET /is_paused: true"):
+                    await fresh.resume([])
+            finally:
+                await fresh.close()
+            assert (await c.get("/is_paused")).json() == {"is_paused": True}, "not resumed behind that client's back"
+            (await c.post("/resume")).raise_for_status()
+            await b.resume([])  # the repair after the client resumed it: awake, verified, probe passed
+    finally:
+        await b.close()
+        httpx.post(url + "/resume", timeout=30)
 
 
 async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_hanging(vllm_server):
