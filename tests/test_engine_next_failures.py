@@ -57,6 +57,21 @@ async def test_engine_paused_by_another_client_right_after_the_wake_fails_the_wa
     assert not eng.paused and eng.level == 0
 
 
+async def test_a_weight_sync_into_an_awake_engine_paused_by_another_client_leaves_it_paused(
+    fake_vllm,  # noqa: F811
+    backend,  # noqa: F811
+    tmp_path,
+):
+    from llmd_timeslice.weights.update import WeightUpdate
+
+    eng = fake_vllm()
+    httpx.post(eng.url + "/pause", params={"mode": "keep"})  # another client, while it serves
+    b = backend(eng)  # a restarted sidecar: the engine's state is unknown to it
+    with pytest.raises(EnginePaused, match="GET /is_paused: true"):
+        await b.resume_with_weights([], WeightUpdate(1, "files", str(tmp_path)))
+    assert eng.paused and "/wake_up" not in eng.paths() and "/sleep" not in eng.paths()
+
+
 async def test_a_wake_that_leaves_the_scheduler_paused_is_not_reported_done(fake_vllm, backend):  # noqa: F811
     eng = fake_vllm()
     eng.wake_resumes_pause = False  # a vLLM whose full wake does not lift the pause (0.32's does: EngineCore.wake_up)

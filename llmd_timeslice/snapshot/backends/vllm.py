@@ -609,6 +609,8 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM backend has no loader for weight source {weights.source!r}; known: {sorted(self.weight_loaders)}"
             )
         t0 = time.perf_counter()
+        if self.level is None:  # state unknown (a repair, a restarted sidecar): never lift another client's pause
+            await self._refuse_another_clients_pause()
         if not await self.is_suspended():
             # Awake (e.g. reconciled after a restart): pause it the verified way first.
             await self.suspend(SuspendMode.OFFLOAD, [])
