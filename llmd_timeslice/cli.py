@@ -236,7 +236,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
 
     async def main() -> None:
-        if s.backend == "vllm":
+        if s.backend in ("vllm", "sglang"):
             defaults = {
                 s.job_id: create_backend(
                     s.backend,
@@ -247,8 +247,6 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
                     **engine_kwargs,
                 )
             }
-        elif s.backend == "sglang":
-            defaults = {s.job_id: create_backend(s.backend, base_url=s.engine_url, **engine_kwargs)}
         elif s.backend == "cuda":
             defaults = {s.job_id: create_backend(s.backend, pids=s.pid)}
         else:
