@@ -91,6 +91,43 @@ STANDALONE_PROXY_IMAGE = f"docker.io/envoyproxy/envoy:distroless-v{ENVOY_VERSION
 """``router.proxy.image`` of our standalone values: the Envoy the tests validate the bootstrap with."""
 
 
+def _status_is(code: int) -> dict:
+    return {
+        "status_code_filter": {
+            "comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": f"llmd_timeslice.local_reply.{code}"}}
+        }
+    }
+
+
+def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
+    """HCM ``local_reply_config`` mappers that turn every failed gate call into a retryable 503 (tested per variant on
+    its Envoy version: tests/test_envoy_versions.py). ``edge``: ``ext_proc`` or ``ext_authz``.
+
+    * ext_proc: the filter's ``status_on_error`` covers a gate that cannot be reached (503), but a gate that does not
+      answer within ``message_timeout`` gets a hard-coded 504 (measured on 1.37.0, 1.39.0 and 1.40.0: details
+      ``ext_proc_error_per-message_timeout_exceeded``, no response flag). A 504 with the ``UT`` flag is the route's
+      upstream timeout (a generation that outlasted the route timeout) and stays 504; any other local 504 is an
+      ext_proc filter's timeout (the gate's, or the EPP's), which the client may retry: 503.
+    * ext_authz on the 1.37 line: Envoy 1.37.0 answers a failed or timed-out HTTP check with 403, whatever
+      ``status_on_error`` says (envoyproxy/envoy #42099; fixed by #43257 in 1.37.1, changelogs/1.37.1.yaml), and
+      Istio 1.29.x runs a build of release/v1.37. The gate itself never answers 403, so a 403 with the ``UAEX`` flag is
+      such a failure: 503."""
+    if edge == "ext_proc":
+        return [
+            {"filter": {"and_filter": {"filters": [_status_is(504), {"response_flag_filter": {"flags": ["UT"]}}]}}},
+            {"filter": _status_is(504), "status_code": 503},
+        ]
+    assert edge == "ext_authz", edge
+    if envoy_version.startswith("1.37."):
+        return [
+            {
+                "filter": {"and_filter": {"filters": [_status_is(403), {"response_flag_filter": {"flags": ["UAEX"]}}]}},
+                "status_code": 503,
+            }
+        ]
+    return []
+
+
 # --------------------------------------------------------------------------------------- settings
 
 # Upstream facts the defaults follow (cited in the guide's README):
@@ -340,6 +377,8 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
         # A held request sends no bytes, nor does a long non-streamed generation: Envoy's default
         # (300 s) would reset either.
         "stream_idle_timeout": _dur(s.request_timeout_s),
+        # A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
+        "local_reply_config": {"mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["standalone"])},
         "use_remote_address": True,
         # Route on the normalized path (/v1/../sleep is /sleep: 404); an escaped slash is refused.
         "normalize_path": True,
@@ -672,13 +711,20 @@ def istio_ext_proc_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | N
                 },
                 {
                     # 3. A held request sends no bytes: raise the stream idle timeout above hold + generation.
+                    #    A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
                     "applyTo": "NETWORK_FILTER",
                     "match": {"context": "GATEWAY", "listener": {"filterChain": copy.deepcopy(hcm_match)}},
                     "patch": {
                         "operation": "MERGE",
                         "value": {
                             "name": "envoy.filters.network.http_connection_manager",
-                            "typed_config": {"@type": HCM_TYPE, "stream_idle_timeout": _dur(s.request_timeout_s)},
+                            "typed_config": {
+                                "@type": HCM_TYPE,
+                                "stream_idle_timeout": _dur(s.request_timeout_s),
+                                "local_reply_config": {
+                                    "mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["istio-ext-proc"])
+                                },
+                            },
                         },
                     },
                 },
@@ -930,7 +976,10 @@ def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | 
         "access_log": [gate_access_log(LOCAL_GATE_CLUSTER)],
         # The gate's 5xx refusals travel as 429 + x-llmd-timeslice-status: 503 (an ext_authz 5xx answer would
         # lose its body); this maps them back to 503.
-        "local_reply_config": refusal_local_reply(),
+        # ... and, on the 1.37 line, a failed check's 403 back to 503 (gate_error_mappers).
+        "local_reply_config": {
+            "mappers": [*refusal_local_reply()["mappers"], *gate_error_mappers("ext_authz", ENVOY_VERSIONS["istio"])]
+        },
     }
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
@@ -1101,6 +1150,12 @@ def envoy_gateway_docs(s: GuideSettings) -> dict[str, dict]:
                 add(gate_filter_path + ".typed_config", "max_message_timeout", "3600s"),
                 # Gate unreachable: 503 (retryable), not Envoy's default 500.
                 add(gate_filter_path + ".typed_config", "status_on_error", {"code": "ServiceUnavailable"}),
+                # Gate not answering in time: 503, not ext_proc's 504 (gate_error_mappers).
+                add(
+                    "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config",
+                    "local_reply_config",
+                    {"mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["envoy-gateway"])},
+                ),
             ],
         },
     }

@@ -965,7 +965,9 @@ def test_istio_fast_path_orders_authz_hint_epp_and_keeps_the_gate_contract():
     router = by_name["envoy.filters.http.router"]["typed_config"]
     assert router["upstream_log"] == [gate_upstream_log(gen.LOCAL_GATE_CLUSTER)]
     assert router["upstream_log_options"] == {"flush_upstream_log_on_upstream_stream": True}
-    assert hcm["local_reply_config"] == refusal_local_reply(), "503 refusals keep their status"
+    mappers = hcm["local_reply_config"]["mappers"]
+    assert mappers[: len(refusal_local_reply()["mappers"])] == refusal_local_reply()["mappers"], "503 refusals first"
+    assert mappers[len(refusal_local_reply()["mappers"]) :] == gen.gate_error_mappers("ext_authz", gen.ENVOY_VERSIONS["istio"])
     assert _seconds(hcm["stream_idle_timeout"]) > _hold_plus_generation()
     # Both clusters reach the gate container of the same pod, on loopback: HTTP/1.1 checks, HTTP/2 gRPC.
     authz_cluster = clusters[svc["server_uri"]["cluster"]]
@@ -1211,10 +1213,16 @@ def test_envoy_gateway_chains_gate_then_epp_over_tls_and_never_falls_back_to_a_s
     ctp = find(docs, "ClientTrafficPolicy")
     assert _seconds(ctp["spec"]["timeout"]["http"]["streamIdleTimeout"]) > _hold_plus_generation()
     patches = find(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]
+    hcm_path = "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config"
     for p in patches:
-        assert f"@.name=='{gen._eg_gate_filter_name(S)}'" in p["operation"]["jsonPath"]
+        assert p["operation"]["jsonPath"] == hcm_path or f"@.name=='{gen._eg_gate_filter_name(S)}'" in p["operation"]["jsonPath"]
         assert p["name"] == f"{S.namespace}/{S.gateway}/{S.gateway_listener}"
-    assert {p["operation"]["path"] for p in patches} == {"response_trailer_mode", "max_message_timeout", "status_on_error"}
+    assert {p["operation"]["path"] for p in patches} == {
+        "response_trailer_mode",
+        "max_message_timeout",
+        "status_on_error",
+        "local_reply_config",
+    }
 
 
 # ------------------------------------------------ EndpointPickerConfig (label fallback), defect 9
@@ -1509,9 +1517,10 @@ def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
     return {"name": name, "typed_config": cfg}
 
 
-def envoy_gateway_effective_config() -> tuple[dict, dict]:
-    """The chain Envoy Gateway generates from the guide's policies, with its EnvoyPatchPolicy applied."""
-    docs = _eg_docs()
+def envoy_gateway_effective_config(docs: tuple[dict, ...] | None = None) -> tuple[dict, dict]:
+    """The chain Envoy Gateway generates from the guide's policies (``docs``: the built overlay by default), with its
+    EnvoyPatchPolicy applied."""
+    docs = docs if docs is not None else _eg_docs()
     eep = find(docs, "EnvoyExtensionPolicy")
     ns, pol = eep["metadata"]["namespace"], eep["metadata"]["name"]
     filters, clusters = [], []
@@ -1520,8 +1529,13 @@ def envoy_gateway_effective_config() -> tuple[dict, dict]:
         cluster = f"envoyextensionpolicy/{ns}/{pol}/extproc/{i}"
         filters.append(_eg_ext_proc(ep, name, cluster))
         clusters.append(cluster)
+    hcm_patches = []
     for p in find(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]:
         op = p["operation"]
+        if op["jsonPath"] == "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config":
+            assert op["op"] == "add", op
+            hcm_patches.append(op)
+            continue
         m = re.fullmatch(r"\.\.http_filters\[\?\(@\.name=='([^']+)'\)\]((?:\.\w+)*)", op["jsonPath"])
         assert m and op["op"] == "add", op
         (target,) = [f for f in filters if f["name"] == m[1]]
@@ -1530,7 +1544,11 @@ def envoy_gateway_effective_config() -> tuple[dict, dict]:
             node = node[part]
         node[op["path"]] = op["value"]
     idle = find(docs, "ClientTrafficPolicy")["spec"]["timeout"]["http"]["streamIdleTimeout"]
-    return _bootstrap_with_chain(filters, clusters, idle), filters[0]
+    boot = _bootstrap_with_chain(filters, clusters, idle)
+    hcm = _hcm_filters(boot, "gw")[0]
+    for op in hcm_patches:
+        hcm[op["path"]] = copy.deepcopy(op["value"])
+    return boot, filters[0]
 
 
 def test_envoy_gateway_generated_gate_filter_meets_the_gate_contract():
