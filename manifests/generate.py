@@ -133,12 +133,6 @@ def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
 # Upstream facts the defaults follow (cited in the guide's README):
 #   llm-d/llm-d guides/optimized-baseline (GUIDE_NAME, NAMESPACE=llm-d-<guide>, release and InferencePool
 #   named after the guide, model servers labelled llm-d.ai/guide=<guide>, Gateway llm-d-inference-gateway).
-LLMD_GUIDE_COMMIT = "05b03f75739f966c129498ad620aca5f18a30c99"
-DEFAULT_MODELSERVER = (
-    f"https://github.com/llm-d/llm-d//guides/optimized-baseline/modelserver/gpu/vllm/base?ref={LLMD_GUIDE_COMMIT}"
-)
-
-
 @dataclass(frozen=True)
 class GuideSettings:
     """Names and limits every file of the guide agrees on (``settings.yaml``; the tests check each use)."""
@@ -161,8 +155,6 @@ class GuideSettings:
     """DRA DeviceClass of the shared ResourceClaim (NVIDIA's DRA driver)."""
     image: str = "registry.invalid/llmd-timeslice:0.1.0"
     """This project's image (gate, orchestrator, sidecar): build manifests/Dockerfile, push, set it here."""
-    modelserver: str = DEFAULT_MODELSERVER
-    """Kustomize resource of the guide's model servers (a local path or a pinned remote URL)."""
     max_hold_s: float = 600.0
     """The gate's ``--max-hold-s``: the longest a request waits while every sampler sleeps."""
     generation_timeout_s: float = 3600.0
@@ -1470,12 +1462,6 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
         ),
         "modelserver/shared-accelerator/resourceclaim.yaml": _doc(
             f"The accelerators of group {s.group}: every pod that references this claim gets the same devices.", resource_claim(s)
-        ),
-        "modelserver/guide/kustomization.yaml": _doc(
-            "Your guide's model servers with time-slicing: the guide's own overlay (settings.yaml modelserver)\n"
-            "plus the sampler and shared-accelerator components.\n"
-            "  kubectl apply -k manifests/guides/time-slicing/modelserver/guide",
-            _kustomization(namespace=ns, resources=[s.modelserver], components=["../sampler", "../shared-accelerator"]),
         ),
         "modelserver/example/llm-d-guide/kustomization.yaml": _doc(
             "Stands for a guide's model-server overlay: labels the Deployment with llm-d.ai/guide the way the\n"

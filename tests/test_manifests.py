@@ -155,6 +155,23 @@ def test_every_yaml_file_parses():
         assert docs, f"{f} is empty"
 
 
+def test_every_kustomization_renders_offline_from_this_repository():
+    """Issue 25 defect 2: a kustomization pinned a remote overlay of an upstream guide (it needed the network to
+    render, and was not the model server the user runs). Every kustomization here builds from local files only."""
+    found = []
+    for k in sorted(GUIDE.rglob("kustomization.yaml")):
+        doc = yaml.safe_load(k.read_text())
+        refs = [*(doc.get("resources") or []), *(doc.get("components") or [])]
+        for r in refs:
+            assert "://" not in r and not r.startswith(("github.com", "git@")), f"{k.relative_to(REPO)}: remote {r}"
+            target = (k.parent / r).resolve()
+            assert target.is_relative_to(GUIDE) and target.exists(), f"{k.relative_to(REPO)}: {r} outside the guide"
+        if doc["kind"] == "Kustomization":
+            kustomize(k.parent)
+            found.append(str(k.parent.relative_to(GUIDE)))
+    assert set(OVERLAYS) <= set(found), set(OVERLAYS) - set(found)
+
+
 def test_generated_files_are_current():
     """Every file carrying a setting is rendered from settings.yaml (manifests/generate.py)."""
     for path, text in gen.rendered_files(S).items():
@@ -446,9 +463,24 @@ def _guide_tree(tmp_path: Path, settings=S, fixture_guide: str | None = None) ->
     k.write_text(
         k.read_text().replace("llm-d.ai/guide: optimized-baseline", f"llm-d.ai/guide: {fixture_guide or settings.guide}")
     )
-    # kustomize takes local resources relative to the kustomization (modelserver/guide), never absolute.
-    rel = os.path.relpath(fixture / "modelserver", tmp_path / "guide" / "modelserver" / "guide")
-    return gen.render_tree(replace(settings, modelserver=rel), tmp_path / "guide")
+    tree = gen.render_tree(settings, tmp_path / "guide")
+    # A user's own kustomization wrapping the guide's overlay with our components (README, "with kustomize"); the
+    # guide ships none (issue 25: a remote overlay needed the network and was not what the user ran). kustomize takes
+    # local resources relative to the kustomization, never absolute.
+    wrap = tree / "modelserver" / "guide"
+    wrap.mkdir()
+    (wrap / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": settings.namespace,
+                "resources": [os.path.relpath(fixture / "modelserver", wrap)],
+                "components": ["../sampler", "../shared-accelerator"],
+            }
+        )
+    )
+    return tree
 
 
 def _assert_time_sliced_sampler(dep: dict, where: str) -> None:
