@@ -605,6 +605,18 @@ def k8s_modelserver(
         typer.echo(f"llmd-timeslice: claim {s.claim_name}: {count} device(s) of {s.device_class}", err=True)
 
 
+@k8s_app.command("restore", short_help="Print a kubectl-get backup ready for `kubectl replace -f -`.")
+def k8s_restore(
+    file: Annotated[str, typer.Argument(help="The backup (kubectl get -o yaml); - for stdin.")],
+) -> None:
+    """Print the objects of FILE less their server-set metadata and status: `kubectl replace -f -` then puts back
+    exactly what the backup held (the guide's clean-up of the model server and the Istio Gateway parameters)."""
+    from llmd_timeslice.k8s_modelserver import restorable
+
+    text = sys.stdin.read() if file == "-" else Path(file).read_text()
+    typer.echo(restorable(text, "stdin" if file == "-" else file), nl=False)
+
+
 def main() -> None:
     """Entry point: user errors (bad files, ports, tokens) print one line and exit 2, no traceback."""
     import pydantic

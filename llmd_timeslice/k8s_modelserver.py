@@ -326,3 +326,39 @@ def copy_settings(s: SamplerSettings, **changes) -> SamplerSettings:
     base = copy.copy(s.__dict__)
     base.update({k: v for k, v in changes.items() if v is not None})
     return SamplerSettings(**base)
+
+
+SERVER_SET_METADATA = ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields", "selfLink")
+"""Metadata the API server sets (``kubectl get -o yaml`` shows them; a ``kubectl replace`` must not carry them)."""
+
+
+def restorable(text: str, source: str = "input") -> str:
+    """The objects of a ``kubectl get -o yaml`` backup as ``kubectl replace -f -`` puts them back: every field as it
+    was, less the server-set metadata (:data:`SERVER_SET_METADATA`) and ``status``. The clean-up replaces the
+    time-sliced model server with exactly the Deployment the backup holds (Deployments accept an update without
+    ``resourceVersion``: Kubernetes ``AllowUnconditionalUpdate``).
+
+    Raises:
+        ValueError: not YAML, or nothing in it.
+    """
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: not YAML: {str(exc).splitlines()[0]}") from None
+    if not docs:
+        raise ValueError(f"{source}: no object in it")
+
+    def clean(d):
+        if not isinstance(d, dict):
+            return d
+        d = copy.deepcopy(d)
+        if d.get("kind") == "List":
+            d["items"] = [clean(i) for i in d.get("items") or []]
+            d.pop("metadata", None)
+            return d
+        for k in SERVER_SET_METADATA:
+            (d.get("metadata") or {}).pop(k, None)
+        d.pop("status", None)
+        return d
+
+    return yaml.safe_dump_all([clean(d) for d in docs], sort_keys=False, default_flow_style=False)

@@ -130,6 +130,7 @@ def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- settings
 
+
 # Upstream facts the defaults follow (cited in the guide's README):
 #   llm-d/llm-d guides/optimized-baseline (GUIDE_NAME, NAMESPACE=llm-d-<guide>, release and InferencePool
 #   named after the guide, model servers labelled llm-d.ai/guide=<guide>, Gateway llm-d-inference-gateway).
@@ -597,14 +598,49 @@ def values_flow_control(s: GuideSettings) -> str:
     return (
         HEADER + "# Label fallback only (no gate on the request path): the EPP's flow control holds requests while\n"
         "# the pool is empty (every sampler asleep) for up to defaultRequestTTL, then answers 503.\n"
-        "# Layer after values-gateway.yaml and values-serving-label.yaml. This REPLACES the guide's\n"
-        "# EndpointPickerConfig (the chart takes one plugins file): copy your guide's plugins and\n"
-        "# schedulingProfiles over the three scorers below, keep featureGates and flowControl.\n"
+        "# Layer after values-gateway.yaml and values-serving-label.yaml, ONLY for a release that sets no\n"
+        "# EndpointPickerConfig of its own (the chart's default plugins, below). A guide's release has its own:\n"
+        "# `generate.py --flow-control-values` layers flow control onto it instead (guide README).\n"
         "router:\n"
         "  epp:\n"
         "    pluginsConfigFile: timeslice-flow-control.yaml\n"
         "    pluginsCustomConfig:\n"
         "      timeslice-flow-control.yaml: |\n" + _indent(text, 8)
+    )
+
+
+def flow_control_values(s: GuideSettings, release_values: dict) -> str:
+    """Label fallback: the release's own EndpointPickerConfig (``router.epp.pluginsCustomConfig`` under its
+    ``pluginsConfigFile``, as ``helm get values`` gives it) with flow control layered on: the ``flowControl`` feature
+    gate added to its ``featureGates``, ``flowControl.defaultRequestTTL`` = ``max_hold_s`` (its other flowControl keys
+    kept). Every plugin and scheduling profile of the guide stays as it is. Raises ValueError when the release has
+    no EndpointPickerConfig of its own (then ``values-flow-control.yaml``, written for the chart's default plugins)."""
+    epp = ((release_values or {}).get("router") or {}).get("epp") or {}
+    name, custom = epp.get("pluginsConfigFile"), epp.get("pluginsCustomConfig") or {}
+    if not name or name not in custom:
+        raise ValueError(
+            "the release sets no router.epp.pluginsCustomConfig[router.epp.pluginsConfigFile]: "
+            "use router/values-flow-control.yaml (the chart's default plugins)"
+        )
+    try:
+        epc = yaml.safe_load(custom[name])
+    except yaml.YAMLError as exc:
+        raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not YAML: {exc}") from exc
+    if not isinstance(epc, dict) or epc.get("kind") != "EndpointPickerConfig":
+        raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not an EndpointPickerConfig")
+    gates = list(epc.get("featureGates") or [])
+    if "flowControl" not in gates:
+        gates.append("flowControl")
+    epc["featureGates"] = gates
+    epc["flowControl"] = {**(epc.get("flowControl") or {}), "defaultRequestTTL": _dur(s.max_hold_s)}
+    return (
+        "# Printed by manifests/generate.py --flow-control-values: the release's EndpointPickerConfig with the\n"
+        "# label fallback's flow control layered on (its plugins and scheduling profiles unchanged).\n"
+        "router:\n"
+        "  epp:\n"
+        f"    pluginsConfigFile: {name}\n"
+        "    pluginsCustomConfig:\n"
+        f"      {name}: |\n" + _indent(_dump(epc), 8)
     )
 
 
@@ -1509,7 +1545,21 @@ def main(argv: list[str] | None = None) -> int:
         "folded into its Deployment overlay: give the ConfigMap file the Gateway's "
         "infrastructure.parametersRef names (the llm-d Istio recipe's), or none.",
     )
+    parser.add_argument(
+        "--flow-control-values",
+        metavar="VALUES|-",
+        help="Only print (stdout) the label fallback's EPP values: the release's EndpointPickerConfig "
+        "(`helm get values <release> -o yaml`, - for stdin) with flow control layered on.",
+    )
     args = parser.parse_args(argv)
+    if args.flow_control_values:
+        try:
+            s = load_settings(args.settings)
+            sys.stdout.write(flow_control_values(s, _read_recipe(Path(args.flow_control_values))))
+        except (OSError, ValueError, TypeError, yaml.YAMLError) as exc:
+            print(f"generate.py: --flow-control-values {args.flow_control_values}: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.check and args.istio_parameters:
         parser.error("--check and --istio-parameters do not go together")
     try:
@@ -1550,9 +1600,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _read_recipe(path: Path) -> dict:
-    """The ConfigMap in ``path``. Raises OSError (unreadable) or ValueError (not YAML)."""
+    """The YAML document in ``path`` (``-``: stdin). Raises OSError (unreadable) or ValueError (not YAML)."""
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(sys.stdin.read() if str(path) == "-" else path.read_text())
     except yaml.YAMLError as exc:
         raise ValueError(f"not YAML: {exc}") from exc
 

@@ -230,3 +230,26 @@ def test_without_dra_the_gpu_request_stays_and_no_claim_is_printed():
     pod = docs[0]["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2 and "resourceClaims" not in pod
     assert docs[0]["spec"]["replicas"] == 10 and pod["containers"][-1]["name"] == "timeslice-sidecar"
+
+
+def test_clean_up_puts_back_exactly_the_deployment_that_was_there(tmp_path):
+    """Issue 25 defect 7: the clean-up re-applied the guide's overlay (another model, other labels). The install
+    keeps a backup (``kubectl get -o yaml | tee``) and the clean-up replaces the time-sliced Deployment with it:
+    what ``kubectl replace`` receives is the original object, field for field, less what the server sets."""
+    from llmd_timeslice.k8s_modelserver import SERVER_SET_METADATA, restorable
+
+    backup = LISTED.read_text()
+    installed, _ = transform(backup, S, replicas=1)
+    assert _deployment(_docs(installed)) != _deployment(_docs(backup))
+    restored = _deployment(_docs(restorable(backup, "backup")))
+    original = copy.deepcopy(_deployment(_docs(backup)))
+    original.pop("status")
+    for k in SERVER_SET_METADATA:
+        original["metadata"].pop(k, None)
+    assert restored == original
+    kubernetes_validate.validate(restored, K8S_VERSION, strict=True)
+    (tmp_path / "b.yaml").write_text(backup)
+    r = run_cli("k8s", "restore", str(tmp_path / "b.yaml"))
+    assert r.returncode == 0 and _docs(r.stdout)[0]["items"][0] == restored
+    bad = run_cli("k8s", "restore", str(tmp_path / "missing.yaml"))
+    assert bad.returncode == 2 and "missing.yaml" in bad.stderr

@@ -1315,6 +1315,40 @@ def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool
     assert tpl["metadata"]["labels"]["timeslice.io/serving"] == "true", "pods start with the label the pool selects"
 
 
+def test_label_fallback_layers_flow_control_onto_the_guides_own_plugins():
+    """Issue 25 defect 8: values-flow-control.yaml replaced the guide's EndpointPickerConfig with three scorers of
+    ours. ``generate.py --flow-control-values`` takes the release's values (``helm get values``) and adds only the
+    flowControl gate and TTL: every plugin and scheduling profile of the guide stays."""
+    release = helm_coalesce(_fixture_values("base.values.yaml"), _fixture_values("guide.values.yaml"))
+    src = yaml.safe_dump(release)
+    proc = subprocess.run(
+        [sys.executable, str(MANIFESTS / "generate.py"), "--flow-control-values", "-"],
+        input=src,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ours = yaml.safe_load(proc.stdout)
+    layered = helm_coalesce(release, values("values-gateway.yaml"), values("values-serving-label.yaml"), ours)
+    epp = layered["router"]["epp"]
+    theirs = yaml.safe_load(release["router"]["epp"]["pluginsCustomConfig"][release["router"]["epp"]["pluginsConfigFile"]])
+    cfg = yaml.safe_load(epp["pluginsCustomConfig"][epp["pluginsConfigFile"]])
+    assert epp["pluginsConfigFile"] == release["router"]["epp"]["pluginsConfigFile"]
+    assert cfg["plugins"] == theirs["plugins"] and cfg["schedulingProfiles"] == theirs["schedulingProfiles"]
+    assert "flowControl" in cfg["featureGates"] and _seconds(cfg["flowControl"]["defaultRequestTTL"]) >= S.max_hold_s
+    _check_endpoint_picker_config(cfg)
+    del release["router"]["epp"]["pluginsCustomConfig"]
+    bad = subprocess.run(
+        [sys.executable, str(MANIFESTS / "generate.py"), "--flow-control-values", "-"],
+        input=yaml.safe_dump(release),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "values-flow-control.yaml" in bad.stderr and bad.stderr.count("\n") == 1
+
+
 # ------------------------------------------------------------- every Envoy config, validated
 
 
@@ -1701,7 +1735,8 @@ def test_readme_says_which_edge_each_variant_runs_and_the_istio_install_folds_th
     for why in ("**Standalone Envoy: ext_proc**", "**Envoy Gateway: ext_proc.**", "**Envoy id**"):
         assert why in text, f"the README must say why: {why}"
     block = text.split("#### Istio (fast path")[1].split("####")[0]
-    assert "generate.py --istio-parameters ${REPO_ROOT}/guides/recipes/gateway/istio/configmap.yaml | kubectl apply" in block
+    assert "-o yaml | tee ts-backup-gateway-parameters.yaml" in block, "the Gateway's parameters as they run, backed up"
+    assert "| python3 manifests/generate.py --istio-parameters - | kubectl apply" in block
     assert re.search(r"kubectl apply -k \$\{TS\}/gateways/istio\s", block)
 
 
@@ -1715,7 +1750,28 @@ def test_readme_install_is_at_most_five_commands_with_every_version_pinned():
         commands = [ln for i, ln in enumerate(lines) if i == 0 or not lines[i - 1].rstrip().endswith("\\")]
         commands = [c for c in commands if not c.startswith("export ")]
         assert len(commands) <= 5, f"{title}: {len(commands)} commands: {commands}"
-        for c in code.split("helm ")[1:]:
-            assert "--version v0.9.0" in c, f"{title}: the router chart version must be pinned"
-    for pin in ("v0.9.0", "v1.5.0", "v1.5.1", "1.29.2", "v1.1.0", "v1.9.0"):
+        helm = [c for c in commands if c.startswith("helm ")]
+        assert len(helm) == 1, f"{title}: one helm upgrade"
+        upgrade = code.split("helm upgrade")[1].split("\n\n")[0]
+        # Issue 25 defect 5: the release keeps its chart and version (read from it) and its values (ours on top).
+        assert "oci://ghcr.io/llm-d/charts/${TS_CHART} --version ${TS_CHART_VERSION}" in upgrade, title
+        assert "--reuse-values" in upgrade and "-f ${REPO_ROOT}" not in upgrade, title
+        assert "| tee ts-backup-modelserver.yaml" in code and "llmd-timeslice k8s modelserver -" in code, title
+    before = text.split("### Before any variant")[1].split("<!-- install:start -->")[0]
+    for var in ("TS_CHART", "TS_CHART_VERSION", "TS_ROUTER_REVISION"):
+        assert f"export {var}=$(helm " in before, var
+    for pin in ("v0.9.0", "v0.10.0", "v1.5.0", "v1.5.1", "1.29.2", "v1.1.0", "v1.9.0"):
         assert pin in text, f"README must pin {pin}"
+
+
+def test_readme_clean_up_rolls_back_and_restores_the_backups():
+    """Issue 25 defect 7: the clean-up re-installed the router with the guide's values files only (its --set flags,
+    httpRoute.* among them, were lost: gateway mode with no route) and re-applied the guide's overlay as the model
+    server. It now rolls the release back to the recorded revision and replaces each object with its backup."""
+    block = (GUIDE / "README.md").read_text().split("## Clean up")[1]
+    code = "\n".join(re.findall(r"```bash\n(.*?)```", block, flags=re.S))
+    assert code.splitlines()[0].startswith("helm rollback ${GUIDE_NAME} ${TS_ROUTER_REVISION}"), "router first"
+    assert "helm upgrade" not in code
+    for backup in ("ts-backup-modelserver.yaml", "ts-backup-gateway-parameters.yaml"):
+        assert f"llmd-timeslice k8s restore {backup} | kubectl replace -f -" in code, backup
+    assert "${REPO_ROOT}" not in code, "nothing of the upstream guide is re-applied over what the user ran"
