@@ -609,6 +609,62 @@ def values_flow_control(s: GuideSettings) -> str:
     )
 
 
+EPP_VERSION = "v0.9.0"
+"""The EPP the guide is written and checked for (llm-d-router v0.9.0, 5f4e762f341a; the chart of that release runs it)."""
+
+EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
+    # llm-d-router v0.9.0: each plugin's parameters struct (json tags). The EPP decodes them strictly
+    # (pkg/epp/framework/interface/plugin/registry.go StrictDecoder: DisallowUnknownFields): an unknown one stops it.
+    # pkg/epp/framework/plugins/scheduling/scorer/tokenload/token_load.go
+    "token-load-scorer": frozenset({"queueThresholdTokens", "inFlightLoadProducerName"}),
+    # pkg/epp/framework/plugins/requestcontrol/dataproducer/inflightload/producer.go
+    "inflight-load-producer": frozenset({"addEstimatedOutputTokens", "prefixMatchInfoProducerName"}),
+    # pkg/epp/framework/plugins/requestcontrol/dataproducer/approximateprefix/types.go
+    "approx-prefix-cache-producer": frozenset(
+        {"autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch", "lruCapacityPerServer"}
+    ),
+    # pkg/epp/framework/plugins/scheduling/filter/prefixcacheaffinity/plugin.go (maxTokensInFlightPenalty was removed
+    # by #1547, afdf6bcf5, before v0.9.0)
+    "prefix-cache-affinity-filter": frozenset(
+        {
+            "affinityThreshold",
+            "explorationProbability",
+            "maxTTFTPenaltyMs",
+            "ttftSource",
+            "peakPrefillThroughput",
+            "prefixMatchInfoProducerName",
+            "latencyPredictionInfoProducerName",
+            "inFlightLoadProducerName",
+        }
+    ),
+    # pkg/epp/framework/plugins/scheduling/scorer/queuedepth/queue.go, kvcacheutilization/kvcache_utilization.go: none
+    "queue-scorer": frozenset(),
+    "kv-cache-utilization-scorer": frozenset(),
+    # pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go
+    "prefix-cache-scorer": frozenset({"prefixMatchInfoProducerName"}),
+}
+"""Plugin type -> the parameters the pinned EPP knows (tests/test_manifests.py checks every EPP config we render or
+cite against it)."""
+
+
+def epp_config_errors(epc: dict) -> list[str]:
+    """What the pinned EPP would refuse in EndpointPickerConfig ``epc``: a plugin parameter it does not have, or a
+    plugin type this table does not know (then nothing says it would start)."""
+    errors = []
+    for plugin in epc.get("plugins") or []:
+        kind = plugin.get("type")
+        known = EPP_PLUGIN_PARAMETERS.get(kind)
+        if known is None:
+            errors.append(f"plugin {kind!r}: not in EPP_PLUGIN_PARAMETERS (llm-d-router {EPP_VERSION}): check its parameters")
+            continue
+        for name in sorted(set(plugin.get("parameters") or {}) - known):
+            errors.append(
+                f"plugin {plugin.get('name', kind)!r} ({kind}): parameter {name!r} is unknown to llm-d-router "
+                f"{EPP_VERSION}, whose EPP decodes parameters strictly and would not start"
+            )
+    return errors
+
+
 def flow_control_values(s: GuideSettings, release_values: dict) -> str:
     """Label fallback: the release's own EndpointPickerConfig (``router.epp.pluginsCustomConfig`` under its
     ``pluginsConfigFile``, as ``helm get values`` gives it) with flow control layered on: the ``flowControl`` feature
@@ -628,6 +684,9 @@ def flow_control_values(s: GuideSettings, release_values: dict) -> str:
         raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not YAML: {exc}") from exc
     if not isinstance(epc, dict) or epc.get("kind") != "EndpointPickerConfig":
         raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not an EndpointPickerConfig")
+    errors = epp_config_errors(epc)
+    if errors:
+        raise ValueError(f"router.epp.pluginsCustomConfig[{name}]: {errors[0]}")
     gates = list(epc.get("featureGates") or [])
     if "flowControl" not in gates:
         gates.append("flowControl")

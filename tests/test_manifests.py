@@ -1315,6 +1315,34 @@ def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool
     assert tpl["metadata"]["labels"]["timeslice.io/serving"] == "true", "pods start with the label the pool selects"
 
 
+def _epcs_of(values_doc: dict) -> list[dict]:
+    epp = values_doc["router"]["epp"]
+    return [yaml.safe_load(v) for v in (epp.get("pluginsCustomConfig") or {}).values()]
+
+
+def test_every_epp_config_rendered_or_cited_has_only_parameters_the_pinned_epp_knows():
+    """Issue 25 defect 6: the EPP decodes plugin parameters strictly (llm-d-router v0.9.0 StrictDecoder) and the
+    guide's values file we cited (@0a3b0c939d50) sets maxTokensInFlightPenalty, which v0.9.0 no longer has. Every
+    EndpointPickerConfig we render passes the check of the pinned EPP's parameters; the cited one is caught, and
+    ``--flow-control-values`` refuses to layer onto it."""
+    rendered = [*_epcs_of(values("values-flow-control.yaml"))]
+    for name in ("base.values.yaml", "guide.values.yaml"):
+        rendered += _epcs_of(_fixture_values(name)) if "pluginsCustomConfig" in _fixture_values(name)["router"]["epp"] else []
+    release = helm_coalesce(_fixture_values("base.values.yaml"), _fixture_values("guide.values.yaml"))
+    rendered += _epcs_of(yaml.safe_load(gen.flow_control_values(S, release)))
+    for epc in rendered:
+        assert gen.epp_config_errors(epc) == [], epc
+    cited = _fixture_values("optimized-baseline-0a3b0c939d50.values.yaml")
+    (epc,) = _epcs_of(cited)
+    errors = gen.epp_config_errors(epc)
+    assert len(errors) == 1 and "'maxTokensInFlightPenalty' is unknown to llm-d-router v0.9.0" in errors[0], errors
+    with pytest.raises(ValueError, match="maxTokensInFlightPenalty"):
+        gen.flow_control_values(S, cited)
+    assert gen.epp_config_errors({"plugins": [{"type": "made-up-scorer"}]}), "an unknown plugin type is not waved through"
+    readme = (GUIDE / "README.md").read_text()
+    assert "maxTokensInFlightPenalty" in readme, "the README says what to remove from the cited guide values"
+
+
 def test_label_fallback_layers_flow_control_onto_the_guides_own_plugins():
     """Issue 25 defect 8: values-flow-control.yaml replaced the guide's EndpointPickerConfig with three scorers of
     ours. ``generate.py --flow-control-values`` takes the release's values (``helm get values``) and adds only the
