@@ -128,6 +128,8 @@ from llmd_timeslice.snapshot.backends.base import (
     freed_too_little,
     register_backend,
 )
+from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
+from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
 log = logging.getLogger(__name__)
@@ -322,9 +324,19 @@ class VllmBackend(SnapshotBackend):
         self.weights_location: str | None = None  # directory of the last good ``files`` version
         self.weights_unusable: str | None = None  # why the weights in the engine cannot be served
         self.last_sync: dict[str, float] = {}  # figures of the last weight sync (seconds, bytes)
+        self._capabilities: VllmCapabilities | None = None
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    async def capabilities(self) -> VllmCapabilities:
+        """What this engine serves (probed once, each gap logged with what the sidecar does about it:
+        :mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`)."""
+        if self._capabilities is None:
+            self._capabilities = await probe_capabilities(self._http)
+            for line in self._capabilities.problems():
+                log.warning("engine %s: %s", self.base_url, line)
+        return self._capabilities
 
     async def _get(self, path: str) -> httpx.Response:
         try:
