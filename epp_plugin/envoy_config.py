@@ -170,8 +170,7 @@ class EnvoyRouterConfig:
     """Route ``request_body_buffer_limit``: how much of a request body Envoy keeps, so that a retry after a refused
     connection can send it again (:data:`REQUEST_BODY_BUFFER_BYTES`)."""
     gate_check_retries: int = 10
-    """Fast path: how often Envoy sends a check again when the gate could not answer it (:func:`authz_retry_policy`:
-    about 9 s of a gate restart ridden out at the default)."""
+    """Fast path: how often Envoy sends a check again when the gate could not answer it (:func:`authz_retry_policy`)."""
 
     def __post_init__(self) -> None:
         if self.gate_edge not in GATE_EDGES:
@@ -307,7 +306,7 @@ def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: boo
     return {
         # Answered once the request is admitted: a hold lasts up to max_hold_s (then the gate answers 503).
         "server_uri": {"uri": "http://llmd-timeslice-gate", "cluster": cluster, "timeout": _dur(max_hold_s + 10)},
-        "retry_policy": authz_retry_policy(AUTHZ_RETRIES if retries is None else retries),
+        "retry_policy": authz_retry_policy(max_hold_s + 10, AUTHZ_RETRIES if retries is None else retries),
         "authorization_request": {"headers_to_add": to_add},
         "authorization_response": {
             "allowed_upstream_headers": exact(
@@ -323,22 +322,29 @@ def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: boo
 AUTHZ_RETRY_ON = "connect-failure,reset"
 AUTHZ_RETRIES = 10
 AUTHZ_RETRY_BASE_S = 0.5
-AUTHZ_RETRY_MAX_S = 2.0
 
 
-def authz_retry_policy(retries: int = 10) -> dict:
+def authz_retry_policy(check_timeout_s: float, retries: int = AUTHZ_RETRIES) -> dict:
     """``HttpService.retry_policy`` of the gate's check: a check whose connection to the gate broke (the gate died
     while holding it: ``reset``) or could not connect (the gate restarting: ``connect-failure``) is sent again, up to
-    10 times, jittered back-off from 0.5 s capped at 2 s (about 9 s in all on average; Envoy's
-    ``JitteredExponentialBackOffStrategy``), so a held request is held again by the restarted gate instead of
-    failing. A check the gate answered is never retried (the gate answers every refusal below 500). After the last
-    retry Envoy answers ``status_on_error`` (503), which :func:`refusal_local_reply` turns into a retryable refusal
-    ``gate_unavailable``. (``envoy/extensions/filters/http/ext_authz/v3/ext_authz.proto``, ``HttpService.retry_policy``,
-    a ``config.core.v3.RetryPolicy``: present in Envoy 1.40; measured: ``tests/test_gate_restart.py``.)"""
+    ``retries`` times, so a held request is held again by the restarted gate instead of failing. A check the gate
+    answered is never retried (the gate answers every refusal below 500). After the last retry, or at the check's
+    overall timeout, Envoy answers ``status_on_error`` (503), which :func:`refusal_local_reply` turns into the
+    retryable refusal ``gate_unavailable``.
+
+    Envoy turns this policy into a route retry policy whose **per-try timeout is the back-off's** ``max_interval``
+    (``source/common/http/utility.cc``, ``convertCoreToRouteRetryPolicy``), so ``max_interval`` is the check's own
+    timeout (``check_timeout_s``, above the hold limit): a smaller one cut every hold longer than it and sent the
+    check again (measured with 2 s: ``upstream_rq_per_try_timeout``, the held request lost its place in the FIFO).
+    Back-off waits are jittered, uniform below 0.5 s doubling per retry (``JitteredExponentialBackOffStrategy``):
+    the first four retries span about 4 s on average, the ten about 4 minutes, all within the overall timeout.
+    (``envoy/extensions/filters/http/ext_authz/v3/ext_authz.proto``, ``HttpService.retry_policy``, a
+    ``config.core.v3.RetryPolicy``; present before Envoy 1.37, whose changelog makes the HTTP client honour its
+    ``retry_on``: ``changelogs/1.37.0.yaml``; measured with 1.40: ``tests/test_gate_restart.py``.)"""
     return {
         "retry_on": AUTHZ_RETRY_ON,
         "num_retries": retries,
-        "retry_back_off": {"base_interval": _dur(AUTHZ_RETRY_BASE_S), "max_interval": _dur(AUTHZ_RETRY_MAX_S)},
+        "retry_back_off": {"base_interval": _dur(AUTHZ_RETRY_BASE_S), "max_interval": _dur(check_timeout_s)},
     }
 
 

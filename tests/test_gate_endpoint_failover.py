@@ -12,14 +12,17 @@ import httpx
 import port_for
 import pytest
 
+from epp_plugin import protocol
 from epp_plugin.envoy_config import EnvoyRouterConfig, render_bootstrap
 from epp_plugin.gate.pool_state import EndpointState as S
 from epp_plugin.gate.pool_state import PoolState
+from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb_grpc
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from tests.support.router import start_router
 from tests.support.upstream import UpstreamServer
+from tests.support.waits import until
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 MB3 = 3_000_000
@@ -54,6 +57,12 @@ def test_the_gate_picking_config_routes_by_the_gates_list_and_never_to_an_endpoi
     [api] = [r for r in route["virtual_hosts"][0]["routes"] if r["match"].get("prefix") == "/v1/"]
     assert api["route"]["retry_policy"]["retry_on"] == "connect-failure,reset-before-request"
     assert api["request_body_buffer_limit"] == 16 * 1024 * 1024
+    http_service = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0][
+        "typed_config"
+    ]["http_service"]
+    # Envoy makes the back-off's max_interval the check's per-try timeout (convertCoreToRouteRetryPolicy): it must not
+    # cut a hold, so it is the check's own timeout.
+    assert http_service["retry_policy"]["retry_back_off"]["max_interval"] == http_service["server_uri"]["timeout"]
 
 
 async def _stack(artifacts, dead: str, live: UpstreamServer, **envoy_kw):
@@ -85,7 +94,9 @@ async def test_a_held_multi_mb_request_refused_by_its_endpoint_is_served_by_the_
         r = await _held_then_released_to_the_dead_endpoint_first(st, pool, dead, live, b"x" * MB3)
         assert r.status_code == 200, r.text
         assert r.json()["served_by"] == live.address and r.json()["body_bytes"] == MB3, "the whole body, retried"
-        assert dead in pool.failed and pool.serving() == (live.address,), "out of the picks at its first refusal"
+        # Its UF entry reaches the gate within a flush interval (20 ms), maybe after the response.
+        await until(lambda: dead in pool.failed, 5, "the refusing endpoint out of the picks at its first refusal")
+        assert pool.serving() == (live.address,)
         async with httpx.AsyncClient(timeout=10) as c:
             for _ in range(4):
                 assert (await c.post(st.url + "/v1/completions", content=b"{}")).json()["served_by"] == live.address
@@ -130,3 +141,22 @@ async def test_an_endpoint_failure_report_without_an_address_is_refused_with_a_c
             assert ack.audited and called == [(A, "gate g saw a failed connection (UF)")]
     finally:
         await server.stop(0)
+
+
+async def test_the_gate_lists_fallbacks_only_to_an_envoy_that_takes_its_endpoints_by_eds():
+    """An Envoy rendered before EDS (ORIGINAL_DST cluster, no ``x-llmd-timeslice-eds`` on its checks) gets one address,
+    as ORIGINAL_DST reads one; with the header, the ordered list (here after waiting ``ACK_WAIT_S`` for an EDS stream
+    that never comes)."""
+    gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0))
+    await gate.start()
+    gate.pools["default"].set_states([(A, S.SERVING, 0), (B, S.SERVING, 0)])
+    pick = {protocol.POOL_HEADER: "default", protocol.PICK_HEADER: protocol.PICK_LEAST_IN_FLIGHT}
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            url = f"http://127.0.0.1:{gate.authz_port}/v1/completions"
+            r = await c.get(url, headers=pick)
+            assert r.status_code == 200 and r.headers[protocol.DESTINATION_HEADER] in (A, B)
+            r = await c.get(url, headers={**pick, protocol.EDS_HEADER: "1"})
+            assert r.status_code == 200 and sorted(r.headers[protocol.DESTINATION_HEADER].split(",")) == [A, B]
+    finally:
+        await gate.stop()

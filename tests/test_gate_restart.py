@@ -3,8 +3,8 @@ on both edges.
 
 What the client sees (Envoy 1.40, the rendered config: failure_mode_allow false, status_on_error 503, never an
 unsteered request to a sleeping engine, never a hang): on the ext_authz edge Envoy sends a broken or refused check
-again for about 9 s, so held requests (and new ones) are held again by the restarted gate; past that, and at once on
-the ext_proc edge, a 503 with ``x-llmd-timeslice-reason: gate_unavailable`` and ``retry-after: 1`` (Envoy's
+again (10 times, growing back-off), so held requests (and new ones) are held again by the restarted gate; past
+that, and at once on the ext_proc edge, a 503 with ``x-llmd-timeslice-reason: gate_unavailable`` and ``retry-after: 1`` (Envoy's
 local-reply mapping), which ``TimeSliceRollouts`` repeats. The restarted gate resyncs its endpoint states from the
 orchestrator's state stream and serves again.
 

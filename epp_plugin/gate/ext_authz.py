@@ -11,9 +11,10 @@ The answer, per :class:`~epp_plugin.gate.pool_state.PoolState`:
 * **admitted**: 200 with ``x-llmd-timeslice-admission`` (matched later by the access-log stream), and either
   the subset hint (``x-llmd-timeslice-subset-hint``: a base64 ``google.protobuf.Value`` list, which Envoy's
   header_to_metadata filter turns into ``envoy.lb.subset_hint`` for the EPP) or, with ``pick``, the endpoint
-  itself (``x-gateway-destination-endpoint``: the pick, then up to :data:`PICK_RETRY_ENDPOINTS` other SERVING
-  endpoints, comma-separated, which Envoy's override_host policy tries in turn when a connection is refused;
-  answered only once Envoy's endpoint discovery has them, :mod:`epp_plugin.gate.endpoint_discovery`).
+  itself (``x-gateway-destination-endpoint``; when the check carries ``x-llmd-timeslice-eds``: the pick, then up
+  to :data:`PICK_RETRY_ENDPOINTS` other SERVING endpoints, comma-separated, which Envoy's override_host policy
+  tries in turn when a connection is refused, answered only once Envoy's endpoint discovery has them,
+  :mod:`epp_plugin.gate.endpoint_discovery`; without it, the pick alone, for an ORIGINAL_DST cluster).
   For the client: ``x-llmd-timeslice-weight-version`` when it is
   known at admission (the picked endpoint's, or the one version all candidates share) and, after a hold,
   ``x-llmd-timeslice-hold-ms``.
@@ -133,10 +134,11 @@ class AuthzService:
             entry = self._answers[key] = (pool.epoch, {})
         return entry[1]
 
-    def order(self, pool: PoolState, adm: Admission) -> tuple[str, ...]:
-        """The endpoints a picked request may go to, in Envoy's order (the pick first, then its retries); ``adm``
-        counts only against them from now on (and against the one that serves it once its upstream log names it)."""
-        order = self.picker.order(pool, adm.candidates, 1 + PICK_RETRY_ENDPOINTS)
+    def order(self, pool: PoolState, adm: Admission, fallbacks: bool = True) -> tuple[str, ...]:
+        """The endpoints a picked request may go to, in Envoy's order (the pick first, then its retries; only the
+        pick without ``fallbacks``: an Envoy routing by ORIGINAL_DST, which takes one address); ``adm`` counts only
+        against them from now on (and against the one that serves it once its upstream log names it)."""
+        order = self.picker.order(pool, adm.candidates, 1 + PICK_RETRY_ENDPOINTS if fallbacks else 1)
         pool.narrow(adm, order)
         return order
 
@@ -279,7 +281,7 @@ class AuthzProtocol(asyncio.Protocol):
 
     def _admit(self, pool: PoolState, adm: Admission, envoy: str, pick: bool) -> None:
         svc = self._svc
-        order = svc.order(pool, adm) if pick else None
+        order = svc.order(pool, adm, fallbacks=self._eds) if pick else None
         if order is not None and self._eds and svc.directory is not None and not svc.directory.known(order):
             self._held = asyncio.get_running_loop().create_task(self._until_known(pool, adm, envoy, order))
             return

@@ -1,7 +1,8 @@
 """Assembly of the gate process: the two data-plane edges, the control server, metrics.
 
 Data plane (invariant 8: nothing else there): the gRPC port serves ``envoy.service.ext_proc.v3.ExternalProcessor``
-(the ext_proc edge), ``envoy.service.accesslog.v3.AccessLogService`` (completions of the fast path) and gRPC
+(the ext_proc edge), ``envoy.service.accesslog.v3.AccessLogService`` (completions of the fast path),
+``envoy.service.endpoint.v3.EndpointDiscoveryService`` (Envoy's model-server hosts when the gate picks) and gRPC
 health; the HTTP port (``authz_port``) answers Envoy's ext_authz checks (admissions of the fast path). Both
 edges share the pools. The control port serves ``GateControlService`` behind bearer-token auth.
 """
