@@ -160,3 +160,29 @@ async def test_the_gate_lists_fallbacks_only_to_an_envoy_that_takes_its_endpoint
             assert r.status_code == 200 and sorted(r.headers[protocol.DESTINATION_HEADER].split(",")) == [A, B]
     finally:
         await gate.stop()
+
+
+@pytest.mark.envoy
+async def test_with_an_epp_a_refusing_endpoint_leaves_the_subset_hint_at_its_first_refused_connection(artifacts):
+    """Behind an EPP (ORIGINAL_DST) the request that met the dead endpoint fails (the EPP named one address), but
+    the gate leaves that endpoint out of every later subset hint: the EPP can no longer pick it."""
+    live = UpstreamServer().start()
+    dead = f"127.0.0.1:{port_for.select_random()}"
+    st = await start_router(artifacts, [dead, live.address], edge="ext_authz")
+    pool = st.pool()
+    pool.set_states([(dead, S.SERVING, 0), (live.address, S.SERVING, 0)])
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            statuses = []
+            for _ in range(10):  # the picker spreads requests: one reaches the dead endpoint
+                statuses.append((await c.post(st.url + "/v1/completions", content=b"{}")).status_code)
+                if statuses[-1] != 200:
+                    break
+            assert 503 in statuses, statuses
+            await until(lambda: dead in pool.failed, 5, "the refusing endpoint out of the subset hints")
+            for _ in range(6):
+                r = await c.post(st.url + "/v1/completions", content=b"{}")
+                assert r.status_code == 200 and r.json()["served_by"] == live.address
+    finally:
+        await st.stop()
+        live.stop()
