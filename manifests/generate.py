@@ -36,7 +36,7 @@ REPO = ROOT.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from epp_plugin import protocol  # noqa: E402
+from epp_plugin import envoy_config, protocol  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
     ADMIN_PATHS_UNDER_API,
@@ -111,11 +111,17 @@ def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
     * ext_authz on the 1.37 line: Envoy 1.37.0 answers a failed or timed-out HTTP check with 403, whatever
       ``status_on_error`` says (envoyproxy/envoy #42099; fixed by #43257 in 1.37.1, changelogs/1.37.1.yaml), and
       Istio 1.29.x runs a build of release/v1.37. The gate itself never answers 403, so a 403 with the ``UAEX`` flag is
-      such a failure: 503."""
+      such a failure: 503.
+
+    Each such 503 is the retryable refusal ``gate_unavailable`` (``x-llmd-timeslice-reason``, ``retry-after: 1``:
+    epp_plugin/envoy_config.py, which also maps the ext_proc edge's ``status_on_error`` 503), so clients that follow
+    the gate's retry contract (``TimeSliceRollouts``) retry it."""
+    unavailable = {"headers_to_add": envoy_config.gate_unavailable_headers()}
     if edge == "ext_proc":
         return [
             {"filter": {"and_filter": {"filters": [_status_is(504), {"response_flag_filter": {"flags": ["UT"]}}]}}},
-            {"filter": _status_is(504), "status_code": 503},
+            {"filter": _status_is(504), "status_code": 503, **unavailable},
+            *envoy_config.gate_error_local_reply_ext_proc()["mappers"],
         ]
     assert edge == "ext_authz", edge
     if envoy_version.startswith("1.37."):
@@ -123,6 +129,7 @@ def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
             {
                 "filter": {"and_filter": {"filters": [_status_is(403), {"response_flag_filter": {"flags": ["UAEX"]}}]}},
                 "status_code": 503,
+                **unavailable,  # no body_format_override: with one, Envoy 1.37.0 answered 500 (measured)
             }
         ]
     return []

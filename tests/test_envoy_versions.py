@@ -246,6 +246,9 @@ def test_a_dead_or_stalled_gate_gives_a_retryable_status_on_the_variants_envoy(v
                 f"{variant} on Envoy {version}, {case} gate: {r.status_code} {r.headers} {r.text[:200]!r}"
             )
             assert took < GATE_TIMEOUT_S + 10, f"{variant} {case}: {took:.1f} s"
+            assert r.headers.get("x-llmd-timeslice-reason") == "gate_unavailable" and r.headers.get("retry-after"), (
+                f"{variant} {case}: a retryable refusal names its reason and when to retry: {r.headers}"
+            )
 
 
 def test_envoy_1_37_0_really_answers_403_for_a_failed_http_ext_authz_check(tmp_path, epp_port):
