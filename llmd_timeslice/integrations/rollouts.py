@@ -53,9 +53,11 @@ HOLD_MS_HEADER = protocol.HOLD_MS_HEADER
 SHOULD_RETRY_HEADER = "x-should-retry"
 """Read by the ``openai`` SDK (``_base_client.py``, ``_should_retry``): ``false`` means do not retry."""
 
-RETRYABLE_REASONS = frozenset({"hold_expired", "hold_queue_full", "gate_shutting_down", "gate_unavailable"})
-"""Gate refusals worth repeating: the pool is busy or training, this gate replica is stopping, or Envoy could not
-reach the gate (``gate_unavailable``: written by Envoy's local-reply mapping, docs/gate.md "When the gate is down")."""
+RETRYABLE_REASONS = frozenset({"hold_expired", "hold_queue_full", "gate_shutting_down", "gate_unavailable", "drain_deadline"})
+"""Gate refusals worth repeating: the pool is busy or training, this gate replica is stopping, Envoy could not
+reach the gate (``gate_unavailable``: written by Envoy's local-reply mapping, docs/gate.md "When the gate is down"),
+or a drain deadline cut the request before its response started (``drain_deadline``: never forwarded to the engine,
+docs/gate.md "Drain deadline")."""
 KNOWN_REASONS = RETRYABLE_REASONS | {"unknown_pool", "bad_min_weight_version"}
 
 
