@@ -176,6 +176,8 @@ class PoolState:
         self._clock = clock
         self.endpoints: dict[str, Endpoint] = {}
         self.epoch = 0
+        self.last_changed: list[str] = []
+        """Addresses the last :meth:`set_states` (or :meth:`replace_states`) changed, for its log line."""
         self._held: deque[_Held] = deque()
         self._live: set[Admission] = set()
         self._changed = asyncio.Condition()
@@ -330,18 +332,19 @@ class PoolState:
         Endpoints not named keep their state. A change that makes an endpoint SERVING starts the
         release of held requests.
         """
-        changed = False
+        changed: list[str] = []
         for address, state, version in updates:
             ep = self.endpoints.get(address)
             if ep is None:
                 self.endpoints[address] = Endpoint(address, state, version or 0)
-                changed = True
+                changed.append(address)
                 continue
             if ep.state is not state or (version is not None and version != ep.weight_version):
                 ep.state = state
                 if version is not None:
                     ep.weight_version = version
-                changed = True
+                changed.append(address)
+        self.last_changed = changed
         if changed:
             self.epoch += 1
             if self._held and self.serving():
