@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.discovery.static import Inventory
@@ -84,3 +86,36 @@ async def test_a_wait_that_timed_out_leaves_nothing_behind_once_a_later_ack_arri
     hub._wake_acked(conn)
     assert conn.ack_waiters == []
     assert await hub._wait_ack(conn, 1) is True, "an epoch already acked needs no wait"
+
+
+async def test_in_service_publications_made_together_share_an_epoch_and_each_is_applied():
+    inv = Inventory.model_validate({"groups": [{"group_id": "g"}]})
+    orch = OrchestratorServer(inv, port=0, token="tok", reconcile_on_start=False)
+    await orch.start()
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=f"127.0.0.1:{orch.port}", token="tok"))
+    await gate.start()
+    try:
+        await asyncio.wait_for(gate.subscription.connected.wait(), 10)
+        hub, before = orch.hub, orch.hub.epoch
+        addrs = [f"10.1.0.{i}:8000" for i in range(10)]
+        results = await asyncio.gather(*(hub.publish_coalesced("default", [(a, SERVING, 2)]) for a in addrs))
+        epochs = {epoch for epoch, _ in results}
+        assert len(epochs) < len(addrs) and hub.epoch - before == len(epochs), f"epochs used: {sorted(epochs)}"
+        assert all(laggards == [] for _, laggards in results)
+        pool = gate.pools["default"]
+        assert set(pool.serving(min_version=2)) == set(addrs), "every endpoint of the shared epoch is applied"
+        # one made while the previous epoch waits for its ack goes out in the next one, not later
+        first = asyncio.create_task(hub.publish_coalesced("default", [("10.1.1.1:8000", SERVING, 2)]))
+        await asyncio.sleep(0)
+        second = await hub.publish_coalesced("default", [("10.1.1.2:8000", SERVING, 2)])
+        assert second[0] <= (await first)[0] + 1 and "10.1.1.2:8000" in pool.serving()
+    finally:
+        await gate.stop()
+        await orch.stop()
+
+
+async def test_coalesced_publication_refuses_a_state_that_takes_an_endpoint_out_of_service():
+    hub = GateHub()
+    with pytest.raises(ValueError, match=r"10\.0\.0\.1:8000.*use publish"):
+        await hub.publish_coalesced("default", [("10.0.0.1:8000", gpb.ENDPOINT_STATE_DRAINING, None)])
+    assert hub.epoch == 0, "nothing published"
