@@ -126,7 +126,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._read(conn, request_iterator))
         keepalive = pb.GateCommand(keepalive=pb.KeepAlive())
-        timer: asyncio.TimerHandle | None = None
+        timer = None  # the keepalive timer (an asyncio.TimerHandle once armed)
 
         def keepalive_due() -> None:
             # One timer per keepalive period rather than a timeout on every wait for the next command (that was a
