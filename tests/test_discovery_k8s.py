@@ -712,6 +712,9 @@ class FakeHub:
             self.log.append(("publish", address, state))
         return 1, []
 
+    async def publish_coalesced(self, pool, updates):  # GateHub's in-service publication (shared epochs)
+        return await self.publish(pool, updates)
+
     async def wait_drained(self, pool, addresses, timeout_s, cut=None):
         self.log.append(("drain", tuple(addresses)))
         return True, {}

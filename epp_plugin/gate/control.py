@@ -92,10 +92,24 @@ def pool_status(pool: PoolState) -> pb.PoolStatus:
 
 
 def export_pool(pool: PoolState) -> None:
-    """Hook after a state change (metrics are read at scrape time; kept for logging)."""
+    """Hook after a state change (metrics are read at scrape time; kept for logging): the endpoints the change
+    touched at info level, every endpoint at debug level. Listing every endpoint on each update made a release of N
+    samplers cost the gate N x N formatted entries (issue 29, ``benchmarks/scale.py``), at every log level: the
+    arguments of a log call are built before the level is checked."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    eps = pool.endpoints
     log.info(
-        "pool=%s epoch=%d endpoints=%s",
+        "pool=%s epoch=%d endpoints=%d changed=%s",
         pool.name,
         pool.epoch,
-        {e.address: f"{e.state.value}@v{e.weight_version}" for e in pool.endpoints.values()},
+        len(eps),
+        {a: f"{eps[a].state.value}@v{eps[a].weight_version}" for a in pool.last_changed if a in eps},
     )
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "pool=%s epoch=%d all endpoints=%s",
+            pool.name,
+            pool.epoch,
+            {e.address: f"{e.state.value}@v{e.weight_version}" for e in eps.values()},
+        )

@@ -180,6 +180,8 @@ class PoolState:
         self._clock = clock
         self.endpoints: dict[str, Endpoint] = {}
         self.epoch = 0
+        self.last_changed: list[str] = []
+        """Addresses the last :meth:`set_states` (or :meth:`replace_states`) changed, for its log line."""
         self._held: deque[_Held] = deque()
         self._live: set[Admission] = set()
         self._changed = asyncio.Condition()
@@ -363,12 +365,12 @@ class PoolState:
         Endpoints not named keep their state. A change that makes an endpoint SERVING starts the
         release of held requests.
         """
-        changed = False
+        changed: list[str] = []
         for address, state, version in updates:
             ep = self.endpoints.get(address)
             if ep is None:
                 self.endpoints[address] = Endpoint(address, state, version or 0)
-                changed = True
+                changed.append(address)
                 continue
             if state is EndpointState.ASLEEP and ep.state is not EndpointState.ASLEEP and ep.in_flight > 0:
                 self._forget_at(address)
@@ -376,9 +378,10 @@ class PoolState:
                 ep.state = state
                 if version is not None:
                     ep.weight_version = version
-                changed = True
+                changed.append(address)
                 if address in self.failed:
                     self._clear_failed(address)  # the orchestrator said something new about it: that governs
+        self.last_changed = changed
         if changed:
             self.epoch += 1
             if self._held and self.serving():

@@ -103,10 +103,19 @@ class GrpcSwitchActions(SwitchActions):
         self.operation_timeout_s = operation_timeout_s
         self.start_rpc_timeout_s = start_rpc_timeout_s
         self._channels: dict[str, aio.Channel] = {}
+        self._stub_cache: dict[str, tuple[spb_grpc.SnapshotAgentServiceStub, xpb_grpc.SnapshotOperationsServiceStub]] = {}
         self.sampler_states: dict[str, JobState] = {}
 
     def job_states(self) -> Mapping[str, JobState]:
         return self.sampler_states
+
+    def _stubs(self, target: str) -> tuple[spb_grpc.SnapshotAgentServiceStub, xpb_grpc.SnapshotOperationsServiceStub]:
+        """The sidecar stubs on ``target``'s channel, made once (a stub builds a callable per method)."""
+        stubs = self._stub_cache.get(target)
+        if stubs is None:
+            ch = self._channel(target)
+            stubs = self._stub_cache[target] = (spb_grpc.SnapshotAgentServiceStub(ch), xpb_grpc.SnapshotOperationsServiceStub(ch))
+        return stubs
 
     def _channel(self, target: str) -> aio.Channel:
         ch = self._channels.get(target)
@@ -121,6 +130,7 @@ class GrpcSwitchActions(SwitchActions):
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._stub_cache.clear()
 
     # ------------------------------------------------------------------- gates
     async def _publish(
@@ -171,9 +181,7 @@ class GrpcSwitchActions(SwitchActions):
     ) -> spb.GetOperationResponse:
         """One sleep or wake through the sidecar, waited for; returns the finished operation. Raises
         :class:`SamplerStepFailed`."""
-        ch = self._channel(sampler.sidecar)
-        stub = spb_grpc.SnapshotAgentServiceStub(ch)
-        waiter = xpb_grpc.SnapshotOperationsServiceStub(ch)
+        stub, waiter = self._stubs(sampler.sidecar)
         fault = xpb.OPERATION_FAULT_UNSPECIFIED
         try:
             # wait_for_ready: a sidecar that is (re)connecting gets start_rpc_timeout_s, not a fail-fast error.
@@ -278,7 +286,11 @@ class GrpcSwitchActions(SwitchActions):
             raise
         if loaded and weights is not None:
             record.sampler_versions[address] = weights.version
-        await self._publish([sampler], gpb.ENDPOINT_STATE_SERVING, record.sampler_versions.get(address))
+        # In an epoch shared with the samplers verified while the previous SERVING epoch waited for its acks
+        # (GateHub.publish_coalesced): never later than one ack round after this sampler's own verification.
+        await self.hub.publish_coalesced(
+            sampler.pool, [(address, gpb.ENDPOINT_STATE_SERVING, record.sampler_versions.get(address))]
+        )
         self.sampler_states[address] = JobState.RUNNING
 
     # ------------------------------------------------------------ SwitchActions
@@ -322,7 +334,7 @@ class GrpcSwitchActions(SwitchActions):
         samplers whose sidecar cannot tell (another backend, no answer) are left out."""
 
         async def read(s: SamplerEndpoint) -> EngineReading | None:
-            stub = xpb_grpc.SnapshotOperationsServiceStub(self._channel(s.sidecar))
+            stub = self._stubs(s.sidecar)[1]
             try:
                 r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=s.job_id), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:

@@ -16,6 +16,7 @@ older one (a network partition between gate and orchestrator, a gate stuck or re
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import time
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
@@ -34,6 +35,15 @@ log = logging.getLogger(__name__)
 _NO_WAIT_FOR_LOST_GATES = frozenset({gpb.ENDPOINT_STATE_SERVING, gpb.ENDPOINT_STATE_WAKING})
 
 CONNECTED_GATES = Gauge("llmd_timeslice_orchestrator_connected_gates", "Gate replicas subscribed to the state stream.")
+GATE_COMMANDS = Counter(
+    "llmd_timeslice_orchestrator_gate_commands_total",
+    "Commands sent on the state streams, summed over gates, by kind (state, snapshot, drain, keepalive).",
+    ["kind"],
+)
+GATE_ENDPOINT_UPDATES = Counter(
+    "llmd_timeslice_orchestrator_gate_endpoint_updates_total",
+    "Endpoint states carried by state updates (not snapshots), summed over gates.",
+)
 
 
 @dataclass(eq=False)
@@ -41,10 +51,21 @@ class _GateConn:
     gate_id: str
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     acked_epoch: int = -1
-    acked: asyncio.Condition = field(default_factory=asyncio.Condition)
+    ack_waiters: list[tuple[int, int, asyncio.Future]] = field(default_factory=list)
+    """Heap of ``(epoch, seq, future)``: each publication waiting for this gate's ack of ``epoch``."""
     drains: dict[str, asyncio.Future] = field(default_factory=dict)
     closed: bool = False
     stale_after_s: float = 3.0
+    last_sent: float = 0.0
+    """Event-loop time of the last command yielded on the stream (the keepalive timer reads it)."""
+
+
+@dataclass(eq=False)
+class _Batch:
+    """In-service updates of one pool waiting for the next coalesced epoch, and the result its callers await."""
+
+    done: asyncio.Future
+    updates: list[tuple[str, gpb.EndpointState, int | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +93,10 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self._gates: dict[str, _GateConn] = {}
         self._ids = itertools.count()
         self._contacts: dict[str, _Contact] = {}
+        self._batches: dict[str, _Batch] = {}
+        self._senders: dict[str, asyncio.Task] = {}
+        self.ack_checks = 0
+        """Ack waiters looked at by :meth:`_wake_acked` (tests check it grows as acks + waiters)."""
         self.forget_after_s = 3600.0
         self.on_gates_change: Callable[[], object] | None = None
         """Called when a gate id is first heard from (the server persists the list)."""
@@ -100,21 +125,38 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         CONNECTED_GATES.set(len(self._gates))
         log.info("gate %s connected (pools %s); sending snapshot at epoch %d", conn.gate_id, list(first.hello.pools), self.epoch)
         conn.outbox.put_nowait(pb.GateCommand(state=self._snapshot()))
-        reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
+        GATE_COMMANDS.labels("snapshot").inc()
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read(conn, request_iterator))
         keepalive = pb.GateCommand(keepalive=pb.KeepAlive())
+        timer = None  # the keepalive timer (an asyncio.TimerHandle once armed)
         # At least three keepalives per stale_after_s the gate announced: it counts its view current only that
         # long after the last command it processed (epp_plugin/gate/subscription.py).
         period = min(self.keepalive_s, conn.stale_after_s / 3) if conn.stale_after_s > 0 else self.keepalive_s
+
+        def keepalive_due() -> None:
+            # One timer per keepalive period rather than a timeout on every wait for the next command (that was a
+            # task and a timer per command sent, hundreds per switch with many samplers).
+            nonlocal timer
+            due = conn.last_sent + period
+            if loop.time() >= due - 0.001:
+                conn.outbox.put_nowait(keepalive)
+                GATE_COMMANDS.labels("keepalive").inc()
+                due = loop.time() + period
+            timer = loop.call_at(due, keepalive_due)
+
+        conn.last_sent = loop.time()
+        timer = loop.call_at(conn.last_sent + period, keepalive_due)
         try:
             while True:
-                try:
-                    cmd = await asyncio.wait_for(conn.outbox.get(), period)
-                except TimeoutError:
-                    cmd = keepalive
+                cmd = await conn.outbox.get()
                 if cmd is None:
                     return
+                conn.last_sent = loop.time()
                 yield cmd
         finally:
+            if timer is not None:
+                timer.cancel()
             reader.cancel()
             if self._gates.get(conn.gate_id) is conn:
                 del self._gates[conn.gate_id]
@@ -143,9 +185,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                 self._touch(conn)
                 which = msg.WhichOneof("message")
                 if which == "ack":
-                    async with conn.acked:
-                        conn.acked_epoch = max(conn.acked_epoch, msg.ack.epoch)
-                        conn.acked.notify_all()
+                    conn.acked_epoch = max(conn.acked_epoch, msg.ack.epoch)
+                    self._wake_acked(conn)
                 elif which == "drain_result":
                     fut = conn.drains.pop(msg.drain_result.query_id, None)
                     if fut is not None and not fut.done():
@@ -154,6 +195,20 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             pass
         finally:
             conn.outbox.put_nowait(None)
+
+    def _wake_acked(self, conn: _GateConn) -> None:
+        """Resolve the waiters of every epoch ``conn`` has acked (True), or all of them once it closed (their
+        ``acked_epoch`` check decides). Each waiter is looked at once when resolved, plus one look per ack at the
+        first one still waiting: O(acks + waiters) in all, not waiters x acks (``ack_checks`` counts the looks)."""
+        heap = conn.ack_waiters
+        while heap:
+            self.ack_checks += 1
+            epoch, _, fut = heap[0]
+            if epoch > conn.acked_epoch and not conn.closed:
+                return
+            heapq.heappop(heap)
+            if not fut.done():  # done: its wait timed out
+                fut.set_result(None)
 
     def _touch(self, conn: _GateConn) -> None:
         new = conn.gate_id not in self._contacts
@@ -179,6 +234,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             self._touch(conn)  # its last contact: from here the gate's own grace runs
         conn.closed = True
         conn.outbox.put_nowait(None)
+        self._wake_acked(conn)
         for fut in conn.drains.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(f"gate {conn.gate_id}: {why}"))
@@ -218,7 +274,9 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         conns = [c for c in self._gates.values() if not c.closed]
         for c in conns:
             c.outbox.put_nowait(cmd)
-        results = await asyncio.gather(*(self._wait_ack(c, epoch) for c in conns))
+        GATE_COMMANDS.labels("state").inc(len(conns))
+        GATE_ENDPOINT_UPDATES.inc(len(conns) * len(wire))
+        results = await self._wait_acks(conns, epoch)
         laggards = [c.gate_id for c, ok in zip(conns, results, strict=True) if not ok]
         if laggards:
             log.warning(
@@ -235,6 +293,50 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             # misses a WAKING or SERVING update merely keeps holding (or steering elsewhere) until it resyncs.
             await self._wait_lost_gates(epoch)
         return epoch, laggards
+
+    async def publish_coalesced(
+        self, pool: str, updates: list[tuple[str, gpb.EndpointState, int | None]]
+    ) -> tuple[int, list[str]]:
+        """:meth:`publish` for updates that put endpoints in service (SERVING, WAKING), sharing epochs: updates
+        made while an earlier coalesced epoch of ``pool`` is still waiting for acks (and those of the same event-loop
+        iteration) go out together in the next one, as soon as it is acked. So each endpoint is published at most
+        one ack round after it was ready, never after another endpoint's wake, and a release of N samplers costs the
+        gates as many epochs as the acks it waited for rather than N (docs/decisions.md). Returns the epoch that
+        carried ``updates`` and the gates that did not ack it in time.
+
+        Raises:
+            ValueError: an update takes an endpoint out of service (those keep an epoch of their own and wait for
+                lost gates: :meth:`publish`).
+        """
+        out = [a for a, state, _ in updates if state not in _NO_WAIT_FOR_LOST_GATES]
+        if out:
+            raise ValueError(f"publish_coalesced carries SERVING and WAKING only; {out} would leave service: use publish")
+        loop = asyncio.get_running_loop()
+        batch = self._batches.get(pool)
+        if batch is None:
+            batch = self._batches[pool] = _Batch(loop.create_future())
+        batch.updates.extend(updates)
+        if pool not in self._senders:
+            self._senders[pool] = loop.create_task(self._send_coalesced(pool))
+        return await asyncio.shield(batch.done)
+
+    async def _send_coalesced(self, pool: str) -> None:
+        """Publish ``pool``'s coalesced batches one epoch at a time until none is waiting."""
+        batch: _Batch | None = None
+        try:
+            await asyncio.sleep(0)  # the publications of this event-loop iteration join the first epoch
+            while (batch := self._batches.pop(pool, None)) is not None:
+                try:
+                    result = await self.publish(pool, batch.updates)
+                except Exception as exc:
+                    batch.done.set_exception(exc)
+                else:
+                    batch.done.set_result(result)
+        finally:
+            self._senders.pop(pool, None)
+            for b in (batch, self._batches.pop(pool, None)):
+                if b is not None and not b.done.done():
+                    b.done.cancel()  # the sender was cancelled (shutdown): so are its callers
 
     async def _wait_lost_gates(self, epoch: int) -> None:
         """Wait until every recently seen gate acked ``epoch`` or has been out of contact for its grace."""
@@ -273,13 +375,29 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                 logged.add(gid)
             await asyncio.sleep(min(0.05, max(0.0, min(pending.values()) - now)))
 
+    async def _wait_acks(self, conns: list[_GateConn], epoch: int) -> list[bool]:
+        """For each of ``conns``: True once it acked ``epoch`` (or a later one); False when it closed first or
+        ``ack_timeout_s`` passed. One future per gate still to ack, resolved by the ack that reaches its epoch
+        (:meth:`_wake_acked`), and one timer for them all."""
+        loop = asyncio.get_running_loop()
+        futs = []
+        for c in conns:
+            if c.acked_epoch < epoch and not c.closed:
+                fut = loop.create_future()
+                heapq.heappush(c.ack_waiters, (epoch, next(self._ids), fut))
+                futs.append(fut)
+        if futs:
+            try:
+                await asyncio.wait(futs, timeout=self.ack_timeout_s)
+            finally:
+                for f in futs:
+                    if not f.done():
+                        f.cancel()  # left in the heap: dropped by the next ack past it, or the close
+        return [c.acked_epoch >= epoch for c in conns]
+
     async def _wait_ack(self, conn: _GateConn, epoch: int) -> bool:
-        try:
-            async with conn.acked:
-                await asyncio.wait_for(conn.acked.wait_for(lambda: conn.acked_epoch >= epoch or conn.closed), self.ack_timeout_s)
-            return conn.acked_epoch >= epoch
-        except TimeoutError:
-            return False
+        """:meth:`_wait_acks` for one gate."""
+        return (await self._wait_acks([conn], epoch))[0]
 
     async def wait_drained(
         self, pool: str, addresses: list[str], timeout_s: float, cut: list[str] | None = None
@@ -303,6 +421,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             c.outbox.put_nowait(
                 pb.GateCommand(drain=pb.DrainQuery(query_id=qid, pool=pool, addresses=addresses, timeout_s=timeout_s))
             )
+        GATE_COMMANDS.labels("drain").inc(len(conns))
         done = await asyncio.gather(*(asyncio.wait_for(f, timeout_s + self.ack_timeout_s) for f in futs), return_exceptions=True)
         drained = True
         left: dict[str, int] = {}

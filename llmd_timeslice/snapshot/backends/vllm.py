@@ -97,8 +97,13 @@ still tracks (``POST /abort_requests``) would abort completed requests (measured
 after a ``mode=wait`` sleep it still tracked all 8 requests of the drained batch). The count reported
 (operation result, metric, log) is the rise of ``vllm:request_success_total{finished_reason="abort"}``, or,
 while that has not moved, the queue the engine last published (its running count is not used: it can
-still show the batch the sleep drained). With ``pause_mode="keep"`` requests are frozen on purpose and resume on wake: they are
-counted from the metrics and reported as kept. An engine without the route and with requests queued
+still show the batch the sleep drained). In the usual switch (the engine idle before a ``mode=wait`` sleep,
+so the sleep aborted nothing) the counter read by the idle check is the baseline, and one metrics read after the
+abort both checks the sleep state of every engine core and gives the count: one engine call fewer per switch (the
+queue is then the one published after the abort; on a GPU build, where the abort makes the core step, it may read
+0 before the counter catches up, so the count could come out low there: not measured). With
+``pause_mode="keep"`` requests are frozen on purpose and resume on wake: they are counted from the metrics and
+reported as kept. An engine without the route and with requests queued
 inside is woken again and the sleep fails (they finish; the switch reports why). Checked on the CPU build,
 where the executor does not really sleep; on a GPU the abort makes the sleeping engine core take one step
 with nothing scheduled to drop the aborted requests: not measured here, worth confirming on a GPU build.
@@ -108,6 +113,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -200,10 +206,28 @@ class EngineMetrics:
         return {e: s for e, s in sorted(self.sleep_states.items()) if s != expected}
 
 
+_NEEDED_LINES = re.compile(
+    r"^(?:# (?:HELP|TYPE) )?vllm:(?:num_requests_running|num_requests_waiting|request_success(?:_total|_created)?"
+    r"|engine_sleep_state)[{ ].*$",
+    re.MULTILINE,
+)
+"""The lines of the four families :func:`parse_engine_metrics` reads (samples, ``# HELP`` and ``# TYPE``)."""
+
+
+def needed_metric_lines(text: str) -> str:
+    """Only the lines of ``text`` (Prometheus text exposition) that belong to the families the backend reads.
+
+    vLLM 0.32's page has some 40 families, most of them histograms with a dozen or more buckets
+    (``vllm/v1/metrics/loggers.py``), plus the process and Python collectors: tens of KiB for one engine core. Picking
+    the few lines out with one compiled regular expression costs a fraction of running prometheus-client's parser
+    over the whole page, which was most of a sidecar's CPU per switch (issue 29, ``benchmarks/scale.py``)."""
+    return "\n".join(m.group(0) for m in _NEEDED_LINES.finditer(text)) + "\n"
+
+
 def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Parse Prometheus text exposition from vLLM (prometheus-client's parser)."""
+    """Parse Prometheus text exposition from vLLM (prometheus-client's parser, on :func:`needed_metric_lines`)."""
     m = EngineMetrics()
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(needed_metric_lines(text)):
         if fam.name == "vllm:num_requests_running":
             m.running = sum(s.value for s in fam.samples if s.name == fam.name)
         elif fam.name == "vllm:num_requests_waiting":
@@ -419,13 +443,17 @@ class VllmBackend(SnapshotBackend):
 
     async def wait_idle(self) -> bool:
         """Wait until the engine runs and queues no request; False if ``idle_timeout_s`` passed."""
+        return (await self._wait_idle())[0]
+
+    async def _wait_idle(self) -> tuple[bool, EngineMetrics]:
+        """:meth:`wait_idle`, with the last metrics read."""
         deadline = time.monotonic() + self.idle_timeout_s
         while True:
             m = await self.metrics()
             if m.running + m.waiting == 0:
-                return True
+                return True, m
             if time.monotonic() >= deadline:
-                return False
+                return False, m
             await asyncio.sleep(self.idle_poll_s)
 
     def _read_memory(self) -> int | None:
@@ -439,7 +467,7 @@ class VllmBackend(SnapshotBackend):
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
         found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
         level = 2 if mode is SuspendMode.DISCARD else 1
-        idle = await self.wait_idle()
+        idle, idle_metrics = await self._wait_idle()
         if not idle:
             log.warning(
                 "engine %s still busy after %.1f s; sleeping with mode=%s", self.base_url, self.idle_timeout_s, self.pause_mode
@@ -462,15 +490,18 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM {self.base_url} answered /sleep with 200 but /is_sleeping says awake; "
                 "the engine is left out of service: check its logs, then retry the snapshot"
             )
-        m = await self.metrics()
-        bad = m.engines_not_in(SLEEP_STATE_FOR_LEVEL[level])
-        if bad:
-            raise BackendError(
-                f"vLLM {self.base_url}: vllm:engine_sleep_state after sleep level {level} (expected "
-                f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {_describe_engines(bad)}; the "
-                "engine is left out of service"
-            )
-        parked, action = await self._handle_parked(m)
+        if idle and self.pause_mode == "wait":
+            # The usual switch: nothing ran when the sleep began, so the sleep aborted nothing and the abort counter
+            # read before it is the baseline; one metrics read after the abort of parked requests then both verifies
+            # every engine core's sleep state and counts what the abort ended (one engine call fewer).
+            answer = await self._abort_parked()
+            m = await self.metrics()
+            self._check_sleep_state(m, level)
+            parked, action = await self._count_parked(answer, int(m.waiting), idle_metrics.aborted_total, m)
+        else:
+            m = await self.metrics()
+            self._check_sleep_state(m, level)
+            parked, action = await self._handle_parked(m)
         after = self._read_memory()
         freed, fraction = freed_too_little(before, after, self.min_freed_fraction)
         if fraction is not None:
@@ -480,6 +511,16 @@ class VllmBackend(SnapshotBackend):
                 "(--enable-sleep-mode)? the engine is left out of service"
             )
         return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
+
+    def _check_sleep_state(self, m: EngineMetrics, level: int) -> None:
+        """``vllm:engine_sleep_state`` of every engine core in ``m`` must be the state of sleep ``level``."""
+        bad = m.engines_not_in(SLEEP_STATE_FOR_LEVEL[level])
+        if bad:
+            raise BackendError(
+                f"vLLM {self.base_url}: vllm:engine_sleep_state after sleep level {level} (expected "
+                f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {_describe_engines(bad)}; the "
+                "engine is left out of service"
+            )
 
     async def _handle_parked(self, m: EngineMetrics) -> tuple[int, str]:
         """Requests inside the engine right after its verified sleep (``m``: the metrics read then): ``(count,
@@ -498,6 +539,10 @@ class VllmBackend(SnapshotBackend):
                     frozen,
                 )
             return frozen, "kept" if frozen else ""
+        return await self._count_parked(await self._abort_parked(), queued, m.aborted_total, None)
+
+    async def _abort_parked(self) -> httpx.Response:
+        """``POST /pause?mode=abort&clear_cache=false`` on the sleeping engine (module doc); its answer."""
         try:
             r = await self._http.post("/pause", params={"mode": "abort", "clear_cache": "false"})
         except httpx.HTTPError as exc:
@@ -507,12 +552,20 @@ class VllmBackend(SnapshotBackend):
                 "service"
             ) from exc
         await self._raise_if_core_dead("POST", "/pause", r)
+        return r
+
+    async def _count_parked(
+        self, r: httpx.Response, queued: int, aborted_before: float, after: EngineMetrics | None
+    ) -> tuple[int, str]:
+        """What the abort (answer ``r``) ended: the rise of the abort counter over ``aborted_before``, read from
+        ``after`` (metrics read after the abort; None: read them now), else ``queued``. Raises BackendError when the
+        engine has no abort route and ``queued`` requests are inside (it is woken again so they finish)."""
         if r.status_code == 200:
-            aborted = int((await self.metrics()).aborted_total - m.aborted_total)
+            aborted = int((after or await self.metrics()).aborted_total - aborted_before)
             deadline = time.monotonic() + 0.5
             while aborted < queued and time.monotonic() < deadline:  # abort outputs still being processed
                 await asyncio.sleep(self.idle_poll_s)
-                aborted = int((await self.metrics()).aborted_total - m.aborted_total)
+                aborted = int((await self.metrics()).aborted_total - aborted_before)
             count = aborted or queued  # the counter when it moved; else the queue (its outputs may still be on the way)
             if count:
                 log.warning(
