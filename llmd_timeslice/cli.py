@@ -148,21 +148,69 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
         _metrics(s.metrics_port, s.host)
         _orchestrator_kubernetes(s, server, store)
         return
+    from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.static import load_inventory
 
     assert s.inventory is not None  # OrchestratorSettings requires it with static discovery
     inv = load_inventory(s.inventory)
     _metrics(s.metrics_port, s.host)
+    stepped_down = False
 
     async def main() -> None:
-        srv = server(inv, state_store=store)
-        await srv.start()
+        nonlocal stepped_down
+        api = k8s.make_api_client(s.kubernetes.kubeconfig) if s.state_configmap else None
+        state_store, election = _cluster_state(s, api, store)
+        srv = server(inv, state_store=state_store, election=election)
         try:
-            await asyncio.Event().wait()
+            await srv.start()
+            await srv.stepped_down.wait()
+            stepped_down = True
         finally:
             await srv.stop()
+            if api is not None:
+                api.close()
 
-    _run(main)
+    try:
+        _run(main)
+    except k8s.KubernetesError as exc:
+        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if stepped_down:
+        raise typer.Exit(_STEPPED_DOWN_EXIT_CODE)
+
+
+_STEPPED_DOWN_EXIT_CODE = 3  # llmd_timeslice.orchestrator.server.STEPPED_DOWN_EXIT_CODE (not imported: startup cost)
+
+
+def _cluster_state(s: OrchestratorSettings, api, store):
+    """``(state store, leader election or None)``: the ConfigMap store when ``state_configmap`` is set (else
+    ``store``), and with ``leader_election`` a candidate named after the pod plus a per-process suffix."""
+    if not s.state_configmap:
+        return store, None
+    import os
+    import socket
+    import uuid
+
+    from llmd_timeslice.discovery import kubernetes as k8s
+    from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
+
+    ns = s.kubernetes.namespace or k8s.default_namespace()
+    state_store = ConfigMapStateStore(api, ns, s.state_configmap)
+    if not s.leader_election:
+        return state_store, None
+    from llmd_timeslice.orchestrator.election import LeaderElector
+
+    identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:6]}"
+    election = LeaderElector(
+        api,
+        ns,
+        s.lease_name,
+        identity,
+        lease_duration_s=s.lease_duration_s,
+        renew_deadline_s=s.renew_deadline_s,
+        retry_period_s=s.retry_period_s,
+    )
+    return state_store, election
 
 
 def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
@@ -178,15 +226,12 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
         sleep_level=k.sleep_level,
         drain_timeout_s=k.drain_timeout_s,
     )
+    stepped_down: list[bool] = []
 
     async def main() -> None:
         api = k8s.make_api_client(k.kubeconfig)
         ns = k.namespace or k8s.default_namespace()
-        state_store = store
-        if s.state_configmap:
-            from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
-
-            state_store = ConfigMapStateStore(api, ns, s.state_configmap)
+        state_store, election = _cluster_state(s, api, store)
         changes: asyncio.Queue = asyncio.Queue()
         disc = k8s.KubernetesDiscovery(
             ns,
@@ -199,15 +244,22 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
         )
         specs = await disc.start()
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if k.manage_serving_label else None
-        srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store)
+        srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store, election=election)
         sync = InventorySync(srv.orchestrator)
-        try:
-            await srv.start()
+
+        async def apply_changes() -> None:
             while True:
                 latest = await changes.get()
                 while not changes.empty():
                     latest = changes.get_nowait()
                 await sync.apply(latest)
+
+        try:
+            await srv.start()
+            applying = asyncio.create_task(apply_changes())
+            await srv.stepped_down.wait()
+            applying.cancel()
+            stepped_down.append(True)
         finally:
             await disc.stop()
             await srv.stop()
@@ -218,6 +270,8 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
     except k8s.KubernetesError as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise typer.Exit(2) from None
+    if stepped_down:
+        raise typer.Exit(_STEPPED_DOWN_EXIT_CODE)
 
 
 @settings_command(app, "sidecar", short_help="Run a snapshot sidecar for one engine (sleep / wake).")

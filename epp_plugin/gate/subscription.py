@@ -14,6 +14,7 @@ which ends the stale state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, MutableMapping
 
@@ -45,6 +46,11 @@ RESYNCS = Counter("llmd_timeslice_gate_resyncs_total", "Full snapshots applied (
 RECONNECT_FIRST_S = 0.2
 """First wait before reconnecting (doubling, per failed session in a row, up to :data:`RECONNECT_MAX_S`)."""
 RECONNECT_MAX_S = 5.0
+
+
+class FencedCommand(Exception):
+    """A command whose ``leader_term`` is below the highest this gate has seen: from a deposed orchestrator leader.
+    The gate answers ``FencedRefusal``, applies nothing of that stream and reconnects (gate_state.proto)."""
 
 
 class StateSubscription:
@@ -84,6 +90,8 @@ class StateSubscription:
         self.stale_after_s = stale_after_s
         self.last_rx: float | None = None  # monotonic time of the last command from the orchestrator
         self.stale = False
+        self.highest_term = 0
+        """Highest orchestrator leader term seen on a command (fencing; 0: none, or an unfenced orchestrator)."""
 
     async def run(self) -> None:
         """Connect, apply, reconnect on failure; runs until cancelled."""
@@ -155,6 +163,8 @@ class StateSubscription:
                     exc.details(),
                     wait_s,
                 )
+        elif isinstance(exc, FencedCommand):
+            log.error("state stream to %s refused: %s; reconnecting in %.1f s", self.target, exc, wait_s)
         elif exc is not None:
             log.error("state stream to %s failed; retrying in %.1f s", self.target, wait_s, exc_info=exc)
 
@@ -162,22 +172,40 @@ class StateSubscription:
         self.connected.clear()
         SUBSCRIBED.set(0)
 
-    async def _outgoing(self, outbox: asyncio.Queue):
+    async def _outgoing(self, outbox: asyncio.Queue, written: asyncio.Event | None = None):
         yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools), stale_after_s=self.stale_after_s))
         while True:
             msg = await outbox.get()
             if msg is None:
+                if written is not None:
+                    written.set()  # grpc asked for the next message: everything before was written
                 return
             yield msg
+
+    async def _refuse_fenced(self, cmd: pb.GateCommand, outbox: asyncio.Queue, written: asyncio.Event) -> None:
+        """Answer a command of a deposed leader with FencedRefusal (so it steps down), then end the session."""
+        outbox.put_nowait(pb.GateMessage(fenced=pb.FencedRefusal(refused_term=cmd.leader_term, highest_term=self.highest_term)))
+        outbox.put_nowait(None)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(written.wait(), 1.0)
+        raise FencedCommand(
+            f"a command of orchestrator leader term {cmd.leader_term} refused: this gate has seen term {self.highest_term}"
+        )
 
     async def _session(self) -> None:
         outbox: asyncio.Queue = asyncio.Queue()
         self._outbox = outbox
+        written = asyncio.Event()
         # Metadata passed on the call: grpc.aio's stream-stream client interceptors do not add it (seen with 1.85).
         async with tls.aio_channel(self.target, self._tls, options=KEEPALIVE_OPTIONS) as ch:
-            call = pb_grpc.GateStateServiceStub(ch).Connect(self._outgoing(outbox), metadata=auth.call_metadata(self._token))
+            call = pb_grpc.GateStateServiceStub(ch).Connect(
+                self._outgoing(outbox, written), metadata=auth.call_metadata(self._token)
+            )
             try:
                 async for cmd in call:
+                    if cmd.leader_term < self.highest_term:
+                        await self._refuse_fenced(cmd, outbox, written)
+                    self.highest_term = cmd.leader_term
                     if self.connected.is_set():
                         self.last_rx = asyncio.get_running_loop().time()
                     which = cmd.WhichOneof("command")

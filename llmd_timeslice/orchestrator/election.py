@@ -45,7 +45,9 @@ class ElectionStopped(Exception):
 
 
 class TermLeaseLock(LeaseLock):
-    """The library's ``LeaseLock`` on our ``ApiClient``, keeping ``leaseTransitions`` and stoppable.
+    """The library's ``LeaseLock`` (its record format and conversions) with its three calls redone: on our
+    ``ApiClient``, each with a timeout, keeping ``leaseTransitions``, and raising :class:`ElectionStopped` once
+    stopped. The election logic (when to take, renew, give up) stays the library's.
 
     Args:
         api_client: a ``kubernetes.client.ApiClient`` (``discovery.kubernetes.make_api_client``).
@@ -61,6 +63,9 @@ class TermLeaseLock(LeaseLock):
         """``leaseTransitions + 1`` of the Lease this candidate last wrote as holder (0: never held)."""
         self.observed_holder: str | None = None
         self.on_observed = None  # called (in the election thread) with the holder read from the Lease
+        self.request_timeout_s: float | None = None
+        """Most seconds one API call may take (the library passes none: a call to an unreachable API server would
+        hang, and the leader would never step down by itself); :class:`LeaderElector` sets ``renew_deadline_s``."""
 
     def _check(self) -> None:
         if self.stopped.is_set():
@@ -68,7 +73,14 @@ class TermLeaseLock(LeaseLock):
 
     def get(self, name, namespace):
         self._check()
-        ok, record = super().get(name, namespace)
+        try:
+            lease = self.api_instance.read_namespaced_lease(name, namespace, _request_timeout=self.request_timeout_s)
+        except Exception as exc:  # ApiException (the library's case) or no answer in time (urllib3): a failed try
+            if not isinstance(exc, ApiException):
+                log.warning("reading Lease %s/%s: %r", namespace, name, exc)
+            return False, exc
+        self.lease_reference = lease
+        ok, record = True, self.get_lock_object(lease)
         if ok:
             self.observed_holder = record.holder_identity
             if self.on_observed is not None:
@@ -77,7 +89,14 @@ class TermLeaseLock(LeaseLock):
 
     def create(self, name, namespace, election_record):
         self._check()
-        if not super().create(name, namespace, election_record):
+        body = client.V1Lease(metadata={"name": name}, spec=self.get_lease_spec(election_record))
+        body.spec.lease_transitions = 0
+        try:
+            self.lease_reference = self.api_instance.create_namespaced_lease(
+                namespace, body, _request_timeout=self.request_timeout_s
+            )
+        except Exception as exc:  # 409 AlreadyExists: another candidate created it first
+            log.info("creating Lease %s/%s failed: %s", namespace, name, getattr(exc, "status", repr(exc)))
             return False
         self.term = int(self.lease_reference.spec.lease_transitions or 0) + 1
         return True
@@ -85,12 +104,17 @@ class TermLeaseLock(LeaseLock):
     def update(self, name, namespace, updated_record):
         self._check()
         ref = self.lease_reference
-        if ref is not None:
-            spec = ref.spec or client.V1LeaseSpec()
-            ref.spec = spec
-            if spec.holder_identity != updated_record.holder_identity:
-                spec.lease_transitions = int(spec.lease_transitions or 0) + 1  # as client-go does
-        if not super().update(name, namespace, updated_record):
+        if ref is None:
+            return False
+        ref.spec = ref.spec or client.V1LeaseSpec()
+        if ref.spec.holder_identity != updated_record.holder_identity:
+            ref.spec.lease_transitions = int(ref.spec.lease_transitions or 0) + 1  # as client-go does
+        ref.spec = self.get_lease_spec(updated_record, ref.spec)
+        try:
+            # At the resourceVersion read: a 409 Conflict when another candidate wrote the Lease meanwhile.
+            self.api_instance.replace_namespaced_lease(name, namespace, ref, _request_timeout=self.request_timeout_s)
+        except Exception as exc:
+            log.info("updating Lease %s/%s failed: %s", namespace, name, getattr(exc, "status", repr(exc)))
             return False
         self.term = int(self.lease_reference.spec.lease_transitions or 0) + 1
         return True
@@ -99,18 +123,18 @@ class TermLeaseLock(LeaseLock):
         """Clear the holder if it is this candidate (a replace at the version read; a 409 means someone else
         wrote it meanwhile: nothing to release). Returns True when released."""
         try:
-            lease = self.api_instance.read_namespaced_lease(self.name, self.namespace)
-        except ApiException as exc:
-            log.warning("releasing Lease %s/%s: read failed: HTTP %s", self.namespace, self.name, exc.status)
+            lease = self.api_instance.read_namespaced_lease(self.name, self.namespace, _request_timeout=self.request_timeout_s)
+        except Exception as exc:
+            log.warning("releasing Lease %s/%s: read failed: %s", self.namespace, self.name, getattr(exc, "status", repr(exc)))
             return False
         if lease.spec is None or lease.spec.holder_identity != self.identity:
             return False
         lease.spec.holder_identity = None
         lease.spec.lease_duration_seconds = 1
         try:
-            self.api_instance.replace_namespaced_lease(self.name, self.namespace, lease)
-        except ApiException as exc:
-            log.warning("releasing Lease %s/%s: HTTP %s", self.namespace, self.name, exc.status)
+            self.api_instance.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=self.request_timeout_s)
+        except Exception as exc:
+            log.warning("releasing Lease %s/%s: %s", self.namespace, self.name, getattr(exc, "status", repr(exc)))
             return False
         return True
 
@@ -160,6 +184,7 @@ class LeaderElector:
         check_timings(lease_duration_s, renew_deadline_s, retry_period_s)
         self.identity = identity
         self.lock = TermLeaseLock(api_client, name, namespace, identity)
+        self.lock.request_timeout_s = renew_deadline_s
         self.lease_duration_s, self.renew_deadline_s, self.retry_period_s = (
             int(lease_duration_s),
             renew_deadline_s,
