@@ -648,6 +648,32 @@ async def test_lease_expiry_and_repair_back_off_run_on_the_clock_without_sleepin
     assert time.monotonic() - t0 < 5, "simulated minutes took real seconds"
 
 
+async def test_a_stall_of_the_orchestrator_does_not_count_against_the_lease_holder():
+    """The orchestrator frozen (SIGSTOP) past the holder's TTL: its heartbeats waited in a socket, so the lease is
+    kept for the time the orchestrator could not run; a holder that then stays silent expires after that credit."""
+    e = Env(audit_interval_s=0)
+    try:
+        await e.held()
+        lease = e.orch.lease("A", "s")
+        await e.orch.heartbeat("A", "s", lease.token)  # armed: 30 s TTL from t = 0
+        e.clock.advance(10)
+        e.clock.stall(25)  # t = 35: the expiry timer fell due during the stall
+        await asyncio.sleep(0)
+        await e.g().wait_until(lambda g: g.lease is not None and g.lease.stall_credit_s > 0, 5)
+        assert e.g().holder == "A", "the lease must not expire for time the orchestrator could not hear the holder"
+        await e.orch.heartbeat("A", "s", lease.token)  # the queued heartbeat: kept, credit cleared
+        assert e.g().lease.stall_credit_s == 0.0
+        e.clock.stall(10)  # a shorter stall inside the TTL changes nothing
+        e.clock.advance(20.1)  # 30.1 s since the heartbeat, 10 of them stalled: still held (expires at 40)
+        await asyncio.sleep(0)
+        assert e.g().holder == "A"
+        e.clock.advance(10)  # 40.1 s: expired
+        await e.g().wait_until(lambda g: g.holder is None, 5)
+        assert "expired" in e.g().expired_jobs["A"]
+    finally:
+        await e.close()
+
+
 async def test_engine_audit_runs_every_interval_on_the_clock():
     e = Env(audit_interval_s=10)
     try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -189,6 +190,10 @@ class PoolState:
         self.stale = False
         """True while the gate has lost the orchestrator's state stream for longer than its grace: no
         endpoint is steerable (new requests are held) until the stream resyncs."""
+        self.fresh_until = math.inf
+        """Monotonic deadline (the pool's ``clock``) of the orchestrator view: past it the pool counts as stale at
+        once, in the data path, even before the subscription's watchdog runs (after a stall of this process the
+        first request must not be steered by a view the orchestrator may have acted past). ``inf``: no deadline."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -203,7 +208,7 @@ class PoolState:
 
     def serving(self, min_version: int = 0) -> tuple[str, ...]:
         """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order (none while stale)."""
-        if self.stale:
+        if self.stale or (self.fresh_until != math.inf and self._clock() >= self.fresh_until):
             return ()
         return tuple(
             ep.address for ep in self.endpoints.values() if ep.state is EndpointState.SERVING and ep.weight_version >= min_version
@@ -433,6 +438,14 @@ class PoolState:
             return
         self.stale = stale
         if not stale and self._held:
+            self._kick_releaser()
+
+    def set_fresh_until(self, deadline: float) -> None:
+        """Move the view's deadline (see ``fresh_until``, monotonic seconds of ``clock``); moving it from the past
+        into the future releases held requests, as leaving ``stale`` does."""
+        was_expired = self.fresh_until != math.inf and self._clock() >= self.fresh_until
+        self.fresh_until = deadline
+        if was_expired and self._held and not self.stale:
             self._kick_releaser()
 
     def close(self) -> None:

@@ -1,14 +1,25 @@
 """The gate's subscription to the orchestrator's endpoint state (``GateStateService.Connect``).
 
 Applies snapshots and updates to the pools, acks each epoch once applied, answers drain queries
-from the pool's drain barrier and the orchestrator's keepalive (every second on an idle stream). When
-nothing has come from the orchestrator for ``stale_after_s`` seconds (broken stream, partition, stuck
-peer) it marks every pool **stale**: new requests are held, not steered by a view that may be out of
-date, because the orchestrator may meanwhile have put those engines to sleep (it waits that long for
-a gate it lost before it does). Until then the last known state serves, so an orchestrator restart
-passes unnoticed. It reconnects with exponential back-off (0.2 s doubling to 5 s, tenacity; a session that
-synced starts the next from 0.2 s again) and resyncs from the full snapshot the orchestrator sends first,
-which ends the stale state.
+from the pool's drain barrier and the orchestrator's keepalive (at least every second, and at least three times
+per ``stale_after_s``, on an idle stream). Until then the last known state serves, so an orchestrator restart
+passes unnoticed.
+
+**Current view** (docs/gate.md, "When the gate's view counts as current"): the orchestrator never puts an
+endpoint to sleep before every gate has either acked the epoch that drained it or been silent, *as the
+orchestrator hears it*, for the ``stale_after_s`` that gate announced. The gate answers every command it processes
+at once, so its view is current while less than ``stale_after_s`` has passed since it last processed a command
+(or sent its hello). Past that (a broken stream, a partition, a stuck orchestrator, or this process stalled: a
+SIGSTOP, a CPU-throttled container, a long pause) every pool is **stale**: new requests are held, not steered,
+checked in the data path itself (``PoolState.fresh_until``), so the first request after a stall of this process is
+held even before the watchdog runs. A command processed late is *not* taken as current (it may be a backlog
+queued before the stall, while the orchestrator went on without this gate): staleness is never healed by the old
+stream. The gate then **resubscribes**: it drops the stream and opens a new one, whose first message is a full
+snapshot sent after the orchestrator registered the new stream, and that snapshot makes the view current again
+(it too must arrive within ``stale_after_s`` of the hello, or the session is dropped and retried).
+
+Reconnects use exponential back-off (0.2 s doubling to 5 s, tenacity; a session that synced starts the next from
+0.2 s again).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, MutableMapping
 
 import grpc
@@ -43,9 +55,26 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 RESYNCS = Counter("llmd_timeslice_gate_resyncs_total", "Full snapshots applied (first connect and every reconnect).")
+RESUBSCRIBES = Counter(
+    "llmd_timeslice_gate_resubscribes_total",
+    "State streams the gate dropped itself to get a current view: its view went stale on a stream that stayed up "
+    "(reason=stale), a command came later than stale_after_s after the last one (reason=late), or the first "
+    "snapshot did not come within stale_after_s of the hello (reason=no_snapshot).",
+    ["reason"],
+)
 RECONNECT_FIRST_S = 0.2
 """First wait before reconnecting (doubling, per failed session in a row, up to :data:`RECONNECT_MAX_S`)."""
 RECONNECT_MAX_S = 5.0
+WATCHDOG_PERIOD_S = 0.1
+
+
+class Resubscribe(Exception):
+    """The gate ends its own state stream to get a current view (see the module docstring); ``reason`` is the
+    metric label: ``stale``, ``late`` or ``no_snapshot``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class FencedCommand(Exception):
@@ -63,7 +92,9 @@ class StateSubscription:
         pool_factory: creates a pool the orchestrator names that this gate does not have yet.
         token: bearer token for the orchestrator.
         on_synced: called after the first full snapshot is applied (readiness).
-        stale_after_s: seconds without a stream before the pools go stale (0: never).
+        stale_after_s: seconds without a processed command before the pools go stale and the gate resubscribes
+            (0: never; the orchestrator is told in the hello).
+        clock: monotonic seconds; the pools' ``PoolState`` clock must be the same one.
     """
 
     def __init__(
@@ -76,20 +107,28 @@ class StateSubscription:
         on_synced: Callable[[], None] | None = None,
         stale_after_s: float = 5.0,
         tls_files: tls.TlsFiles | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._tls = tls_files
         self.target, self.gate_id, self.pools = target, gate_id, pools
         self._factory = pool_factory
         self._token = token
         self._on_synced = on_synced
+        self._clock = clock
         self.connected = asyncio.Event()
         self.synced_epoch = -1
         self.resyncs = 0
+        self.resubscribes = 0
         self._outbox: asyncio.Queue | None = None
         self._tasks: set[asyncio.Task] = set()
         self.stale_after_s = stale_after_s
-        self.last_rx: float | None = None  # monotonic time of the last command from the orchestrator
+        self.last_rx: float | None = None
+        """Monotonic time (``clock``) of the last command processed in time on a synced stream (each is answered
+        at once); None before the first snapshot."""
+        self._hello_at: float | None = None  # the current session's hello, until its snapshot is applied
         self.stale = False
+        self._session_task: asyncio.Task | None = None
+        self._resubscribe: Resubscribe | None = None
         self.highest_term = 0
         """Highest orchestrator leader term seen on a command (fencing; 0: none, or an unfenced orchestrator)."""
 
@@ -111,22 +150,43 @@ class StateSubscription:
             watchdog.cancel()
 
     async def _watch_staleness(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(0.1)
-            if (
-                self.stale_after_s > 0
-                and not self.stale
-                and self.last_rx is not None
-                and loop.time() - self.last_rx >= self.stale_after_s
-            ):
-                self._set_stale(True)
-                log.warning(
-                    "no state stream from %s for %.1f s: holding new requests until it resyncs (the "
-                    "orchestrator may have put engines to sleep meanwhile)",
-                    self.target,
-                    self.stale_after_s,
-                )
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            if self.stale_after_s <= 0:
+                continue
+            now = self._clock()
+            if self.last_rx is not None and now - self.last_rx >= self.stale_after_s:
+                self._go_stale(now - self.last_rx)
+                if self.connected.is_set():  # the stream is up but brings nothing current: drop it
+                    self._end_session(Resubscribe("stale", f"no command processed for {now - self.last_rx:.1f} s"))
+            if not self.connected.is_set() and self._hello_at is not None and now - self._hello_at >= self.stale_after_s:
+                detail = f"no snapshot {now - self._hello_at:.1f} s after the hello (stale_after_s {self.stale_after_s:g})"
+                self._end_session(Resubscribe("no_snapshot", detail))
+
+    def _go_stale(self, silent_s: float) -> None:
+        if self.stale:
+            return
+        self._set_stale(True)
+        log.warning(
+            "no current state from %s for %.1f s (stale_after_s %g): holding new requests and resubscribing for a "
+            "full snapshot (the orchestrator may have put engines to sleep meanwhile)",
+            self.target,
+            silent_s,
+            self.stale_after_s,
+        )
+
+    def _end_session(self, why: Resubscribe) -> None:
+        """Drop the current stream (at most once per session); the session ends with ``why``."""
+        task = self._session_task
+        if task is None or task.done() or self._resubscribe is not None:
+            return
+        self._resubscribe = self._resubscribing(why)
+        task.cancel()
+
+    def _resubscribing(self, why: Resubscribe) -> Resubscribe:
+        RESUBSCRIBES.labels(why.reason).inc()
+        self.resubscribes += 1
+        return why
 
     def _set_stale(self, stale: bool) -> None:
         self.stale = stale
@@ -134,16 +194,38 @@ class StateSubscription:
         for pool in self.pools.values():
             pool.set_stale(stale)
 
+    def _heard(self, now: float) -> None:
+        """A command was processed in time at ``now``: the view stays current ``stale_after_s`` from now."""
+        self.last_rx = now
+        if self.stale_after_s > 0:
+            until = now + self.stale_after_s
+            for pool in self.pools.values():
+                pool.set_fresh_until(until)
+
     async def _session_once(self) -> None:
         """One session: returns once it ended after the orchestrator's first snapshot was applied, however it
         ended (logged here); raises what ended a session that never synced (tenacity waits, then retries)."""
         synced = self.resyncs
+        self._resubscribe = None
+        self._session_task = asyncio.create_task(self._session())
         try:
-            await self._session()
-        except Exception as exc:
-            if self.resyncs == synced:
+            await asyncio.shield(self._session_task)
+        except asyncio.CancelledError:
+            why = self._resubscribe
+            current = asyncio.current_task()
+            if why is None or (current is not None and current.cancelling()):
+                self._session_task.cancel()  # the gate stops
                 raise
-            self._log_lost(exc, RECONNECT_FIRST_S)
+            exc: BaseException = why
+        except Exception as e:
+            exc = e
+        else:
+            return
+        finally:
+            self._session_task = None
+        if self.resyncs == synced:
+            raise exc
+        self._log_lost(exc, RECONNECT_FIRST_S)
 
     def _lost(self, state: RetryCallState) -> None:
         """tenacity's ``before_sleep``: a session failed before it synced."""
@@ -152,7 +234,9 @@ class StateSubscription:
         self._disconnected()
 
     def _log_lost(self, exc: BaseException | None, wait_s: float) -> None:
-        if isinstance(exc, grpc.aio.AioRpcError):
+        if isinstance(exc, Resubscribe):
+            log.warning("state stream to %s dropped by the gate (%s): resubscribing in %.1f s", self.target, exc, wait_s)
+        elif isinstance(exc, grpc.aio.AioRpcError):
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("orchestrator %s refused the gate: %s (check the token)", self.target, exc.details())
             else:
@@ -196,6 +280,7 @@ class StateSubscription:
         outbox: asyncio.Queue = asyncio.Queue()
         self._outbox = outbox
         written = asyncio.Event()
+        self._hello_at = self._clock()  # the first snapshot must come within stale_after_s of the hello
         # Metadata passed on the call: grpc.aio's stream-stream client interceptors do not add it (seen with 1.85).
         async with tls.aio_channel(self.target, self._tls, options=KEEPALIVE_OPTIONS) as ch:
             call = pb_grpc.GateStateServiceStub(ch).Connect(
@@ -206,9 +291,20 @@ class StateSubscription:
                     if cmd.leader_term < self.highest_term:
                         await self._refuse_fenced(cmd, outbox, written)
                     self.highest_term = cmd.leader_term
-                    if self.connected.is_set():
-                        self.last_rx = asyncio.get_running_loop().time()
+                    now = self._clock()
+                    synced = self.connected.is_set()
+                    since = self.last_rx if synced else self._hello_at
+                    if self.stale_after_s > 0 and since is not None and now - since >= self.stale_after_s:
+                        # Processed too late to count as current: a backlog from before a stall of this process (or
+                        # of the path). Hold, and get a snapshot on a new stream instead of applying it.
+                        if synced:
+                            self._go_stale(now - since)
+                        what = "a command" if synced else "the snapshot"
+                        detail = f"{what} was processed {now - since:.1f} s after the last contact"
+                        raise self._resubscribing(Resubscribe("late" if synced else "no_snapshot", detail))
                     which = cmd.WhichOneof("command")
+                    if self.connected.is_set():
+                        self._heard(now)
                     if which == "keepalive":
                         outbox.put_nowait(pb.GateMessage(keepalive=pb.KeepAlive()))
                     elif which == "state":
@@ -248,7 +344,8 @@ class StateSubscription:
                 log.info("gate %s synced with %s at epoch %d", self.gate_id, self.target, update.epoch)
             self.connected.set()
             SUBSCRIBED.set(1)
-            self.last_rx = asyncio.get_running_loop().time()
+            self._hello_at = None
+            self._heard(self._clock())
             if self.stale:
                 self._set_stale(False)
                 log.warning("state stream to %s resynced: steering again", self.target)

@@ -196,10 +196,12 @@ class _JobAndGroup:
         return job, group
 
     def lease_lost(self, job_id: str | None = None, group_id: str | None = None) -> str | None:
-        """Why this job's lease on the group was lost (a refused or missed heartbeat), or None while it holds
-        (or without heartbeats). Lets a caller stop before acting on accelerators it no longer holds."""
+        """Why this job's lease on the group was lost (the orchestrator refused a heartbeat: its lease expired), or
+        is not confirmed now (no heartbeat answered for longer than the TTL: the orchestrator unreachable, or this
+        process was paused), or None while it holds (or without heartbeats). Lets a caller stop before acting on
+        accelerators it may no longer hold; an unconfirmed lease turns None again once a heartbeat is answered."""
         beat = self._beats.get(self._ids(job_id, group_id))
-        return beat.lost if beat else None
+        return beat.why_not_held() if beat else None
 
 
 class TimeSliceOrchestratorClient(_JobAndGroup):
@@ -558,29 +560,59 @@ class _AsyncHeld:
 
 class _LeaseRenewal:
     """What the sync and async heartbeat loops share: the request, the period (ttl/3) and the rule
-    for giving up. A refusal (stale token, not the holder) or an orchestrator unreachable for longer
-    than the TTL records ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`."""
+    for giving up. Only the orchestrator's refusal (its lease expired, a stale token, not the holder) records
+    ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`. No heartbeat answered for longer
+    than the TTL (the orchestrator unreachable or stalled, or this process paused: SIGSTOP, a debugger) records
+    ``unconfirmed`` and renewing goes on: the next answer says whether the lease was kept (an orchestrator that
+    could not run does not count that time against the holder) or reclaimed (then ``lost``)."""
 
     def __init__(self, job: str, group: str, token: int, ttl_s: float) -> None:
         self.job, self.group, self.token, self.ttl_s = job, group, token, ttl_s
         self.period = max(0.05, ttl_s / 3)
         self.rpc_timeout = max(0.5, self.period)
         self.lost: str | None = None
+        self.unconfirmed: str | None = None
         self.last_ok = time.monotonic()
 
     def request(self) -> lease_pb2.HeartbeatRequest:
         return lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group, fencing_token=self.token)
 
+    def renewed(self) -> None:
+        """Record an answered heartbeat: the lease is held (again)."""
+        now = time.monotonic()
+        if self.unconfirmed is not None:
+            _log.warning(
+                "job=%s group=%s lease confirmed by the orchestrator again after %.1f s without an answer",
+                self.job,
+                self.group,
+                now - self.last_ok,
+            )
+            self.unconfirmed = None
+        self.last_ok = now
+
     def failed(self, exc: grpc.RpcError) -> bool:
         """Record a failed renewal; True when the lease is lost and renewing must stop."""
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
             self.lost = exc.details()
-        elif time.monotonic() - self.last_ok > self.ttl_s:
-            self.lost = f"no heartbeat reached the orchestrator for {self.ttl_s:g} s ({exc.code().name})"
-        else:
-            return False
-        _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
-        return True
+            _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
+            return True
+        silent_s = time.monotonic() - self.last_ok
+        if silent_s > self.ttl_s and self.unconfirmed is None:
+            self.unconfirmed = (
+                f"no heartbeat answered for {silent_s:.1f} s, longer than the lease TTL ({self.ttl_s:g} s; last error "
+                f"{exc.code().name}): the group may have been reclaimed; renewing until the orchestrator answers"
+            )
+            _log.error("job=%s group=%s lease not confirmed: %s", self.job, self.group, self.unconfirmed)
+        return False
+
+    def why_not_held(self) -> str | None:
+        """Why the lease is lost, or not confirmed now (see the class), or None while it is held."""
+        if self.lost is not None:
+            return self.lost
+        silent_s = time.monotonic() - self.last_ok
+        if self.unconfirmed is None and silent_s > self.ttl_s:  # this process was paused: not renewed since
+            return f"no heartbeat answered for {silent_s:.1f} s, longer than the lease TTL ({self.ttl_s:g} s)"
+        return self.unconfirmed
 
 
 class _Heartbeat(_LeaseRenewal):
@@ -604,7 +636,7 @@ class _Heartbeat(_LeaseRenewal):
         while True:
             try:
                 self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout, metadata=self._md)
-                self.last_ok = time.monotonic()
+                self.renewed()
             except grpc.RpcError as exc:
                 if self.failed(exc):
                     return
@@ -629,7 +661,7 @@ class _AsyncHeartbeat(_LeaseRenewal):
         while True:
             try:
                 await self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout)
-                self.last_ok = time.monotonic()
+                self.renewed()
             except grpc.RpcError as exc:
                 if self.failed(exc):
                     return

@@ -103,10 +103,13 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         conn.outbox.put_nowait(pb.GateCommand(state=self._snapshot()))
         reader = asyncio.get_running_loop().create_task(self._read(conn, request_iterator))
         keepalive = pb.GateCommand(keepalive=pb.KeepAlive())
+        # At least three keepalives per stale_after_s the gate announced: it counts its view current only that
+        # long after the last command it processed (epp_plugin/gate/subscription.py).
+        period = min(self.keepalive_s, conn.stale_after_s / 3) if conn.stale_after_s > 0 else self.keepalive_s
         try:
             while True:
                 try:
-                    cmd = await asyncio.wait_for(conn.outbox.get(), self.keepalive_s)
+                    cmd = await asyncio.wait_for(conn.outbox.get(), period)
                 except TimeoutError:
                     cmd = keepalive
                 if cmd is None:

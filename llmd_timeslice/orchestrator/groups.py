@@ -141,6 +141,9 @@ class Lease:
     token: int
     ttl_s: float
     expires_at: float | None = None
+    stall_credit_s: float = 0.0
+    """Seconds added to ``expires_at`` since the last heartbeat because the orchestrator itself could not run
+    (a stall: it could not hear the holder meanwhile); reset by each heartbeat."""
 
 
 @dataclass(frozen=True)
@@ -584,6 +587,24 @@ class Group:
         ):
             self._enter(P.HELD, C.LEASE_EXPIRED)  # a heartbeat renewed it meanwhile, or another grant
             return
+        # Time the orchestrator could not run does not count against the holder: its heartbeats waited in a socket.
+        heard_at = lease.expires_at - lease.ttl_s - lease.stall_credit_s
+        credit = self._orch.clock.stalled_s(heard_at)
+        if credit > lease.stall_credit_s + 1e-6:
+            lease.stall_credit_s = credit
+            lease.expires_at = heard_at + lease.ttl_s + credit
+            if now < lease.expires_at:
+                log.warning(
+                    "group=%s job=%s lease kept %.1f s longer: this orchestrator could not run for %.1f s since the "
+                    "holder's last heartbeat (a stall of its process), so it could not hear the holder meanwhile",
+                    self.group_id,
+                    lease.job_id,
+                    lease.expires_at - now,
+                    credit,
+                )
+                self._arm_lease_timer(lease)
+                self._enter(P.HELD, C.LEASE_EXPIRED)
+                return
         why = (
             f"its lease (token {lease.token}) expired: no heartbeat for {lease.ttl_s:g} s, so the group was "
             "reclaimed; restart the job from its last checkpoint and acquire again"
@@ -602,6 +623,7 @@ class Group:
             if lease.expires_at is None:
                 self._dirty = True  # armed: persisted, so a restarted orchestrator keeps expiring it
             lease.expires_at = clock.now() + lease.ttl_s
+            lease.stall_credit_s = 0.0
             self._arm_lease_timer(lease)
         return replace(lease)
 
@@ -1251,6 +1273,8 @@ class Orchestrator:
     async def start(self, reconcile: bool = True) -> None:
         """Start every group: a held group publishes its samplers ASLEEP; with ``reconcile``, a free group's
         samplers are woken and verified (a no-op on an awake engine) before this returns."""
+        if isinstance(self.clock, LoopClock):
+            self.clock.start_stall_probe()
         await asyncio.gather(*(g.ask(Command(C.START, reconcile=reconcile)) for g in self.groups.values()))
 
     def start_repair(self, first_s: float = 2.0, max_s: float = 60.0, audit_interval_s: float = 0.0) -> None:
@@ -1284,6 +1308,8 @@ class Orchestrator:
 
     async def close(self) -> None:
         """Stop every group's task; pending acquires fail with SwitchFailed."""
+        if isinstance(self.clock, LoopClock):
+            self.clock.stop_stall_probe()
         if self._audit_timer is not None:
             self._audit_timer.cancel()
             self._audit_timer = None
