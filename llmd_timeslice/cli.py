@@ -154,17 +154,15 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     assert s.inventory is not None  # OrchestratorSettings requires it with static discovery
     inv = load_inventory(s.inventory)
     _metrics(s.metrics_port, s.host)
-    stepped_down = False
 
     async def main() -> None:
-        nonlocal stepped_down
         api = k8s.make_api_client(s.kubernetes.kubeconfig) if s.state_configmap else None
         state_store, election = _cluster_state(s, api, store)
         srv = server(inv, state_store=state_store, election=election)
         try:
             await srv.start()
             await srv.stepped_down.wait()
-            stepped_down = True
+            await _exit_stepped_down(srv)
         finally:
             await srv.stop()
             if api is not None:
@@ -175,11 +173,23 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     except k8s.KubernetesError as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if stepped_down:
-        raise typer.Exit(_STEPPED_DOWN_EXIT_CODE)
 
 
-_STEPPED_DOWN_EXIT_CODE = 3  # llmd_timeslice.orchestrator.server.STEPPED_DOWN_EXIT_CODE (not imported: startup cost)
+async def _exit_stepped_down(srv) -> None:
+    """A deposed leader exits at once with STEPPED_DOWN_EXIT_CODE (Kubernetes restarts it as a follower): it stops
+    what it can within 5 s, then leaves without waiting for calls still hanging in worker threads (a node cut off
+    from the API server)."""
+    import os
+
+    from llmd_timeslice.orchestrator.server import STEPPED_DOWN_EXIT_CODE
+
+    try:
+        await asyncio.wait_for(srv.stop(), 5.0)
+    except Exception as exc:  # TimeoutError included: leaving anyway
+        logging.getLogger(__name__).warning("stopping after stepping down: %r", exc)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(STEPPED_DOWN_EXIT_CODE)
 
 
 def _cluster_state(s: OrchestratorSettings, api, store):
@@ -226,7 +236,6 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
         sleep_level=k.sleep_level,
         drain_timeout_s=k.drain_timeout_s,
     )
-    stepped_down: list[bool] = []
 
     async def main() -> None:
         api = k8s.make_api_client(k.kubeconfig)
@@ -259,7 +268,8 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
             applying = asyncio.create_task(apply_changes())
             await srv.stepped_down.wait()
             applying.cancel()
-            stepped_down.append(True)
+            await disc.stop()
+            await _exit_stepped_down(srv)
         finally:
             await disc.stop()
             await srv.stop()
@@ -270,8 +280,6 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
     except k8s.KubernetesError as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if stepped_down:
-        raise typer.Exit(_STEPPED_DOWN_EXIT_CODE)
 
 
 @settings_command(app, "sidecar", short_help="Run a snapshot sidecar for one engine (sleep / wake).")

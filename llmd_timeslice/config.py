@@ -347,9 +347,7 @@ class OrchestratorSettings(_Section):
     renew_deadline_s: Duration = Field(
         10.0, gt=1, le=600, description="The leader steps down when it could not renew the Lease for this long."
     )
-    retry_period_s: Duration = Field(
-        2.0, ge=1, le=60, description="Between attempts to take or renew the Lease."
-    )
+    retry_period_s: Duration = Field(2.0, ge=1, le=60, description="Between attempts to take or renew the Lease.")
     token_file: Path | None = _token_file()
     job_tokens_file: Path | None = Field(
         None,

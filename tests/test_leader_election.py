@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from kubernetes.leaderelection.leaderelectionrecord import LeaderElectionRecord
 
 from llmd_timeslice.discovery.kubernetes import make_api_client
-from llmd_timeslice.orchestrator.election import LeaderElector, check_timings
+from llmd_timeslice.orchestrator.election import LeaderElector, TermLeaseLock, check_timings
 from tests.support.kube_api import FakeKubeApi
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,9 +42,22 @@ async def test_three_candidates_racing_for_a_free_lease_elect_exactly_one(apiser
         assert apiserver.lease("ml", "orch")["holderIdentity"] == leaders[0].identity
         assert leaders[0].term == 1 and not leaders[0].lost.is_set()
         assert all(c.leader == leaders[0].identity for c in cands), "followers know who leads"
-        assert apiserver.conflicts >= 1, "the racers were refused by the API server (409), not by luck"
+        assert apiserver.lease("ml", "orch").get("leaseTransitions") == 0, "the Lease never changed hands"
     finally:
         await asyncio.gather(*(c.stop() for c in cands))
+
+
+def test_two_writers_of_one_lease_version_one_wins_the_other_gets_409(apiserver):
+    """What decides a race for a Lease: both read it at one resourceVersion, both replace it; the API server takes
+    the first write and answers the second 409 Conflict, so the second candidate does not lead."""
+    first = TermLeaseLock(make_api_client(host=apiserver.url), "orch", "ml", "first")
+    second = TermLeaseLock(make_api_client(host=apiserver.url), "orch", "ml", "second")
+    first.create("orch", "ml", LeaderElectionRecord("nobody", "2", "2026-01-01 00:00:00", "2026-01-01 00:00:00"))
+    assert first.get("orch", "ml")[0] and second.get("orch", "ml")[0]
+    assert first.update("orch", "ml", LeaderElectionRecord("first", "2", "2026-01-01 00:00:01", "2026-01-01 00:00:01"))
+    assert not second.update("orch", "ml", LeaderElectionRecord("second", "2", "2026-01-01 00:00:01", "2026-01-01 00:00:01"))
+    assert apiserver.conflicts == 1 and apiserver.lease("ml", "orch")["holderIdentity"] == "first"
+    assert first.term == 2, "the holder changed (nobody -> first): leaseTransitions 1, term 2"
 
 
 async def test_a_released_lease_goes_to_the_follower_with_a_higher_term(apiserver):

@@ -27,9 +27,11 @@ returns the term once this candidate leads; ``lost`` is set (from the thread, th
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
@@ -62,7 +64,8 @@ class TermLeaseLock(LeaseLock):
         self.term = 0
         """``leaseTransitions + 1`` of the Lease this candidate last wrote as holder (0: never held)."""
         self.observed_holder: str | None = None
-        self.on_observed = None  # called (in the election thread) with the holder read from the Lease
+        self.on_observed: Callable[[str | None], None] | None = None
+        """Called in the election thread with the holder read from the Lease."""
         self.request_timeout_s: float | None = None
         """Most seconds one API call may take (the library passes none: a call to an unreachable API server would
         hang, and the leader would never step down by itself); :class:`LeaderElector` sets ``renew_deadline_s``."""
@@ -183,7 +186,12 @@ class LeaderElector:
     ) -> None:
         check_timings(lease_duration_s, renew_deadline_s, retry_period_s)
         self.identity = identity
-        self.lock = TermLeaseLock(api_client, name, namespace, identity)
+        # An ApiClient of its own without urllib3's retries (3 by default): one Lease call takes at most
+        # renew_deadline_s, so a leader cut off from the API server gives up after about renew_deadline_s.
+        cfg = copy.deepcopy(api_client.configuration)
+        cfg.retries = 0
+        self._api = client.ApiClient(cfg)
+        self.lock = TermLeaseLock(self._api, name, namespace, identity)
         self.lock.request_timeout_s = renew_deadline_s
         self.lease_duration_s, self.renew_deadline_s, self.retry_period_s = (
             int(lease_duration_s),
@@ -276,3 +284,5 @@ class LeaderElector:
             log.info("%s released the Lease: %s", self.identity, released)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, self.retry_period_s + 2.0)
+        if self._thread is None or not self._thread.is_alive():
+            self._api.close()

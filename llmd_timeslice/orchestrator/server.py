@@ -38,6 +38,9 @@ from llmd_timeslice.orchestrator.switch import SwitchActions
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051  # upstream default
+LIVENESS_SERVICE = "llmd_timeslice.v1alpha1.OrchestratorLiveness"
+"""gRPC health service that is SERVING while the process serves at all, leader or not (the liveness probe); the
+overall health ("") is SERVING only on the leader once its state is restored (the readiness probe)."""
 STEPPED_DOWN_EXIT_CODE = 3
 """Exit code of ``llmd-timeslice orchestrator`` after it stepped down (deposed leader): Kubernetes restarts it as a
 follower with nothing of the old term left in memory (as client-go controllers exit when they stop leading)."""
@@ -64,15 +67,18 @@ class _LeaderOnly(aio.ServerInterceptor):
 
 
 class _ConflictWatch:
-    """The state store, telling the server when a save met another writer (a newer leader wrote the ConfigMap)."""
+    """The state store of a leader: no write once it stepped down, and a save that met another writer (a newer
+    leader wrote the ConfigMap) tells the server."""
 
-    def __init__(self, store: StateStore, on_conflict) -> None:
-        self._store, self._on_conflict = store, on_conflict
+    def __init__(self, store: StateStore, on_conflict, stepped_down: asyncio.Event) -> None:
+        self._store, self._on_conflict, self._stepped_down = store, on_conflict, stepped_down
 
     def load(self) -> dict | None:
         return self._store.load()
 
     def save(self, state: dict) -> None:
+        if self._stepped_down.is_set():
+            raise StateConflict("this orchestrator stepped down (deposed leader): it writes no state")
         try:
             self._store.save(state)
         except StateConflict as exc:
@@ -179,6 +185,7 @@ class OrchestratorServer:
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
+        await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         saved = None
         if self.election is not None:
             await hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -229,6 +236,7 @@ class OrchestratorServer:
             self.state_store = _ConflictWatch(
                 self.state_store,
                 lambda why: loop.call_soon_threadsafe(self.step_down, f"the state ConfigMap was written by another: {why}"),
+                self.stepped_down,
             )
         e.start()
         log.info("orchestrator %s: candidate for Lease %s/%s", e.identity, e.lock.namespace, e.lock.name)

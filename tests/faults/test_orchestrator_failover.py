@@ -26,8 +26,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceError
-from llmd_timeslice.discovery.kubernetes import make_api_client
-from llmd_timeslice.orchestrator.election import TermLeaseLock
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.cli import CliProcess
@@ -49,11 +47,11 @@ TAKEOVER_BOUND_S = LEASE["lease_duration_s"] + LEASE["retry_period_s"] + 20.0
 class Orchestrator(CliProcess):
     """``llmd-timeslice orchestrator --leader-election`` as a child process named ``name`` (its POD_NAME)."""
 
-    def __init__(self, name: str, inventory: str, kubeconfig: str, token_file: str, logdir) -> None:
+    def __init__(self, name: str, inventory: str, kubeconfig: str, token_file: str, logdir, lease: dict) -> None:
         port = port_for.select_random()
         args = ["orchestrator", "--inventory", inventory, "--port", str(port), "--metrics-port", "0"]
         args += ["--state-configmap", "orch-state", "--leader-election", "--kubeconfig", kubeconfig, "--namespace", NS]
-        for k, v in LEASE.items():
+        for k, v in lease.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         args += ["--engine-audit-interval-s", "0", "--token-file", token_file, "--log-level", "info"]
         super().__init__(args, port, logdir / f"orchestrator-{name}.log", env={"POD_NAME": name})
@@ -63,7 +61,7 @@ class Orchestrator(CliProcess):
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as ch:
                 r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.3)
-        except (grpc.RpcError, asyncio.TimeoutError):
+        except (TimeoutError, grpc.RpcError):
             return False
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -115,8 +113,13 @@ class Service:
 
 
 @pytest.fixture
-async def pair(tmp_path):
-    st: dict = {}
+def lease() -> dict:
+    return LEASE
+
+
+@pytest.fixture
+async def pair(tmp_path, lease):
+    st: dict = {"lease": lease}
     api = st["api"] = FakeKubeApi()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -137,11 +140,11 @@ async def pair(tmp_path):
             {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
             for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))
         ]
-        inv.write_text(json.dumps({"groups": [{"group_id": "g", "drain_timeout_s": 5, "lease_ttl_s": 2, "samplers": samplers}]}))
-        a = st["a"] = Orchestrator("orch-a", str(inv), kc_a, str(token_file), tmp_path)
-        b = st["b"] = Orchestrator("orch-b", str(inv), kc_b, str(token_file), tmp_path)
+        inv.write_text(json.dumps({"groups": [{"group_id": "g", "drain_timeout_s": 5, "lease_ttl_s": 1, "samplers": samplers}]}))
+        a = st["a"] = Orchestrator("orch-a", str(inv), kc_a, str(token_file), tmp_path, lease)
+        b = st["b"] = Orchestrator("orch-b", str(inv), kc_b, str(token_file), tmp_path, lease)
         await a.start()
-        await until(lambda: api.lease(NS, "llmd-timeslice-orchestrator").get("holderIdentity", "").startswith("orch-a"), what="A leads")
+        await until(lambda: _holder(api).startswith("orch-a"), what="A leads")
         await b.start()
         svc = st["svc"] = await Service([a, b]).start()
         await until(lambda: svc.proxy.target[1] == a.port, what="the Service routes to A")
@@ -196,20 +199,18 @@ async def _acquire_until_granted(address: str, deadline_s: float) -> AsyncTimeSl
             await asyncio.sleep(0.2)
 
 
-async def test_two_replicas_elect_one_and_the_other_refuses_naming_the_leader(pair):
-    a, b, api = pair["a"], pair["b"], pair["api"]
+async def test_leader_killed_mid_switch_the_new_leader_grants_the_waiting_acquire(pair):
+    """Also: of the two replicas exactly one leads (the racing candidates: tests/test_leader_election.py)."""
+    a, b, api, engines, pool, addrs = pair["a"], pair["b"], pair["api"], pair["engines"], pair["pool"], pair["addrs"]
+    # One leads: only it is Ready, and the follower refuses naming it.
     assert await a.serving() and not await b.serving(), "only the leader is Ready"
-    client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{b.port}", job_id="trainer", group_id="g", token=TOKEN)
+    follower = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{b.port}", job_id="trainer", group_id="g", token=TOKEN)
     try:
         with pytest.raises(LeaseError, match=r"orch-b.* is not the leader; the leader is orch-a"):
-            await client.acquire(timeout_sec=5)
+            await follower.acquire(timeout_sec=5)
     finally:
-        await client.close()
+        await follower.close()
     assert _term(api) == 1 and pair["gate"].subscription.highest_term == 1
-
-
-async def test_leader_killed_mid_switch_the_new_leader_grants_the_waiting_acquire(pair):
-    a, b, api, engines, pool, addrs = pair["a"], pair["b"], pair["api"], pair["engines"], pair["pool"], pair["addrs"]
     for e in engines:
         e.sleep_delay_s = 1.0
     loop = asyncio.get_running_loop()
@@ -237,6 +238,12 @@ async def test_leader_killed_mid_switch_the_new_leader_grants_the_waiting_acquir
         await client.close()
 
 
+# Longer than the trainer's lease (1 s): a thawed A, cut off from the API server, believes it leads until one Lease
+# call times out (renew_deadline_s), long enough to send its late commands.
+FROZEN_LEASE = {"lease_duration_s": 4, "renew_deadline_s": 3, "retry_period_s": 1}
+
+
+@pytest.mark.parametrize("lease", [FROZEN_LEASE], ids=["lease4s"])
 @pytest.mark.parametrize("refused_by", ["sidecar", "gate"])
 async def test_leader_frozen_past_its_lease_is_fenced_after_the_takeover_and_steps_down(pair, refused_by, caplog):
     a, b, api, engines, pool, addrs, gate = (
@@ -247,7 +254,7 @@ async def test_leader_frozen_past_its_lease_is_fenced_after_the_takeover_and_ste
         # A grants and arms the trainer's lease (heartbeats): A's lease timer will fire when A thaws.
         client = AsyncTimeSliceOrchestratorClient(svc.address, job_id="trainer", group_id="g", token=TOKEN)
         await client.acquire(timeout_sec=30)
-        await asyncio.sleep(0.8)  # a heartbeat arms the 2 s lease
+        await asyncio.sleep(0.5)  # a heartbeat arms the trainer's 1 s lease
         assert all(e.level == 1 for e in engines)
     a.signal(signal.SIGSTOP)
     if refused_by == "sidecar":
