@@ -195,6 +195,27 @@ class OrchestratorServer:
             self._set_term(max(self.election.lock.term, int((saved or {}).get("term") or 0) + 1))
         elif self.state_store is not None:
             saved = await asyncio.to_thread(self.state_store.load)
+        try:
+            await self._restore_and_start(saved)
+        except Exception:
+            if not self.stepped_down.is_set():
+                raise
+            log.warning("take-over not finished: stepped down meanwhile (%s)", self.step_down_reason)
+        if self.stepped_down.is_set():
+            return
+        self.serving = True
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.ready.set()
+        log.info(
+            "orchestrator %s:%d groups=%s%s",
+            self.host,
+            self.port,
+            sorted(self.orchestrator.groups),
+            f" leader term={self.term}" if self.election is not None else "",
+        )
+
+    async def _restore_and_start(self, saved: dict | None) -> None:
+        """Restore ``saved`` (the state store's), persist every change from here on, start the groups (reconcile)."""
         if self.state_store is not None:
             if saved:
                 todo = self.orchestrator.restore(saved)
@@ -214,18 +235,6 @@ class OrchestratorServer:
         # Held groups publish their samplers ASLEEP; free groups' samplers are woken and verified (reconcile).
         await self.orchestrator.start(reconcile=self._reconcile)
         self.orchestrator.start_repair(audit_interval_s=self.engine_audit_interval_s)
-        if self.stepped_down.is_set():
-            return
-        self.serving = True
-        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.ready.set()
-        log.info(
-            "orchestrator %s:%d groups=%s%s",
-            self.host,
-            self.port,
-            sorted(self.orchestrator.groups),
-            f" leader term={self.term}" if self.election is not None else "",
-        )
 
     async def _take_over(self) -> None:
         """Campaign; return once this replica leads (its fencing hooks armed, the Lease watched)."""
