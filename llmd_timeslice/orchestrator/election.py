@@ -277,12 +277,14 @@ class LeaderElector:
         return self.lock.term
 
     async def stop(self, release: bool = False) -> None:
-        """Stop campaigning or leading; with ``release`` (and leading), hand the Lease back first."""
+        """Stop campaigning or leading; with ``release`` (and leading), then hand the Lease back (after the election
+        thread ended, so that no renewal in flight writes it again: at most a retry period later)."""
         self.lock.stopped.set()
-        if release and self.leading.is_set() and not self.lost.is_set():
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, self.retry_period_s + self.renew_deadline_s + 1.0)
+        alive = self._thread is not None and self._thread.is_alive()
+        if release and self.leading.is_set() and not self.lost.is_set() and not alive:
             released = await asyncio.to_thread(self.lock.release)
             log.info("%s released the Lease: %s", self.identity, released)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, self.retry_period_s + 2.0)
-        if self._thread is None or not self._thread.is_alive():
+        if not alive:
             self._api.close()
