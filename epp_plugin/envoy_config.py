@@ -125,7 +125,9 @@ _BIG_THRESHOLDS = {
             "max_connections": 100_000,
             "max_pending_requests": 100_000,
             "max_requests": 100_000,
-            "max_retries": 10,
+            # Each retried check (the gate restarting) and each retried connect (an engine dying) is one retry in
+            # flight: thousands at once when a whole hold queue rides out a gate restart.
+            "max_retries": 100_000,
         }
     ]
 }
@@ -164,6 +166,11 @@ class EnvoyRouterConfig:
     ``/v1/...`` goes to ``pool``."""
     gate_edge: str = "ext_authz"
     authz_port: int | None = None
+    request_body_buffer_bytes: int = 16 * 1024 * 1024
+    """Route ``request_body_buffer_limit``: how much of a request body Envoy keeps, so that a retry after a refused
+    connection can send it again (:data:`REQUEST_BODY_BUFFER_BYTES`)."""
+    gate_check_retries: int = 10
+    """Fast path: how often Envoy sends a check again when the gate could not answer it (:func:`authz_retry_policy`)."""
 
     def __post_init__(self) -> None:
         if self.gate_edge not in GATE_EDGES:
@@ -285,12 +292,13 @@ def epp_filter(cluster: str, pool: str, message_timeout_s: float = 5.0) -> dict:
     }
 
 
-def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False) -> dict:
+def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False, retries: int | None = None) -> dict:
     """The gate's ext_authz ``http_service``: checks to ``cluster`` (HTTP/1.1), hold-capable timeout, what goes
     in (pool, Envoy id, pick) and what comes back (see :mod:`epp_plugin.gate.ext_authz`)."""
     to_add = [{"key": protocol.POOL_HEADER, "value": pool}, {"key": protocol.ENVOY_ID_HEADER, "value": ENVOY_ID_VALUE}]
     if picks:
         to_add.append({"key": protocol.PICK_HEADER, "value": protocol.PICK_LEAST_IN_FLIGHT})
+        to_add.append({"key": protocol.EDS_HEADER, "value": "1"})
 
     def exact(*names: str) -> dict:
         return {"patterns": [{"exact": n} for n in names]}
@@ -298,6 +306,7 @@ def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: boo
     return {
         # Answered once the request is admitted: a hold lasts up to max_hold_s (then the gate answers 503).
         "server_uri": {"uri": "http://llmd-timeslice-gate", "cluster": cluster, "timeout": _dur(max_hold_s + 10)},
+        "retry_policy": authz_retry_policy(max_hold_s + 10, AUTHZ_RETRIES if retries is None else retries),
         "authorization_request": {"headers_to_add": to_add},
         "authorization_response": {
             "allowed_upstream_headers": exact(
@@ -310,13 +319,51 @@ def authz_http_service(cluster: str, pool: str, max_hold_s: float, *, picks: boo
     }
 
 
-def authz_filter(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False, failure_mode_allow: bool = False) -> dict:
-    """The gate's ext_authz filter (fast path). ``picks``: no EPP follows, the gate names the endpoint."""
+AUTHZ_RETRY_ON = "connect-failure,reset"
+AUTHZ_RETRIES = 10
+AUTHZ_RETRY_BASE_S = 0.5
+
+
+def authz_retry_policy(check_timeout_s: float, retries: int = AUTHZ_RETRIES) -> dict:
+    """``HttpService.retry_policy`` of the gate's check: a check whose connection to the gate broke (the gate died
+    while holding it: ``reset``) or could not connect (the gate restarting: ``connect-failure``) is sent again, up to
+    ``retries`` times, so a held request is held again by the restarted gate instead of failing. A check the gate
+    answered is never retried (the gate answers every refusal below 500). After the last retry, or at the check's
+    overall timeout, Envoy answers ``status_on_error`` (503), which :func:`refusal_local_reply` turns into the
+    retryable refusal ``gate_unavailable``.
+
+    Envoy turns this policy into a route retry policy whose **per-try timeout is the back-off's** ``max_interval``
+    (``source/common/http/utility.cc``, ``convertCoreToRouteRetryPolicy``), so ``max_interval`` is the check's own
+    timeout (``check_timeout_s``, above the hold limit): a smaller one cut every hold longer than it and sent the
+    check again (measured with 2 s: ``upstream_rq_per_try_timeout``, the held request lost its place in the FIFO).
+    Back-off waits are jittered, uniform below 0.5 s doubling per retry (``JitteredExponentialBackOffStrategy``):
+    the first four retries span about 4 s on average, the ten about 4 minutes, all within the overall timeout.
+    (``envoy/extensions/filters/http/ext_authz/v3/ext_authz.proto``, ``HttpService.retry_policy``, a
+    ``config.core.v3.RetryPolicy``; present before Envoy 1.37, whose changelog makes the HTTP client honour its
+    ``retry_on``: ``changelogs/1.37.0.yaml``; measured with 1.40: ``tests/test_gate_restart.py``.)"""
+    return {
+        "retry_on": AUTHZ_RETRY_ON,
+        "num_retries": retries,
+        "retry_back_off": {"base_interval": _dur(AUTHZ_RETRY_BASE_S), "max_interval": _dur(check_timeout_s)},
+    }
+
+
+def authz_filter(
+    cluster: str,
+    pool: str,
+    max_hold_s: float,
+    *,
+    picks: bool = False,
+    failure_mode_allow: bool = False,
+    retries: int | None = None,
+) -> dict:
+    """The gate's ext_authz filter (fast path). ``picks``: no EPP follows, the gate names the endpoint; ``retries``:
+    of a check the gate could not answer (:func:`authz_retry_policy`)."""
     return {
         "name": AUTHZ_FILTER_NAME,
         "typed_config": {
             "@type": AUTHZ_TYPE,
-            "http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks),
+            "http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks, retries=retries),
             # From the client: only what the gate reads (plus Envoy's fixed host/method/path); not its credentials.
             "allowed_headers": {"patterns": [{"exact": protocol.MIN_WEIGHT_VERSION_HEADER}]},
             "disallowed_headers": {"patterns": [{"exact": "authorization"}]},
@@ -327,11 +374,11 @@ def authz_filter(cluster: str, pool: str, max_hold_s: float, *, picks: bool = Fa
     }
 
 
-def authz_per_route(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False) -> dict:
+def authz_per_route(cluster: str, pool: str, max_hold_s: float, *, picks: bool = False, retries: int | None = None) -> dict:
     """Per-route override of the ext_authz filter naming the route's pool (``typed_per_filter_config``)."""
     return {
         "@type": AUTHZ_PER_ROUTE_TYPE,
-        "check_settings": {"http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks)},
+        "check_settings": {"http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks, retries=retries)},
     }
 
 
@@ -393,10 +440,15 @@ def gate_access_log(cluster: str) -> dict:
 
 def gate_upstream_log(cluster: str) -> dict:
     """Router ``upstream_log`` entry: the endpoint an admitted request went to, as its upstream stream starts
-    (``UpstreamPoolReady``; needs the router's ``flush_upstream_log_on_upstream_stream``). Only with an EPP:
-    then a request stops counting against the other endpoints of its subset hint before it ends."""
+    (``UpstreamPoolReady``; needs the router's ``flush_upstream_log_on_upstream_stream``), so a request stops
+    counting against the other endpoints it could reach before it ends; and every attempt whose connection failed
+    (``response_flag_filter`` ``UF``: Envoy writes the attempt's ``UpstreamEnd`` entry with the endpoint's
+    address), so the gate stops steering to a dead endpoint on its first refused connection."""
     ready = {"log_type_filter": {"types": ["UpstreamPoolReady"]}}
-    return _grpc_access_log(cluster, ACCESS_LOG_NAME, {"and_filter": {"filters": [_ADMITTED, ready]}})
+    failed = {"response_flag_filter": {"flags": ["UF"]}}
+    return _grpc_access_log(
+        cluster, ACCESS_LOG_NAME, {"and_filter": {"filters": [_ADMITTED, {"or_filter": {"filters": [ready, failed]}}]}}
+    )
 
 
 def router_filter(upstream_log_cluster: str | None = None) -> dict:
@@ -408,9 +460,84 @@ def router_filter(upstream_log_cluster: str | None = None) -> dict:
     return {"name": "envoy.filters.http.router", "typed_config": config}
 
 
+GATE_UNAVAILABLE = "gate_unavailable"
+GATE_UNAVAILABLE_MESSAGE = "the time-slice gate could not be reached (restarting or down); retry"
+
+
+def gate_unavailable_headers() -> list[dict]:
+    """``headers_to_add`` of a local reply that makes a failed gate call the retryable refusal ``gate_unavailable``."""
+    return [
+        {"header": {"key": k, "value": v}, "append_action": "ADD_IF_ABSENT"}
+        for k, v in ((protocol.REASON_HEADER, GATE_UNAVAILABLE), ("retry-after", "1"))
+    ]
+
+
+def gate_error_mapper_authz() -> dict:
+    """Local-reply mapper (fast path): Envoy's own 503 when the gate check failed (gate unreachable after the
+    retries, its connection reset, the check timed out: ``status_on_error``, flagged ``UAEX``, no body) becomes the
+    retryable refusal ``gate_unavailable``: ``x-llmd-timeslice-reason``, ``retry-after: 1`` and the JSON body of the
+    gate's own refusals. The gate's own 503 refusals are matched first (by their metadata) and keep theirs."""
+    return {
+        "filter": {
+            "and_filter": {
+                "filters": [
+                    {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 503, "runtime_key": "-"}}}},
+                    {"response_flag_filter": {"flags": ["UAEX"]}},
+                ]
+            }
+        },
+        "headers_to_add": gate_unavailable_headers(),
+        "body_format_override": gate_unavailable_body(),
+    }
+
+
+def gate_unavailable_body() -> dict:
+    """``body_format_override`` of the ``gate_unavailable`` refusal: the JSON body of the gate's own refusals."""
+    return {"json_format": {"error": {"type": GATE_UNAVAILABLE, "message": GATE_UNAVAILABLE_MESSAGE}}}
+
+
+def gate_error_local_reply_ext_proc() -> dict:
+    """HCM ``local_reply_config`` of the ext_proc edge: Envoy's own 503 for a request the gate never admitted (its
+    ext_proc stream failed: gate down, restarting, or killed while holding the request; ``status_on_error``, no
+    body) gets ``x-llmd-timeslice-reason: gate_unavailable`` and ``retry-after: 1``. A request the gate admitted has
+    the subset hint in its dynamic metadata and is left alone; the match is on that key being absent (a
+    ``metadata_filter`` whose value never matches, ``match_if_key_not_found: true``). The gate's own refusals on
+    this edge are local replies too: they already carry both headers (``ADD_IF_ABSENT`` keeps theirs) and keep
+    their body, since the body is not rewritten here."""
+    return {
+        "mappers": [
+            {
+                "filter": {
+                    "and_filter": {
+                        "filters": [
+                            {
+                                "status_code_filter": {
+                                    "comparison": {"op": "EQ", "value": {"default_value": 503, "runtime_key": "-"}}
+                                }
+                            },
+                            {
+                                "metadata_filter": {
+                                    "matcher": {
+                                        "filter": protocol.SUBSET_HINT_NAMESPACE,
+                                        "path": [{"key": protocol.SUBSET_HINT_KEY}],
+                                        "value": {"string_match": {"exact": "llmd-timeslice-never"}},
+                                    },
+                                    "match_if_key_not_found": True,
+                                }
+                            },
+                        ]
+                    }
+                },
+                "headers_to_add": gate_unavailable_headers(),
+            }
+        ]
+    }
+
+
 def refusal_local_reply() -> dict:
-    """HCM ``local_reply_config``: a gate refusal the ext_authz answer carried as 429 with
-    ``x-llmd-timeslice-status: 503`` reaches the client as 503 (body and headers kept)."""
+    """HCM ``local_reply_config`` of the fast path: a gate refusal the ext_authz answer carried as 429 with
+    ``x-llmd-timeslice-status: 503`` reaches the client as 503 (body and headers kept); then
+    :func:`gate_error_mapper_authz` (the gate could not answer). Mappers apply in order, the first match only."""
     return {
         "mappers": [
             {
@@ -425,7 +552,8 @@ def refusal_local_reply() -> dict:
                     }
                 },
                 "status_code": 503,
-            }
+            },
+            gate_error_mapper_authz(),
         ]
     }
 
@@ -447,14 +575,36 @@ def authz_cluster(name: str, host: str, port: int) -> dict:
     }
 
 
+REQUEST_BODY_BUFFER_BYTES = 16 * 1024 * 1024
+"""Default route ``request_body_buffer_limit`` (16 MiB, Envoy's default being the listener's 1 MiB connection buffer).
+Envoy retries only a request whose body it still holds: past the limit the router stops buffering and gives the
+retry up (``cluster.<name>.retry_or_shadow_abandoned``; measured with Envoy 1.40: a 3 MB body whose first endpoint
+refused the connection got 503 with the default limit and was served by the next endpoint with this one). The
+limit also bounds what a held request keeps in Envoy while the gate holds it (then Envoy stops reading the client:
+flow control, not an error), so it is memory per held request in the worst case. ``Route.request_body_buffer_limit``
+(``envoy/config/route/v3/route_components.proto``; ``per_request_buffer_limit_bytes`` is deprecated there)."""
+ROUTE_RETRY_ON = "connect-failure,reset-before-request"
+ROUTE_RETRIES = 2
+
+
+def route_retry_policy() -> dict:
+    """Route ``retry_policy``: retry an attempt that never reached the engine (Envoy 1.40
+    ``source/common/router/retry_state_impl.cc``, ``wouldRetryFromReset``: ``connect-failure`` retries a reset of
+    reason ``ConnectionFailure``; ``reset-before-request`` one before any byte went upstream), twice. When the gate
+    picks, each retry goes to the next endpoint it listed (:func:`gate_picks_cluster`); behind an EPP's
+    ORIGINAL_DST cluster, to the same endpoint."""
+    return {"retry_on": ROUTE_RETRY_ON, "num_retries": ROUTE_RETRIES}
+
+
 def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig, prefix_rewrite: str | None = None) -> dict:
     route: dict = {
         "match": {"prefix": prefix},
+        "request_body_buffer_limit": cfg.request_body_buffer_bytes,
         "route": {
             "cluster": "endpoints",
             "timeout": _dur(cfg.upstream_timeout_s),
             # Safe to retry: the request never reached the engine.
-            "retry_policy": {"retry_on": "reset-before-request", "num_retries": 2},
+            "retry_policy": route_retry_policy(),
         },
     }
     if prefix_rewrite is not None:
@@ -467,7 +617,7 @@ def _route(prefix: str, pool: str | None, cfg: EnvoyRouterConfig, prefix_rewrite
         per_filter = {EPP_FILTER_NAME: override} if cfg.epp_port is not None else {}
         if cfg.fast_path:
             per_filter[AUTHZ_FILTER_NAME] = authz_per_route(
-                "timeslice_gate_authz", pool, cfg.max_hold_s, picks=cfg.epp_port is None
+                "timeslice_gate_authz", pool, cfg.max_hold_s, picks=cfg.epp_port is None, retries=cfg.gate_check_retries
             )
         elif cfg.gate_port is not None:
             per_filter[GATE_FILTER_NAME] = override
@@ -527,6 +677,7 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
                 cfg.max_hold_s,
                 picks=cfg.epp_port is None,
                 failure_mode_allow=cfg.gate_failure_mode_allow,
+                retries=cfg.gate_check_retries,
             )
         )
         if cfg.epp_port is not None:
@@ -535,7 +686,7 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         filters.append(gate_filter("timeslice_gate", cfg.pool, cfg.max_hold_s, cfg.gate_failure_mode_allow))
     if cfg.epp_port is not None:
         filters.append(epp_filter("epp", cfg.pool, cfg.epp_message_timeout_s))
-    filters.append(router_filter("timeslice_gate" if cfg.fast_path and cfg.epp_port is not None else None))
+    filters.append(router_filter("timeslice_gate" if cfg.fast_path else None))
     hcm = {
         "@type": HCM_TYPE,
         "stat_prefix": "inference",
@@ -553,32 +704,19 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
     if cfg.fast_path:
         hcm["access_log"] = [gate_access_log("timeslice_gate")]
         hcm["local_reply_config"] = refusal_local_reply()
-    clusters = [
-        {
-            "name": "endpoints",
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "5s",
-            # Below uvicorn's 5 s keep-alive (vLLM's server): Envoy must not reuse a connection the
-            # engine is closing (seen as 503 "connection termination" after idle training phases).
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": HTTP_OPTIONS_TYPE,
-                    "common_http_protocol_options": {"idle_timeout": "3s"},
-                    "explicit_http_config": {"http_protocol_options": {}},
-                }
-            },
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
-            "circuit_breakers": _BIG_THRESHOLDS,
-        },
-    ]
+    elif cfg.gate_port is not None:
+        hcm["local_reply_config"] = gate_error_local_reply_ext_proc()
+    gate_picks = cfg.fast_path and cfg.epp_port is None
+    clusters = [gate_picks_cluster("timeslice_gate") if gate_picks else endpoints_cluster()]
     if cfg.epp_port is not None:
         clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
         clusters.insert(0, grpc_cluster("timeslice_gate", cfg.host, cfg.gate_port))
     if cfg.fast_path and cfg.authz_port is not None:  # __post_init__ refuses the fast path without authz_port
         clusters.insert(0, authz_cluster("timeslice_gate_authz", cfg.host, cfg.authz_port))
-    return {
+    bootstrap: dict = {
+        # xDS (the gate's EDS when it picks) names the node; the gate does not read it.
+        "node": {"id": "llmd-timeslice-router", "cluster": "llmd-timeslice-router"},
         "admin": {"address": {"socket_address": {"address": cfg.host, "port_value": cfg.admin_port}}},
         "static_resources": {
             "listeners": [
@@ -595,6 +733,112 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
             ],
             "clusters": clusters,
         },
+    }
+    return bootstrap
+
+
+OVERRIDE_HOST_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+SUBSET_LB_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset"
+ROUND_ROBIN_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+EDS_INITIAL_FETCH_TIMEOUT_S = 2.0
+
+
+def _upstream_http_options() -> dict:
+    # Below uvicorn's 5 s keep-alive (vLLM's server): Envoy must not reuse a connection the
+    # engine is closing (seen as 503 "connection termination" after idle training phases).
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": HTTP_OPTIONS_TYPE,
+            "common_http_protocol_options": {"idle_timeout": "3s"},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }
+    }
+
+
+def endpoints_cluster() -> dict:
+    """The model-server cluster behind an EPP: ORIGINAL_DST, routed by the EPP's ``x-gateway-destination-endpoint``."""
+    return {
+        "name": "endpoints",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "5s",
+        "typed_extension_protocol_options": _upstream_http_options(),
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
+        "circuit_breakers": _BIG_THRESHOLDS,
+    }
+
+
+def gate_picks_cluster(gate_cluster: str) -> dict:
+    """The model-server cluster when the gate picks (no EPP): its endpoints come from the gate's EDS
+    (:mod:`epp_plugin.gate.endpoint_discovery`, over ``gate_cluster``), and the
+    ``envoy.load_balancing_policies.override_host`` policy routes to the first address of the gate's
+    ``x-gateway-destination-endpoint`` list, then to the next one on each retry (Envoy 1.40
+    ``api/envoy/extensions/load_balancing_policies/override_host/v3/override_host.proto``;
+    ``source/extensions/load_balancing_policies/override_host/load_balancer.cc``). Its fallback, used when no listed
+    address is a host of the cluster, is a subset policy whose one selector no endpoint matches, with
+    ``NO_FALLBACK``: it picks nothing and Envoy answers 503 (no healthy upstream) rather than send the request to an
+    endpoint the gate did not choose (a sleeping engine). ``initial_fetch_timeout`` keeps Envoy's start from waiting
+    15 s for a gate that is not up yet."""
+    no_endpoint = {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.subset",
+            "typed_config": {
+                "@type": SUBSET_LB_TYPE,
+                "fallback_policy": "NO_FALLBACK",
+                "subset_selectors": [{"keys": ["llmd-timeslice-never"]}],
+                "subset_lb_policy": {
+                    "policies": [
+                        {
+                            "typed_extension_config": {
+                                "name": "envoy.load_balancing_policies.round_robin",
+                                "typed_config": {"@type": ROUND_ROBIN_TYPE},
+                            }
+                        }
+                    ]
+                },
+            },
+        }
+    }
+    return {
+        "name": "endpoints",
+        "type": "EDS",
+        "eds_cluster_config": {
+            "eds_config": {
+                "resource_api_version": "V3",
+                "initial_fetch_timeout": _dur(EDS_INITIAL_FETCH_TIMEOUT_S),
+                "api_config_source": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    # Reconnect to a restarted gate within a second, not Envoy's default 0.5 s doubling to 30 s
+                    # (``source/common/config/utility.h``, ``prepareJitteredExponentialBackOffStrategy``).
+                    "grpc_services": [
+                        {
+                            "envoy_grpc": {
+                                "cluster_name": gate_cluster,
+                                "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
+                            }
+                        }
+                    ],
+                },
+            }
+        },
+        "connect_timeout": "5s",
+        "typed_extension_protocol_options": _upstream_http_options(),
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": OVERRIDE_HOST_TYPE,
+                            "override_host_sources": [{"header": protocol.DESTINATION_HEADER}],
+                            "fallback_policy": {"policies": [no_endpoint]},
+                        },
+                    }
+                }
+            ]
+        },
+        "circuit_breakers": _BIG_THRESHOLDS,
     }
 
 

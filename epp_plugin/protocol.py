@@ -43,6 +43,10 @@ PICK_HEADER = "x-llmd-timeslice-pick"
 """Header Envoy adds to each ext_authz check when no EPP follows: ``least-in-flight`` asks the gate to choose the
 endpoint itself (answer header ``x-gateway-destination-endpoint``)."""
 PICK_LEAST_IN_FLIGHT = "least-in-flight"
+EDS_HEADER = "x-llmd-timeslice-eds"
+"""Header Envoy adds to each ext_authz check when the gate picks and Envoy's model-server cluster takes its endpoints
+from the gate's EDS (value ``1``): the gate then names an endpoint only once that Envoy has it
+(:mod:`epp_plugin.gate.endpoint_discovery`). Without it (an ORIGINAL_DST cluster) the gate answers at once."""
 ADMISSION_HEADER = "x-llmd-timeslice-admission"
 """Answer header of an admission, copied onto the request (``allowed_upstream_headers``) and logged by the access
 log (``additional_request_headers_to_log``): matches a completion to its admission."""

@@ -298,7 +298,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
 
     async def main() -> None:
-        if s.backend == "vllm":
+        if s.backend in ("vllm", "sglang"):
             defaults = {
                 s.job_id: create_backend(
                     s.backend,
@@ -309,8 +309,6 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
                     **engine_kwargs,
                 )
             }
-        elif s.backend == "sglang":
-            defaults = {s.job_id: create_backend(s.backend, base_url=s.engine_url, **engine_kwargs)}
         elif s.backend == "cuda":
             defaults = {s.job_id: create_backend(s.backend, pids=s.pid)}
         else:
@@ -610,6 +608,73 @@ def config_reference() -> None:
     from llmd_timeslice.config import reference_markdown
 
     typer.echo(reference_markdown(), nl=False)
+
+
+k8s_app = typer.Typer(
+    help="Kubernetes helpers for the well-lit-path guide (manifests/guides/time-slicing).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(k8s_app, name="k8s", short_help="Kubernetes helpers (time-slice your own model server).")
+
+
+@k8s_app.command("modelserver", short_help="Print your model-server Deployment, time-sliced.")
+def k8s_modelserver(
+    file: Annotated[
+        str,
+        typer.Argument(
+            help="Manifests of your model server (kubectl get -o yaml, or a guide's "
+            "rendered manifests; multi-document YAML); - for stdin."
+        ),
+    ],
+    settings: Annotated[
+        Path | None,
+        typer.Option("--settings", help="The guide's settings.yaml (image, group, pool, device_class)."),
+    ] = None,
+    image: Annotated[str | None, typer.Option("--image", help="This project's image (overrides --settings).")] = None,
+    group: Annotated[str | None, typer.Option("--group", help="Accelerator group (timeslice.io/group).")] = None,
+    pool: Annotated[str | None, typer.Option("--pool", help="InferencePool of the model server.")] = None,
+    device_class: Annotated[str | None, typer.Option("--device-class", help="DRA DeviceClass of the claim.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The Deployment, when there are several.")] = None,
+    container: Annotated[str, typer.Option("--container", help="The vLLM container.")] = "modelserver",
+    replicas: Annotated[int | None, typer.Option("--replicas", help="Scale the Deployment to this (1).")] = None,
+    no_claim: Annotated[
+        bool, typer.Option("--no-claim", help="No DRA: keep the nvidia.com/gpu request, print no ResourceClaim.")
+    ] = False,
+) -> None:
+    """Print the documents of FILE with the model-server Deployment time-sliced: the snapshot sidecar, sleep mode
+    (--enable-sleep-mode, VLLM_SERVER_DEV_MODE=1), the sampler labels, and the group's shared ResourceClaim (with
+    as many devices as the engine uses) in place of nvidia.com/gpu; everything else as it was. Pipe it to
+    `kubectl apply -f -`."""
+    from llmd_timeslice.k8s_modelserver import SamplerSettings, copy_settings, load_sampler_settings, transform
+
+    text = sys.stdin.read() if file == "-" else Path(file).read_text()
+    base = load_sampler_settings(settings.read_text(), str(settings)) if settings else SamplerSettings()
+    s = copy_settings(base, image=image, group=group, pool=pool, device_class=device_class)
+    out, count = transform(
+        text,
+        s,
+        name=name,
+        container_name=container,
+        replicas=replicas,
+        claim=not no_claim,
+        source="stdin" if file == "-" else file,
+    )
+    typer.echo(out, nl=False)
+    if not no_claim:
+        typer.echo(f"llmd-timeslice: claim {s.claim_name}: {count} device(s) of {s.device_class}", err=True)
+
+
+@k8s_app.command("restore", short_help="Print a kubectl-get backup ready for `kubectl replace -f -`.")
+def k8s_restore(
+    file: Annotated[str, typer.Argument(help="The backup (kubectl get -o yaml); - for stdin.")],
+) -> None:
+    """Print the objects of FILE less their server-set metadata and status: `kubectl replace -f -` then puts back
+    exactly what the backup held (the guide's clean-up of the model server and the Istio Gateway parameters)."""
+    from llmd_timeslice.k8s_modelserver import restorable
+
+    text = sys.stdin.read() if file == "-" else Path(file).read_text()
+    typer.echo(restorable(text, "stdin" if file == "-" else file), nl=False)
 
 
 def main() -> None:

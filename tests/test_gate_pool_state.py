@@ -167,3 +167,28 @@ async def test_release_keeps_to_its_rate_bursts_on_a_schedule():
         done_at.append(loop.time() - t0)
     assert done_at[49] < 0.05 <= done_at[50], "the second burst waits for its slot"
     assert done_at[-1] >= 0.15, "four bursts of 50 at 1,000/s take at least 150 ms"
+
+
+async def test_a_lost_completion_costs_one_drain_not_every_later_one():
+    """An access-log entry Envoy dropped (the gate was stalled): the admission stays counted against its endpoint.
+    Once that endpoint is verified asleep, nothing counted against it can be at the engine: the count ends, so the
+    next drain of it is immediate instead of waiting to its deadline again (until the age rule, 76 min)."""
+    pool = PoolState("p")
+    pool.set_states([("e1:1", S, 0), ("e2:1", S, 0)])
+    lost = await pool.admit()
+    pool.on_served(lost, "e1:1")  # its completion never comes
+    hinted = await pool.admit()  # a subset hint of both endpoints, not yet served
+    assert hinted.candidates == ("e1:1", "e2:1")
+    pool.set_states([("e1:1", D, None)])
+    drained, left = await pool.wait_drained(["e1:1"], 0.05)
+    assert not drained and left == {"e1:1": 2}, "the first drain meets the lost completion"
+    pool.set_states([("e1:1", A, None)])  # the orchestrator verified it asleep
+    assert pool.in_flight(["e1:1"]) == {"e1:1": 0} and lost.finished
+    assert not hinted.finished and hinted.candidates == ("e2:1",), "the other candidate keeps its count"
+    assert pool.forgotten_at_sleep_total == 1
+    pool.set_states([("e1:1", S, None)])
+    pool.set_states([("e1:1", D, None)])
+    assert await pool.wait_drained(["e1:1"], 5) == (True, {"e1:1": 0}), "later drains are immediate"
+    pool.finish(lost)  # a late access-log entry: idempotent
+    pool.finish(hinted)
+    assert pool.in_flight(["e1:1", "e2:1"]) == {"e1:1": 0, "e2:1": 0}

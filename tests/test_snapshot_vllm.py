@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
+from llmd_timeslice.snapshot.backends.base import BackendError, EnginePaused, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend, parse_engine_metrics
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.vllm import restore_initial_weights
@@ -204,6 +205,75 @@ async def test_semantic_probe_catches_an_engine_that_reloaded_wrong_weights_afte
     finally:
         await b.close()
         await asyncio.to_thread(restore_initial_weights, vllm_server)
+
+
+async def test_lora_adapters_keep_their_greedy_tokens_across_a_level1_and_a_level2_wake(vllm_server, tmp_path):
+    """Issue 24 §3 on vLLM 0.32 with ``--enable-lora`` (the session's server serves two tiny adapters): the probe
+    checks the base model and every adapter, each with its own greedy tokens, after a level-1 wake and after a level-2
+    wake (``reload_weights`` resets vLLM's LoRA state, ``GPUModelRunner.reload_weights``: adapters load again from
+    their directories on first use). An adapter whose directory changed while the engine slept answers differently
+    after the reload: the probe names it and the engine is put back to sleep; with its files back, the next restore
+    serves again."""
+    import shutil
+
+    from llmd_timeslice.demo.tiny_model import build_tiny_lora
+    from tests.support.vllm import LORA_ADAPTERS
+
+    b = VllmBackend(vllm_server.url, memory_reader=lambda: None)
+    adapter_b = Path(vllm_server.lora_adapters[LORA_ADAPTERS[1]])
+    kept = tmp_path / "kept.safetensors"
+    shutil.copy(adapter_b / "adapter_model.safetensors", kept)
+    try:
+        await b.suspend(SuspendMode.OFFLOAD, [])  # references: recorded while it served, before the sleep
+        ref = b.probe_references[0]
+        assert list(ref) == [vllm_server.model_name, *LORA_ADAPTERS], list(ref)
+        assert len({str(tokens) for tokens in ref.values()}) == 3, "each adapter has tokens of its own"
+        await b.resume([])  # level 1: the probe matches for the base model and both adapters
+        await b.suspend(SuspendMode.DISCARD, [])
+        await b.resume([])  # level 2: weights reloaded, LoRA state reset, adapters loaded again: matches
+        await b.suspend(SuspendMode.DISCARD, [])
+        other = build_tiny_lora(vllm_server.model_dir, tmp_path / "other", seed=7)
+        shutil.copy(other / "adapter_model.safetensors", adapter_b / "adapter_model.safetensors")
+        with pytest.raises(ProbeMismatch, match=f"through LoRA adapter '{LORA_ADAPTERS[1]}'"):
+            await b.resume([])
+        assert await b.is_suspended(), "put back to sleep, out of service"
+        shutil.copy(kept, adapter_b / "adapter_model.safetensors")
+        await b.resume([])  # the next restore reloads; the adapter loads from its own files again
+        assert not await b.is_suspended()
+    finally:
+        shutil.copy(kept, adapter_b / "adapter_model.safetensors")
+        await b.close()
+
+
+async def test_a_pause_is_lifted_by_a_full_wake_and_one_made_after_it_keeps_the_engine_out_of_service(vllm_server):
+    """Issue 24 §3 on vLLM 0.32: another client's ``POST /pause`` made while the engine sleeps is lifted by the full
+    wake (``EngineCore.wake_up`` resumes the scheduler), so one seen after a wake was made after it. An engine paused
+    while awake reports ``/is_sleeping`` true and ``/is_paused`` true with its sleep-state gauge ``awake``: the sidecar
+    does not resume it (:class:`EnginePaused`, no ``/wake_up`` sent, which would lift the pause) until that client
+    sends ``POST /resume``."""
+    url = vllm_server.url
+    b = VllmBackend(url, memory_reader=lambda: None)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            await b.suspend(SuspendMode.OFFLOAD, [])
+            (await c.post("/pause", params={"mode": "keep"})).raise_for_status()  # another client, while asleep
+            await b.resume([])  # lifted by the wake: verified awake, not paused, probe passed
+            assert (await c.get("/is_paused")).json() == {"is_paused": False}
+            (await c.post("/pause", params={"mode": "abort"})).raise_for_status()  # another client, while awake
+            assert (await c.get("/is_sleeping")).json() == {"is_sleeping": True}
+            assert (await b.metrics()).sleep_state == "awake"
+            fresh = VllmBackend(url, memory_reader=lambda: None)  # e.g. a repair after the sidecar restarted
+            try:
+                with pytest.raises(EnginePaused, match="GET /is_paused: true"):
+                    await fresh.resume([])
+            finally:
+                await fresh.close()
+            assert (await c.get("/is_paused")).json() == {"is_paused": True}, "not resumed behind that client's back"
+            (await c.post("/resume")).raise_for_status()
+            await b.resume([])  # the repair after the client resumed it: awake, verified, probe passed
+    finally:
+        await b.close()
+        httpx.post(url + "/resume", timeout=30)
 
 
 async def test_request_sent_straight_to_a_sleeping_engine_is_aborted_not_left_hanging(vllm_server):

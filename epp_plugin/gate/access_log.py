@@ -9,9 +9,12 @@ per worker open to the gate's gRPC data-plane port and sends its entries in batc
 
 * ``DownstreamEnd`` (the request's stream ended: response done, reset, or client gone):
   :meth:`AdmissionBook.complete` — the in-flight count ends here;
-* ``UpstreamPoolReady`` (an upstream stream got a connection; rendered only when an EPP picks the endpoint):
-  :meth:`AdmissionBook.served` with ``upstream_remote_address`` — the request counts only against that
-  endpoint from then on, as on the ext_proc edge's response path.
+* ``UpstreamPoolReady`` (an upstream stream got a connection): :meth:`AdmissionBook.served` with
+  ``upstream_remote_address`` — the request counts only against that endpoint from then on, as on the ext_proc
+  edge's response path;
+* any entry flagged ``upstream_connection_failure`` (a refused connection; the router's upstream log writes one
+  ``UpstreamEnd`` entry per failed attempt): ``on_failed`` — the gate stops steering to that endpoint and tells
+  the orchestrator (docs/gate.md, "When an engine dies").
 
 Fact this relies on (Envoy 1.40, measured here): both entry kinds carry the logged request header; a
 ``DownstreamEnd`` entry is written after the downstream stream is done, so nothing of the request reaches
@@ -22,12 +25,14 @@ Envoy's admissions when none of its streams comes back (see :mod:`epp_plugin.gat
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from epp_plugin import protocol
 from epp_plugin.gate.admissions import AdmissionBook
+from epp_plugin.gate.pool_state import PoolState
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +49,27 @@ def endpoint_of(entry) -> str | None:
     return f"{sock.address}:{sock.port_value}" if sock.address else None
 
 
-class GateAccessLogService(als_pb2_grpc.AccessLogServiceServicer):
-    """``envoy.service.accesslog.v3.AccessLogService`` of the gate: completions for the fast path's admissions."""
+def failure_reason(entry) -> str:
+    """What an entry says about a failed upstream connection, for logs and the orchestrator."""
+    why = entry.common_properties.upstream_transport_failure_reason
+    return f"upstream connection failure (UF){': ' + why if why else ''}"
 
-    def __init__(self, book: AdmissionBook) -> None:
+
+class GateAccessLogService(als_pb2_grpc.AccessLogServiceServicer):
+    """``envoy.service.accesslog.v3.AccessLogService`` of the gate: completions for the fast path's admissions.
+
+    Args:
+        book: the fast path's open admissions.
+        on_failed: called with ``(pool, address, reason)`` for an entry whose ``common_properties.response_flags``
+            has ``upstream_connection_failure`` (Envoy's ``UF``: the connection to ``upstream_remote_address`` was
+            refused or timed out; Envoy 1.40 ``envoy/data/accesslog/v3/accesslog.proto``, ``ResponseFlags``). The
+            router's upstream log writes one entry per failed attempt (``UpstreamEnd``), so a failure is seen
+            even when a retry on another endpoint served the request.
+    """
+
+    def __init__(self, book: AdmissionBook, on_failed: Callable[[PoolState, str, str], None] | None = None) -> None:
         self._book = book
+        self._on_failed = on_failed
         self.entries_total = 0
         self.messages_total = 0
         self.unmatched_total = 0
@@ -71,7 +92,13 @@ class GateAccessLogService(als_pb2_grpc.AccessLogServiceServicer):
                         envoy = book.envoy_of(aid)
                         if envoy is not None:
                             book.stream_tied(envoy)
-                    kind = entry.common_properties.access_log_type
+                    common = entry.common_properties
+                    if common.response_flags.upstream_connection_failure and self._on_failed is not None:
+                        addr = endpoint_of(entry)
+                        pool = book.pool_of(aid)
+                        if addr is not None and pool is not None:
+                            self._on_failed(pool, addr, failure_reason(entry))
+                    kind = common.access_log_type
                     if kind in (_END, _NOT_SET):
                         if not book.complete(aid):
                             self.unmatched_total += 1

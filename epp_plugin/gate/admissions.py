@@ -125,6 +125,10 @@ class AdmissionBook:
             rec.pool.finish(rec.adm)
             self._report("unread", 1)
 
+    def pool_of(self, aid: str) -> PoolState | None:
+        rec = self._open.get(aid)
+        return rec.pool if rec is not None else None
+
     def envoy_of(self, aid: str) -> str | None:
         rec = self._open.get(aid)
         return rec.envoy if rec is not None else None

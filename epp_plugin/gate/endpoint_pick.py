@@ -1,8 +1,9 @@
 """Endpoint choice for set-ups with no EPP behind the gate (the local stack): least in flight.
 
 With the fast path and no EPP filter, the gate names the endpoint itself (answer header
-``x-gateway-destination-endpoint``, read by Envoy's ORIGINAL_DST cluster), so a request costs one Python
-hop. The llm-d EPP (or :mod:`epp_plugin.picker`) stays the choice where its scoring matters.
+``x-gateway-destination-endpoint``: the pick, then up to two other SERVING endpoints for Envoy's retries, read by
+the override_host policy of Envoy's model-server cluster), so a request costs one Python hop. The llm-d EPP
+(or :mod:`epp_plugin.picker`) stays the choice where its scoring matters.
 """
 
 from __future__ import annotations
@@ -34,3 +35,13 @@ class LeastInFlight:
             if best_load is None or load < best_load:
                 best, best_load = addr, load
         return best
+
+    def order(self, pool: PoolState, candidates: tuple[str, ...], n: int) -> tuple[str, ...]:
+        """Up to ``n`` distinct candidates: :meth:`pick` first, then the others by fewest live requests (Envoy tries
+        them in this order when a connection is refused: the override_host policy, docs/gate.md)."""
+        first = self.pick(pool, candidates)
+        if n <= 1 or len(candidates) == 1:
+            return (first,)
+        endpoints = pool.endpoints
+        rest = sorted((a for a in candidates if a != first), key=lambda a: endpoints[a].in_flight)
+        return (first, *rest[: n - 1])

@@ -11,7 +11,11 @@ The answer, per :class:`~epp_plugin.gate.pool_state.PoolState`:
 * **admitted**: 200 with ``x-llmd-timeslice-admission`` (matched later by the access-log stream), and either
   the subset hint (``x-llmd-timeslice-subset-hint``: a base64 ``google.protobuf.Value`` list, which Envoy's
   header_to_metadata filter turns into ``envoy.lb.subset_hint`` for the EPP) or, with ``pick``, the endpoint
-  itself (``x-gateway-destination-endpoint``). For the client: ``x-llmd-timeslice-weight-version`` when it is
+  itself (``x-gateway-destination-endpoint``; when the check carries ``x-llmd-timeslice-eds``: the pick, then up
+  to :data:`PICK_RETRY_ENDPOINTS` other SERVING endpoints, comma-separated, which Envoy's override_host policy
+  tries in turn when a connection is refused, answered only once Envoy's endpoint discovery has them,
+  :mod:`epp_plugin.gate.endpoint_discovery`; without it, the pick alone, for an ORIGINAL_DST cluster).
+  For the client: ``x-llmd-timeslice-weight-version`` when it is
   known at admission (the picked endpoint's, or the one version all candidates share) and, after a hold,
   ``x-llmd-timeslice-hold-ms``.
 * **held**: no answer yet. The connection stays open; when Envoy gives up (client gone) it closes it and the
@@ -41,23 +45,28 @@ from google.protobuf import struct_pb2
 from epp_plugin import protocol
 from epp_plugin.gate import metrics
 from epp_plugin.gate.admissions import AdmissionBook
+from epp_plugin.gate.endpoint_discovery import EndpointDirectory
 from epp_plugin.gate.endpoint_pick import LeastInFlight
 from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import BadCheck, min_weight_version, refusal_body
 
 log = logging.getLogger(__name__)
 
-_POOL, _ENVOY, _PICK, _MIN_VERSION = range(4)
+_POOL, _ENVOY, _PICK, _MIN_VERSION, _EDS = range(5)
 _WANTED = {
     protocol.POOL_HEADER.encode(): _POOL,
     protocol.ENVOY_ID_HEADER.encode(): _ENVOY,
     protocol.PICK_HEADER.encode(): _PICK,
     protocol.MIN_WEIGHT_VERSION_HEADER.encode(): _MIN_VERSION,
+    protocol.EDS_HEADER.encode(): _EDS,
 }
 _PICK_VALUE = protocol.PICK_LEAST_IN_FLIGHT.encode()
 _ADMISSION = f"{protocol.ADMISSION_HEADER}: ".encode()
 _HOLD_MS = f"{protocol.HOLD_MS_HEADER}: ".encode()
 _CACHE_LIMIT = 4096
+PICK_RETRY_ENDPOINTS = 2
+"""Endpoints the gate lists after its pick, for Envoy's retries of a refused connection (the rendered route retries
+twice: :func:`epp_plugin.envoy_config.route_retry_policy`)."""
 UNREAD_WINDOW_S = 1.0
 """A connection Envoy closes within this many seconds of an admission answer, before sending another check, lost
 that answer: Envoy reset the check (its client went away just then), so the request never carries the admission
@@ -105,9 +114,11 @@ class AuthzService:
         book: the fast path's open admissions (shared with the access-log edge).
     """
 
-    def __init__(self, pools: Mapping[str, PoolState], book: AdmissionBook) -> None:
+    def __init__(self, pools: Mapping[str, PoolState], book: AdmissionBook, directory: EndpointDirectory | None = None) -> None:
         self.pools = pools
         self.book = book
+        self.directory = directory
+        """Envoy's endpoint discovery (when the gate picks): an endpoint is named only once Envoy has it."""
         self.picker = LeastInFlight()
         self._answers: dict[tuple[str, bool], tuple[int, dict]] = {}  # (pool, pick) -> (epoch, key -> answer head)
         self.open: set[AuthzProtocol] = set()
@@ -123,18 +134,25 @@ class AuthzService:
             entry = self._answers[key] = (pool.epoch, {})
         return entry[1]
 
-    def admitted(self, pool: PoolState, adm: Admission, envoy: str, pick: bool) -> tuple[bytes, str]:
-        """Record ``adm``; returns its answer (``pick``: the endpoint chosen here) and its admission id."""
-        if pick:
-            addr = self.picker.pick(pool, adm.candidates)
-            pool.on_served(adm, addr)
+    def order(self, pool: PoolState, adm: Admission, fallbacks: bool = True) -> tuple[str, ...]:
+        """The endpoints a picked request may go to, in Envoy's order (the pick first, then its retries; only the
+        pick without ``fallbacks``: an Envoy routing by ORIGINAL_DST, which takes one address); ``adm`` counts only
+        against them from now on (and against the one that serves it once its upstream log names it)."""
+        order = self.picker.order(pool, adm.candidates, 1 + PICK_RETRY_ENDPOINTS if fallbacks else 1)
+        pool.narrow(adm, order)
+        return order
+
+    def admitted(self, pool: PoolState, adm: Admission, envoy: str, order: tuple[str, ...] | None) -> tuple[bytes, str]:
+        """Record ``adm``; returns its answer (``order``: the endpoints chosen here, see :meth:`order`; None: the
+        subset hint for an EPP) and its admission id."""
+        if order is not None:
             cache = self._cache(pool, True)
-            head = cache.get(addr)
+            head = cache.get(order)
             if head is None:
-                head = cache[addr] = (
+                head = cache[order] = (
                     b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n"
-                    + _line(protocol.DESTINATION_HEADER, addr)
-                    + _line(protocol.WEIGHT_VERSION_HEADER, str(pool.endpoints[addr].weight_version))
+                    + _line(protocol.DESTINATION_HEADER, ",".join(order))
+                    + _line(protocol.WEIGHT_VERSION_HEADER, str(pool.endpoints[order[0]].weight_version))
                 )
         else:
             cache = self._cache(pool, False)
@@ -158,17 +176,29 @@ class AuthzService:
 class AuthzProtocol(asyncio.Protocol):
     """One connection from Envoy's ext_authz HTTP client: one check at a time (Envoy does not pipeline)."""
 
-    __slots__ = ("__weakref__", "_answered", "_answered_at", "_closed", "_h", "_held", "_parser", "_svc", "_transport")
+    __slots__ = (
+        "__weakref__",
+        "_answered",
+        "_answered_at",
+        "_closed",
+        "_eds",
+        "_h",
+        "_held",
+        "_parser",
+        "_svc",
+        "_transport",
+    )
     _transport: asyncio.Transport  # set by connection_made, before any data arrives
 
     def __init__(self, svc: AuthzService) -> None:
         self._svc = svc
         self._parser = httptools.HttpRequestParser(self)
-        self._h: list = [None, None, None, None]
+        self._h: list = [None, None, None, None, None]
         self._held: asyncio.Task | None = None
         self._closed = False
         self._answered: str | None = None  # the last admission answered here, until the next check proves it read
         self._answered_at = 0.0
+        self._eds = False  # the check says Envoy routes by the gate's EDS (x-llmd-timeslice-eds)
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -206,8 +236,8 @@ class AuthzProtocol(asyncio.Protocol):
             self._transport.close()
             return
         h = self._h
-        pool_raw, envoy_raw, pick_raw, version_raw = h
-        h[0] = h[1] = h[2] = h[3] = None
+        pool_raw, envoy_raw, pick_raw, version_raw, eds_raw = h
+        h[0] = h[1] = h[2] = h[3] = h[4] = None
         self._answered = None  # a new check: Envoy read the previous answer
         svc = self._svc
         pool_name = pool_raw.decode("utf-8", "replace") if pool_raw is not None else None
@@ -227,6 +257,7 @@ class AuthzProtocol(asyncio.Protocol):
             return
         envoy = envoy_raw.decode("ascii", "replace") if envoy_raw is not None else ""
         pick = pick_raw == _PICK_VALUE
+        self._eds = eds_raw is not None
         if adm is not None:
             self._admit(pool, adm, envoy, pick)
         else:
@@ -249,7 +280,30 @@ class AuthzProtocol(asyncio.Protocol):
         self._admit(pool, adm, envoy, pick)
 
     def _admit(self, pool: PoolState, adm: Admission, envoy: str, pick: bool) -> None:
-        answer, self._answered = self._svc.admitted(pool, adm, envoy, pick)
+        svc = self._svc
+        order = svc.order(pool, adm, fallbacks=self._eds) if pick else None
+        if order is not None and self._eds and svc.directory is not None and not svc.directory.known(order):
+            self._held = asyncio.get_running_loop().create_task(self._until_known(pool, adm, envoy, order))
+            return
+        self._answer(pool, adm, envoy, order)
+
+    async def _until_known(self, pool: PoolState, adm: Admission, envoy: str, order: tuple[str, ...]) -> None:
+        """Answer once Envoy has the endpoints (an endpoint it does not know yet would get 503 from its cluster)."""
+        directory = self._svc.directory
+        assert directory is not None
+        try:
+            await directory.wait_known(order)
+        except asyncio.CancelledError:
+            pool.finish(adm)  # connection gone before the answer: never answered
+            return
+        self._held = None
+        if self._closed:
+            pool.finish(adm)
+            return
+        self._answer(pool, adm, envoy, order)
+
+    def _answer(self, pool: PoolState, adm: Admission, envoy: str, order: tuple[str, ...] | None) -> None:
+        answer, self._answered = self._svc.admitted(pool, adm, envoy, order)
         self._answered_at = asyncio.get_running_loop().time()
         self._reply(answer)
 

@@ -31,6 +31,13 @@ LOST_COMPLETIONS = Counter(
     ["reason"],
 )
 
+ENDPOINT_FAILURES = Counter(
+    "llmd_timeslice_gate_endpoint_failures_total",
+    "Endpoints taken out of the gate's picks because Envoy could not connect to them (access-log flag UF; counted "
+    "once per failure episode, not per request).",
+    ["pool", "endpoint"],
+)
+
 
 class PoolCollector(Collector):
     """Reads the figures of every registered gate's pools (and fast-path books) at scrape time."""

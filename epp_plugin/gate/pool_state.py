@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 class EndpointState(enum.Enum):
@@ -184,9 +187,16 @@ class PoolState:
         self._drain_waiters = 0
         self._tasks: set[asyncio.Task] = set()  # notifications in flight, kept: the loop holds tasks only weakly
         self.admitted_total = 0
+        self.forgotten_at_sleep_total = 0
+        """Admissions ended because their endpoint was verified asleep (see ``_forget_at``)."""
         self.released_total = 0
         self.refused_total = 0
         self.closed = False
+        self.on_change: Callable[[], None] | None = None
+        """Called after every change of the endpoint list or states (the EDS directory refreshes from it)."""
+        self.failed: dict[str, asyncio.TimerHandle | None] = {}
+        """Endpoints Envoy could not connect to (:meth:`mark_failed`): not steered to until their state changes or
+        their hold passes."""
         self.stale = False
         """True while the gate has lost the orchestrator's state stream for longer than its grace: no
         endpoint is steerable (new requests are held) until the stream resyncs."""
@@ -210,6 +220,13 @@ class PoolState:
         """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order (none while stale)."""
         if self.stale or (self.fresh_until != math.inf and self._clock() >= self.fresh_until):
             return ()
+        if self.failed:
+            failed = self.failed
+            return tuple(
+                ep.address
+                for ep in self.endpoints.values()
+                if ep.state is EndpointState.SERVING and ep.weight_version >= min_version and ep.address not in failed
+            )
         return tuple(
             ep.address for ep in self.endpoints.values() if ep.state is EndpointState.SERVING and ep.weight_version >= min_version
         )
@@ -312,6 +329,17 @@ class PoolState:
             self._notify()
         return version
 
+    def narrow(self, adm: Admission, addresses: tuple[str, ...]) -> None:
+        """``adm`` may reach only ``addresses`` (a subset of its candidates) from now on: the others stop counting."""
+        if adm.finished or adm.served is not None or len(addresses) >= len(adm.candidates):
+            return
+        dropped = tuple(a for a in adm.candidates if a not in addresses)
+        adm.candidates = tuple(a for a in adm.candidates if a in addresses)
+        for addr in dropped:
+            self._uncount(addr)
+        if dropped:
+            self._notify()
+
     def finish(self, adm: Admission) -> None:
         """The request's stream ended (complete, reset or client gone). Idempotent."""
         if adm.finished:
@@ -342,17 +370,74 @@ class PoolState:
                 self.endpoints[address] = Endpoint(address, state, version or 0)
                 changed = True
                 continue
+            if state is EndpointState.ASLEEP and ep.state is not EndpointState.ASLEEP and ep.in_flight > 0:
+                self._forget_at(address)
             if ep.state is not state or (version is not None and version != ep.weight_version):
                 ep.state = state
                 if version is not None:
                     ep.weight_version = version
                 changed = True
+                if address in self.failed:
+                    self._clear_failed(address)  # the orchestrator said something new about it: that governs
         if changed:
             self.epoch += 1
             if self._held and self.serving():
                 self._kick_releaser()
             self._notify()
+            if self.on_change is not None:
+                self.on_change()
         return self.epoch
+
+    def _forget_at(self, address: str) -> None:
+        """``address`` was verified asleep (the orchestrator publishes ASLEEP only after its sidecar saw the engine
+        idle, slept it with ``mode=wait`` and aborted what was parked inside): no admission still counted against it
+        can be at that engine. Such counts are lost completions (an access-log entry Envoy dropped while this gate
+        was slow or stalled): without this, each would keep every later drain of the endpoint waiting to its
+        deadline until the age rule (``--lost-completion-after-s``). An admission that may still reach another
+        candidate keeps that one."""
+        ended = narrowed = 0
+        for adm in list(self._live):
+            if address not in adm.candidates:
+                continue
+            if adm.served == address or adm.candidates == (address,):
+                self.finish(adm)
+                ended += 1
+            else:
+                adm.candidates = tuple(a for a in adm.candidates if a != address)
+                self._uncount(address)
+                narrowed += 1
+        self.forgotten_at_sleep_total += ended
+        if ended or narrowed:
+            log.warning(
+                "pool=%s endpoint=%s verified asleep with %d admission(s) still counted against it: ended %d, "
+                "narrowed %d to their other candidates (their completions never came: access-log entries lost)",
+                self.name,
+                address,
+                ended + narrowed,
+                ended,
+                narrowed,
+            )
+
+    def mark_failed(self, address: str, hold_s: float) -> bool:
+        """Envoy could not connect to ``address``: steer no new request to it until the orchestrator publishes a new
+        state for it, or for ``hold_s`` seconds (then it is tried again; 0: until a new state). Requests already
+        admitted keep counting. Returns whether it was a SERVING endpoint not marked yet (first failure)."""
+        ep = self.endpoints.get(address)
+        if ep is None or address in self.failed:
+            return False
+        timer = asyncio.get_running_loop().call_later(hold_s, self._failed_expired, address) if hold_s > 0 else None
+        self.failed[address] = timer
+        return ep.state is EndpointState.SERVING
+
+    def _failed_expired(self, address: str) -> None:
+        self.failed.pop(address, None)
+        if self._held and self.serving():
+            self._kick_releaser()
+
+    def _clear_failed(self, address: str) -> None:
+        timer = self.failed.pop(address, None)
+        if timer is not None:
+            timer.cancel()
 
     def replace_states(self, items: Iterable[tuple[str, EndpointState, int | None]]) -> int:
         """Make ``items`` the whole endpoint list (a full snapshot); returns the new epoch.
@@ -365,6 +450,10 @@ class PoolState:
         for addr in [a for a in self.endpoints if a not in listed]:
             if self.endpoints[addr].in_flight == 0:
                 del self.endpoints[addr]
+                if addr in self.failed:
+                    self._clear_failed(addr)
+                if self.on_change is not None:
+                    self.on_change()
             else:
                 items.append((addr, EndpointState.DRAINING, None))
         return self.set_states(items)
@@ -451,6 +540,8 @@ class PoolState:
     def close(self) -> None:
         """Refuse every held request with :class:`GateShuttingDown` and admit nothing more."""
         self.closed = True
+        for addr in list(self.failed):
+            self._clear_failed(addr)
         while self._held:
             entry = self._held.popleft()
             if not entry.future.done():

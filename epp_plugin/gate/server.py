@@ -1,7 +1,8 @@
 """Assembly of the gate process: the two data-plane edges, the control server, metrics.
 
 Data plane (invariant 8: nothing else there): the gRPC port serves ``envoy.service.ext_proc.v3.ExternalProcessor``
-(the ext_proc edge), ``envoy.service.accesslog.v3.AccessLogService`` (completions of the fast path) and gRPC
+(the ext_proc edge), ``envoy.service.accesslog.v3.AccessLogService`` (completions of the fast path),
+``envoy.service.endpoint.v3.EndpointDiscoveryService`` (Envoy's model-server hosts when the gate picks) and gRPC
 health; the HTTP port (``authz_port``) answers Envoy's ext_authz checks (admissions of the fast path). Both
 edges share the pools. The control port serves ``GateControlService`` behind bearer-token auth.
 """
@@ -13,7 +14,9 @@ import logging
 import os
 import socket
 
+import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,11 +26,14 @@ from epp_plugin.gate import ext_authz, metrics
 from epp_plugin.gate.access_log import GateAccessLogService
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.control import GateControl
+from epp_plugin.gate.endpoint_discovery import EndpointDirectory
 from epp_plugin.gate.ext_proc import GateExternalProcessor
 from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.subscription import StateSubscription
 from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as state_pb
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as state_grpc
 from llmd_timeslice.config import GateSettings, Port
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
@@ -47,6 +53,12 @@ class GateConfig(GateSettings):
     )
     token: str | None = Field(
         None, repr=False, exclude=True, description="Bearer token for the control port and the orchestrator."
+    )
+    failed_endpoint_hold_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds an endpoint Envoy could not connect to is left out of the gate's picks and subset hints "
+        "unless the orchestrator publishes a new state for it first (0: until it does).",
     )
 
     @classmethod
@@ -79,6 +91,10 @@ class GateServer:
         self.ext_proc_port = config.ext_proc_port
         self.control_port = config.control_port
         self.gate_id = config.gate_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.directory = EndpointDirectory(self.pools)
+        for pool in self.pools.values():
+            pool.on_change = self.directory.refresh
+        self._report_channel: aio.Channel | None = None
 
     def _new_pool(self, name: str) -> PoolState:
         pool = PoolState(
@@ -87,14 +103,18 @@ class GateServer:
             max_hold_s=self.config.max_hold_s,
             release_rate_per_s=self.config.release_rate_per_s,
         )
+        directory = getattr(self, "directory", None)  # pools made in __init__ are wired once it exists
+        if directory is not None:
+            pool.on_change = directory.refresh
         return pool
 
     async def start(self) -> None:
         cfg = self.config
         self._data = aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
-        self.access_log = GateAccessLogService(self.book)
+        self.access_log = GateAccessLogService(self.book, on_failed=self._endpoint_failed)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._data)
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.directory, self._data)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._data)
         self.ext_proc_port = self._data.add_insecure_port(f"{cfg.host}:{cfg.ext_proc_port}")
@@ -107,7 +127,7 @@ class GateServer:
         await self._data.start()
         await self._control.start()
         if cfg.authz_port is not None:
-            self.authz = ext_authz.AuthzService(self.pools, self.book)
+            self.authz = ext_authz.AuthzService(self.pools, self.book, self.directory)
             self._authz_server = await ext_authz.serve(self.authz, cfg.host, cfg.authz_port)
             self.authz_port = self._authz_server.sockets[0].getsockname()[1]
             metrics.COLLECTOR.books.append(self.book)
@@ -140,6 +160,42 @@ class GateServer:
             sorted(self.pools),
         )
 
+    def _endpoint_failed(self, pool: PoolState, address: str, reason: str) -> None:
+        """Envoy could not connect to ``address`` (access log, flag UF): out of this gate's picks and subset hints at
+        once (:meth:`PoolState.mark_failed`), and, on its first failure, the orchestrator audits its engine."""
+        if not pool.mark_failed(address, self.config.failed_endpoint_hold_s):
+            return
+        metrics.ENDPOINT_FAILURES.labels(pool=pool.name, endpoint=address).inc()
+        log.warning(
+            "pool=%s endpoint %s: %s; not steered to until the orchestrator publishes its state again (or %.1f s)",
+            pool.name,
+            address,
+            reason,
+            self.config.failed_endpoint_hold_s,
+        )
+        if self.config.orchestrator:
+            task = asyncio.get_running_loop().create_task(self._report_failure(pool.name, address, reason))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _report_failure(self, pool: str, address: str, reason: str) -> None:
+        """``GateStateService.ReportEndpointFailure``: the orchestrator audits that engine now (best effort: its
+        periodic audit finds a dead engine anyway)."""
+        target = self.config.orchestrator
+        if target is None:
+            return
+        if self._report_channel is None:
+            self._report_channel = tls.aio_channel(target, self.tls)
+        stub = state_grpc.GateStateServiceStub(self._report_channel)
+        msg = state_pb.EndpointFailure(gate_id=self.gate_id, pool=pool, address=address, reason=reason)
+        try:
+            ack = await stub.ReportEndpointFailure(msg, timeout=5.0, metadata=auth.call_metadata(self.config.token))
+            log.info("orchestrator told of %s's failed connection (audit started: %s)", address, ack.audited)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "could not tell the orchestrator of %s's failed connection: %s %s", address, exc.code().name, exc.details()
+            )
+
     def _synced(self) -> None:
         if self._health is not None:
             task = asyncio.get_running_loop().create_task(
@@ -168,6 +224,8 @@ class GateServer:
             for conn in list(self.authz.open):
                 conn.close()
         self.book.close()
+        if self._report_channel is not None:
+            await self._report_channel.close()
         if self._data is not None:
             await self._data.stop(grace_s)
         if self._control is not None:

@@ -333,8 +333,8 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
             r = self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=md)
         except grpc.RpcError as exc:
             err = _translate(exc, f"yield {group!r} as {job!r}", self._token_source)
-            if beat is not None and beat.lost is not None:
-                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
+            if beat is not None and (beat.lost is not None or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost or exc.details()}") from None
             raise err from None
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 
@@ -484,8 +484,8 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         try:
             r = await self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=md)
         except grpc.RpcError as exc:
-            if beat is not None and beat.lost is not None:
-                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
+            if beat is not None and (beat.lost is not None or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost or exc.details()}") from None
             raise _translate(exc, f"yield {group!r} as {job!r}", self._token_source) from None
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 

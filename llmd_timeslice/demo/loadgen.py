@@ -42,6 +42,8 @@ class RequestRecord:
     ok: bool = False
     error: str = ""
     text: str = ""
+    reason: str = ""  # the gate's refusal reason (``x-llmd-timeslice-reason``), "" if none
+    retry_after_s: float | None = None  # ``retry-after`` of a refusal, seconds
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -77,6 +79,9 @@ def percentile(values: list[float], q: int) -> float:
 def _read_gate_headers(rec: RequestRecord, headers: httpx.Headers) -> None:
     rec.hold_ms = int(headers.get(protocol.HOLD_MS_HEADER, 0))
     rec.weight_version = int(headers.get(protocol.WEIGHT_VERSION_HEADER, -1))
+    rec.reason = headers.get(protocol.REASON_HEADER, "")
+    retry_after = headers.get("retry-after", "")
+    rec.retry_after_s = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
 
 
 async def send_completion(

@@ -317,3 +317,68 @@ def _build(out_dir: Path, seed: int) -> Path:
         tokenizer.save_pretrained(tmp_dir)
         _move_in(tmp_dir, out_dir, seed)
     return out_dir
+
+
+#: Modules a tiny LoRA adapter targets (the attention projections of every layer).
+LORA_TARGET_MODULES = ("q_proj", "v_proj")
+
+
+def build_tiny_lora(model_dir: Path, out_dir: Path, seed: int = 1, rank: int = 8, scale: float = 0.5) -> Path:
+    """Write a LoRA adapter for the tiny Llama in ``model_dir`` to ``out_dir``, in PEFT's on-disk format.
+
+    Files: ``adapter_config.json`` (``peft_type`` LORA, ``r`` = ``rank``, ``lora_alpha`` = ``rank`` (scaling 1),
+    ``target_modules`` = :data:`LORA_TARGET_MODULES`) and ``adapter_model.safetensors`` with, per layer ``i`` and
+    module ``m``, ``base_model.model.model.layers.{i}.self_attn.{m}.lora_A.weight`` (``rank`` × in features) and
+    ``...lora_B.weight`` (out features × ``rank``), float32. The names and fields are the ones vLLM 0.32 reads
+    (``vllm/lora/peft_helper.py`` ``PEFTHelper``, ``parse_fine_tuned_lora_name`` in ``vllm/lora/utils.py``); peft
+    itself is not needed. Unlike PEFT's initialisation (``lora_B`` = 0: a no-op until trained) both matrices are
+    random, entries ~ N(0, ``scale``²): the adapter changes the model's greedy tokens, so a test can tell its answers
+    from the base model's. The same seed gives identical files; a directory already holding them (its marker names
+    the same base model and parameters) is returned without importing torch. Returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    params = {"seed": seed, "rank": rank, "scale": scale, "base": config, "version": 1}
+    marker = out_dir / ".tiny_lora_complete.json"
+    if marker.is_file() and (out_dir / "adapter_model.safetensors").is_file():
+        try:
+            if json.loads(marker.read_text()) == params:
+                return out_dir
+        except ValueError:
+            pass
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    out_features = {
+        "q_proj": int(config["num_attention_heads"]) * head_dim,
+        "v_proj": int(config["num_key_value_heads"]) * head_dim,
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        for m in LORA_TARGET_MODULES:
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features[m], rank, generator=gen) * scale
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_model.safetensors").chmod(0o644)  # safetensors writes 0600 files
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(LORA_TARGET_MODULES),
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    marker.write_text(json.dumps(params))  # last: an interrupted build is built again
+    return out_dir

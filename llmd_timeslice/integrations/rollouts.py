@@ -5,8 +5,9 @@ The gate (docs/gate.md) reads one request header and answers with three response
 * ``x-llmd-timeslice-min-weight-version: N`` (request): hold until an endpoint at weight version >= N serves;
 * ``x-llmd-timeslice-weight-version`` (response): the weight version of the endpoint that served the request;
 * ``x-llmd-timeslice-reason`` (response, on refusals): ``hold_queue_full`` (429, ``retry-after: 1``),
-  ``hold_expired`` (503, ``retry-after: 5``), ``gate_shutting_down`` (503, ``retry-after: 1``), ``unknown_pool``
-  (503, a configuration error), ``bad_min_weight_version`` (400).
+  ``hold_expired`` (503, ``retry-after: 5``), ``gate_shutting_down`` (503, ``retry-after: 1``),
+  ``gate_unavailable`` (503, ``retry-after: 1``: Envoy could not reach the gate), ``unknown_pool`` (503, a
+  configuration error), ``bad_min_weight_version`` (400).
 
 :class:`TimeSliceRollouts` builds ``openai.OpenAI`` / ``openai.AsyncOpenAI`` clients (or plain ``httpx`` clients
 for other libraries) whose HTTP transport
@@ -52,8 +53,9 @@ HOLD_MS_HEADER = protocol.HOLD_MS_HEADER
 SHOULD_RETRY_HEADER = "x-should-retry"
 """Read by the ``openai`` SDK (``_base_client.py``, ``_should_retry``): ``false`` means do not retry."""
 
-RETRYABLE_REASONS = frozenset({"hold_expired", "hold_queue_full", "gate_shutting_down"})
-"""Gate refusals worth repeating: the pool is busy or training, or this gate replica is stopping."""
+RETRYABLE_REASONS = frozenset({"hold_expired", "hold_queue_full", "gate_shutting_down", "gate_unavailable"})
+"""Gate refusals worth repeating: the pool is busy or training, this gate replica is stopping, or Envoy could not
+reach the gate (``gate_unavailable``: written by Envoy's local-reply mapping, docs/gate.md "When the gate is down")."""
 KNOWN_REASONS = RETRYABLE_REASONS | {"unknown_pool", "bad_min_weight_version"}
 
 

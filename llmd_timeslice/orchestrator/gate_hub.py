@@ -79,6 +79,9 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         """Leader term sent with every command (fencing; 0: no leader election)."""
         self.on_fenced: Callable[[str, int, int], object] | None = None
         """Called with (gate id, refused term, the gate's highest term) when a gate refuses a command as fenced."""
+        self.on_endpoint_failure: Callable[[str, str], bool] | None = None
+        """Called with ``(address, why)`` when a gate reports that Envoy could not connect to an endpoint; returns
+        whether an engine audit was started (the server wires :meth:`Orchestrator.audit_endpoint`)."""
 
     @property
     def gate_ids(self) -> list[str]:
@@ -123,6 +126,21 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                 CONNECTED_GATES.set(len(self._gates))
             self._close(conn, "stream ended")
             log.info("gate %s disconnected", conn.gate_id)
+
+    async def ReportEndpointFailure(self, request, context):  # noqa: N802
+        """A gate saw a connection to ``request.address`` fail and stopped steering to it: audit that engine now."""
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EndpointFailure needs the endpoint's address (ip:port)")
+        log.warning(
+            "gate %s: Envoy could not connect to %s (pool %s: %s); auditing its engine now",
+            request.gate_id or "?",
+            request.address,
+            request.pool or "?",
+            request.reason or "no detail",
+        )
+        why = f"gate {request.gate_id or '?'} saw a failed connection ({request.reason or 'no detail'})"
+        audited = self.on_endpoint_failure(request.address, why) if self.on_endpoint_failure is not None else False
+        return pb.EndpointFailureAck(audited=audited)
 
     async def _read(self, conn: _GateConn, request_iterator) -> None:
         try:

@@ -1294,6 +1294,20 @@ class Orchestrator:
         if audit_interval_s > 0 and self.actions.can_read_engines:
             self._arm_audit()
 
+    def audit_endpoint(self, address: str, why: str = "") -> bool:
+        """Audit now (instead of at the next tick) every group with a sampler at ``address`` (``ip:port``): a gate
+        saw Envoy fail to connect to it (``why``). The audit reads the engines and repairs a dead one as at a
+        tick (:meth:`Group._on_audit_tick`). Returns whether a group serves that address and engines can be read."""
+        if not self.actions.can_read_engines:
+            return False
+        found = False
+        for g in self.groups.values():
+            if any(s.address == address for s in g.spec.samplers):
+                log.warning("group=%s sampler %s: %s; auditing its engines now", g.group_id, address, why or "reported")
+                g.post(Command(C.AUDIT_TICK))
+                found = True
+        return found
+
     def _arm_audit(self) -> None:
         self._audit_timer = self.clock.call_at(self.clock.now() + self.audit_interval_s, self._audit)
 

@@ -108,3 +108,83 @@ async def test_gate_loop_stalled_on_an_idle_stream_comes_back_and_releases_what_
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(gate.stop(), lt.loop))
         lt.close()
         await orch.stop()
+
+
+async def test_a_3000_request_hold_built_after_a_stall_is_released():
+    """After the stall the gate must not stay stale: a hold of 3,000 requests built while the pool sleeps (a trainer
+    holds it) is released when the engines serve again (before: all 3,000 ended in hold_expired)."""
+    orch = OrchestratorServer(INV, port=0, token="tok", reconcile_on_start=False)
+    await orch.start()
+    await orch.hub.publish("default", [(E1, SERVING, 1), (E2, SERVING, 1)])
+    lt = LoopThread()
+    gate = await _gate_in_thread(lt, orch.port)
+    pool = gate.pools["default"]
+    try:
+        lt.loop.call_soon_threadsafe(time.sleep, 2.5 * STALE_AFTER_S)
+        await asyncio.sleep(0.2)
+        await orch.hub.publish("default", [(E1, DRAINING, None), (E2, DRAINING, None)])
+        await orch.hub.publish("default", [(E1, ASLEEP, None), (E2, ASLEEP, None)])
+        await until(lambda: not gate.subscription.stale and pool.endpoints[E1].state.value == "ASLEEP", 10, what="resync")
+
+        async def hold_many() -> list:
+            return await asyncio.gather(*(pool.admit() for _ in range(3000)))
+
+        held = asyncio.run_coroutine_threadsafe(hold_many(), lt.loop)
+        await until(lambda: pool.held == 3000, 20, what="3,000 held")
+        await orch.hub.publish("default", [(E1, SERVING, 2), (E2, SERVING, 2)])
+        admitted = await asyncio.wait_for(asyncio.wrap_future(held), 30)
+        assert len(admitted) == 3000 and {a.candidates for a in admitted} == {(E1, E2)}
+    finally:
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(gate.stop(), lt.loop))
+        lt.close()
+        await orch.stop()
+
+
+TRAINER = """
+import sys, time
+from llmd_timeslice.client import LeaseLost, TimeSliceOrchestratorClient
+c = TimeSliceOrchestratorClient(sys.argv[1], job_id="trainer", group_id="g", token="tok")
+c.acquire(timeout_sec=30)
+print("held", flush=True)
+while not (why := c.lease_lost()):
+    time.sleep(0.01)
+print(f"lost {time.monotonic():.3f} {why}", flush=True)
+try:
+    c.release()
+    print("released", flush=True)
+except LeaseLost as exc:
+    print(f"LeaseLost {exc}", flush=True)
+"""
+
+
+async def test_a_trainer_paused_past_its_lease_learns_it_lost_the_group_at_once_on_resume():
+    """SIGSTOP of the trainer's own process past its TTL: the orchestrator reclaims the group; on SIGCONT the
+    client says so before any call (``lease_lost()``), and the yield raises LeaseLost naming the expiry."""
+    import signal
+    import subprocess
+    import sys
+
+    inv = Inventory.model_validate({"groups": [{"group_id": "g", "lease_ttl_s": 1.0}]})
+    orch = OrchestratorServer(inv, port=0, token="tok", reconcile_on_start=False)
+    await orch.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, f"127.0.0.1:{orch.port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert line.strip() == "held", line
+        await asyncio.sleep(0.8)  # heartbeats arm the 1 s lease
+        proc.send_signal(signal.SIGSTOP)
+        await until(lambda: orch.orchestrator.groups["g"].holder is None, 10, what="the orchestrator reclaims the group")
+        await asyncio.sleep(0.5)
+        resumed = time.monotonic()
+        proc.send_signal(signal.SIGCONT)
+        out, _ = await asyncio.wait_for(asyncio.to_thread(proc.communicate), 30)
+        lost = next(x for x in out.splitlines() if x.startswith("lost "))
+        assert float(lost.split()[1]) - resumed < 2.0, f"learnt {float(lost.split()[1]) - resumed:.2f} s after SIGCONT"
+        assert "LeaseLost" in out and "expired" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await orch.stop()

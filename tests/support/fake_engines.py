@@ -136,6 +136,21 @@ class FakeVllm(_FakeEngine):
       queued before its last engine step, not later arrivals).
     * ``completion_delay_s``: seconds each completion computes (counted in ``vllm:num_requests_running``
       meanwhile); ``/sleep?mode=wait`` waits for running completions, like vLLM.
+    * the scheduler pause, as in vLLM 0.32 (``vllm/entrypoints/rl/online/api_router.py``, ``EngineCore`` in
+      ``vllm/v1/engine/core.py``): ``POST /pause`` pauses (``paused``), ``POST /resume`` resumes, ``GET /is_paused``;
+      ``/is_sleeping`` is true while paused; a full wake resumes the scheduler. ``pause_after_next_wake``: another
+      client pauses the engine right after its next full wake and never resumes it; ``wake_resumes_pause`` False: a
+      full wake leaves the scheduler paused (a vLLM whose wake does not resume it). Completions sent while paused
+      are handled like those sent while asleep.
+    * ``core_dead``: the engine core process died behind a live API server, as vLLM 0.32 answers then with
+      ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` (measured on the CPU build, engine core SIGKILLed while asleep): every
+      route that reaches the core answers 500 ``{"error": {"message": "EngineCore encountered an issue..."}}``,
+      ``GET /health`` 503, ``/metrics`` keeps the last sleep state; ``die_after_next_sleep``: the next ``/sleep``
+      answers 200, then the core dies. :meth:`restart` brings a live core back.
+    * ``lora_adapters``: LoRA adapter names served besides the base model (listed by ``/v1/models`` with ``parent``,
+      each with its own greedy tokens); ``garble_adapter_next_wake``: that adapter answers other tokens after the
+      next full wake until the weights are reloaded (``reload_weights`` resets vLLM 0.32's LoRA state,
+      ``GPUModelRunner.reload_weights``): an adapter slot whose memory a level-2 sleep discarded.
     """
 
     def __init__(
@@ -165,6 +180,14 @@ class FakeVllm(_FakeEngine):
         self._parked: list[dict] = []  # {"event": threading.Event, "aborted": bool}
         self.lie_on_sleep, self.lie_on_wake, self.export_sleep_state = lie_on_sleep, lie_on_wake, export_sleep_state
         self.level = 0  # 0 awake, else the sleep level
+        self.paused = False
+        self.lora_adapters: list[str] = []
+        self.garble_adapter_next_wake = ""
+        self.garbled_adapter = ""
+        self.core_dead = False
+        self.die_after_next_sleep = False
+        self.pause_after_next_wake = False
+        self.wake_resumes_pause = True
         self.asleep_tags = {"weights", "kv_cache"}
         self.weight_version = "default"  # vLLM's label before any update
         self.weights_path: str | None = None  # last reload_weights(weights_path=...)
@@ -178,6 +201,7 @@ class FakeVllm(_FakeEngine):
         initial weights and weight version label again."""
         with self.lock:
             self.level = 0
+            self.paused = self.core_dead = False
             self.asleep_tags = {"weights", "kv_cache"}
             self.weight_version = "default"
             self.weights_path = None
@@ -197,9 +221,11 @@ class FakeVllm(_FakeEngine):
         """Completions waiting inside the sleeping engine now."""
         return len(self._parked)
 
-    def _tokens(self, prompt: str, n: int) -> list[int]:
-        """Greedy tokens of ``prompt``: a function of the prompt and the weights loaded (and of the garbling)."""
-        seed = f"{self.weights_path or 'initial'}|{'garbled' if self.garbled else 'ok'}|{prompt}"
+    def _tokens(self, prompt: str, n: int, model: str = "fake") -> list[int]:
+        """Greedy tokens of ``prompt``: a function of the prompt, the weights loaded, the model or adapter (and of the
+        garbling)."""
+        garbled = self.garbled or (model != "fake" and model == self.garbled_adapter)
+        seed = f"{self.weights_path or 'initial'}|{'garbled' if garbled else 'ok'}|{model}|{prompt}"
         digest = hashlib.sha256(seed.encode()).digest()
         return [digest[i % len(digest)] * 7 % 1000 for i in range(n)]
 
@@ -207,7 +233,7 @@ class FakeVllm(_FakeEngine):
         prompts = body.get("prompt", "")
         prompts = prompts if isinstance(prompts, list) else [prompts]
         n = int(body.get("max_tokens") or 1)
-        if self.level != 0 or (self.pausing and self.park_while_asleep):
+        if self.level != 0 or self.paused or (self.pausing and self.park_while_asleep):
             self.completions_while_asleep += 1  # a real vLLM would hang this request
             if self.park_while_asleep:
                 entry = {"event": threading.Event(), "aborted": False}
@@ -230,9 +256,10 @@ class FakeVllm(_FakeEngine):
         finally:
             with self.lock:
                 self.running -= 1
+        model = body.get("model") if body.get("model") in self.lora_adapters else "fake"  # any other name: the base
         choices = []
         for i, p in enumerate(prompts):
-            tokens = self._tokens(str(p), n)
+            tokens = self._tokens(str(p), n, model)
             choice = {"index": i, "text": " ".join(map(str, tokens)), "finish_reason": "length"}
             if body.get("return_token_ids"):
                 choice["token_ids"] = tokens
@@ -250,9 +277,34 @@ class FakeVllm(_FakeEngine):
             self.asleep_tags = {"weights", "kv_cache"}
         return 200, {"status": "sleeping", "level": int(query.get("level", 1))}, "application/json"
 
+    _DEAD_CORE = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause."}}
+
     def handle(self, method, path, query, body):
+        if self.core_dead and path not in ("/metrics", "/v1/models"):
+            if path == "/health":
+                return 503, "", "text/plain"
+            if path == "/is_paused":
+                return 500, {"error": "Failed to fetch pause status: " + self._DEAD_CORE["error"]["message"]}, "application/json"
+            return 500, self._DEAD_CORE, "application/json"
+        if path == "/health":
+            return 200, "", "text/plain"
         if path == "/is_sleeping":
-            return 200, {"is_sleeping": self.level != 0}, "application/json"
+            return 200, {"is_sleeping": self.level != 0 or self.paused}, "application/json"
+        if path == "/is_paused":
+            return (
+                (404, {"detail": "Not Found"}, "application/json")
+                if not self.abort_route
+                else (
+                    200,
+                    {"is_paused": self.paused},
+                    "application/json",
+                )
+            )
+        if path == "/resume":
+            self.paused = False
+            if self.level == 0:
+                self._release_parked(aborted=False)
+            return 200, {"status": "resumed"}, "application/json"
         if path == "/metrics":
             lines = ["# TYPE vllm:num_requests_running gauge", "# TYPE vllm:num_requests_waiting gauge"]
             for e in range(self.engines):  # the running count goes to engine 0; parked requests are not counted (vLLM
@@ -280,31 +332,40 @@ class FakeVllm(_FakeEngine):
                 return self._sleep(query)
             finally:
                 self.pausing = False
+                if self.die_after_next_sleep:
+                    self.die_after_next_sleep, self.core_dead = False, True
         if path == "/wake_up":
             time.sleep(self.wake_delay_s)
             tags = query.get("tags")
             tags = [tags] if isinstance(tags, str) else (tags or ["weights", "kv_cache"])
             if not self.lie_on_wake:
                 self.asleep_tags -= set(tags)
-                if not self.asleep_tags and self.level:
+                if not self.asleep_tags and (self.level or self.paused):
                     self.level = 0
                     if self.garble_next_wake:
                         self.garble_next_wake, self.garbled = False, True
-                    self._release_parked(aborted=False)
+                    if self.garble_adapter_next_wake:
+                        self.garbled_adapter, self.garble_adapter_next_wake = self.garble_adapter_next_wake, ""
+                    if self.wake_resumes_pause:
+                        self.paused = False
+                        self._release_parked(aborted=False)
+                    if self.pause_after_next_wake:
+                        self.pause_after_next_wake, self.paused = False, True
             return 200, {"status": "awake" if self.level == 0 else "sleeping", "tags": tags}, "application/json"
         if path == "/pause":
             if not self.abort_route:
                 return 404, {"detail": "Not Found"}, "application/json"
-            if query.get("mode") == "abort":
+            if query.get("mode", "abort") == "abort":
                 self._release_parked(aborted=True)
                 time.sleep(0.02)  # like AsyncLLM.pause_generation: lets the abort outputs out first
+            self.paused = True
             return 200, {"status": "paused"}, "application/json"
         if path == "/collective_rpc":
             if (body or {}).get("method") == "reload_weights":
                 if "weights" in self.asleep_tags and self.level:
                     return 500, {"error": "weights are asleep"}, "application/json"
                 self.weights_path = ((body or {}).get("kwargs") or {}).get("weights_path", self.weights_path)
-                self.garbled = False
+                self.garbled, self.garbled_adapter = False, ""
             return 200, {"results": [None]}, "application/json"
         if path == "/update_weight_version":
             self.weight_version = body["new_version"]
@@ -324,7 +385,8 @@ class FakeVllm(_FakeEngine):
             refused = self.refuse_prefix_reset == "always" or (self.refuse_prefix_reset == "plain" and not preempt)
             return 200, {"success": not refused}, "application/json"
         if path == "/v1/models":
-            return 200, {"data": [{"id": "fake"}]}, "application/json"
+            cards = [{"id": "fake", "parent": None}] + [{"id": a, "parent": "fake"} for a in self.lora_adapters]
+            return 200, {"data": cards}, "application/json"
         if path == "/v1/completions":
             return self._completion(body or {})
         return 404, {"error": path}, "application/json"
@@ -332,7 +394,18 @@ class FakeVllm(_FakeEngine):
 
 class FakeSglang(_FakeEngine):
     """SGLang's memory-occupation endpoints; ``released`` holds the released tags.
-    ``fail_release``: answer 400 like SGLang does on a bad request."""
+    ``fail_release``: answer 400 like SGLang does on a bad request.
+
+    Also, as in sgl-project/sglang (``python/sglang/srt/entrypoints/http_server.py``, the scheduler's metrics
+    collector): ``GET /metrics`` with ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs`` (``metrics`` False:
+    404, a server without ``--enable-metrics``); ``POST /pause_generation {"mode": ...}`` (``abort`` ends the
+    requests inside) and ``POST /continue_generation``; ``GET /get_weight_version``; ``POST /generate`` with a list of
+    texts answering a list (``output_ids``: greedy tokens, a function of the prompt and of the weights).
+
+    Field failures: :meth:`queue` puts requests inside the engine (running, for ``for_s`` seconds); a release while
+    requests are inside answers 500 like SGLang's idle assertion and is counted in ``released_while_busy``;
+    ``garble_next_resume``: the next full resume leaves it answering other tokens (until :meth:`restart`).
+    """
 
     ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
 
@@ -340,19 +413,77 @@ class FakeSglang(_FakeEngine):
         super().__init__()
         self.fail_release = fail_release
         self.released: set[str] = set()
+        self.metrics = True
+        self.paused = False
+        self.garble_next_resume = False
+        self.garbled = False
+        self.released_while_busy = 0
+        self.aborted = 0
+        self._inside = 0
+        self._busy_until = 0.0
+
+    def queue(self, n: int, for_s: float) -> None:
+        """``n`` requests inside the engine for the next ``for_s`` seconds (then they finish)."""
+        self._inside, self._busy_until = n, time.monotonic() + for_s
+
+    @property
+    def inside(self) -> int:
+        return self._inside if time.monotonic() < self._busy_until else 0
+
+    def restart(self) -> None:
+        self.released, self.paused, self.garbled = set(), False, False
+
+    def _tokens(self, prompt: str, n: int) -> list[int]:
+        digest = hashlib.sha256(f"{'garbled' if self.garbled else 'ok'}|{prompt}".encode()).digest()
+        return [digest[i % len(digest)] * 5 % 900 for i in range(n)]
+
+    def _generate(self, body: dict):
+        if self.released:
+            return 503, {"error": f"released: {sorted(self.released)}"}, "application/json"
+        texts = body.get("text", "")
+        n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 1)
+        answers = [
+            {"text": "x", "output_ids": self._tokens(str(t), n), "meta_info": {"finish_reason": {"type": "length"}}}
+            for t in (texts if isinstance(texts, list) else [texts])
+        ]
+        return 200, answers if isinstance(texts, list) else answers[0], "application/json"
 
     def handle(self, method, path, query, body):
         tags = set((body or {}).get("tags") or self.ALL_TAGS)
         if path == "/release_memory_occupation" and method == "POST":
             if self.fail_release:
                 return 400, {"error": "memory saver is not enabled (--enable-memory-saver)"}, "application/json"
+            if self.inside:
+                self.released_while_busy += 1
+                return 500, {"error": "release_memory_occupation should be called only when server is idle."}, "application/json"
             self.released |= tags
             return 200, "", "text/plain"
         if path == "/resume_memory_occupation" and method == "POST":
             self.released -= tags
+            if not self.released and self.garble_next_resume:
+                self.garble_next_resume, self.garbled = False, True
             return 200, "", "text/plain"
         if path == "/generate" and method == "POST":
-            if self.released:
-                return 503, {"error": f"released: {sorted(self.released)}"}, "application/json"
-            return 200, {"text": "x", "meta_info": {"finish_reason": {"type": "length"}}}, "application/json"
+            return self._generate(body or {})
+        if path == "/metrics" and method == "GET":
+            if not self.metrics:
+                return 404, {"detail": "Not Found"}, "application/json"
+            text = (
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f'sglang:num_running_reqs{{model_name="fake"}} {float(self.inside)}\n'
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                'sglang:num_queue_reqs{model_name="fake"} 0.0\n'
+            )
+            return 200, text, "text/plain"
+        if path == "/pause_generation" and method == "POST":
+            self.paused = True
+            if (body or {}).get("mode", "abort") == "abort":
+                self.aborted += self.inside
+                self._inside = 0
+            return 200, {"message": "Generation paused successfully.", "status": "ok"}, "application/json"
+        if path == "/continue_generation" and method == "POST":
+            self.paused = False
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}, "application/json"
+        if path == "/get_weight_version" and method == "GET":
+            return 200, {"weight_version": "default"}, "application/json"
         return 404, {"error": path}, "application/json"

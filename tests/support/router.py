@@ -95,13 +95,15 @@ async def start_router(
     epp_message_timeout_s: float = 5.0,
     picker_delay_s: float = 0.0,
     picker_process: bool = False,
+    envoy_kw: dict | None = None,
     **gate_kw,
 ) -> RouterStack:
     """Start gate, picker and Envoy on free loopback ports; Envoy logs go to ``workdir``.
 
     ``extra_pools``: pool -> (path prefix, endpoints), routed per prefix (per-route pool override).
     ``picker_delay_s`` > 0: Envoy reaches the picker through a :class:`TcpProxy` that holds its answers back that long
-    (a slow EPP). ``picker_process``: the picker runs in its own process (:class:`PickerProcess`).
+    (a slow EPP). ``picker_process``: the picker runs in its own process (:class:`PickerProcess`). ``envoy_kw``: more
+    :class:`~epp_plugin.envoy_config.EnvoyRouterConfig` fields.
     """
     extra_pools = extra_pools or {}
     gate = GateServer(
@@ -125,6 +127,7 @@ async def start_router(
         max_hold_s=gate.config.max_hold_s,
         epp_message_timeout_s=epp_message_timeout_s,
         pools_by_prefix={prefix: p for p, (prefix, _) in extra_pools.items()},
+        **(envoy_kw or {}),
     )
     envoy = EnvoyProcess(cfg, workdir)
     await asyncio.to_thread(envoy.start)

@@ -30,6 +30,17 @@ class EngineUnreachable(BackendError):
     """The workload refused the connection: nothing listens at its address (down, or restarting)."""
 
 
+class EngineDead(EngineUnreachable):
+    """The workload's API server answers but the engine behind it is dead (vLLM: the engine core process exited,
+    ``GET /health`` answers 503). Like :class:`EngineUnreachable` for the engine audit: nothing can serve there
+    until the engine (its pod) restarts."""
+
+
+class EnginePaused(BackendError):
+    """The workload is awake but its scheduler is paused (a ``/pause`` without the matching ``/resume``):
+    requests sent to it would wait. The endpoint stays out of service until the pause is lifted."""
+
+
 class WeightVersionRejected(BackendError):
     """A weight version failed verification or loading (:meth:`SnapshotBackend.resume_with_weights`); the
     workload can still serve its last good version (a plain :meth:`SnapshotBackend.resume` reloads it)."""

@@ -46,6 +46,36 @@ so the endpoint stays out of service and the next restore reloads the weights. G
 is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
 ``probe_max_mismatched_prompts`` tolerates.
 
+LoRA adapters: the probe runs for the base model and for every LoRA adapter ``GET /v1/models`` lists (an entry
+with ``parent``), each with a reference of its own per weight version; a mismatch through one adapter fails the wake
+the same way, naming it (the next restore reloads the weights, and vLLM 0.32's ``GPUModelRunner.reload_weights``
+resets the LoRA state, so adapters load again from their directories on first use). An adapter first listed at a
+wake is recorded then; one no longer listed is forgotten with a warning (its requests get vLLM's 404). Checked on
+vLLM 0.32 CPU with ``--enable-lora``: level-1 and level-2 wakes keep every adapter's greedy tokens. On a GPU the
+adapters' slots are allocated with the weights (``load_model`` under the ``weights`` memory pool,
+``vllm/v1/worker/gpu_worker.py``): offloaded and restored by level 1, discarded by level 2 and filled again after the
+reload's reset; not measured here.
+
+Paused after a wake: vLLM 0.32's ``/is_sleeping`` is true while the scheduler is paused (``EngineCore.is_sleeping``
+= scheduler paused or executor asleep, ``vllm/v1/engine/core.py``), and ``GET /is_paused`` (RL routes, dev mode)
+says which. A full ``/wake_up`` resumes the scheduler, lifting the pause the sleep made (``EngineCore.wake_up``), so
+an engine whose every core reports ``awake`` while ``/is_paused`` is true after the wake was paused by another
+client (a ``POST /pause`` without its ``POST /resume``: vLLM's pause exists for weight updates). The wake fails with
+:class:`~llmd_timeslice.snapshot.backends.base.EnginePaused` and the engine is not resumed: resuming another
+client's pause could serve weights in the middle of its update, and a probe passing at one instant says nothing
+about the next. The endpoint stays out of service; a later restore of an engine that reports awake checks
+``/is_paused`` before sending ``/wake_up`` (which would lift that pause) and serves it once the other client has
+resumed it.
+
+A dead engine core: ``/sleep`` can answer 200 and the engine core process die after it (OOM killer, a crash). Then
+(measured on vLLM 0.32 CPU, engine core SIGKILLed while asleep) every route that reaches the core answers 500
+``EngineCore encountered an issue``, ``GET /health`` answers 503, and ``/metrics`` keeps showing the last sleep
+state; without ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` the API server exits about a second later (connection
+refused). Any answer >= 500 is followed by ``GET /health``; a 503 there raises
+:class:`~llmd_timeslice.snapshot.backends.base.EngineDead` (an ``EngineUnreachable``), so the sleep's verification
+(``/is_sleeping``), the next wake, and the engine audit's ``GetServedWeightVersion`` (``engine_unreachable``) all
+read it as an engine that cannot serve: out of service, repaired once an engine listens there again.
+
 Prefix cache reset (after a wake that reloaded weights): vLLM 0.32's ``POST /reset_prefix_cache`` answers
 200 ``{"success": false}`` when blocks are still held, e.g. by running requests
 (``vllm/entrypoints/serve/dev/cache/api_router.py``; ``BlockPool.reset_prefix_cache`` in
@@ -88,6 +118,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
+    EngineDead,
+    EnginePaused,
     EngineUnreachable,
     SnapshotBackend,
     SuspendMode,
@@ -96,6 +128,8 @@ from llmd_timeslice.snapshot.backends.base import (
     freed_too_little,
     register_backend,
 )
+from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
+from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
 log = logging.getLogger(__name__)
@@ -214,7 +248,7 @@ class VllmBackend(SnapshotBackend):
         idle_timeout_s: most seconds to wait for running + waiting requests to reach 0 before
             sleeping (the drain's last step; then ``mode=wait`` lets vLLM finish the rest).
         idle_poll_s: period of that metric poll, in seconds (a poll: vLLM has no idle event).
-        probe: send a one-token completion after each wake and fail the wake if it errors.
+        probe: the semantic probe after each full wake (module doc); off: no check of what the engine answers.
         request_timeout_s: timeout of each HTTP call, in seconds.
         pause_mode: ``/sleep?mode=`` (``wait``: finish requests in flight; ``keep``: freeze them
             until wake; ``abort``: end them with ``finish_reason: abort``).
@@ -267,8 +301,9 @@ class VllmBackend(SnapshotBackend):
             )
         self.probe_prompts, self.probe_tokens = tuple(probe_prompts), probe_tokens
         self.probe_max_mismatched_prompts = probe_max_mismatched_prompts
-        self.probe_references: dict[int, list[list[int]]] = {}
-        """Weight version -> greedy token ids per probe prompt, recorded when that version first served."""
+        self.probe_references: dict[int, dict[str, list[list[int]]]] = {}
+        """Weight version -> served model name (base, then LoRA adapters) -> greedy token ids per probe prompt,
+        recorded when that version first served."""
         self.pause_mode = pause_mode
         self.reload = reload_weights
         self.reset_prefix_cache = reset_prefix_cache
@@ -280,7 +315,6 @@ class VllmBackend(SnapshotBackend):
         self.idle_poll_s = idle_poll_s
         self.probe = probe
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s)
-        self._model: str | None = None
         if weight_loaders is None:
             from llmd_timeslice.snapshot.backends.vllm_weights import default_loaders
 
@@ -290,19 +324,49 @@ class VllmBackend(SnapshotBackend):
         self.weights_location: str | None = None  # directory of the last good ``files`` version
         self.weights_unusable: str | None = None  # why the weights in the engine cannot be served
         self.last_sync: dict[str, float] = {}  # figures of the last weight sync (seconds, bytes)
+        self._capabilities: VllmCapabilities | None = None
 
     async def close(self) -> None:
         await self._http.aclose()
 
+    async def capabilities(self) -> VllmCapabilities:
+        """What this engine serves (probed once, each gap logged with what the sidecar does about it:
+        :mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`)."""
+        if self._capabilities is None:
+            self._capabilities = await probe_capabilities(self._http)
+            for line in self._capabilities.problems():
+                log.warning("engine %s: %s", self.base_url, line)
+        return self._capabilities
+
     async def _get(self, path: str) -> httpx.Response:
         try:
-            return await self._http.get(path)
+            r = await self._http.get(path)
         except httpx.HTTPError as exc:
             kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
             raise kind(
                 f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
                 "The endpoint stays out of service: restart the engine (or its pod), then restore"
             ) from exc
+        await self._raise_if_core_dead("GET", path, r)
+        return r
+
+    async def _raise_if_core_dead(self, method: str, path: str, r: httpx.Response) -> None:
+        """After an answer >= 500: raise :class:`EngineDead` when ``GET /health`` answers 503 too (module doc,
+        "A dead engine core"); else return (the caller handles the answer)."""
+        if r.status_code < 500:
+            return
+        try:
+            health = (await self._http.get("/health")).status_code
+        except httpx.HTTPError:
+            return  # the caller reports the first answer; the next call finds the engine gone
+        if health == 503:
+            raise EngineDead(
+                f"vLLM {self.base_url}: {method} {path} answered {r.status_code} ({r.text[:120]!r}) and GET "
+                "/health answers 503: its engine core is dead behind a live API server "
+                "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up; without it the server exits within ~5 s). Its "
+                "/metrics still show the last sleep state. The endpoint stays out of service until the engine "
+                "(its pod) restarts"
+            )
 
     async def _post(self, path: str, **kw) -> httpx.Response:
         try:
@@ -313,6 +377,7 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
                 "The endpoint stays out of service: restart the engine (or its pod), then restore"
             ) from exc
+        await self._raise_if_core_dead("POST", path, r)
         if r.status_code != 200:
             raise BackendError(
                 f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
@@ -441,6 +506,7 @@ class VllmBackend(SnapshotBackend):
                 "requests may be waiting inside the sleeping engine: the endpoint stays out of "
                 "service"
             ) from exc
+        await self._raise_if_core_dead("POST", "/pause", r)
         if r.status_code == 200:
             aborted = int((await self.metrics()).aborted_total - m.aborted_total)
             deadline = time.monotonic() + 0.5
@@ -493,6 +559,8 @@ class VllmBackend(SnapshotBackend):
         if unknown:
             raise BackendError(f"unknown vLLM wake-up tags {sorted(unknown)}; known: weights, kv_cache")
         level = await self._current_level()
+        if level is None and not tags:
+            await self._refuse_another_clients_pause()
         if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
         reloaded = False
@@ -553,6 +621,8 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM backend has no loader for weight source {weights.source!r}; known: {sorted(self.weight_loaders)}"
             )
         t0 = time.perf_counter()
+        if self.level is None:  # state unknown (a repair, a restarted sidecar): never lift another client's pause
+            await self._refuse_another_clients_pause()
         if not await self.is_suspended():
             # Awake (e.g. reconciled after a restart): pause it the verified way first.
             await self.suspend(SuspendMode.OFFLOAD, [])
@@ -615,35 +685,86 @@ class VllmBackend(SnapshotBackend):
         )
 
     async def _verify_awake(self) -> None:
-        if await self.is_suspended():
+        """After a full wake: awake on every engine core, not paused (module doc, "Paused after a wake"), probe."""
+        sleeping = await self.is_suspended()
+        m = await self.metrics()
+        bad = m.engines_not_in("awake")
+        if sleeping and (bad or not m.sleep_states):
             raise BackendError(
                 f"vLLM {self.base_url} answered /wake_up with 200 but /is_sleeping still says "
                 "asleep; the endpoint stays out of service: check the engine's logs, then retry the "
                 "restore"
             )
-        m = await self.metrics()
-        bad = m.engines_not_in("awake")
         if bad:
             raise BackendError(
                 f"vLLM {self.base_url}: vllm:engine_sleep_state after wake-up (expected 'awake' on every "
                 f"engine): {_describe_engines(bad)}; the endpoint stays out of service"
             )
-        self.level = None
+        self.level = None  # awake on every engine core
+        if sleeping:  # ... yet /is_sleeping says asleep: a paused scheduler?
+            await self._check_not_paused()
         if self.probe:
             await self._probe()
 
-    async def _probe_tokens(self) -> list[list[int]]:
-        """Greedy token ids of each probe prompt (text where the engine returns no token ids)."""
-        if self._model is None:
-            r = await self._get("/v1/models")
-            try:
-                self._model = r.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError) as exc:
-                raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
+    async def _is_paused(self) -> bool | None:
+        """``GET /is_paused`` -> ``{"is_paused": bool}`` (vLLM 0.32 dev mode; None where the route is absent)."""
+        r = await self._get("/is_paused")
+        if r.status_code == 404:
+            return None
+        try:
+            return bool(r.json()["is_paused"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(f"vLLM {self.base_url} /is_paused answered {r.status_code}: {r.text[:200]}") from exc
+
+    def _paused(self) -> EnginePaused:
+        return EnginePaused(
+            f"vLLM {self.base_url} is awake but its scheduler is paused (GET /is_paused: true): a POST /pause "
+            "without the matching POST /resume, e.g. another client's weight update (vLLM 0.32 lifts the pause of "
+            "its own sleep on a full wake-up); requests sent to it would wait. Not resumed here: resuming another "
+            "client's pause could serve weights in the middle of its update. The endpoint stays out of service; "
+            "the repair loop serves it again once that client sends POST /resume"
+        )
+
+    async def _check_not_paused(self) -> None:
+        """Every engine core reports awake but ``/is_sleeping`` says asleep: on vLLM 0.32 a paused scheduler
+        (``EngineCore.is_sleeping`` = scheduler paused or executor asleep, ``vllm/v1/engine/core.py``). Raises
+        :class:`EnginePaused` when ``GET /is_paused`` confirms it, else BackendError (module doc)."""
+        paused = await self._is_paused()
+        if paused:
+            raise self._paused()
+        raise BackendError(
+            f"vLLM {self.base_url}: every engine core reports 'awake' but /is_sleeping says asleep and "
+            f"/is_paused says {'not paused' if paused is False else 'nothing (no route)'}; the endpoint "
+            "stays out of service: check the engine's logs, then retry the restore"
+        )
+
+    async def _refuse_another_clients_pause(self) -> None:
+        """Before waking an engine of unknown state that reports awake: on vLLM 0.32 ``/wake_up`` resumes a paused
+        scheduler (``EngineCore.wake_up``), so an engine paused by another client is left as it is
+        (:class:`EnginePaused`) rather than resumed behind that client's back."""
+        if (await self.metrics()).sleep_state == "awake" and await self._is_paused():
+            raise self._paused()
+
+    async def _served_models(self) -> list[str]:
+        """``GET /v1/models``: the base model's name, then each LoRA adapter's (vLLM lists an adapter with its base
+        model in ``parent``: ``vllm/entrypoints/openai/models/serving.py`` in vLLM 0.32)."""
+        r = await self._get("/v1/models")
+        try:
+            cards = r.json()["data"]
+            base = [c["id"] for c in cards if not c.get("parent")]
+            adapters = sorted(c["id"] for c in cards if c.get("parent"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
+        if not base:
+            raise BackendError(f"vLLM {self.base_url} /v1/models lists no base model: {r.text[:200]}")
+        return base[:1] + adapters
+
+    async def _greedy_tokens(self, model: str) -> list[list[int]]:
+        """Greedy token ids of each probe prompt through ``model`` (text where the engine returns no token ids)."""
         r = await self._post(
             "/v1/completions",
             json={
-                "model": self._model,
+                "model": model,
                 "prompt": list(self.probe_prompts),
                 "max_tokens": self.probe_tokens,
                 "temperature": 0,
@@ -663,21 +784,40 @@ class VllmBackend(SnapshotBackend):
             )
         return out
 
+    async def _probe_tokens(self) -> dict[str, list[list[int]]]:
+        """Served model name -> greedy token ids of each probe prompt: the base model and every LoRA adapter."""
+        return {m: await self._greedy_tokens(m) for m in await self._served_models()}
+
     async def _probe(self) -> None:
-        """The semantic probe (module doc): compare with the reference of the version served, or record it."""
+        """The semantic probe (module doc): compare with the reference of the version served, or record it. An
+        adapter first seen now is recorded; one no longer served is forgotten (a warning: its requests get vLLM's 404)."""
         got = await self._probe_tokens()
         ref = self.probe_references.get(self.weight_version)
         if ref is None:
             self.probe_references[self.weight_version] = got
             return
-        wrong = [i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
+        for model, tokens in got.items():
+            ref.setdefault(model, tokens)
+        for model in sorted(set(ref) - set(got)):  # unloaded, or lost with a restart: its requests get vLLM's 404
+            log.warning(
+                "engine %s no longer serves LoRA adapter %r (GET /v1/models); forgetting its probe reference",
+                self.base_url,
+                model,
+            )
+            del ref[model]
+        wrong = [(m, i) for m in ref for i, (a, b) in enumerate(zip(ref[m], got[m], strict=True)) if a != b]
         if len(wrong) <= self.probe_max_mismatched_prompts:
             return
-        i = wrong[0]
+        base = next(iter(got))
+        m, i = wrong[0]
+        of = "" if m == base else f" through LoRA adapter {m!r}"
+        adapters = [a for a in ref if a != base]
         why = (
             f"vLLM {self.base_url} is awake but answers the probe prompts differently from weight version "
-            f"{self.weight_version}'s reference (recorded when that version first served): {len(wrong)} of "
-            f"{len(ref)} prompts differ, e.g. {self.probe_prompts[i]!r} -> {got[i]} instead of {ref[i]}"
+            f"{self.weight_version}'s reference (recorded when that version first served"
+            f"{', base model and LoRA adapters ' + ', '.join(map(repr, adapters)) if adapters else ''}): "
+            f"{len(wrong)} of {len(ref) * len(self.probe_prompts)} prompts differ, e.g. {self.probe_prompts[i]!r}{of} "
+            f"-> {got[m][i]} instead of {ref[m][i]}"
         )
         self.weights_unusable = why
         try:  # out of service and back to a state the next restore repairs: weights discarded, reloaded on wake

@@ -13,7 +13,9 @@ requests then) and return the bytes they moved (None where unknown):
   (``--weight-transfer-config``; NCCL or CUDA IPC engines; GPU): ``POST /init_weight_transfer_engine``
   (once, with ``init_info``), ``/start_weight_update``, ``/update_weights {"update_info": ...}``
   (returns once the trainer's send has arrived), ``/finish_weight_update {"weight_version": "N"}``.
-  Routes of ``vllm/entrypoints/rl/online/api_router.py`` (vLLM 0.32, dev mode). The trainer sends
+  Routes of ``vllm/entrypoints/rl/online/api_router.py`` (vLLM 0.32, dev mode); vLLM 0.19.1 has
+  ``/init_weight_transfer_engine`` and ``/update_weights`` only (``vllm/entrypoints/serve/rlhf/api_router.py``), and
+  the loader then sends the update alone (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`). The trainer sends
   (e.g. ``NCCLTrainerWeightTransferEngine``) after its yield returns. Exercised here only against an
   HTTP look-alike: it needs a GPU.
 """
@@ -63,12 +65,24 @@ class WeightTransferLoader:
         self._initialised = init_info is None
 
     async def load(self, engine: VllmBackend, update: WeightUpdate) -> int | None:
+        caps = await engine.capabilities()
+        if not caps.has("/update_weights"):
+            raise BackendError(
+                f"weight version {update.version} not loaded: vLLM {caps.version or '(version unknown)'} at "
+                f"{engine.base_url} serves no /update_weights (its weight-transfer API; VLLM_SERVER_DEV_MODE=1): "
+                "publish it with source 'files'"
+            )
         if not self._initialised:
             await engine.post_checked("/init_weight_transfer_engine", json={"init_info": self.init_info})
             self._initialised = True
-        await engine.post_checked("/start_weight_update")
+        # vLLM 0.32 brackets the update with start / finish (finish takes the version label); 0.19.1 has the
+        # update alone (vllm_capabilities): the version is then the sidecar's record.
+        bracketed = caps.transfer_bracketed
+        if bracketed:
+            await engine.post_checked("/start_weight_update")
         await engine.post_checked("/update_weights", json={"update_info": update.update_info})
-        await engine.post_checked("/finish_weight_update", json={"weight_version": str(update.version)})
+        if bracketed:
+            await engine.post_checked("/finish_weight_update", json={"weight_version": str(update.version)})
         return None
 
 

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EndpointFailure(_message.Message):
+    __slots__ = ("gate_id", "pool", "address", "reason")
+    GATE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    gate_id: str
+    pool: str
+    address: str
+    reason: str
+    def __init__(self, gate_id: _Optional[str] = ..., pool: _Optional[str] = ..., address: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EndpointFailureAck(_message.Message):
+    __slots__ = ("audited",)
+    AUDITED_FIELD_NUMBER: _ClassVar[int]
+    audited: bool
+    def __init__(self, audited: _Optional[bool] = ...) -> None: ...
+
 class GateHello(_message.Message):
     __slots__ = ("gate_id", "pools", "stale_after_s")
     GATE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class GateStateServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.GateMessage.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.GateCommand.FromString,
                 _registered_method=True)
+        self.ReportEndpointFailure = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.GateStateService/ReportEndpointFailure',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.EndpointFailure.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.EndpointFailureAck.FromString,
+                _registered_method=True)
 
 
 class GateStateServiceServicer:
@@ -50,6 +55,14 @@ class GateStateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEndpointFailure(self, request, context):
+        """A gate saw Envoy fail to connect to an endpoint (access-log response flag UF): it already stopped steering
+        to it; the orchestrator audits that engine at once (docs/gate.md, "When an engine dies").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GateStateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +70,11 @@ def add_GateStateServiceServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.GateMessage.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.GateCommand.SerializeToString,
+            ),
+            'ReportEndpointFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEndpointFailure,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.EndpointFailure.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.EndpointFailureAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +104,33 @@ class GateStateService:
             '/llmd_timeslice.v1alpha1.GateStateService/Connect',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.GateMessage.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.GateCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEndpointFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.GateStateService/ReportEndpointFailure',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.EndpointFailure.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__state__pb2.EndpointFailureAck.FromString,
             options,
             channel_credentials,
             insecure,
