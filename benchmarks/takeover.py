@@ -73,7 +73,7 @@ async def _until(pred, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def one_takeover(setting, samplers: int, workdir: Path) -> dict:
+async def one_takeover(setting, samplers: int, workdir: Path, stop: str = "kill") -> dict:
     from tests.support.fake_engines import FakeVllm
     from tests.support.kube_api import FakeKubeApi, write_kubeconfig
 
@@ -114,7 +114,8 @@ async def one_takeover(setting, samplers: int, workdir: Path) -> dict:
         await asyncio.sleep(0.5)
         b_client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{pb}", job_id="trainer", group_id="g", token=TOKEN)
         killed, killed_wall = time.perf_counter(), time.time()
-        os.kill(procs[0].pid, signal.SIGKILL)
+        # kill: the node died; term: a rolling update stops it (it hands the Lease back first).
+        os.kill(procs[0].pid, signal.SIGKILL if stop == "kill" else signal.SIGTERM)
         attempts = 0
         while True:
             attempts += 1
@@ -165,7 +166,8 @@ def _plot(path: Path, rows: list[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     labels = [
-        f"{r['lease_duration_s']:g}/{r['renew_deadline_s']:g}/{r['retry_period_s']:g} s\n{r['samplers']} samplers" for r in rows
+        f"{r['stop']} {r['lease_duration_s']:g}/{r['renew_deadline_s']:g}/{r['retry_period_s']:g} s\n{r['samplers']} samplers"
+        for r in rows
     ]
     ax.bar(range(len(rows)), [r["takeover_s_median"] for r in rows], label="takeover (median)")
     ax.plot(range(len(rows)), [r["bound_s"] for r in rows], "k_", markersize=30, label="lease + 2 x retry")
@@ -177,42 +179,43 @@ def _plot(path: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-async def main(out: Path, reps: int, samplers_list: list[int], settings) -> None:
+async def main(out: Path, reps: int, samplers_list: list[int], settings, stops: list[str]) -> None:
     rows = []
-    for setting in settings:
-        for samplers in samplers_list:
-            runs = []
-            for _ in range(reps):
-                with tempfile.TemporaryDirectory() as d:
-                    runs.append(await one_takeover(setting, samplers, Path(d)))
-            lease, renew, retry = setting
-            med = statistics.median(r["takeover_s"] for r in runs)
-            base = statistics.median(r["baseline_acquire_yield_s"] for r in runs)
-            row = {
-                "lease_duration_s": lease,
-                "renew_deadline_s": renew,
-                "retry_period_s": retry,
-                "samplers": samplers,
-                "takeover_s": [round(r["takeover_s"], 3) for r in runs],
-                "leads_s": [round(r["leads_s"], 3) for r in runs],
-                "serving_s": [round(r["serving_s"], 3) for r in runs],
-                "refused_attempts": [r["refused_attempts"] for r in runs],
-                "takeover_s_median": round(med, 3),
-                "takeover_s_max": round(max(r["takeover_s"] for r in runs), 3),
-                "leads_s_median": round(statistics.median(r["leads_s"] for r in runs), 3),
-                "serving_s_median": round(statistics.median(r["serving_s"] for r in runs), 3),
-                "bound_s": lease + 2 * retry,
-                "baseline_acquire_yield_s_median": round(base, 4),
-                "ratio_to_baseline": round(med / base, 1),
-            }
-            rows.append(row)
-            print(
-                f"lease {lease:g} s / renew {renew:g} s / retry {retry:g} s, {samplers} samplers: takeover median "
-                f"{med:.2f} s (max {row['takeover_s_max']:.2f} s, runs {row['takeover_s']}; B took the Lease at "
-                f"{row['leads_s']} s, served at {row['serving_s']} s); lease+2*retry {lease + 2 * retry:g} s; "
-                f"baseline acquire+yield on the live leader {base * 1000:.1f} ms ({row['ratio_to_baseline']}x)",
-                flush=True,
-            )
+    for setting, samplers, stop in [(st, n, how) for how in stops for st in settings for n in samplers_list]:
+        runs = []
+        for _ in range(reps):
+            with tempfile.TemporaryDirectory() as d:
+                runs.append(await one_takeover(setting, samplers, Path(d), stop))
+        lease, renew, retry = setting
+        med = statistics.median(r["takeover_s"] for r in runs)
+        base = statistics.median(r["baseline_acquire_yield_s"] for r in runs)
+        row = {
+            "stop": stop,
+            "lease_duration_s": lease,
+            "renew_deadline_s": renew,
+            "retry_period_s": retry,
+            "samplers": samplers,
+            "takeover_s": [round(r["takeover_s"], 3) for r in runs],
+            "leads_s": [round(r["leads_s"], 3) for r in runs],
+            "serving_s": [round(r["serving_s"], 3) for r in runs],
+            "refused_attempts": [r["refused_attempts"] for r in runs],
+            "takeover_s_median": round(med, 3),
+            "takeover_s_max": round(max(r["takeover_s"] for r in runs), 3),
+            "leads_s_median": round(statistics.median(r["leads_s"] for r in runs), 3),
+            "serving_s_median": round(statistics.median(r["serving_s"] for r in runs), 3),
+            "bound_s": lease + 2 * retry,
+            "baseline_acquire_yield_s_median": round(base, 4),
+            "ratio_to_baseline": round(med / base, 1),
+        }
+        rows.append(row)
+        print(
+            f"{'SIGKILL' if stop == 'kill' else 'SIGTERM'}, lease {lease:g} s / renew {renew:g} s / retry {retry:g} s, "
+            f"{samplers} samplers: takeover median "
+            f"{med:.2f} s (max {row['takeover_s_max']:.2f} s, runs {row['takeover_s']}; B took the Lease at "
+            f"{row['leads_s']} s, served at {row['serving_s']} s); lease+2*retry {lease + 2 * retry:g} s; "
+            f"baseline acquire+yield on the live leader {base * 1000:.1f} ms ({row['ratio_to_baseline']}x)",
+            flush=True,
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "takeover", "rows": rows}, indent=1))
     _plot(out.with_suffix(".png"), rows)
@@ -225,5 +228,8 @@ if __name__ == "__main__":
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--samplers", type=int, nargs="+", default=[0, 2])
     p.add_argument("--quick", action="store_true", help="only the 2/1.5/1 s setting")
+    p.add_argument(
+        "--stop", nargs="+", choices=["kill", "term"], default=["kill"], help="SIGKILL (node lost) and/or SIGTERM (rollout)"
+    )
     a = p.parse_args()
-    asyncio.run(main(a.out, a.reps, a.samplers, SETTINGS[:1] if a.quick else SETTINGS))
+    asyncio.run(main(a.out, a.reps, a.samplers, SETTINGS[:1] if a.quick else SETTINGS, a.stop))
