@@ -148,6 +148,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
         _metrics(s.metrics_port, s.host)
         _orchestrator_kubernetes(s, server, store)
         return
+    from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.static import load_inventory
 
     assert s.inventory is not None  # OrchestratorSettings requires it with static discovery
@@ -155,14 +156,71 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     _metrics(s.metrics_port, s.host)
 
     async def main() -> None:
-        srv = server(inv, state_store=store)
-        await srv.start()
+        api = k8s.make_api_client(s.kubernetes.kubeconfig) if s.state_configmap else None
+        state_store, election = _cluster_state(s, api, store)
+        srv = server(inv, state_store=state_store, election=election)
         try:
-            await asyncio.Event().wait()
+            await srv.start()
+            await srv.stepped_down.wait()
+            await _exit_stepped_down(srv)
         finally:
             await srv.stop()
+            if api is not None:
+                api.close()
 
-    _run(main)
+    try:
+        _run(main)
+    except k8s.KubernetesError as exc:
+        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+async def _exit_stepped_down(srv) -> None:
+    """A deposed leader exits at once with STEPPED_DOWN_EXIT_CODE (Kubernetes restarts it as a follower): it stops
+    what it can within 5 s, then leaves without waiting for calls still hanging in worker threads (a node cut off
+    from the API server)."""
+    import os
+
+    from llmd_timeslice.orchestrator.server import STEPPED_DOWN_EXIT_CODE
+
+    try:
+        await asyncio.wait_for(srv.stop(), 5.0)
+    except Exception as exc:  # TimeoutError included: leaving anyway
+        logging.getLogger(__name__).warning("stopping after stepping down: %r", exc)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(STEPPED_DOWN_EXIT_CODE)
+
+
+def _cluster_state(s: OrchestratorSettings, api, store):
+    """``(state store, leader election or None)``: the ConfigMap store when ``state_configmap`` is set (else
+    ``store``), and with ``leader_election`` a candidate named after the pod plus a per-process suffix."""
+    if not s.state_configmap:
+        return store, None
+    import os
+    import socket
+    import uuid
+
+    from llmd_timeslice.discovery import kubernetes as k8s
+    from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
+
+    ns = s.kubernetes.namespace or k8s.default_namespace()
+    state_store = ConfigMapStateStore(api, ns, s.state_configmap)
+    if not s.leader_election:
+        return state_store, None
+    from llmd_timeslice.orchestrator.election import LeaderElector
+
+    identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:6]}"
+    election = LeaderElector(
+        api,
+        ns,
+        s.lease_name,
+        identity,
+        lease_duration_s=s.lease_duration_s,
+        renew_deadline_s=s.renew_deadline_s,
+        retry_period_s=s.retry_period_s,
+    )
+    return state_store, election
 
 
 def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
@@ -182,11 +240,7 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
     async def main() -> None:
         api = k8s.make_api_client(k.kubeconfig)
         ns = k.namespace or k8s.default_namespace()
-        state_store = store
-        if s.state_configmap:
-            from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
-
-            state_store = ConfigMapStateStore(api, ns, s.state_configmap)
+        state_store, election = _cluster_state(s, api, store)
         changes: asyncio.Queue = asyncio.Queue()
         disc = k8s.KubernetesDiscovery(
             ns,
@@ -199,15 +253,23 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
         )
         specs = await disc.start()
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if k.manage_serving_label else None
-        srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store)
+        srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store, election=election)
         sync = InventorySync(srv.orchestrator)
-        try:
-            await srv.start()
+
+        async def apply_changes() -> None:
             while True:
                 latest = await changes.get()
                 while not changes.empty():
                     latest = changes.get_nowait()
                 await sync.apply(latest)
+
+        try:
+            await srv.start()
+            applying = asyncio.create_task(apply_changes())
+            await srv.stepped_down.wait()
+            applying.cancel()
+            await disc.stop()
+            await _exit_stepped_down(srv)
         finally:
             await disc.stop()
             await srv.stop()

@@ -326,10 +326,28 @@ class OrchestratorSettings(_Section):
     )
     state_configmap: str | None = Field(
         None,
-        description="With `discovery` kubernetes: ConfigMap (in the pods' "
-        "namespace) that keeps holders, leases and group states "
-        "across restarts.",
+        description="ConfigMap (in the pods' namespace; the Kubernetes API of `kubernetes`) that keeps holders, "
+        "leases and group states across restarts and takeovers.",
     )
+    leader_election: bool = Field(
+        False,
+        description="Run as one of several replicas: only the holder of the Lease `lease_name` serves (and is Ready), "
+        "restoring the state from `state_configmap` when it takes over; every command to sidecars and gates carries "
+        "its term (fencing). Needs `state_configmap`; docs/operations.md.",
+    )
+    lease_name: str = Field(
+        "llmd-timeslice-orchestrator", min_length=1, description="coordination.k8s.io/v1 Lease of the leader election."
+    )
+    lease_duration_s: Duration = Field(
+        15.0,
+        ge=2,
+        le=600,
+        description="Whole seconds a replica waits, after it last saw the Lease renewed, before it takes over.",
+    )
+    renew_deadline_s: Duration = Field(
+        10.0, gt=1, le=600, description="The leader steps down when it could not renew the Lease for this long."
+    )
+    retry_period_s: Duration = Field(2.0, ge=1, le=60, description="Between attempts to take or renew the Lease.")
     token_file: Path | None = _token_file()
     job_tokens_file: Path | None = Field(
         None,
@@ -358,12 +376,19 @@ class OrchestratorSettings(_Section):
                 raise RuleError("inventory", "required when {discovery=static} (or set {discovery=kubernetes})")
             if self.kubernetes.manage_serving_label:
                 raise RuleError("kubernetes.manage_serving_label", "needs {discovery=kubernetes}")
-            if self.state_configmap is not None:
-                raise RuleError("state_configmap", "needs {discovery=kubernetes} (use {state_file} otherwise)")
         elif self.inventory is not None:
             raise RuleError("inventory", "is for {discovery=static}; with kubernetes the pods are the inventory")
         if self.state_file is not None and self.state_configmap is not None:
             raise RuleError("state_configmap", "choose one of {state_file} and {state_configmap}")
+        if self.leader_election:
+            if self.state_configmap is None:
+                raise RuleError("leader_election", "needs {state_configmap} (the state a new leader restores)")
+            from llmd_timeslice.orchestrator.election import check_timings
+
+            try:
+                check_timings(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
+            except ValueError as exc:
+                raise RuleError("lease_duration_s", str(exc)) from None
         return self
 
 

@@ -85,8 +85,12 @@ def test_good_file_loads_with_units(tmp_path):
         ("sidecar:\n  job_id: s\n  operation_timeout_s: -5\n", "sidecar.operation_timeout_s: Input should be greater than 0"),
         ("orchestrator:\n  port: 1\n", "orchestrator.inventory: required when discovery: static"),
         (
-            "orchestrator:\n  inventory: i.yaml\n  state_configmap: cm\n",
-            "orchestrator.state_configmap: needs discovery: kubernetes",
+            "orchestrator:\n  inventory: i.yaml\n  leader_election: true\n",
+            "orchestrator.leader_election: needs state_configmap",
+        ),
+        (
+            "orchestrator:\n  inventory: i.yaml\n  state_configmap: cm\n  leader_election: true\n  lease_duration_s: 2.5\n",
+            "orchestrator.lease_duration_s: lease_duration_s must be whole seconds",
         ),
         ("sidecar:\n  job_id: s\n  backend: cuda\n", "sidecar.pid: required with backend: cuda"),
         ("picker: {}\n", "picker.pools: required"),

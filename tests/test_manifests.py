@@ -433,7 +433,30 @@ STATE_RULES = [
         "verbs": ["get", "update"],
     },
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": ["llmd-timeslice-orchestrator"],
+        "verbs": ["get", "update"],
+    },
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
 ]
+
+
+def test_orchestrator_runs_two_replicas_with_leader_election_ready_only_on_the_leader():
+    orch = find(built("base"), "Deployment", "llmd-timeslice-orchestrator")
+    spec = orch["spec"]
+    assert spec["replicas"] == 2
+    # A follower is never Ready while the old leader holds the Lease: a rollout that waited for one would stall.
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "100%"}}
+    c = spec["template"]["spec"]["containers"][0]
+    assert "--leader-election" in c["args"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+    assert c["readinessProbe"]["grpc"] == {"port": 50051}, "readiness: the overall health, SERVING on the leader only"
+    assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": "llmd_timeslice.v1alpha1.OrchestratorLiveness"}
+    from llmd_timeslice.orchestrator.server import LIVENESS_SERVICE
+
+    assert c["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
 
 
 def test_orchestrator_rbac_is_limited_to_pods_and_its_state_configmap():

@@ -1,12 +1,10 @@
 """Cluster-mode persistence: the orchestrator's state in a ConfigMap, through the real kubernetes client
-against a small fake API server (GET/PUT/POST configmaps, with the API server's resourceVersion checks), a
-restart that restores the holder, and two writers that conflict instead of overwriting each other."""
+against a small fake API server (tests/support/kube_api.py: GET/PUT/POST configmaps, with the API server's
+resourceVersion checks), a restart that restores the holder, and two writers that conflict instead of overwriting each other."""
 
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -15,94 +13,8 @@ from llmd_timeslice.orchestrator.errors import StateConflict
 from llmd_timeslice.orchestrator.groups import StateNotSaved
 from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.support.kube_api import FakeKubeApi as FakeConfigMaps
 from tests.test_orchestrator import LEASE_INV, RecordingActions
-
-
-class FakeConfigMaps:
-    """Namespaced ConfigMaps: GET, PUT (replace) and POST (create), as the API server answers them: every write
-    gets a new ``metadata.resourceVersion``; a PUT carrying an older one is 409 Conflict, a POST of an existing
-    name 409 AlreadyExists."""
-
-    def __init__(self, deny: bool = False) -> None:
-        self.items: dict[tuple[str, str], dict] = {}
-        self.requests: list[tuple[str, str]] = []
-        self.put_versions: list[str | None] = []  # the resourceVersion each PUT carried
-        self.rv = 1000
-        owner = self
-
-        def stamp(body: dict) -> dict:
-            owner.rv += 1
-            body.setdefault("metadata", {})["resourceVersion"] = str(owner.rv)
-            return body
-
-        def conflict(reason: str, message: str) -> dict:
-            return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": 409, "message": message}
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _reply(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _key(self):
-                parts = self.path.split("?")[0].strip("/").split("/")  # api v1 namespaces NS configmaps [NAME]
-                return parts[3], (parts[5] if len(parts) > 5 else None)
-
-            def _handle(self, method):
-                owner.requests.append((method, self.path))
-                if deny:
-                    return self._reply(403, {"kind": "Status", "code": 403, "reason": "Forbidden"})
-                ns, name = self._key()
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
-                if method == "GET":
-                    obj = owner.items.get((ns, name))
-                    return self._reply(200, obj) if obj else self._reply(404, {"kind": "Status", "code": 404})
-                if method == "PUT":
-                    if (ns, name) not in owner.items:
-                        return self._reply(404, {"kind": "Status", "code": 404})
-                    sent = (body.get("metadata") or {}).get("resourceVersion")
-                    owner.put_versions.append(sent)
-                    current = owner.items[(ns, name)]["metadata"]["resourceVersion"]
-                    if sent and sent != current:
-                        return self._reply(
-                            409,
-                            conflict(
-                                "Conflict",
-                                f"Operation cannot be fulfilled on configmaps "
-                                f'"{name}": the object has been modified; please apply your '
-                                "changes to the latest version and try again",
-                            ),
-                        )
-                    owner.items[(ns, name)] = stamp(body)
-                    return self._reply(200, body)
-                name = body["metadata"]["name"]
-                if (ns, name) in owner.items:
-                    return self._reply(409, conflict("AlreadyExists", f'configmaps "{name}" already exists'))
-                owner.items[(ns, name)] = stamp(body)
-                return self._reply(201, body)
-
-            def do_GET(self):
-                self._handle("GET")
-
-            def do_PUT(self):
-                self._handle("PUT")
-
-            def do_POST(self):
-                self._handle("POST")
-
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
-        threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def stop(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
 
 
 @pytest.fixture

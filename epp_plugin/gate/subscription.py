@@ -25,6 +25,7 @@ Reconnects use exponential back-off (0.2 s doubling to 5 s, tenacity; a session 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, MutableMapping
@@ -76,6 +77,11 @@ class Resubscribe(Exception):
         self.reason = reason
 
 
+class FencedCommand(Exception):
+    """A command whose ``leader_term`` is below the highest this gate has seen: from a deposed orchestrator leader.
+    The gate answers ``FencedRefusal``, applies nothing of that stream and reconnects (gate_state.proto)."""
+
+
 class StateSubscription:
     """Keeps ``pools`` in line with the orchestrator at ``target``.
 
@@ -123,6 +129,8 @@ class StateSubscription:
         self.stale = False
         self._session_task: asyncio.Task | None = None
         self._resubscribe: Resubscribe | None = None
+        self.highest_term = 0
+        """Highest orchestrator leader term seen on a command (fencing; 0: none, or an unfenced orchestrator)."""
 
     async def run(self) -> None:
         """Connect, apply, reconnect on failure; runs until cancelled."""
@@ -239,6 +247,8 @@ class StateSubscription:
                     exc.details(),
                     wait_s,
                 )
+        elif isinstance(exc, FencedCommand):
+            log.error("state stream to %s refused: %s; reconnecting in %.1f s", self.target, exc, wait_s)
         elif exc is not None:
             log.error("state stream to %s failed; retrying in %.1f s", self.target, wait_s, exc_info=exc)
 
@@ -246,23 +256,41 @@ class StateSubscription:
         self.connected.clear()
         SUBSCRIBED.set(0)
 
-    async def _outgoing(self, outbox: asyncio.Queue):
+    async def _outgoing(self, outbox: asyncio.Queue, written: asyncio.Event | None = None):
         yield pb.GateMessage(hello=pb.GateHello(gate_id=self.gate_id, pools=sorted(self.pools), stale_after_s=self.stale_after_s))
         while True:
             msg = await outbox.get()
             if msg is None:
+                if written is not None:
+                    written.set()  # grpc asked for the next message: everything before was written
                 return
             yield msg
+
+    async def _refuse_fenced(self, cmd: pb.GateCommand, outbox: asyncio.Queue, written: asyncio.Event) -> None:
+        """Answer a command of a deposed leader with FencedRefusal (so it steps down), then end the session."""
+        outbox.put_nowait(pb.GateMessage(fenced=pb.FencedRefusal(refused_term=cmd.leader_term, highest_term=self.highest_term)))
+        outbox.put_nowait(None)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(written.wait(), 1.0)
+        raise FencedCommand(
+            f"a command of orchestrator leader term {cmd.leader_term} refused: this gate has seen term {self.highest_term}"
+        )
 
     async def _session(self) -> None:
         outbox: asyncio.Queue = asyncio.Queue()
         self._outbox = outbox
+        written = asyncio.Event()
         self._hello_at = self._clock()  # the first snapshot must come within stale_after_s of the hello
         # Metadata passed on the call: grpc.aio's stream-stream client interceptors do not add it (seen with 1.85).
         async with tls.aio_channel(self.target, self._tls, options=KEEPALIVE_OPTIONS) as ch:
-            call = pb_grpc.GateStateServiceStub(ch).Connect(self._outgoing(outbox), metadata=auth.call_metadata(self._token))
+            call = pb_grpc.GateStateServiceStub(ch).Connect(
+                self._outgoing(outbox, written), metadata=auth.call_metadata(self._token)
+            )
             try:
                 async for cmd in call:
+                    if cmd.leader_term < self.highest_term:
+                        await self._refuse_fenced(cmd, outbox, written)
+                    self.highest_term = cmd.leader_term
                     now = self._clock()
                     synced = self.connected.is_set()
                     since = self.last_rx if synced else self._hello_at

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar, Protocol
 
 import grpc
@@ -58,6 +58,9 @@ from llmd_timeslice.orchestrator.switch import (
 from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
+
+FENCED_TERM_KEY = "x-llmd-timeslice-fenced-term"
+"""Trailing metadata of a sidecar's fenced refusal (the highest leader term it saw; llmd_timeslice/snapshot/server.py)."""
 
 RPC_TIMEOUT_S = 10.0
 START_RPC_TIMEOUT_S = 6.0
@@ -105,6 +108,10 @@ class GrpcSwitchActions(SwitchActions):
         self._channels: dict[str, aio.Channel] = {}
         self._stub_cache: dict[str, tuple[spb_grpc.SnapshotAgentServiceStub, xpb_grpc.SnapshotOperationsServiceStub]] = {}
         self.sampler_states: dict[str, JobState] = {}
+        self.term = 0
+        """Leader term sent with every Snapshot/Restore (fencing; 0: no leader election)."""
+        self.on_fenced: Callable[[str, int, int], object] | None = None
+        """Called with (sidecar, refused term, the sidecar's highest term) when a sidecar refuses a command as fenced."""
 
     def job_states(self) -> Mapping[str, JobState]:
         return self.sampler_states
@@ -187,12 +194,12 @@ class GrpcSwitchActions(SwitchActions):
             # wait_for_ready: a sidecar that is (re)connecting gets start_rpc_timeout_s, not a fail-fast error.
             if kind == "sleep":
                 resp = await stub.Snapshot(
-                    spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config),
+                    spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term),
                     timeout=self.start_rpc_timeout_s,
                     wait_for_ready=True,
                 )
             else:
-                restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config)
+                restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
                 if weights is None:
                     resp = await stub.Restore(restore, timeout=self.start_rpc_timeout_s, wait_for_ready=True)
                 else:
@@ -212,6 +219,7 @@ class GrpcSwitchActions(SwitchActions):
                 op = await waiter.WaitOperation(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.sampler_states[sampler.address] = JobState.FAULTED
+            self._check_fenced(sampler, exc)
             raise SamplerStepFailed(
                 sampler.address,
                 kind,
@@ -224,6 +232,23 @@ class GrpcSwitchActions(SwitchActions):
             step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
             raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
         return op
+
+    def _check_fenced(self, sampler: SamplerEndpoint, exc: grpc.aio.AioRpcError) -> None:
+        """A sidecar's fenced refusal (FAILED_PRECONDITION with the highest term it saw: snapshot/server.py) tells
+        this orchestrator it was deposed: ``on_fenced`` (the server steps down)."""
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return
+        for key, value in exc.trailing_metadata() or ():
+            if key == FENCED_TERM_KEY:
+                log.error(
+                    "sidecar %s refused a command of leader term %d: it has seen term %s (a newer leader)",
+                    sampler.sidecar,
+                    self.term,
+                    value,
+                )
+                if self.on_fenced is not None:
+                    self.on_fenced(sampler.sidecar, self.term, int(value))
+                return
 
     @staticmethod
     def _config(level: int) -> spb.BackendConfig:

@@ -100,6 +100,10 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.forget_after_s = 3600.0
         self.on_gates_change: Callable[[], object] | None = None
         """Called when a gate id is first heard from (the server persists the list)."""
+        self.term = 0
+        """Leader term sent with every command (fencing; 0: no leader election)."""
+        self.on_fenced: Callable[[str, int, int], object] | None = None
+        """Called with (gate id, refused term, the gate's highest term) when a gate refuses a command as fenced."""
         self.on_endpoint_failure: Callable[[str, str], bool] | None = None
         """Called with ``(address, why)`` when a gate reports that Envoy could not connect to an endpoint; returns
         whether an engine audit was started (the server wires :meth:`Orchestrator.audit_endpoint`)."""
@@ -153,6 +157,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                 if cmd is None:
                     return
                 conn.last_sent = loop.time()
+                cmd.leader_term = self.term
                 yield cmd
         finally:
             if timer is not None:
@@ -191,6 +196,15 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                     fut = conn.drains.pop(msg.drain_result.query_id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg.drain_result)
+                elif which == "fenced":
+                    log.error(
+                        "gate %s refused a command of leader term %d: it has seen term %d (a newer leader)",
+                        conn.gate_id,
+                        msg.fenced.refused_term,
+                        msg.fenced.highest_term,
+                    )
+                    if self.on_fenced is not None:
+                        self.on_fenced(conn.gate_id, msg.fenced.refused_term, msg.fenced.highest_term)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:

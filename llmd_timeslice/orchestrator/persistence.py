@@ -147,14 +147,19 @@ class ConfigMapStateStore:
     Args:
         api_client: a ``kubernetes.client.ApiClient`` (see ``discovery.kubernetes.make_api_client``).
         namespace, name: where the ConfigMap lives.
+        request_timeout_s: most seconds one API call may take (an API server that does not answer fails the
+            save instead of hanging it: a grant is then refused, and a deposed leader's stop is not held up).
     """
 
     KEY = "state.json"
 
-    def __init__(self, api_client, namespace: str, name: str = "llmd-timeslice-orchestrator-state") -> None:
+    def __init__(
+        self, api_client, namespace: str, name: str = "llmd-timeslice-orchestrator-state", request_timeout_s: float = 10.0
+    ) -> None:
         from kubernetes import client
 
         self._api = client.CoreV1Api(api_client)
+        self.request_timeout_s = request_timeout_s
         self.namespace, self.name = namespace, name
         self.resource_version: str | None = None
         """The version last read or written (None: not read yet, or the ConfigMap does not exist)."""
@@ -163,7 +168,7 @@ class ConfigMapStateStore:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            cm = self._api.read_namespaced_config_map(self.name, self.namespace)
+            cm = self._api.read_namespaced_config_map(self.name, self.namespace, _request_timeout=self.request_timeout_s)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -197,9 +202,11 @@ class ConfigMapStateStore:
         body = client.V1ConfigMap(metadata=meta, data={self.KEY: json.dumps(state)})
         try:
             if self.resource_version is None:
-                written = self._api.create_namespaced_config_map(self.namespace, body)
+                written = self._api.create_namespaced_config_map(self.namespace, body, _request_timeout=self.request_timeout_s)
             else:
-                written = self._api.replace_namespaced_config_map(self.name, self.namespace, body)
+                written = self._api.replace_namespaced_config_map(
+                    self.name, self.namespace, body, _request_timeout=self.request_timeout_s
+                )
         except ApiException as exc:
             if exc.status == 409:
                 log.error("saving orchestrator state: %s was written by someone else (409)", where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -20,6 +21,8 @@ from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions, ServingLabeler
 from llmd_timeslice.orchestrator.clock import Clock
+from llmd_timeslice.orchestrator.election import LeaderElector
+from llmd_timeslice.orchestrator.errors import StateConflict
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, RestoreOutcome
 from llmd_timeslice.orchestrator.persistence import StatePersister, StateStore
@@ -35,6 +38,52 @@ from llmd_timeslice.orchestrator.switch import SwitchActions
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051  # upstream default
+LIVENESS_SERVICE = "llmd_timeslice.v1alpha1.OrchestratorLiveness"
+"""gRPC health service that is SERVING while the process serves at all, leader or not (the liveness probe); the
+overall health ("") is SERVING only on the leader once its state is restored (the readiness probe)."""
+STEPPED_DOWN_EXIT_CODE = 3
+"""Exit code of ``llmd-timeslice orchestrator`` after it stepped down (deposed leader): Kubernetes restarts it as a
+follower with nothing of the old term left in memory (as client-go controllers exit when they stop leading)."""
+
+
+def _unavailable_handler(why: str) -> grpc.RpcMethodHandler:
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+
+    return grpc.unary_unary_rpc_method_handler(refuse)  # aborting before reading works for every shape
+
+
+class _LeaderOnly(aio.ServerInterceptor):
+    """While this replica does not lead (or has not restored its state yet), every call but the health check is
+    refused with UNAVAILABLE naming the leader (clients retry UNAVAILABLE; the Service routes to the leader)."""
+
+    def __init__(self, server: OrchestratorServer) -> None:
+        self._server = server
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if self._server.serving or handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(handler_call_details)
+        return _unavailable_handler(self._server.not_leader_message())
+
+
+class _ConflictWatch:
+    """The state store of a leader: no write once it stepped down, and a save that met another writer (a newer
+    leader wrote the ConfigMap) tells the server."""
+
+    def __init__(self, store: StateStore, on_conflict, stepped_down: asyncio.Event) -> None:
+        self._store, self._on_conflict, self._stepped_down = store, on_conflict, stepped_down
+
+    def load(self) -> dict | None:
+        return self._store.load()
+
+    def save(self, state: dict) -> None:
+        if self._stepped_down.is_set():
+            raise StateConflict("this orchestrator stepped down (deposed leader): it writes no state")
+        try:
+            self._store.save(state)
+        except StateConflict as exc:
+            self._on_conflict(str(exc))
+            raise
 
 
 class OrchestratorServer:
@@ -55,6 +104,11 @@ class OrchestratorServer:
             sidecars and wake again any that restarted on their own or sleep while serving (0: off).
         labeler: serving-label hook of the default actions (Kubernetes label fallback; None: gates only).
         clock: time for leases, repair and audit (default: the event loop's).
+        election: leader election of the replicas (None: this replica always serves, commands carry no term).
+            With it, ``start()`` serves the health check (NOT_SERVING) and refuses every other call with
+            UNAVAILABLE until this replica leads, then restores the state from ``state_store`` and serves;
+            every command to sidecars and gates carries its term (fencing). On losing the Lease or a fenced
+            refusal it steps down: ``stepped_down`` is set and it serves nothing any more.
     """
 
     def __init__(
@@ -72,6 +126,7 @@ class OrchestratorServer:
         engine_audit_interval_s: float = 10.0,
         labeler: ServingLabeler | None = None,
         clock: Clock | None = None,
+        election: LeaderElector | None = None,
     ) -> None:
         self.inventory = inventory
         self.engine_audit_interval_s = engine_audit_interval_s
@@ -88,12 +143,34 @@ class OrchestratorServer:
         self.state_store = state_store
         self._server: aio.Server | None = None
         self.ready = asyncio.Event()
+        self.election = election
+        self.term = 0
+        """This leader's term (0: no election)."""
+        self.serving = election is None
+        self.stepped_down = asyncio.Event()
+        self.step_down_reason = ""
+        self._health: health.aio.HealthServicer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def not_leader_message(self) -> str:
+        e = self.election
+        if e is None:
+            return "orchestrator is not serving"
+        if self.stepped_down.is_set():
+            return f"orchestrator {e.identity} stepped down ({self.step_down_reason}); retry: the Service routes to the leader"
+        leader = e.leader
+        if leader == e.identity:
+            return f"orchestrator {e.identity} is taking over (restoring its state); retry"
+        return (
+            f"orchestrator {e.identity} is not the leader; the leader is {leader or '(not known yet)'} "
+            f"(Lease {e.lock.namespace}/{e.lock.name}); retry: the Service routes to the leader"
+        )
 
     async def start(self) -> None:
-        self._server = aio.server(
-            options=SERVER_OPTIONS,
-            interceptors=auth.server_interceptors(self.token, extra_tokens=tuple(self.jobs.job_tokens.values())),
-        )
+        interceptors = auth.server_interceptors(self.token, extra_tokens=tuple(self.jobs.job_tokens.values()))
+        if self.election is not None:
+            interceptors = [*interceptors, _LeaderOnly(self)]
+        self._server = aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
             OrchestratorService(self.orchestrator, self.jobs), self._server
         )
@@ -105,12 +182,42 @@ class OrchestratorServer:
         orchestrator_info_pb2_grpc.add_OrchestratorInfoServiceServicer_to_server(
             OrchestratorInfo(self.orchestrator), self._server
         )
-        hs = health.aio.HealthServicer()
+        hs = self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
-        if self.state_store is not None:
+        await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        saved = None
+        if self.election is not None:
+            await hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._take_over()
+            if self.state_store is not None:
+                saved = await asyncio.to_thread(self.state_store.load)
+            self._set_term(max(self.election.lock.term, int((saved or {}).get("term") or 0) + 1))
+        elif self.state_store is not None:
             saved = await asyncio.to_thread(self.state_store.load)
+        try:
+            await self._restore_and_start(saved)
+        except Exception:
+            if not self.stepped_down.is_set():
+                raise
+            log.warning("take-over not finished: stepped down meanwhile (%s)", self.step_down_reason)
+        if self.stepped_down.is_set():
+            return
+        self.serving = True
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.ready.set()
+        log.info(
+            "orchestrator %s:%d groups=%s%s",
+            self.host,
+            self.port,
+            sorted(self.orchestrator.groups),
+            f" leader term={self.term}" if self.election is not None else "",
+        )
+
+    async def _restore_and_start(self, saved: dict | None) -> None:
+        """Restore ``saved`` (the state store's), persist every change from here on, start the groups (reconcile)."""
+        if self.state_store is not None:
             if saved:
                 todo = self.orchestrator.restore(saved)
                 self.hub.assume_recent(saved.get("gates") or {})
@@ -129,12 +236,68 @@ class OrchestratorServer:
         # Held groups publish their samplers ASLEEP; free groups' samplers are woken and verified (reconcile).
         await self.orchestrator.start(reconcile=self._reconcile)
         self.orchestrator.start_repair(audit_interval_s=self.engine_audit_interval_s)
-        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.ready.set()
-        log.info("orchestrator %s:%d groups=%s", self.host, self.port, sorted(self.orchestrator.groups))
+
+    async def _take_over(self) -> None:
+        """Campaign; return once this replica leads (its fencing hooks armed, the Lease watched)."""
+        e = self.election
+        assert e is not None
+        loop = asyncio.get_running_loop()
+        if self.state_store is not None:
+            self.state_store = _ConflictWatch(
+                self.state_store,
+                lambda why: loop.call_soon_threadsafe(self.step_down, f"the state ConfigMap was written by another: {why}"),
+                self.stepped_down,
+            )
+        e.start()
+        log.info("orchestrator %s: candidate for Lease %s/%s", e.identity, e.lock.namespace, e.lock.name)
+        await e.wait_leading()
+        self.hub.on_fenced = self._fenced
+        if isinstance(self.actions, GrpcSwitchActions):
+            self.actions.on_fenced = self._fenced
+
+        async def watch_lease() -> None:
+            await e.lost.wait()
+            self.step_down(e.lost_reason)
+
+        self._spawn(watch_lease())
+
+    def _set_term(self, term: int) -> None:
+        self.term = self.hub.term = term
+        if isinstance(self.actions, GrpcSwitchActions):
+            self.actions.term = term
+        log.info("orchestrator %s leads with term %d", self.election.identity if self.election else "", term)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _fenced(self, peer: str, refused_term: int, highest_term: int) -> None:
+        self.step_down(f"{peer} refused a command of term {refused_term}: it has seen term {highest_term}")
+
+    def step_down(self, reason: str) -> None:
+        """Stop leading at once: refuse every call (UNAVAILABLE), health NOT_SERVING, stop the groups (no further
+        command to sidecars or gates) and end the gate streams; ``stepped_down`` is set. Idempotent."""
+        if self.stepped_down.is_set() or self.election is None:
+            return
+        self.serving = False
+        self.step_down_reason = reason
+        self.stepped_down.set()
+        log.error("orchestrator %s (term %d) steps down: %s", self.election.identity, self.term, reason)
+
+        async def quiesce() -> None:
+            if self._health is not None:
+                await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.hub.close_all()
+            await self.orchestrator.close()
+
+        self._spawn(quiesce())
 
     def _snapshot(self) -> dict:
-        return {**self.orchestrator.snapshot(), "gates": self.hub.known_gates()}
+        state = {**self.orchestrator.snapshot(), "gates": self.hub.known_gates()}
+        if self.term:
+            state["term"] = self.term
+        return state
 
     async def stop(self) -> None:
         await self.orchestrator.close()
@@ -145,3 +308,9 @@ class OrchestratorServer:
         if self._server is not None:
             await self._server.stop(1.0)
         await self.actions.close()
+        if self.election is not None:
+            # A clean stop (rolling update) hands the Lease back, so the other replica takes over at its next retry.
+            await self.election.stop(release=not self.stepped_down.is_set())
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -53,6 +53,13 @@ PARKED_REQUESTS = Counter(
     ["job_id", "action"],
 )
 
+FENCED_COMMANDS = Counter(
+    "llmd_timeslice_sidecar_fenced_commands_total",
+    "Snapshot/Restore calls refused because their leader_term was below the highest seen (a deposed orchestrator).",
+)
+FENCED_TERM_KEY = "x-llmd-timeslice-fenced-term"
+"""Trailing metadata of a fenced refusal: the highest leader term the sidecar has seen (decimal)."""
+
 MAX_OPERATIONS_KEPT = 1000
 MAX_WAIT_S = 3600.0
 
@@ -126,10 +133,32 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self._tasks: set[asyncio.Task] = set()
         self.last_resolution: dict[str, str] = {}  # job id -> source of its last operation's backend
         self.accelerator_reader: AcceleratorReader | None = nvml_accelerators()
+        self.highest_term = 0
+        """Highest orchestrator leader term seen on a Snapshot/Restore (fencing; 0: none yet)."""
+
+    async def _fence(self, request, context, kind: str) -> None:
+        """Refuse (FAILED_PRECONDITION) a command whose ``leader_term`` is below the highest seen; remember a
+        higher one. A missing term (0, an unfenced orchestrator) passes only while no term has been seen."""
+        term = request.leader_term
+        if term < self.highest_term:
+            FENCED_COMMANDS.inc()
+            why = (
+                f"fenced: {kind} of job {request.job_id!r} from orchestrator leader term {term} refused, this sidecar "
+                f"has seen term {self.highest_term} (a newer leader took over)"
+            )
+            log.error("%s", why)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, why, trailing_metadata=((FENCED_TERM_KEY, str(self.highest_term)),)
+            )
+        if term > self.highest_term:
+            if self.highest_term:
+                log.warning("orchestrator leader term %d -> %d (a new leader)", self.highest_term, term)
+            self.highest_term = term
 
     async def _start(self, request, context, kind: str, weights: WeightUpdate | None = None) -> str:
         if not request.job_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
+        await self._fence(request, context, kind)
         cfg = request.backend_config if request.HasField("backend_config") else None
         try:
             res = self.resolver.resolve(request.job_id, cfg)

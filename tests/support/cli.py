@@ -77,10 +77,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 class CliProcess:
     """``python -m llmd_timeslice.cli ARGS`` as a child process, ready once it accepts connections on ``port``;
-    its output goes to ``log`` (appended across restarts). ``start`` may be called again after ``kill``/``stop``."""
+    its output goes to ``log`` (appended across restarts); ``env`` is added to this process's environment.
+    ``start`` may be called again after ``kill``/``stop``."""
 
-    def __init__(self, args: list[str], port: int, log: Path) -> None:
+    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
         self.args = [sys.executable, "-m", "llmd_timeslice.cli", *args]
+        self.env = {**os.environ, **env} if env else None
         self.port, self.log_path = port, log
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -89,7 +91,7 @@ class CliProcess:
         """Start the process and wait until it listens (a Python start: ~1-2 s, more on a loaded 2-core machine).
         Raises RuntimeError (naming the log) if it exits or does not listen within ``timeout_s``."""
         self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.proc.poll() is None and loop.time() < deadline:

@@ -69,16 +69,26 @@ class CutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GateMessage(_message.Message):
-    __slots__ = ("hello", "ack", "drain_result", "keepalive")
+    __slots__ = ("hello", "ack", "drain_result", "keepalive", "fenced")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_RESULT_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     hello: GateHello
     ack: EpochAck
     drain_result: DrainResult
     keepalive: KeepAlive
-    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
+    fenced: FencedRefusal
+    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ..., fenced: _Optional[_Union[FencedRefusal, _Mapping]] = ...) -> None: ...
+
+class FencedRefusal(_message.Message):
+    __slots__ = ("refused_term", "highest_term")
+    REFUSED_TERM_FIELD_NUMBER: _ClassVar[int]
+    HIGHEST_TERM_FIELD_NUMBER: _ClassVar[int]
+    refused_term: int
+    highest_term: int
+    def __init__(self, refused_term: _Optional[int] = ..., highest_term: _Optional[int] = ...) -> None: ...
 
 class KeepAlive(_message.Message):
     __slots__ = ()
@@ -115,11 +125,13 @@ class DrainQuery(_message.Message):
     def __init__(self, query_id: _Optional[str] = ..., pool: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class GateCommand(_message.Message):
-    __slots__ = ("state", "drain", "keepalive")
+    __slots__ = ("state", "drain", "keepalive", "leader_term")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     state: StateUpdate
     drain: DrainQuery
     keepalive: KeepAlive
-    def __init__(self, state: _Optional[_Union[StateUpdate, _Mapping]] = ..., drain: _Optional[_Union[DrainQuery, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, state: _Optional[_Union[StateUpdate, _Mapping]] = ..., drain: _Optional[_Union[DrainQuery, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ..., leader_term: _Optional[int] = ...) -> None: ...

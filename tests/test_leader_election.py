@@ -1,0 +1,102 @@
+"""Leader election of the orchestrator replicas (llmd_timeslice/orchestrator/election.py) through the real
+``kubernetes`` client's leader election against the test API server (tests/support/kube_api.py: Leases with
+resourceVersion conflicts): candidates racing for one Lease, the term that grows with every takeover, a
+release that hands over at once, and the library's timing rules as one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kubernetes.leaderelection.leaderelectionrecord import LeaderElectionRecord
+
+from llmd_timeslice.discovery.kubernetes import make_api_client
+from llmd_timeslice.orchestrator.election import LeaderElector, TermLeaseLock, check_timings
+from tests.support.kube_api import FakeKubeApi
+
+pytestmark = pytest.mark.timeout(60)
+FAST = {"lease_duration_s": 2, "renew_deadline_s": 1.5, "retry_period_s": 1}
+
+
+@pytest.fixture
+def apiserver():
+    s = FakeKubeApi()
+    yield s
+    s.stop()
+
+
+def _candidate(apiserver, identity: str) -> LeaderElector:
+    return LeaderElector(make_api_client(host=apiserver.url), "ml", "orch", identity, **FAST)
+
+
+async def test_three_candidates_racing_for_a_free_lease_elect_exactly_one(apiserver):
+    cands = [_candidate(apiserver, f"c{i}") for i in range(3)]
+    for c in cands:
+        c.start()
+    try:
+        waits = [asyncio.ensure_future(c.leading.wait()) for c in cands]
+        await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(2.5)  # more than a lease duration: the others keep following
+        leaders = [c for c in cands if c.leading.is_set()]
+        assert len(leaders) == 1, [c.identity for c in leaders]
+        assert apiserver.lease("ml", "orch")["holderIdentity"] == leaders[0].identity
+        assert leaders[0].term == 1 and not leaders[0].lost.is_set()
+        assert all(c.leader == leaders[0].identity for c in cands), "followers know who leads"
+        assert apiserver.lease("ml", "orch").get("leaseTransitions") == 0, "the Lease never changed hands"
+    finally:
+        await asyncio.gather(*(c.stop() for c in cands))
+
+
+def test_two_writers_of_one_lease_version_one_wins_the_other_gets_409(apiserver):
+    """What decides a race for a Lease: both read it at one resourceVersion, both replace it; the API server takes
+    the first write and answers the second 409 Conflict, so the second candidate does not lead."""
+    first = TermLeaseLock(make_api_client(host=apiserver.url), "orch", "ml", "first")
+    second = TermLeaseLock(make_api_client(host=apiserver.url), "orch", "ml", "second")
+    first.create("orch", "ml", LeaderElectionRecord("nobody", "2", "2026-01-01 00:00:00", "2026-01-01 00:00:00"))
+    assert first.get("orch", "ml")[0] and second.get("orch", "ml")[0]
+    assert first.update("orch", "ml", LeaderElectionRecord("first", "2", "2026-01-01 00:00:01", "2026-01-01 00:00:01"))
+    assert not second.update("orch", "ml", LeaderElectionRecord("second", "2", "2026-01-01 00:00:01", "2026-01-01 00:00:01"))
+    assert apiserver.conflicts == 1 and apiserver.lease("ml", "orch")["holderIdentity"] == "first"
+    assert first.term == 2, "the holder changed (nobody -> first): leaseTransitions 1, term 2"
+
+
+async def test_a_released_lease_goes_to_the_follower_with_a_higher_term(apiserver):
+    a = _candidate(apiserver, "a")
+    a.start()
+    assert await asyncio.wait_for(a.wait_leading(), 10) == 1
+    b = _candidate(apiserver, "b")
+    b.start()
+    try:
+        await asyncio.sleep(1.2)
+        assert not b.leading.is_set() and b.leader == "a"
+        await a.stop(release=True)
+        assert await asyncio.wait_for(b.wait_leading(), 5) == 2, "term = leaseTransitions + 1"
+        assert apiserver.lease("ml", "orch")["leaseTransitions"] == 1
+    finally:
+        await b.stop()
+
+
+async def test_a_leader_whose_lease_is_taken_loses_it(apiserver):
+    a = _candidate(apiserver, "a")
+    a.start()
+    await asyncio.wait_for(a.wait_leading(), 10)
+    try:
+        apiserver.take_lease("ml", "orch", "intruder")  # as a takeover after a partition would
+        await asyncio.wait_for(a.lost.wait(), 5)
+        assert "intruder" in a.lost_reason
+    finally:
+        await a.stop()
+
+
+@pytest.mark.parametrize(
+    ("timings", "message"),
+    [
+        ((2.5, 1.5, 1), "lease_duration_s must be whole seconds"),
+        ((2, 1.5, 0.5), "retry_period_s must be at least 1 s"),
+        ((3, 1.2, 1), r"renew_deadline_s \(1.2\) must be above 1.2 x retry_period_s"),
+        ((2, 2, 1), r"lease_duration_s \(2\) must be above renew_deadline_s \(2\)"),
+    ],
+)
+def test_timings_the_library_refuses_are_one_line_errors(timings, message):
+    with pytest.raises(ValueError, match=message):
+        check_timings(*timings)
