@@ -8,7 +8,8 @@ state file, one sidecar per engine, ``--engines`` real vLLM CPU servers), run as
 restarts what dies. A trainer loop (acquire -> ``--train-s`` -> release) counts switches, each direction one; an
 open-loop load sends ``--rps`` completions per second through the router (a third streaming), as a client that
 follows the gate's retry contract: a refusal with ``x-llmd-timeslice-reason`` and ``retry-after`` is sent again
-after that wait (up to 5 tries), as ``TimeSliceRollouts`` does. Every ``--faults-every`` switches one fault,
+after that wait (up to 5 tries), as ``TimeSliceRollouts`` does, and a connection the router refused (nothing sent:
+Envoy restarting) is retried with back-off by the HTTP client's transport. Every ``--faults-every`` switches one fault,
 kinds in a seeded shuffled cycle:
 
 * ``freeze_gate`` / ``freeze_orchestrator`` / ``freeze_sidecar``: SIGSTOP for ``--freeze-s`` (10 s: past the gate's
@@ -194,6 +195,18 @@ def _sample(stack: Stack, switches: int, t: float) -> dict:
     return {"switches": switches, "t": t, **{n: [c.get("pid"), _rss_kib(c.get("pid"))] for n, c in stack.components().items()}}
 
 
+def _peers(pid: int | None) -> list[str]:
+    """``local port -> remote port (status)`` of every TCP connection of ``pid`` (for a cut that found nothing)."""
+    import psutil
+
+    try:
+        return [
+            f"{c.laddr.port}->{c.raddr.port if c.raddr else '-'} {c.status}" for c in psutil.Process(pid).net_connections("tcp")
+        ]
+    except (psutil.Error, ValueError):
+        return []
+
+
 def _cut(local_pid: int | None, remote_port: int) -> int:
     """Reset every TCP connection of ``local_pid`` to ``remote_port`` (``ss -K``); returns how many."""
     import psutil
@@ -207,12 +220,11 @@ def _cut(local_pid: int | None, remote_port: int) -> int:
         return 0
     for c in conns:
         if c.raddr and c.raddr.port == remote_port and c.status == psutil.CONN_ESTABLISHED:
+            # By ports only: a gRPC socket may be IPv6 dual-stack (::ffff:127.0.0.1), which an IPv4 src filter misses.
             r = subprocess.run(
-                ["ss", "-K", "src", f"{c.laddr.ip}", "sport", "=", f":{c.laddr.port}", "dport", "=", f":{remote_port}"],
-                capture_output=True,
-                text=True,
+                ["ss", "-K", "sport", "=", f":{c.laddr.port}", "dport", "=", f":{remote_port}"], capture_output=True, text=True
             )
-            n += r.returncode == 0
+            n += max(0, len(r.stdout.strip().splitlines()) - 1)  # the rows ss killed, under its header
     return n
 
 
@@ -299,8 +311,11 @@ async def _run(a, out: Path, progress) -> dict:
         stack.orchestrator, job_id="chaos-trainer", group_id="chaos-group", token=stack.token
     )
     limits = httpx.Limits(max_connections=400, max_keepalive_connections=50)
+    # Connection failures (nothing sent: the router restarting) are retried by the transport with back-off, as any
+    # client of a restarting proxy should; httpx retries only those.
+    transport = httpx.AsyncHTTPTransport(retries=6, limits=limits)
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(180, connect=10), limits=limits) as http:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(180, connect=10), transport=transport) as http:
             load = RetryingLoad(stack.router, SERVED_MODEL_NAME, a.rps, t0)
             load_task = asyncio.create_task(load.run(http))
 
@@ -336,10 +351,15 @@ async def _run(a, out: Path, progress) -> dict:
                     os.kill(pid, signal.SIGKILL)
                     f.notes.append(f"pid {pid}")
                 elif kind == "cut_orchestrator_gate":
-                    f.notes.append(f"{_cut(stack.pid('gate'), stack.orchestrator_port)} connection(s) reset")
+                    n = _cut(stack.pid("gate"), stack.orchestrator_port)
+                    f.notes.append(f"{n} connection(s) reset" + ("" if n else f"; the gate's: {_peers(stack.pid('gate'))}"))
                 else:
                     side = rng.choice(sorted(stack.sidecar_ports))
-                    f.notes.append(f"{_cut(stack.pid('orchestrator'), stack.sidecar_ports[side])} connection(s) to {side} reset")
+                    n = _cut(stack.pid("orchestrator"), stack.sidecar_ports[side])
+                    f.notes.append(
+                        f"{n} connection(s) to {side} reset"
+                        + ("" if n else f"; the orchestrator's: {_peers(stack.pid('orchestrator'))}")
+                    )
                 f.end = now()
                 await heal(f)
                 return f
@@ -475,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heal-bound-s", type=float, default=30.0, help="time to full service allowed per fault (x3 for kill_vllm)")
     ap.add_argument("--kinds", default=",".join(FAULT_KINDS), help="comma-separated fault kinds to schedule")
     ap.add_argument("--sample-every", type=int, default=20, help="read RSS every this many switches")
-    ap.add_argument("--warmup", type=float, default=0.1, help="fraction of a process's life counted as warm-up")
+    ap.add_argument("--warmup", type=float, default=0.3, help="fraction of a process's life counted as warm-up")
     a = ap.parse_args(argv)
     a.kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     unknown = sorted(set(a.kinds) - set(FAULT_KINDS))
