@@ -387,7 +387,9 @@ async def test_envoy_killed_its_held_and_in_flight_requests_stop_counting_and_a_
         await _until(lambda: pool.live == 0, what="the first request's end")
         streaming = asyncio.create_task(c.get(router.url + "/v1/stream?chunks=100&gap_ms=100"))
         await _until(lambda: pool.in_flight([up.address])[up.address] == 1, what="the stream in flight")
-        pool.set_states([(up.address, EndpointState.ASLEEP, 0)])
+        # DRAINING holds the next request; ASLEEP would end the stream's count (an endpoint published ASLEEP was
+        # verified idle: pool_state._forget_at), and this test is about the Envoy-gone rule.
+        pool.set_states([(up.address, EndpointState.DRAINING, 0)])
         held = asyncio.create_task(c.get(router.url + "/v1/completions"))
         await _until(lambda: pool.held == 1, what="a request held")
         await router.restart_envoy()

@@ -222,9 +222,7 @@ def _yield_failed(job_id: str | None, role: str, group: str, exc: TimeSliceError
     """A yield that failed: when the orchestrator says this job no longer holds the group (its lease expired or
     was reclaimed), the phase ran without the lock, so raise :class:`LeaseLost`; otherwise (orchestrator
     unreachable) log, as upstream does: the lease expires on the orchestrator's side."""
-    if isinstance(exc, LeaseLost):
-        raise exc
-    if "FAILED_PRECONDITION" in str(exc):
+    if isinstance(exc, LeaseLost) or "FAILED_PRECONDITION" in str(exc):
         raise LeaseLost(f"job {job_id!r} no longer held {group!r} ({role}) when the phase ended: {exc}") from None
     log.error("job=%s RELEASE role=%s group=%s FAILED: %s", job_id, role, group, exc)
 
