@@ -12,7 +12,12 @@ offloaded (never half-restored).
 The checksum is two wrapping 64-bit sums per tensor over its raw bytes (a plain sum and a sum
 weighted by 4 KiB-chunk position), not a cryptographic hash: it detects corrupted or misplaced
 chunks, bit flips and partial copies, and costs a reduction instead of hashing every byte on one
-host core (BLAKE2b ran at 0.88 GB/s here, 28 s per direction for a 7B trainer's state).
+host core (BLAKE2b ran at 0.88 GB/s here, 28 s per direction for a 7B trainer's state). Where the
+state lives in host memory (the CPU "device" here) the checksum is fused with the copy
+(:func:`copy_with_checksum`: 1 MiB chunks, each summed right after it is copied, while it is in
+cache), so offload and restore make one pass over memory, not two (docs/decisions.md, "Trainer
+state checksum fused with the copy"); on an accelerator it stays a device reduction next to the
+host <-> device copy.
 
 Freeing a tensor's storage on a GPU only returns it to PyTorch's caching allocator, which keeps the
 blocks reserved in this process: the device would look full to the driver, and the sampler's wake in
@@ -111,6 +116,38 @@ def tensor_checksum(t: torch.Tensor) -> tuple[int, int]:
     return int(total), int(weighted + tail)
 
 
+_FUSED_CHUNK_WORDS = 1 << 17
+"""Words per chunk of the fused copy + checksum (1 MiB of int64 words: copied, then summed while it is still in the
+core's cache; a multiple of ``_CHUNK_WORDS``, so the sums are those of :func:`tensor_checksum`)."""
+
+
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, sum_dst: bool = False) -> tuple[int, int]:
+    """Copy ``src`` into ``dst`` (same number of bytes, both contiguous, on the CPU) chunk by chunk, summing each chunk
+    right after it is copied, while it is in cache: one pass over memory instead of two. Returns the checksum
+    :func:`tensor_checksum` returns for ``src`` (``sum_dst=False``: the bytes as read) or for ``dst`` (``sum_dst=True``:
+    the bytes as written, so a restore checks what it will use)."""
+    sw, dw = _words(src), _words(dst)
+    n = sw.numel()
+    if n <= _FUSED_CHUNK_WORDS or sw.dtype != dw.dtype:
+        dw.copy_(sw)
+        return tensor_checksum(dst if sum_dst else src)
+    summed = dw if sum_dst else sw
+    full = n - n % _CHUNK_WORDS
+    per_chunk = torch.empty(full // _CHUNK_WORDS, dtype=torch.int64)
+    for a in range(0, full, _FUSED_CHUNK_WORDS):
+        b = min(a + _FUSED_CHUNK_WORDS, full)
+        dw[a:b].copy_(sw[a:b])
+        torch.sum(
+            summed[a:b].view(-1, _CHUNK_WORDS), dim=1, dtype=torch.int64, out=per_chunk[a // _CHUNK_WORDS : b // _CHUNK_WORDS]
+        )
+    dw[full:].copy_(sw[full:])
+    tail_sum = torch.sum(summed[full:], dtype=torch.int64)
+    weights = torch.arange(1, per_chunk.numel() + 1, dtype=torch.int64)
+    total = torch.sum(per_chunk) + tail_sum
+    weighted = torch.sum(per_chunk * weights) + tail_sum * (full // _CHUNK_WORDS + 1)
+    return int(total), int(weighted)
+
+
 def _combine(sums: list[tuple[int, int]]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for i, (a, b) in enumerate(sums):
@@ -192,13 +229,21 @@ class TorchStateOffloader:
         index: dict = {}
         moved = 0
         tensors = _tensors(self.model, self.optimizer)
-        self._checksum = _combine([tensor_checksum(t) for t in tensors])  # on the device, before copy-out
+        on_host = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        if not on_host:  # on an accelerator: a reduction at device bandwidth, before the copy-out
+            self._checksum = _combine([tensor_checksum(t) for t in tensors])
+        sums = []
         for t in tensors:
             flat = t.detach().reshape(-1)
             buf = self._buffer(flat.numel(), t.dtype, index)
-            buf.copy_(flat, non_blocking=self.pin_memory)
+            if on_host:  # copy and checksum in one pass over memory
+                sums.append(copy_with_checksum(buf, flat))
+            else:
+                buf.copy_(flat, non_blocking=self.pin_memory)
             self._offloaded.append((t, buf, t.shape, t.device))
             moved += t.numel() * t.element_size()
+        if on_host:
+            self._checksum = _combine(sums)
         if self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()
         with torch.no_grad():
@@ -220,14 +265,20 @@ class TorchStateOffloader:
         t0 = time.perf_counter()
         moved = 0
         fresh_tensors = []
+        sums = []
         for t, buf, shape, device in self._offloaded:
             fresh = torch.empty(shape, dtype=t.dtype, device=device)
-            fresh.view(-1).copy_(buf, non_blocking=self.pin_memory)
+            if device.type == "cpu":  # copy and checksum of the bytes as written, in one pass over memory
+                sums.append(copy_with_checksum(fresh.view(-1), buf, sum_dst=True))
+            else:
+                fresh.view(-1).copy_(buf, non_blocking=self.pin_memory)
             fresh_tensors.append(fresh)
             moved += buf.numel() * buf.element_size()
         if self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()
-        got = _combine([tensor_checksum(f) for f in fresh_tensors])  # on the device, after copy-in
+        if len(sums) != len(fresh_tensors):  # on an accelerator: on the device, after copy-in
+            sums = [tensor_checksum(f) for f in fresh_tensors]
+        got = _combine(sums)
         if got != self._checksum:
             raise StateChecksumMismatch(
                 f"trainer state checksum {got} differs from the offloaded {self._checksum}; "
