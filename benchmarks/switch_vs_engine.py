@@ -298,10 +298,11 @@ def _plot(path: Path, res: dict) -> None:
         ("raw engine", [("sleep", res["raw_sleep_ms_p50"]), ("wake", res["raw_wake_ms_p50"])]),
         ("ours", [(k.replace("_", " "), v) for k, v in bd.items()]),
     ]
+    colors = iter(plt.get_cmap("tab20").colors)
     for y, (_, parts) in enumerate(bars):
         left = 0.0
         for label, ms in parts:
-            ax.barh(y, max(ms, 0.0), left=left, label=label if y else f"raw {label}")
+            ax.barh(y, max(ms, 0.0), left=left, label=label if y else f"raw {label}", color=next(colors))
             left += max(ms, 0.0)
     ax.set_yticks(range(len(bars)), [b[0] for b in bars])
     ax.set_xlabel("ms (medians; per sampler where calls are timed)")
