@@ -230,8 +230,7 @@ class TorchStateOffloader:
         moved = 0
         tensors = _tensors(self.model, self.optimizer)
         on_host = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-        if not on_host:  # on an accelerator: a reduction at device bandwidth, before the copy-out
-            self._checksum = _combine([tensor_checksum(t) for t in tensors])
+        checksum = "" if on_host else _combine([tensor_checksum(t) for t in tensors])  # on a device: before copy-out
         sums = []
         for t in tensors:
             flat = t.detach().reshape(-1)
@@ -243,7 +242,8 @@ class TorchStateOffloader:
             self._offloaded.append((t, buf, t.shape, t.device))
             moved += t.numel() * t.element_size()
         if on_host:
-            self._checksum = _combine(sums)
+            checksum = _combine(sums)
+        self._checksum = checksum
         if self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()
         with torch.no_grad():
@@ -251,7 +251,7 @@ class TorchStateOffloader:
                 t.set_(torch.empty(0, dtype=t.dtype, device=device))  # free the working storage
         reserved = release_cached_device_memory() if self.release_device_cache else None
         self.cycles += 1
-        return OffloadStats(moved, time.perf_counter() - t0, self._checksum, self.allocations, reserved)
+        return OffloadStats(moved, time.perf_counter() - t0, checksum, self.allocations, reserved)
 
     def restore(self) -> OffloadStats:
         """Copy state back into fresh device storage and verify the checksum.

@@ -11,10 +11,11 @@ Layout of one version (``save_weight_version(model, root, 7)`` -> ``root/v7/``):
 The directory is written under a temporary name and renamed into place, so a sampler never sees a
 half-written version. The checksum is XXH3-128 (``xxhash``): what it guards against is accidental damage
 (a partial copy, a flipped bit, a file rewritten in place), not an adversary who can write the volume, and
-it hashes at memory speed where SHA-256 ran at 0.3-1.8 GB/s per core (docs/decisions.md, "Weight manifest
-checksum"). Manifests that name ``sha256`` still verify. Files are hashed on a thread pool, one file per
-thread; the sidecar runs the hashing while vLLM reads the same files (:func:`check_weight_files` first,
-then :meth:`CheckedWeights.verify_contents` alongside the reload: docs/weights.md).
+it hashes at memory speed where SHA-256 ran at 0.3-1.8 GB/s per core (docs/decisions.md, "Weight versions:
+check the structure before vLLM sees the files, the bytes while it reads them"). Manifests that name
+``sha256`` still verify. Files are hashed on a thread pool, one file per thread; the sidecar runs the
+hashing while vLLM reads the same files (:func:`check_weight_files` first, then
+:meth:`CheckedWeights.verify_contents` alongside the reload: docs/weights.md).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def verify_weights(directory: str | os.PathLike, version: int | None = None) -> 
 
 DEFAULT_SHARD_BYTES = 256 << 20
 """Shards of at most this many bytes: the manifest check hashes shards on parallel threads (one file would be
-one core's SHA-256 speed)."""
+one core's checksum speed)."""
 
 
 def _save_state_dict(state: Mapping, directory: Path, shard_bytes: int) -> None:
