@@ -198,6 +198,28 @@ async def test_backend_never_hands_a_corrupt_version_to_vllm_and_recovers_with_t
         engine.stop()
 
 
+async def test_a_same_size_file_with_a_damaged_safetensors_header_never_reaches_vllm(tmp_path):
+    """What kills vLLM 0.32's engine core on a reload (an unreadable safetensors file) is checked before the reload,
+    even when the size still matches the manifest."""
+    engine = FakeVllm().start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1)
+    try:
+        bad = _weights(tmp_path, 1)
+        f = tmp_path / "v1" / "model.safetensors"
+        raw = bytearray(f.read_bytes())
+        raw[12] = ord("}")  # inside the JSON header
+        f.write_bytes(bytes(raw))
+        await backend.suspend(SuspendMode.DISCARD, [])
+        engine.calls.clear()
+        with pytest.raises(BackendError, match=r"weight version 1 failed.*is not a readable safetensors file"):
+            await backend.resume_with_weights([], bad)
+        assert not [c for c in engine.calls if c[1] == "/collective_rpc"], "vLLM never saw the damaged file"
+        assert engine.level != 0
+    finally:
+        await backend.close()
+        engine.stop()
+
+
 async def test_a_version_whose_bytes_fail_the_check_while_loading_is_rolled_back_to_the_last_good_one(tmp_path):
     """The checksum runs alongside vLLM's reload: a version damaged in place (same size, a data byte flipped) reaches
     the engine, fails the check, and the wake stops before the kv cache (never served); the next plain wake reloads
