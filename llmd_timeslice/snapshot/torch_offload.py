@@ -34,6 +34,7 @@ reusable host buffers and frees the working storage, through the same code as on
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,6 +133,14 @@ def _workers() -> tuple[ThreadPoolExecutor, int]:
         n = max(1, torch.get_num_threads())
         _pool = (ThreadPoolExecutor(n, thread_name_prefix="offload-copy"), n)
     return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child (e.g. a data-loader worker) has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, sum_dst: bool = False) -> tuple[int, int]:
