@@ -5,6 +5,9 @@ next job's blocked ``Acquire`` returns, for 2 and 20 contending jobs, and switch
 Baseline measured in the same run: one plain unary round-trip (``ListGroups``) on the same channel.
 
     .venv/bin/python -m benchmarks.phase_switch --out phase_switch.json
+
+With ``--engines vllm`` it measures the whole switch on real vLLM CPU engines against the engines' own sleep and
+wake instead (:mod:`benchmarks.switch_vs_engine`; ``--vllm-engines N``, ``--rounds R``).
 """
 
 from __future__ import annotations
@@ -99,7 +102,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write.")
     ap.add_argument("--switches", type=int, default=500, help="Switches per configuration.")
+    ap.add_argument(
+        "--engines", choices=("noop", "vllm"), default="noop", help="noop: control overhead; vllm: benchmarks.switch_vs_engine"
+    )
+    ap.add_argument("--vllm-engines", type=int, default=2, help="with --engines vllm: real vLLM CPU engines")
+    ap.add_argument("--rounds", type=int, default=8, help="with --engines vllm: switches to the trainer and back")
     args = ap.parse_args()
+    if args.engines == "vllm":
+        from benchmarks import switch_vs_engine
+
+        switch_vs_engine.main(["--out", str(args.out), "--engines", str(args.vllm_engines), "--rounds", str(args.rounds)])
+        return
     srv, loop = _start_server()
     target = f"127.0.0.1:{srv.port}"
     base_ms = asyncio.run(_baseline(target))

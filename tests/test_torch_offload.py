@@ -130,3 +130,42 @@ def test_offload_without_cuda_initialised_releases_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("empty_cache without a CUDA context"))
     assert not torch.cuda.is_initialized()
     assert TorchStateOffloader(model, opt).offload().device_reserved_bytes is None
+
+
+@pytest.mark.parametrize("numel", [700_001, 1 << 18, (1 << 18) + 2, 3 * (1 << 17) + 513])
+def test_fused_copy_checksum_equals_the_two_pass_one(numel):
+    """The copy + checksum in one pass (host state, 1 MiB chunks) gives the checksum of a separate reduction, for
+    sizes below, at and across chunk and 4 KiB boundaries, with or without a tail."""
+    import torch
+
+    from llmd_timeslice.snapshot.torch_offload import copy_with_checksum, tensor_checksum
+
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    dst = torch.empty_like(src)
+    assert copy_with_checksum(dst, src) == tensor_checksum(src)
+    assert torch.equal(dst.view(torch.int32), src.view(torch.int32))
+    again = torch.empty_like(src)
+    assert copy_with_checksum(again, dst, sum_dst=True) == tensor_checksum(src)
+
+
+@pytest.mark.parametrize("where", ["first", "chunk_boundary", "middle", "last"])
+def test_any_changed_byte_of_a_large_tensor_is_caught_at_restore(where):
+    """A tensor larger than the fused chunk: one bit changed anywhere in the host copy fails the restore; put back,
+    the restore succeeds."""
+    import torch
+
+    from llmd_timeslice.snapshot.torch_offload import StateChecksumMismatch, TorchStateOffloader
+
+    torch.manual_seed(2)
+    model = torch.nn.Linear(1024, 1025)  # 1,049,600 float32 weights: 4.2 MB, four fused chunks and a tail
+    off = TorchStateOffloader(model)
+    off.offload()
+    host = next(b for t, b, _, _ in off._offloaded if b.numel() > 1_000_000).view(torch.uint8)
+    i = {"first": 0, "chunk_boundary": 1 << 20, "middle": host.numel() // 2 + 3, "last": host.numel() - 1}[where]
+    host[i] ^= 0x01
+    with pytest.raises(StateChecksumMismatch):
+        off.restore()
+    assert off.offloaded
+    host[i] ^= 0x01
+    off.restore()  # put back: bit-exact again
+    assert not off.offloaded

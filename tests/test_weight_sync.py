@@ -57,7 +57,8 @@ def test_saved_version_verifies_and_reports_its_bytes(tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        ("flip_byte", "does not match its sha256"),
+        ("flip_byte", "does not match its xxh3_128"),
+        ("flip_header_byte", "is not a readable safetensors file"),
         ("truncate", "the manifest says"),
         ("delete_file", "missing"),
         ("delete_manifest", "weights-manifest.json does not exist"),
@@ -74,6 +75,10 @@ def test_damaged_weight_directory_is_refused_naming_the_problem(tmp_path, damage
         raw = bytearray(f.read_bytes())
         raw[-1] ^= 0xFF
         f.write_bytes(bytes(raw))
+    elif damage == "flip_header_byte":  # same size, the JSON header damaged: caught before any hashing
+        raw = bytearray(f.read_bytes())
+        raw[9] ^= 0xFF
+        f.write_bytes(bytes(raw))
     elif damage == "truncate":
         f.write_bytes(f.read_bytes()[:-10])
     elif damage == "delete_file":
@@ -86,6 +91,37 @@ def test_damaged_weight_directory_is_refused_naming_the_problem(tmp_path, damage
         expect_version = 2
     with pytest.raises(WeightManifestError, match=message):
         verify_weights(d, expect_version)
+
+
+def test_a_version_with_a_sha256_manifest_still_verifies_and_its_damage_is_caught(tmp_path):
+    """Versions published before the manifest moved to XXH3-128 name sha256: they verify as before."""
+    import json
+
+    from llmd_timeslice.weights.manifest import write_manifest
+
+    d = tmp_path / "v1"
+    _weights(tmp_path, 1)
+    write_manifest(d, 1, algorithm="sha256")
+    entry = json.loads((d / MANIFEST_NAME).read_text())["files"]["model.safetensors"]
+    assert set(entry) == {"bytes", "sha256"}
+    assert verify_weights(d, 1) == entry["bytes"]
+    raw = bytearray((d / "model.safetensors").read_bytes())
+    raw[-1] ^= 0x01
+    (d / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(WeightManifestError, match="does not match its sha256"):
+        verify_weights(d, 1)
+
+
+def test_manifest_with_an_unknown_checksum_algorithm_is_refused(tmp_path):
+    import json
+
+    d = tmp_path / "v1"
+    _weights(tmp_path, 1)
+    m = json.loads((d / MANIFEST_NAME).read_text())
+    m["algorithm"] = "md5"
+    (d / MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(WeightManifestError, match="unsupported checksum algorithm 'md5'"):
+        verify_weights(d, 1)
 
 
 def test_missing_weight_directory_is_refused(tmp_path):
@@ -152,6 +188,61 @@ async def test_backend_never_hands_a_corrupt_version_to_vllm_and_recovers_with_t
         assert engine.level != 0, "the engine stays asleep (out of service)"
         assert not [c for c in engine.calls if c[1] == "/collective_rpc"], "vLLM never saw the corrupt directory"
         # A plain wake afterwards reloads the last good version before serving (never a mix).
+        engine.calls.clear()
+        await backend.resume([])
+        reloads = [b for m, p, b in engine.calls if p == "/collective_rpc"]
+        assert reloads == [{"method": "reload_weights", "kwargs": {"weights_path": good.location}}]
+        assert engine.level == 0 and backend.weight_version == 1
+    finally:
+        await backend.close()
+        engine.stop()
+
+
+async def test_a_same_size_file_with_a_damaged_safetensors_header_never_reaches_vllm(tmp_path):
+    """What kills vLLM 0.32's engine core on a reload (an unreadable safetensors file) is checked before the reload,
+    even when the size still matches the manifest."""
+    engine = FakeVllm().start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1)
+    try:
+        bad = _weights(tmp_path, 1)
+        f = tmp_path / "v1" / "model.safetensors"
+        raw = bytearray(f.read_bytes())
+        raw[12] = ord("}")  # inside the JSON header
+        f.write_bytes(bytes(raw))
+        await backend.suspend(SuspendMode.DISCARD, [])
+        engine.calls.clear()
+        with pytest.raises(BackendError, match=r"weight version 1 failed.*is not a readable safetensors file"):
+            await backend.resume_with_weights([], bad)
+        assert not [c for c in engine.calls if c[1] == "/collective_rpc"], "vLLM never saw the damaged file"
+        assert engine.level != 0
+    finally:
+        await backend.close()
+        engine.stop()
+
+
+async def test_a_version_whose_bytes_fail_the_check_while_loading_is_rolled_back_to_the_last_good_one(tmp_path):
+    """The checksum runs alongside vLLM's reload: a version damaged in place (same size, a data byte flipped) reaches
+    the engine, fails the check, and the wake stops before the kv cache (never served); the next plain wake reloads
+    the last good version."""
+    engine = FakeVllm().start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1)
+    try:
+        good = _weights(tmp_path, 1)
+        await backend.suspend(SuspendMode.DISCARD, [])
+        await backend.resume_with_weights([], good)
+        bad = _weights(tmp_path, 2)
+        f = tmp_path / "v2" / "model.safetensors"
+        raw = bytearray(f.read_bytes())
+        raw[-5] ^= 0x10
+        f.write_bytes(bytes(raw))
+        await backend.suspend(SuspendMode.DISCARD, [])
+        engine.calls.clear()
+        with pytest.raises(BackendError, match=r"weight version 2 failed.*last good version 1.*does not match its xxh3_128"):
+            await backend.resume_with_weights([], bad)
+        posts = [(p, b) for m, p, b in engine.calls if m == "POST"]
+        assert ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": bad.location}}) in posts
+        assert {"tags": "kv_cache"} not in [b for _, b in posts], "the kv cache was never woken on the damaged weights"
+        assert engine.level != 0 and backend.weight_version == 1
         engine.calls.clear()
         await backend.resume([])
         reloads = [b for m, p, b in engine.calls if p == "/collective_rpc"]

@@ -6,7 +6,7 @@
 3. runs background load through Envoy (some requests streaming) while an RL loop alternates
    rollout (a batch of completions through Envoy, rewarded) and training (a policy-gradient step
    on the same tiny model, inside ``on_accelerators``: samplers drain and sleep, trainer state is
-   restored; the trainer writes weight version N+1 (safetensors + sha256 manifest) and yields with
+   restored; the trainer writes weight version N+1 (safetensors + XXH3-128 manifest) and yields with
    it, so the samplers wake with the new policy; the next rollout asks the gate for that version with
    ``x-llmd-timeslice-min-weight-version`` and each response says which version served it);
 4. writes ``OUT/summary.json``, ``OUT/requests.json`` and ``OUT/timeline.png`` and prints a summary.

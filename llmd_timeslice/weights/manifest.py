@@ -5,12 +5,17 @@ Layout of one version (``save_weight_version(model, root, 7)`` -> ``root/v7/``):
     root/v7/model.safetensors              (or several shards + index, as ``save_pretrained`` writes them)
     root/v7/config.json ...
     root/v7/weights-manifest.json          {"format": "llmd-timeslice-weights/v1", "version": 7,
-                                            "algorithm": "sha256",
-                                            "files": {"model.safetensors": {"bytes": N, "sha256": "..."}}}
+                                            "algorithm": "xxh3_128",
+                                            "files": {"model.safetensors": {"bytes": N, "xxh3_128": "..."}}}
 
 The directory is written under a temporary name and renamed into place, so a sampler never sees a
-half-written version. The checksum is SHA-256 (``hashlib``, OpenSSL; 1.8 GB/s per core with SHA-NI on
-the development machine, about a memory copy: docs/decisions.md); files are hashed on a thread pool.
+half-written version. The checksum is XXH3-128 (``xxhash``): what it guards against is accidental damage
+(a partial copy, a flipped bit, a file rewritten in place), not an adversary who can write the volume, and
+it hashes at memory speed where SHA-256 ran at 0.3-1.8 GB/s per core (docs/decisions.md, "Weight versions:
+check the structure before vLLM sees the files, the bytes while it reads them"). Manifests that name
+``sha256`` still verify. Files are hashed on a thread pool, one file per thread; the sidecar runs the
+hashing while vLLM reads the same files (:func:`check_weight_files` first, then
+:meth:`CheckedWeights.verify_contents` alongside the reload: docs/weights.md).
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import xxhash
 
 from llmd_timeslice.weights.update import SOURCE_FILES, WeightUpdate
 
@@ -30,37 +39,51 @@ MANIFEST_NAME = "weights-manifest.json"
 MANIFEST_FORMAT = "llmd-timeslice-weights/v1"
 _CHUNK = 8 << 20
 
+ALGORITHMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+"""Checksum name (the manifest's ``algorithm``, and each file entry's key) -> hash constructor."""
+DEFAULT_ALGORITHM = "xxh3_128"
+"""What :func:`write_manifest` writes: XXH3-128 (``xxhash``), a non-cryptographic 128-bit checksum against
+accidental damage (a partial copy, a flipped bit, a file rewritten in place), at memory speed per core;
+manifests that name ``sha256`` (every version written before it) still verify."""
+
 
 class WeightManifestError(Exception):
     """A weight directory does not match its manifest (missing, extra-short or corrupt file, wrong
     version, no manifest). The message names the file and what to do."""
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _digest(path: Path, algorithm: str) -> str:
+    h = ALGORITHMS[algorithm]()
+    buf = memoryview(bytearray(_CHUNK))
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return h.hexdigest()
 
 
 def _threads(n_files: int) -> int:
     return max(1, min(n_files, os.cpu_count() or 1, 8))
 
 
-def write_manifest(directory: str | os.PathLike, version: int) -> dict:
-    """Hash every regular file of ``directory`` (not the manifest itself) and write the manifest.
+def write_manifest(directory: str | os.PathLike, version: int, algorithm: str = DEFAULT_ALGORITHM) -> dict:
+    """Hash every regular file of ``directory`` (not the manifest itself) with ``algorithm`` (a key of
+    :data:`ALGORITHMS`) and write the manifest.
 
-    Returns the manifest (a dict, as written). Raises ``ValueError`` for a version < 1.
+    Returns the manifest (a dict, as written). Raises ``ValueError`` for a version < 1 or an unknown algorithm.
     """
     if version < 1:
         raise ValueError(f"weight version must be >= 1, got {version}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
     d = Path(directory)
     files = sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
     with ThreadPoolExecutor(_threads(len(files))) as pool:
-        digests = list(pool.map(_sha256, files))
+        digests = list(pool.map(lambda p: _digest(p, algorithm), files))
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": version,
-        "algorithm": "sha256",
-        "files": {p.name: {"bytes": p.stat().st_size, "sha256": h} for p, h in zip(files, digests, strict=True)},
+        "algorithm": algorithm,
+        "files": {p.name: {"bytes": p.stat().st_size, algorithm: h} for p, h in zip(files, digests, strict=True)},
     }
     (d / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
@@ -80,17 +103,60 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise WeightManifestError(f"{p} cannot be read: {exc}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), dict):
         raise WeightManifestError(f"{p} is not a {MANIFEST_FORMAT} manifest")
-    if m.get("algorithm") != "sha256":
-        raise WeightManifestError(f"{p}: unsupported checksum algorithm {m.get('algorithm')!r} (sha256 only)")
+    if m.get("algorithm") not in ALGORITHMS:
+        raise WeightManifestError(f"{p}: unsupported checksum algorithm {m.get('algorithm')!r} (known: {', '.join(ALGORITHMS)})")
     return m
 
 
-def verify_weights(directory: str | os.PathLike, version: int | None = None) -> int:
-    """Check every file listed in the manifest of ``directory`` (size, then SHA-256) and, with
-    ``version``, that the manifest is that version. Returns the bytes verified.
+def _check_safetensors_header(p: Path, size: int) -> None:
+    """The safetensors header (u64 little-endian length, then JSON) parses and its tensors end exactly at the end
+    of the file (the safetensors format, huggingface/safetensors README "Format"). Raises WeightManifestError."""
+    try:
+        with p.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= min(size - 8, 100 << 20):
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(f.read(n))
+        ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+        if max(ends, default=0) + 8 + n != size:
+            raise ValueError("its tensors do not end at the end of the file")
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise WeightManifestError(
+            f"{p} is not a readable safetensors file ({exc}): damaged after publishing; write the version again"
+        ) from None
+
+
+@dataclass(frozen=True)
+class CheckedWeights:
+    """A weight directory whose manifest, file names, sizes and safetensors headers are checked
+    (:func:`check_weight_files`); :meth:`verify_contents` checks the bytes."""
+
+    directory: Path
+    algorithm: str
+    files: tuple[tuple[str, str], ...]  # (name, expected digest)
+    bytes: int
+
+    def verify_contents(self) -> int:
+        """Hash every file (one thread per file, up to 8: hashlib and xxhash release the GIL) and compare with the
+        manifest. Returns the bytes verified. Raises :class:`WeightManifestError` naming the first file that differs."""
+        with ThreadPoolExecutor(_threads(len(self.files))) as pool:
+            digests = list(pool.map(lambda f: _digest(self.directory / f[0], self.algorithm), self.files))
+        for (name, want), got in zip(self.files, digests, strict=True):
+            if got != want:
+                raise WeightManifestError(
+                    f"{self.directory / name} does not match its {self.algorithm} in the manifest: corrupt or changed "
+                    "after publishing; write the version again"
+                )
+        return self.bytes
+
+
+def check_weight_files(directory: str | os.PathLike, version: int | None = None) -> CheckedWeights:
+    """The quick part of the check, no hashing: the manifest of ``directory`` (and, with ``version``, that it is
+    that version), every listed file present with its size, every ``.safetensors`` header readable (what a
+    vLLM 0.32 ``reload_weights`` would die on). Returns what :meth:`CheckedWeights.verify_contents` hashes.
 
     Raises:
-        WeightManifestError: naming the first file that is missing, of the wrong size or corrupt.
+        WeightManifestError: naming the first file that is missing, of the wrong size or damaged.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -101,6 +167,7 @@ def verify_weights(directory: str | os.PathLike, version: int | None = None) -> 
             f"{d / MANIFEST_NAME} is version {m.get('version')!r}, the update says {version}; "
             "publish the directory that holds that version"
         )
+    algorithm = m["algorithm"]
     entries = sorted(m["files"].items())
     if not any(name.endswith(".safetensors") for name, _ in entries):
         raise WeightManifestError(f"{d}: the manifest lists no .safetensors file")
@@ -108,26 +175,33 @@ def verify_weights(directory: str | os.PathLike, version: int | None = None) -> 
         p = d / name
         if "/" in name or name.startswith("."):
             raise WeightManifestError(f"{d / MANIFEST_NAME}: file name {name!r} is not a plain file name")
+        if not isinstance(e, dict) or not isinstance(e.get(algorithm), str):
+            raise WeightManifestError(f"{d / MANIFEST_NAME}: the entry of {name!r} has no {algorithm} digest")
         if not p.is_file():
             raise WeightManifestError(f"{p} is listed in the manifest but missing")
-        if p.stat().st_size != e.get("bytes"):
+        size = p.stat().st_size
+        if size != e.get("bytes"):
             raise WeightManifestError(
-                f"{p} has {p.stat().st_size} bytes, the manifest says {e.get('bytes')}: a partial copy? write the version again"
+                f"{p} has {size} bytes, the manifest says {e.get('bytes')}: a partial copy? write the version again"
             )
-    with ThreadPoolExecutor(_threads(len(entries))) as pool:
-        digests = list(pool.map(_sha256, [d / name for name, _ in entries]))
-    for (name, e), h in zip(entries, digests, strict=True):
-        if h != e.get("sha256"):
-            raise WeightManifestError(
-                f"{d / name} does not match its sha256 in the manifest: corrupt or changed "
-                "after publishing; write the version again"
-            )
-    return sum(int(e["bytes"]) for _, e in entries)
+        if name.endswith(".safetensors"):
+            _check_safetensors_header(p, size)
+    return CheckedWeights(d, algorithm, tuple((n, e[algorithm]) for n, e in entries), sum(int(e["bytes"]) for _, e in entries))
+
+
+def verify_weights(directory: str | os.PathLike, version: int | None = None) -> int:
+    """Check every file listed in the manifest of ``directory`` (:func:`check_weight_files`, then the checksum of
+    every byte) and, with ``version``, that the manifest is that version. Returns the bytes verified.
+
+    Raises:
+        WeightManifestError: naming the first file that is missing, of the wrong size or corrupt.
+    """
+    return check_weight_files(directory, version).verify_contents()
 
 
 DEFAULT_SHARD_BYTES = 256 << 20
 """Shards of at most this many bytes: the manifest check hashes shards on parallel threads (one file would be
-one core's SHA-256 speed)."""
+one core's checksum speed)."""
 
 
 def _save_state_dict(state: Mapping, directory: Path, shard_bytes: int) -> None:

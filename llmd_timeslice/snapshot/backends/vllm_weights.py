@@ -3,12 +3,17 @@
 Both run between ``wake_up?tags=weights`` and ``wake_up?tags=kv_cache`` (the engine takes no
 requests then) and return the bytes they moved (None where unknown):
 
-* :class:`FilesWeightLoader` (source ``files``): verify the directory against its manifest
-  (:func:`~llmd_timeslice.weights.manifest.verify_weights`, SHA-256 of every file) *before* vLLM sees
-  it, then ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``.
-  Needs vLLM's in-place reload with ``weights_path`` (``vllm/model_executor/model_loader/reload``;
-  checked on vLLM 0.32 CPU, DESIGN.md §7) and ``VLLM_SERVER_DEV_MODE=1``. Verifying first matters:
-  on vLLM 0.32 a reload that fails (bad path, unreadable file) kills the engine core.
+* :class:`FilesWeightLoader` (source ``files``): check the directory's structure against its manifest
+  (:func:`~llmd_timeslice.weights.manifest.check_weight_files`: version, every file present at its size,
+  readable safetensors headers) *before* vLLM sees it (on vLLM 0.32 a reload that fails -- bad path,
+  unreadable or truncated file -- kills the engine core), then ``POST /collective_rpc {"method":
+  "reload_weights", "kwargs": {"weights_path": DIR}}`` while the checksum of every byte
+  (:meth:`~llmd_timeslice.weights.manifest.CheckedWeights.verify_contents`) runs alongside on threads, reading
+  the same files as the engine: one pass over the bytes, not two in series. A version whose bytes fail the
+  checksum has been loaded by then: the load fails, the engine stays asleep (kv cache not woken, so nothing is
+  served from those weights) with its weights marked unusable, and the next plain wake reloads the last good
+  version (docs/weights.md). Needs vLLM's in-place reload with ``weights_path``
+  (``vllm/model_executor/model_loader/reload``; checked on vLLM 0.32 CPU) and ``VLLM_SERVER_DEV_MODE=1``.
 * :class:`WeightTransferLoader` (source ``vllm_weight_transfer``): vLLM's weight-transfer API
   (``--weight-transfer-config``; NCCL or CUDA IPC engines; GPU): ``POST /init_weight_transfer_engine``
   (once, with ``init_info``), ``/start_weight_update``, ``/update_weights {"update_info": ...}``
@@ -23,10 +28,11 @@ requests then) and return the bytes they moved (None where unknown):
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Protocol
 
 from llmd_timeslice.snapshot.backends.base import BackendError
-from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
+from llmd_timeslice.weights.manifest import WeightManifestError, check_weight_files
 from llmd_timeslice.weights.update import SOURCE_FILES, SOURCE_VLLM_WEIGHT_TRANSFER, WeightUpdate
 
 if TYPE_CHECKING:
@@ -40,15 +46,33 @@ class WeightLoader(Protocol):
 
 
 class FilesWeightLoader:
-    """Source ``files``: manifest check, then vLLM ``reload_weights(weights_path=...)``."""
+    """Source ``files``: structure check, then vLLM ``reload_weights(weights_path=...)`` with the checksum of every
+    byte computed alongside (module doc). ``last_check_s`` holds the seconds the checksum took in the last load
+    (it overlaps the reload)."""
+
+    last_check_s: float | None = None
 
     async def load(self, engine: VllmBackend, update: WeightUpdate) -> int | None:
         try:
-            nbytes = await asyncio.to_thread(verify_weights, update.location, update.version)
+            checked = await asyncio.to_thread(check_weight_files, update.location, update.version)
         except WeightManifestError as exc:
             raise BackendError(f"weight version {update.version} not loaded: {exc}") from None
-        await engine.reload_weights(update.location)
+        hashing = asyncio.ensure_future(asyncio.to_thread(self._timed_check, checked))
+        try:
+            await engine.reload_weights(update.location)
+        finally:
+            try:
+                nbytes = await hashing  # never left running: its outcome decides the load even when the reload failed
+            except WeightManifestError as exc:
+                raise BackendError(f"weight version {update.version} failed its manifest check while loading: {exc}") from None
         return nbytes
+
+    def _timed_check(self, checked) -> int:
+        t0 = time.perf_counter()
+        try:
+            return checked.verify_contents()
+        finally:
+            self.last_check_s = time.perf_counter() - t0
 
 
 class WeightTransferLoader:
