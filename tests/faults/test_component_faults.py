@@ -214,3 +214,29 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
     assert all(e.level == 1 for e in stack["engines"])
     await client.release()
     await _until(lambda: set(pool.serving()) == set(addrs), what="serving again")
+
+
+async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_acquire_then_comes_back(stack):
+    """A sidecar frozen (SIGSTOP) mid-sleep for longer than the orchestrator's operation deadline (set to 3 s here;
+    10 s in the stack's fixture): the acquire fails with the reason instead of hanging, no request reaches a sleeping
+    engine, and after SIGCONT the group serves on both samplers again by itself (repair) and the next acquire works."""
+    import os
+    import signal
+
+    engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
+    stack["orch"].actions.operation_timeout_s = 3.0
+    for e in engines:
+        e.sleep_delay_s = 0.5
+    acquire = asyncio.create_task(client.acquire(timeout_sec=60))
+    await _until(lambda: any(p == "/sleep" for _, p, _ in engines[0].calls), what="the sleep call")
+    os.kill(sidecars[0].proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LeaseError, match="ABORTED"):
+            await asyncio.wait_for(acquire, 60)
+    finally:
+        os.kill(sidecars[0].proc.pid, signal.SIGCONT)
+    await _until(lambda: set(pool.serving()) == set(addrs), 30, "both samplers serving again after SIGCONT")
+    assert set(await _requests(pool, 4)) <= {(addrs[0],), (addrs[1],), tuple(addrs)}
+    assert sum(e.completions_while_asleep for e in engines) == 0
+    stack["orch"].actions.operation_timeout_s = 10.0
+    await asyncio.wait_for(client.acquire(timeout_sec=30), 30)
