@@ -417,7 +417,10 @@ def _attribute(faults: list[Fault], records: list) -> list:
         if f is None:
             outside.append(r)
             continue
-        in_flight_at_kill = r.sent_at <= f.end <= r.done_at
+        # In flight at the kill: sent before it (0.5 s of slack: a connection the dying process's kernel backlog
+        # took just before SIGKILL, whose send time is read before the request goes out) and ended after it; a
+        # refused connection is retried by the load's transport, so what fails here was inside the killed process.
+        in_flight_at_kill = r.sent_at <= f.end + 0.5 and r.done_at >= f.start - 0.05
         if f.kind in ("kill_envoy", "kill_vllm") and in_flight_at_kill:
             f.lost_documented += 1
         else:
