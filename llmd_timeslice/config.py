@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import enum
-import ipaddress
 import json
 import os
 import re
@@ -36,6 +35,9 @@ import annotated_types
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmd_timeslice import yaml_files
+from llmd_timeslice.addresses import check_host_port, check_ip_port
 
 ENV_PREFIX = "LLMD_TIMESLICE_"
 ENV_DELIMITER = "__"
@@ -70,10 +72,7 @@ def parse_duration(value: Any) -> Any:
 
 
 def _host_port(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port with a port in 1..65535, got {value!r}")
-    return value
+    return check_host_port(value)  # one parser for every host:port (llmd_timeslice/addresses.py)
 
 
 def _url(value: str) -> str:
@@ -189,8 +188,7 @@ def _pool_endpoint(text: str) -> tuple[str, str]:
     if not sep or not pool:
         raise ValueError(f"expected POOL=ip:port, got {text!r}")
     try:
-        _host_port(address)
-        ipaddress.ip_address(address.rpartition(":")[0].removeprefix("[").removesuffix("]"))
+        check_ip_port(address)
     except ValueError:
         raise ValueError(f"expected POOL=ip:port (an IP address, a port in 1..65535), got {text!r}") from None
     return pool, address
@@ -511,22 +509,9 @@ class ConfigError(ValueError):
         super().__init__("; ".join(prefix + e for e in errors))
 
 
-def _model_at(root: type[BaseModel], loc: tuple) -> Any:
-    """The model reached from ``root`` along the field names ``loc`` (None past a non-model)."""
-    model: Any = root
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        model = next(
-            (a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)), field.annotation
-        )
-    return model
-
-
 def _known_keys(loc: tuple, root: type[BaseModel] | None = None) -> list[str]:
     """Field names valid at ``loc`` (the parent of an unknown key), for suggestions."""
-    return list(getattr(_model_at(root or TimesliceConfig, loc), "model_fields", {}))
+    return list(getattr(yaml_files.model_at(root or TimesliceConfig, loc), "model_fields", {}))
 
 
 def env_name(path: tuple) -> str:
@@ -598,9 +583,9 @@ def read_config_file(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], source) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_files.load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {' '.join(str(exc).split())}"], source) from None
+        raise ConfigError([yaml_files.error_text(exc)], source) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -764,11 +749,39 @@ def component_settings(
             else:
                 lines.append(p.line())
         raise ConfigError(lines) from None
-    token_file = getattr(settings, "token_file", None)
-    if token_file is None:
-        top = env.get("token_file") or file_data.get("token_file")
-        token_file = Path(top) if top else None
+    token_file, _ = _token_file_and_origin(settings, section, path, given, env, env_section, file_data, file_section)
     return settings, token_file
+
+
+def _token_file_and_origin(settings, section, path, given, env, env_section, file_data, file_section):
+    """The component's token file and where it was set (the option, a variable or ``FILE: key``; None: unset)."""
+    token_file = getattr(settings, "token_file", None)
+    if token_file is not None:
+        if "token_file" in given:
+            return token_file, "--token-file"
+        if "token_file" in env_section:
+            return token_file, f"${env_name((section, 'token_file'))}"
+        return token_file, f"{path}: {section}.token_file"
+    if env.get("token_file"):
+        return Path(env["token_file"]), f"${env_name(('token_file',))}"
+    if file_data.get("token_file"):
+        return Path(file_data["token_file"]), f"{path}: token_file"
+    return None, None
+
+
+def component_token_origin(
+    section: str, path: str | os.PathLike | None = None, flags: Mapping[tuple, Any] | None = None
+) -> str | None:
+    """Where the token file of :func:`component_settings` ``(section, path, flags)`` was set, for its errors:
+    ``--token-file``, ``$LLMD_TIMESLICE_GATE__TOKEN_FILE``, ``FILE: gate.token_file``, ``$LLMD_TIMESLICE_TOKEN_FILE``
+    or ``FILE: token_file`` (None: no token file set). Call it after :func:`component_settings` succeeded."""
+    settings, _ = component_settings(section, path, flags)
+    file_data = read_config_file(path) if path is not None else {}
+    env = _env_layer()
+    file_section = file_data.get(section) or {}
+    return _token_file_and_origin(
+        settings, section, path, _nest(dict(flags or {})), env, env.get(section) or {}, file_data, file_section
+    )[1]
 
 
 def json_schema() -> dict:
