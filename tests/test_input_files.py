@@ -256,3 +256,76 @@ def test_find_stack_flag_over_variable_over_running_stack(monkeypatch, tmp_path)
     assert (eps.router, eps.orchestrator, eps.token_file) == ("http://r", "env:2", "/flag")
     with pytest.raises(ValueError, match=r"expected the orchestrator as host:port \(port 99999 is out of 1..65535\)"):
         find_stack.from_args(ap.parse_args(["--orchestrator", "h:99999"]))
+
+
+# ---------------------------------------------------------------- 5. the docs name the metrics' real labels
+_METRIC_MODULES = (
+    "epp_plugin.gate.metrics",
+    "epp_plugin.gate.subscription",
+    "epp_plugin.picker.server",
+    "llmd_timeslice.auth",
+    "llmd_timeslice.discovery.kubernetes",
+    "llmd_timeslice.orchestrator.gate_hub",
+    "llmd_timeslice.orchestrator.service",
+    "llmd_timeslice.snapshot.server",
+)
+DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", *sorted((REPO / "manifests").rglob("README.md"))]
+
+
+def _metric_labels() -> dict[str, set[str]]:
+    """Every metric the components export -> its label names: the registered ones, and the gate's scrape-time
+    families (epp_plugin/gate/metrics.py PoolCollector) read from a pool with one endpoint."""
+    import importlib
+
+    from prometheus_client import REGISTRY
+
+    from epp_plugin.gate.metrics import PoolCollector
+    from epp_plugin.gate.pool_state import EndpointState, PoolState
+
+    for m in _METRIC_MODULES:
+        importlib.import_module(m)
+    out: dict[str, set[str]] = {}
+    for name, collector in REGISTRY._names_to_collectors.items():
+        out[name] = set(getattr(collector, "_labelnames", ()))
+    pool = PoolState("p")
+    pool.set_states([("10.0.0.1:8000", EndpointState.SERVING, None)])
+    collector = PoolCollector()
+    collector.pool_maps.append({"p": pool})
+    for family in collector.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+            out.setdefault(family.name, set()).update(sample.labels)
+    return out
+
+
+def test_every_metric_the_docs_name_exists_with_the_labels_they_name():
+    import re
+
+    labels = _metric_labels()
+    wrong = []
+    for doc in DOCS:
+        for m in re.finditer(r"(llmd_timeslice_[a-z_]+)\{([a-z_,]+)\}", doc.read_text()):
+            name, named = m.group(1), set(m.group(2).split(","))
+            have = labels.get(name)
+            if have is None:
+                wrong.append(f"{doc.relative_to(REPO)}: {name} is not a metric")
+            elif named != have:
+                wrong.append(f"{doc.relative_to(REPO)}: {name}{{{m.group(2)}}}: its labels are {sorted(have)}")
+    assert not wrong, wrong
+
+
+def test_every_istio_parameters_apply_in_the_docs_names_the_namespace():
+    """`generate.py --istio-parameters none` prints a ConfigMap without a namespace: applied without `-n` it lands in
+    the context's namespace, not the Gateway's, and the Gateway never sees it."""
+    import re
+
+    found = []
+    for doc in DOCS:
+        text = doc.read_text().replace("\\\n", " ").replace("\n  | ", " | ").replace("\n  ", " ")
+        for m in re.finditer(
+            r"(generate\.py --istio-parameters [^|`]*\\?\| kubectl apply[^`\n]*|kubectl patch gateway[^`\n]*)", text
+        ):
+            found.append((doc.relative_to(REPO), m.group(1)))
+    assert len(found) >= 4, found  # the guide's two applies and its patch, the operations runbook's apply
+    missing = [f"{d}: {cmd}" for d, cmd in found if not re.search(r" -n \$\{NAMESPACE\}", cmd)]
+    assert not missing, missing
