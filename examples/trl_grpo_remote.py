@@ -19,6 +19,11 @@ the upstream phases (upstream guide, "Pattern B: trainer subclass / hooks"):
 One generation per optimisation step (``steps_per_generation=1``, TRL's default with no gradient accumulation), so
 every step's training runs while the group is held. Runs on CPU with the tiny Llama of the CPU stack (co-located:
 trainer group = sampler group = ``rollout-group``); the upstream environment contract names them.
+
+Router, orchestrator and token file: found as every example finds them (``llmd_timeslice/local/find_stack.py``): the
+flags ``--router`` / ``--orchestrator`` / ``--token-file``, else the export line ``llmd-timeslice up`` prints
+(``LLMD_TIMESLICE_ROUTER_URL``, ``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``), else the stack running from
+``--stack``; with none it stops (exit code 2) rather than guess a port that may be another stack's.
 """
 
 from __future__ import annotations

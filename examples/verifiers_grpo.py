@@ -20,6 +20,11 @@ group and the job come from the upstream environment contract (``TIMESLICE_JOB_I
 ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``); defaults point at the running CPU stack, co-located
 (trainer group = sampler group = ``rollout-group``). Exit code 0 when every rollout completed at the version it
 asked for.
+
+Router, orchestrator and token file: found as every example finds them (``llmd_timeslice/local/find_stack.py``): the
+flags ``--router`` / ``--orchestrator`` / ``--token-file``, else the export line ``llmd-timeslice up`` prints
+(``LLMD_TIMESLICE_ROUTER_URL``, ``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``), else the stack running from
+``--stack``; with none it stops (exit code 2) rather than guess a port that may be another stack's.
 """
 
 from __future__ import annotations

@@ -943,7 +943,10 @@ that component's command (column "option": `llmd-timeslice gate --max-hold-s` is
 and an environment variable; the command builds its options from the same schema, so it reads
 every setting listed here and `config check` checks what it runs with.
 
-- **File**: YAML (or JSON). Unknown keys are refused, with a suggestion when one is close.
+- **File**: YAML (or JSON). Unknown keys are refused, with a suggestion when one is close; so is a key
+  given twice in one mapping (`duplicate key 'max_hold_s' (line 2 and line 4)`: YAML itself would keep
+  the last one silently). Every file the project reads (stack file, inventory, job tokens, the guide's
+  `settings.yaml`) is read the same way (`llmd_timeslice/yaml_files.py`).
 - **Environment**: `LLMD_TIMESLICE_<SECTION>__<FIELD>`, `__` stepping into a section
   (`LLMD_TIMESLICE_GATE__MAX_HOLD_S=30`, `LLMD_TIMESLICE_ORCHESTRATOR__KUBERNETES__NAMESPACE=ns`);
   lists and maps as JSON (`LLMD_TIMESLICE_GATE__POOLS='["a","b"]'`). Setting one field creates its
@@ -954,12 +957,24 @@ every setting listed here and `config check` checks what it runs with.
 - **Durations** (`duration (s)`): seconds, as a number or with units: `500ms`, `30s`, `10m`, `1h`,
   `1m30s`.
 - **Ports**: 0–65535; 0 picks a free port (servers) or turns the endpoint off (`metrics_port`).
-- **Secrets** are not part of it: the token comes from `token_file` or `$LLMD_TIMESLICE_TOKEN`.
+- **Addresses** (`HOST:PORT`: a setting, an option such as `status --orchestrator`, an inventory's
+  sampler): a host name or IPv4 address, or an IPv6 address in brackets (`[::1]:50051`), and a port
+  in 1–65535; a missing port, an empty host or a port out of range is one line naming it (one parser
+  for all: `llmd_timeslice/addresses.py`).
+- **Secrets** are not part of it: the token comes from `token_file` or `$LLMD_TIMESLICE_TOKEN`. A token
+  file that cannot be read stops the component before it starts, in one line naming the option,
+  variable or file key that set it and the path.
 
 ```bash
 llmd-timeslice config check deploy.yaml    # OK + a summary, or one line per error (exit 2)
+llmd-timeslice config check stack.yaml     # a stack file of `up` (its `stack` / `engines` keys), as `up` checks it
+llmd-timeslice config check inventory.yaml # a static inventory (`groups` only), as `orchestrator --inventory` reads it
 llmd-timeslice config schema               # JSON schema (editors, CI)
 ```
+
+`config check` takes every kind of file the project writes: the inventories `up` and the demo write
+(`WORKDIR/inventory.yaml`, `demo-out/inventory.yaml`) check OK. An empty file is refused by `config check`
+as by `up -f` (exit 2).
 
 Example:
 
