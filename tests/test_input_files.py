@@ -329,3 +329,11 @@ def test_every_istio_parameters_apply_in_the_docs_names_the_namespace():
     assert len(found) >= 4, found  # the guide's two applies and its patch, the operations runbook's apply
     missing = [f"{d}: {cmd}" for d, cmd in found if not re.search(r" -n \$\{NAMESPACE\}", cmd)]
     assert not missing, missing
+
+
+def test_the_phase_callbacks_orchestrator_variable_goes_through_the_same_parser():
+    from llmd_timeslice.integrations.phase_callback import TimesliceConfigError, _Config
+
+    with pytest.raises(TimesliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port \(port 99999 is out"):
+        _Config("job-a", "127.0.0.1:99999", "g", "g")
+    assert _Config("job-a", "[::1]:50051", "g", "g").orch_addr == "[::1]:50051"
