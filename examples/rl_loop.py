@@ -19,7 +19,6 @@ every rollout request completed at the version it asked for.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,8 +26,7 @@ from pathlib import Path
 import httpx
 
 from llmd_timeslice.client import TimeSliceError, TimeSliceOrchestratorClient
-from llmd_timeslice.local.stack_file import StackError
-from llmd_timeslice.local.up import ROUTER_URL_ENV, alive, read_state
+from llmd_timeslice.local import find_stack
 from llmd_timeslice.weights.manifest import save_weight_version
 
 HERE = Path(__file__).resolve().parent
@@ -85,27 +83,7 @@ def _versions(client: TimeSliceOrchestratorClient, group: str, weights_dir: Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--stack",
-        type=Path,
-        default=HERE / "cpu-stack.yaml",
-        help="stack file of the running stack (its endpoints and token are used)",
-    )
-    ap.add_argument(
-        "--router",
-        default=os.environ.get(ROUTER_URL_ENV),
-        help=f"router URL (OpenAI-style API); default: ${ROUTER_URL_ENV}, else the running stack's",
-    )
-    ap.add_argument(
-        "--orchestrator",
-        default=os.environ.get("TIMESLICE_ORCH_ADDR"),
-        help="orchestrator host:port; default: $TIMESLICE_ORCH_ADDR, else the running stack's",
-    )
-    ap.add_argument(
-        "--token-file",
-        default=os.environ.get("LLMD_TIMESLICE_TOKEN_FILE"),
-        help="control-plane token file; default: $LLMD_TIMESLICE_TOKEN_FILE, else the running stack's",
-    )
+    find_stack.add_arguments(ap, HERE / "cpu-stack.yaml")
     ap.add_argument("--job-id", default="trainer-0")
     ap.add_argument("--group", default="rollout-group", help="the sampler group the trainer time-slices with")
     ap.add_argument("--model", default="tiny", help="served model name")
@@ -113,28 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, help="train this model for real and publish its weights")
     ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
     a = ap.parse_args(argv)
-    eps: dict = {}
-    if not (a.router and a.orchestrator and a.token_file) and a.stack.exists():
-        try:
-            _, state = read_state(a.stack)
-        except StackError:
-            state = None
-        if state and state.get("phase") == "running" and alive(state.get("pid")):
-            eps = state["endpoints"]
-    a.router = a.router or eps.get("router")
-    a.orchestrator = a.orchestrator or eps.get("orchestrator")
-    a.token_file = a.token_file or eps.get("token_file")
-    missing = [
-        n for n, v in (("--router", a.router), ("--orchestrator", a.orchestrator), ("--token-file", a.token_file)) if not v
-    ]
-    if missing:
-        print(
-            f"rl_loop: no {', '.join(missing)}: no stack runs from {a.stack}; run the export line `llmd-timeslice up` "
-            f"printed ({ROUTER_URL_ENV}, TIMESLICE_ORCH_ADDR, LLMD_TIMESLICE_TOKEN_FILE), pass --stack FILE, or "
-            "pass the flags",
-            file=sys.stderr,
-        )
+    try:
+        eps = find_stack.from_args(a)
+    except ValueError as exc:  # StackNotFound, or an orchestrator that is not host:port
+        print(f"rl_loop: {exc}", file=sys.stderr)
         return 2
+    a.router, a.orchestrator, a.token_file = eps.router, eps.orchestrator, eps.token_file
     try:
         client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token_file=a.token_file)
     except (OSError, ValueError) as exc:

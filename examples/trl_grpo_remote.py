@@ -19,6 +19,11 @@ the upstream phases (upstream guide, "Pattern B: trainer subclass / hooks"):
 One generation per optimisation step (``steps_per_generation=1``, TRL's default with no gradient accumulation), so
 every step's training runs while the group is held. Runs on CPU with the tiny Llama of the CPU stack (co-located:
 trainer group = sampler group = ``rollout-group``); the upstream environment contract names them.
+
+Router, orchestrator and token file: found as every example finds them (``llmd_timeslice/local/find_stack.py``): the
+flags ``--router`` / ``--orchestrator`` / ``--token-file``, else the export line ``llmd-timeslice up`` prints
+(``LLMD_TIMESLICE_ROUTER_URL``, ``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``), else the stack running from
+``--stack``; with none it stops (exit code 2) rather than guess a port that may be another stack's.
 """
 
 from __future__ import annotations
@@ -159,24 +164,24 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llmd_timeslice.local import find_stack
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stack", type=Path, default=HERE / "cpu-stack.yaml", help="stack file of the running stack")
-    ap.add_argument("--router", help="router URL; default: the stack's")
+    find_stack.add_arguments(ap, HERE / "cpu-stack.yaml")
     ap.add_argument("--model-dir", type=Path, required=True, help="the served model's directory (trained here)")
     ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
     ap.add_argument("--max-steps", type=int, default=2)
     a = ap.parse_args(argv)
-    from llmd_timeslice.local.up import read_state
-
-    _, state = read_state(a.stack) if a.stack.exists() else (None, None)
-    eps = (state or {}).get("endpoints", {})
-    os.environ.setdefault("TIMESLICE_ORCH_ADDR", eps.get("orchestrator") or "127.0.0.1:50051")
-    if eps.get("token_file"):
-        os.environ.setdefault("LLMD_TIMESLICE_TOKEN_FILE", eps["token_file"])
+    try:
+        eps = find_stack.from_args(a)
+    except ValueError as exc:  # StackNotFound, or an orchestrator that is not host:port
+        print(f"trl_grpo_remote: {exc}", file=sys.stderr)
+        return 2
+    eps.export()  # the phase callback reads the upstream variables (TIMESLICE_ORCH_ADDR, ...)
     os.environ.setdefault("TIMESLICE_JOB_ID", "trainer-0")
     os.environ.setdefault("TIMESLICE_TRAINER_GROUP", "rollout-group")
     os.environ.setdefault("TIMESLICE_SAMPLER_GROUP", "rollout-group")
-    summary = run(a.router or eps.get("router") or "http://127.0.0.1:8080", a.model_dir, a.max_steps, a.weights_dir)
+    summary = run(eps.router, a.model_dir, a.max_steps, a.weights_dir)
     print(summary, flush=True)
     ok = summary["steps"] == a.max_steps and not summary["failed"] and not summary["below_requested"]
     return 0 if ok else 1

@@ -20,6 +20,11 @@ group and the job come from the upstream environment contract (``TIMESLICE_JOB_I
 ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``); defaults point at the running CPU stack, co-located
 (trainer group = sampler group = ``rollout-group``). Exit code 0 when every rollout completed at the version it
 asked for.
+
+Router, orchestrator and token file: found as every example finds them (``llmd_timeslice/local/find_stack.py``): the
+flags ``--router`` / ``--orchestrator`` / ``--token-file``, else the export line ``llmd-timeslice up`` prints
+(``LLMD_TIMESLICE_ROUTER_URL``, ``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``), else the stack running from
+``--stack``; with none it stops (exit code 2) rather than guess a port that may be another stack's.
 """
 
 from __future__ import annotations
@@ -185,26 +190,26 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llmd_timeslice.local import find_stack
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stack", type=Path, default=HERE / "cpu-stack.yaml", help="stack file of the running stack")
-    ap.add_argument("--router", help="router URL; default: the stack's")
+    find_stack.add_arguments(ap, HERE / "cpu-stack.yaml")
     ap.add_argument("--model-dir", type=Path, required=True, help="the served model's directory (trained here)")
     ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--rollouts-per-example", type=int, default=2)
     ap.add_argument("--model", default="tiny", help="served model name")
     a = ap.parse_args(argv)
-    from llmd_timeslice.local.up import read_state
-
-    _, state = read_state(a.stack) if a.stack.exists() else (None, None)
-    eps = (state or {}).get("endpoints", {})
-    os.environ.setdefault("TIMESLICE_ORCH_ADDR", eps.get("orchestrator") or "127.0.0.1:50051")
-    if eps.get("token_file"):
-        os.environ.setdefault("LLMD_TIMESLICE_TOKEN_FILE", eps["token_file"])
+    try:
+        eps = find_stack.from_args(a)
+    except ValueError as exc:  # StackNotFound, or an orchestrator that is not host:port
+        print(f"verifiers_grpo: {exc}", file=sys.stderr)
+        return 2
+    eps.export()  # the phase callback reads the upstream variables (TIMESLICE_ORCH_ADDR, ...)
     os.environ.setdefault("TIMESLICE_JOB_ID", "trainer-0")
     os.environ.setdefault("TIMESLICE_TRAINER_GROUP", "rollout-group")
     os.environ.setdefault("TIMESLICE_SAMPLER_GROUP", "rollout-group")
-    router = a.router or eps.get("router") or "http://127.0.0.1:8080"
+    router = eps.router
     summary = asyncio.run(run(router, a.model_dir, a.iterations, a.rollouts_per_example, a.model, weights_dir=a.weights_dir))
     print(
         f"verifiers_grpo: {'ok' if summary['ok'] else 'FAILED'}: {summary['failed_requests']} failed requests, "

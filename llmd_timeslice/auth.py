@@ -29,18 +29,45 @@ UNAUTHENTICATED_CALLS = Counter(
 )
 
 
-def load_token(token_file: str | os.PathLike | None = None) -> str | None:
+class TokenFileError(OSError):
+    """A token file that cannot be read; ``str()`` is one line naming the flag or setting it came from and the path."""
+
+    def __init__(self, setting: str, path: str | os.PathLike, exc: OSError) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc))
+        self.filename = str(path)
+        self.setting = setting
+
+    def __str__(self) -> str:
+        return f"{self.setting} {self.filename}: cannot read the control-plane token file: {self.strerror}"
+
+
+class TokenFileMissing(TokenFileError, FileNotFoundError):
+    """The token file does not exist."""
+
+
+def load_token(token_file: str | os.PathLike | None = None, setting: str = "--token-file") -> str | None:
     """Token from ``token_file``, else ``$LLMD_TIMESLICE_TOKEN_FILE``, else ``$LLMD_TIMESLICE_TOKEN``.
 
+    ``setting`` names where ``token_file`` came from (a flag, ``FILE: section.token_file``, a variable), for the
+    errors; a path taken from ``$LLMD_TIMESLICE_TOKEN_FILE`` here is named so.
+
     Raises:
-        FileNotFoundError: the named token file does not exist.
+        TokenFileMissing: the token file does not exist (a ``FileNotFoundError``).
+        TokenFileError: it cannot be read otherwise (an ``OSError``: permission, a directory...).
         ValueError: the token file is empty.
     """
-    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    path = token_file
+    if not path and os.environ.get(TOKEN_FILE_ENV):
+        path, setting = os.environ[TOKEN_FILE_ENV], f"${TOKEN_FILE_ENV}"
     if path:
-        token = Path(path).read_text().strip()
+        try:
+            token = Path(path).read_text().strip()
+        except FileNotFoundError as exc:
+            raise TokenFileMissing(setting, path, exc) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenFileError(setting, path, exc if isinstance(exc, OSError) else OSError(0, str(exc))) from None
         if not token:
-            raise ValueError(f"token file {path} is empty")
+            raise ValueError(f"{setting} {path}: the control-plane token file is empty")
         return token
     return os.environ.get(TOKEN_ENV) or None
 
@@ -54,7 +81,12 @@ def load_job_tokens(path: str | os.PathLike) -> dict[str, str]:
     """
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    from llmd_timeslice import yaml_files
+
+    try:
+        data = yaml_files.load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: {yaml_files.error_text(exc)}") from None
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and k and isinstance(v, str) and v.strip() for k, v in data.items()
     ):

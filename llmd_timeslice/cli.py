@@ -339,10 +339,28 @@ StackFileOpt = Annotated[
 WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
 
 
+def _host_port_option(value):
+    """Option callback: ``value`` (one or a list) checked by the project's one ``host:port`` parser
+    (llmd_timeslice/addresses.py), the same as for the components' settings."""
+    from llmd_timeslice.addresses import check_host_port
+
+    try:
+        if isinstance(value, list | tuple):
+            return [check_host_port(v) for v in value]
+        return value if value is None else check_host_port(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 @app.command(short_help="Show groups, weight versions and gate endpoint states.")
 def status(
-    orchestrator_addr: Annotated[str, typer.Option("--orchestrator", help="Orchestrator host:port.")] = "127.0.0.1:50051",
-    gate_addr: Annotated[list[str], typer.Option("--gate", help="Gate control host:port (repeatable).")] = [],  # noqa: B006
+    orchestrator_addr: Annotated[
+        str, typer.Option("--orchestrator", help="Orchestrator host:port.", metavar="HOST:PORT", callback=_host_port_option)
+    ] = "127.0.0.1:50051",
+    gate_addr: Annotated[
+        list[str],
+        typer.Option("--gate", help="Gate control host:port (repeatable).", metavar="HOST:PORT", callback=_host_port_option),
+    ] = [],  # noqa: B006
     token_file: TokenFile = None,
     file: Annotated[
         Path | None,
@@ -546,7 +564,7 @@ def config_check(
     listed as notes (`up` would refuse them)."""
     from llmd_timeslice.config import ConfigError, load_config, summary_lines
 
-    if _check_stack_file(file):
+    if _check_stack_file(file) or _check_inventory(file):
         return
     try:
         cfg = load_config(file, env=env)
@@ -559,16 +577,31 @@ def config_check(
         typer.echo(f"  {line}")
 
 
-def _check_stack_file(file: Path) -> bool:
-    """``config check`` on a stack file: True when FILE is one (and was checked); exits 2 on problems."""
+_UNREADABLE = object()
+
+
+def _parsed(file: Path) -> object:
+    """FILE's parsed YAML, or ``_UNREADABLE`` when it cannot be read or parsed (the component-config path reports
+    it, as for a configuration file)."""
     import yaml
 
-    from llmd_timeslice.local.stack_file import StackError, load_stack_file, looks_like_stack_file
+    from llmd_timeslice import yaml_files
 
     try:
-        data = yaml.safe_load(file.read_text())
-    except (OSError, yaml.YAMLError):
-        return False  # the component-config path reports it
+        return yaml_files.load(file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return _UNREADABLE
+
+
+def _check_stack_file(file: Path) -> bool:
+    """``config check`` on a stack file: True when FILE is one (and was checked); exits 2 on problems. An empty file
+    is refused as ``up -f`` refuses it (no kind of file the project reads is empty)."""
+    from llmd_timeslice.local.stack_file import EMPTY_FILE, StackError, load_stack_file, looks_like_stack_file
+
+    data = _parsed(file)
+    if data is None or data == {}:
+        typer.echo(f"{file}: {EMPTY_FILE}", err=True)
+        raise typer.Exit(2)
     if not looks_like_stack_file(data):
         return False
     try:
@@ -589,6 +622,33 @@ def _check_stack_file(file: Path) -> bool:
         typer.echo(f"  {line}")
     for line in Stack(sf, base).port_problems():
         typer.echo(f"  note: {line}; `up` would refuse it now")
+    return True
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _check_inventory(file: Path) -> bool:
+    """``config check`` on a static inventory (``orchestrator --inventory``, the file ``up`` and the demo write):
+    True when FILE is one (and was checked); exits 2 on problems, one line each."""
+    from llmd_timeslice.discovery.static import InventoryError, load_inventory, looks_like_inventory
+
+    if not looks_like_inventory(_parsed(file)):
+        return False
+    try:
+        inv = load_inventory(file)
+    except InventoryError as exc:
+        for line in exc.errors:
+            typer.echo(f"{file}: {line}", err=True)
+        raise typer.Exit(2) from None
+    samplers = sum(len(g.samplers) for g in inv.groups)
+    typer.echo(f"OK {file}: inventory ({_count(len(inv.groups), 'group')}, {_count(samplers, 'sampler')})")
+    for g in inv.groups:
+        typer.echo(
+            f"  {g.group_id}: sleep_level {g.sleep_level} ({g.sleep_level_policy}), drain_timeout {g.drain_timeout_s:g} s, "
+            f"{', '.join(f'{s.job_id}@{s.address} (pool {s.pool})' for s in g.samplers) or 'no samplers'}"
+        )
     return True
 
 
@@ -682,6 +742,7 @@ def main() -> None:
     import pydantic
     import yaml
 
+    from llmd_timeslice.discovery.static import InventoryError
     from llmd_timeslice.local.stack_file import StackError
 
     try:
@@ -689,6 +750,10 @@ def main() -> None:
     except StackError as exc:
         for line in exc.errors:
             typer.echo(f"{exc.path or 'stack file'}: {line}", err=True)
+        raise SystemExit(2) from None
+    except InventoryError as exc:
+        for line in exc.errors:
+            typer.echo(f"llmd-timeslice: error: inventory {exc.path}: {line}", err=True)
         raise SystemExit(2) from None
     except (pydantic.ValidationError, yaml.YAMLError, OSError, ValueError) as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import enum
-import ipaddress
 import json
 import os
 import re
@@ -36,6 +35,9 @@ import annotated_types
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmd_timeslice import yaml_files
+from llmd_timeslice.addresses import check_host_port, check_ip_port
 
 ENV_PREFIX = "LLMD_TIMESLICE_"
 ENV_DELIMITER = "__"
@@ -70,10 +72,7 @@ def parse_duration(value: Any) -> Any:
 
 
 def _host_port(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port with a port in 1..65535, got {value!r}")
-    return value
+    return check_host_port(value)  # one parser for every host:port (llmd_timeslice/addresses.py)
 
 
 def _url(value: str) -> str:
@@ -189,8 +188,7 @@ def _pool_endpoint(text: str) -> tuple[str, str]:
     if not sep or not pool:
         raise ValueError(f"expected POOL=ip:port, got {text!r}")
     try:
-        _host_port(address)
-        ipaddress.ip_address(address.rpartition(":")[0].removeprefix("[").removesuffix("]"))
+        check_ip_port(address)
     except ValueError:
         raise ValueError(f"expected POOL=ip:port (an IP address, a port in 1..65535), got {text!r}") from None
     return pool, address
@@ -511,22 +509,9 @@ class ConfigError(ValueError):
         super().__init__("; ".join(prefix + e for e in errors))
 
 
-def _model_at(root: type[BaseModel], loc: tuple) -> Any:
-    """The model reached from ``root`` along the field names ``loc`` (None past a non-model)."""
-    model: Any = root
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        model = next(
-            (a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)), field.annotation
-        )
-    return model
-
-
 def _known_keys(loc: tuple, root: type[BaseModel] | None = None) -> list[str]:
     """Field names valid at ``loc`` (the parent of an unknown key), for suggestions."""
-    return list(getattr(_model_at(root or TimesliceConfig, loc), "model_fields", {}))
+    return list(getattr(yaml_files.model_at(root or TimesliceConfig, loc), "model_fields", {}))
 
 
 def env_name(path: tuple) -> str:
@@ -598,9 +583,9 @@ def read_config_file(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], source) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_files.load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {' '.join(str(exc).split())}"], source) from None
+        raise ConfigError([yaml_files.error_text(exc)], source) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -764,11 +749,39 @@ def component_settings(
             else:
                 lines.append(p.line())
         raise ConfigError(lines) from None
-    token_file = getattr(settings, "token_file", None)
-    if token_file is None:
-        top = env.get("token_file") or file_data.get("token_file")
-        token_file = Path(top) if top else None
+    token_file, _ = _token_file_and_origin(settings, section, path, given, env, env_section, file_data, file_section)
     return settings, token_file
+
+
+def _token_file_and_origin(settings, section, path, given, env, env_section, file_data, file_section):
+    """The component's token file and where it was set (the option, a variable or ``FILE: key``; None: unset)."""
+    token_file = getattr(settings, "token_file", None)
+    if token_file is not None:
+        if "token_file" in given:
+            return token_file, "--token-file"
+        if "token_file" in env_section:
+            return token_file, f"${env_name((section, 'token_file'))}"
+        return token_file, f"{path}: {section}.token_file"
+    if env.get("token_file"):
+        return Path(env["token_file"]), f"${env_name(('token_file',))}"
+    if file_data.get("token_file"):
+        return Path(file_data["token_file"]), f"{path}: token_file"
+    return None, None
+
+
+def component_token_origin(
+    section: str, path: str | os.PathLike | None = None, flags: Mapping[tuple, Any] | None = None
+) -> str | None:
+    """Where the token file of :func:`component_settings` ``(section, path, flags)`` was set, for its errors:
+    ``--token-file``, ``$LLMD_TIMESLICE_GATE__TOKEN_FILE``, ``FILE: gate.token_file``, ``$LLMD_TIMESLICE_TOKEN_FILE``
+    or ``FILE: token_file`` (None: no token file set). Call it after :func:`component_settings` succeeded."""
+    settings, _ = component_settings(section, path, flags)
+    file_data = read_config_file(path) if path is not None else {}
+    env = _env_layer()
+    file_section = file_data.get(section) or {}
+    return _token_file_and_origin(
+        settings, section, path, _nest(dict(flags or {})), env, env.get(section) or {}, file_data, file_section
+    )[1]
 
 
 def json_schema() -> dict:
@@ -930,7 +943,10 @@ that component's command (column "option": `llmd-timeslice gate --max-hold-s` is
 and an environment variable; the command builds its options from the same schema, so it reads
 every setting listed here and `config check` checks what it runs with.
 
-- **File**: YAML (or JSON). Unknown keys are refused, with a suggestion when one is close.
+- **File**: YAML (or JSON). Unknown keys are refused, with a suggestion when one is close; so is a key
+  given twice in one mapping (`duplicate key 'max_hold_s' (line 2 and line 4)`: YAML itself would keep
+  the last one silently). Every file the project reads (stack file, inventory, job tokens, the guide's
+  `settings.yaml`) is read the same way (`llmd_timeslice/yaml_files.py`).
 - **Environment**: `LLMD_TIMESLICE_<SECTION>__<FIELD>`, `__` stepping into a section
   (`LLMD_TIMESLICE_GATE__MAX_HOLD_S=30`, `LLMD_TIMESLICE_ORCHESTRATOR__KUBERNETES__NAMESPACE=ns`);
   lists and maps as JSON (`LLMD_TIMESLICE_GATE__POOLS='["a","b"]'`). Setting one field creates its
@@ -941,12 +957,24 @@ every setting listed here and `config check` checks what it runs with.
 - **Durations** (`duration (s)`): seconds, as a number or with units: `500ms`, `30s`, `10m`, `1h`,
   `1m30s`.
 - **Ports**: 0–65535; 0 picks a free port (servers) or turns the endpoint off (`metrics_port`).
-- **Secrets** are not part of it: the token comes from `token_file` or `$LLMD_TIMESLICE_TOKEN`.
+- **Addresses** (`HOST:PORT`: a setting, an option such as `status --orchestrator`, an inventory's
+  sampler): a host name or IPv4 address, or an IPv6 address in brackets (`[::1]:50051`), and a port
+  in 1–65535; a missing port, an empty host or a port out of range is one line naming it (one parser
+  for all: `llmd_timeslice/addresses.py`).
+- **Secrets** are not part of it: the token comes from `token_file` or `$LLMD_TIMESLICE_TOKEN`. A token
+  file that cannot be read stops the component before it starts, in one line naming the option,
+  variable or file key that set it and the path.
 
 ```bash
 llmd-timeslice config check deploy.yaml    # OK + a summary, or one line per error (exit 2)
+llmd-timeslice config check stack.yaml     # a stack file of `up` (its `stack` / `engines` keys), as `up` checks it
+llmd-timeslice config check inventory.yaml # a static inventory (`groups` only), as `orchestrator --inventory` reads it
 llmd-timeslice config schema               # JSON schema (editors, CI)
 ```
+
+`config check` takes every kind of file the project writes: the inventories `up` and the demo write
+(`WORKDIR/inventory.yaml`, `demo-out/inventory.yaml`) check OK. An empty file is refused by `config check`
+as by `up -f` (exit 2).
 
 Example:
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import yaml
 
+from llmd_timeslice import yaml_files
+
 MODELSERVER_CONTAINER = "modelserver"
 """The model-server container of the llm-d guides (llm-d/llm-d guides/optimized-baseline/modelserver/gpu/vllm)."""
 SIDECAR_CONTAINER = "timeslice-sidecar"
@@ -236,7 +238,9 @@ def transform(
         ValueError: bad YAML shape or a refusal (module docstring), the message naming ``source`` and the Deployment.
     """
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml_files.load_all(text) if d is not None]
+    except yaml_files.DuplicateKeyError as exc:
+        raise ValueError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"{source}: not YAML: {str(exc).splitlines()[0]}") from None
     if replicas is not None and replicas != 1:
@@ -311,7 +315,10 @@ def _claim_instead_of_gpus(ms: dict, pod: dict, s: SamplerSettings, where: str) 
 
 def load_sampler_settings(text: str, source: str) -> SamplerSettings:
     """``image``, ``group``, ``pool``, ``device_class`` from a guide ``settings.yaml`` (other keys ignored)."""
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml_files.load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: {yaml_files.error_text(exc)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of settings")
     fields = {k: data[k] for k in ("image", "group", "pool", "device_class") if k in data}
@@ -342,7 +349,9 @@ def restorable(text: str, source: str = "input") -> str:
         ValueError: not YAML, or nothing in it.
     """
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml_files.load_all(text) if d is not None]
+    except yaml_files.DuplicateKeyError as exc:
+        raise ValueError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"{source}: not YAML: {str(exc).splitlines()[0]}") from None
     if not docs:

@@ -22,7 +22,16 @@ import typer
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
-from llmd_timeslice.config import SECTIONS, CliField, ConfigError, Flag, Seconds, cli_fields, component_settings
+from llmd_timeslice.config import (
+    SECTIONS,
+    CliField,
+    ConfigError,
+    Flag,
+    Seconds,
+    cli_fields,
+    component_settings,
+    component_token_origin,
+)
 
 Run = Callable[[Any, Path | None], None]
 """What a component command runs: ``run(settings, token_file)`` (the validated section model, its token file)."""
@@ -164,6 +173,14 @@ def settings_command(app: typer.Typer, section: str, *, short_help: str) -> Call
                 for line in exc.errors:
                     typer.echo(f"llmd-timeslice {section}: {f'{exc.source}: ' if exc.source else ''}{line}", err=True)
                 raise typer.Exit(2) from None
+            if token_file is not None:  # a token file that cannot be read: one line naming its setting, nothing run
+                from llmd_timeslice.auth import load_token
+
+                try:
+                    load_token(token_file, component_token_origin(section, kwargs["config"], given) or "--token-file")
+                except (OSError, ValueError) as exc:
+                    typer.echo(f"llmd-timeslice {section}: {exc}", err=True)
+                    raise typer.Exit(2) from None
             run(settings, token_file)
 
         params = [

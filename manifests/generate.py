@@ -60,6 +60,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     router_filter,
     subset_hint_filter,
 )
+from llmd_timeslice import yaml_files  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
@@ -235,7 +236,10 @@ HEADER = (
 
 def load_settings(path: Path = SETTINGS_FILE) -> GuideSettings:
     """Read ``settings.yaml``. Raises ValueError naming an unknown key or a bad value."""
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml_files.load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: {yaml_files.error_text(exc)}") from None
     known = {f.name: f for f in fields(GuideSettings)}
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -535,11 +539,11 @@ def values_standalone(s: GuideSettings) -> str:
 
 def render_chart_envoy_yaml(values_text: str, release: str, namespace: str) -> dict:
     """What the chart puts in its ConfigMap for our values (the two template expressions rendered)."""
-    tpl = yaml.safe_load(values_text)["router"]["proxy"]["configMap"]["data"]["envoy.yaml"]
+    tpl = yaml_files.load(values_text)["router"]["proxy"]["configMap"]["data"]["envoy.yaml"]
     rendered = tpl.replace(RELEASE_NAME, release).replace(RELEASE_NAMESPACE, namespace)
     if "{{" in rendered:
         raise ValueError("envoy.yaml has a template expression the test renderer does not know")
-    return yaml.safe_load(rendered)
+    return yaml_files.load(rendered)
 
 
 def values_gateway(s: GuideSettings) -> str:
@@ -686,7 +690,7 @@ def flow_control_values(s: GuideSettings, release_values: dict) -> str:
             "use router/values-flow-control.yaml (the chart's default plugins)"
         )
     try:
-        epc = yaml.safe_load(custom[name])
+        epc = yaml_files.load(custom[name])
     except yaml.YAMLError as exc:
         raise ValueError(f"router.epp.pluginsCustomConfig[{name}] is not YAML: {exc}") from exc
     if not isinstance(epc, dict) or epc.get("kind") != "EndpointPickerConfig":
@@ -1009,7 +1013,7 @@ def istio_gateway_parameters(s: GuideSettings, recipe: dict | None = None) -> di
     data = cm.setdefault("data", {}) or {}
     cm["data"] = data
     try:
-        base = yaml.safe_load(data.get("deployment") or "{}") or {}
+        base = yaml_files.load(data.get("deployment") or "{}") or {}
     except yaml.YAMLError as exc:
         raise ValueError(f"its data.deployment is not YAML: {exc}") from exc
     if not isinstance(base, dict):
@@ -1668,7 +1672,9 @@ def main(argv: list[str] | None = None) -> int:
 def _read_recipe(path: Path) -> dict:
     """The YAML document in ``path`` (``-``: stdin). Raises OSError (unreadable) or ValueError (not YAML)."""
     try:
-        return yaml.safe_load(sys.stdin.read() if str(path) == "-" else path.read_text())
+        return yaml_files.load(sys.stdin.read() if str(path) == "-" else path.read_text())
+    except yaml_files.DuplicateKeyError as exc:
+        raise ValueError(str(exc)) from None
     except yaml.YAMLError as exc:
         raise ValueError(f"not YAML: {exc}") from exc
 

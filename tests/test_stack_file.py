@@ -196,7 +196,7 @@ def test_config_check_on_a_bad_stack_file_prints_one_line_per_problem_with_sugge
     lines = r.stderr.splitlines()
     assert f"{f}: stack.max_hold: unknown key (did you mean stack.max_hold_s?)" in lines, r.stderr
     assert f"{f}: engines[0].sidecar_prot: unknown key (did you mean engines[0].sidecar_port?)" in lines, r.stderr
-    assert f"{f}: engines[0].sidecar_port: Field required" in lines, r.stderr
+    assert f"{f}: engines[0].sidecar_port: required" in lines, r.stderr
     assert len(lines) == 3, r.stderr
 
 

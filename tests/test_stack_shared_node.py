@@ -218,3 +218,38 @@ def test_second_up_of_a_workdir_while_the_first_starts_is_refused_before_buildin
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"another `llmd-timeslice up` is starting or running a stack from {workdir}" in said, r.stdout
     assert sorted(p.name for p in workdir.iterdir()) == ["up.lock"], "nothing built, nothing started"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_stopped_while_starting_exits_128_plus_the_signal_and_leaves_nothing(tmp_path, sig):
+    """Found by a first-time user: Ctrl-C during the start-up printed "stopped while starting"; `up && next` must
+    not go on. The engine is a stand-in that never listens (a `python` that sleeps), so `up` is stopped while it
+    waits for it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    never_ready = tmp_path / "python"
+    pid_file = tmp_path / "engine.pid"
+    never_ready.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 120\n")
+    never_ready.chmod(0o755)
+    ports = {k: port_for.select_random() for k in StackPorts.model_fields}
+    f = tmp_path / "stack.yaml"
+    engine = {"model": str(model), "port": port_for.select_random(), "python": str(never_ready)}
+    d = {
+        "stack": {"name": "s", "workdir": str(tmp_path / "wd"), "ports": ports},
+        "groups": [{"group_id": GROUP}],
+        "engines": [{"name": "e0", "group": GROUP, "sidecar_port": port_for.select_random(), "vllm": engine}],
+    }
+    f.write_text(yaml.safe_dump(d))
+    proc = subprocess.Popen([*CLI, "up", "-f", str(f), "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "up to start the engine")
+        engine_pid = int(pid_file.read_text())
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, out
+    assert f"stopped while starting ({sig.name})" in out, out
+    assert not alive(engine_pid), "the engine it started is stopped"

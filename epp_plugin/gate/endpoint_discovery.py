@@ -36,6 +36,7 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2
 
 from epp_plugin.gate.pool_state import PoolState
+from llmd_timeslice.addresses import parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ anyway: Envoy's override_host policy then finds no host and answers 503, retryab
 
 
 def _split(address: str) -> tuple[str, int] | None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    try:
+        hp = parse_host_port(address)
+    except ValueError:
         return None
-    return host.strip("[]"), int(port)
+    return hp.host, hp.port
 
 
 def load_assignment(addresses: Iterable[str]) -> endpoint_pb2.ClusterLoadAssignment:

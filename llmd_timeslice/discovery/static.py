@@ -19,16 +19,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from llmd_timeslice import yaml_files
+from llmd_timeslice.addresses import check_host_port
 from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint, SchedulingPolicy, SleepLevelPolicy
-
-
-def _host_port(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, got {value!r}")
-    return value
 
 
 class SamplerEntry(BaseModel):
@@ -38,7 +33,7 @@ class SamplerEntry(BaseModel):
     sidecar: str = Field(description="host:port of the sampler's snapshot sidecar.")
     job_id: str = Field(description="Sampler job id the sidecar serves.")
 
-    _check = field_validator("address", "sidecar")(classmethod(lambda cls, v: _host_port(v)))
+    _check = field_validator("address", "sidecar")(classmethod(lambda cls, v: check_host_port(v)))
 
 
 class GroupEntry(BaseModel):
@@ -96,13 +91,42 @@ class Inventory(BaseModel):
         ]
 
 
+class InventoryError(ValueError):
+    """An inventory file is unusable; ``errors`` holds one line per problem (``where: what``), ``path`` the file."""
+
+    def __init__(self, errors: list[str], path: str | Path) -> None:
+        super().__init__("; ".join(f"{path}: {e}" for e in errors))
+        self.errors = errors
+        self.path = path
+
+
+INVENTORY_KEYS = ("groups",)
+"""Top-level keys of an inventory file."""
+
+
+def looks_like_inventory(data: object) -> bool:
+    """Whether parsed YAML is meant as an inventory: a mapping whose only key is ``groups`` (a stack file also has
+    ``groups``, but with ``stack`` or ``engines``)."""
+    return isinstance(data, dict) and set(data) == set(INVENTORY_KEYS)
+
+
 def load_inventory(path: str | Path) -> Inventory:
-    """Parse and validate an inventory file.
+    """Parse and validate an inventory file (through :mod:`llmd_timeslice.yaml_files`: a key given twice is refused).
 
     Raises:
         FileNotFoundError: no such file.
-        pydantic.ValidationError: unknown keys, missing fields or malformed addresses (the
-            message names each offending field).
+        InventoryError: not YAML, not a mapping, unknown keys (with the closest known one), missing fields or
+            malformed addresses; one line per problem, naming the field (``groups[0].sleep_level: ...``).
     """
-    data = yaml.safe_load(Path(path).read_text())
-    return Inventory.model_validate(data or {})
+    try:
+        data = yaml_files.load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise InventoryError([yaml_files.error_text(exc)], path) from None
+    if data is None or data == {}:
+        raise InventoryError(["the file is empty: an inventory lists its groups (groups: [...])"], path)
+    if not isinstance(data, dict):
+        raise InventoryError([f"expected a mapping with groups, got {type(data).__name__}"], path)
+    try:
+        return Inventory.model_validate(data)
+    except ValidationError as exc:
+        raise InventoryError(yaml_files.validation_lines(exc, Inventory), path) from None

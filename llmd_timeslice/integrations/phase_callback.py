@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from llmd_timeslice.addresses import check_host_port
 from llmd_timeslice.client import (
     AsyncTimeSliceOrchestratorClient,
     LeaseLost,
@@ -205,6 +206,10 @@ class _Config:
                 f"{'is' if len(missing) == 1 else 'are'} not set: set {' and '.join(missing)} "
                 f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing"
             )
+        try:
+            check_host_port(self.orch_addr or "", f"{ENV_ORCH_ADDR} as host:port")
+        except ValueError as exc:
+            raise TimesliceConfigError(str(exc)) from None
 
     def groups(self) -> dict[str, str]:
         """Role -> group; both are set whenever time-slicing is on (checked above)."""

@@ -18,17 +18,15 @@ built locally) or **already running** at ``url``. Checks beyond the types: uniqu
 
 from __future__ import annotations
 
-import difflib
 import os
-import typing
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from llmd_timeslice import yaml_files
 from llmd_timeslice.discovery.static import Inventory
 
 BUILTIN_TINY = "builtin:tiny-llama"
@@ -267,51 +265,10 @@ class StackFile(_Strict):
         return Inventory.model_validate({"groups": groups})
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The model whose fields are valid at ``loc`` (list indices skipped), for suggestions."""
-    model: type[BaseModel] | None = StackFile
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(str(part)) if model is not None else None
-        if field is None:
-            return None
-        model = None
-        for a in (field.annotation, *typing.get_args(field.annotation)):
-            for b in (a, *typing.get_args(a)):  # list[EngineEntry], EngineEntry | None, VllmLaunch | None
-                if isinstance(b, type) and issubclass(b, BaseModel):
-                    model = b
-                    break
-            if model is not None:
-                break
-    return model
-
-
-def _unknown_key(err: Mapping[str, Any]) -> str:
-    """``unknown key (did you mean stack.max_hold_s?)``, or the keys valid there when none is close."""
-    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
-    parent, key = loc[:-1], str(loc[-1])
-    model = _model_at(parent)
-    known = list(model.model_fields) if model is not None else []
-    close = difflib.get_close_matches(key, known, n=1)
-    if close:
-        where = _loc({"loc": (*parent, close[0])})
-        return f"unknown key (did you mean {where}?)"
-    return f"unknown key (known here: {', '.join(known)})" if known else "unknown key"
-
-
-def _loc(err: Mapping[str, Any]) -> str:
-    parts: list[str] = []
-    for p in err["loc"]:
-        if isinstance(p, int):
-            parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]
-        elif p not in ("function-after",) and not str(p).startswith("function-"):
-            parts.append(str(p))
-    return ".".join(parts) or "(top level)"
-
-
 STACK_KEYS = ("stack", "pools", "groups", "jobs", "engines")
 """Top-level keys of a stack file."""
+EMPTY_FILE = "the file is empty: nothing to check or start (see examples/cpu-stack.yaml)"
+"""What ``up -f`` and ``config check`` both answer for an empty file (or ``{}``)."""
 
 
 def looks_like_stack_file(data: object) -> bool:
@@ -343,21 +300,17 @@ def load_stack_file(path: str | os.PathLike) -> StackFile:
 def _load(path: Path) -> StackFile:
     text = path.read_text()
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml_files.load(text)
     except yaml.YAMLError as exc:
-        raise StackError([f"not valid YAML: {exc}".replace("\n", " ")]) from None
+        raise StackError([yaml_files.error_text(exc)]) from None
+    if data is None or data == {}:
+        raise StackError([EMPTY_FILE])
     if not isinstance(data, dict):
-        raise StackError(["the file must be a mapping with stack, pools, groups, jobs, engines"])
+        raise StackError([f"the file must be a mapping with {', '.join(STACK_KEYS)}"])
     try:
         sf = StackFile.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for e in exc.errors():
-            msg = e["msg"].removeprefix("Value error, ")
-            if e["type"] == "extra_forbidden":
-                msg = _unknown_key(e)
-            lines.append(f"{_loc(e)}: {msg}")
-        raise StackError(lines) from None
+        raise StackError(yaml_files.validation_lines(exc, StackFile)) from None
     problems = sf.problems(path.resolve().parent)
     if problems:
         raise StackError(problems)

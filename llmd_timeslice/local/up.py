@@ -370,9 +370,15 @@ def _print_endpoints(console: Console, stack: Stack) -> None:
 
 async def _up(stack: Stack, console: Console, live_table: bool) -> int:
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     stack.workdir.mkdir(parents=True, exist_ok=True)
     sup: Supervisor | None = None
     events: list[str] = []
@@ -400,8 +406,11 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
                 start.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StartFailed):
                     await start
-                console.print("[yellow]stopped while starting[/yellow]")
-                return 130
+                name = received[0].name if received else "a stop"
+                console.print(f"[yellow]stopped while starting ({name}); nothing of the stack is left running[/yellow]")
+                # A start that did not finish is not a success: 128 + the signal, the shell's convention (130 for
+                # Ctrl-C, 143 for SIGTERM), so `up && next-step` does not go on.
+                return 128 + int(received[0]) if received else 1
             stopper.cancel()
             start.result()
     except StartFailed as exc:
@@ -452,7 +461,8 @@ async def _stop(stack: Stack, sup: Supervisor) -> None:
 
 
 def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None) -> int:
-    """``llmd-timeslice up``; returns the exit code: 0 after a clean stop, 1 if the stack did not start or a
+    """``llmd-timeslice up``; returns the exit code: 0 after a clean stop of a running stack, 128 + the signal
+    (130 for Ctrl-C, 143 for SIGTERM) when stopped while starting, 1 if the stack did not start or a
     component failed for good, 2 if a stack already runs from the workdir, another ``up`` of the workdir is starting
     (it holds ``WORKDIR/up.lock``) or a port of the stack is taken (one line per port on stderr, naming the process
     that holds it; nothing is started)."""
@@ -478,6 +488,9 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
         return 2
     try:
         return _run_up_locked(file, stack, console, live_table)
+    except KeyboardInterrupt:  # Ctrl-C before the event loop's own handler is installed: nothing started yet
+        console.print("[yellow]stopped while starting (SIGINT); nothing was started[/yellow]")
+        return 128 + signal.SIGINT
     finally:
         lock.release()
 

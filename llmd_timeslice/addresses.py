@@ -1,0 +1,91 @@
+"""``host:port`` as every flag, setting and file of the project reads it: one parser, one-line errors.
+
+Accepted: ``name:port``, ``ipv4:port``, ``[ipv6]:port`` (RFC 3986 section 3.2.2: an IPv6 literal in brackets, as
+gRPC's and Envoy's own address syntax), with a port in 1..65535. Refused with one line naming the value: no port,
+an empty host, a port that is not a number or is out of range (``127.0.0.1:99999``: gRPC's resolver would wrap it
+to another port instead of refusing it), an unbracketed IPv6 address (``::1:50051`` is ambiguous).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostPort:
+    """A parsed address: ``host`` without brackets (``::1``), ``port`` in 1..65535."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        """``host:port``, an IPv6 host in brackets (``[::1]:50051``)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_host_port(value: str, what: str = "host:port") -> HostPort:
+    """Parse ``value`` as ``host:port`` (module docstring).
+
+    Raises:
+        ValueError: one line, ``expected <what> ...: <the problem>, got '<value>'``.
+    """
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"expected {what} ({problem}), got {value!r}")
+
+    if not isinstance(value, str) or not value:
+        raise bad("empty")
+    text = value
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise bad("an IPv6 address in [ ] is not closed")
+        if not rest.startswith(":") or rest == ":":
+            raise bad("no port")
+        port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad(f"{host!r} in [ ] is not an IPv6 address") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise bad("no port")
+        if ":" in host:
+            raise bad("an IPv6 address goes in brackets, e.g. [::1]:50051")
+    if not host:
+        raise bad("no host")
+    if not port_text:
+        raise bad("no port")
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise bad(f"port {port_text!r} is not a number")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise bad(f"port {port} is out of 1..65535")
+    return HostPort(host, port)
+
+
+def check_host_port(value: str, what: str = "host:port") -> str:
+    """``value`` unchanged when it parses (:func:`parse_host_port`), for validators and option parsers.
+
+    Raises:
+        ValueError: as :func:`parse_host_port`.
+    """
+    parse_host_port(value, what)
+    return value
+
+
+def check_ip_port(value: str, what: str = "ip:port") -> str:
+    """``value`` unchanged when its host is an IP address (not a name): for what Envoy uses as an address without
+    resolving it (the EPP's ``x-gateway-destination-endpoint``).
+
+    Raises:
+        ValueError: as :func:`parse_host_port`, or the host is a name.
+    """
+    hp = parse_host_port(value, what)
+    try:
+        ipaddress.ip_address(hp.host)
+    except ValueError:
+        raise ValueError(f"expected {what} ({hp.host!r} is not an IP address), got {value!r}") from None
+    return value
