@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 import time
 import weakref
@@ -675,11 +676,22 @@ async def _fault_held_heartbeat(e: Env):
     e.boom[("s", P.HELD, C.HEARTBEAT, P.HELD)] = Bug()
     with pytest.raises(GroupFault, match="HEARTBEAT during phase HELD"):
         await e.orch.heartbeat("A", "s", token)
-    with pytest.raises(GroupFault):
-        await b
     assert e.g().phase is P.HELD and e.g().holder == "A", "an intact lease is kept: the job still uses the accelerators"
+    assert [w.job_id for w in e.g().waiters] == ["B"], "its queue is intact too: B is granted at the yield"
     await e.orch.yield_("A", "s", token)
-    await e.wait(P.SERVING)
+    await b
+    assert e.g().holder == "B"
+
+
+async def _fault_held_half_handed_to_the_next_waiter(e: Env):
+    await e.held()
+    b = await e.queued("B")
+    e.boom[("s", P.HELD, C.YIELD, P.HELD)] = Bug()  # A released, B not granted yet
+    with pytest.raises(GroupFault):
+        await e.orch.yield_("A", "s")
+    with pytest.raises(GroupFault, match="YIELD during phase HELD"):  # the waiter hears it, it does not hang
+        await b
+    assert e.g().phase is P.OUT_OF_SERVICE and e.g().holder is None and not e.g().waiters
 
 
 async def _fault_held_half_released(e: Env):
@@ -776,6 +788,21 @@ async def test_a_command_out_of_turn_is_refused_naming_phase_and_command():
         e.g().post(Command(C.REPAIR_TICK))  # a late tick: dropped, not an error
         await e.held()  # the group works on
         assert e.g().holder == "A"
+    finally:
+        await e.close()
+
+
+async def test_an_internal_error_is_logged_at_error_naming_group_command_and_phase(caplog):
+    e = Env()
+    try:
+        await e.held()
+        e.boom[("s", P.HELD, C.YIELD, P.RESUMING)] = Bug("boom")
+        with caplog.at_level(logging.ERROR, logger="llmd_timeslice.orchestrator.groups"), pytest.raises(GroupFault):
+            await e.orch.yield_("A", "s")
+        rec = next(r for r in caplog.records if "internal error" in r.getMessage())
+        assert rec.levelno == logging.ERROR and rec.exc_info is not None
+        assert "group=s internal error in YIELD during phase HELD: Bug('boom')" in rec.getMessage()
+        assert e.g().last_error.endswith("the group went to OUT_OF_SERVICE")
     finally:
         await e.close()
 

@@ -353,6 +353,7 @@ class Group:
     async def _run(self) -> None:
         while True:
             cmd = await self._queue.get()
+            before = (self.phase, self.holder, self.lease.token if self.lease else None)
             try:
                 await self._dispatch(cmd)
             except OrchestratorError as exc:
@@ -360,15 +361,18 @@ class Group:
                     log.error("group=%s %s", self.group_id, exc)
                 _fail(cmd.reply, exc)
             except Exception as exc:  # a bug: the group may be half-changed; put it in a safe phase and say so
-                await self._recover(cmd, exc)
+                await self._recover(cmd, exc, before)
             self._notify_watchers()
 
-    async def _recover(self, cmd: Command, exc: Exception) -> None:
-        """After an unexpected exception in the handler of ``cmd``: fail the caller, every waiter and the switch
-        in flight with :class:`GroupFault` (nobody hangs), stop the group's steps, and move by
-        ``INTERNAL_ERROR`` to a safe phase (the table in ``phases.py``): samplers whose state is unknown are
-        marked out of service, so the repair timer wakes and verifies them; a holder whose lease is intact keeps
-        it; a half-granted or half-released lease is reclaimed, the reason kept for that job's next call."""
+    async def _recover(self, cmd: Command, exc: Exception, before: tuple[GroupPhase, str | None, int | None]) -> None:
+        """After an unexpected exception in the handler of ``cmd``: fail the caller with :class:`GroupFault`, stop
+        the group's steps, and move by ``INTERNAL_ERROR`` to a safe phase (the table in ``phases.py``).
+
+        A holder whose lease the command left as it was (``before``: phase, holder, token when the command
+        began) keeps it, and its waiters stay queued. Otherwise every waiter and the switch in flight fail with
+        :class:`GroupFault` (nobody hangs), a lease the command left half-granted or half-released is reclaimed
+        (the reason kept for that job's next call), and samplers whose state is unknown are marked out of
+        service, so the repair timer wakes and verifies them."""
         phase = self.phase
         why = f"internal error in {cmd.kind.name} during phase {phase.name}: {exc!r}"
         log.error("group=%s %s; putting the group in a safe phase", self.group_id, why, exc_info=exc)
@@ -378,14 +382,24 @@ class Group:
             for t in list(self._effects):  # a step's outcome would land in a phase that no longer expects it
                 t.cancel()
             self._reading = False
+            lease = self.lease
+            lease_kept = (
+                before[0] is P.HELD
+                and phase is P.HELD
+                and self.holder is not None
+                and self.holder == before[1]
+                and lease is not None
+                and lease.token == before[2]
+                and lease.job_id == self.holder
+            )
             sw, self._switch = self._switch, None
-            for fut in [w.future for w in self._waiters] + ([sw.waiter.future] if sw and sw.waiter else []):
-                _fail(fut, err)
-            self._waiters.clear()
+            if not lease_kept:  # nothing would grant them: they get the error now
+                for fut in [w.future for w in self._waiters] + ([sw.waiter.future] if sw and sw.waiter else []):
+                    _fail(fut, err)
+                self._waiters.clear()
             for r in sw.replies if sw else []:
                 _fail(r, err)
-            lease_ok = self.holder is not None and self.lease is not None and self.lease.job_id == self.holder
-            if phase is P.HELD and lease_ok:
+            if lease_kept:
                 to = P.HELD  # the holder keeps the accelerators it was told it has; only this command failed
             elif phase in (P.FREE, P.DEFERRED) and not self.spec.samplers:
                 to = phase
@@ -519,8 +533,6 @@ class Group:
     async def _grant(self, w: _Waiter, kind: GroupCommand) -> None:
         """Give the lease to ``w`` (saved before the waiter learns of it)."""
         self._enter(P.HELD, kind)
-        if w in self._waiters:
-            self._waiters.remove(w)
         job = w.job_id
         self.grants += 1
         self.last_granted[job] = self.grants
@@ -538,12 +550,18 @@ class Group:
             log.error("group=%s %s", self.group_id, self.last_error)
             self.holder, self.lease = None, None
             _fail(w.future, StateNotSaved(self.last_error))
+            self._dequeue(w)
             await self._release(job, C.GRANT_NOT_SAVED)
             return
         if not w.future.done():
             w.future.set_result(
                 AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False, self._weight_sync_error_for(job))
             )
+        self._dequeue(w)  # only now: until it knows, an internal error still finds it in the queue and fails it
+
+    def _dequeue(self, w: _Waiter) -> None:
+        if w in self._waiters:
+            self._waiters.remove(w)
 
     def _weight_sync_error_for(self, job: str) -> str:
         """The weight-sync problems kept for ``job`` since it published (popped: told once), marked as repaired when

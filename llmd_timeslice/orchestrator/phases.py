@@ -47,8 +47,9 @@ Legal sequences (the table below is the complete list):
 * an unexpected exception in a handler (a bug): ``-internal error-> OUT_OF_SERVICE`` from every phase
   where the samplers' state may be half-changed (the repair timer wakes and verifies them), ``HELD`` stays
   ``HELD`` while its holder's lease is intact, a half-granted or half-released lease is reclaimed
-  (``-> OUT_OF_SERVICE | FREE``), ``FREE|DEFERRED`` stay put unless samplers were being added. Every
-  waiter and the switch in flight get the error (:class:`~llmd_timeslice.orchestrator.errors.GroupFault`).
+  (``-> OUT_OF_SERVICE | FREE``), ``FREE|DEFERRED`` stay put unless samplers were being added. Except
+  for a kept lease, every waiter and the switch in flight get the error
+  (:class:`~llmd_timeslice.orchestrator.errors.GroupFault`).
 
 Commands that a phase does not list are refused (:class:`IllegalTransition`), except the ones in
 :data:`IGNORED`: late timer ticks and results of advisory reads, which a phase change made stale.
