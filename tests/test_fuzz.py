@@ -1,7 +1,9 @@
 """Bad input, generated (hypothesis): the gate's ExternalProcessor stream (malformed and out-of-order
 messages, huge headers, missing or unknown pools) and the control APIs (invalid ids, negative or absurd
 numbers, unknown enum values). Every call ends with a response or a gRPC status other than INTERNAL /
-UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call.
+UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call. The
+ExternalProcessor stream's answers are predicted from its phases (docs/architecture.md) and asserted exactly:
+which answer each message gets, the refusal that ends a stream, the error naming the first message out of phase.
 Crashes found here become named tests (tests/test_bad_input.py)."""
 
 from __future__ import annotations
