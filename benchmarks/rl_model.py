@@ -64,7 +64,7 @@ SOURCES = {
         "'~1 s per 15 GB to host RAM'; 'trainer checkpoint ~ full GPU allocation'; cuda-checkpoint "
         "'~10-35 s per swap for a 1.5 B trainer'"
     ),
-    "design_s8": "DESIGN.md section 8 (figures from the field)",
+    "field": "docs/benchmarks.md, 'Figures from the field' (reference figures and where each comes from)",
     "zero": (
         "Rajbhandari et al., 'ZeRO: Memory Optimizations Toward Training Trillion Parameter Models' (SC'20): "
         "mixed-precision Adam keeps 16 bytes per parameter (2 weights + 2 grads + 12 fp32 master/m/v)"
@@ -132,7 +132,7 @@ def default_inputs() -> dict[str, Input]:
             50,
             "GB/s per direction per accelerator",
             pub,
-            _src("design_s8", "PCIe Gen5 x16 ~63 GB/s theoretical, ~50 GB/s practical"),
+            _src("field", "PCIe Gen5 x16 ~63 GB/s theoretical, ~50 GB/s practical"),
         ),
         "weight_bytes_per_param": Input(2, "bytes (bf16)", asm, "bf16 weights for sampling"),
         "trainer_state_bytes_per_param": Input(16, "bytes", pub, _src("zero")),
@@ -141,16 +141,16 @@ def default_inputs() -> dict[str, Input]:
             0.9, "of HBM held by a trainer process", pub, _src("llmd_guide", "'trainer checkpoint ~ full GPU allocation'")
         ),
         # ---- reference design
-        "probe_drain_s": Input(2.82, "s", pub, _src("llmd_guide", "'drained in 2.82s'; DESIGN.md section 8: 2.8 s")),
-        "operation_poll_s": Input(1.0, "s", pub, _src("design_s8", "orchestrator polls agent operations every 1 s")),
+        "probe_drain_s": Input(2.82, "s", pub, _src("llmd_guide", "'drained in 2.82s'")),
+        "operation_poll_s": Input(1.0, "s", pub, _src("field", "orchestrator polls agent operations every 1 s")),
         "ckpt_process_start_s": Input(
-            2.7, "s per cuda-checkpoint call", pub, _src("design_s8", "~2.7 s of process start per call unless a helper stays up")
+            2.7, "s per cuda-checkpoint call", pub, _src("field", "~2.7 s of process start per call unless a helper stays up")
         ),
         "ckpt_fixed_s": Input(
             1.0,
             "s per checkpoint/restore besides moving bytes",
             pub,
-            _src("design_s8", "cuda-checkpoint ~1-3 s resume for small models (low end taken)"),
+            _src("field", "cuda-checkpoint ~1-3 s resume for small models (low end taken)"),
         ),
         # ---- vLLM level-1 sleep/wake
         "vllm_sleep_fixed_s": Input(0.9, "s", pub, _src("llmd_guide", "0.97 s for Qwen2.5-0.5B (~1 GB) less its bytes")),
@@ -978,7 +978,7 @@ def cpu_state_rates(real: dict | None) -> dict:
 PUBLISHED_POINTS = {
     "duty_cycle": {"dedicated": 0.41, "reference": 0.71, "ceiling": 0.95},
     "source": "[llmd_blog] (41% standalone measured by DCGM, 71% with two sampler workloads interleaved, "
-    "~95% theoretical peak); DESIGN.md section 1 and 8",
+    "~95% theoretical peak); docs/benchmarks.md, Figures from the field",
 }
 TARGET = {"duty_cycle_min": 0.90, "training_step_vs_dedicated_max": 1.05}
 

@@ -31,7 +31,8 @@ Facts the ext_authz edge relies on (Envoy 1.40, measured on this machine with th
   the drain barrier sees a request's end that much later), over one stream per worker when both logs share
   their ``common_config``.
 
-Facts the ext_proc edge relies on (Envoy 1.40, checked on this machine, DESIGN.md §7):
+Facts the ext_proc edge relies on (Envoy 1.40, checked on this machine; docs/decisions.md, "Envoy facts the ext_proc
+edge rests on, checked here"; the settings: docs/gate.md, "The ext_proc edge: what Envoy must be configured with"):
 
 * ext_proc answers may be delayed for as long as ``message_timeout`` (default 200 ms), which is
   therefore raised above the gate's ``max_hold_s``; ``max_message_timeout`` caps server overrides

@@ -1,7 +1,9 @@
 """Bad input, generated (hypothesis): the gate's ExternalProcessor stream (malformed and out-of-order
 messages, huge headers, missing or unknown pools) and the control APIs (invalid ids, negative or absurd
 numbers, unknown enum values). Every call ends with a response or a gRPC status other than INTERNAL /
-UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call.
+UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call. The
+ExternalProcessor stream's answers are predicted from its phases (docs/architecture.md) and asserted exactly:
+which answer each message gets, the refusal that ends a stream, the error naming the first message out of phase.
 Crashes found here become named tests (tests/test_bad_input.py)."""
 
 from __future__ import annotations
@@ -172,19 +174,75 @@ message = st.one_of(
 pool_md = st.one_of(st.none(), st.sampled_from(["default", "", "nope"]), st.from_regex(r"[a-z0-9-]{1,20}", fullmatch=True))
 
 
+def _expected_ext_proc(msgs, pool) -> tuple[list[str], grpc.StatusCode]:
+    """What the gate must answer to ``msgs`` (docs/gate.md, the ext_proc edge's stream phases): one answer per
+    message its stream phase takes, named by its oneof (``request_headers``: the subset hint; a refusal:
+    ``immediate_response:<reason>``, which ends the stream), and the stream's final status
+    (FAILED_PRECONDITION / INVALID_ARGUMENT for the first message out of phase)."""
+    pool_name = "default" if pool is None else pool
+    phase, out = "new", []
+    accepted = {
+        "new": {"request_headers"},
+        "admitted": {"request_body", "request_trailers", "response_headers"},
+        "responding": {"request_body", "request_trailers", "response_body", "response_trailers"},
+    }
+    for m in msgs:
+        which = m.WhichOneof("request")
+        if which not in accepted[phase]:
+            return out, grpc.StatusCode.INVALID_ARGUMENT if which is None else grpc.StatusCode.FAILED_PRECONDITION
+        if which == "request_headers":
+            if pool_name != "default":
+                return [*out, "immediate_response:unknown_pool"], grpc.StatusCode.OK
+            raw = None
+            for h in m.request_headers.headers.headers:
+                if h.key == protocol.MIN_WEIGHT_VERSION_HEADER:
+                    raw = h.raw_value.decode("utf-8", "replace")
+            try:
+                min_version = 0 if raw is None else int(raw)
+            except ValueError:
+                return [*out, "immediate_response:bad_min_weight_version"], grpc.StatusCode.OK
+            if min_version > 3:  # the only endpoint serves weight version 3: held, then 503 at max_hold_s
+                return [*out, "immediate_response:hold_expired"], grpc.StatusCode.OK
+            phase = "admitted"
+        elif which == "response_headers":
+            phase = "responding"
+        out.append(which)
+    return out, grpc.StatusCode.OK
+
+
+def _answer_name(resp) -> str:
+    which = resp.WhichOneof("response")
+    return f"{which}:{resp.immediate_response.details}" if which == "immediate_response" else str(which)
+
+
 @FUZZ
 @given(msgs=st.lists(message, max_size=7), pool=pool_md)
 @example(
     msgs=[xp.ProcessingRequest(request_headers=_headers([(protocol.MIN_WEIGHT_VERSION_HEADER, b"\x80")], False))], pool="default"
 )  # found by this test; tests/test_bad_input.py
-def test_fuzz_ext_proc_stream_never_crashes_and_leaves_nothing_behind(servers, msgs, pool):
+@example(msgs=[xp.ProcessingRequest(request_headers=_headers([], False))] * 2, pool=None)
+@example(msgs=[_response_headers("10.0.0.1:8000")], pool="default")
+def test_fuzz_ext_proc_stream_gets_the_answers_its_phases_call_for_and_leaves_nothing_behind(servers, msgs, pool):
+    """Each message the stream's phase takes gets its answer, in order (a refusal ends the stream); the first one
+    out of phase ends it with FAILED_PRECONDITION (INVALID_ARGUMENT for an empty message) naming it; nothing stays
+    held or in flight."""
     stub = xp_grpc.ExternalProcessorStub(servers.chans["ext_proc"])
     md = () if pool is None else ((protocol.POOL_METADATA_KEY, pool),)
+    want, want_code = _expected_ext_proc(msgs, pool)
+    resps, code = [], grpc.StatusCode.OK
     try:
-        for resp in stub.Process(iter(msgs), metadata=md, timeout=5):
-            assert resp.WhichOneof("response") is not None
+        resps.extend(stub.Process(iter(msgs), metadata=md, timeout=5))
     except grpc.RpcError as exc:
         assert exc.code() not in CRASH, f"{exc.code().name}: {exc.details()}"
+        code = exc.code()
+        assert exc.details().startswith("out_of_phase: "), exc.details()
+    assert ([_answer_name(r) for r in resps], code) == (want, want_code)
+    for resp, m in zip(resps, msgs, strict=False):  # one answer per message up to the last
+        if resp.HasField("response_headers"):
+            attrs = m.attributes.get(protocol.EXT_PROC_ATTRIBUTES_NAMESPACE)
+            served = attrs.fields[protocol.UPSTREAM_ADDRESS_ATTRIBUTE].string_value if attrs is not None else None
+            set_headers = {h.header.key: h.header.raw_value for h in resp.response_headers.response.header_mutation.set_headers}
+            assert set_headers.get(protocol.WEIGHT_VERSION_HEADER) == (b"3" if served == "10.0.0.1:8000" else None)
     default = servers.gate.pools["default"]
     servers.run(_settle(default))
     assert default.live == 0 and default.held == 0

@@ -9,11 +9,12 @@ Here the orchestrator is the real one, so the holders it reports are checked too
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 
-from llmd_timeslice.client import AcquireTimeout, LeaseLost, TimeSliceOrchestratorClient
+from llmd_timeslice.client import AcquireTimeout, AsyncTimeSliceOrchestratorClient, LeaseLost, TimeSliceOrchestratorClient
 from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.integrations import (
     AsyncRoleLocks,
@@ -388,3 +389,46 @@ def test_asyncio_callback_follows_the_same_sequence(env, orch):
             await AsyncRoleLocks.from_env()
 
     orch.loop_thread.run(main())
+
+
+def test_asyncio_client_lists_groups_reads_status_and_holds_both_groups_in_lock_order(env, orch):
+    """The methods the async client had lost (issue 27): list_groups, group_status, fencing_token, on_both_groups."""
+
+    async def main() -> None:
+        async with AsyncTimeSliceOrchestratorClient(
+            orch.target, job_id="job-c", group_id="trainers", sampler_group_id="samplers", token=TOKEN
+        ) as c:
+            assert {"trainers", "samplers", "served"} <= set(await c.list_groups())
+            assert c.fencing_token() is None
+            async with c.on_both_groups() as held:
+                assert held is c
+                assert (_holder(orch, "trainers"), _holder(orch, "samplers")) == ("job-c", "job-c")
+                assert (await c.group_status("samplers")).group.locking_job == "job-c"
+                assert c.fencing_token() > 0 and c.fencing_token(group_id="samplers") > 0
+            assert _holder(orch, "trainers") is None and _holder(orch, "samplers") is None
+            assert c.fencing_token() is None
+
+    orch.loop_thread.run(main())
+
+
+def test_weights_handed_to_a_sampler_group_without_samplers_are_not_published_and_both_faces_say_so(env, orch, caplog):
+    ctx = {"checkpoint_dir": "/ckpt/step-3"}
+    cb = TimesliceCallback(_locks(orch, []))
+    cb.on_phase_begin("weight_sync", "both")
+    with caplog.at_level(logging.WARNING):
+        cb.on_phase_end("weight_sync", "both", ctx)
+    assert "sampler group 'samplers' has no samplers behind the gate: weights handed to the callback are not" in caplog.text
+    cb.close()
+    caplog.clear()
+
+    async def main() -> None:
+        locks = await AsyncRoleLocks.create("job-a", orch.target, "trainers", "samplers")
+        await locks.acquire("trainer")
+        await locks.acquire("sampler")
+        with caplog.at_level(logging.WARNING):
+            await locks.release("sampler", ctx)
+        await locks.close()
+
+    orch.loop_thread.run(main())
+    assert "sampler group 'samplers' has no samplers behind the gate: weights handed to the callback are not" in caplog.text
+    assert _holder(orch, "trainers") is None and _holder(orch, "samplers") is None

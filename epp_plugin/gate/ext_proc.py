@@ -12,6 +12,12 @@ weight version of that endpoint, and after a hold ``x-llmd-timeslice-hold-ms``).
 request's in-flight count. This module only translates protobuf messages into calls on
 :class:`~epp_plugin.gate.pool_state.PoolState`; it holds no policy.
 
+Each stream's state is one :class:`_Stream` (phase :class:`StreamPhase`, admission, cut): a message its phase
+does not take (a second ``request_headers``, ``response_headers`` before an admission, a message with nothing
+set) ends the stream with a gRPC error naming it (:class:`OutOfPhaseMessage`, ``out_of_phase: ...``) and
+releases the admission, as Envoy's own filter drops a processor that answers out of turn (docs/architecture.md,
+the ext_proc edge; docs/decisions.md).
+
 Drain deadline: each admission gets an ``on_cut`` that answers the request with an ImmediateResponse
 (503 ``drain_deadline``) on its still open stream. Envoy accepts an ``immediate_response`` whatever it
 is waiting for (``Filter::onReceiveMessage`` in ``source/extensions/filters/http/ext_proc/ext_proc.cc``,
@@ -22,10 +28,12 @@ started, and sends the local reply to the client.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 from collections.abc import Mapping
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -33,7 +41,7 @@ from envoy.type.v3 import http_status_pb2
 
 from epp_plugin import protocol
 from epp_plugin.gate import metrics
-from epp_plugin.gate.pool_state import AdmissionRefused, PoolState, UnknownPool
+from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import min_weight_version, refusal_body
 
 log = logging.getLogger(__name__)
@@ -128,16 +136,81 @@ def _request_headers_of_interest(headers: pb.HttpHeaders) -> tuple[str | None, s
     return min_version, request_id
 
 
-class _Stream:
-    """What the cut of one admitted request needs: the stream's context, and whether the handler is sending."""
+class StreamPhase(enum.Enum):
+    """Where one ext_proc stream is. Envoy sends, per HTTP request, ``request_headers`` once, then (once the
+    request was answered) request body/trailers if configured, then ``response_headers`` once, then response
+    body/trailers; the gate renders headers SEND, response trailers SEND, bodies NONE."""
 
-    __slots__ = ("_writer", "context", "cut_error", "pool", "sending")
+    NEW = "new"
+    """No request headers yet."""
+    ADMITTED = "admitted"
+    """The request was admitted (answered with the subset hint): it counts in flight."""
+    RESPONDING = "responding"
+    """Response headers seen: the served endpoint is known."""
+    CUT = "cut"
+    """Answered with an immediate response at the drain deadline: Envoy closes the stream; what it had
+    already sent is dropped unanswered (Envoy ignores the stream once it took an immediate response)."""
+
+
+_ACCEPTED: dict[StreamPhase, frozenset[str]] = {
+    StreamPhase.NEW: frozenset({"request_headers"}),
+    StreamPhase.ADMITTED: frozenset({"request_body", "request_trailers", "response_headers"}),
+    StreamPhase.RESPONDING: frozenset({"request_body", "request_trailers", "response_body", "response_trailers"}),
+}
+"""Messages each phase takes; any other one is :class:`OutOfPhaseMessage`."""
+
+
+class OutOfPhaseMessage(Exception):
+    """A message the stream's phase does not take: a second ``request_headers``, ``response_headers`` before
+    the request was admitted, a body or trailers of a side whose headers were not seen, or a message with no
+    field set. The stream ends with FAILED_PRECONDITION (INVALID_ARGUMENT for an empty message) and details
+    ``out_of_phase: ...``; the request's admission, if any, is released.
+
+    The mirror of what Envoy does on its side (envoyproxy/envoy
+    ``source/extensions/filters/http/ext_proc/processor_state.cc``, ``ProcessorState::handleHeadersResponse``
+    / ``handleBodyResponse`` / ``handleTrailersResponse``: a response the filter is not waiting for is
+    ``FailedPrecondition("spurious message")``; ``ext_proc.cc``, ``Filter::onReceiveMessage``: it counts
+    ``spurious_msgs_received``, closes the stream and ignores the processor for the rest of the request)."""
+
+    reason = "out_of_phase"
+
+    def __init__(self, message: str, phase: StreamPhase) -> None:
+        self.message, self.phase = message, phase
+        self.code = grpc.StatusCode.INVALID_ARGUMENT if message == "none" else grpc.StatusCode.FAILED_PRECONDITION
+        accepted = ", ".join(sorted(_ACCEPTED.get(phase, ())))
+        what = "a ProcessingRequest with no message set" if message == "none" else message
+        super().__init__(
+            f"{self.reason}: {what} in stream phase {phase.name} (accepted there: {accepted or 'nothing'}); "
+            "Envoy sends request_headers once per stream, then response_headers once after the request was answered"
+        )
+
+
+class _Stream:
+    """The state of one ext_proc stream (one HTTP request): its phase, its admission, and what the cut of the
+    admitted request needs (the stream's context, whether the handler is sending)."""
+
+    __slots__ = ("_writer", "adm", "context", "cut_error", "phase", "pool", "sending")
 
     def __init__(self, context, pool: str) -> None:
         self.context, self.pool = context, pool
+        self.phase = StreamPhase.NEW
+        self.adm: Admission | None = None
         self.sending = False
         self.cut_error: AdmissionRefused | None = None
         self._writer: asyncio.Task | None = None  # kept: the loop holds tasks only weakly
+
+    def take(self, message: str) -> bool:
+        """Check that the phase takes ``message`` (the ``ProcessingRequest`` oneof name, ``"none"`` if unset):
+        True to handle it, False to drop it unanswered (the request was cut); raises :class:`OutOfPhaseMessage`."""
+        if self.phase is StreamPhase.CUT:
+            return False
+        if message not in _ACCEPTED[self.phase]:
+            raise OutOfPhaseMessage(message, self.phase)
+        return True
+
+    def admitted(self, adm: Admission) -> None:
+        self.adm, self.phase = adm, StreamPhase.ADMITTED
+        adm.on_cut = self.cut
 
     def cut(self, err: AdmissionRefused) -> None:
         """Answer the admitted request with ``err`` (once). While the handler is itself sending, it writes the
@@ -145,6 +218,7 @@ class _Stream:
         if self.cut_error is not None:
             return
         self.cut_error = err
+        self.phase = StreamPhase.CUT
         metrics.REFUSED.labels(pool=self.pool, reason=err.reason).inc()
         log.warning("pool=%s request cut at the drain deadline: %s", self.pool, err.message)
         if not self.sending:
@@ -179,15 +253,14 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
         pool_name = self._pool_name(context)
         pool = self._pools.get(pool_name)
-        adm = None
+        st = _Stream(context, pool_name)
         try:
             async for req in request_iterator:
-                which = req.WhichOneof("request")
+                which = req.WhichOneof("request") or "none"
+                if not st.take(which):
+                    log.debug("pool=%s %s after the cut: dropped", pool_name, which)
+                    continue
                 if which == "request_headers":
-                    if adm is not None:
-                        log.warning("pool=%s duplicate request_headers on one stream; ignored", pool_name)
-                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-                        continue
                     try:
                         if pool is None:
                             raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
@@ -200,42 +273,45 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     if adm.hold_s > 0:
                         metrics.HOLD_SECONDS.labels(pool=pool_name).observe(adm.hold_s)
-                    stream = _Stream(context, pool_name)
-                    adm.request_id, adm.on_cut = request_id, stream.cut
-                    stream.sending = True
+                    adm.request_id = request_id
+                    st.admitted(adm)
+                    st.sending = True
                     yield self._hints.get(adm.candidates)
-                    stream.sending = False
-                    if stream.cut_error is not None:  # cut while the subset hint was being sent
-                        yield refusal_response(stream.cut_error)
+                    st.sending = False
+                    if st.cut_error is not None:  # cut while the subset hint was being sent
+                        yield refusal_response(st.cut_error)
                 elif which == "response_headers":
-                    if adm is None:
-                        yield _CONTINUE_RESPONSE_HEADERS
-                        continue
-                    version = None
-                    attrs = req.attributes.get(protocol.EXT_PROC_ATTRIBUTES_NAMESPACE)
-                    if attrs is not None:
-                        served = attrs.fields.get(protocol.UPSTREAM_ADDRESS_ATTRIBUTE)
-                        if served is not None and served.string_value:
-                            version = pool.on_served(adm, served.string_value)
-                    if adm.hold_s > 0:
-                        resp = pb.ProcessingResponse()
-                        hdrs = resp.response_headers.response.header_mutation.set_headers
-                        hdrs.add(
-                            header=base_pb2.HeaderValue(
-                                key=protocol.HOLD_MS_HEADER, raw_value=str(round(adm.hold_s * 1000)).encode()
-                            )
-                        )
-                        if version is not None:
-                            hdrs.add(
-                                header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER, raw_value=str(version).encode())
-                            )
-                        yield resp
-                    elif version is not None:
-                        yield _version_response(version)
-                    else:
-                        yield _CONTINUE_RESPONSE_HEADERS
-                elif which in _CONTINUE:
+                    adm = st.adm
+                    assert adm is not None and pool is not None  # ADMITTED: request_headers admitted it
+                    st.phase = StreamPhase.RESPONDING
+                    yield self._response_headers_answer(pool, adm, req)
+                else:
                     yield _CONTINUE[which]
+        except OutOfPhaseMessage as err:
+            metrics.EXT_PROC_OUT_OF_PHASE.labels(pool=pool_name, message=err.message).inc()
+            log.warning("pool=%s ext_proc stream refused: %s", pool_name, err)
+            await context.abort(err.code, str(err))
         finally:
-            if adm is not None:
-                pool.finish(adm)
+            if st.adm is not None and pool is not None:  # an admission implies its pool
+                pool.finish(st.adm)
+
+    @staticmethod
+    def _response_headers_answer(pool: PoolState, adm: Admission, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        """``upstream.address`` names the endpoint that served the request (it now counts against that one);
+        the answer sets its weight version and, after a hold, the hold time."""
+        version = None
+        attrs = req.attributes.get(protocol.EXT_PROC_ATTRIBUTES_NAMESPACE)
+        if attrs is not None:
+            served = attrs.fields.get(protocol.UPSTREAM_ADDRESS_ATTRIBUTE)
+            if served is not None and served.string_value:
+                version = pool.on_served(adm, served.string_value)
+        if adm.hold_s > 0:
+            resp = pb.ProcessingResponse()
+            hdrs = resp.response_headers.response.header_mutation.set_headers
+            hdrs.add(header=base_pb2.HeaderValue(key=protocol.HOLD_MS_HEADER, raw_value=str(round(adm.hold_s * 1000)).encode()))
+            if version is not None:
+                hdrs.add(header=base_pb2.HeaderValue(key=protocol.WEIGHT_VERSION_HEADER, raw_value=str(version).encode()))
+            return resp
+        if version is not None:
+            return _version_response(version)
+        return _CONTINUE_RESPONSE_HEADERS

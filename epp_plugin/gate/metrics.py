@@ -31,6 +31,13 @@ LOST_COMPLETIONS = Counter(
     ["reason"],
 )
 
+EXT_PROC_OUT_OF_PHASE = Counter(
+    "llmd_timeslice_gate_ext_proc_out_of_phase_total",
+    "ext_proc streams ended with FAILED_PRECONDITION because a message came out of phase (a second request_headers, "
+    "response_headers before the request was admitted, ...), by the message that did.",
+    ["pool", "message"],
+)
+
 ENDPOINT_FAILURES = Counter(
     "llmd_timeslice_gate_endpoint_failures_total",
     "Endpoints taken out of the gate's picks because Envoy could not connect to them (access-log flag UF; counted "

@@ -5,7 +5,7 @@ No I/O here. Two edges turn Envoy messages into calls on :class:`PoolState`: the
 and ext_proc (``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream
 end); the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
 
-Invariants held here (DESIGN.md §5):
+Invariants held here (docs/architecture.md, "Invariants"):
 1. a request is admitted only with a non-empty list of SERVING endpoints (its *candidates*),
    which becomes the subset hint; with none SERVING it waits in a FIFO queue;
 3. held requests are released FIFO, only to SERVING endpoints at the required weight version;
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class EndpointState(enum.Enum):
-    """Gate view of one model-server endpoint (DESIGN.md §4)."""
+    """Gate view of one model-server endpoint (docs/architecture.md, "States and their vocabularies")."""
 
     SERVING = "SERVING"
     DRAINING = "DRAINING"

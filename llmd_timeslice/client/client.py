@@ -395,10 +395,15 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
 
 
 class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
-    """asyncio variant with the same methods (awaitable) and ``on_accelerators`` as async context manager/decorator.
+    """asyncio variant of :class:`TimeSliceOrchestratorClient`: the same public methods with the same parameters
+    (``tests/test_client_parity.py`` fails when they drift), awaitable where they call the orchestrator;
+    ``on_accelerators`` and ``on_both_groups`` are async context managers (``on_accelerators`` also a decorator of
+    coroutine functions), and ``async with client:`` closes it.
 
     Like the sync client it renews the lease in the background (an asyncio task per held group) and
     passes its fencing token on yield; ``release()`` raises :class:`LeaseLost` when the lease was lost.
+
+    Args: as :class:`TimeSliceOrchestratorClient`.
     """
 
     def __init__(
@@ -409,10 +414,12 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         channel_options: list | None = None,
         token: str | None = None,
         heartbeats: bool = True,
+        sampler_group_id: str | None = None,
         tls_files: tls.TlsFiles | None = None,
         token_file: str | os.PathLike | None = None,
     ) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
+        self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
         tok, self._token_source = _token_with_source(token, token_file)
         self._channel = tls.aio_channel(
             self.target,
@@ -426,7 +433,10 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _AsyncHeartbeat] = {}
 
-    async def acquire(self, job_id=None, group_id=None, timeout_sec=None) -> AcquireResult:
+    async def acquire(
+        self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
+    ) -> AcquireResult:
+        """See :meth:`TimeSliceOrchestratorClient.acquire`."""
         job, group = self._ids(job_id, group_id)
         try:
             call = self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec)
@@ -447,7 +457,14 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
                 self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token, lease.ttl_s)
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
 
-    async def publish_weights(self, weights: WeightUpdate, job_id=None, group_id=None) -> weights_pb2.WeightVersionStatus:
+    def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
+        """See :meth:`TimeSliceOrchestratorClient.fencing_token` (local state: not awaitable)."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        return beat.token if beat else None
+
+    async def publish_weights(
+        self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
+    ) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.publish_weights`."""
         job, group = self._ids(job_id, group_id)
         beat = self._beats.get((job, group))
@@ -463,16 +480,20 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
                 exc, f"publish weight version {weights.version} on {group!r} as {job!r}", self._token_source
             ) from None
 
-    async def weight_status(self, group_id=None) -> weights_pb2.WeightVersionStatus:
+    async def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
         """See :meth:`TimeSliceOrchestratorClient.weight_status`."""
         try:
             return await self._weights_stub.GetWeightVersion(
-                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.group_id or ""), timeout=10
+                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.sampler_group_id or self.group_id or ""),
+                timeout=10,
             )
         except grpc.RpcError as exc:
             raise _translate(exc, "weight status", self._token_source) from None
 
-    async def release(self, job_id=None, group_id=None, weights: WeightUpdate | None = None) -> YieldResult:
+    async def release(
+        self, job_id: str | None = None, group_id: str | None = None, weights: WeightUpdate | None = None
+    ) -> YieldResult:
+        """See :meth:`TimeSliceOrchestratorClient.release`."""
         job, group = self._ids(job_id, group_id)
         if weights is not None:
             await self.publish_weights(weights, job, group)
@@ -491,15 +512,52 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
 
     yield_ = release
 
-    def on_accelerators(self, job_id=None, group_id=None, timeout_sec=None, state: StateOffloader | None = None) -> _AsyncHeld:
+    async def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
+        """See :meth:`TimeSliceOrchestratorClient.group_status`."""
+        try:
+            return await self._stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""), timeout=10)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "group status", self._token_source) from None
+
+    async def list_groups(self) -> list[str]:
+        """See :meth:`TimeSliceOrchestratorClient.list_groups`."""
+        try:
+            return list((await self._stub.ListGroups(pb.ListGroupsRequest(), timeout=10)).group_ids)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "list groups", self._token_source) from None
+
+    def on_accelerators(
+        self,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        timeout_sec: float | None = None,
+        state: StateOffloader | None = None,
+    ) -> _AsyncHeld:
         """``async with c.on_accelerators(...):`` or ``@c.on_accelerators(...)`` on a coroutine function."""
         return _AsyncHeld(self, job_id, group_id, timeout_sec, state)
+
+    @contextlib.asynccontextmanager
+    async def on_both_groups(self, job_id: str | None = None, timeout_sec: float | None = None):
+        """See :meth:`TimeSliceOrchestratorClient.on_both_groups`: ``async with c.on_both_groups():``."""
+        if not self.sampler_group_id:
+            raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
+        async with (
+            self.on_accelerators(job_id, self.group_id, timeout_sec),
+            self.on_accelerators(job_id, self.sampler_group_id, timeout_sec),
+        ):
+            yield self
 
     async def close(self) -> None:
         for beat in self._beats.values():
             beat.stop()
         self._beats.clear()
         await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
 
 class _Held(contextlib.ContextDecorator):

@@ -328,6 +328,16 @@ class _Locks:
     def _publishes_on(self, group: str) -> bool:
         return self.router_mode and group == self.plan.groups[SAMPLER]
 
+    def _warn_unpublished(self, group: str, update: WeightUpdate | None, context: Mapping[str, Any] | None) -> None:
+        """Weights handed to the callback on a sampler group without samplers behind the gate are not published:
+        say so once per release (the framework must sync them itself)."""
+        if update is None and group == self.plan.groups[SAMPLER] and not self.router_mode and _hands_weights(context):
+            log.warning(
+                "sampler group %r has no samplers behind the gate: weights handed to the callback are not "
+                "published (the framework syncs them itself)",
+                group,
+            )
+
 
 class RoleLocks(_Locks):
     """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
@@ -460,12 +470,7 @@ class RoleLocks(_Locks):
         if group is None:
             return
         update = self._weights.update_from(context) if self._publishes_on(group) else None
-        if update is None and group == self.plan.groups[SAMPLER] and not self.router_mode and _hands_weights(context):
-            log.warning(
-                "sampler group %r has no samplers behind the gate: weights handed to the callback are not "
-                "published (the framework syncs them itself)",
-                group,
-            )
+        self._warn_unpublished(group, update, context)
         publish_error: Exception | None = None
         if update is not None:
             try:
@@ -587,7 +592,9 @@ class AsyncRoleLocks(_Locks):
             log.warning("time-slicing off (%s unset): phase callbacks are no-ops", ENV_JOB_ID)
             return self
         self._own_client = client is None
-        self._client = client or AsyncTimeSliceOrchestratorClient(cfg.orch_addr, job_id=cfg.job_id)
+        self._client = client or AsyncTimeSliceOrchestratorClient(
+            cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group
+        )
         try:
             try:
                 status = await self._client.weight_status(cfg.sampler_group)
@@ -601,10 +608,9 @@ class AsyncRoleLocks(_Locks):
             _check_groups(cfg, served)
             if cfg.trainer_group != cfg.sampler_group:
                 try:
-                    await self._client.weight_status(cfg.trainer_group)  # unknown trainer group: fail now
+                    await self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
                 except TimeSliceError as exc:
-                    if "UNIMPLEMENTED" not in str(exc):
-                        raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+                    raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
         except BaseException:
             if self._own_client:
                 await self._client.close()
@@ -620,6 +626,10 @@ class AsyncRoleLocks(_Locks):
         return await cls.create(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
 
     _client: AsyncTimeSliceOrchestratorClient | None
+
+    @property
+    def client(self) -> AsyncTimeSliceOrchestratorClient | None:
+        return self._client
 
     def _live(self) -> AsyncTimeSliceOrchestratorClient:
         if self._client is None:
@@ -639,7 +649,14 @@ class AsyncRoleLocks(_Locks):
             return
         r = await self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
         self.plan.acquired(role)
-        log.info("job=%s ACQUIRE role=%s group=%s waited=%dms", self.job_id, role, group, r.waited_ms)
+        log.info(
+            "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",
+            self.job_id,
+            role,
+            group,
+            r.waited_ms,
+            r.context_restored,
+        )
 
     async def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
         """See :meth:`RoleLocks.release`."""
@@ -655,6 +672,7 @@ class AsyncRoleLocks(_Locks):
         update = None
         if self._publishes_on(group):
             update = await asyncio.to_thread(self._weights.update_from, context)  # writes files: off the loop
+        self._warn_unpublished(group, update, context)
         publish_error: Exception | None = None
         if update is not None:
             try:
@@ -670,14 +688,18 @@ class AsyncRoleLocks(_Locks):
         if publish_error is not None:
             raise publish_error
 
+    async def release_all(self) -> None:
+        """Release everything, sampler role first."""
+        for role in (SAMPLER, TRAINER):
+            await self.release(role)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
             if self.enabled:
-                for role in (SAMPLER, TRAINER):
-                    await self.release(role)
+                await self.release_all()
         finally:
             if self._client is not None and self._own_client:
                 await self._client.close()

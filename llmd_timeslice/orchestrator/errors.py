@@ -33,6 +33,12 @@ class StateNotSaved(SwitchFailed):
     the job uses)."""
 
 
+class GroupFault(SwitchFailed):
+    """An unexpected exception (a bug) while the group handled a command; the group was put in a safe phase
+    (its samplers out of service until the repair path woke and verified them) and the message names the
+    command, the phase and the error (ABORTED: retry)."""
+
+
 class LockOrderViolation(OrchestratorError):
     """A job holding (or waiting for) a sampler group asks for a trainer group (FAILED_PRECONDITION)."""
 

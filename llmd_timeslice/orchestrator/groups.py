@@ -40,6 +40,7 @@ from typing import Any
 from llmd_timeslice.orchestrator.clock import Clock, LoopClock, TimerHandle
 from llmd_timeslice.orchestrator.errors import (
     AcquireTimedOut,
+    GroupFault,
     InvalidArgument,
     LockOrderViolation,
     NotHolder,
@@ -352,16 +353,79 @@ class Group:
     async def _run(self) -> None:
         while True:
             cmd = await self._queue.get()
+            before = (self.phase, self.holder, self.lease.token if self.lease else None)
             try:
                 await self._dispatch(cmd)
             except OrchestratorError as exc:
                 if cmd.reply is None:  # nobody to tell (a step's outcome, a timer): a bug worth a log line
                     log.error("group=%s %s", self.group_id, exc)
                 _fail(cmd.reply, exc)
-            except Exception as exc:  # a bug: keep the group alive, tell the caller
-                log.exception("group=%s command %s in phase %s failed", self.group_id, cmd.kind.name, self.phase.name)
-                _fail(cmd.reply, exc)
+            except Exception as exc:  # a bug: the group may be half-changed; put it in a safe phase and say so
+                await self._recover(cmd, exc, before)
             self._notify_watchers()
+
+    async def _recover(self, cmd: Command, exc: Exception, before: tuple[GroupPhase, str | None, int | None]) -> None:
+        """After an unexpected exception in the handler of ``cmd``: fail the caller with :class:`GroupFault`, stop
+        the group's steps, and move by ``INTERNAL_ERROR`` to a safe phase (the table in ``phases.py``).
+
+        A holder whose lease the command left as it was (``before``: phase, holder, token when the command
+        began) keeps it, and its waiters stay queued. Otherwise every waiter and the switch in flight fail with
+        :class:`GroupFault` (nobody hangs), a lease the command left half-granted or half-released is reclaimed
+        (the reason kept for that job's next call), and samplers whose state is unknown are marked out of
+        service, so the repair timer wakes and verifies them."""
+        phase = self.phase
+        why = f"internal error in {cmd.kind.name} during phase {phase.name}: {exc!r}"
+        log.error("group=%s %s; putting the group in a safe phase", self.group_id, why, exc_info=exc)
+        err = GroupFault(f"group {self.group_id!r}: {why}; the group was put in a safe phase, retry")
+        _fail(cmd.reply, err)
+        try:
+            for t in list(self._effects):  # a step's outcome would land in a phase that no longer expects it
+                t.cancel()
+            self._reading = False
+            lease = self.lease
+            lease_kept = (
+                before[0] is P.HELD
+                and phase is P.HELD
+                and self.holder is not None
+                and self.holder == before[1]
+                and lease is not None
+                and lease.token == before[2]
+                and lease.job_id == self.holder
+            )
+            sw, self._switch = self._switch, None
+            if not lease_kept:  # nothing would grant them: they get the error now
+                for fut in [w.future for w in self._waiters] + ([sw.waiter.future] if sw and sw.waiter else []):
+                    _fail(fut, err)
+                self._waiters.clear()
+            for r in sw.replies if sw else []:
+                _fail(r, err)
+            if lease_kept:
+                to = P.HELD  # the holder keeps the accelerators it was told it has; only this command failed
+            elif phase in (P.FREE, P.DEFERRED) and not self.spec.samplers:
+                to = phase
+            else:
+                asked = cmd.job_id if cmd.kind in _HOLDER_COMMANDS else None
+                for job in {j for j in (self.holder, self.lease.job_id if self.lease else None, asked) if j}:
+                    self.expired_jobs[job] = f"its lease was reclaimed after an {why}; acquire again"
+                    log.error("group=%s job=%s lease reclaimed after the internal error", self.group_id, job)
+                self.holder, self.lease = None, None
+                if self._lease_timer is not None:
+                    self._lease_timer.cancel()
+                    self._lease_timer = None
+                self.deferred_job = None
+                to = P.OUT_OF_SERVICE if self.spec.samplers else P.FREE
+            if to is P.OUT_OF_SERVICE:
+                for smp in self.spec.samplers:
+                    self.sampler_errors.setdefault(smp.address, f"state unknown after an {why}")
+            self.last_error = why + ("" if to is phase else f"; the group went to {to.name}")
+            self._enter(to, C.INTERNAL_ERROR)
+            if to is P.OUT_OF_SERVICE and self._repair_timer is None:
+                self._schedule_repair()  # it was OUT_OF_SERVICE already, with its timer just fired or cancelled
+            self._dirty = True
+            await self._save(strict=False)
+        except Exception as again:  # the recovery itself failed: say so loudly; the next command finds what is left
+            log.critical("group=%s recovery after %s failed: %r", self.group_id, why, again, exc_info=again)
+            self.last_error = f"{why}; recovery failed: {again!r}"
 
     async def _dispatch(self, cmd: Command) -> None:
         kind = cmd.kind
@@ -469,8 +533,6 @@ class Group:
     async def _grant(self, w: _Waiter, kind: GroupCommand) -> None:
         """Give the lease to ``w`` (saved before the waiter learns of it)."""
         self._enter(P.HELD, kind)
-        if w in self._waiters:
-            self._waiters.remove(w)
         job = w.job_id
         self.grants += 1
         self.last_granted[job] = self.grants
@@ -488,12 +550,18 @@ class Group:
             log.error("group=%s %s", self.group_id, self.last_error)
             self.holder, self.lease = None, None
             _fail(w.future, StateNotSaved(self.last_error))
+            self._dequeue(w)
             await self._release(job, C.GRANT_NOT_SAVED)
             return
         if not w.future.done():
             w.future.set_result(
                 AcquireResult(int((self._orch.clock.now() - w.enqueued_at) * 1000), False, self._weight_sync_error_for(job))
             )
+        self._dequeue(w)  # only now: until it knows, an internal error still finds it in the queue and fails it
+
+    def _dequeue(self, w: _Waiter) -> None:
+        if w in self._waiters:
+            self._waiters.remove(w)
 
     def _weight_sync_error_for(self, job: str) -> str:
         """The weight-sync problems kept for ``job`` since it published (popped: told once), marked as repaired when

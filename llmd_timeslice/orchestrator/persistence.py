@@ -1,4 +1,4 @@
-"""Where the orchestrator's state survives a restart (DESIGN.md §5, invariant 9).
+"""Where the orchestrator's state survives a restart (docs/architecture.md, "Invariants", 9).
 
 ``FileStateStore`` (local and Slurm-style set-ups) writes the JSON snapshot of
 :meth:`~llmd_timeslice.orchestrator.groups.Orchestrator.snapshot` atomically (temporary file +

@@ -43,7 +43,13 @@ Legal sequences (the table below is the complete list):
 * start-up: ``SERVING -start-> RESUMING`` (reconcile: wake and verify), ``HELD -start-> HELD`` (a
   restored holder: samplers stay asleep);
 * a grant whose state could not be saved is taken back: ``HELD -grant not saved-> HELD | RESUMING |
-  FREE`` (the waiter gets the error; the next waiter is granted, or the samplers are woken again).
+  FREE`` (the waiter gets the error; the next waiter is granted, or the samplers are woken again);
+* an unexpected exception in a handler (a bug): ``-internal error-> OUT_OF_SERVICE`` from every phase
+  where the samplers' state may be half-changed (the repair timer wakes and verifies them), ``HELD`` stays
+  ``HELD`` while its holder's lease is intact, a half-granted or half-released lease is reclaimed
+  (``-> OUT_OF_SERVICE | FREE``), ``FREE|DEFERRED`` stay put unless samplers were being added. Except
+  for a kept lease, every waiter and the switch in flight get the error
+  (:class:`~llmd_timeslice.orchestrator.errors.GroupFault`).
 
 Commands that a phase does not list are refused (:class:`IllegalTransition`), except the ones in
 :data:`IGNORED`: late timer ticks and results of advisory reads, which a phase change made stale.
@@ -126,6 +132,9 @@ class GroupCommand(enum.Enum):
     AUDITED = "audited"
     PROBED = "probed"
     GRANT_NOT_SAVED = "grant_not_saved"
+    INTERNAL_ERROR = "internal_error"
+    """Not queued: the group's task takes this move itself when a handler raised an unexpected exception (a
+    bug), to leave the group in a safe phase (see :data:`TRANSITIONS` and docs/architecture.md)."""
 
 
 P, C = GroupPhase, GroupCommand
@@ -183,6 +192,20 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
             (P.REPAIRING, C.SPEC_UPDATE): {P.REPAIRING},
             # a waiter gives up (deadline, disconnect): it leaves the queue, in any phase
             **{(p, C.ABANDON): {p} for p in GroupPhase},
+            # an unexpected exception while handling a command (a bug): waiters and the switch in flight fail,
+            # and the group goes where the repair path takes over. Samplers whose state is unknown are marked
+            # out of service (OUT_OF_SERVICE; the repair timer wakes and verifies them); a job whose lease is
+            # intact keeps it (HELD); a lease left half-granted or half-released is reclaimed with the reason
+            # kept for the job's next call (OUT_OF_SERVICE, or FREE without samplers).
+            (P.FREE, C.INTERNAL_ERROR): {P.FREE, P.OUT_OF_SERVICE},
+            (P.SERVING, C.INTERNAL_ERROR): {P.OUT_OF_SERVICE},
+            (P.OUT_OF_SERVICE, C.INTERNAL_ERROR): {P.OUT_OF_SERVICE},
+            (P.DRAINING, C.INTERNAL_ERROR): {P.OUT_OF_SERVICE},
+            (P.SUSPENDING, C.INTERNAL_ERROR): {P.OUT_OF_SERVICE},
+            (P.HELD, C.INTERNAL_ERROR): {P.HELD, P.OUT_OF_SERVICE, P.FREE},
+            (P.DEFERRED, C.INTERNAL_ERROR): {P.DEFERRED, P.OUT_OF_SERVICE},
+            (P.RESUMING, C.INTERNAL_ERROR): {P.OUT_OF_SERVICE},
+            (P.REPAIRING, C.INTERNAL_ERROR): {P.OUT_OF_SERVICE},
         }.items()
     }
 )

@@ -3,7 +3,7 @@
 ``offload()`` computes a checksum of every tensor where it lives (on the device: torch reductions
 at device bandwidth), copies it into host buffers that are allocated once and reused on every
 cycle (pinned when CUDA is available: re-allocating pinned buffers per cycle is a known
-multi-second cost, DESIGN.md §8), and frees the device storage (the tensors keep their Python
+multi-second cost: docs/benchmarks.md, "Figures from the field"), and frees the device storage (the tensors keep their Python
 identity, so optimizers and hooks stay valid). ``restore()`` copies the bytes back into fresh
 device storage and recomputes the checksum there, so the whole round trip (device -> host ->
 device) is covered: a difference raises :class:`StateChecksumMismatch` and the state is left

@@ -1,7 +1,7 @@
 """vLLM backend (upstream ``APP_VLLM``): sleep / wake-up over vLLM's HTTP dev endpoints, verified.
 
 vLLM facts used here (vLLM 0.32, server started with ``VLLM_SERVER_DEV_MODE=1``; checked on the
-CPU build, DESIGN.md §7): ``POST /sleep?level=N&mode=wait`` (level 1 offloads weights to host,
+CPU build; docs/snapshot.md, "vLLM facts this relies on"): ``POST /sleep?level=N&mode=wait`` (level 1 offloads weights to host,
 level 2 discards them), ``POST /wake_up`` with optional ``?tags=weights`` / ``?tags=kv_cache``,
 ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``, and on ``GET /metrics`` the gauges
 ``vllm:engine_sleep_state{sleep_state="awake"|"weights_offloaded"|"discard_all"}`` (1.0 on the
