@@ -33,6 +33,15 @@ GROUP = "rollout-group-on-a-shared-node"  # long names: a table cut at 80 column
 ENGINE = "sampler-with-a-rather-long-name-0"
 
 
+def _distinct_ports() -> dict[str, int]:
+    """A free port for each of the stack's port settings, no two the same (the stack file refuses a port used twice:
+    two random picks that collided made a test fail with that refusal instead of the one it checks)."""
+    picked: set[int] = set()
+    while len(picked) < len(StackPorts.model_fields):
+        picked.add(port_for.select_random())
+    return dict(zip(StackPorts.model_fields, sorted(picked), strict=True))
+
+
 def _state(workdir: Path) -> dict:
     try:
         return json.loads((workdir / "stack.json").read_text())
@@ -78,7 +87,7 @@ def _stack_file(tmp_path: Path, name: str, ports: dict, sidecar_port: int, engin
 
 def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_the_first_keeps_serving(tmp_path):
     engine = FakeVllm().start()
-    ports = {k: port_for.select_random() for k in StackPorts.model_fields}
+    ports = _distinct_ports()
     sidecar_port = port_for.select_random()
     first = _stack_file(tmp_path, "first", ports, sidecar_port, engine.url)
     second = _stack_file(tmp_path, "second", ports, sidecar_port, engine.url)  # other name and workdir, same ports
@@ -208,7 +217,7 @@ def test_second_up_of_a_workdir_while_the_first_starts_is_refused_before_buildin
     holds WORKDIR/up.lock from before its start-up; here the test holds it, as that `up` would."""
     from filelock import FileLock
 
-    ports = {k: port_for.select_random() for k in StackPorts.model_fields}
+    ports = _distinct_ports()
     f = _stack_file(tmp_path, "locked", ports, port_for.select_random(), "http://127.0.0.1:9")
     workdir = tmp_path / "locked"
     workdir.mkdir()
@@ -216,7 +225,7 @@ def test_second_up_of_a_workdir_while_the_first_starts_is_refused_before_buildin
         r = subprocess.run([*CLI, "up", "-f", str(f), "--no-live"], capture_output=True, text=True, timeout=60)
     said = " ".join(r.stdout.split())
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"another `llmd-timeslice up` is starting or running a stack from {workdir}" in said, r.stdout
+    assert f"another `llmd-timeslice up` is starting or running a stack from {workdir}" in said, r.stdout + r.stderr
     assert sorted(p.name for p in workdir.iterdir()) == ["up.lock"], "nothing built, nothing started"
 
 
@@ -232,7 +241,7 @@ def test_up_stopped_while_starting_exits_128_plus_the_signal_and_leaves_nothing(
     pid_file = tmp_path / "engine.pid"
     never_ready.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 120\n")
     never_ready.chmod(0o755)
-    ports = {k: port_for.select_random() for k in StackPorts.model_fields}
+    ports = _distinct_ports()
     f = tmp_path / "stack.yaml"
     engine = {"model": str(model), "port": port_for.select_random(), "python": str(never_ready)}
     d = {
