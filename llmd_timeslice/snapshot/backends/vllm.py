@@ -27,6 +27,12 @@ wake kv_cache -> ``POST /reset_prefix_cache`` -> verify awake, ``GET /weight_inf
 probe. A load that fails leaves the engine asleep and marks its weights unusable: a later plain wake
 reloads the last good version first (never serves a mix) or, without one, refuses.
 
+Engine versions (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`, probed once): checked on vLLM 0.32.0
+and 0.27.0 (``make test-vllm-older``). On a vLLM before 0.28 with LoRA enabled no weights can be loaded into the
+running engine (a reload there puts the model on meta tensors and the next request kills the engine core): a level-2
+sleep is made at level 1, every weight version is refused before the engine is touched, and an engine found at
+level 2 stays out of service with the reason.
+
 Where NVML is present (``nvidia-ml-py``, import guarded) the backend reads device memory before
 and after a sleep and fails it unless at least ``min_freed_fraction`` of the used memory was freed;
 any ``memory_reader`` callable can stand in for NVML (tests inject one).
@@ -467,6 +473,14 @@ class VllmBackend(SnapshotBackend):
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
         found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
         level = 2 if mode is SuspendMode.DISCARD else 1
+        if level == 2 and (caps := await self.capabilities()).lora_reload_broken:
+            # Waking from level 2 needs a reload this engine cannot do (vllm_capabilities): level 1 keeps the weights.
+            log.warning(
+                "engine %s: sleep level 2 (discard) asked; sleeping at level 1 (weights offloaded) instead: %s",
+                self.base_url,
+                caps.lora_reload_reason(),
+            )
+            level = 1
         idle, idle_metrics = await self._wait_idle()
         if not idle:
             log.warning(
@@ -640,6 +654,12 @@ class VllmBackend(SnapshotBackend):
         A ``files`` version is checked against its manifest again first (its directory may have been rewritten
         since it loaded; on vLLM 0.32 a failed reload kills the engine core). Raises BackendError when no version
         can be reloaded from files or the last good version's files no longer match their manifest."""
+        caps = await self.capabilities()
+        if caps.lora_reload_broken:  # e.g. put to level 2 by another client: only a restart brings its weights back
+            raise BackendError(
+                f"vLLM {self.base_url} needs its weights reloaded (discarded by a level-2 sleep), but "
+                f"{caps.lora_reload_reason()}; the engine stays out of service: restart it (or its pod)"
+            )
         if self.weights_unusable is not None and self.weights_location is None and self.weight_version:
             raise BackendError(
                 f"vLLM {self.base_url}: {self.weights_unusable}; no earlier version can be reloaded "
@@ -672,6 +692,11 @@ class VllmBackend(SnapshotBackend):
         if loader is None:
             raise WeightVersionRejected(
                 f"vLLM backend has no loader for weight source {weights.source!r}; known: {sorted(self.weight_loaders)}"
+            )
+        caps = await self.capabilities()
+        if caps.lora_reload_broken:  # refused before the engine is touched: it keeps serving its weights on a wake
+            raise WeightVersionRejected(
+                f"vLLM {self.base_url}: weight version {weights.version} refused: {caps.lora_reload_reason()}"
             )
         t0 = time.perf_counter()
         if self.level is None:  # state unknown (a repair, a restarted sidecar): never lift another client's pause
