@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.report import rss_kib, write_summary
+
 FAULT_KINDS = (
     "freeze_gate",
     "freeze_orchestrator",
@@ -178,21 +180,9 @@ class Stack:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _rss_kib(pid: int | None) -> int | None:
-    if not pid:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _sample(stack: Stack, switches: int, t: float) -> dict:
     """Each component's pid and RSS (KiB) now."""
-    return {"switches": switches, "t": t, **{n: [c.get("pid"), _rss_kib(c.get("pid"))] for n, c in stack.components().items()}}
+    return {"switches": switches, "t": t, **{n: [c.get("pid"), rss_kib(c.get("pid"))] for n, c in stack.components().items()}}
 
 
 def _peers(pid: int | None) -> list[str]:
@@ -581,9 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{n} {g['growth_pct']:+.1f}" for n, g in sorted(growth.items()) if g["growth_pct"] is not None)
         + (f"; max {res['rss_growth_pct_max']:+.1f} (target < 5)" if grown else "")
     )
-    a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {a.out}, {a.out.with_suffix('.png')}, {a.out.with_suffix('.txt')}")
+    write_summary(a.out, lines)
     ok = res["lost_undocumented"] == 0 and res["faults_healed"] == res["faults"] and (not grown or max(grown) < 5)
     return 0 if ok else 1
 

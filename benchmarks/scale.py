@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.report import write_summary
+
 HOST_SIZE = 32
 """Sidecars (and fake engines) per sidecar host process."""
 
@@ -646,9 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['ratio_acquire_ms_p50_excl_sidecars_largest_to_1']:.1f}x, release "
             f"{s['ratio_release_ms_p50_excl_sidecars_largest_to_1']:.1f}x (target <= 2)"
         )
-    a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {a.out}, {a.out.with_suffix('.png')}, {a.out.with_suffix('.txt')}")
+    write_summary(a.out, lines)
     return 0
 
 

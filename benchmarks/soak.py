@@ -26,20 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.report import rss_kib, write_summary
 from llmd_timeslice.demo.loadgen import percentile as _pct
-
-
-def rss_kib(pid: int | None) -> int | None:
-    """Resident memory of ``pid`` in KiB (``/proc/PID/status`` VmRSS), None if unknown."""
-    if not pid:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: float, sample_every: int, progress) -> dict:
@@ -210,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k} {v:+.1f}" for k, v in sorted(growth.items()))
         + f"; max {res['rss_growth_pct']:+.1f} (target < 5)",
     ]
-    a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    for f in res["failures"]:
-        print("failed:", f)
-    print(f"wrote {a.out}, {a.out.with_suffix('.png')}, {a.out.with_suffix('.txt')}")
+    write_summary(a.out, lines)
     return 0 if res["requests_failed"] == 0 else 1
 
 

@@ -34,6 +34,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.report import write_summary
+
 TOKEN = "bench"
 ENGINE_ACTIONS = ("/sleep", "/wake_up")
 PROBE_PATHS = ("/v1/completions", "/v1/models", "/v1/chat/completions")
@@ -383,9 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(res, indent=2))
     _plot(a.out.with_suffix(".png"), res)
     lines = summary_lines(res)
-    a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {a.out}, {a.out.with_suffix('.png')}, {a.out.with_suffix('.txt')}")
+    write_summary(a.out, lines)
     return 0
 
 

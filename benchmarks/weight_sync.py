@@ -35,6 +35,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.report import write_summary
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -323,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({res['check_s_per_gb_per_core'] * 1000:.0f} ms per GB per core); 140 GB (70B bf16): "
         f"{p['check_core_s']:.0f} core-s, {p['check_s_on_8_threads']:.1f} s on 8 threads, alongside the reload"
     )
-    a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {a.out}, {a.out.with_suffix('.png')}, {a.out.with_suffix('.txt')}")
+    write_summary(a.out, lines)
     return 0
 
 

@@ -88,21 +88,32 @@ def sidecar_container(s: SamplerSettings) -> dict:
         "readinessProbe": {"grpc": {"port": 9001}, "periodSeconds": 5},
         "livenessProbe": {"grpc": {"port": 9001}, "periodSeconds": 10, "timeoutSeconds": 2, "failureThreshold": 3},
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "runAsGroup": 65532,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "privileged": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "volumeMounts": [
-            {"name": "llmd-timeslice-token", "mountPath": TOKEN_DIR, "readOnly": True},
-            {"name": "llmd-timeslice-tmp", "mountPath": "/tmp"},
-        ],
+        "securityContext": restricted_security_context(),
+        "volumeMounts": token_and_tmp_mounts(),
     }
+
+
+def restricted_security_context() -> dict:
+    """The container ``securityContext`` of every llmd-timeslice container (sidecar, gate): non-root (65532), no
+    privilege escalation, read-only root, no capabilities, the runtime's seccomp profile (Pod Security "restricted")."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def token_and_tmp_mounts() -> list[dict]:
+    """Mounts of :func:`sidecar_volumes`: the control-plane token (read-only) and a writable ``/tmp``."""
+    return [
+        {"name": "llmd-timeslice-token", "mountPath": TOKEN_DIR, "readOnly": True},
+        {"name": "llmd-timeslice-tmp", "mountPath": "/tmp"},
+    ]
 
 
 def sidecar_volumes() -> list[dict]:

@@ -60,7 +60,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     router_filter,
     subset_hint_filter,
 )
-from llmd_timeslice import yaml_files  # noqa: E402
+from llmd_timeslice import k8s_modelserver, yaml_files  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
@@ -206,8 +206,8 @@ GATE_AUTHZ_PORT = 9005
 GATE_CONTROL_PORT = 9003
 GATE_METRICS_PORT = 9094
 ORCHESTRATOR_ADDRESS = "llmd-timeslice-orchestrator:50051"  # base/orchestrator: Service in the same namespace
-TOKEN_SECRET = "llmd-timeslice-token"
-TOKEN_DIR = "/var/run/secrets/llmd-timeslice"
+TOKEN_SECRET = k8s_modelserver.TOKEN_SECRET
+TOKEN_DIR = k8s_modelserver.TOKEN_DIR
 LOOPBACK = "127.0.0.1"
 GATE_CONTAINER = "timeslice-gate"
 """The gate beside an Envoy (fast path): a container in the Envoy's pod, on loopback."""
@@ -906,29 +906,14 @@ def gate_sidecar_container(s: GuideSettings) -> dict:
         "readinessProbe": gate_probe(GATE_READINESS_SERVICE, 5),
         "livenessProbe": gate_probe("", 15),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "runAsGroup": 65532,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "privileged": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "volumeMounts": [
-            {"name": "llmd-timeslice-token", "mountPath": TOKEN_DIR, "readOnly": True},
-            {"name": "llmd-timeslice-tmp", "mountPath": "/tmp"},
-        ],
+        "securityContext": k8s_modelserver.restricted_security_context(),
+        "volumeMounts": k8s_modelserver.token_and_tmp_mounts(),
     }
 
 
 def gate_sidecar_volumes() -> list[dict]:
     # 0444: the Envoy pod sets no fsGroup that would let the non-root gate read a 0440 root-owned file.
-    return [
-        {"name": "llmd-timeslice-token", "secret": {"secretName": TOKEN_SECRET, "defaultMode": 0o444}},
-        {"name": "llmd-timeslice-tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-    ]
+    return k8s_modelserver.sidecar_volumes()
 
 
 def envoy_id_env() -> dict:
