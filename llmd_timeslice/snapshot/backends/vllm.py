@@ -142,12 +142,12 @@ from llmd_timeslice.snapshot.backends.base import (
 )
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
+from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader, default_loaders
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader
     from llmd_timeslice.weights.update import WeightUpdate
 
 
@@ -346,8 +346,6 @@ class VllmBackend(SnapshotBackend):
         self.probe = probe
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s)
         if weight_loaders is None:
-            from llmd_timeslice.snapshot.backends.vllm_weights import default_loaders
-
             weight_loaders = default_loaders()
         self.weight_loaders = weight_loaders
         self.weight_version = 0  # the version this engine serves (0: the one it started with)

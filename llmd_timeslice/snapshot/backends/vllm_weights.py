@@ -29,20 +29,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
+
+import httpx
 
 from llmd_timeslice.snapshot.backends.base import BackendError
+from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.weights.manifest import WeightManifestError, check_weight_files
 from llmd_timeslice.weights.update import SOURCE_FILES, SOURCE_VLLM_WEIGHT_TRANSFER, WeightUpdate
 
-if TYPE_CHECKING:
-    from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+
+class WeightEngine(Protocol):
+    """What a loader needs of the engine (``VllmBackend`` is one): its URL, the routes it serves, a POST that must
+    answer 200, and vLLM's ``reload_weights``."""
+
+    base_url: str
+
+    async def capabilities(self) -> VllmCapabilities: ...
+
+    async def post_checked(self, path: str, **kw) -> httpx.Response: ...
+
+    async def reload_weights(self, weights_path: str | None = None) -> None: ...
 
 
 class WeightLoader(Protocol):
     """Loads ``update`` into ``engine`` (asleep, weights woken). Raises BackendError."""
 
-    async def load(self, engine: VllmBackend, update: WeightUpdate) -> int | None: ...
+    async def load(self, engine: WeightEngine, update: WeightUpdate) -> int | None: ...
 
 
 class FilesWeightLoader:
@@ -52,7 +65,7 @@ class FilesWeightLoader:
 
     last_check_s: float | None = None
 
-    async def load(self, engine: VllmBackend, update: WeightUpdate) -> int | None:
+    async def load(self, engine: WeightEngine, update: WeightUpdate) -> int | None:
         try:
             checked = await asyncio.to_thread(check_weight_files, update.location, update.version)
         except WeightManifestError as exc:
@@ -88,7 +101,7 @@ class WeightTransferLoader:
         self.init_info = init_info
         self._initialised = init_info is None
 
-    async def load(self, engine: VllmBackend, update: WeightUpdate) -> int | None:
+    async def load(self, engine: WeightEngine, update: WeightUpdate) -> int | None:
         caps = await engine.capabilities()
         if not caps.has("/update_weights"):
             raise BackendError(
