@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n;llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_state.proto\x12\x17llmd_timeslice.v1alpha1\x1a=llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_control.proto\"Q\n\x0f\x45ndpointFailure\x12\x0f\n\x07gate_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"%\n\x12\x45ndpointFailureAck\x12\x0f\n\x07\x61udited\x18\x01 \x01(\x08\"B\n\tGateHello\x12\x0f\n\x07gate_id\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x15\n\rstale_after_s\x18\x03 \x01(\x01\"\x19\n\x08\x45pochAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\xda\x01\n\x0b\x44rainResult\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x45\n\tin_flight\x18\x03 \x03(\x0b\x32\x32.llmd_timeslice.v1alpha1.DrainResult.InFlightEntry\x12\x30\n\x03\x63ut\x18\x04 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.CutRequest\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"3\n\nCutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\"\xb0\x02\n\x0bGateMessage\x12\x33\n\x05hello\x18\x01 \x01(\x0b\x32\".llmd_timeslice.v1alpha1.GateHelloH\x00\x12\x30\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32!.llmd_timeslice.v1alpha1.EpochAckH\x00\x12<\n\x0c\x64rain_result\x18\x03 \x01(\x0b\x32$.llmd_timeslice.v1alpha1.DrainResultH\x00\x12\x37\n\tkeepalive\x18\x04 \x01(\x0b\x32\".llmd_timeslice.v1alpha1.KeepAliveH\x00\x12\x38\n\x06\x66\x65nced\x18\x05 \x01(\x0b\x32&.llmd_timeslice.v1alpha1.FencedRefusalH\x00\x42\t\n\x07message\";\n\rFencedRefusal\x12\x14\n\x0crefused_term\x18\x01 \x01(\x03\x12\x14\n\x0chighest_term\x18\x02 \x01(\x03\"\x0b\n\tKeepAlive\"Y\n\rPoolEndpoints\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\tendpoints\x18\x02 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointUpdate\"j\n\x0bStateUpdate\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rfull_snapshot\x18\x02 \x01(\x08\x12\x35\n\x05pools\x18\x03 \x03(\x0b\x32&.llmd_timeslice.v1alpha1.PoolEndpoints\"R\n\nDrainQuery\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xd3\x01\n\x0bGateCommand\x12\x35\n\x05state\x18\x01 \x01(\x0b\x32$.llmd_timeslice.v1alpha1.StateUpdateH\x00\x12\x34\n\x05\x64rain\x18\x02 \x01(\x0b\x32#.llmd_timeslice.v1alpha1.DrainQueryH\x00\x12\x37\n\tkeepalive\x18\x03 \x01(\x0b\x32\".llmd_timeslice.v1alpha1.KeepAliveH\x00\x12\x13\n\x0bleader_term\x18\n \x01(\x03\x42\t\n\x07\x63ommand2\xdd\x01\n\x10GateStateService\x12Y\n\x07\x43onnect\x12$.llmd_timeslice.v1alpha1.GateMessage\x1a$.llmd_timeslice.v1alpha1.GateCommand(\x01\x30\x01\x12n\n\x15ReportEndpointFailure\x12(.llmd_timeslice.v1alpha1.EndpointFailure\x1a+.llmd_timeslice.v1alpha1.EndpointFailureAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n;llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_state.proto\x12\x17llmd_timeslice.v1alpha1\x1a=llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_control.proto\"Q\n\x0f\x45ndpointFailure\x12\x0f\n\x07gate_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"%\n\x12\x45ndpointFailureAck\x12\x0f\n\x07\x61udited\x18\x01 \x01(\x08\"B\n\tGateHello\x12\x0f\n\x07gate_id\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x15\n\rstale_after_s\x18\x03 \x01(\x01\"\x19\n\x08\x45pochAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\xda\x01\n\x0b\x44rainResult\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x45\n\tin_flight\x18\x03 \x03(\x0b\x32\x32.llmd_timeslice.v1alpha1.DrainResult.InFlightEntry\x12\x30\n\x03\x63ut\x18\x04 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.CutRequest\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"3\n\nCutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\"\xf0\x02\n\x0bGateMessage\x12\x33\n\x05hello\x18\x01 \x01(\x0b\x32\".llmd_timeslice.v1alpha1.GateHelloH\x00\x12\x30\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32!.llmd_timeslice.v1alpha1.EpochAckH\x00\x12<\n\x0c\x64rain_result\x18\x03 \x01(\x0b\x32$.llmd_timeslice.v1alpha1.DrainResultH\x00\x12\x37\n\tkeepalive\x18\x04 \x01(\x0b\x32\".llmd_timeslice.v1alpha1.KeepAliveH\x00\x12\x38\n\x06\x66\x65nced\x18\x05 \x01(\x0b\x32&.llmd_timeslice.v1alpha1.FencedRefusalH\x00\x12>\n\rhold_pressure\x18\x06 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.HoldPressureH\x00\x42\t\n\x07message\"{\n\x0cHoldPressure\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61nd\x18\x02 \x01(\x05\x12\x11\n\tobjective\x18\x03 \x01(\t\x12\x15\n\roldest_held_s\x18\x04 \x01(\x01\x12\x17\n\x0fhold_deadline_s\x18\x05 \x01(\x01\x12\x0c\n\x04held\x18\x06 \x01(\x03\";\n\rFencedRefusal\x12\x14\n\x0crefused_term\x18\x01 \x01(\x03\x12\x14\n\x0chighest_term\x18\x02 \x01(\x03\"\x0b\n\tKeepAlive\"Y\n\rPoolEndpoints\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\tendpoints\x18\x02 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointUpdate\"j\n\x0bStateUpdate\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rfull_snapshot\x18\x02 \x01(\x08\x12\x35\n\x05pools\x18\x03 \x03(\x0b\x32&.llmd_timeslice.v1alpha1.PoolEndpoints\"R\n\nDrainQuery\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xd3\x01\n\x0bGateCommand\x12\x35\n\x05state\x18\x01 \x01(\x0b\x32$.llmd_timeslice.v1alpha1.StateUpdateH\x00\x12\x34\n\x05\x64rain\x18\x02 \x01(\x0b\x32#.llmd_timeslice.v1alpha1.DrainQueryH\x00\x12\x37\n\tkeepalive\x18\x03 \x01(\x0b\x32\".llmd_timeslice.v1alpha1.KeepAliveH\x00\x12\x13\n\x0bleader_term\x18\n \x01(\x03\x42\t\n\x07\x63ommand2\xdd\x01\n\x10GateStateService\x12Y\n\x07\x43onnect\x12$.llmd_timeslice.v1alpha1.GateMessage\x1a$.llmd_timeslice.v1alpha1.GateCommand(\x01\x30\x01\x12n\n\x15ReportEndpointFailure\x12(.llmd_timeslice.v1alpha1.EndpointFailure\x1a+.llmd_timeslice.v1alpha1.EndpointFailureAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,19 +49,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CUTREQUEST']._serialized_start=589
   _globals['_CUTREQUEST']._serialized_end=640
   _globals['_GATEMESSAGE']._serialized_start=643
-  _globals['_GATEMESSAGE']._serialized_end=947
-  _globals['_FENCEDREFUSAL']._serialized_start=949
-  _globals['_FENCEDREFUSAL']._serialized_end=1008
-  _globals['_KEEPALIVE']._serialized_start=1010
-  _globals['_KEEPALIVE']._serialized_end=1021
-  _globals['_POOLENDPOINTS']._serialized_start=1023
-  _globals['_POOLENDPOINTS']._serialized_end=1112
-  _globals['_STATEUPDATE']._serialized_start=1114
-  _globals['_STATEUPDATE']._serialized_end=1220
-  _globals['_DRAINQUERY']._serialized_start=1222
-  _globals['_DRAINQUERY']._serialized_end=1304
-  _globals['_GATECOMMAND']._serialized_start=1307
-  _globals['_GATECOMMAND']._serialized_end=1518
-  _globals['_GATESTATESERVICE']._serialized_start=1521
-  _globals['_GATESTATESERVICE']._serialized_end=1742
+  _globals['_GATEMESSAGE']._serialized_end=1011
+  _globals['_HOLDPRESSURE']._serialized_start=1013
+  _globals['_HOLDPRESSURE']._serialized_end=1136
+  _globals['_FENCEDREFUSAL']._serialized_start=1138
+  _globals['_FENCEDREFUSAL']._serialized_end=1197
+  _globals['_KEEPALIVE']._serialized_start=1199
+  _globals['_KEEPALIVE']._serialized_end=1210
+  _globals['_POOLENDPOINTS']._serialized_start=1212
+  _globals['_POOLENDPOINTS']._serialized_end=1301
+  _globals['_STATEUPDATE']._serialized_start=1303
+  _globals['_STATEUPDATE']._serialized_end=1409
+  _globals['_DRAINQUERY']._serialized_start=1411
+  _globals['_DRAINQUERY']._serialized_end=1493
+  _globals['_GATECOMMAND']._serialized_start=1496
+  _globals['_GATECOMMAND']._serialized_end=1707
+  _globals['_GATESTATESERVICE']._serialized_start=1710
+  _globals['_GATESTATESERVICE']._serialized_end=1931
 # @@protoc_insertion_point(module_scope)

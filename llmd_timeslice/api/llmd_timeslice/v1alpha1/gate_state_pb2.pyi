@@ -69,18 +69,36 @@ class CutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GateMessage(_message.Message):
-    __slots__ = ("hello", "ack", "drain_result", "keepalive", "fenced")
+    __slots__ = ("hello", "ack", "drain_result", "keepalive", "fenced", "hold_pressure")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_RESULT_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     FENCED_FIELD_NUMBER: _ClassVar[int]
+    HOLD_PRESSURE_FIELD_NUMBER: _ClassVar[int]
     hello: GateHello
     ack: EpochAck
     drain_result: DrainResult
     keepalive: KeepAlive
     fenced: FencedRefusal
-    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ..., fenced: _Optional[_Union[FencedRefusal, _Mapping]] = ...) -> None: ...
+    hold_pressure: HoldPressure
+    def __init__(self, hello: _Optional[_Union[GateHello, _Mapping]] = ..., ack: _Optional[_Union[EpochAck, _Mapping]] = ..., drain_result: _Optional[_Union[DrainResult, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ..., fenced: _Optional[_Union[FencedRefusal, _Mapping]] = ..., hold_pressure: _Optional[_Union[HoldPressure, _Mapping]] = ...) -> None: ...
+
+class HoldPressure(_message.Message):
+    __slots__ = ("pool", "band", "objective", "oldest_held_s", "hold_deadline_s", "held")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_HELD_S_FIELD_NUMBER: _ClassVar[int]
+    HOLD_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    band: int
+    objective: str
+    oldest_held_s: float
+    hold_deadline_s: float
+    held: int
+    def __init__(self, pool: _Optional[str] = ..., band: _Optional[int] = ..., objective: _Optional[str] = ..., oldest_held_s: _Optional[float] = ..., hold_deadline_s: _Optional[float] = ..., held: _Optional[int] = ...) -> None: ...
 
 class FencedRefusal(_message.Message):
     __slots__ = ("refused_term", "highest_term")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6llmd_timeslice/api/llmd_timeslice/v1alpha1/lease.proto\x12\x17llmd_timeslice.v1alpha1\"3\n\x0fGetLeaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\"K\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\"e\n\x05Lease\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\x32\xbc\x01\n\x0cLeaseService\x12T\n\x08GetLease\x12(.llmd_timeslice.v1alpha1.GetLeaseRequest\x1a\x1e.llmd_timeslice.v1alpha1.Lease\x12V\n\tHeartbeat\x12).llmd_timeslice.v1alpha1.HeartbeatRequest\x1a\x1e.llmd_timeslice.v1alpha1.Leaseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6llmd_timeslice/api/llmd_timeslice/v1alpha1/lease.proto\x12\x17llmd_timeslice.v1alpha1\"3\n\x0fGetLeaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\"K\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\"\xa7\x01\n\x05Lease\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\x12@\n\x0fyield_requested\x18\x06 \x01(\x0b\x32\'.llmd_timeslice.v1alpha1.YieldRequested\"\x81\x01\n\x0eYieldRequested\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61nd\x18\x02 \x01(\x05\x12\x11\n\tobjective\x18\x03 \x01(\t\x12\x17\n\x0fhold_deadline_s\x18\x04 \x01(\x01\x12\x17\n\x0frequested_ago_s\x18\x05 \x01(\x01\x12\x0c\n\x04pool\x18\x06 \x01(\t\"^\n\x13RequestYieldRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x62\x61nd\x18\x03 \x01(\x05\x12\x17\n\x0fhold_deadline_s\x18\x04 \x01(\x01\"I\n\x14RequestYieldResponse\x12\x11\n\trequested\x18\x01 \x01(\x08\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t2\xa9\x02\n\x0cLeaseService\x12T\n\x08GetLease\x12(.llmd_timeslice.v1alpha1.GetLeaseRequest\x1a\x1e.llmd_timeslice.v1alpha1.Lease\x12V\n\tHeartbeat\x12).llmd_timeslice.v1alpha1.HeartbeatRequest\x1a\x1e.llmd_timeslice.v1alpha1.Lease\x12k\n\x0cRequestYield\x12,.llmd_timeslice.v1alpha1.RequestYieldRequest\x1a-.llmd_timeslice.v1alpha1.RequestYieldResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLEASEREQUEST']._serialized_end=134
   _globals['_HEARTBEATREQUEST']._serialized_start=136
   _globals['_HEARTBEATREQUEST']._serialized_end=211
-  _globals['_LEASE']._serialized_start=213
-  _globals['_LEASE']._serialized_end=314
-  _globals['_LEASESERVICE']._serialized_start=317
-  _globals['_LEASESERVICE']._serialized_end=505
+  _globals['_LEASE']._serialized_start=214
+  _globals['_LEASE']._serialized_end=381
+  _globals['_YIELDREQUESTED']._serialized_start=384
+  _globals['_YIELDREQUESTED']._serialized_end=513
+  _globals['_REQUESTYIELDREQUEST']._serialized_start=515
+  _globals['_REQUESTYIELDREQUEST']._serialized_end=609
+  _globals['_REQUESTYIELDRESPONSE']._serialized_start=611
+  _globals['_REQUESTYIELDRESPONSE']._serialized_end=684
+  _globals['_LEASESERVICE']._serialized_start=687
+  _globals['_LEASESERVICE']._serialized_end=984
 # @@protoc_insertion_point(module_scope)

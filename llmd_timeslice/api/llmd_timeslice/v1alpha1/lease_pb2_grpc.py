@@ -44,6 +44,11 @@ class LeaseServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.Lease.FromString,
                 _registered_method=True)
+        self.RequestYield = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.LeaseService/RequestYield',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.RequestYieldRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.RequestYieldResponse.FromString,
+                _registered_method=True)
 
 
 class LeaseServiceServicer:
@@ -61,6 +66,14 @@ class LeaseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestYield(self, request, context):
+        """Ask the holder of a group to yield at its next safe point (operators, tests; the gates ask through their
+        GateStateService stream, HoldPressure). Cooperative: the holder may ignore it and keeps its lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LeaseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +86,11 @@ def add_LeaseServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.HeartbeatRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.Lease.SerializeToString,
+            ),
+            'RequestYield': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestYield,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.RequestYieldRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.RequestYieldResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +147,33 @@ class LeaseService:
             '/llmd_timeslice.v1alpha1.LeaseService/Heartbeat',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.HeartbeatRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestYield(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.LeaseService/RequestYield',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.RequestYieldRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2.RequestYieldResponse.FromString,
             options,
             channel_credentials,
             insecure,
