@@ -143,9 +143,9 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
     from llmd_timeslice.demo.run import GateMonitor
     from llmd_timeslice.demo.stack import LocalStack, Sampler
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
     from llmd_timeslice.demo.trainer import Trainer
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, start_many
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME, VllmServer, start_many
     from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
 
     out.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,8 @@ async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: f
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
     from llmd_timeslice.demo.loadgen import LoadGenerator
     from llmd_timeslice.demo.stack import LocalStack, Sampler
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, start_many
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME, VllmServer, start_many
 
     work = out.parent / "soak-work"
     (work / "logs").mkdir(parents=True, exist_ok=True)

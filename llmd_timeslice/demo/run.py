@@ -35,7 +35,7 @@ from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.demo.loadgen import PROMPTS, LoadGenerator, send_completion
 from llmd_timeslice.demo.loadgen import percentile as _pct
 from llmd_timeslice.demo.stack import LocalStack, Sampler
-from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
+from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
 from llmd_timeslice.status import output_console
 
 GROUP = "rollout-group"
@@ -188,8 +188,8 @@ async def _rl_loop(
 async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> dict:
     import port_for
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import VllmServer, start_many
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import VllmServer, start_many
 
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "logs", ignore_errors=True)  # one run's logs only

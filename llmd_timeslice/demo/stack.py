@@ -7,7 +7,7 @@ picks the endpoint itself (least in flight among the SERVING samplers), so a req
 Each component is started with ``python -m llmd_timeslice.cli ...`` under ``mirakuru`` (which
 waits until its port accepts connections and stops it with SIGTERM, then SIGKILL), logging to
 ``<logdir>/<name>.log``. vLLM servers are started separately
-(:class:`llmd_timeslice.demo.vllm_server.VllmServer`).
+(:class:`llmd_timeslice.engines.vllm_server.VllmServer`).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class Stack:
         from epp_plugin.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s, write_bootstrap
         from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
         from epp_plugin.protocol import ENVOY_ID_ENV
-        from llmd_timeslice.demo.vllm_server import VllmServer
+        from llmd_timeslice.engines.vllm_server import VllmServer
 
         self.logdir.mkdir(parents=True, exist_ok=True)
         if not self.token_file.exists():
@@ -150,7 +150,7 @@ class Stack:
                 continue
             v = e.vllm
             if v.model == BUILTIN_TINY:
-                from llmd_timeslice.demo.tiny_model import build_tiny_llama
+                from llmd_timeslice.engines.tiny_model import build_tiny_llama
 
                 progress(f"building the tiny Llama for {e.name} (local, no download)")
                 model = build_tiny_llama(self.workdir / TINY_MODEL_DIR)

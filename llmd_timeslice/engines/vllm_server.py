@@ -94,7 +94,7 @@ from typing import Self
 
 import httpx
 
-#: Repository root (``<repo>/llmd_timeslice/demo/vllm_server.py`` → ``<repo>``).
+#: Repository root (``<repo>/llmd_timeslice/engines/vllm_server.py`` → ``<repo>``).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Environment variable overriding the interpreter that runs vLLM.
 PYTHON_ENV_VAR = "LLMD_TIMESLICE_VLLM_PYTHON"
@@ -432,7 +432,7 @@ def warm_caches(python: str | None = None, timeout_s: float = 400) -> Path | Non
     """
     import port_for
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
 
     python = python or default_python()
     root = vllm_cache_root(python)
@@ -456,7 +456,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m llmd_timeslice.demo.vllm_server",
+        prog="python -m llmd_timeslice.engines.vllm_server",
         description="Fill the vLLM caches that later server starts reuse (run by `make setup`).",
     )
     ap.add_argument("--warm-caches", action="store_true", required=True, help="start one tiny server, ask once, stop")
