@@ -255,8 +255,13 @@ class Supervisor:
             f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n{_tail(spec.log_path)}"
         )
 
-    async def start(self, progress: Callable[[str], None] = lambda msg: None) -> None:
-        """Start every stage in order and begin watching. Raises StartFailed (everything started is stopped)."""
+    async def start(
+        self,
+        progress: Callable[[str], None] = lambda msg: None,
+        on_stage_ready: Callable[[list[str]], None] = lambda names: None,
+    ) -> None:
+        """Start every stage in order and begin watching; ``on_stage_ready`` gets the names of each stage once all
+        of its children are ready. Raises StartFailed (everything started is stopped)."""
         try:
             for stage in self.stages:
                 progress("starting " + ", ".join(c.spec.name for c in stage))
@@ -266,6 +271,7 @@ class Supervisor:
                 for c in stage:
                     self.on_event(c.spec.name, f"ready (pid {c.pid})")
                     self._watchers.append(asyncio.get_running_loop().create_task(self._watch(c)))
+                on_stage_ready([c.spec.name for c in stage])
         except BaseException:
             await self.stop()
             raise
