@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _model(tmp_path: Path) -> Path:
     model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
+    model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text("{}")  # a model directory for the checks; no vLLM starts here
     return model
 
@@ -79,11 +79,18 @@ def test_the_demo_and_up_start_every_component_with_the_same_settings(tmp_path):
     assert route > 600, "the 600 s route timeout the demo kept (issue 27) cut generations longer than 10 minutes"
 
 
-def test_config_check_accepts_the_inventory_the_demo_writes(tmp_path):
-    """``config check demo-out/inventory.yaml`` (issue 27: it answered ``groups: unknown key``)."""
-    stack = _demo_stack(tmp_path, _model(tmp_path))
-    stack.prepare()
-    inv = stack.workdir / "inventory.yaml"
+def test_config_check_accepts_the_inventory_the_demo_writes(tmp_path, monkeypatch):
+    """``config check demo-out/inventory.yaml`` (issue 27: it answered ``groups: unknown key``); the demo's files land
+    in its ``--out`` folder, relative to the current directory, as ``make demo`` names it."""
+    monkeypatch.chdir(tmp_path)
+    out = Path("demo-out")
+    model = _model(tmp_path / "demo-out")
+    stack = Stack(demo_stack_file(out, out / "model", "rollout-group"), out)
+    stages = stack.prepare()
+    inv = tmp_path / "demo-out" / "inventory.yaml"
+    assert stack.workdir == inv.parent and stack.token_file == inv.parent / "control-token"
+    vllm = [c.argv for stage in stages for c in stage if c.name.startswith("vllm-")]
+    assert vllm and all(argv[argv.index("--model") + 1] == str(model) for argv in vllm), vllm
     r = run_cli("config", "check", str(inv))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"OK {inv}: inventory (1 group, 2 samplers)"), r.stdout

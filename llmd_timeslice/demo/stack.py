@@ -32,7 +32,8 @@ def demo_stack_file(
 
     The group discards the samplers' weights when they sleep (``sleep_level_policy: auto``: the trainer publishes a
     weight version each step) and drains for at most 30 s. Logs, token, inventory and Envoy bootstrap go to
-    ``workdir`` (``workdir/logs/<component>.log``, ``workdir/control-token``).
+    ``workdir`` (``workdir/logs/<component>.log``, ``workdir/control-token``), a relative one taken from the current
+    directory (``model_dir`` too).
     """
     ports = free_ports(len(StackPorts.model_fields) + 2 * samplers)
     stack_ports = dict(zip(StackPorts.model_fields, ports, strict=False))
@@ -41,7 +42,7 @@ def demo_stack_file(
         {
             "stack": {
                 "name": name,
-                "workdir": str(workdir),
+                "workdir": str(workdir.resolve()),  # as given, not under a stack file's folder (there is none)
                 "max_hold_s": max_hold_s,
                 "log_level": log_level,
                 "gate_edge": gate_edge,
@@ -53,7 +54,7 @@ def demo_stack_file(
                     "name": f"sampler-{i}",
                     "group": group_id,
                     "sidecar_port": rest[2 * i],
-                    "vllm": {"model": str(model_dir), "port": rest[2 * i + 1]},
+                    "vllm": {"model": str(model_dir.resolve()), "port": rest[2 * i + 1]},
                 }
                 for i in range(samplers)
             ],
