@@ -140,3 +140,14 @@ def test_no_vllm_command_for_an_engine_that_runs_already(tmp_path):
     cmds = StackCommands(sf, tmp_path, tmp_path, tmp_path / "token")
     with pytest.raises(ValueError, match=r"engine 'ext' runs already at http://127.0.0.1:7001"):
         cmds.vllm(sf.engines[0], tmp_path)
+
+
+def test_the_launcher_removes_a_vllm_servers_runtime_directory_after_it_exits(tmp_path):
+    """vLLM leaves IPC sockets and temporary files in its runtime directory (TMPDIR): one per start, removed after."""
+    stack = _demo_stack(tmp_path, _model(tmp_path))
+    (vllm, *_) = [c for stage in stack.prepare() for c in stage if c.name.startswith("vllm-")]
+    env = vllm.env_factory()
+    runtime = Path(env["TMPDIR"])
+    assert runtime.is_dir() and env["VLLM_RPC_BASE_PATH"] == str(runtime)
+    vllm.after_exit()
+    assert not runtime.exists()

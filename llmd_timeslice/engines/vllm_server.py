@@ -345,7 +345,7 @@ class VllmServer:
         """
         proc, self.proc = self.proc, None
         if proc is None:
-            self._remove_runtime_dir()
+            self.remove_runtime_dir()
             return
         pgid = proc.pid  # start_new_session=True → pgid == pid
         try:
@@ -366,9 +366,11 @@ class VllmServer:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        self._remove_runtime_dir()
+        self.remove_runtime_dir()
 
-    def _remove_runtime_dir(self) -> None:
+    def remove_runtime_dir(self) -> None:
+        """Remove the private runtime directory of the last :meth:`environment` (no-op without one): once the
+        server's process group is gone (:meth:`stop` calls it; ``llmd-timeslice up`` after each exit of the server)."""
         runtime_dir, self.runtime_dir = self.runtime_dir, None
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -60,6 +60,9 @@ class ChildSpec:
     listen: tuple[int, ...] = ()
     """TCP ports the child binds: it is ready only once each has a listener in its process group and none
     outside it."""
+    after_exit: Callable[[], None] | None = None
+    """Called each time the child's process group is gone (after a stop, after an exit before the restart): e.g.
+    removing a vLLM server's private runtime directory."""
 
 
 @dataclass(eq=False)
@@ -366,6 +369,11 @@ class Supervisor:
             os.killpg(pgid, signal.SIGKILL)  # the group: vLLM's engine-core and workers too
         with contextlib.suppress(ProcessLookupError):
             await proc.wait()
+        if c.spec.after_exit is not None:
+            try:
+                c.spec.after_exit()
+            except Exception:  # a clean-up that fails must not stop the stop or the restart
+                log.exception("component=%s clean-up after its exit failed", c.spec.name)
 
     async def stop_child(self, name: str) -> None:
         """Stop one child now (SIGTERM, grace, SIGKILL), without restarting it."""

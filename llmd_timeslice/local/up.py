@@ -169,6 +169,7 @@ class Stack:
                     stop_grace_s=15.0,
                     env_factory=partial(server.environment, v.env),
                     listen=(v.port,),
+                    after_exit=server.remove_runtime_dir,  # vLLM's IPC sockets and temporary files
                 )
             )
         sidecars = [
