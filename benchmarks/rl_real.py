@@ -137,7 +137,6 @@ async def _rollout(client, url: str, model: str, batch: int, it: int, t0: float,
 
 
 async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tokens: int, log) -> dict:
-
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
     from llmd_timeslice.demo.run import GateMonitor
     from llmd_timeslice.demo.stack import demo_stack_file
