@@ -151,7 +151,7 @@ def _every_kind(rollouts: TimeSliceRollouts, sync, model: str, tag: str) -> list
 def test_openai_sdk_rollouts_across_two_training_phases_are_never_older_than_asked(stack, env):
     import openai
 
-    from epp_plugin import protocol
+    from llmd_timeslice import protocol
 
     cb = TimesliceCallback()  # the upstream environment contract
     assert cb.locks.router_mode

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, Retrying
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 
 log = logging.getLogger(__name__)
 
