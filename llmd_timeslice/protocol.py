@@ -1,6 +1,6 @@
 """Wire names shared by the gate, the picker, the rendered Envoy configuration and the router's clients.
 
-In the library, not in ``epp_plugin``, because clients (``llmd_timeslice.integrations.rollouts``, the demo's load)
+In the library, not in ``epp_plugin``, because clients (``llmd_timeslice.client.integrations.rollouts``, the demo's load)
 send and read these headers, and of the library only the entry points that start the whole stack import the
 router side (docs/decisions.md, "Where each process's code lives").
 
