@@ -25,7 +25,8 @@ from llmd_timeslice.discovery.static import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.conftest import ARTIFACTS, LoopThread
+from tests.conftest import LoopThread
+from tests.support.artifacts import ARTIFACTS
 from tests.support.router import start_router
 from tests.support.vllm import restore_initial_weights
 
