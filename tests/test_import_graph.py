@@ -2,8 +2,8 @@
 the library's stack entry points only (docs/architecture.md, "Where each process's code lives"; docs/decisions.md).
 
 Every import statement counts, also one inside a function or under ``if TYPE_CHECKING:``: a lazy import still ties
-two modules together (it only hides the cycle until the function runs). Generated protobuf stubs are left out.
-The same rules as /work/shared's ``import_cycles.py`` (an import of a module's own parent package is no edge).
+two modules together (it only hides the cycle until the function runs). Generated protobuf stubs are left out, and
+an import of a module's own parent package is no edge.
 """
 
 from __future__ import annotations
