@@ -22,11 +22,6 @@ STACK_ENTRY_POINTS = ("llmd_timeslice.cli", "llmd_timeslice.local", "llmd_timesl
 """The only library modules that may import the router side: the entry points that start the whole stack."""
 LEVELS = {"packages": 1, "subpackages": 2, "modules": None}
 
-PENDING = {("subpackages", frozenset({"llmd_timeslice.discovery", "llmd_timeslice.orchestrator"}))}
-"""Cycles known and being removed elsewhere (issue 27: the domain types move out of ``orchestrator/switch.py`` into
-``llmd_timeslice/domain/``). Left out of the cycle tests and held by the strict xfail below: when it is gone, that
-test passes, fails as XPASS, and this entry and its mark go."""
-
 
 @dataclass(frozen=True)
 class Import:
@@ -168,20 +163,8 @@ def test_router_side_imported_only_by_the_stack_entry_points(library_imports) ->
 @pytest.mark.parametrize("level", LEVELS)
 def test_no_import_cycle_in_the_library_and_router_side(library_imports, level) -> None:
     kept = [imp for imp in library_imports if not _allowed(imp)]
-    found = [c for c in cycles(graph_at(kept, LEVELS[level])) if (level, c) not in PENDING]
+    found = cycles(graph_at(kept, LEVELS[level]))
     assert not found, "\n".join(explain(c, kept, LEVELS[level]) for c in found)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="discovery <-> orchestrator: the domain types (GroupSpec, SamplerEndpoint, ...) are in "
-    "orchestrator/switch.py, which discovery imports, and orchestrator/server.py imports discovery.static; being "
-    "removed by moving them into llmd_timeslice/domain/ (issue 27)",
-)
-@pytest.mark.parametrize(("level", "pair"), sorted((lvl, tuple(sorted(c))) for lvl, c in PENDING))
-def test_pending_cycle_is_gone(library_imports, level, pair) -> None:
-    kept = [imp for imp in library_imports if not _allowed(imp)]
-    assert frozenset(pair) not in cycles(graph_at(kept, LEVELS[level])), explain(frozenset(pair), kept, LEVELS[level])
 
 
 def test_sidecar_does_not_import_trainer_side(library_imports) -> None:

@@ -26,7 +26,7 @@ from llmd_timeslice.client.integrations import (
     UnknownRole,
     phase,
 )
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.test_orchestrator import RecordingActions
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from llmd_timeslice.client.integrations import TimesliceCallback, TimeSliceRollouts
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
