@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer

@@ -21,9 +21,9 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice import protocol
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer

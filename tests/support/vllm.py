@@ -20,7 +20,7 @@ from __future__ import annotations
 import httpx
 import port_for
 
-from tests.conftest import ARTIFACTS
+from tests.support.artifacts import ARTIFACTS
 
 SHARED_GROUP = "vllm-shared"
 """xdist group of the tests using the session's server (tests/conftest.py adds the mark)."""
