@@ -224,9 +224,11 @@ def _cluster_state(s: OrchestratorSettings, api, store):
 
 
 def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
-    """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
+    """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change (the reconcile loop:
+    llmd_timeslice/discovery/reconcile.py)."""
     from llmd_timeslice.discovery import kubernetes as k8s
-    from llmd_timeslice.discovery.sync import InventorySync, inventory_from_specs
+    from llmd_timeslice.discovery.reconcile import Reconciler
+    from llmd_timeslice.discovery.sync import inventory_from_specs
 
     k = s.kubernetes
     defaults = k8s.DiscoveryDefaults(
@@ -241,36 +243,28 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
         api = k8s.make_api_client(k.kubeconfig)
         ns = k.namespace or k8s.default_namespace()
         state_store, election = _cluster_state(s, api, store)
-        changes: asyncio.Queue = asyncio.Queue()
+        reconciler = Reconciler(backoff_max_s=k.backoff_max_s)  # changes seen before the server starts are kept
         disc = k8s.KubernetesDiscovery(
             ns,
             api,
             label_selector=k.label_selector,
             defaults=defaults,
-            on_change=changes.put_nowait,
+            on_change=reconciler.submit,
             watch_timeout_s=k.watch_timeout_s,
             backoff_max_s=k.backoff_max_s,
         )
         specs = await disc.start()
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if k.manage_serving_label else None
         srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store, election=election)
-        sync = InventorySync(srv.orchestrator)
-
-        async def apply_changes() -> None:
-            while True:
-                latest = await changes.get()
-                while not changes.empty():
-                    latest = changes.get_nowait()
-                await sync.apply(latest)
-
         try:
             await srv.start()
-            applying = asyncio.create_task(apply_changes())
+            reconciler.start(srv.orchestrator)
             await srv.stepped_down.wait()
-            applying.cancel()
+            await reconciler.close()
             await disc.stop()
             await _exit_stepped_down(srv)
         finally:
+            await reconciler.close()
             await disc.stop()
             await srv.stop()
             api.close()
