@@ -281,8 +281,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     """Run a snapshot sidecar for one engine (sleep / wake, verified). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_token
-    from llmd_timeslice.snapshot import resolve as _resolve  # noqa: F401 - registers the backends
-    from llmd_timeslice.snapshot.backends.base import create_backend
+    from llmd_timeslice.snapshot.backends.registry import job_default_backend
     from llmd_timeslice.snapshot.server import SidecarServer
 
     s = settings
@@ -292,21 +291,16 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
 
     async def main() -> None:
-        if s.backend in ("vllm", "sglang"):
-            defaults = {
-                s.job_id: create_backend(
-                    s.backend,
-                    base_url=s.engine_url,
-                    idle_timeout_s=s.idle_timeout_s,
-                    pause_mode=s.pause_mode,
-                    probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
-                    **engine_kwargs,
-                )
-            }
-        elif s.backend == "cuda":
-            defaults = {s.job_id: create_backend(s.backend, pids=s.pid)}
-        else:
-            defaults = {}  # the job registers over WorkloadChannel
+        backend = job_default_backend(  # by name, from the one backend registry
+            s.backend,
+            engine_url=s.engine_url,
+            pids=s.pid,
+            idle_timeout_s=s.idle_timeout_s,
+            pause_mode=s.pause_mode,
+            probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
+            **engine_kwargs,
+        )
+        defaults = {} if backend is None else {s.job_id: backend}  # None: the job registers over WorkloadChannel
         srv = SidecarServer(
             defaults,
             host=s.host,

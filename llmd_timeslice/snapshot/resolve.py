@@ -23,10 +23,8 @@ from dataclasses import dataclass
 import grpc
 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from llmd_timeslice.snapshot.backends import cuda as _cuda  # noqa: F401 - registers the backends
-from llmd_timeslice.snapshot.backends import sglang as _sglang  # noqa: F401
-from llmd_timeslice.snapshot.backends import vllm as _vllm  # noqa: F401
-from llmd_timeslice.snapshot.backends.base import SnapshotBackend, SuspendMode, create_backend
+from llmd_timeslice.snapshot.backends.base import SnapshotBackend, SuspendMode
+from llmd_timeslice.snapshot.backends.registry import SNAPSHOT_BACKENDS, backend_class
 from llmd_timeslice.snapshot.channel import PB_TO_MODE, WorkloadChannelBackend, WorkloadRegistry
 
 ANNOTATION_PREFIX = "snapshot.timeslice.io/"
@@ -88,9 +86,9 @@ class BackendResolver:
         if default is not None and default.name == name and key[1] == getattr(default, "base_url", None):
             return default
         if key not in self.built:
-            extra = self.backend_kwargs if name in ("vllm", "sglang") else {}
+            extra = self.backend_kwargs if backend_class(name).target == "endpoint" else {}
             try:
-                self.built[key] = create_backend(name, **kw, **extra)
+                self.built[key] = SNAPSHOT_BACKENDS.create(name, **kw, **extra)
             except ValueError as exc:
                 raise ResolveError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         return self.built[key]
@@ -168,7 +166,7 @@ class BackendResolver:
                 return Resolution(self._build("workload_channel", job_id), mode, [], "annotation")
             raise ResolveError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"pod annotation names unknown snapshot backend {name!r}; known: vllm, sglang, cuda, workload_channel",
+                f"pod annotation names unknown snapshot backend {name!r}; known: {', '.join(SNAPSHOT_BACKENDS.names())}",
             )
         if job_id in self.defaults:
             return Resolution(self.defaults[job_id], self._ann_mode() or SuspendMode.OFFLOAD, [], "default")
