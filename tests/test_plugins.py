@@ -171,3 +171,10 @@ async def test_the_sidecars_backend_name_builds_that_backend():
     got = resolver.resolve("job", None)
     assert type(got.backend) is SNAPSHOT_BACKENDS.factory("sglang") and got.source == "annotation"
     await resolver.close()
+    # Each registered backend is built as its target says: pids from the annotation, a registered workload by job.
+    ann = {"snapshot.timeslice.io/backend": "cuda", "snapshot.timeslice.io/pids": "42, 43"}
+    cuda_res = BackendResolver({}, WorkloadRegistry(), annotations=ann).resolve("job", None).backend
+    assert isinstance(cuda_res, CudaCheckpointBackend) and cuda_res.pids == [42, 43]
+    ann = {"snapshot.timeslice.io/backend.job": "workload_channel"}
+    channel = BackendResolver({}, WorkloadRegistry(), annotations=ann).resolve("job", None).backend
+    assert type(channel) is SNAPSHOT_BACKENDS.factory("workload_channel") and channel.job_id == "job"
