@@ -5,7 +5,7 @@ one worker per group, failures retried with back-off.
 ``resourceVersion``, re-list on ``410 Gone``, back-off on API errors) and hands every changed snapshot to
 :meth:`Reconciler.submit` (its ``on_change``). The reconciler turns a snapshot into the desired spec of each
 group (a group gone from discovery keeps existing with no samplers: it may hold a lease) and gives it to that
-group's worker, in the style of kopf's per-object workers (nolar/kopf ``kopf/_core/reactor/queueing.py``,
+group's worker, in the style of kopf's per-object workers (nolar/kopf ``kopf/_core/reactor/queueing.py``, commit 079390ce,
 ``watcher`` and ``worker``: one sequential worker per object, objects in parallel, a new event interrupting the
 worker's sleeps):
 
