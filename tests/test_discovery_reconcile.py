@@ -15,6 +15,7 @@ import pytest
 from llmd_timeslice.discovery import reconcile
 from llmd_timeslice.discovery.kubernetes import DiscoveryDefaults, KubernetesDiscovery, make_api_client
 from llmd_timeslice.discovery.reconcile import Reconciler
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
 from llmd_timeslice.orchestrator import groups
 from llmd_timeslice.orchestrator.groups import Orchestrator
 from llmd_timeslice.orchestrator.switch import SwitchActions
@@ -219,21 +220,21 @@ async def test_api_errors_are_backed_off_then_the_watch_resumes_and_applies(kube
 
 async def test_snapshots_submitted_before_start_are_applied_once_started():
     actions = Actions()
-    orch = Orchestrator([groups.GroupSpec("g0")], actions)
+    orch = Orchestrator([GroupSpec("g0")], actions)
     await orch.start(reconcile=False)
     r = Reconciler()
-    smp = groups.SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "s0")
-    r.submit([groups.GroupSpec("g0", [smp]), groups.GroupSpec("g1")])
+    smp = SamplerEndpoint("p", "10.0.0.1:8000", "10.0.0.1:9001", "s0")
+    r.submit([GroupSpec("g0", [smp]), GroupSpec("g1")])
     assert orch.groups["g0"].spec.samplers == []  # not started: nothing applied
     r.start(orch)
     await r.settled()
     assert orch.groups["g0"].spec.samplers == [smp] and "g1" in orch.groups
     # A group gone from discovery keeps existing with no samplers (it may hold a lease).
-    r.submit([groups.GroupSpec("g1")])
+    r.submit([GroupSpec("g1")])
     await r.settled()
     assert orch.groups["g0"].spec.samplers == [] and actions.retired == ["10.0.0.1:8000"]
     await r.close()
-    r.submit([groups.GroupSpec("g0", [smp])])  # closed: ignored
+    r.submit([GroupSpec("g0", [smp])])  # closed: ignored
     await asyncio.sleep(0.02)
     assert orch.groups["g0"].spec.samplers == []
     await orch.close()

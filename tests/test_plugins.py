@@ -14,7 +14,8 @@ import pytest
 from epp_plugin.endpoint_pick import ENDPOINT_PICKS, LeastInFlight, RoundRobin
 from epp_plugin.picker.server import EndpointPicker, PickerConfig
 from llmd_timeslice.config import SidecarSettings
-from llmd_timeslice.orchestrator.groups import GroupSpec, Orchestrator, SamplerEndpoint, SchedulingPolicy
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint, SchedulingPolicy
+from llmd_timeslice.orchestrator.groups import Orchestrator
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.waiter_policy import WAITER_POLICIES, waiter_policy
 from llmd_timeslice.plugins import Registry, UnknownPlugin

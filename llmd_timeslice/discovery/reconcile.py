@@ -30,7 +30,8 @@ import random
 from prometheus_client import Counter
 
 from llmd_timeslice.discovery.sync import desired_specs, differs
-from llmd_timeslice.orchestrator.groups import GroupSpec, Orchestrator
+from llmd_timeslice.domain.group_settings import GroupSpec
+from llmd_timeslice.orchestrator.groups import Orchestrator
 
 log = logging.getLogger(__name__)
 

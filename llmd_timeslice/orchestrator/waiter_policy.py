@@ -1,6 +1,6 @@
 """Waiter policies: which of a group's waiting jobs is granted next, chosen by name (the group's
 ``scheduling_policy`` setting: ``fifo`` | ``priority`` | ``round_robin``, the values of
-:class:`~llmd_timeslice.orchestrator.switch.SchedulingPolicy`) through :data:`WAITER_POLICIES`
+:class:`~llmd_timeslice.domain.group_settings.SchedulingPolicy`) through :data:`WAITER_POLICIES`
 (:mod:`llmd_timeslice.plugins`)."""
 
 from __future__ import annotations
