@@ -359,7 +359,8 @@ def test_fuzz_orchestrator_acquire_yield_lease(servers, job, group, timeout, tok
     refused = _ids_refusal(job, group)
     # Acquire: a valid one is granted, or gives up at the caller's (short) deadline.
     code = _code(lambda: stub.Acquire(opb.AcquireRequest(job_id=job, group_id=group), metadata=MD, timeout=timeout))
-    assert code in ({refused} if refused else {OK, grpc.StatusCode.DEADLINE_EXCEEDED}), code
+    # (The caller's deadline, 10-300 ms, may pass before even a refusal comes back on a loaded machine.)
+    assert code in {refused or OK, grpc.StatusCode.DEADLINE_EXCEEDED}, code
     holds = code == OK or (refused is None and _settled(stub, group).group.locking_job == job)
     # GetLease: the holder's lease, else NOT_HOLDER.
     code, lease, _ = _call(lambda: leases.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), metadata=MD, timeout=5))
