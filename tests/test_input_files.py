@@ -258,6 +258,7 @@ _METRIC_MODULES = (
     "epp_plugin.picker.server",
     "llmd_timeslice.auth",
     "llmd_timeslice.discovery.kubernetes",
+    "llmd_timeslice.discovery.reconcile",
     "llmd_timeslice.orchestrator.gate_hub",
     "llmd_timeslice.orchestrator.service",
     "llmd_timeslice.snapshot.server",

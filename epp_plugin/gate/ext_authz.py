@@ -42,10 +42,10 @@ from collections.abc import Mapping
 import httptools
 from google.protobuf import struct_pb2
 
+from epp_plugin.endpoint_pick import ENDPOINT_PICKS
 from epp_plugin.gate import metrics
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.endpoint_discovery import EndpointDirectory
-from epp_plugin.gate.endpoint_pick import LeastInFlight
 from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import BadCheck, min_weight_version, refusal_body
 from llmd_timeslice import protocol
@@ -119,7 +119,7 @@ class AuthzService:
         self.book = book
         self.directory = directory
         """Envoy's endpoint discovery (when the gate picks): an endpoint is named only once Envoy has it."""
-        self.picker = LeastInFlight()
+        self.picker = ENDPOINT_PICKS.create("least_in_flight")
         self._answers: dict[tuple[str, bool], tuple[int, dict]] = {}  # (pool, pick) -> (epoch, key -> answer head)
         self.open: set[AuthzProtocol] = set()
         """Open connections from Envoy (each held check is one)."""
@@ -138,7 +138,8 @@ class AuthzService:
         """The endpoints a picked request may go to, in Envoy's order (the pick first, then its retries; only the
         pick without ``fallbacks``: an Envoy routing by ORIGINAL_DST, which takes one address); ``adm`` counts only
         against them from now on (and against the one that serves it once its upstream log names it)."""
-        order = self.picker.order(pool, adm.candidates, 1 + PICK_RETRY_ENDPOINTS if fallbacks else 1)
+        endpoints = pool.endpoints
+        order = self.picker.order(adm.candidates, 1 + PICK_RETRY_ENDPOINTS if fallbacks else 1, lambda a: endpoints[a].in_flight)
         pool.narrow(adm, order)
         return order
 
