@@ -341,7 +341,7 @@ def authz_retry_policy(check_timeout_s: float, retries: int = AUTHZ_RETRIES) -> 
     the first four retries span about 4 s on average, the ten about 4 minutes, all within the overall timeout.
     (``envoy/extensions/filters/http/ext_authz/v3/ext_authz.proto``, ``HttpService.retry_policy``, a
     ``config.core.v3.RetryPolicy``; present before Envoy 1.37, whose changelog makes the HTTP client honour its
-    ``retry_on``: ``changelogs/1.37.0.yaml``; measured with 1.40: ``tests/test_gate_restart.py``.)"""
+    ``retry_on``: ``changelogs/1.37.0.yaml``; measured with 1.40: ``tests/gate/test_gate_restart.py``.)"""
     return {
         "retry_on": AUTHZ_RETRY_ON,
         "num_retries": retries,

@@ -85,8 +85,8 @@ ENVOY_VERSIONS: dict[str, str] = {
     "envoy-gateway": "1.39.0",
 }
 """The Envoy version each shipped Envoy-based variant runs (agentgateway is not Envoy; the label fallback adds no Envoy
-configuration). tests/test_manifests.py validates every rendered configuration with that version's binary, and
-tests/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
+configuration). tests/manifests/test_manifests.py validates every rendered configuration with that version's binary, and
+tests/gate/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
 
 STANDALONE_PROXY_IMAGE = f"docker.io/envoyproxy/envoy:distroless-v{ENVOY_VERSIONS['standalone']}"
 """``router.proxy.image`` of our standalone values: the Envoy the tests validate the bootstrap with."""
@@ -102,7 +102,7 @@ def _status_is(code: int) -> dict:
 
 def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
     """HCM ``local_reply_config`` mappers that turn every failed gate call into a retryable 503 (tested per variant on
-    its Envoy version: tests/test_envoy_versions.py). ``edge``: ``ext_proc`` or ``ext_authz``.
+    its Envoy version: tests/gate/test_envoy_versions.py). ``edge``: ``ext_proc`` or ``ext_authz``.
 
     * ext_proc: the filter's ``status_on_error`` covers a gate that cannot be reached (503), but a gate that does not
       answer within ``message_timeout`` gets a hard-coded 504 (measured on 1.37.0, 1.39.0 and 1.40.0: details
@@ -654,7 +654,7 @@ EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
     # pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go
     "prefix-cache-scorer": frozenset({"prefixMatchInfoProducerName"}),
 }
-"""Plugin type -> the parameters the pinned EPP knows (tests/test_manifests.py checks every EPP config we render or
+"""Plugin type -> the parameters the pinned EPP knows (tests/manifests/test_manifests.py checks every EPP config we render or
 cite against it)."""
 
 
@@ -1405,7 +1405,7 @@ def _settings_yaml(s: GuideSettings) -> str:
     lines = [
         "# The ONE place for the names and limits this guide shares with your llm-d deployment.",
         "# After a change run `python3 manifests/generate.py`: it rewrites every file that uses them",
-        "# (tests/test_manifests.py checks that each file agrees with this one).",
+        "# (tests/manifests/test_manifests.py checks that each file agrees with this one).",
     ]
     for f in fields(GuideSettings):
         v = getattr(s, f.name)

@@ -35,7 +35,7 @@ def _one_line(r, code: int = 2) -> str:
 
 
 # ---------------------------------------------------------------- 1. config check accepts what the project writes
-# The inventory the demo writes: tests/test_stack_commands.py (the demo's stack is started by `up`'s launcher).
+# The inventory the demo writes: tests/local/test_stack_commands.py (the demo's stack is started by `up`'s launcher).
 
 
 def test_config_check_accepts_the_inventory_up_writes(tmp_path):

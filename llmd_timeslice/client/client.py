@@ -396,7 +396,7 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
 
 class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     """asyncio variant of :class:`TimeSliceOrchestratorClient`: the same public methods with the same parameters
-    (``tests/test_client_parity.py`` fails when they drift), awaitable where they call the orchestrator;
+    (``tests/client/test_client_parity.py`` fails when they drift), awaitable where they call the orchestrator;
     ``on_accelerators`` and ``on_both_groups`` are async context managers (``on_accelerators`` also a decorator of
     coroutine functions), and ``async with client:`` closes it.
 

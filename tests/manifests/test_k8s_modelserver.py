@@ -19,7 +19,7 @@ import yaml
 from llmd_timeslice.k8s_modelserver import SamplerSettings, sidecar_container, sidecar_volumes, transform
 from tests.support.cli import run_cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "modelserver"
 TP2 = FIXTURES / "optimized-baseline-ae9f98f12658.yaml"
 LISTED = FIXTURES / "optimized-baseline-05b03f75739f.yaml"

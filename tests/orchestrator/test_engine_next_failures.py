@@ -6,7 +6,7 @@ group's, through the real orchestrator, sidecars and gate over gRPC:
 3. an SGLang engine that comes back from a full release answering garbage, and an SGLang release while requests are
    still queued on the engine.
 
-LoRA adapters across sleep levels 1 and 2 run on real vLLM (tests/test_snapshot_vllm.py) and, for what the CPU build
+LoRA adapters across sleep levels 1 and 2 run on real vLLM (tests/snapshot/test_snapshot_vllm.py) and, for what the CPU build
 cannot play, here too.
 """
 
@@ -25,10 +25,10 @@ from llmd_timeslice.snapshot.backends.base import BackendError, EngineDead, Engi
 from llmd_timeslice.snapshot.backends.sglang import SglangBackend
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
+from tests.orchestrator.test_engine_field_failures import backend, fake_vllm, group  # noqa: F401 - pytest fixtures
+from tests.orchestrator.test_weight_sync import _audited_sampler_at_v1
 from tests.support.fake_engines import FakeSglang
 from tests.support.waits import until as _until
-from tests.test_engine_field_failures import backend, fake_vllm, group  # noqa: F401 - pytest fixtures
-from tests.test_weight_sync import _audited_sampler_at_v1
 
 # ---------------------------------------------------------------- 1. left paused after a wake
 

@@ -1,7 +1,7 @@
 """Weight versions through the real gRPC path (client -> orchestrator -> sidecar -> engine HTTP), with a
 vLLM HTTP look-alike: publish, load during the switch back, SERVING at the version on the gate, failures
 kept out of service and told to the publisher, per-job sleep level. The proof against real vLLM is in
-tests/test_vllm_weight_sync.py."""
+tests/snapshot/test_vllm_weight_sync.py."""
 
 from __future__ import annotations
 

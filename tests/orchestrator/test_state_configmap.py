@@ -12,8 +12,8 @@ from llmd_timeslice.discovery.kubernetes import make_api_client
 from llmd_timeslice.orchestrator.errors import StateConflict, StateNotSaved
 from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.orchestrator.test_orchestrator import LEASE_INV, RecordingActions
 from tests.support.kube_api import FakeKubeApi as FakeConfigMaps
-from tests.test_orchestrator import LEASE_INV, RecordingActions
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ from epp_plugin.envoy_config import (
 from llmd_timeslice import protocol
 from tests.support.envoy_versions import envoy_binary_of, makefile_extra_versions, wheel_version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
 GUIDE = MANIFESTS / "guides" / "time-slicing"
 CRD_SCHEMAS = MANIFESTS / "crd-schemas"
@@ -1722,7 +1722,7 @@ def test_each_variant_is_validated_with_the_envoy_it_runs_and_make_setup_install
 def test_gate_and_epp_connections_lift_envoys_outbound_flood_limits():
     """Every ext_proc stream Envoy ends sends one RST_STREAM, and Envoy closes an HTTP/2 connection whose queue of
     such frames passes ``max_outbound_control_frames`` (default 1,000): a release of 2,000 held requests to a
-    CPU-starved EPP failed hundreds of them that way (tests/test_gate_envoy.py). Every HTTP/2 cluster of every
+    CPU-starved EPP failed hundreds of them that way (tests/gate/test_gate_envoy.py). Every HTTP/2 cluster of every
     rendered Envoy config (the gate's and the EPP's) must allow more than a full hold queue (``max_held``)."""
     from epp_plugin.gate.pool_state import PoolState
 

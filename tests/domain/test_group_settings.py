@@ -16,7 +16,7 @@ from llmd_timeslice.domain.group_settings import SETTINGS_FIELDS, GroupSettings,
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.local.stack_file import StackFile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SETTINGS = {
     "sleep_level": 2,

@@ -170,7 +170,7 @@ def test_the_example_manifest_pins_the_vllm_that_make_test_vllm_older_runs():
 
     import yaml
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     older = re.search(r"^VLLM_OLDER_VERSION := (\S+)$", (repo / "Makefile").read_text(), re.M)
     assert older, "Makefile: no VLLM_OLDER_VERSION"
     example = repo / "manifests/guides/time-slicing/modelserver/example/llm-d-guide/vllm-sampler.yaml"

@@ -1,6 +1,6 @@
 """Snapshot backends against small fakes: a vLLM that lies, SGLang's dialect, the cuda-checkpoint CLI.
 
-Real vLLM is covered in tests/test_snapshot_vllm.py; these cover what it cannot show here
+Real vLLM is covered in tests/snapshot/test_snapshot_vllm.py; these cover what it cannot show here
 (an engine that answers 200 and does nothing, device memory, SGLang, cuda-checkpoint).
 """
 
@@ -20,7 +20,7 @@ from llmd_timeslice.snapshot.backends.sglang import SglangBackend
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend, nvml_memory_reader
 from tests.support.fake_engines import FakeSglang, FakeVllm
 
-FAKE_CLI = Path(__file__).parent / "support" / "fake_cuda_checkpoint.py"
+FAKE_CLI = Path(__file__).parents[1] / "support" / "fake_cuda_checkpoint.py"
 
 
 @pytest.fixture

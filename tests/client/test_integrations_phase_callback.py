@@ -28,7 +28,7 @@ from llmd_timeslice.client.integrations import (
 )
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
-from tests.test_orchestrator import RecordingActions
+from tests.orchestrator.test_orchestrator import RecordingActions
 
 TOKEN = "cb-token"
 INVENTORY = Inventory.model_validate(

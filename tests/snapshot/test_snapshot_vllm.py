@@ -222,7 +222,7 @@ async def test_lora_adapters_keep_their_greedy_tokens_across_a_level1_and_a_leve
     if not vllm_server.lora_adapters:
         pytest.skip(
             f"vLLM {vllm_server.engine_version} cannot reload weights with --enable-lora (fixed in 0.28), so the "
-            "session's server runs without adapters; the sidecar's fallback there: tests/test_vllm_capabilities.py"
+            "session's server runs without adapters; the sidecar's fallback there: tests/snapshot/test_vllm_capabilities.py"
         )
     b = VllmBackend(vllm_server.url, memory_reader=lambda: None)
     adapter_b = Path(vllm_server.lora_adapters[LORA_ADAPTERS[1]])

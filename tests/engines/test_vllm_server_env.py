@@ -1,5 +1,5 @@
 """The environment ``VllmServer`` gives vLLM: kept caches and the executor of the CPU defaults (no vLLM started here:
-the real servers of tests/test_snapshot_vllm.py and tests/test_stack_up.py run with it)."""
+the real servers of tests/snapshot/test_snapshot_vllm.py and tests/local/test_stack_up.py run with it)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from tests.support.fake_engines import FakeVllm
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "llmd_timeslice.cli"]
 GROUP = "rollout-group-on-a-shared-node"  # long names: a table cut at 80 columns would end them in '…'
 ENGINE = "sampler-with-a-rather-long-name-0"

@@ -13,8 +13,8 @@ vLLM start is most of this test's time):
 * a killed child reported and restarted;
 * a request held while a trainer holds the group answered 503 on ``down``, and no process left afterwards.
 
-Real vLLM's own sleep, wake and weight reloads are checked against the session's server (tests/test_snapshot_vllm.py,
-tests/test_vllm_phase_switch.py, tests/test_vllm_weight_sync.py); two vLLM engines started by one stack run in
+Real vLLM's own sleep, wake and weight reloads are checked against the session's server (tests/snapshot/test_snapshot_vllm.py,
+tests/snapshot/test_vllm_phase_switch.py, tests/snapshot/test_vllm_weight_sync.py); two vLLM engines started by one stack run in
 ``make demo``.
 """
 
@@ -41,7 +41,7 @@ from tests.support.prometheus import sample
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "llmd_timeslice.cli"]
 COMPLETION = {"model": SERVED_MODEL_NAME, "prompt": "the quick brown", "max_tokens": 4, "temperature": 0}
 ADMIN = ["/sleep?level=1", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/pause"]

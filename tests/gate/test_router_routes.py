@@ -3,7 +3,7 @@ through to an engine: the OpenAI API only.
 
 The engine here is :class:`FakeVllm`, which records every request it receives, so "never reached" is a
 fact read from its log, not inferred from a status code. The real-vLLM counterpart (the engines stay
-awake, through ``llmd-timeslice up``) is ``tests/test_stack_up.py``.
+awake, through ``llmd-timeslice up``) is ``tests/local/test_stack_up.py``.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from grpc_tools import protoc
 
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
-from tests.test_orchestrator import RecordingActions
+from tests.orchestrator.test_orchestrator import RecordingActions
 
-COMPAT = Path(__file__).parent / "compat"
+COMPAT = Path(__file__).parents[1] / "compat"
 INV = Inventory.model_validate(
     {
         "groups": [

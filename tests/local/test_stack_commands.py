@@ -16,7 +16,7 @@ from llmd_timeslice.local.stack_file import load_stack_file
 from llmd_timeslice.local.up import Stack
 from tests.support.cli import run_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _model(tmp_path: Path) -> Path:

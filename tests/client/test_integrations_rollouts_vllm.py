@@ -32,7 +32,7 @@ from tests.support.vllm import restore_initial_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "integrations-token"
 GROUP = "rollout"
 

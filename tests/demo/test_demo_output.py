@@ -8,7 +8,7 @@ from pathlib import Path
 
 from llmd_timeslice.demo.run import SUMMARY_LINES, _summary, summary_lines
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TITLE = re.compile(
     r"^llmd-timeslice demo: \d+ s in all = setup_s [\d.]+ \(tiny model, vLLM start-up, stack\) \+ "
     r"wall_s [\d.]+ \(stack up to the last answer: load and RL loop\) \+ stop$"

@@ -12,7 +12,7 @@ import yaml
 from llmd_timeslice.local.stack_file import StackError, load_stack_file
 from tests.support.cli import run_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path: Path, data: dict | str) -> Path:
