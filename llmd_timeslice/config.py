@@ -241,6 +241,23 @@ class GateSettings(_Section):
         "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
         "route timeout (the default fits `render-envoy`'s: hold 600 + generation 3600 + 60, plus 300).",
     )
+    objectives: Annotated[Path | None, Flag(metavar="FILE")] = Field(
+        None,
+        description="YAML file with `objectives` (InferenceObjectives: name, pool, priority, max_hold_s) and "
+        '`priority_bands` (priority, max_hold_s, hold_deadline_s) (docs/gate.md, "Priority bands"). Unset and '
+        "`objectives_from_kubernetes` off: the `x-gateway-inference-objective` header is ignored.",
+    )
+    objectives_from_kubernetes: bool = Field(
+        False,
+        description="Read the InferenceObjective objects of the gate's pools (list + watch, "
+        "`inference.networking.x-k8s.io/v1alpha2`) in `objectives_namespace`; bands still come from `objectives`.",
+    )
+    objectives_namespace: str | None = Field(
+        None, description="Namespace of the InferenceObjective objects (unset: the gate's own, else `default`)."
+    )
+    kubeconfig: Path | None = Field(
+        None, description="Kubeconfig outside a cluster, for `objectives_from_kubernetes` (unset: in-cluster config)."
+    )
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()

@@ -20,7 +20,7 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from epp_plugin.gate import ext_authz, metrics
 from epp_plugin.gate.access_log import GateAccessLogService
@@ -35,6 +35,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as state_pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as state_grpc
 from llmd_timeslice.config import GateSettings, Port
+from llmd_timeslice.domain.objectives import Objectives, PoolPriorities, load_objectives_file
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,12 @@ class GateConfig(GateSettings):
     token: str | None = Field(
         None, repr=False, exclude=True, description="Bearer token for the control port and the orchestrator."
     )
+    priorities: Objectives | None = Field(
+        None,
+        exclude=True,
+        description="Objectives and priority bands (the `objectives` file, read; None: the objective header is "
+        "ignored unless `objectives_from_kubernetes`).",
+    )
     failed_endpoint_hold_s: float = Field(
         5.0,
         ge=0,
@@ -61,10 +68,33 @@ class GateConfig(GateSettings):
         "unless the orchestrator publishes a new state for it first (0: until it does).",
     )
 
+    @model_validator(mode="after")
+    def _priorities_fit(self) -> GateConfig:
+        if self.priorities is not None:
+            problems = self.priorities.check(self.max_hold_s)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
     @classmethod
     def from_settings(cls, settings: GateSettings, token: str | None) -> GateConfig:
-        """The configuration of a gate run from ``settings`` (as validated by ``llmd-timeslice gate``)."""
-        return cls.model_validate({**settings.model_dump(), "token": token})
+        """The configuration of a gate run from ``settings`` (as validated by ``llmd-timeslice gate``); reads the
+        ``objectives`` file.
+
+        Raises:
+            ObjectivesError: the objectives file is unusable (one line per problem).
+            FileNotFoundError: no such objectives file.
+        """
+        priorities = None
+        if settings.objectives is not None:
+            priorities = load_objectives_file(settings.objectives, settings.max_hold_s)
+        return cls.model_validate({**settings.model_dump(), "token": token, "priorities": priorities})
+
+    def pool_priorities(self, pool: str) -> PoolPriorities | None:
+        """What pool ``pool`` knows of objectives and bands (None: objectives off)."""
+        if self.priorities is None and not self.objectives_from_kubernetes:
+            return None
+        return (self.priorities or Objectives()).for_pool(pool, self.default_pool, self.max_hold_s)
 
 
 class GateServer:
@@ -102,7 +132,11 @@ class GateServer:
             max_held=self.config.max_held,
             max_hold_s=self.config.max_hold_s,
             release_rate_per_s=self.config.release_rate_per_s,
+            priorities=self.config.pool_priorities(name),
         )
+        subscription = getattr(self, "subscription", None)
+        if subscription is not None:
+            subscription.watch_pool(pool)
         directory = getattr(self, "directory", None)  # pools made in __init__ are wired once it exists
         if directory is not None:
             pool.on_change = directory.refresh
