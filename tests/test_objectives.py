@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.cli import run_cli
+
 from epp_plugin import protocol
 from llmd_timeslice.domain.objectives import (
     INT32_MAX,
@@ -121,3 +123,19 @@ def test_an_inference_objective_object_reads_as_the_api_server_returns_it():
         )
     with pytest.raises(ObjectivesError, match=r"spec\.poolRef\.name: required"):
         objective_from_k8s({"metadata": {"name": "x"}, "spec": {}})
+
+
+def test_gate_flag_objectives_is_in_the_help_and_a_bad_file_is_one_line_and_exit_2(tmp_path):
+    r = run_cli("gate", "--help")
+    assert r.returncode == 0 and "--objectives FILE" in r.stdout and "--objectives-from-kubernetes" in r.stdout
+    f = tmp_path / "objectives.yaml"
+    f.write_text("priority_bands:\n  - priority: 10\n    hold_deadline_s: -1\n")
+    r = run_cli("gate", "--objectives", str(f), "--metrics-port", "0")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"llmd-timeslice: error: {f}: priority_bands[0].hold_deadline_s: Input should be greater than 0"], r.stderr
+    f.write_text("priority_bands:\n  - priority: 10\n    hold_deadline_s: 700\n")
+    r = run_cli("gate", "--objectives", str(f), "--max-hold-s", "600")
+    assert r.returncode == 2 and "hold_deadline_s: 700 is above the band's longest hold 600 s" in r.stderr, r.stderr
+    r = run_cli("gate", "--objectives", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "missing.yaml" in r.stderr and "Traceback" not in r.stderr

@@ -146,11 +146,18 @@ class Objectives(_Strict):
             bands[b.priority] = i
         return self
 
-    def check(self, max_hold_s: float) -> list[str]:
-        """Problems against a gate whose ``max_hold_s`` is given: a band's or an objective's longest hold above it
-        (Envoy's check and route timeouts are rendered from the gate's), a hold deadline above the band's longest
-        hold. One line each."""
+    def check(self, max_hold_s: float, default_pool: str | None = None) -> list[str]:
+        """Problems against a gate whose ``max_hold_s`` (and ``default_pool``) is given: a band's or an objective's
+        longest hold above it (Envoy's check and route timeouts are rendered from the gate's), a hold deadline above
+        the band's longest hold, an objective without a pool named twice in the default pool. One line each."""
         out = []
+        if default_pool is not None:
+            seen: dict[tuple[str, str], int] = {}
+            for i, o in enumerate(self.objectives):
+                key = (o.pool or default_pool, o.name)
+                if key in seen and (o.pool is None) != (self.objectives[seen[key]].pool is None):
+                    out.append(f"objectives[{i}]: objective {o.name!r} of pool {key[0]!r} is also objectives[{seen[key]}]")
+                seen.setdefault(key, i)
         for i, b in enumerate(self.priority_bands):
             if b.max_hold_s is not None and b.max_hold_s > max_hold_s:
                 out.append(
@@ -246,9 +253,9 @@ def load_objectives(data: Any, source: str = "objectives") -> Objectives:
         raise ObjectivesError(yaml_files.validation_lines(exc, Objectives), source) from None
 
 
-def load_objectives_file(path: str | Path, max_hold_s: float | None = None) -> Objectives:
+def load_objectives_file(path: str | Path, max_hold_s: float | None = None, default_pool: str | None = None) -> Objectives:
     """Read and validate an objectives file (``llmd-timeslice gate --objectives FILE``); with ``max_hold_s`` (the
-    gate's) also :meth:`Objectives.check`.
+    gate's, and its ``default_pool``) also :meth:`Objectives.check`.
 
     Raises:
         FileNotFoundError: no such file.
@@ -264,7 +271,7 @@ def load_objectives_file(path: str | Path, max_hold_s: float | None = None) -> O
         raise ObjectivesError([yaml_files.error_text(exc)], str(path)) from None
     objectives = load_objectives(data, str(path))
     if max_hold_s is not None:
-        problems = objectives.check(max_hold_s)
+        problems = objectives.check(max_hold_s, default_pool)
         if problems:
             raise ObjectivesError(problems, str(path))
     return objectives

@@ -215,6 +215,12 @@ class Stack:
             listen=(p.orchestrator, p.orchestrator_metrics),
         )
         pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
+        objectives = self.sf.gate_objectives()
+        objectives_flag: list[str] = []
+        if objectives is not None:  # the stack file's objectives / priority_bands sections, as the gate's file
+            objectives_file = self.workdir / "objectives.yaml"
+            objectives_file.write_text(yaml.safe_dump(objectives.model_dump(mode="json", exclude_none=True), sort_keys=False))
+            objectives_flag = ["--objectives", str(objectives_file)]
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
         # entries must never end a request the route may still be serving (docs/gate.md, "Completions").
         route_timeout = route_timeout_s(s.max_hold_s, s.generation_timeout_s)
@@ -243,6 +249,7 @@ class Stack:
                 "--lost-completion-after-s",
                 f"{lost_completion_after_s(route_timeout):g}",
                 *pools,
+                *objectives_flag,
                 *tok,
             ),
             self.logdir / "gate.log",
