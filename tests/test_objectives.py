@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.cli import run_cli
-
 from epp_plugin import protocol
 from llmd_timeslice.domain.objectives import (
     INT32_MAX,
@@ -18,6 +16,7 @@ from llmd_timeslice.domain.objectives import (
     load_objectives_file,
     objective_from_k8s,
 )
+from tests.support.cli import run_cli
 
 
 def test_a_pool_gets_its_objectives_and_every_band_with_defaults_from_the_gate():

@@ -228,7 +228,7 @@ class ObjectiveWatch:
             retry=retry_if_exception_type(Exception),
             reraise=True,
             stop=lambda state: self._stopping.is_set(),
-            sleep=self._stopping.wait,
+            sleep=self._pause,
             wait=wait_exponential_jitter(multiplier=self.backoff_s, max=self.backoff_max_s, jitter=self.backoff_s),
             before_sleep=self._retrying_in,
         )
@@ -237,6 +237,9 @@ class ObjectiveWatch:
                 retrying(self._round)
             except Exception:
                 return
+
+    def _pause(self, seconds: float) -> None:
+        self._stopping.wait(seconds)  # stop() ends the wait
 
     @staticmethod
     def _retrying_in(state: RetryCallState) -> None:

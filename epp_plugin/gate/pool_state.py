@@ -378,10 +378,13 @@ class PoolState:
         if self.closed:
             self.refused_total += 1
             raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
-        if self._held:
-            return self._shed(objective)
-        candidates = self.serving(min_version)
-        return self._start(candidates, 0.0) if candidates else self._shed(objective)
+        if not self._held:
+            candidates = self.serving(min_version)
+            if candidates:
+                return self._start(candidates, 0.0)
+        if objective is not None:
+            self._shed(objective)
+        return None
 
     def _shed(self, objective: ObjectiveClass | None) -> None:
         """The request must wait: refuse it now when it is sheddable and the pool has no SERVING endpoint."""
@@ -409,8 +412,9 @@ class PoolState:
         if adm is not None:
             return adm
         candidates = self.serving(min_version)
-        if objective is None:
-            band, hold_s, name = self._band0, self._band0.max_hold_s, ""
+        if objective is None:  # band 0: the pool's max_hold_s unless band 0 is declared
+            band, name = self._band0, ""
+            hold_s = band.max_hold_s if self.priorities is not None and 0 in self.priorities.bands else self.max_hold_s
         else:
             band, hold_s, name = objective.band, objective.max_hold_s, objective.name
         held = self.held
