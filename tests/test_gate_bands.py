@@ -155,6 +155,31 @@ async def test_status_and_metrics_show_held_per_band():
     )
 
 
+async def test_llmd_timeslice_status_prints_held_per_band(monkeypatch):
+    from rich.console import Console
+
+    from llmd_timeslice.status import print_status
+
+    monkeypatch.delenv("LLMD_TIMESLICE_TOKEN", raising=False)
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, priorities=PRIORITIES, max_hold_s=30))
+    await gate.start()
+    try:
+        pool = gate.pools["default"]
+        pool.set_states([(E, A, 0)])
+        held = [asyncio.create_task(pool.admit(0, pool.objective("eval"))), asyncio.create_task(pool.admit())]
+        await asyncio.sleep(0.05)
+        console = Console(record=True, width=200)
+        await asyncio.to_thread(print_status, "127.0.0.1:1", [f"127.0.0.1:{gate.control_port}"], None, console)
+        text = console.export_text()
+        rows = [line for line in text.splitlines() if "default" in line and "0.5" in line]
+        assert "priority bands" in text and rows, text
+        assert rows[0].split("│")[2].strip() == "10" and rows[0].split("│")[3].strip() == "1", rows
+        pool.set_states([(E, S, 0)])
+        await asyncio.gather(*held)
+    finally:
+        await gate.stop()
+
+
 # ------------------------------------------------------------------------------ HoldPressure on the state stream
 class RecordingOrchestrator(spb_grpc.GateStateServiceServicer):
     """The orchestrator's side of ``GateStateService.Connect`` over real gRPC: a full snapshot, keepalives, and
@@ -255,7 +280,7 @@ def _headers(objective: str | None) -> dict:
 
 async def test_envoy_held_requests_come_back_highest_band_first(banded, upstream):
     pool = banded.pool()
-    pool.release_rate_per_s = 0
+    pool.release_rate_per_s, pool.release_burst = 4, 1  # one release every 0.25 s: the answers come back in its order
     pool.set_states([(upstream.address, A, 0)])
     done: list[str] = []
     async with httpx.AsyncClient(timeout=30) as c:
@@ -273,7 +298,7 @@ async def test_envoy_held_requests_come_back_highest_band_first(banded, upstream
         pool.set_states([(upstream.address, S, 0)])
         await asyncio.gather(*tasks)
     assert pool.band_stats[10].released_total == 1 and pool.band_stats[0].released_total == 2
-    assert done[0] == "eval", f"the eval band's request must be released first: {done}"
+    assert done == ["eval", "canary", "plain", "rollout"], f"highest band first, FIFO within band 0: {done}"
 
 
 async def test_envoy_sheddable_is_refused_while_asleep_and_served_while_serving(banded, upstream):

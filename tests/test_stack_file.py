@@ -323,3 +323,24 @@ def test_route_timeout_fits_a_hold_then_the_longest_generation(tmp_path, stack, 
     (gate,) = [c for stage in stages for c in stage if c.name == "gate"]
     lost = float(gate.argv[gate.argv.index("--lost-completion-after-s") + 1])
     assert lost > route_s
+
+
+def test_up_passes_the_objectives_sections_to_the_gate_it_starts(tmp_path):
+    """``up`` writes the stack file's objectives / priority_bands as the gate's --objectives file; without them the
+    gate gets no such flag (the header is ignored)."""
+    from llmd_timeslice.config import GateSettings
+    from llmd_timeslice.domain.objectives import load_objectives_file
+    from llmd_timeslice.local.up import Stack
+
+    d = _base()
+    d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": "http://127.0.0.1:7001"}]
+    sf = load_stack_file(_write(tmp_path, d))
+    stages = Stack(sf, tmp_path, workdir=tmp_path / "work").prepare()
+    gate = next(c for st in stages for c in st if c.name == "gate")
+    f = Path(gate.argv[gate.argv.index("--objectives") + 1])
+    assert load_objectives_file(f, sf.stack.max_hold_s) == sf.gate_objectives()
+    assert GateSettings(objectives=f).objectives == f
+    del d["objectives"], d["priority_bands"]
+    sf = load_stack_file(_write(tmp_path, d))
+    stages = Stack(sf, tmp_path, workdir=tmp_path / "work2").prepare()
+    assert "--objectives" not in next(c for st in stages for c in st if c.name == "gate").argv

@@ -110,14 +110,18 @@ class PoolCollector(Collector):
         )
         for name, pool in self._pools():
             held.add_metric([name], pool.held)
+            # Band 0 (requests without an objective) always, so every pool's series exist from the start; other
+            # bands once they hold, declare a deadline or have counts.
             by_band = pool.held_by_band()
-            for band in {*by_band, *(b.priority for b in pool.deadline_bands())}:
+            stats = dict(pool.band_stats)
+            for band in sorted({0, *by_band, *stats, *(b.priority for b in pool.deadline_bands())}):
                 band_held.add_metric([name, str(band)], by_band.get(band, 0))
-            for band, st in list(pool.band_stats.items()):
-                band_released.add_metric([name, str(band)], st.released_total)
-                for reason, n in list(st.refused_total.items()):
+            for band in sorted({0, *stats}):
+                st = stats.get(band)
+                band_released.add_metric([name, str(band)], st.released_total if st is not None else 0)
+                band_misses.add_metric([name, str(band)], st.deadline_misses_total if st is not None else 0)
+                for reason, n in list(st.refused_total.items()) if st is not None else ():
                     band_refused.add_metric([name, str(band), reason], n)
-                band_misses.add_metric([name, str(band)], st.deadline_misses_total)
             admitted.add_metric([name], pool.admitted_total)
             released.add_metric([name], pool.released_total)
             epoch.add_metric([name], pool.epoch)
