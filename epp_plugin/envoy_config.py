@@ -366,7 +366,9 @@ def authz_filter(
             "@type": AUTHZ_TYPE,
             "http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks, retries=retries),
             # From the client: only what the gate reads (plus Envoy's fixed host/method/path); not its credentials.
-            "allowed_headers": {"patterns": [{"exact": protocol.MIN_WEIGHT_VERSION_HEADER}]},
+            "allowed_headers": {
+                "patterns": [{"exact": protocol.MIN_WEIGHT_VERSION_HEADER}, {"exact": protocol.OBJECTIVE_HEADER}]
+            },
             "disallowed_headers": {"patterns": [{"exact": "authorization"}]},
             "failure_mode_allow": failure_mode_allow,
             # Gate unreachable or crashed: 503 (retryable) at once, never an unsteered request to a sleeping engine.

@@ -104,7 +104,13 @@ def gate(settings: GateSettings, token_file: Path | None) -> None:
     _metrics(settings.metrics_port, settings.host)
     _raise_open_file_limit()
     cfg = GateConfig.from_settings(settings, token=load_token(token_file))
-    _run_uvloop(lambda: serve(cfg, tls.from_env()))
+    from llmd_timeslice.discovery.kubernetes import KubernetesError
+
+    try:
+        _run_uvloop(lambda: serve(cfg, tls.from_env()))
+    except KubernetesError as exc:  # --objectives-from-kubernetes: the InferenceObjectives could not be listed
+        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @settings_command(app, "picker", short_help="Run the EPP-protocol endpoint picker.")

@@ -17,6 +17,10 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 DESTINATION_SERVED_KEY = "x-gateway-destination-endpoint-served"
 
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""Request header naming the request's InferenceObjective (Gateway API Inference Extension, ``release-1.5``
+commit 1e46715cf4e1, ``pkg/epp/metadata/consts.go``, ``ObjectiveKey``; :mod:`llmd_timeslice.domain.objectives`)."""
+
 # Project names (not upstream).
 POOL_METADATA_KEY = "x-llmd-timeslice-pool"
 """gRPC initial metadata key that Envoy sends with each ext_proc stream (grpc_service.initial_metadata)."""

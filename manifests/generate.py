@@ -1572,8 +1572,69 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
                 components=["../sampler", "../trainer", "../shared-accelerator"],
             ),
         ),
+        "components/gate-objectives/kustomization.yaml": _doc(
+            "Optional: the replicated gate reads the InferenceObjectives of its pools from the Kubernetes API\n"
+            "(--objectives-from-kubernetes: list + watch, in its own namespace), so a request's\n"
+            'x-gateway-inference-objective header picks its priority band (docs/gate.md, "Priority bands").\n'
+            "Needs the InferenceObjective CRD (inference.networking.x-k8s.io/v1alpha2) installed. Add it to an\n"
+            "overlay that keeps base's gate Deployment: components: [../../components/gate-objectives]",
+            gate_objectives_component(),
+        ),
+        "components/gate-objectives/rbac.yaml": _doc(
+            "What the gate needs to read InferenceObjectives, and nothing else: get/list/watch on them in its own\n"
+            "namespace (Role, not ClusterRole).",
+            *gate_objectives_rbac(),
+        ),
     }
     return {guide / k: v for k, v in out.items()}
+
+
+GATE_SERVICE_ACCOUNT = "llmd-timeslice-gate"
+INFERENCE_OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+
+
+def gate_objectives_rbac() -> list[dict]:
+    """Role + RoleBinding: ``get``/``list``/``watch`` on ``inferenceobjectives`` only, for the gate's ServiceAccount."""
+    labels = {"app.kubernetes.io/name": "llmd-timeslice", "app.kubernetes.io/component": "gate"}
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "llmd-timeslice-gate-objectives", "labels": labels},
+            "rules": [
+                {
+                    "apiGroups": [INFERENCE_OBJECTIVE_GROUP],
+                    "resources": ["inferenceobjectives"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "llmd-timeslice-gate-objectives", "labels": labels},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llmd-timeslice-gate-objectives"},
+            "subjects": [{"kind": "ServiceAccount", "name": GATE_SERVICE_ACCOUNT}],
+        },
+    ]
+
+
+def gate_objectives_component() -> dict:
+    """The gate Deployment with ``--objectives-from-kubernetes`` and a ServiceAccount token (it calls the API now)."""
+    return _component(
+        resources=["rbac.yaml"],
+        patches=[
+            {
+                "target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-gate"},
+                "patch": _json_patch(
+                    [
+                        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--objectives-from-kubernetes"},
+                        {"op": "replace", "path": "/spec/template/spec/automountServiceAccountToken", "value": True},
+                    ]
+                ),
+            }
+        ],
+    )
 
 
 def render_tree(s: GuideSettings, dest: Path) -> Path:

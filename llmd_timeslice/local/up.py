@@ -198,6 +198,7 @@ class Stack:
             start_timeout_s=300.0,
             listen=(p.orchestrator, p.orchestrator_metrics),
         )
+        cmds.write_objectives()
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
         # entries must never end a request the route may still be serving (docs/gate.md, "Completions"): both
         # come from StackCommands.

@@ -25,6 +25,15 @@ def _base() -> dict:
     return yaml.safe_load((REPO / "examples" / "cpu-stack.yaml").read_text())
 
 
+def test_the_objectives_sections_become_the_gates_objectives():
+    sf = load_stack_file(REPO / "examples" / "cpu-stack.yaml")
+    objectives = sf.gate_objectives()
+    assert objectives is not None
+    pp = objectives.for_pool("default", "default", sf.stack.max_hold_s)
+    assert pp.objectives["eval"].band.hold_deadline_s == 5 and pp.objectives["judge"].max_hold_s == 60
+    assert pp.objectives["best-effort"].band.sheddable
+
+
 def test_cpu_example_loads_and_gives_the_orchestrator_inventory():
     sf = load_stack_file(REPO / "examples" / "cpu-stack.yaml")
     inv = sf.inventory()
@@ -87,6 +96,37 @@ def test_gpu_example_is_valid_except_for_the_model_it_cannot_find_here():
             lambda d: d["pools"].append({"name": "other", "path_prefix": "/"}),
             "pools[1] (other).path_prefix: pools after the first need a path prefix starting with '/', other than '/'",
         ),
+        (
+            "objective_unknown_pool",
+            lambda d: d["objectives"][0].update(pool="nope"),
+            "objectives[0] (eval).pool: unknown pool 'nope'; declared: ['default']",
+        ),
+        (
+            "objective_twice",
+            lambda d: d["objectives"].append({"name": "eval", "priority": 1}),
+            "objectives[4]: objective 'eval' of pool 'default' is also objectives[0]",
+        ),
+        (
+            "objective_huge_priority",
+            lambda d: d["objectives"][0].update(priority=2**31),
+            "objectives[0].priority: Input should be less than or equal to 2147483647",
+        ),
+        (
+            "band_deadline_zero",
+            lambda d: d["priority_bands"][0].update(hold_deadline_s=0),
+            "priority_bands[0].hold_deadline_s: Input should be greater than 0",
+        ),
+        (
+            "band_deadline_above_its_hold",
+            lambda d: d["priority_bands"][0].update(hold_deadline_s=121),
+            "priority_bands[0]: hold_deadline_s 121 is above the band's max_hold_s 120",
+        ),
+        (
+            "band_hold_above_the_stacks",
+            lambda d: d["priority_bands"][0].update(max_hold_s=900, hold_deadline_s=None),
+            "priority_bands[0].max_hold_s: 900 is above the gate's max_hold_s 120",
+        ),
+        ("band_max_hold_zero", lambda d: d["priority_bands"][0].update(max_hold_s=0), "priority_bands[0].max_hold_s: Input"),
     ],
 )
 def test_bad_stack_file_gets_a_message_naming_the_field(tmp_path, case, mutate, message):
@@ -151,7 +191,10 @@ async def test_stop_wakes_engines_the_stack_did_not_start(tmp_path):
             lambda d: d["engines"][0]["vllm"].update(modle="x"),
             "engines[0].vllm.modle: unknown key (did you mean engines[0].vllm.model?)",
         ),
-        (lambda d: d.update(gate={"max_hold_s": 3}), "gate: unknown key (known here: stack, pools, groups, jobs, engines)"),
+        (
+            lambda d: d.update(gate={"max_hold_s": 3}),
+            "gate: unknown key (known here: stack, pools, groups, jobs, engines, objectives, priority_bands)",
+        ),
     ],
     ids=["stack.max_hold", "stack.ports.routr", "groups.sleep_levl", "engines.sidecar_prot", "engines.vllm.modle", "gate"],
 )
@@ -280,3 +323,24 @@ def test_route_timeout_fits_a_hold_then_the_longest_generation(tmp_path, stack, 
     (gate,) = [c for stage in stages for c in stage if c.name == "gate"]
     lost = float(gate.argv[gate.argv.index("--lost-completion-after-s") + 1])
     assert lost > route_s
+
+
+def test_up_passes_the_objectives_sections_to_the_gate_it_starts(tmp_path):
+    """``up`` writes the stack file's objectives / priority_bands as the gate's --objectives file; without them the
+    gate gets no such flag (the header is ignored)."""
+    from llmd_timeslice.config import GateSettings
+    from llmd_timeslice.domain.objectives import load_objectives_file
+    from llmd_timeslice.local.up import Stack
+
+    d = _base()
+    d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": "http://127.0.0.1:7001"}]
+    sf = load_stack_file(_write(tmp_path, d))
+    stages = Stack(sf, tmp_path, workdir=tmp_path / "work").prepare()
+    gate = next(c for st in stages for c in st if c.name == "gate")
+    f = Path(gate.argv[gate.argv.index("--objectives") + 1])
+    assert load_objectives_file(f, sf.stack.max_hold_s) == sf.gate_objectives()
+    assert GateSettings(objectives=f).objectives == f
+    del d["objectives"], d["priority_bands"]
+    sf = load_stack_file(_write(tmp_path, d))
+    stages = Stack(sf, tmp_path, workdir=tmp_path / "work2").prepare()
+    assert "--objectives" not in next(c for st in stages for c in st if c.name == "gate").argv

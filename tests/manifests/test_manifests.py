@@ -1826,3 +1826,38 @@ def test_readme_clean_up_rolls_back_and_restores_the_backups():
     for backup in ("ts-backup-modelserver.yaml", "ts-backup-gateway-parameters.yaml"):
         assert f"llmd-timeslice k8s restore {backup} | kubectl replace -f -" in code, backup
     assert "${REPO_ROOT}" not in code, "nothing of the upstream guide is re-applied over what the user ran"
+
+
+def test_gate_objectives_component_grants_only_get_list_watch_on_inference_objectives(tmp_path):
+    """The optional component (issue 26): the replicated gate with --objectives-from-kubernetes, a ServiceAccount
+    token, and RBAC for InferenceObjectives only."""
+    tree = gen.render_tree(S, tmp_path / "guide")
+    over = tree / "gate-objectives-test"
+    over.mkdir()
+    (over / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": S.namespace,
+                "resources": ["../base"],
+                "components": ["../components/gate-objectives"],
+            }
+        )
+    )
+    docs = kustomize(over)
+    role = find(docs, "Role", "llmd-timeslice-gate-objectives")
+    assert role["rules"] == [
+        {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"], "verbs": ["get", "list", "watch"]}
+    ]
+    binding = find(docs, "RoleBinding", "llmd-timeslice-gate-objectives")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llmd-timeslice-gate", "namespace": S.namespace}]
+    gate = find(docs, "Deployment", "llmd-timeslice-gate")["spec"]["template"]["spec"]
+    assert gate["automountServiceAccountToken"] is True and gate["serviceAccountName"] == "llmd-timeslice-gate"
+    assert "--objectives-from-kubernetes" in gate["containers"][0]["args"]
+    assert not find(built("base"), "Deployment", "llmd-timeslice-gate")["spec"]["template"]["spec"][
+        "automountServiceAccountToken"
+    ], "without the component the gate calls no Kubernetes API"
+    from llmd_timeslice.domain.objectives import GROUP, PLURAL
+
+    assert (role["rules"][0]["apiGroups"], role["rules"][0]["resources"]) == ([GROUP], [PLURAL])
