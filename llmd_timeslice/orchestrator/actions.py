@@ -48,7 +48,6 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.sidecar_stream import (
-    KEEPALIVE_OPTIONS,
     OperationRefused,
     OperationStream,
     StreamBroken,
@@ -143,7 +142,7 @@ class GrpcSwitchActions(SwitchActions):
             # UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
             # The token goes as call metadata (self._md), not through an interceptor: grpc.aio runs an intercepted
             # call as an extra task, a measurable share of a switch's CPU per sampler (docs/decisions.md).
-            ch = self._channels[target] = tls.aio_channel(target, self._tls, options=list(KEEPALIVE_OPTIONS))
+            ch = self._channels[target] = tls.aio_channel(target, self._tls)
         return ch
 
     async def close(self) -> None:

@@ -9,8 +9,10 @@ message each way: the command, and the event the sidecar sends when the operatio
 The stream is opened on first use and again after it broke. Opening waits for the channel to be ready (a sidecar
 that is reconnecting gets ``open_timeout_s``), then for the sidecar's initial metadata, sent as its handler starts:
 a dead sidecar fails the command after ``open_timeout_s``, as the unary start call's deadline did. A stream that
-breaks (the sidecar stopped or restarted; the channel's keepalive pings, every :data:`KEEPALIVE_OPTIONS`, notice a
-black-holed peer) fails every command waiting on it with :class:`StreamBroken`. A sidecar without the method
+breaks (the sidecar stopped or restarted) fails every command waiting on it with :class:`StreamBroken`. No keepalive
+pings: with them (5 s) a sidecar's server answered GOAWAY ``too_many_pings`` under load (seen once in
+tests/faults/test_orchestrator_failover.py), failing a switch; so a sidecar that goes silent without closing its
+connection is caught by each command's own timeout, as a ``WaitOperationResult`` to it was. A sidecar without the method
 (an older release: UNIMPLEMENTED) raises :class:`StreamUnsupported` and is not asked again; the caller uses the
 unary calls.
 """
@@ -30,13 +32,6 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 
 log = logging.getLogger(__name__)
-
-KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 5000),  # transport pings while a stream is open: a dead TCP peer ends it
-    ("grpc.keepalive_timeout_ms", 3000),
-)
-"""Channel options of a sidecar channel that carries an operation stream (the sidecar's server permits pings every
-second: llmd_timeslice/grpc_server.py)."""
 
 
 class StreamBroken(Exception):
@@ -108,7 +103,7 @@ class OperationStream:
     """The operation stream to one sidecar.
 
     Args:
-        stub: the sidecar's ``SnapshotOperationsService`` stub (its channel should carry :data:`KEEPALIVE_OPTIONS`).
+        stub: the sidecar's ``SnapshotOperationsService`` stub.
         metadata: call metadata of the stream (the bearer token).
         open_timeout_s: most seconds to wait for a stream to open (channel ready and the sidecar's answer).
     """
