@@ -69,7 +69,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"

@@ -36,7 +36,7 @@ REPO = ROOT.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from epp_plugin import envoy_config, protocol  # noqa: E402
+from epp_plugin import envoy_config  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
     ADMIN_PATHS_UNDER_API,
@@ -60,7 +60,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     router_filter,
     subset_hint_filter,
 )
-from llmd_timeslice import k8s_modelserver, yaml_files  # noqa: E402
+from llmd_timeslice import k8s_modelserver, protocol, yaml_files  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"

@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
-from llmd_timeslice.integrations import AsyncRoleLocks, RoleLocks
+from llmd_timeslice.client.integrations import AsyncRoleLocks, RoleLocks
 
 ASYNC_NAME = {"__enter__": "__aenter__", "__exit__": "__aexit__"}
 """A sync method and its asyncio counterpart under another name."""

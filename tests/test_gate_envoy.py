@@ -17,8 +17,8 @@ import aiohttp
 import httpx
 import pytest
 
-from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
+from llmd_timeslice import protocol
 from tests.support.router import ALL_CHAINS, EDGES, start_router
 from tests.support.upstream import UpstreamServer
 from tests.support.waits import until as _until

@@ -16,13 +16,13 @@ import port_for
 import pytest
 from google.protobuf import struct_pb2
 
-from epp_plugin import protocol
 from epp_plugin.envoy_config import EnvoyRouterConfig, render_bootstrap
 from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.ext_authz import refusal_answer, subset_hint_value
 from epp_plugin.gate.pool_state import EndpointState, HoldExpired, PoolState
 from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice import protocol
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.one_sampler import one_sampler

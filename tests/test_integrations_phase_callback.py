@@ -15,8 +15,7 @@ import time
 import pytest
 
 from llmd_timeslice.client import AcquireTimeout, AsyncTimeSliceOrchestratorClient, LeaseLost, TimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
-from llmd_timeslice.integrations import (
+from llmd_timeslice.client.integrations import (
     AsyncRoleLocks,
     AsyncTimesliceCallback,
     LockOrderError,
@@ -27,6 +26,7 @@ from llmd_timeslice.integrations import (
     UnknownRole,
     phase,
 )
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.test_orchestrator import RecordingActions
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from llmd_timeslice.discovery.static import Inventory
-from llmd_timeslice.integrations import TimesliceCallback, TimeSliceRollouts
+from llmd_timeslice.client.integrations import TimesliceCallback, TimeSliceRollouts
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.conftest import ARTIFACTS, LoopThread
+from tests.conftest import LoopThread
+from tests.support.artifacts import ARTIFACTS
 from tests.support.router import start_router
 from tests.support.vllm import restore_initial_weights
 
@@ -151,7 +152,7 @@ def _every_kind(rollouts: TimeSliceRollouts, sync, model: str, tag: str) -> list
 def test_openai_sdk_rollouts_across_two_training_phases_are_never_older_than_asked(stack, env):
     import openai
 
-    from epp_plugin import protocol
+    from llmd_timeslice import protocol
 
     cb = TimesliceCallback()  # the upstream environment contract
     assert cb.locks.router_mode

@@ -19,9 +19,9 @@ import time
 import httpx
 import pytest
 
-from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
-from llmd_timeslice.integrations import GateRetryPolicy, TimeSliceRollouts
+from llmd_timeslice import protocol
+from llmd_timeslice.client.integrations import GateRetryPolicy, TimeSliceRollouts
 from tests.support.fake_engines import FakeVllm
 from tests.support.router import start_router
 

@@ -32,7 +32,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from epp_plugin import protocol
 from epp_plugin.envoy_config import (
     EXT_PROC_TYPE,
     HCM_TYPE,
@@ -47,6 +46,7 @@ from epp_plugin.envoy_config import (
     render_bootstrap,
     subset_hint_filter,
 )
+from llmd_timeslice import protocol
 from tests.support.envoy_versions import envoy_binary_of, makefile_extra_versions, wheel_version
 
 REPO = Path(__file__).resolve().parent.parent

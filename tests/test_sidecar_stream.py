@@ -14,10 +14,11 @@ import pytest
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
+from llmd_timeslice.domain.group_settings import SamplerEndpoint
+from llmd_timeslice.domain.switches import SamplerStepFailed, StepFault
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.sidecar_stream import OperationStream, StreamBroken
-from llmd_timeslice.orchestrator.switch import SamplerEndpoint, SamplerStepFailed, StepFault
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm

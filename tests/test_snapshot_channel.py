@@ -12,13 +12,13 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from llmd_timeslice.client.workload import WorkloadClient
 from llmd_timeslice.snapshot.backends.base import SnapshotBackend, SuspendMode, SuspendResult
 from llmd_timeslice.snapshot.backends.sglang import SglangBackend
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.channel import WorkloadChannelBackend, WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.snapshot.server import SidecarServer
-from llmd_timeslice.snapshot.workload import WorkloadClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def _trainer():
 
 
 async def test_trainer_registers_and_snapshot_restore_offload_its_state(sidecar):
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader, state_checksum
 
     model, opt = _trainer()
     before = state_checksum(model, opt)

@@ -26,7 +26,7 @@ def _trained_model():
 def test_trainer_state_round_trips_bit_exact_and_buffers_are_reused():
     import torch
 
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader, state_checksum
 
     model, opt = _trained_model()
     off = TorchStateOffloader(model, opt)
@@ -46,7 +46,7 @@ def test_trainer_state_round_trips_bit_exact_and_buffers_are_reused():
 
 def test_corrupted_host_copy_is_refused_and_state_stays_offloaded():
 
-    from llmd_timeslice.snapshot.torch_offload import StateChecksumMismatch, TorchStateOffloader
+    from llmd_timeslice.client.torch_offload import StateChecksumMismatch, TorchStateOffloader
 
     model, opt = _trained_model()
     off = TorchStateOffloader(model, opt)
@@ -59,7 +59,7 @@ def test_corrupted_host_copy_is_refused_and_state_stays_offloaded():
 
 _FIFTY_CYCLES = """
 import json, psutil, torch
-from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
+from llmd_timeslice.client.torch_offload import TorchStateOffloader, state_checksum
 torch.manual_seed(1)
 model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))  # ~2 MB of parameters, 6 MB of state
 opt = torch.optim.AdamW(model.parameters())
@@ -100,7 +100,7 @@ def test_offload_returns_the_caching_allocators_memory_to_the_driver(monkeypatch
     another process would then run out of memory. Checked here by the calls made (benchmarks/gpu checks the bytes)."""
     import torch
 
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
 
     model, opt = _trained_model()
     off = TorchStateOffloader(model, opt)
@@ -124,7 +124,7 @@ def test_offload_returns_the_caching_allocators_memory_to_the_driver(monkeypatch
 def test_offload_without_cuda_initialised_releases_nothing(monkeypatch):
     import torch
 
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
 
     model, opt = _trained_model()
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("empty_cache without a CUDA context"))
@@ -138,7 +138,7 @@ def test_fused_copy_checksum_equals_the_two_pass_one(numel):
     sizes below, at and across chunk and 4 KiB boundaries, with or without a tail."""
     import torch
 
-    from llmd_timeslice.snapshot.torch_offload import copy_with_checksum, tensor_checksum
+    from llmd_timeslice.client.torch_offload import copy_with_checksum, tensor_checksum
 
     src = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     dst = torch.empty_like(src)
@@ -154,7 +154,7 @@ def test_any_changed_byte_of_a_large_tensor_is_caught_at_restore(where):
     the restore succeeds."""
     import torch
 
-    from llmd_timeslice.snapshot.torch_offload import StateChecksumMismatch, TorchStateOffloader
+    from llmd_timeslice.client.torch_offload import StateChecksumMismatch, TorchStateOffloader
 
     torch.manual_seed(2)
     model = torch.nn.Linear(1024, 1025)  # 1,049,600 float32 weights: 4.2 MB, four fused chunks and a tail

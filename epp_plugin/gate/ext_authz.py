@@ -42,13 +42,13 @@ from collections.abc import Mapping
 import httptools
 from google.protobuf import struct_pb2
 
-from epp_plugin import protocol
 from epp_plugin.gate import metrics
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.endpoint_discovery import EndpointDirectory
 from epp_plugin.gate.endpoint_pick import LeastInFlight
 from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import BadCheck, min_weight_version, refusal_body
+from llmd_timeslice import protocol
 
 log = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
-from epp_plugin import protocol
 from epp_plugin.gate import metrics
 from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import min_weight_version, refusal_body
+from llmd_timeslice import protocol
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 from llmd_timeslice.config import PickerSettings
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 

@@ -12,7 +12,7 @@ client took its token from (or where it looked when it found none).
 Calls are retried on UNAVAILABLE (service config on the upstream service
 name, exponential back-off, 5 attempts).
 
-A ``state`` offloader (e.g. :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`)
+A ``state`` offloader (e.g. :class:`~llmd_timeslice.client.torch_offload.TorchStateOffloader`)
 passed to ``on_accelerators`` is restored right after the grant and offloaded right before the
 yield, so trainer state is resident exactly while the lease is held.
 """

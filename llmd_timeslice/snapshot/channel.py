@@ -136,7 +136,7 @@ class WorkloadChannelBackend(SnapshotBackend):
         if ch is None:
             raise BackendError(
                 f"no workload registered on WorkloadChannel for job {self.job_id!r}; start the trainer's "
-                "workload client (llmd_timeslice.snapshot.workload) before snapshot/restore"
+                "workload client (llmd_timeslice.client.workload) before snapshot/restore"
             )
         return ch
 

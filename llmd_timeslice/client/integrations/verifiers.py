@@ -3,7 +3,7 @@
 A classic ``verifiers`` environment (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv``, ``vf.ToolEnv`` ...) generates
 with a ``vf.Client`` that wraps an ``openai.AsyncOpenAI`` client (``verifiers/legacy/clients``, verifiers 0.3.1):
 ``env.generate(inputs, client=..., model=...)``. :func:`verifiers_client` wraps the client of a
-:class:`~llmd_timeslice.integrations.rollouts.TimeSliceRollouts`, so every rollout asks the gate for the current
+:class:`~llmd_timeslice.client.integrations.rollouts.TimeSliceRollouts`, so every rollout asks the gate for the current
 weight version, rides out the gate's refusals, and is recorded under its ``trajectory_id`` (pass
 ``state_columns=["trajectory_id"]`` to ``generate`` to get it in the outputs). It overrides only
 ``get_response``, the per-model-call method of the public ``vf.Client`` interface, which receives the rollout's
@@ -15,7 +15,7 @@ endpoint configured by ``base_url`` and ``headers``); see docs/integrations.md f
 
 from __future__ import annotations
 
-from llmd_timeslice.integrations.rollouts import TimeSliceRollouts
+from llmd_timeslice.client.integrations.rollouts import TimeSliceRollouts
 
 _APIS = ("chat", "completions")
 

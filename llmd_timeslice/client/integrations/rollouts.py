@@ -42,14 +42,10 @@ from dataclasses import dataclass, field
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, Retrying
 
-from epp_plugin import protocol
+from llmd_timeslice.protocol import HOLD_MS_HEADER, MIN_WEIGHT_VERSION_HEADER, REASON_HEADER, WEIGHT_VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
-MIN_WEIGHT_VERSION_HEADER = protocol.MIN_WEIGHT_VERSION_HEADER
-WEIGHT_VERSION_HEADER = protocol.WEIGHT_VERSION_HEADER
-REASON_HEADER = protocol.REASON_HEADER
-HOLD_MS_HEADER = protocol.HOLD_MS_HEADER
 SHOULD_RETRY_HEADER = "x-should-retry"
 """Read by the ``openai`` SDK (``_base_client.py``, ``_should_retry``): ``false`` means do not retry."""
 

@@ -15,7 +15,7 @@ configured only from ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_
 ``TIMESLICE_SAMPLER_GROUP``, and a no-op when the job id is unset. Switching is one import::
 
     - from timeslice_slime.callback import TimesliceCallback
-    + from llmd_timeslice.integrations import TimesliceCallback
+    + from llmd_timeslice.client.integrations import TimesliceCallback
 
 Differences from upstream, each deliberate:
 

@@ -6,8 +6,8 @@ Snapshot/Restore: each ``AgentCommand`` runs the ``offload`` / ``restore`` callb
 thread, so a long copy does not block the stream) and is answered with a ``CommandResult``
 carrying the same ``command_id`` (``ok=False`` and the exception text if the callback raised).
 
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
-    from llmd_timeslice.snapshot.workload import WorkloadClient
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
+    from llmd_timeslice.client.workload import WorkloadClient
 
     client = WorkloadClient.for_offloader("127.0.0.1:9001", "trainer-0", TorchStateOffloader(model, opt))
     handle = client.start_in_thread()       # registered when this returns
@@ -69,7 +69,7 @@ class WorkloadClient:
 
     @classmethod
     def for_offloader(cls, target: str, job_id: str, offloader, **kw) -> WorkloadClient:
-        """A client whose callbacks are a :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`'s
+        """A client whose callbacks are a :class:`~llmd_timeslice.client.torch_offload.TorchStateOffloader`'s
         ``offload()`` / ``restore()`` (offload only: a trainer cannot re-provision discarded state)."""
         return cls(target, job_id, offload=lambda mode, tags: offloader.offload(), restore=lambda tags: offloader.restore(), **kw)
 

@@ -1,15 +1,15 @@
 """RL frameworks: upstream-compatible phase callbacks, and OpenAI-client rollouts through the router.
 
-* :mod:`~llmd_timeslice.integrations.phase_callback`: ``TimesliceCallback`` (same names, phases, roles,
+* :mod:`~llmd_timeslice.client.integrations.phase_callback`: ``TimesliceCallback`` (same names, phases, roles,
   environment contract and lock order as upstream's slime integration) and its asyncio variant;
-* :mod:`~llmd_timeslice.integrations.rollouts`: ``TimeSliceRollouts``, ``openai`` SDK clients that ask the gate
+* :mod:`~llmd_timeslice.client.integrations.rollouts`: ``TimeSliceRollouts``, ``openai`` SDK clients that ask the gate
   for a weight version, ride out its refusals and report the version that served each rollout;
-* :mod:`~llmd_timeslice.integrations.verifiers`: the same for ``verifiers`` environments.
+* :mod:`~llmd_timeslice.client.integrations.verifiers`: the same for ``verifiers`` environments.
 
 See docs/integrations.md.
 """
 
-from llmd_timeslice.integrations.phase_callback import (
+from llmd_timeslice.client.integrations.phase_callback import (
     BOTH,
     ENV_JOB_ID,
     ENV_ORCH_ADDR,
@@ -31,7 +31,7 @@ from llmd_timeslice.integrations.phase_callback import (
     UnknownRole,
     phase,
 )
-from llmd_timeslice.integrations.rollouts import (
+from llmd_timeslice.client.integrations.rollouts import (
     RETRYABLE_REASONS,
     GateRetryPolicy,
     RolloutRecord,
