@@ -743,6 +743,10 @@ class Group:
         s.sleep_level, s.drain_timeout_s, s.lease_ttl_s = spec.sleep_level, spec.drain_timeout_s, spec.lease_ttl_s
         s.policy, s.job_priorities = spec.policy, dict(spec.job_priorities)
         s.sleep_level_policy, s.job_sleep_levels = spec.sleep_level_policy, dict(spec.job_sleep_levels)
+        # temporary: replaced by the domain model (GroupSettings)
+        s.yield_request_bands = None if spec.yield_request_bands is None else list(spec.yield_request_bands)
+        s.yield_request_fraction, s.min_training_s = spec.yield_request_fraction, spec.min_training_s
+        s.job_yield_opt_out = list(spec.job_yield_opt_out)
 
     async def _apply_spec(self, spec: GroupSpec, replies: list[asyncio.Future[Any]]) -> None:
         """Apply a discovered spec in a stable phase (module doc of ``discovery/sync.py``)."""

@@ -133,6 +133,11 @@ class GroupSpec:
     job_priorities: dict[str, int] = field(default_factory=dict)
     sleep_level_policy: SleepLevelPolicy = SleepLevelPolicy.FIXED
     job_sleep_levels: dict[str, int] = field(default_factory=dict)
+    # temporary: replaced by the domain model (llmd_timeslice/domain/group_settings.py, GroupSettings)
+    yield_request_bands: list[int] | None = None
+    yield_request_fraction: float = 0.5
+    min_training_s: float = 10.0
+    job_yield_opt_out: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Accept the wire/config spelling ("fifo", "auto"); keep the enums inside.
@@ -157,6 +162,10 @@ class GroupSpec:
             tuple(sorted(self.job_priorities.items())),
             self.sleep_level_policy,
             tuple(sorted(self.job_sleep_levels.items())),
+            None if self.yield_request_bands is None else tuple(self.yield_request_bands),
+            self.yield_request_fraction,
+            self.min_training_s,
+            tuple(self.job_yield_opt_out),
         )
 
     def copy(self, samplers: list[SamplerEndpoint] | None = None) -> GroupSpec:
@@ -171,6 +180,10 @@ class GroupSpec:
             dict(self.job_priorities),
             self.sleep_level_policy,
             dict(self.job_sleep_levels),
+            None if self.yield_request_bands is None else list(self.yield_request_bands),
+            self.yield_request_fraction,
+            self.min_training_s,
+            list(self.job_yield_opt_out),
         )
 
 
