@@ -53,6 +53,11 @@ class GroupEntry(BaseModel):
         default_factory=dict, description="Per-job sleep level (overrides the policy)."
     )
     samplers: list[SamplerEntry] = Field(default_factory=list)
+    # temporary: replaced by the domain model (llmd_timeslice/domain/group_settings.py, GroupSettings)
+    yield_request_bands: list[int] | None = None
+    yield_request_fraction: float = Field(0.5, gt=0, le=1)
+    min_training_s: float = Field(10.0, ge=0, allow_inf_nan=False)
+    job_yield_opt_out: list[str] = Field(default_factory=list)
 
 
 class Inventory(BaseModel):
@@ -86,6 +91,10 @@ class Inventory(BaseModel):
                 dict(g.job_priorities),
                 SleepLevelPolicy(g.sleep_level_policy),
                 dict(g.job_sleep_levels),
+                g.yield_request_bands,  # temporary: replaced by the domain model
+                g.yield_request_fraction,
+                g.min_training_s,
+                list(g.job_yield_opt_out),
             )
             for g in self.groups
         ]
