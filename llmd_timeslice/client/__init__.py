@@ -10,6 +10,7 @@ from llmd_timeslice.client.client import (
     OrchestratorUnavailable,
     TimeSliceError,
     TimeSliceOrchestratorClient,
+    YieldRequested,
     YieldResult,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "OrchestratorUnavailable",
     "TimeSliceError",
     "TimeSliceOrchestratorClient",
+    "YieldRequested",
     "YieldResult",
 ]
