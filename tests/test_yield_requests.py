@@ -415,3 +415,26 @@ def test_the_phase_callback_yields_at_its_next_step_boundary_and_acquires_again(
         cb.close()
         client.close()
     orch.loop_thread.run(g.wait_until(lambda g: g.phase.name == "SERVING", 10))
+
+
+def test_hold_pressure_is_summed_over_gate_replicas_and_withdrawn_when_no_gate_holds_any(orch):
+    gates = [GateStream(orch.target, "gate-1"), GateStream(orch.target, "gate-2")]
+    g = orch.orchestrator.groups["served"]
+    try:
+        assert all(gate.snapshot.wait(10) for gate in gates)
+        with TimeSliceOrchestratorClient(orch.target, job_id="trainer-s", group_id="served", token=TOKEN) as c:
+            c.acquire()
+            gates[0].pressure(oldest=1.0, held=2)
+            gates[1].pressure(oldest=2.7, held=1)  # the longest wait of either gate decides
+            req = c.wait_yield_requested(timeout_s=10)
+            assert req is not None and "oldest held request 2.7 s" in req.reason and "3 held in pool pool-a" in req.reason
+            gates[1].close()  # a gate whose stream ends stops counting; gate-1 still holds two
+            gates[0].pressure(oldest=3.0, held=2)
+            time.sleep(0.3)
+            assert orch.orchestrator.lease("trainer-s", "served").yield_request is not None
+            gates[0].pressure(oldest=0.0, held=0)  # nothing held anywhere: the request is withdrawn
+            orch.loop_thread.run(g.wait_until(lambda g: g.lease is not None and g.lease.yield_request is None, 10))
+            c.release()
+    finally:
+        gates[0].close()
+    orch.loop_thread.run(g.wait_until(lambda g: g.phase.name == "SERVING", 10))
