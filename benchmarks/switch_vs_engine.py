@@ -129,7 +129,7 @@ async def _bench(urls: list[str], rounds: int, progress, profile: Path | None = 
 
     from epp_plugin.gate.server import GateConfig, GateServer
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-    from llmd_timeslice.discovery.static import Inventory
+    from llmd_timeslice.domain.inventory import Inventory
     from llmd_timeslice.orchestrator.server import OrchestratorServer
     from llmd_timeslice.snapshot.backends.vllm import VllmBackend
     from llmd_timeslice.snapshot.server import SidecarServer

@@ -32,7 +32,7 @@ from epp_plugin.gate.server import READINESS_SERVICE, GateConfig, GateServer
 from epp_plugin.picker.server import PickerConfig, PickerServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.demo.stack import ComponentProcess
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.integrations.rollouts import GateRetryPolicy, TimeSliceRollouts
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.router import EDGES, envoy_config

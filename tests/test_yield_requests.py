@@ -28,12 +28,13 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as gspb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as gspb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.integrations import RoleLocks, TimesliceCallback
 from llmd_timeslice.orchestrator.clock import ManualClock
-from llmd_timeslice.orchestrator.groups import InvalidArgument, Orchestrator, UnknownGroup
+from llmd_timeslice.orchestrator.errors import InvalidArgument, UnknownGroup
+from llmd_timeslice.orchestrator.groups import Orchestrator
 from llmd_timeslice.orchestrator.server import OrchestratorServer
-from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint
 from llmd_timeslice.orchestrator.yield_requests import HoldPressure
 from llmd_timeslice.status import print_status
 from tests.test_group_machine import ScriptedActions
@@ -317,6 +318,13 @@ def test_gate_hold_pressure_reaches_the_holder_on_its_heartbeat_and_its_yield_co
     orch.loop_thread.run(orch.orchestrator.groups["served"].wait_until(lambda g: g.phase.name == "SERVING", 10))
 
 
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
 def _status_text(orch) -> str:
     console = Console(record=True, width=300)
     import os
@@ -424,8 +432,10 @@ def test_hold_pressure_is_summed_over_gate_replicas_and_withdrawn_when_no_gate_h
         assert all(gate.snapshot.wait(10) for gate in gates)
         with TimeSliceOrchestratorClient(orch.target, job_id="trainer-s", group_id="served", token=TOKEN) as c:
             c.acquire()
-            gates[0].pressure(oldest=1.0, held=2)
-            gates[1].pressure(oldest=2.7, held=1)  # the longest wait of either gate decides
+            before = _metric("llmd_timeslice_orchestrator_hold_pressure_messages_total")
+            gates[0].pressure(oldest=1.0, held=2)  # below half the deadline: no request yet
+            _wait_for(lambda: _metric("llmd_timeslice_orchestrator_hold_pressure_messages_total") > before)
+            gates[1].pressure(oldest=2.7, held=1)  # the longest wait of either gate decides, the held add up
             req = c.wait_yield_requested(timeout_s=10)
             assert req is not None and "oldest held request 2.7 s" in req.reason and "3 held in pool pool-a" in req.reason
             gates[1].close()  # a gate whose stream ends stops counting; gate-1 still holds two

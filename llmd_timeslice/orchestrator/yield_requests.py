@@ -31,7 +31,7 @@ from typing import Literal
 
 from prometheus_client import Counter, Histogram
 
-from llmd_timeslice.orchestrator.switch import GroupSpec
+from llmd_timeslice.domain.group_settings import GroupSettings
 
 YIELD_REQUESTS = Counter(
     "llmd_timeslice_orchestrator_yield_requests_total",
@@ -152,7 +152,7 @@ def check_ask(band: int, hold_deadline_s: float) -> str | None:
     return None
 
 
-def refusal(spec: GroupSpec, ask: YieldAsk, job: str, trained_s: float) -> tuple[str, str] | None:
+def refusal(spec: GroupSettings, ask: YieldAsk, job: str, trained_s: float) -> tuple[str, str] | None:
     """``(knob, detail)`` when the group's policy does not ask ``job`` (which has held the group ``trained_s``
     seconds since its grant or since the last request it honoured, whichever is later), else None. The knobs,
     in the order they are checked: ``yield_request_bands``, ``job_yield_opt_out``, ``min_training_s``
