@@ -727,9 +727,7 @@ def simulate_eval(strategy: Strategy, wl: Workload, ev: EvalClass | None, seed: 
     place, n_groups, total_acc = _placement(wl, False)
     groups = [_Group(f"g{i}", wl.group_size, simpy.Resource(env, capacity=1)) for i in range(n_groups)]
     eg = groups[place[(0, "sampler")]]  # the group that serves the eval pool
-    rng = np.random.default_rng(seed)
-    fracs = {(j, i): _request_fractions(rng, wl.requests_per_rollout) for j in range(wl.jobs) for i in range(wl.iterations)}
-    ev_rng = np.random.default_rng(seed + 1)
+    ev_rng = np.random.default_rng(seed)
     iter_start: dict[int, list[float]] = {j: [] for j in range(wl.jobs)}
     train_step: dict[int, list[float]] = {j: [] for j in range(wl.jobs)}
     serving = {"on": False}
@@ -831,7 +829,7 @@ def simulate_eval(strategy: Strategy, wl: Workload, ev: EvalClass | None, seed: 
                 yield from switch_to(eg, (0, "sampler"))
 
     def job(j: int):
-        for it in range(wl.iterations):
+        for _ in range(wl.iterations):
             iter_start[j].append(env.now)
             yield env.process(use(j, "sampler", wl.rollout_s, "rollout"))
             yield env.timeout(wl.cpu_gap_s)
