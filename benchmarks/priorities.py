@@ -328,7 +328,7 @@ async def one_run(name: str, p: Params, router: str, orchestrator: str, token: s
 
 
 # ----------------------------------------------------------------------------------------------- figures
-def _pct(xs: list[float], q: float) -> float | None:
+def _pct(xs: list[float], q: int) -> float | None:
     from llmd_timeslice.demo.loadgen import percentile
 
     return percentile(xs, q) if xs else None

@@ -84,7 +84,10 @@ def exported() -> dict[str, set[str]]:
             wrappers[collector._name] = set(collector._labelnames)
     out: dict[str, set[str]] = {}
     for fam in families:
-        labels = set(wrappers.get(fam.name, ())) | {k for s in fam.samples for k in s.labels}
+        # a scrape-time family declares its labels (``labels=[...]``) even when no pool fills it
+        labels = (
+            set(wrappers.get(fam.name, ())) | set(getattr(fam, "_labelnames", ())) | {k for s in fam.samples for k in s.labels}
+        )
         for suffix in _SUFFIXES.get(fam.type, ("",)):
             out[fam.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
     return out
