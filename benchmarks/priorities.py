@@ -1,6 +1,6 @@
 """Held traffic with priorities (issue 26): a second traffic class beside the rollouts, yield requests off and on.
 
-    .venv/bin/python -m benchmarks.priorities --out DIR [--iterations 3] [--train-s 12] [--eval-rps 1]
+    .venv/bin/python -m benchmarks.priorities --out DIR [--iterations 3] [--train-s 10] [--eval-rps 1]
 
 The local stack as ``llmd-timeslice up`` runs it (real Envoy, gate, orchestrator and one snapshot sidecar per
 engine, each a process of its own), on fake vLLM engines in this process (``tests.support.fake_engines.FakeVllm``
@@ -19,8 +19,9 @@ Three runs, one after the other on the same stack:
   is a job in the group's ``job_yield_opt_out``, so the orchestrator never asks it to yield (outcome
   ``suppressed``): an eval request that arrives while it trains waits for the training phase to end;
 * ``yield_on``: the same traffic; the trainer is asked to yield when the oldest held eval request reached the
-  fraction of its deadline, learns it on its lease heartbeat (``yield_requested`` callback of the async client)
-  and yields at its next step boundary, then acquires the group again at once and trains the rest of its phase.
+  fraction of its deadline, learns it on its lease heartbeat answer, and the phase-callback integration
+  (``AsyncTimesliceCallback.at_step_boundary``) yields at its next step boundary, then acquires the group again
+  at once; the trainer goes on with the rest of its phase.
 
 Per run: each request's hold (its arrival at an engine less its send time: the time the gate held it plus the
 router's own few milliseconds), p50 / p99 per band, the trainer's duty cycle (training-step seconds / the loop's
@@ -60,7 +61,7 @@ DUTY_SLACK = 0.10
 class Params:
     iterations: int = 3
     batch: int = 8
-    train_s: float = 12.0
+    train_s: float = 10.0
     step_s: float = 0.5
     rollout_service_s: float = 0.8
     eval_service_s: float = 0.1
@@ -217,25 +218,7 @@ class RunRecord:
     train_busy_s: float = 0.0
     requests: list[Request] = field(default_factory=list)
     phases: list[tuple[str, float, float]] = field(default_factory=list)  # (rollout | train, start, end)
-    yields: list[tuple[float, float]] = field(default_factory=list)  # (request noticed, yield done)
-
-
-class YieldFlag:
-    """The trainer's view of "yield requested": set by the client's ``yield_requested`` callback (the lease
-    heartbeat answer carried ``Lease.yield_requested``), read at each step boundary."""
-
-    def __init__(self) -> None:
-        self.at: float | None = None
-        self.detail = ""
-
-    def __call__(self, info) -> None:
-        if self.at is None:
-            self.at = time.monotonic()
-            self.detail = getattr(info, "reason", "") or str(info)
-
-    def take(self) -> float | None:
-        at, self.at = self.at, None
-        return at
+    yields: list[tuple[float, float]] = field(default_factory=list)  # (request noticed, yield began)
 
 
 async def _send(http, rec: RunRecord, rid: str, band: int, headers: dict[str, str], max_tokens: int) -> None:
@@ -256,16 +239,21 @@ async def _send(http, rec: RunRecord, rid: str, band: int, headers: dict[str, st
 
 
 async def one_run(name: str, p: Params, router: str, orchestrator: str, token: str, progress) -> RunRecord:
-    """The GRPO-style loop of one run (see the module docstring)."""
+    """The GRPO-style loop of one run (see the module docstring), driven through the phase-callback integration
+    (:class:`~llmd_timeslice.integrations.phase_callback.AsyncTimesliceCallback`: ``train`` takes the group,
+    :meth:`at_step_boundary` honours a yield request between two steps, ``generate`` takes no lock in router
+    mode)."""
     import httpx
 
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
+    from llmd_timeslice.integrations.phase_callback import AsyncRoleLocks, AsyncTimesliceCallback
 
     rec = RunRecord(name)
     job = TRAINER_OPTED_OUT if name == "yield_off" else TRAINER
-    flag = YieldFlag()
+    asked: list[float] = []  # when the heartbeat answer carried a yield request (the client's callback)
     client = AsyncTimeSliceOrchestratorClient(orchestrator, job_id=job, group_id=GROUP, token=token)
-    client.on_yield_requested(flag)
+    client.on_yield_requested(lambda _request: asked.append(time.monotonic()))
+    cb = AsyncTimesliceCallback(await AsyncRoleLocks.create(job, orchestrator, GROUP, GROUP, client=client))
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     http = httpx.AsyncClient(base_url=router, timeout=p.eval_max_hold_s + 120, limits=limits)
     eval_tasks: list[asyncio.Task] = []
@@ -292,28 +280,26 @@ async def one_run(name: str, p: Params, router: str, orchestrator: str, token: s
         ev = asyncio.create_task(eval_traffic()) if name != "no_eval" else None
         for it in range(p.iterations):
             t = time.monotonic()
+            await cb.on_phase_begin("generate", "sampler")
             batch = [f"rollout-{name}-{it}-{k}" for k in range(p.batch)]
             await asyncio.gather(*(_send(http, rec, rid, 0, {}, 16) for rid in batch))
+            await cb.on_phase_end("generate", "sampler")
             rec.phases.append(("rollout", t, time.monotonic()))
-            left = steps
-            while left:
-                await client.acquire(timeout_sec=120)
-                flag.take()  # a request made before this grant was answered by the grant itself
-                t = time.monotonic()
-                while left:
-                    s0 = time.monotonic()
-                    await asyncio.sleep(p.step_s)  # one training step: the accelerators compute
-                    rec.train_busy_s += time.monotonic() - s0
-                    left -= 1
-                    asked = flag.take()
-                    if asked is not None and left:
-                        rec.phases.append(("train", t, time.monotonic()))
-                        await client.release()  # the safe point: yield, the engines wake for the held requests
-                        rec.yields.append((asked, time.monotonic()))
-                        break
-                else:
-                    rec.phases.append(("train", t, time.monotonic()))
-                    await client.release()
+            await cb.on_phase_begin("train", "trainer")  # the engines drain and sleep
+            t = time.monotonic()
+            for step in range(steps):
+                s0 = time.monotonic()
+                await asyncio.sleep(p.step_s)  # one training step: the accelerators compute
+                rec.train_busy_s += time.monotonic() - s0
+                if step == steps - 1:
+                    break
+                b = time.monotonic()
+                if await cb.at_step_boundary("train", "trainer"):  # yielded, then acquired again
+                    rec.phases.append(("train", t, b))
+                    t = time.monotonic()
+                    rec.yields.append((asked[-1] if asked else b, b))
+            rec.phases.append(("train", t, time.monotonic()))
+            await cb.on_phase_end("train", "trainer")  # the engines wake
             progress(f"{name}: iteration {it + 1}/{p.iterations} ({len(rec.yields)} yields so far)")
         rec.t1 = time.monotonic()
         stop_eval.set()
@@ -323,6 +309,7 @@ async def one_run(name: str, p: Params, router: str, orchestrator: str, token: s
     finally:
         stop_eval.set()
         await http.aclose()
+        await cb.close()
         await client.close()
     return rec
 

@@ -44,7 +44,7 @@ def test_priorities_benchmark_tiny_run_writes_json_png_and_summary(tmp_path):
     ("args", "words"),
     [
         (["--deadline-s", "50"], "--deadline-s 50.0 is above the eval band's longest hold 30.0"),
-        (["--step-s", "20"], "--step-s 20.0 is longer than the training phase --train-s 12.0"),
+        (["--step-s", "20"], "--step-s 20.0 is longer than the training phase --train-s 10.0"),
         (["--eval-rps", "0"], "--eval-rps must be > 0, got 0.0"),
         (["--iterations", "0"], "iterations, batch and engines must be >= 1, got 0, 8, 2"),
     ],
