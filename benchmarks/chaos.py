@@ -277,7 +277,7 @@ async def _run(a, out: Path, progress) -> dict:
     import httpx
 
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME
 
     work = out.parent / "chaos-work"
     work.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.orchestrator.switch import SwitchActions
 

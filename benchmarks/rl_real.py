@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import statistics
 import time
 from pathlib import Path
@@ -138,23 +137,18 @@ async def _rollout(client, url: str, model: str, batch: int, it: int, t0: float,
 
 
 async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tokens: int, log) -> dict:
-    import port_for
-
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
     from llmd_timeslice.demo.run import GateMonitor
-    from llmd_timeslice.demo.stack import LocalStack, Sampler
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
+    from llmd_timeslice.demo.stack import demo_stack_file
     from llmd_timeslice.demo.trainer import Trainer
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, start_many
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME
+    from llmd_timeslice.local.up import Stack, StackRunner
     from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
 
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    token = secrets.token_urlsafe(24)
-    token_file = out / "control-token"
-    token_file.write_text(token)
-    os.chmod(token_file, 0o600)
 
     log("building the tiny Llama model (local, no download) ...")
     model_dir = build_tiny_llama(out / "model")
@@ -164,21 +158,28 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
         f"~1 GB state: checksum {bulk['checksum_gbps']:.2f} GB/s, offload {bulk['offload_gbps']:.2f} GB/s, "
         f"restore {bulk['restore_gbps']:.2f} GB/s (CPU)"
     )
-    samplers = [Sampler(f"sampler-{i}", port_for.select_random(), port_for.select_random()) for i in range(2)]
-    servers = [VllmServer(model_dir, s.engine_port, logs / f"vllm-{s.job_id}.log") for s in samplers]
-    stack = LocalStack(samplers, out, GROUP, token_file)
+    sf = demo_stack_file(out, model_dir, GROUP, samplers=2, name="rl-real")
+    stack = Stack(sf, out)
+    stack.token_file.unlink(missing_ok=True)  # a fresh token per run (the launcher writes one)
+    samplers = sf.engines
+    runner = StackRunner(stack)
     t_setup = time.monotonic()
     try:
         log("starting 2 vLLM servers on CPU (about half a minute) ...")
-        await asyncio.to_thread(start_many, servers)
-        log(f"vLLM up in {time.monotonic() - t_setup:.0f} s; starting gate, picker, sidecars, orchestrator, Envoy ...")
-        await asyncio.to_thread(stack.start)
+
+        def on_stage_ready(stage: list[str]) -> None:
+            if stage[0].startswith("vllm-"):
+                log(f"vLLM up in {time.monotonic() - t_setup:.0f} s; starting sidecars, orchestrator, gate, Envoy ...")
+
+        await runner.start(on_stage_ready=on_stage_ready)
+        eps = stack.endpoints()
+        token = stack.token_file.read_text().strip()
         t0 = time.monotonic()
         now = lambda: time.monotonic() - t0  # noqa: E731
-        monitor = GateMonitor(stack.gate_control_addr, token, t0)
+        monitor = GateMonitor(eps["gate_control"], token, t0)
         await monitor.wait_serving(len(samplers), 120)
         mon_task = asyncio.create_task(monitor.run())
-        metrics_url = f"http://127.0.0.1:{stack.ports.orchestrator_metrics}/metrics"
+        metrics_url = eps["metrics_orchestrator"]
         trainer = await asyncio.to_thread(Trainer, model_dir)
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
         phases: list[tuple[float, float, str]] = []
@@ -187,7 +188,7 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
         async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits) as client:
             # ---- dedicated baseline: samplers awake, trainer state resident, no switch
             a = now()
-            prompts, recs = await _rollout(client, stack.router_url, SERVED_MODEL_NAME, batch, 0, t0, max_tokens)
+            prompts, recs = await _rollout(client, eps["router"], SERVED_MODEL_NAME, batch, 0, t0, max_tokens)
             b = now()
             fig = await asyncio.to_thread(_train, trainer, prompts, [r.text for r in recs], train_steps)
             c = now()
@@ -204,12 +205,12 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
             state_hash_s = time.perf_counter() - tc
             offloader = TorchStateOffloader(trainer.model, trainer.optimizer)
             first = await asyncio.to_thread(offloader.offload)  # state lives on the host until the group is held
-            ts = AsyncTimeSliceOrchestratorClient(stack.orchestrator_addr, job_id=TRAINER_JOB, group_id=GROUP, token=token)
+            ts = AsyncTimeSliceOrchestratorClient(eps["orchestrator"], job_id=TRAINER_JOB, group_id=GROUP, token=token)
             scrapes: list[dict] = []
             try:
                 for it in range(iterations):
                     a = now()
-                    prompts, recs = await _rollout(client, stack.router_url, SERVED_MODEL_NAME, batch, it + 1, t0, max_tokens)
+                    prompts, recs = await _rollout(client, eps["router"], SERVED_MODEL_NAME, batch, it + 1, t0, max_tokens)
                     b = now()
                     before = await scrape_phases(client, metrics_url)
                     scrapes.append(before)
@@ -284,9 +285,7 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
         )
     finally:
         log("stopping everything ...")
-        stack.stop()
-        for s in servers:
-            s.stop()
+        await runner.stop()
 
 
 def _summary(

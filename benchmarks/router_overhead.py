@@ -64,7 +64,8 @@ from epp_plugin.envoy_config import EnvoyRouterConfig
 from epp_plugin.envoy_launcher import EnvoyProcess, envoy_binary
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
-from llmd_timeslice.demo.stack import ComponentProcess
+from llmd_timeslice.local.commands import GateCommand, PickerCommand
+from tests.support.cli import CliProcess
 
 DEFAULT_EDGE = "ext_authz"
 BASELINE = {
@@ -216,33 +217,28 @@ def wrk(url: str, connections: int, seconds: float) -> dict:
     }
 
 
+def _started(proc: CliProcess) -> CliProcess:
+    """``proc`` started, once it listens (its log named if it does not within 60 s)."""
+    asyncio.run(proc.start())
+    return proc
+
+
 class Gate:
     """The gate process and a control-API stub."""
 
     def __init__(self, workdir: Path) -> None:
         self.grpc_port, self.authz_port, self.control_port, self.metrics_port = (port_for.select_random() for _ in range(4))
         (workdir / "token").write_text(TOKEN)
-        self.proc = ComponentProcess(
-            "gate",
-            [
-                "gate",
-                "--ext-proc-port",
-                str(self.grpc_port),
-                "--authz-port",
-                str(self.authz_port),
-                "--control-port",
-                str(self.control_port),
-                "--token-file",
-                str(workdir / "token"),
-                "--max-held",
-                "5000",
-                "--metrics-port",
-                str(self.metrics_port),
-            ],
-            self.control_port,
-            workdir,
-        ).start()
-        self.ps = psutil.Process(self.proc.pid)
+        cmd = GateCommand(
+            ext_proc_port=self.grpc_port,
+            authz_port=self.authz_port,
+            control_port=self.control_port,
+            metrics_port=self.metrics_port,
+            token_file=workdir / "token",
+            max_held=5000,
+        )
+        self.proc = _started(CliProcess(cmd.args(), self.control_port, workdir / "gate.log"))
+        self.ps = psutil.Process(self.proc.proc.pid)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.control_port}")
         self.stub = gpb_grpc.GateControlServiceStub(self.channel)
 
@@ -444,15 +440,18 @@ def main() -> None:
     # onto the streaming one); the gate chains' knows both, the gate's hint choosing (the drain measurement uses it).
     base_port, picker_port = port_for.select_random(), port_for.select_random()
     pickers = [
-        ComponentProcess(
-            "picker-baseline", ["picker", "--port", str(base_port), "--endpoint", f"default={fast}"], base_port, work
-        ).start(),
-        ComponentProcess(
-            "picker",
-            ["picker", "--port", str(picker_port), "--endpoint", f"default={fast}", "--endpoint", f"default={slow}"],
-            picker_port,
-            work,
-        ).start(),
+        _started(
+            CliProcess(
+                PickerCommand(port=base_port, endpoints=[("default", fast)]).args(), base_port, work / "picker-baseline.log"
+            )
+        ),
+        _started(
+            CliProcess(
+                PickerCommand(port=picker_port, endpoints=[("default", fast), ("default", slow)]).args(),
+                picker_port,
+                work / "picker.log",
+            )
+        ),
     ]
 
     def router(gate_port, epp_port, edge="ext_authz") -> EnvoyProcess:

@@ -2,11 +2,12 @@
 
     .venv/bin/python -m benchmarks.soak --switches 1000 --out soak.json [--rps 8] [--engines 2]
 
-Starts the local stack as processes (Envoy, gate, picker, orchestrator, one sidecar per engine; the
-demo's ``LocalStack``) with real vLLM CPU servers, then runs a trainer loop (acquire -> short "training"
--> release, each a phase switch in each direction) until ``--switches`` switches are done, while an
-open-loop load generator sends ``--rps`` completions per second through Envoy (a third of them
-streaming). Every ``--sample-every`` switches it reads the resident memory (``VmRSS``) of each component.
+Starts the local stack as processes (vLLM CPU servers, one sidecar per engine, the orchestrator, the gate,
+Envoy: the demo's stack file, started by the local launcher as ``llmd-timeslice up`` starts one), then runs a
+trainer loop (acquire -> short "training" -> release, each a phase switch in each direction) until
+``--switches`` switches are done, while an open-loop load generator sends ``--rps`` completions per second
+through Envoy (a third of them streaming). Every ``--sample-every`` switches it reads the resident memory
+(``VmRSS``) of each component.
 
 Figures: requests sent / completed / failed (a request counts as completed only with HTTP 200 and, when
 streaming, ``[DONE]``), hold time p50/p99 of held requests, switch latency, and ``rss_growth_pct`` = the
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import secrets
 import statistics
 import sys
 import time
@@ -32,38 +32,35 @@ from llmd_timeslice.demo.loadgen import percentile as _pct
 
 async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: float, sample_every: int, progress) -> dict:
     import httpx
-    import port_for
 
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
     from llmd_timeslice.demo.loadgen import LoadGenerator
-    from llmd_timeslice.demo.stack import LocalStack, Sampler
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, start_many
+    from llmd_timeslice.demo.stack import demo_stack_file
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME
+    from llmd_timeslice.local.up import Stack, StackRunner
 
     work = out.parent / "soak-work"
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    token_file = work / "control-token"
-    token_file.write_text(secrets.token_urlsafe(24))
     model = build_tiny_llama(work / "tiny-llama")
-    samplers = [Sampler(f"sampler-{i}", port_for.select_random(), port_for.select_random()) for i in range(n_engines)]
-    servers = [VllmServer(model, s.engine_port, work / "logs" / f"vllm-{s.job_id}.log") for s in samplers]
-    stack = LocalStack(samplers, work, "soak-group", token_file, max_hold_s=120, log_level="warning")
-    progress(f"starting {n_engines} vLLM server(s) ...")
-    await asyncio.to_thread(start_many, servers)
+    sf = demo_stack_file(work, model, "soak-group", samplers=n_engines, name="soak", max_hold_s=120, log_level="warning")
+    stack = Stack(sf, work)
+    stack.token_file.unlink(missing_ok=True)  # a fresh token per run (the launcher writes one)
+    runner = StackRunner(stack)
+    progress(f"starting {n_engines} vLLM server(s), then the stack ...")
     try:
-        progress("starting the stack ...")
-        await asyncio.to_thread(stack.start)
-        pids = {c.name: c.pid for c in stack.components}
-        pids["envoy"] = stack.envoy._exec.process.pid if stack.envoy and stack.envoy._exec else None
+        sup = await runner.start(on_stage_ready=lambda stage: progress(f"ready: {', '.join(stage)}"))
+        # the stack's own processes (the vLLM servers are not what the soak watches grow)
+        pids = {c.spec.name: c.pid for c in sup.children if not c.spec.name.startswith("vllm-")}
         client = AsyncTimeSliceOrchestratorClient(
-            stack.orchestrator_addr, job_id="soak-trainer", group_id="soak-group", token=token_file.read_text()
+            stack.endpoints()["orchestrator"], job_id="soak-trainer", group_id="soak-group", token=stack.token_file.read_text()
         )
         samples: list[dict] = []
         switch_ms: list[float] = []
         t0 = time.monotonic()
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=50)
         async with httpx.AsyncClient(timeout=httpx.Timeout(180, connect=10), limits=limits) as http:
-            load = LoadGenerator(stack.router_url, SERVED_MODEL_NAME, rps, t0)
+            load = LoadGenerator(stack.endpoints()["router"], SERVED_MODEL_NAME, rps, t0)
             load_task = asyncio.create_task(load.run(http))
             await asyncio.sleep(2.0)
             done = 0
@@ -91,9 +88,7 @@ async def _soak(out: Path, switches: int, rps: float, n_engines: int, train_s: f
         await client.close()
         wall = time.monotonic() - t0
     finally:
-        await asyncio.to_thread(stack.stop)
-        for s in servers:
-            await asyncio.to_thread(s.stop)
+        await runner.stop()
     records = load.records
     held = [r.hold_ms for r in records if r.ok and r.hold_ms > 0]
     failed = [r for r in records if not r.ok]

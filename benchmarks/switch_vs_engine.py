@@ -129,7 +129,7 @@ async def _bench(urls: list[str], rounds: int, progress, profile: Path | None = 
 
     from epp_plugin.gate.server import GateConfig, GateServer
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-    from llmd_timeslice.discovery.static import Inventory
+    from llmd_timeslice.domain.inventory import Inventory
     from llmd_timeslice.orchestrator.server import OrchestratorServer
     from llmd_timeslice.snapshot.backends.vllm import VllmBackend
     from llmd_timeslice.snapshot.server import SidecarServer
@@ -321,8 +321,8 @@ def run(out: Path, engines: int, rounds: int, profile: Path | None = None) -> di
     import port_for
     from rich.console import Console
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import VllmServer, start_many
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.vllm_server import VllmServer, start_many
 
     console = Console()
     work = out.parent / "switch-vs-engine-work"

@@ -45,7 +45,7 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
 
     tiny = build_tiny_llama(out.parent / "tiny-llama")
     marker = out / f".built-{hidden}x{layers}"
@@ -226,7 +226,7 @@ def run(out: Path, hidden: int, layers: int, rounds: int) -> dict:
     import port_for
     from rich.console import Console
 
-    from llmd_timeslice.demo.vllm_server import VllmServer
+    from llmd_timeslice.engines.vllm_server import VllmServer
 
     console = Console()
     work = out.parent / "weight-sync-work"

@@ -227,14 +227,14 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
     """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
     from llmd_timeslice.discovery import kubernetes as k8s
     from llmd_timeslice.discovery.sync import InventorySync, inventory_from_specs
+    from llmd_timeslice.domain.group_settings import GroupSettings
 
     k = s.kubernetes
     defaults = k8s.DiscoveryDefaults(
         default_pool=k.default_pool,
         engine_port=k.engine_port,
         sidecar_port=k.sidecar_port,
-        sleep_level=k.sleep_level,
-        drain_timeout_s=k.drain_timeout_s,
+        settings=GroupSettings(sleep_level=k.sleep_level, drain_timeout_s=k.drain_timeout_s),
     )
 
     async def main() -> None:

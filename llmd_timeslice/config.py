@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmd_timeslice import yaml_files
 from llmd_timeslice.addresses import check_host_port, check_ip_port
+from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
 
 ENV_PREFIX = "LLMD_TIMESLICE_"
 ENV_DELIMITER = "__"
@@ -260,6 +261,10 @@ class PickerSettings(_Section):
     log_level: LogLevel = _log_level()
 
 
+_GROUP_DEFAULTS = GroupSettings()
+"""A group's defaults (docs/group-settings.md): the Kubernetes defaults below start from them."""
+
+
 class KubernetesDiscoverySettings(_Section):
     """Kubernetes discovery of the orchestrator: pods by label, watched (see `llmd_timeslice/discovery/kubernetes.py`)."""
 
@@ -287,14 +292,15 @@ class KubernetesDiscoverySettings(_Section):
         description="Sidecar port when a pod has neither the `timeslice.io/sidecar-port` "
         "annotation nor a container port named `ts-grpc`.",
     )
-    sleep_level: int = Field(
-        1,
-        ge=1,
-        le=2,
+    sleep_level: SleepLevel = Field(
+        _GROUP_DEFAULTS.sleep_level,
         description="Sleep level of groups whose pods do not say (`timeslice.io/sleep-level`): 1 offloads weights, 2 discards.",
     )
     drain_timeout_s: Duration = Field(
-        60.0, gt=0, le=3600, description="Drain deadline of groups whose pods do not say (`timeslice.io/drain-timeout-s`)."
+        _GROUP_DEFAULTS.drain_timeout_s,
+        gt=0,
+        le=3600,
+        description="Drain deadline of groups whose pods do not say (`timeslice.io/drain-timeout-s`).",
     )
     watch_timeout_s: Duration = Field(
         300.0, ge=1, le=3600, description="Server-side timeout of one watch request; the next resumes where it ended."

@@ -8,7 +8,7 @@ import pytest
 
 from llmd_timeslice.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, AuthError, LeaseError, TimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 
 TOKEN = "the-stacks-token"

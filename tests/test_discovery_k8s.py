@@ -35,9 +35,12 @@ from llmd_timeslice.discovery.kubernetes import (
     make_api_client,
 )
 from llmd_timeslice.discovery.sync import InventorySync
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
+from llmd_timeslice.domain.switches import SwitchKind, SwitchRecord
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
-from llmd_timeslice.orchestrator.groups import GroupSpec, GroupState, Orchestrator, SamplerEndpoint, SwitchRecord
-from llmd_timeslice.orchestrator.switch import SwitchActions, SwitchKind
+from llmd_timeslice.orchestrator.groups import Orchestrator
+from llmd_timeslice.orchestrator.phases import GroupState
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from tests.support.cli import run_cli
 
 NS = "llm-d-timeslice"
@@ -389,10 +392,10 @@ async def test_discovery_builds_groups_from_labelled_pods(kube, api):
                 SamplerEndpoint("sampler-pool", "10.0.0.1:8000", "10.0.0.1:9001", "s0"),
                 SamplerEndpoint("other", "10.0.0.2:8200", "10.0.0.2:9101", "job-1"),
             ],
-            2,
-            15.0,
+            sleep_level=2,
+            drain_timeout_s=15.0,
         ),
-        GroupSpec("g1", [], 1, 60.0),
+        GroupSpec("g1", []),
     ]
     assert disc.pod_for("10.0.0.2:8200") == "s1" and disc.pod_for("10.9.9.9:1") is None
     lists = kube.seen("GET", watch=False)
@@ -590,13 +593,18 @@ async def test_group_settings_come_from_pod_annotations_and_reach_the_orchestrat
 @pytest.mark.parametrize(
     "key, value, why",
     [
-        ("timeslice.io/sleep-level", "3", "is not 1 or 2"),
-        ("timeslice.io/drain-timeout-s", "0", "is not seconds in (0, 3600]"),
-        ("timeslice.io/lease-ttl-s", "forever", "is not seconds in [0, 3600]"),
-        ("timeslice.io/scheduling-policy", "lifo", "is not one of fifo, priority, round_robin"),
-        ("timeslice.io/sleep-level-policy", "sometimes", "is not one of fixed, auto"),
-        ("timeslice.io/job-priority", "high", "is not an integer"),
-        ("timeslice.io/job-sleep-level", "0", "is not 1 or 2"),
+        ("timeslice.io/sleep-level", "3", "Input should be less than or equal to 2"),
+        ("timeslice.io/drain-timeout-s", "0", "Input should be greater than 0"),
+        ("timeslice.io/drain-timeout-s", "7200", "Input should be less than or equal to 3600"),
+        ("timeslice.io/lease-ttl-s", "forever", "Input should be a valid number, unable to parse string as a number"),
+        ("timeslice.io/scheduling-policy", "lifo", "Input should be 'fifo', 'priority' or 'round_robin'"),
+        ("timeslice.io/sleep-level-policy", "sometimes", "Input should be 'fixed' or 'auto'"),
+        ("timeslice.io/job-priority", "high", "Input should be a valid integer, unable to parse string as an integer"),
+        ("timeslice.io/job-sleep-level", "0", "Input should be greater than or equal to 1"),
+        ("timeslice.io/yield-request-fraction", "1.5", "Input should be less than or equal to 1"),
+        ("timeslice.io/yield-request-bands", "eval", "Input should be a valid integer, unable to parse string as an integer"),
+        ("timeslice.io/min-training-s", "-1", "Input should be greater than or equal to 0"),
+        ("timeslice.io/yield-opt-out", "maybe", "Input should be a valid boolean, unable to interpret input"),
     ],
 )
 async def test_a_malformed_settings_annotation_is_ignored_naming_pod_key_and_value(kube, api, caplog, key, value, why):
@@ -607,8 +615,8 @@ async def test_a_malformed_settings_annotation_is_ignored_naming_pod_key_and_val
             specs = await disc.start()
     finally:
         await disc.stop()
-    assert f"pod t0: annotation {key}={value!r} {why}; ignored" in caplog.text
-    assert specs[0].settings() == GroupSpec("g0", [], 1, 60.0).settings(), "defaults kept"
+    assert f"pod t0: annotation {key}={value!r} is invalid ({why}); ignored" in caplog.text
+    assert specs[0].settings() == GroupSpec("g0").settings(), "defaults kept"
 
 
 async def test_an_async_on_change_is_kept_while_it_runs(kube, api):

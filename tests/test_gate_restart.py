@@ -31,10 +31,11 @@ from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import READINESS_SERVICE, GateConfig, GateServer
 from epp_plugin.picker.server import PickerConfig, PickerServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
-from llmd_timeslice.demo.stack import ComponentProcess
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.integrations.rollouts import GateRetryPolicy, TimeSliceRollouts
+from llmd_timeslice.local.commands import GateCommand
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.support.cli import CliProcess
 from tests.support.router import EDGES, envoy_config
 from tests.support.upstream import UpstreamServer
 
@@ -57,27 +58,22 @@ async def _until_ready(control_port: int, timeout_s: float = 30.0) -> None:
             await asyncio.sleep(0.05)
 
 
-def _gate_args(artifacts, orch_port: int, ports: tuple[int, int, int]) -> list[str]:
+def _gate(artifacts, orch_port: int, ports: tuple[int, int, int]) -> CliProcess:
+    """``llmd-timeslice gate`` in a child process (its log appended across restarts), ready once its control port
+    listens."""
     ext_proc_port, authz_port, control_port = ports
     token_file = artifacts / "token"
     token_file.write_text("tok")
-    return [
-        "gate",
-        "--ext-proc-port",
-        str(ext_proc_port),
-        "--authz-port",
-        str(authz_port),
-        "--control-port",
-        str(control_port),
-        "--orchestrator",
-        f"127.0.0.1:{orch_port}",
-        "--gate-id",
-        "gate-0",
-        "--token-file",
-        str(token_file),
-        "--log-level",
-        "info",
-    ]
+    cmd = GateCommand(
+        ext_proc_port=ext_proc_port,
+        authz_port=authz_port,
+        control_port=control_port,
+        orchestrator=f"127.0.0.1:{orch_port}",
+        gate_id="gate-0",
+        token_file=token_file,
+        log_level="info",
+    )
+    return CliProcess(cmd.args(), control_port, artifacts / "gate.log")
 
 
 def _is_gate_unavailable(r: httpx.Response) -> bool:
@@ -104,9 +100,9 @@ async def test_gate_killed_while_holding_loses_no_held_request_and_restart_resyn
     await orch.start()
     await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_SERVING, 0)])
     ports = (port_for.select_random(), port_for.select_random(), port_for.select_random())
-    args = _gate_args(artifacts, orch.port, ports)
     ext_proc_port, authz_port, control_port = ports
-    gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
+    gate = _gate(artifacts, orch.port, ports)
+    await gate.start()
     picker = PickerServer(PickerConfig(port=0, pools={"default": [up.address]}))
     await picker.start()
     envoy = EnvoyProcess(envoy_config(edge, gate_port=ext_proc_port, authz_port=authz_port, epp_port=picker.port), artifacts)
@@ -122,7 +118,7 @@ async def test_gate_killed_while_holding_loses_no_held_request_and_restart_resyn
                 held_rollout = asyncio.create_task(rc.get(envoy.url + "/v1/completions"))
                 await asyncio.sleep(1.5)
                 assert not held.done() and not held_rollout.done()
-                os.kill(gate.pid, signal.SIGKILL)
+                os.kill(gate.proc.pid, signal.SIGKILL)
                 if edge == "ext_authz":
                     during = asyncio.create_task(c.get(envoy.url + "/v1/completions"))
                     await asyncio.sleep(0.5)
@@ -146,7 +142,8 @@ async def test_gate_killed_while_holding_loses_no_held_request_and_restart_resyn
                 else:
                     assert not completed, "ext_proc: Envoy resets a request whose gate stream died"
             gate.stop()
-            gate = await asyncio.to_thread(ComponentProcess("gate", args, control_port, artifacts).start)
+            gate = _gate(artifacts, orch.port, ports)
+            await gate.start()
             await _until_ready(control_port)
             fresh = asyncio.create_task(c.get(envoy.url + "/v1/completions"))  # the restarted gate resyncs: ASLEEP -> held
             await asyncio.sleep(1.5)

@@ -15,17 +15,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
+from llmd_timeslice.domain.switches import EngineReading
 from llmd_timeslice.orchestrator import service
 from llmd_timeslice.orchestrator.clock import ManualClock
-from llmd_timeslice.orchestrator.errors import GroupFault
-from llmd_timeslice.orchestrator.groups import (
-    Command,
-    NotHolder,
-    Orchestrator,
-    StateNotSaved,
-    SwitchFailed,
-    _Waiter,
-)
+from llmd_timeslice.orchestrator.errors import GroupFault, NotHolder, StateNotSaved, SwitchFailed
+from llmd_timeslice.orchestrator.groups import Command, Orchestrator, _Waiter
 from llmd_timeslice.orchestrator.persistence import StatePersister
 from llmd_timeslice.orchestrator.phases import (
     IGNORED,
@@ -36,7 +31,7 @@ from llmd_timeslice.orchestrator.phases import (
     GroupState,
     IllegalTransition,
 )
-from llmd_timeslice.orchestrator.switch import EngineReading, GroupSpec, SamplerEndpoint, SwitchActions
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import WeightUpdate
 
 C, P = GroupCommand, GroupPhase

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from llmd_timeslice.client import AcquireTimeout, AsyncTimeSliceOrchestratorClient, LeaseLost, TimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.integrations import (
     AsyncRoleLocks,
     AsyncTimesliceCallback,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.integrations import TimesliceCallback, TimeSliceRollouts
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend

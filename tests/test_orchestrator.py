@@ -9,10 +9,13 @@ import time
 import pytest
 
 from llmd_timeslice.client import AcquireTimeout, LeaseError, TimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
-from llmd_timeslice.orchestrator.groups import GroupState, NotHolder, Orchestrator, SwitchFailed, UnknownGroup
+from llmd_timeslice.domain.inventory import Inventory
+from llmd_timeslice.domain.switches import SwitchKind
+from llmd_timeslice.orchestrator.errors import NotHolder, SwitchFailed, UnknownGroup
+from llmd_timeslice.orchestrator.groups import Orchestrator
+from llmd_timeslice.orchestrator.phases import GroupState
 from llmd_timeslice.orchestrator.server import OrchestratorServer
-from llmd_timeslice.orchestrator.switch import SwitchActions, SwitchKind
+from llmd_timeslice.orchestrator.switch import SwitchActions
 
 
 class RecordingActions(SwitchActions):
@@ -176,7 +179,7 @@ async def test_lease_expires_only_after_heartbeats_stop_and_the_group_is_reclaim
 
 
 async def test_stale_fencing_token_is_rejected_on_every_call():
-    from llmd_timeslice.orchestrator.groups import StaleFencingToken
+    from llmd_timeslice.orchestrator.errors import StaleFencingToken
 
     orch = Orchestrator(LEASE_INV.group_specs(), RecordingActions())
     await orch.acquire("job", "g0")
@@ -218,7 +221,7 @@ def test_client_heartbeats_keep_the_lease_and_a_silent_holder_loses_it(loop_thre
 
 
 async def test_lock_order_trainer_group_before_sampler_group():
-    from llmd_timeslice.orchestrator.groups import LockOrderViolation
+    from llmd_timeslice.orchestrator.errors import LockOrderViolation
 
     orch = Orchestrator(INVENTORY.group_specs(), RecordingActions())
     await orch.acquire("job", "trainers-only")  # trainer group first: fine

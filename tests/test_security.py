@@ -25,7 +25,7 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc a
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend

@@ -216,7 +216,7 @@ async def test_lora_adapters_keep_their_greedy_tokens_across_a_level1_and_a_leve
     serves again."""
     import shutil
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_lora
+    from llmd_timeslice.engines.tiny_model import build_tiny_lora
     from tests.support.vllm import LORA_ADAPTERS
 
     if not vllm_server.lora_adapters:

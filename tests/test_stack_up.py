@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from llmd_timeslice.client import TimeSliceOrchestratorClient
-from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME
+from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME
 from llmd_timeslice.local.up import alive
 from tests.support.fake_engines import FakeVllm
 from tests.support.prometheus import sample

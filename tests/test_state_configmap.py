@@ -9,8 +9,7 @@ import json
 import pytest
 
 from llmd_timeslice.discovery.kubernetes import make_api_client
-from llmd_timeslice.orchestrator.errors import StateConflict
-from llmd_timeslice.orchestrator.groups import StateNotSaved
+from llmd_timeslice.orchestrator.errors import StateConflict, StateNotSaved
 from llmd_timeslice.orchestrator.persistence import ConfigMapStateStore
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.kube_api import FakeKubeApi as FakeConfigMaps

@@ -209,3 +209,33 @@ async def test_child_that_keeps_failing_to_start_is_given_up_after_max_start_fai
         assert sum("restart failed" in m for _, m in events) == 2, events
     finally:
         await sup.stop()
+
+
+async def test_after_exit_runs_once_the_group_is_gone_before_each_restart_and_at_stop(tmp_path):
+    """What a child leaves on disk (a vLLM server's private runtime directory) is removed after each of its exits."""
+    runtime = tmp_path / "runtime"
+    gone: list[bool] = []  # per call: was the child's process already gone?
+    procs = []
+
+    def start_env() -> dict[str, str]:
+        runtime.mkdir()  # as VllmServer.environment: a new directory per start (it would fail if one were left)
+        return dict(os.environ)
+
+    def after_exit() -> None:
+        gone.append(procs[-1].returncode is not None)
+        runtime.rmdir()
+
+    spec = ChildSpec(
+        "sleeper", ["sleep", "1000"], tmp_path / "sleeper.log", env_factory=start_env, after_exit=after_exit, settle_s=0.2
+    )
+    sup = Supervisor([[spec]], backoff_s=0.2)
+    await sup.start()
+    procs.append(sup.child("sleeper").proc)
+    try:
+        os.kill(sup.child("sleeper").pid, signal.SIGKILL)
+        await _until(lambda: sup.child("sleeper").restarts == 1 and sup.child("sleeper").state == "ready")
+        procs.append(sup.child("sleeper").proc)
+        assert gone == [True] and runtime.is_dir(), "cleaned after the exit, made again by the restart"
+    finally:
+        await sup.stop()
+    assert gone == [True, True] and not runtime.exists()

@@ -11,7 +11,7 @@ import pytest
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer

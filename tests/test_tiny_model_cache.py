@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llmd_timeslice.demo import tiny_model
-from llmd_timeslice.demo.tiny_model import CACHE_ENV_VAR, build_tiny_llama, tiny_model_cache_dir
+from llmd_timeslice.engines import tiny_model
+from llmd_timeslice.engines.tiny_model import CACHE_ENV_VAR, build_tiny_llama, tiny_model_cache_dir
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from grpc_tools import protoc
 
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.test_orchestrator import RecordingActions
 

@@ -259,8 +259,8 @@ async def test_a_real_vllm_before_0_28_with_lora_sleeps_at_level1_and_refuses_we
     connection closes as the API server exits with it)."""
     import port_for
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama, build_tiny_lora
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, engine_version
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama, build_tiny_lora
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME, VllmServer, engine_version
     from tests.support.vllm import lora_args
 
     version = engine_version()

@@ -13,7 +13,7 @@ import pytest
 
 from epp_plugin import protocol
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.base import SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmd_timeslice.demo import vllm_server
-from llmd_timeslice.demo.vllm_server import VllmServer, vllm_cache_root
+from llmd_timeslice.engines import vllm_server
+from llmd_timeslice.engines.vllm_server import VllmServer, vllm_cache_root
 
 
 def _venv(tmp_path: Path) -> str:

@@ -21,7 +21,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceOrchestratorClient
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
@@ -604,7 +604,7 @@ async def test_engine_that_restarts_on_its_own_is_caught_by_the_audit_and_reload
 async def test_engine_audit_leaves_healthy_and_unreadable_engines_alone(tmp_path):
     """Engines that serve what is recorded, engines without the weight-version route and samplers whose
     sidecar does not answer are never taken out of service by the audit."""
-    from llmd_timeslice.orchestrator.groups import EngineReading
+    from llmd_timeslice.domain.switches import EngineReading
 
     engine, addr, sidecar, inv = await one_sampler(TOKEN)
     orch = OrchestratorServer(inv, port=0, token=TOKEN, engine_audit_interval_s=0.3)

@@ -1,8 +1,9 @@
 """``llmd-timeslice demo``: the whole path on one machine, with real Envoy and real vLLM on CPU.
 
 1. builds a tiny Llama locally (no hub download);
-2. starts two vLLM servers (CPU) and, through the CLI, the gate, the picker, one sidecar per
-   server, the orchestrator and Envoy (gate ext_proc -> picker ext_proc -> ORIGINAL_DST);
+2. starts, through the local stack launcher (as ``llmd-timeslice up`` does, :mod:`llmd_timeslice.demo.stack`),
+   two vLLM servers (CPU), one sidecar per server, the orchestrator, the gate and Envoy (the ext_authz fast
+   path: the gate admits and picks the endpoint, ORIGINAL_DST);
 3. runs background load through Envoy (some requests streaming) while an RL loop alternates
    rollout (a batch of completions through Envoy, rewarded) and training (a policy-gradient step
    on the same tiny model, inside ``on_accelerators``: samplers drain and sleep, trainer state is
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import secrets
 import shutil
 import signal
 import time
@@ -34,8 +33,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as 
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.demo.loadgen import PROMPTS, LoadGenerator, send_completion
 from llmd_timeslice.demo.loadgen import percentile as _pct
-from llmd_timeslice.demo.stack import LocalStack, Sampler
-from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
+from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME as SERVED_MODEL
 from llmd_timeslice.status import output_console
 
 GROUP = "rollout-group"
@@ -95,7 +93,8 @@ class GateMonitor:
 
 
 async def _rl_loop(
-    stack: LocalStack,
+    router_url: str,
+    orchestrator_addr: str,
     token: str,
     model_dir: Path,
     iterations: int,
@@ -119,7 +118,7 @@ async def _rl_loop(
     trainer = await asyncio.to_thread(Trainer, model_dir)
     offloader = TorchStateOffloader(trainer.model, trainer.optimizer)
     await asyncio.to_thread(offloader.offload)  # trainer state lives in host memory until it holds the group
-    ts = AsyncTimeSliceOrchestratorClient(stack.orchestrator_addr, job_id=TRAINER_JOB, group_id=GROUP, token=token)
+    ts = AsyncTimeSliceOrchestratorClient(orchestrator_addr, job_id=TRAINER_JOB, group_id=GROUP, token=token)
     now = lambda: time.monotonic() - t0  # noqa: E731
     try:
         for it in range(iterations):
@@ -129,7 +128,7 @@ async def _rl_loop(
                 *(
                     send_completion(
                         client,
-                        stack.router_url,
+                        router_url,
                         SERVED_MODEL,
                         p,
                         stream=k % 2 == 1,
@@ -186,41 +185,45 @@ async def _rl_loop(
 
 
 async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> dict:
-    import port_for
-
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
-    from llmd_timeslice.demo.vllm_server import VllmServer, start_many
+    from llmd_timeslice.demo.stack import demo_stack_file
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
+    from llmd_timeslice.local.up import Stack, StackRunner
 
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "logs", ignore_errors=True)  # one run's logs only
     (out / "logs").mkdir()
-    token = secrets.token_urlsafe(24)
-    token_file = out / "control-token"
-    token_file.write_text(token)
-    os.chmod(token_file, 0o600)
-
     t_begin = time.monotonic()
     with console.status("building the tiny Llama model (local, no download) ..."):
         model_dir = build_tiny_llama(out / "model")
-    samplers = [Sampler(f"sampler-{i}", port_for.select_random(), port_for.select_random()) for i in range(2)]
-    servers = [VllmServer(model_dir, s.engine_port, out / "logs" / f"vllm-{s.job_id}.log") for s in samplers]
-    stack = LocalStack(samplers, out, GROUP, token_file)
+    sf = demo_stack_file(out, model_dir, GROUP, samplers=2)
+    stack = Stack(sf, out)
+    stack.token_file.unlink(missing_ok=True)  # a fresh token per run (the launcher writes one)
+    names = {e.address: e.name for e in sf.engines}
     t_setup = time.monotonic()
+
+    def on_event(name: str, msg: str) -> None:  # the stack restarts a component that dies: say so
+        if any(w in msg for w in ("exited", "failed")):
+            console.print(f"[red]{escape(name)}: {escape(msg)}[/red]", highlight=False)
+
+    with console.status("starting 2 vLLM servers on CPU (about half a minute) ...") as st:
+
+        def on_stage_ready(stage: list[str]) -> None:
+            if stage[0].startswith("vllm-"):
+                console.print(f"[green]vLLM servers up[/green] in {time.monotonic() - t_setup:.0f} s: " + ", ".join(names))
+                st.update("starting sidecars, orchestrator, gate, Envoy ...")
+
+        runner = StackRunner(stack, on_event=on_event)
+        await runner.start(on_stage_ready=on_stage_ready)
     try:
-        with console.status("starting 2 vLLM servers on CPU (about half a minute) ..."):
-            await asyncio.to_thread(start_many, servers)
-        console.print(
-            f"[green]vLLM servers up[/green] in {time.monotonic() - t_setup:.0f} s: " + ", ".join(s.address for s in samplers)
-        )
-        with console.status("starting gate, picker, sidecars, orchestrator, Envoy ...") as st:
-            await asyncio.to_thread(stack.start, lambda m: st.update(f"starting {m} ..."))
+        eps = stack.endpoints()
+        token = stack.token_file.read_text().strip()
         t0 = time.monotonic()
-        monitor = GateMonitor(stack.gate_control_addr, token, t0)
-        await monitor.wait_serving(len(samplers), 120)
+        monitor = GateMonitor(eps["gate_control"], token, t0)
+        await monitor.wait_serving(len(sf.engines), 120)
         console.print(
-            f"[green]stack up[/green]: router {stack.router_url}, orchestrator {stack.orchestrator_addr}; "
-            f"logs in {out / 'logs'}\n  look from another shell: .venv/bin/llmd-timeslice status --orchestrator "
-            f"{stack.orchestrator_addr} --gate {stack.gate_control_addr} --token-file {token_file}"
+            f"[green]stack up[/green]: router {eps['router']}, orchestrator {eps['orchestrator']}; "
+            f"logs in {stack.logdir}\n  look from another shell: .venv/bin/llmd-timeslice status --orchestrator "
+            f"{eps['orchestrator']} --gate {eps['gate_control']} --token-file {stack.token_file}"
         )
         mon_task = asyncio.create_task(monitor.run())
         phases: list = []
@@ -228,11 +231,23 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
         rollout_records: list = []
         limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
         async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits) as client:
-            load = LoadGenerator(stack.router_url, SERVED_MODEL, load_rps, t0)
+            load = LoadGenerator(eps["router"], SERVED_MODEL, load_rps, t0)
             load_task = asyncio.create_task(load.run(client))
             await asyncio.sleep(3)  # some load before the first switch
-            await _rl_loop(stack, token, model_dir, iterations, train_s, t0, client, phases, iters, rollout_records)
-            await monitor.wait_serving(len(samplers), 120)
+            await _rl_loop(
+                eps["router"],
+                eps["orchestrator"],
+                token,
+                model_dir,
+                iterations,
+                train_s,
+                t0,
+                client,
+                phases,
+                iters,
+                rollout_records,
+            )
+            await monitor.wait_serving(len(sf.engines), 120)
             await asyncio.sleep(3)  # some load after the last wake
             with console.status("waiting for the last requests ..."):
                 await load.stop()
@@ -244,14 +259,12 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
         (out / "iterations.json").write_text(json.dumps(iters, indent=1))
         from llmd_timeslice.demo.timeline import plot_timeline  # matplotlib: ~0.5 s to import, only here
 
-        plot_timeline(out / "timeline.png", monitor.samples, phases, records, names={s.address: s.job_id for s in samplers})
+        plot_timeline(out / "timeline.png", monitor.samples, phases, records, names=names)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
     finally:
         with console.status("stopping everything ..."):
-            stack.stop()
-            for s in servers:
-                s.stop()
+            await runner.stop()
 
 
 def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: float, setup_s: float = 0.0) -> dict:
@@ -339,12 +352,17 @@ def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: flo
         load_rps: background requests per second through Envoy.
         train_s: least seconds of training per iteration (optimizer steps repeat until then).
     """
+    from llmd_timeslice.local.supervisor import StartFailed
+
     t = time.monotonic()
     try:
         summary = asyncio.run(_cancel_on_signals(_demo(out, iterations, load_rps, train_s)))
     except asyncio.CancelledError:
         console.print("[yellow]stopped by a signal; every process of the stack was stopped[/yellow]")
         return 143
+    except StartFailed as exc:  # names the component and ends with its log's last lines; nothing is left running
+        console.print(f"[red]llmd-timeslice demo: {escape(str(exc))}[/red]", highlight=False)
+        return 1
     for line in summary_lines(summary, time.monotonic() - t):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     for f in summary["failures"]:

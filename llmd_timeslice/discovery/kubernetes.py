@@ -56,16 +56,18 @@ API is used here.)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge
+from pydantic import TypeAdapter, ValidationError
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -76,7 +78,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint, SchedulingPolicy, SleepLevelPolicy
+from llmd_timeslice.domain.group_settings import GroupSettings, GroupSpec, SamplerEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +89,6 @@ LABEL_SERVING = "timeslice.io/serving"
 ANNOTATION_POOL = "timeslice.io/pool"
 ANNOTATION_ENGINE_PORT = "timeslice.io/engine-port"
 ANNOTATION_SIDECAR_PORT = "timeslice.io/sidecar-port"
-ANNOTATION_SLEEP_LEVEL = "timeslice.io/sleep-level"
-ANNOTATION_DRAIN_TIMEOUT = "timeslice.io/drain-timeout-s"
-ANNOTATION_LEASE_TTL = "timeslice.io/lease-ttl-s"
-ANNOTATION_POLICY = "timeslice.io/scheduling-policy"
-ANNOTATION_SLEEP_LEVEL_POLICY = "timeslice.io/sleep-level-policy"
-ANNOTATION_JOB_PRIORITY = "timeslice.io/job-priority"
-ANNOTATION_JOB_SLEEP_LEVEL = "timeslice.io/job-sleep-level"
 ROLE_SAMPLER = "sampler"
 SIDECAR_PORT_NAME = "ts-grpc"
 ENGINE_CONTAINERS = ("modelserver", "vllm")
@@ -205,14 +200,15 @@ class DiscoveryDefaults:
     default_pool: str = "default"
     engine_port: int = 8000
     sidecar_port: int = 9001
-    sleep_level: int = 1
-    drain_timeout_s: float = 60.0
+    settings: GroupSettings = field(default_factory=GroupSettings)
+    """The settings of a group whose pods do not say (the orchestrator's flags may change the defaults)."""
 
 
 @dataclass(frozen=True)
 class PodMember:
     """One member pod, as discovery understood it. ``settings``: the group settings its annotations give
-    (GroupSpec field -> value); ``job_priority`` / ``job_sleep_level``: its job's own, for ``job_id``."""
+    (field -> value); ``job_settings``: its job's own (field -> this job's value: a map field's entry, or for a
+    list field whether the job is in it), for ``job_id``."""
 
     name: str
     group: str
@@ -220,8 +216,7 @@ class PodMember:
     sampler: SamplerEndpoint | None
     settings: tuple[tuple[str, Any], ...] = ()
     job_id: str = ""
-    job_priority: int | None = None
-    job_sleep_level: int | None = None
+    job_settings: tuple[tuple[str, Any], ...] = ()
 
 
 def _meta(pod: dict) -> dict:
@@ -241,51 +236,32 @@ def _port(value: Any) -> int | None:
     return p if 0 < p < 65536 else None
 
 
-def _sleep_level(value: str) -> int:
-    level = {"1": 1, "2": 2}.get(value)
-    if level is None:
-        raise ValueError("is not 1 or 2")
-    return level
+def _annotations(scope: str) -> dict[str, str]:
+    return {
+        str(extra["annotation"]): name
+        for name, f in GroupSettings.model_fields.items()
+        if isinstance(extra := f.json_schema_extra, dict) and extra.get("scope") == scope
+    }
 
 
-def _seconds(low: float, low_inclusive: bool) -> Callable[[str], float]:
-    def parse(value: str) -> float:
-        try:
-            v = float(value)
-        except ValueError:
-            v = float("nan")
-        if not (low <= v if low_inclusive else low < v) or not v <= 3600:
-            raise ValueError(f"is not seconds in {'[' if low_inclusive else '('}{low:g}, 3600]")
-        return v
-
-    return parse
+GROUP_ANNOTATIONS: dict[str, str] = _annotations("group")
+"""Annotation -> GroupSettings field: group settings any member pod may carry (declared on the fields of
+:class:`~llmd_timeslice.domain.group_settings.GroupSettings`)."""
+JOB_ANNOTATIONS: dict[str, str] = _annotations("job")
+"""Annotation -> GroupSettings field keyed by job: settings a job's own (non-sampler) pods carry."""
+_FLAG = TypeAdapter(bool)
 
 
-def _choice(enum_cls: type[SchedulingPolicy] | type[SleepLevelPolicy]) -> Callable[[str], Any]:
-    def parse(value: str) -> Any:
-        try:
-            return enum_cls(value)
-        except ValueError:
-            raise ValueError(f"is not one of {', '.join(e.value for e in enum_cls)}") from None
-
-    return parse
+def _group_value(fld: str, text: str) -> Any:
+    """The group setting ``fld`` parsed from an annotation (raises ValidationError)."""
+    return getattr(GroupSettings.model_validate({fld: text}), fld)
 
 
-def _integer(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-
-
-GROUP_ANNOTATIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    ANNOTATION_SLEEP_LEVEL: ("sleep_level", _sleep_level),
-    ANNOTATION_DRAIN_TIMEOUT: ("drain_timeout_s", _seconds(0, False)),
-    ANNOTATION_LEASE_TTL: ("lease_ttl_s", _seconds(0, True)),
-    ANNOTATION_POLICY: ("policy", _choice(SchedulingPolicy)),
-    ANNOTATION_SLEEP_LEVEL_POLICY: ("sleep_level_policy", _choice(SleepLevelPolicy)),
-}
-"""Annotation -> (GroupSpec field, parser): group settings any member pod may carry."""
+def _job_value(fld: str, job: str, text: str) -> Any:
+    """This job's entry of the per-job field ``fld``, parsed from an annotation (raises ValidationError)."""
+    if isinstance(getattr(GroupSettings(), fld), list):  # a set of jobs: the annotation says whether this one is in
+        return _FLAG.validate_python(text)
+    return getattr(GroupSettings.model_validate({fld: {job: text}}), fld)[job]
 
 
 def _annotation(name: str, ann: dict, key: str, parse: Callable[[str], Any]) -> Any:
@@ -294,8 +270,9 @@ def _annotation(name: str, ann: dict, key: str, parse: Callable[[str], Any]) -> 
         return None
     try:
         return parse(str(ann[key]).strip())
-    except ValueError as exc:
-        log.warning("pod %s: annotation %s=%r %s; ignored", name, key, ann[key], exc)
+    except ValidationError as exc:
+        why = "; ".join(e["msg"] for e in exc.errors(include_url=False))
+        log.warning("pod %s: annotation %s=%r is invalid (%s); ignored", name, key, ann[key], why)
         return None
 
 
@@ -337,20 +314,18 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
         return None
     role = labels.get(LABEL_ROLE, "")
     settings = tuple(
-        (fld, v) for key, (fld, parse) in GROUP_ANNOTATIONS.items() if (v := _annotation(name, ann, key, parse)) is not None
+        (fld, v)
+        for key, fld in GROUP_ANNOTATIONS.items()
+        if (v := _annotation(name, ann, key, functools.partial(_group_value, fld))) is not None
     )
     job_id = labels.get(LABEL_JOB_ID) or name
     if role != ROLE_SAMPLER:
-        return PodMember(
-            name,
-            group,
-            role,
-            None,
-            settings,
-            job_id,
-            _annotation(name, ann, ANNOTATION_JOB_PRIORITY, _integer),
-            _annotation(name, ann, ANNOTATION_JOB_SLEEP_LEVEL, _sleep_level),
+        job_settings = tuple(
+            (fld, v)
+            for key, fld in JOB_ANNOTATIONS.items()
+            if (v := _annotation(name, ann, key, functools.partial(_job_value, fld, job_id))) is not None
         )
+        return PodMember(name, group, role, None, settings, job_id, job_settings)
     ip = status.get("podIP")
     if not ip:
         return None
@@ -370,7 +345,7 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
 
 def _first_wins(gid: str, what: str, values: dict[str, Any]) -> Any:
     """The value of the lexically first pod in ``values`` (pod name -> value), warning when pods disagree."""
-    if len(set(values.values())) > 1:
+    if any(v != values[min(values)] for v in values.values()):
         log.warning(
             "group %s: pods disagree on the %s (%s); using pod %s's",
             gid,
@@ -389,19 +364,24 @@ def build_groups(members: Iterable[PodMember], defaults: DiscoveryDefaults) -> l
     specs = []
     for gid in sorted(by_group):
         ms = by_group[gid]
-        spec = GroupSpec(gid, [], defaults.sleep_level, defaults.drain_timeout_s)
-        for fld in (f for f, _ in GROUP_ANNOTATIONS.values()):
+        spec = GroupSpec(gid)
+        spec.apply_settings(defaults.settings)
+        for fld in GROUP_ANNOTATIONS.values():
             values = {m.name: dict(m.settings)[fld] for m in ms if fld in dict(m.settings)}
             if values:
                 setattr(spec, fld, _first_wins(gid, fld.replace("_", " "), values))
-        for attr, target in (("job_priority", spec.job_priorities), ("job_sleep_level", spec.job_sleep_levels)):
+        for fld in JOB_ANNOTATIONS.values():
             by_job: dict[str, dict[str, Any]] = {}
             for m in ms:
-                v = getattr(m, attr)
-                if v is not None:
+                if (v := dict(m.job_settings).get(fld)) is not None:
                     by_job.setdefault(m.job_id, {})[m.name] = v
+            target = getattr(spec, fld)
             for job, values in sorted(by_job.items()):
-                target[job] = _first_wins(gid, f"{attr.replace('_', ' ')} of job {job}", values)
+                value = _first_wins(gid, f"{fld.replace('_', ' ')} of job {job}", values)
+                if isinstance(target, dict):
+                    target[job] = value
+                elif value and job not in target:
+                    target.append(job)
         seen: set[str] = set()
         for m in ms:
             if m.sampler is None:

@@ -2,7 +2,8 @@
 
 Gates are not listed: each gate replica subscribes to the orchestrator (``--orchestrator``).
 
-YAML (or JSON) shape, validated with unknown keys refused::
+YAML (or JSON) shape, validated with unknown keys refused; each group entry is a
+:class:`~llmd_timeslice.domain.group_settings.GroupSpec` (every setting of docs/group-settings.md, its defaults there)::
 
     groups:
       - group_id: rollout-0
@@ -16,79 +17,12 @@ YAML (or JSON) shape, validated with unknown keys refused::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from llmd_timeslice import yaml_files
-from llmd_timeslice.addresses import check_host_port
-from llmd_timeslice.orchestrator.switch import GroupSpec, SamplerEndpoint, SchedulingPolicy, SleepLevelPolicy
-
-
-class SamplerEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    pool: str = "default"
-    address: str = Field(description="ip:port the EPP routes to (vLLM's OpenAI server).")
-    sidecar: str = Field(description="host:port of the sampler's snapshot sidecar.")
-    job_id: str = Field(description="Sampler job id the sidecar serves.")
-
-    _check = field_validator("address", "sidecar")(classmethod(lambda cls, v: check_host_port(v)))
-
-
-class GroupEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    group_id: str = Field(min_length=1)
-    sleep_level: int = Field(1, ge=1, le=2)
-    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
-    lease_ttl_s: float = Field(30.0, ge=0, le=3600, description="Lease TTL once the holder heartbeats (0: never expire).")
-    policy: Literal["fifo", "priority", "round_robin"] = Field("fifo", description="Scheduling policy of the waiters.")
-    job_priorities: dict[str, int] = Field(default_factory=dict, description="Per-job priority (priority policy).")
-    sleep_level_policy: Literal["fixed", "auto"] = Field(
-        "fixed",
-        description="fixed: sleep_level for every job; auto: level 2 (discard) for a job that published a "
-        "weight version at its previous grant (the weights will be replaced anyway), else sleep_level.",
-    )
-    job_sleep_levels: dict[str, Literal[1, 2]] = Field(
-        default_factory=dict, description="Per-job sleep level (overrides the policy)."
-    )
-    samplers: list[SamplerEntry] = Field(default_factory=list)
-
-
-class Inventory(BaseModel):
-    """The whole inventory file."""
-
-    model_config = ConfigDict(extra="forbid")
-    groups: list[GroupEntry] = Field(min_length=1)
-
-    @field_validator("groups")
-    @classmethod
-    def _unique(cls, groups: list[GroupEntry]) -> list[GroupEntry]:
-        ids = [g.group_id for g in groups]
-        dup = sorted({i for i in ids if ids.count(i) > 1})
-        if dup:
-            raise ValueError(f"duplicate group_id {dup}")
-        addrs = [s.address for g in groups for s in g.samplers]
-        dup = sorted({a for a in addrs if addrs.count(a) > 1})
-        if dup:
-            raise ValueError(f"sampler address listed twice: {dup}")
-        return groups
-
-    def group_specs(self) -> list[GroupSpec]:
-        return [
-            GroupSpec(
-                g.group_id,
-                [SamplerEndpoint(s.pool, s.address, s.sidecar, s.job_id) for s in g.samplers],
-                g.sleep_level,
-                g.drain_timeout_s,
-                g.lease_ttl_s,
-                SchedulingPolicy(g.policy),
-                dict(g.job_priorities),
-                SleepLevelPolicy(g.sleep_level_policy),
-                dict(g.job_sleep_levels),
-            )
-            for g in self.groups
-        ]
+from llmd_timeslice.domain.inventory import Inventory
 
 
 class InventoryError(ValueError):

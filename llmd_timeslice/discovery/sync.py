@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from llmd_timeslice.orchestrator.groups import GroupSpec, Orchestrator
+from llmd_timeslice.domain.group_settings import GroupSpec
+from llmd_timeslice.orchestrator.groups import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -58,22 +59,9 @@ def _differs(have: GroupSpec, want: GroupSpec) -> bool:
 
 def inventory_from_specs(specs: list[GroupSpec]):
     """An :class:`~llmd_timeslice.discovery.static.Inventory` for the orchestrator server (may be empty)."""
-    from llmd_timeslice.discovery.static import GroupEntry, Inventory, SamplerEntry
+    from llmd_timeslice.domain.inventory import Inventory
 
-    groups = [
-        GroupEntry(
-            group_id=s.group_id,
-            sleep_level=s.sleep_level,
-            drain_timeout_s=s.drain_timeout_s,
-            lease_ttl_s=s.lease_ttl_s,
-            policy=s.policy.value,
-            job_priorities=dict(s.job_priorities),
-            sleep_level_policy=s.sleep_level_policy.value,
-            job_sleep_levels={job: 2 if level == 2 else 1 for job, level in s.job_sleep_levels.items()},
-            samplers=[SamplerEntry(pool=e.pool, address=e.address, sidecar=e.sidecar, job_id=e.job_id) for e in s.samplers],
-        )
-        for s in specs
-    ]
+    groups = [s.copy() for s in specs]
     if not groups:
         return Inventory.model_construct(groups=[])
     return Inventory(groups=groups)

@@ -114,3 +114,16 @@ def split_listeners(ports: list[int] | tuple[int, ...], pgid: int) -> tuple[set[
             else:
                 foreign.setdefault(port, []).append(h)
     return ours, foreign
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on this machine now (``port_for.select_random``), for a stack of free ports
+    (the demo's); free when chosen, not reserved: another process may take one before the stack binds it."""
+    import port_for
+
+    picked: list[int] = []
+    while len(picked) < n:
+        port = port_for.select_random()
+        if port not in picked:
+            picked.append(port)
+    return picked

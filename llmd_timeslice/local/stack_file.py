@@ -7,8 +7,8 @@ Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are ref
                       orchestrator, orchestrator_metrics}}
     pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
                                                       # pool, the prefix stripped before the engine
-    groups:  [{group_id, sleep_level, sleep_level_policy, drain_timeout_s, lease_ttl_s, policy}]
-    jobs:    [{job_id, groups, priority, sleep_level}]  # optional: per-job scheduling priority and sleep level
+    groups:  [{group_id, <any group setting: docs/group-settings.md>}]
+    jobs:    [{job_id, groups, priority, sleep_level, yield_opt_out}]  # optional: per-job settings
     engines: [{name, pool, group, sidecar_port, url | vllm: {model, port, args, cpu_defaults, python, env}}]
 
 An engine is either **started** by the stack (``vllm:``; ``model`` a directory or ``builtin:tiny-llama``,
@@ -27,7 +27,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmd_timeslice import yaml_files
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
+from llmd_timeslice.domain.inventory import Inventory
 
 BUILTIN_TINY = "builtin:tiny-llama"
 
@@ -93,20 +94,19 @@ class PoolEntry(_Strict):
     )
 
 
-class GroupEntry(_Strict):
+class GroupEntry(GroupSettings):
+    """A group of the stack: its id and any setting of docs/group-settings.md (the defaults are
+    :class:`~llmd_timeslice.domain.group_settings.GroupSettings`'); its samplers are the engines naming it."""
+
     group_id: str = Field(min_length=1)
-    sleep_level: Literal[1, 2] = 1
-    sleep_level_policy: Literal["fixed", "auto"] = "fixed"
-    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
-    lease_ttl_s: float = Field(30.0, ge=0, le=3600)
-    policy: Literal["fifo", "priority", "round_robin"] = "fifo"
 
 
 class JobEntry(_Strict):
     job_id: str = Field(min_length=1)
     groups: list[str] = Field(default_factory=list, description="Groups the settings below apply to (empty: all).")
     priority: int = 0
-    sleep_level: Literal[1, 2] | None = None
+    sleep_level: SleepLevel | None = None
+    yield_opt_out: bool = Field(False, description="Never ask this job to yield for held traffic (job_yield_opt_out).")
 
 
 class VllmLaunch(_Strict):
@@ -253,8 +253,12 @@ class StackFile(_Strict):
             groups.append(
                 {
                     **g.model_dump(),
-                    "job_priorities": {j.job_id: j.priority for j in jobs if j.priority},
-                    "job_sleep_levels": {j.job_id: j.sleep_level for j in jobs if j.sleep_level is not None},
+                    "job_priorities": {**g.job_priorities, **{j.job_id: j.priority for j in jobs if j.priority}},
+                    "job_sleep_levels": {
+                        **g.job_sleep_levels,
+                        **{j.job_id: j.sleep_level for j in jobs if j.sleep_level is not None},
+                    },
+                    "job_yield_opt_out": sorted({*g.job_yield_opt_out, *(j.job_id for j in jobs if j.yield_opt_out)}),
                     "samplers": [
                         {"pool": e.pool, "address": e.address, "sidecar": f"{sidecar_host}:{e.sidecar_port}", "job_id": e.name}
                         for e in self.engines

@@ -60,6 +60,9 @@ class ChildSpec:
     listen: tuple[int, ...] = ()
     """TCP ports the child binds: it is ready only once each has a listener in its process group and none
     outside it."""
+    after_exit: Callable[[], None] | None = None
+    """Called each time the child's process group is gone (after a stop, after an exit before the restart): e.g.
+    removing a vLLM server's private runtime directory."""
 
 
 @dataclass(eq=False)
@@ -255,8 +258,13 @@ class Supervisor:
             f"{spec.name} exited with code {rc} while starting; last lines of {spec.log_path}:\n{_tail(spec.log_path)}"
         )
 
-    async def start(self, progress: Callable[[str], None] = lambda msg: None) -> None:
-        """Start every stage in order and begin watching. Raises StartFailed (everything started is stopped)."""
+    async def start(
+        self,
+        progress: Callable[[str], None] = lambda msg: None,
+        on_stage_ready: Callable[[list[str]], None] = lambda names: None,
+    ) -> None:
+        """Start every stage in order and begin watching; ``on_stage_ready`` gets the names of each stage once all
+        of its children are ready. Raises StartFailed (everything started is stopped)."""
         try:
             for stage in self.stages:
                 progress("starting " + ", ".join(c.spec.name for c in stage))
@@ -266,6 +274,7 @@ class Supervisor:
                 for c in stage:
                     self.on_event(c.spec.name, f"ready (pid {c.pid})")
                     self._watchers.append(asyncio.get_running_loop().create_task(self._watch(c)))
+                on_stage_ready([c.spec.name for c in stage])
         except BaseException:
             await self.stop()
             raise
@@ -360,6 +369,11 @@ class Supervisor:
             os.killpg(pgid, signal.SIGKILL)  # the group: vLLM's engine-core and workers too
         with contextlib.suppress(ProcessLookupError):
             await proc.wait()
+        if c.spec.after_exit is not None:
+            try:
+                c.spec.after_exit()
+            except Exception:  # a clean-up that fails must not stop the stop or the restart
+                log.exception("component=%s clean-up after its exit failed", c.spec.name)
 
     async def stop_child(self, name: str) -> None:
         """Stop one child now (SIGTERM, grace, SIGKILL), without restarting it."""

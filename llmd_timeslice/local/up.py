@@ -36,6 +36,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from llmd_timeslice.local.commands import StackCommands, envoy_argv
 from llmd_timeslice.local.ports import port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
@@ -126,23 +127,23 @@ class Stack:
         return port_problems(self.ports_to_bind())
 
     # ------------------------------------------------------------------ children
-    def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "llmd_timeslice.cli", *args, "--log-level", self.sf.stack.log_level]
+    def commands(self) -> StackCommands:
+        """Every component's command line, from the stack file (:mod:`llmd_timeslice.local.commands`)."""
+        return StackCommands(self.sf, self.base_dir, self.workdir, self.token_file)
 
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
-        from epp_plugin.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s, write_bootstrap
+        from epp_plugin.envoy_config import write_bootstrap
         from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
         from epp_plugin.protocol import ENVOY_ID_ENV
-        from llmd_timeslice.demo.vllm_server import VllmServer
 
         self.logdir.mkdir(parents=True, exist_ok=True)
         if not self.token_file.exists():
             self.token_file.parent.mkdir(parents=True, exist_ok=True)
             self.token_file.write_text(secrets.token_urlsafe(24))
             os.chmod(self.token_file, 0o600)
-        tok = ["--token-file", str(self.token_file)]
-        s, p, h = self.sf.stack, self.sf.stack.ports, self.host
+        cmds = self.commands()
+        p, h = self.sf.stack.ports, self.host
 
         engines: list[ChildSpec] = []
         for e in self.sf.engines:
@@ -150,15 +151,13 @@ class Stack:
                 continue
             v = e.vllm
             if v.model == BUILTIN_TINY:
-                from llmd_timeslice.demo.tiny_model import build_tiny_llama
+                from llmd_timeslice.engines.tiny_model import build_tiny_llama
 
                 progress(f"building the tiny Llama for {e.name} (local, no download)")
                 model = build_tiny_llama(self.workdir / TINY_MODEL_DIR)
             else:
                 model = self.sf.resolve(self.base_dir, v.model)
-            server = VllmServer(
-                model, v.port, self.logdir / f"vllm-{e.name}.log", python=v.python, extra_args=v.args, default_args=v.cpu_defaults
-            )
+            server = cmds.vllm(e, model)
             engines.append(
                 ChildSpec(
                     f"vllm-{e.name}",
@@ -170,14 +169,13 @@ class Stack:
                     stop_grace_s=15.0,
                     env_factory=partial(server.environment, v.env),
                     listen=(v.port,),
+                    after_exit=server.remove_runtime_dir,  # vLLM's IPC sockets and temporary files
                 )
             )
         sidecars = [
             ChildSpec(
                 f"sidecar-{e.name}",
-                self._cli(
-                    "sidecar", "--job-id", e.name, "--engine-url", e.base_url, "--host", h, "--port", str(e.sidecar_port), *tok
-                ),
+                cmds.sidecar(e).argv(),
                 self.logdir / f"sidecar-{e.name}.log",
                 e.sidecar_port,
                 probe=grpc_health_probe(f"{h}:{e.sidecar_port}"),
@@ -187,114 +185,57 @@ class Stack:
         ]
         # Orchestrator state lives as long as one `up`: it carries the orchestrator over its own restarts (the
         # supervisor restarts it), but a new `up` starts new engines, so holders and versions start over too.
-        (self.workdir / "orchestrator-state.json").unlink(missing_ok=True)
-        inventory = self.workdir / "inventory.yaml"
+        cmds.state_file.unlink(missing_ok=True)
         import yaml
 
-        inventory.write_text(yaml.safe_dump(self.sf.inventory().model_dump(mode="json"), sort_keys=False))
+        cmds.inventory.write_text(yaml.safe_dump(self.sf.inventory().model_dump(mode="json"), sort_keys=False))
         orch = ChildSpec(
             "orchestrator",
-            self._cli(
-                "orchestrator",
-                "--inventory",
-                str(inventory),
-                "--host",
-                h,
-                "--port",
-                str(p.orchestrator),
-                "--metrics-port",
-                str(p.orchestrator_metrics),
-                "--state-file",
-                str(self.workdir / "orchestrator-state.json"),
-                *tok,
-            ),
+            cmds.orchestrator().argv(),
             self.logdir / "orchestrator.log",
             p.orchestrator,
             probe=grpc_health_probe(f"{h}:{p.orchestrator}"),
             start_timeout_s=300.0,
             listen=(p.orchestrator, p.orchestrator_metrics),
         )
-        pools = [a for pool in self.sf.pools for a in ("--pool", pool.name)]
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
-        # entries must never end a request the route may still be serving (docs/gate.md, "Completions").
-        route_timeout = route_timeout_s(s.max_hold_s, s.generation_timeout_s)
+        # entries must never end a request the route may still be serving (docs/gate.md, "Completions"): both
+        # come from StackCommands.
         gate = ChildSpec(
             "gate",
-            self._cli(
-                "gate",
-                "--host",
-                h,
-                "--ext-proc-port",
-                str(p.gate_ext_proc),
-                "--authz-port",
-                str(p.gate_authz),
-                "--control-port",
-                str(p.gate_control),
-                "--metrics-port",
-                str(p.gate_metrics),
-                "--max-hold-s",
-                str(s.max_hold_s),
-                "--orchestrator",
-                f"{h}:{p.orchestrator}",
-                "--gate-id",
-                f"{s.name}-gate",
-                "--default-pool",
-                self.sf.pools[0].name,
-                "--lost-completion-after-s",
-                f"{lost_completion_after_s(route_timeout):g}",
-                *pools,
-                *tok,
-            ),
+            cmds.gate().argv(),
             self.logdir / "gate.log",
             p.gate_ext_proc,
             probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
             listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics),
         )
-        eps = [a for e in self.sf.engines for a in ("--endpoint", f"{e.pool}={e.address}")]
-        picker = ChildSpec(
-            "picker",
-            self._cli("picker", "--host", h, "--port", str(p.picker), "--default-pool", self.sf.pools[0].name, *eps),
-            self.logdir / "picker.log",
-            p.picker,
-            probe=grpc_health_probe(f"{h}:{p.picker}"),
-            listen=(p.picker,),
-        )
-        fast = s.gate_edge == "ext_authz"  # the fast path: the gate picks the endpoint, no picker process
-        cfg = EnvoyRouterConfig(
-            listen_port=p.router,
-            admin_port=p.router_admin,
-            gate_port=p.gate_ext_proc,
-            epp_port=None if fast else p.picker,
-            gate_edge=s.gate_edge,
-            authz_port=p.gate_authz,
-            pool=self.sf.pools[0].name,
-            host=h,
-            max_hold_s=s.max_hold_s,
-            upstream_timeout_s=route_timeout,
-            pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:] if pool.path_prefix},
+        picker_cmd = cmds.picker()  # None on the fast path: the gate picks the endpoint, no picker process
+        pickers = (
+            [
+                ChildSpec(
+                    "picker",
+                    picker_cmd.argv(),
+                    self.logdir / "picker.log",
+                    p.picker,
+                    probe=grpc_health_probe(f"{h}:{p.picker}"),
+                    listen=(p.picker,),
+                )
+            ]
+            if picker_cmd is not None
+            else []
         )
         bootstrap = self.workdir / "envoy.json"
-        write_bootstrap(cfg, bootstrap)
+        write_bootstrap(cmds.router(), bootstrap)
         envoy = ChildSpec(
             "envoy",
-            [
-                str(envoy_binary()),
-                "-c",
-                str(bootstrap),
-                "--concurrency",
-                "2",
-                "--log-level",
-                "warn",
-                "--use-dynamic-base-id",
-                "--disable-hot-restart",
-            ],
+            envoy_argv(envoy_binary(), bootstrap),
             self.logdir / "envoy.log",
             p.router,
             probe=http_probe(f"http://{h}:{p.router_admin}/ready"),
             listen=(p.router, p.router_admin),
             env_factory=lambda: {**os.environ, ENVOY_ID_ENV: fresh_envoy_id()},
         )  # a new id per process
-        stages = [engines, sidecars, [orch], [gate] if fast else [gate, picker], [envoy]]
+        stages = [engines, sidecars, [orch], [gate, *pickers], [envoy]]
         return [st for st in stages if st]
 
     # ------------------------------------------------------------------ state file
@@ -439,14 +380,8 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
         console.print("stopping: gate first (held requests get 503 gate_shutting_down), then the rest ...")
         stack.write_state(sup, "stopping")
         t = time.monotonic()
-        try:
-            await asyncio.wait_for(_stop(stack, sup), STOP_BOUND_S)
-        except TimeoutError:
+        if not await stop_stack(stack, sup):
             console.print(f"[red]stop took more than {STOP_BOUND_S:g} s; killing what is left[/red]")
-            for c in sup.children:
-                if c.proc is not None and c.proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(c.proc.pid, signal.SIGKILL)
         stack.write_state(sup, "failed" if sup.fatal is not None else "stopped")
         console.print(f"stack stopped in {time.monotonic() - t:.1f} s; nothing of it is left running")
     return 1 if sup.fatal is not None else 0
@@ -458,6 +393,61 @@ async def _stop(stack: Stack, sup: Supervisor) -> None:
         await sup.stop_child("gate")
     await stack.wake_external_engines()
     await sup.stop(order=["orchestrator"])
+
+
+async def stop_stack(stack: Stack, sup: Supervisor, bound_s: float = STOP_BOUND_S) -> bool:
+    """Stop the stack as ``up`` does (the gate first, engines the stack did not start woken, then the rest), within
+    ``bound_s`` seconds; past it every process group left is SIGKILLed. Returns False when the bound was hit."""
+    try:
+        await asyncio.wait_for(_stop(stack, sup), bound_s)
+    except TimeoutError:
+        for c in sup.children:
+            if c.proc is not None and c.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+        return False
+    return True
+
+
+class StackRunner:
+    """The stack of ``up`` run from this process, without ``up``'s terminal (the demo and the benchmarks start
+    theirs with it): :meth:`start` prepares it (:meth:`Stack.prepare`), starts it stage by stage and supervises it
+    (children that die are restarted); :meth:`stop` stops it as ``up`` does (:func:`stop_stack`). Also an async
+    context manager (``async with StackRunner(stack) as sup:``) that stops it however the body ends.
+
+    Args:
+        stack: the stack (a :class:`Stack` of a stack file, read or built in code).
+        on_event: called with (component, message) for starts, exits and restarts (default: logged).
+    """
+
+    def __init__(self, stack: Stack, on_event: Callable[[str, str], None] | None = None) -> None:
+        self.stack = stack
+        self.on_event = on_event
+        self.supervisor: Supervisor | None = None
+
+    async def start(
+        self, progress: Callable[[str], None] = lambda msg: None, on_stage_ready: Callable[[list[str]], None] = lambda n: None
+    ) -> Supervisor:
+        """Prepare and start every stage; ``on_stage_ready`` gets each stage's component names once it is ready.
+
+        Raises:
+            StartFailed: a component did not start (what was started is stopped; the message names its log).
+        """
+        stages = await asyncio.to_thread(self.stack.prepare, progress)
+        self.supervisor = Supervisor(stages, on_event=self.on_event)
+        await self.supervisor.start(progress, on_stage_ready)
+        return self.supervisor
+
+    async def stop(self) -> bool:
+        """Stop what :meth:`start` started (nothing if it did not run); False when :data:`STOP_BOUND_S` was hit."""
+        sup, self.supervisor = self.supervisor, None
+        return True if sup is None else await stop_stack(self.stack, sup)
+
+    async def __aenter__(self) -> Supervisor:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
 
 def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None) -> int:

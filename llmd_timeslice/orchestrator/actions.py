@@ -44,17 +44,10 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
+from llmd_timeslice.domain.switches import EngineReading, JobState, SamplerStepFailed, StepFault, SwitchRecord
 from llmd_timeslice.orchestrator.gate_hub import GateHub
-from llmd_timeslice.orchestrator.switch import (
-    EngineReading,
-    GroupSpec,
-    JobState,
-    SamplerEndpoint,
-    SamplerStepFailed,
-    StepFault,
-    SwitchActions,
-    SwitchRecord,
-)
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)

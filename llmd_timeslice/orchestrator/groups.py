@@ -37,6 +37,8 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint, SchedulingPolicy
+from llmd_timeslice.domain.switches import EngineFault, EngineReading, SwitchKind, SwitchRecord
 from llmd_timeslice.orchestrator.clock import Clock, LoopClock, TimerHandle
 from llmd_timeslice.orchestrator.errors import (
     AcquireTimedOut,
@@ -62,51 +64,18 @@ from llmd_timeslice.orchestrator.phases import (
     accepts,
     check,
 )
-from llmd_timeslice.orchestrator.switch import (
-    EngineFault,
-    EngineReading,
-    GroupSpec,
-    SamplerEndpoint,
-    SchedulingPolicy,
-    SleepLevelPolicy,
-    SwitchActions,
-    SwitchKind,
-    SwitchRecord,
-)
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 __all__ = [
     "SAMPLERS",
     "AcquireResult",
-    "AcquireTimedOut",
     "Command",
-    "EngineFault",
-    "EngineReading",
     "Group",
-    "GroupCommand",
-    "GroupPhase",
-    "GroupSpec",
-    "GroupState",
-    "IllegalTransition",
-    "InvalidArgument",
     "Lease",
-    "LockOrderViolation",
-    "NotHolder",
     "Orchestrator",
-    "OrchestratorError",
     "RejectedWeights",
     "RestoreOutcome",
-    "SamplerEndpoint",
-    "SchedulingPolicy",
-    "SleepLevelPolicy",
-    "StaleFencingToken",
-    "StaleWeightVersion",
-    "StateNotSaved",
-    "SwitchActions",
-    "SwitchFailed",
-    "SwitchKind",
-    "SwitchRecord",
-    "UnknownGroup",
     "YieldResult",
 ]
 
@@ -739,10 +708,7 @@ class Group:
         return _NO_REPLY
 
     def _apply_settings(self, spec: GroupSpec) -> None:
-        s = self.spec
-        s.sleep_level, s.drain_timeout_s, s.lease_ttl_s = spec.sleep_level, spec.drain_timeout_s, spec.lease_ttl_s
-        s.policy, s.job_priorities = spec.policy, dict(spec.job_priorities)
-        s.sleep_level_policy, s.job_sleep_levels = spec.sleep_level_policy, dict(spec.job_sleep_levels)
+        self.spec.apply_settings(spec)
 
     async def _apply_spec(self, spec: GroupSpec, replies: list[asyncio.Future[Any]]) -> None:
         """Apply a discovered spec in a stable phase (module doc of ``discovery/sync.py``)."""

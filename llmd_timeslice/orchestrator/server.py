@@ -17,7 +17,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     weights_pb2_grpc,
 )
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions, ServingLabeler
 from llmd_timeslice.orchestrator.clock import Clock

@@ -22,9 +22,10 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.auth import JobAuthorizer
+from llmd_timeslice.domain.switches import JobState
 from llmd_timeslice.orchestrator import groups as core
 from llmd_timeslice.orchestrator.phases import IllegalTransition
-from llmd_timeslice.orchestrator.switch import JobState, SwitchActions
+from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 # Upstream metric names where the meaning is the same (shared/upstream-api.md).

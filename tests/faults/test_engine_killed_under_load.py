@@ -19,7 +19,7 @@ import pytest
 from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.cli import CliProcess
 from tests.support.fake_engine_process import FakeVllmProcess

@@ -135,7 +135,8 @@ async def test_switch_back_to_serving_does_not_wait_for_a_lost_gate():
     """Only taking an engine out of service must wait for a lost gate to hold by itself. Putting it back in
     service must not: the partitioned gate keeps holding (it never saw the engine wake) until it resyncs, which
     is safe, and every other gate serves at once."""
-    from llmd_timeslice.orchestrator.groups import SAMPLERS, GroupState
+    from llmd_timeslice.orchestrator.groups import SAMPLERS
+    from llmd_timeslice.orchestrator.phases import GroupState
 
     engine, addr, sidecar, orch, proxy, gate, client = await _stack(stale_after_s=8.0)
     pool = gate.pools["default"]

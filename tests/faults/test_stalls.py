@@ -18,7 +18,7 @@ import time
 
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.conftest import LoopThread
 from tests.support.waits import until

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmd_timeslice.discovery.static import Inventory
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm

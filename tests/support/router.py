@@ -20,6 +20,7 @@ from epp_plugin.envoy_config import EnvoyRouterConfig
 from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.server import GateConfig, GateServer
 from epp_plugin.picker.server import PickerConfig, PickerServer
+from llmd_timeslice.local.commands import PickerCommand
 from tests.support.cli import CliProcess
 from tests.support.tcp_proxy import TcpProxy
 
@@ -47,8 +48,9 @@ class PickerProcess(CliProcess):
 
     def __init__(self, pools: dict[str, list[str]], default_pool: str, log: Path) -> None:
         port = port_for.select_random()
-        eps = [a for p, addrs in pools.items() for e in addrs for a in ("--endpoint", f"{p}={e}")]
-        super().__init__(["picker", "--host", "127.0.0.1", "--port", str(port), "--default-pool", default_pool, *eps], port, log)
+        eps = [(p, e) for p, addrs in pools.items() for e in addrs]
+        cmd = PickerCommand(host="127.0.0.1", port=port, default_pool=default_pool, endpoints=eps)
+        super().__init__(cmd.args(), port, log)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 One server serves every test that does not need an engine of its own (``vllm_server`` in tests/conftest.py), with
 two tiny LoRA adapters beside the base model (:data:`LORA_ADAPTERS`; requests for the base model are unchanged):
 it starts on first use (~22 s on 2 cores: two Python processes importing torch and vLLM, with the caches of
-llmd_timeslice/demo/vllm_server.py) and stops at the end of the session. Sharing it rests on each test leaving it
+llmd_timeslice/engines/vllm_server.py) and stops at the end of the session. Sharing it rests on each test leaving it
 as it found it, which :func:`restore_initial_weights` and :meth:`SharedVllm.make_usable` (before each test) see to:
 
 * weights: a test that loads other weights reloads the initial ones and resets the weight version label when done;
@@ -28,7 +28,7 @@ SHARED_GROUP = "vllm-shared"
 
 LORA_ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
 """LoRA adapters the session's server serves besides the base model (``--lora-modules``; built by
-:func:`~llmd_timeslice.demo.tiny_model.build_tiny_lora`, seeds 1 and 2). Requests for the base model are unchanged;
+:func:`~llmd_timeslice.engines.tiny_model.build_tiny_lora`, seeds 1 and 2). Requests for the base model are unchanged;
 measured: the server starts as fast with them (19.6 s to ``/health`` here, against ~22 s without)."""
 
 
@@ -51,8 +51,8 @@ def _start(log_name: str):
     and later, :func:`~llmd_timeslice.snapshot.backends.vllm_capabilities.reloads_with_lora`); on an older vLLM
     (``make test-vllm-older``) without them, so that its level-2 and weight-loading tests run on that engine: the
     sidecar's refusal with LoRA there is tested on a server of its own (tests/test_vllm_capabilities.py)."""
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama, build_tiny_lora
-    from llmd_timeslice.demo.vllm_server import SERVED_MODEL_NAME, VllmServer, engine_version
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama, build_tiny_lora
+    from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME, VllmServer, engine_version
     from llmd_timeslice.snapshot.backends.vllm_capabilities import reloads_with_lora
 
     ARTIFACTS.mkdir(exist_ok=True)

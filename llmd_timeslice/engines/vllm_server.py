@@ -94,7 +94,7 @@ from typing import Self
 
 import httpx
 
-#: Repository root (``<repo>/llmd_timeslice/demo/vllm_server.py`` → ``<repo>``).
+#: Repository root (``<repo>/llmd_timeslice/engines/vllm_server.py`` → ``<repo>``).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Environment variable overriding the interpreter that runs vLLM.
 PYTHON_ENV_VAR = "LLMD_TIMESLICE_VLLM_PYTHON"
@@ -345,7 +345,7 @@ class VllmServer:
         """
         proc, self.proc = self.proc, None
         if proc is None:
-            self._remove_runtime_dir()
+            self.remove_runtime_dir()
             return
         pgid = proc.pid  # start_new_session=True → pgid == pid
         try:
@@ -366,9 +366,11 @@ class VllmServer:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        self._remove_runtime_dir()
+        self.remove_runtime_dir()
 
-    def _remove_runtime_dir(self) -> None:
+    def remove_runtime_dir(self) -> None:
+        """Remove the private runtime directory of the last :meth:`environment` (no-op without one): once the
+        server's process group is gone (:meth:`stop` calls it; ``llmd-timeslice up`` after each exit of the server)."""
         runtime_dir, self.runtime_dir = self.runtime_dir, None
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -432,7 +434,7 @@ def warm_caches(python: str | None = None, timeout_s: float = 400) -> Path | Non
     """
     import port_for
 
-    from llmd_timeslice.demo.tiny_model import build_tiny_llama
+    from llmd_timeslice.engines.tiny_model import build_tiny_llama
 
     python = python or default_python()
     root = vllm_cache_root(python)
@@ -456,7 +458,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m llmd_timeslice.demo.vllm_server",
+        prog="python -m llmd_timeslice.engines.vllm_server",
         description="Fill the vLLM caches that later server starts reuse (run by `make setup`).",
     )
     ap.add_argument("--warm-caches", action="store_true", required=True, help="start one tiny server, ask once, stop")
