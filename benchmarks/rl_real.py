@@ -83,7 +83,7 @@ def bulk_state_rates(nbytes: int = 2**30, reps: int = 3) -> dict:
     """
     import torch
 
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, state_checksum
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader, state_checksum
 
     per_part = max(1024, nbytes // 4 // 4)  # fp32 elements of one part (param, grad, m, v)
     chunk = 16 * 2**20  # 64 MiB tensors
@@ -138,13 +138,13 @@ async def _rollout(client, url: str, model: str, batch: int, it: int, t0: float,
 
 async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tokens: int, log) -> dict:
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
     from llmd_timeslice.demo.run import GateMonitor
     from llmd_timeslice.demo.stack import demo_stack_file
     from llmd_timeslice.demo.trainer import Trainer
     from llmd_timeslice.engines.tiny_model import build_tiny_llama
     from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME
     from llmd_timeslice.local.up import Stack, StackRunner
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
 
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -198,7 +198,7 @@ async def _run(out: Path, iterations: int, batch: int, train_steps: int, max_tok
             log(f"dedicated baseline: rollout {b - a:.2f} s, train {c - b:.2f} s")
 
             # checksum rate of this machine, on the real trainer state (the function offload uses)
-            from llmd_timeslice.snapshot.torch_offload import state_checksum
+            from llmd_timeslice.client.torch_offload import state_checksum
 
             tc = time.perf_counter()
             await asyncio.to_thread(state_checksum, trainer.model, trainer.optimizer)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader, _tensors
+from llmd_timeslice.client.torch_offload import TorchStateOffloader, _tensors
 
 
 def build_trainer(params_m: float, device: str, width: int = 2048) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -69,7 +69,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -341,7 +341,7 @@ def authz_retry_policy(check_timeout_s: float, retries: int = AUTHZ_RETRIES) -> 
     the first four retries span about 4 s on average, the ten about 4 minutes, all within the overall timeout.
     (``envoy/extensions/filters/http/ext_authz/v3/ext_authz.proto``, ``HttpService.retry_policy``, a
     ``config.core.v3.RetryPolicy``; present before Envoy 1.37, whose changelog makes the HTTP client honour its
-    ``retry_on``: ``changelogs/1.37.0.yaml``; measured with 1.40: ``tests/test_gate_restart.py``.)"""
+    ``retry_on``: ``changelogs/1.37.0.yaml``; measured with 1.40: ``tests/gate/test_gate_restart.py``.)"""
     return {
         "retry_on": AUTHZ_RETRY_ON,
         "num_retries": retries,
@@ -366,7 +366,9 @@ def authz_filter(
             "@type": AUTHZ_TYPE,
             "http_service": authz_http_service(cluster, pool, max_hold_s, picks=picks, retries=retries),
             # From the client: only what the gate reads (plus Envoy's fixed host/method/path); not its credentials.
-            "allowed_headers": {"patterns": [{"exact": protocol.MIN_WEIGHT_VERSION_HEADER}]},
+            "allowed_headers": {
+                "patterns": [{"exact": protocol.MIN_WEIGHT_VERSION_HEADER}, {"exact": protocol.OBJECTIVE_HEADER}]
+            },
             "disallowed_headers": {"patterns": [{"exact": "authorization"}]},
             "failure_mode_allow": failure_mode_allow,
             # Gate unreachable or crashed: 503 (retryable) at once, never an unsteered request to a sleeping engine.

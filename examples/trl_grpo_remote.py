@@ -114,7 +114,7 @@ def run(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from llmd_timeslice.integrations import TimesliceCallback, TimeSliceRollouts
+    from llmd_timeslice.client.integrations import TimesliceCallback, TimeSliceRollouts
 
     cb = TimesliceCallback(weights_dir=weights_dir)
     rollouts = TimeSliceRollouts(router)

@@ -126,8 +126,8 @@ async def run(
     weights_dir: Path | None = None,
 ) -> dict:
     """The loop; returns a summary (per iteration: rollouts, failures, served versions, asked version)."""
-    from llmd_timeslice.integrations import AsyncTimesliceCallback, TimeSliceRollouts
-    from llmd_timeslice.integrations.verifiers import verifiers_client
+    from llmd_timeslice.client.integrations import AsyncTimesliceCallback, TimeSliceRollouts
+    from llmd_timeslice.client.integrations.verifiers import verifiers_client
 
     env = build_env()
     cb = await AsyncTimesliceCallback.from_env(weights_dir=weights_dir)

@@ -164,14 +164,27 @@ class _BearerTokenInterceptor(aio.ServerInterceptor):
                     return await continuation(handler_call_details)
                 break
         UNAUTHENTICATED_CALLS.labels(method=method).inc()
-        return _deny_handler(method)
+        handler = await continuation(handler_call_details)
+        return _deny_handler(method, handler)
 
 
-def _deny_handler(method: str) -> grpc.RpcMethodHandler:
+def _deny_handler(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler that ends the call UNAUTHENTICATED, of the shape of the method's own ``handler`` (a unary-request
+    handler reads the request first: a streaming client that waits for the server's answer before it sends would
+    wait for ever)."""
+
     async def deny(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong bearer token for {method}")
 
-    # Streaming or unary, aborting before reading works for every shape.
+    # Aborting before reading works for every shape; the server reads a unary request before it runs the handler.
+    streaming_in = handler is not None and handler.request_streaming
+    streaming_out = handler is not None and handler.response_streaming
+    if streaming_in and streaming_out:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if streaming_in:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if streaming_out:
+        return grpc.unary_stream_rpc_method_handler(deny)
     return grpc.unary_unary_rpc_method_handler(deny)
 
 

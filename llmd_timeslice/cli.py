@@ -104,7 +104,13 @@ def gate(settings: GateSettings, token_file: Path | None) -> None:
     _metrics(settings.metrics_port, settings.host)
     _raise_open_file_limit()
     cfg = GateConfig.from_settings(settings, token=load_token(token_file))
-    _run_uvloop(lambda: serve(cfg, tls.from_env()))
+    from llmd_timeslice.discovery.kubernetes import KubernetesError
+
+    try:
+        _run_uvloop(lambda: serve(cfg, tls.from_env()))
+    except KubernetesError as exc:  # --objectives-from-kubernetes: the InferenceObjectives could not be listed
+        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @settings_command(app, "picker", short_help="Run the EPP-protocol endpoint picker.")
@@ -224,9 +230,11 @@ def _cluster_state(s: OrchestratorSettings, api, store):
 
 
 def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
-    """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change."""
+    """The orchestrator with Kubernetes discovery: list, serve, then apply each watched change (the reconcile loop:
+    llmd_timeslice/discovery/reconcile.py)."""
     from llmd_timeslice.discovery import kubernetes as k8s
-    from llmd_timeslice.discovery.sync import InventorySync, inventory_from_specs
+    from llmd_timeslice.discovery.reconcile import Reconciler
+    from llmd_timeslice.discovery.sync import inventory_from_specs
     from llmd_timeslice.domain.group_settings import GroupSettings
 
     k = s.kubernetes
@@ -241,36 +249,28 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
         api = k8s.make_api_client(k.kubeconfig)
         ns = k.namespace or k8s.default_namespace()
         state_store, election = _cluster_state(s, api, store)
-        changes: asyncio.Queue = asyncio.Queue()
+        reconciler = Reconciler(backoff_max_s=k.backoff_max_s)  # changes seen before the server starts are kept
         disc = k8s.KubernetesDiscovery(
             ns,
             api,
             label_selector=k.label_selector,
             defaults=defaults,
-            on_change=changes.put_nowait,
+            on_change=reconciler.submit,
             watch_timeout_s=k.watch_timeout_s,
             backoff_max_s=k.backoff_max_s,
         )
         specs = await disc.start()
         labeler = k8s.PodLabeler(ns, api, disc.pod_for) if k.manage_serving_label else None
         srv = server(inventory_from_specs(specs), labeler=labeler, state_store=state_store, election=election)
-        sync = InventorySync(srv.orchestrator)
-
-        async def apply_changes() -> None:
-            while True:
-                latest = await changes.get()
-                while not changes.empty():
-                    latest = changes.get_nowait()
-                await sync.apply(latest)
-
         try:
             await srv.start()
-            applying = asyncio.create_task(apply_changes())
+            reconciler.start(srv.orchestrator)
             await srv.stepped_down.wait()
-            applying.cancel()
+            await reconciler.close()
             await disc.stop()
             await _exit_stepped_down(srv)
         finally:
+            await reconciler.close()
             await disc.stop()
             await srv.stop()
             api.close()
@@ -287,8 +287,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     """Run a snapshot sidecar for one engine (sleep / wake, verified). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_token
-    from llmd_timeslice.snapshot import resolve as _resolve  # noqa: F401 - registers the backends
-    from llmd_timeslice.snapshot.backends.base import create_backend
+    from llmd_timeslice.snapshot.backends.registry import job_default_backend
     from llmd_timeslice.snapshot.server import SidecarServer
 
     s = settings
@@ -298,21 +297,16 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
 
     async def main() -> None:
-        if s.backend in ("vllm", "sglang"):
-            defaults = {
-                s.job_id: create_backend(
-                    s.backend,
-                    base_url=s.engine_url,
-                    idle_timeout_s=s.idle_timeout_s,
-                    pause_mode=s.pause_mode,
-                    probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
-                    **engine_kwargs,
-                )
-            }
-        elif s.backend == "cuda":
-            defaults = {s.job_id: create_backend(s.backend, pids=s.pid)}
-        else:
-            defaults = {}  # the job registers over WorkloadChannel
+        backend = job_default_backend(  # by name, from the one backend registry
+            s.backend,
+            engine_url=s.engine_url,
+            pids=s.pid,
+            idle_timeout_s=s.idle_timeout_s,
+            pause_mode=s.pause_mode,
+            probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
+            **engine_kwargs,
+        )
+        defaults = {} if backend is None else {s.job_id: backend}  # None: the job registers over WorkloadChannel
         srv = SidecarServer(
             defaults,
             host=s.host,

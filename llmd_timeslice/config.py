@@ -242,6 +242,23 @@ class GateSettings(_Section):
         "access-log entry (Envoy dropped it, or died) is dropped; above Envoy's "
         "route timeout (the default fits `render-envoy`'s: hold 600 + generation 3600 + 60, plus 300).",
     )
+    objectives: Annotated[Path | None, Flag(metavar="FILE")] = Field(
+        None,
+        description="YAML file with `objectives` (InferenceObjectives: name, pool, priority, max_hold_s) and "
+        '`priority_bands` (priority, max_hold_s, hold_deadline_s) (docs/gate.md, "Priority bands"). Unset and '
+        "`objectives_from_kubernetes` off: the `x-gateway-inference-objective` header is ignored.",
+    )
+    objectives_from_kubernetes: bool = Field(
+        False,
+        description="Read the InferenceObjective objects of the gate's pools (list + watch, "
+        "`inference.networking.x-k8s.io/v1alpha2`) in `objectives_namespace`; bands still come from `objectives`.",
+    )
+    objectives_namespace: str | None = Field(
+        None, description="Namespace of the InferenceObjective objects (unset: the gate's own, else `default`)."
+    )
+    kubeconfig: Path | None = Field(
+        None, description="Kubeconfig outside a cluster, for `objectives_from_kubernetes` (unset: in-cluster config)."
+    )
     token_file: Path | None = _token_file()
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
@@ -1043,4 +1060,45 @@ With `orchestrator.discovery: kubernetes` the orchestrator lists and watches the
 A pod joins once it is Running, has an IP and is Ready; it leaves when deleted, terminating or
 finished.
 """
-    return head + "\n".join(rows) + "\n" + tail
+    return head + "\n".join(rows) + "\n" + tail + _objectives_reference()
+
+
+def _objectives_reference() -> str:
+    """The section on the gate's objectives file (``gate.objectives``), from its model."""
+    from llmd_timeslice.domain.objectives import ObjectiveEntry, PriorityBandEntry
+
+    rows = []
+    for section, model in (("objectives[]", ObjectiveEntry), ("priority_bands[]", PriorityBandEntry)):
+        for name, field in model.model_fields.items():
+            default = "required" if field.is_required() else _default(field)
+            rows.append(f"| `{section}.{name}` | {_type_name(field)} | {default} | {field.description or ''} |")
+    return (
+        """
+## Gate objectives file
+
+`gate.objectives` (`llmd-timeslice gate --objectives FILE`) names a YAML file with two lists; the stack file of
+`up` takes the same two lists as its top-level `objectives` and `priority_bands` sections (`up` writes them to the
+gate's file). With `gate.objectives_from_kubernetes` the objectives come from the pool's InferenceObjective objects
+instead (`spec.priority`; an annotation `timeslice.io/max-hold-s` sets one's longest hold) and the bands still from
+the file. What the gate does with them: docs/gate.md, "Priority bands".
+
+```yaml
+objectives:
+  - {name: eval, priority: 10}
+  - {name: best-effort, priority: -1}       # sheddable: refused (503) rather than held while the pool sleeps
+priority_bands:
+  - {priority: 10, max_hold_s: 120, hold_deadline_s: 5}
+```
+
+| key | type | default | description |
+|---|---|---|---|
+"""
+        + "\n".join(rows)
+        + """
+
+Refused, one line each naming the input: an objective named twice in one pool, a name that is not a Kubernetes
+object name, a priority outside the int32 range, a `max_hold_s` ≤ 0 or above the gate's `max_hold_s` (Envoy's
+timeouts are rendered from the gate's), a `hold_deadline_s` ≤ 0 or above its band's longest hold, a band declared
+twice, an unknown key.
+"""
+    )

@@ -121,8 +121,10 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             try:
                 pools = gate_stub.ListPools(gpb.ListPoolsRequest(), timeout=5, metadata=md).pools
                 t = table(f"gate @ {gate}", ("pool", "epoch", "endpoint", "state", "weight version", "in flight", "held"))
+                bands: list = []
                 for p in pools:
                     s = gate_stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=p), timeout=5, metadata=md)
+                    bands += [(p, b) for b in s.bands]
                     if not s.endpoints:
                         t.add_row(p, str(s.epoch), "-", "-", "-", "-", str(s.held))
                     for i, e in enumerate(s.endpoints):  # pool-wide figures on the pool's first row only
@@ -136,7 +138,40 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                             str(s.held) if i == 0 else "",
                         )
                 console.print(t)
+                if bands:
+                    console.print(bands_table(bands))
             except grpc.RpcError as exc:
                 console.print(f"[red]gate {gate}: {exc.code().name}: {exc.details()}[/red]")
                 rc = 1
     return rc
+
+
+def bands_table(bands: list) -> Table:
+    """Held requests per priority band: ``bands`` is ``[(pool, BandStatus)]`` (``GetPoolStatus``)."""
+    t = Table(title="priority bands (held per band, highest first)")
+    for col in (
+        "pool",
+        "band",
+        "held",
+        "oldest held (s)",
+        "deadline (s)",
+        "max hold (s)",
+        "released",
+        "refused",
+        "deadline misses",
+    ):
+        t.add_column(col)
+    for pool, b in bands:
+        refused = ", ".join(f"{r}={n}" for r, n in sorted(b.refused_total.items())) or "0"
+        t.add_row(
+            pool,
+            str(b.band),
+            str(b.held),
+            f"{b.oldest_held_s:.1f}" if b.held else "-",
+            f"{b.hold_deadline_s:g}" if b.hold_deadline_s else "-",
+            f"{b.max_hold_s:g}",
+            str(b.released_total),
+            refused,
+            str(b.deadline_misses_total),
+        )
+    return t

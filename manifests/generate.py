@@ -36,7 +36,7 @@ REPO = ROOT.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from epp_plugin import envoy_config, protocol  # noqa: E402
+from epp_plugin import envoy_config  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
     ADMIN_PATHS_UNDER_API,
@@ -60,7 +60,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     router_filter,
     subset_hint_filter,
 )
-from llmd_timeslice import k8s_modelserver, yaml_files  # noqa: E402
+from llmd_timeslice import k8s_modelserver, protocol, yaml_files  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
@@ -85,8 +85,8 @@ ENVOY_VERSIONS: dict[str, str] = {
     "envoy-gateway": "1.39.0",
 }
 """The Envoy version each shipped Envoy-based variant runs (agentgateway is not Envoy; the label fallback adds no Envoy
-configuration). tests/test_manifests.py validates every rendered configuration with that version's binary, and
-tests/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
+configuration). tests/manifests/test_manifests.py validates every rendered configuration with that version's binary, and
+tests/gate/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
 
 STANDALONE_PROXY_IMAGE = f"docker.io/envoyproxy/envoy:distroless-v{ENVOY_VERSIONS['standalone']}"
 """``router.proxy.image`` of our standalone values: the Envoy the tests validate the bootstrap with."""
@@ -102,7 +102,7 @@ def _status_is(code: int) -> dict:
 
 def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
     """HCM ``local_reply_config`` mappers that turn every failed gate call into a retryable 503 (tested per variant on
-    its Envoy version: tests/test_envoy_versions.py). ``edge``: ``ext_proc`` or ``ext_authz``.
+    its Envoy version: tests/gate/test_envoy_versions.py). ``edge``: ``ext_proc`` or ``ext_authz``.
 
     * ext_proc: the filter's ``status_on_error`` covers a gate that cannot be reached (503), but a gate that does not
       answer within ``message_timeout`` gets a hard-coded 504 (measured on 1.37.0, 1.39.0 and 1.40.0: details
@@ -654,7 +654,7 @@ EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
     # pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go
     "prefix-cache-scorer": frozenset({"prefixMatchInfoProducerName"}),
 }
-"""Plugin type -> the parameters the pinned EPP knows (tests/test_manifests.py checks every EPP config we render or
+"""Plugin type -> the parameters the pinned EPP knows (tests/manifests/test_manifests.py checks every EPP config we render or
 cite against it)."""
 
 
@@ -1405,7 +1405,7 @@ def _settings_yaml(s: GuideSettings) -> str:
     lines = [
         "# The ONE place for the names and limits this guide shares with your llm-d deployment.",
         "# After a change run `python3 manifests/generate.py`: it rewrites every file that uses them",
-        "# (tests/test_manifests.py checks that each file agrees with this one).",
+        "# (tests/manifests/test_manifests.py checks that each file agrees with this one).",
     ]
     for f in fields(GuideSettings):
         v = getattr(s, f.name)
@@ -1572,8 +1572,69 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
                 components=["../sampler", "../trainer", "../shared-accelerator"],
             ),
         ),
+        "components/gate-objectives/kustomization.yaml": _doc(
+            "Optional: the replicated gate reads the InferenceObjectives of its pools from the Kubernetes API\n"
+            "(--objectives-from-kubernetes: list + watch, in its own namespace), so a request's\n"
+            'x-gateway-inference-objective header picks its priority band (docs/gate.md, "Priority bands").\n'
+            "Needs the InferenceObjective CRD (inference.networking.x-k8s.io/v1alpha2) installed. Add it to an\n"
+            "overlay that keeps base's gate Deployment: components: [../../components/gate-objectives]",
+            gate_objectives_component(),
+        ),
+        "components/gate-objectives/rbac.yaml": _doc(
+            "What the gate needs to read InferenceObjectives, and nothing else: get/list/watch on them in its own\n"
+            "namespace (Role, not ClusterRole).",
+            *gate_objectives_rbac(),
+        ),
     }
     return {guide / k: v for k, v in out.items()}
+
+
+GATE_SERVICE_ACCOUNT = "llmd-timeslice-gate"
+INFERENCE_OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+
+
+def gate_objectives_rbac() -> list[dict]:
+    """Role + RoleBinding: ``get``/``list``/``watch`` on ``inferenceobjectives`` only, for the gate's ServiceAccount."""
+    labels = {"app.kubernetes.io/name": "llmd-timeslice", "app.kubernetes.io/component": "gate"}
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "llmd-timeslice-gate-objectives", "labels": labels},
+            "rules": [
+                {
+                    "apiGroups": [INFERENCE_OBJECTIVE_GROUP],
+                    "resources": ["inferenceobjectives"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "llmd-timeslice-gate-objectives", "labels": labels},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llmd-timeslice-gate-objectives"},
+            "subjects": [{"kind": "ServiceAccount", "name": GATE_SERVICE_ACCOUNT}],
+        },
+    ]
+
+
+def gate_objectives_component() -> dict:
+    """The gate Deployment with ``--objectives-from-kubernetes`` and a ServiceAccount token (it calls the API now)."""
+    return _component(
+        resources=["rbac.yaml"],
+        patches=[
+            {
+                "target": {"group": "apps", "version": "v1", "kind": "Deployment", "name": "llmd-timeslice-gate"},
+                "patch": _json_patch(
+                    [
+                        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--objectives-from-kubernetes"},
+                        {"op": "replace", "path": "/spec/template/spec/automountServiceAccountToken", "value": True},
+                    ]
+                ),
+            }
+        ],
+    )
 
 
 def render_tree(s: GuideSettings, dest: Path) -> Path:

@@ -15,9 +15,9 @@ from pathlib import Path
 import port_for
 import pytest
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before any grpc import (see llmd_timeslice/__init__.py)
+from tests.support.artifacts import ARTIFACTS
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before any grpc import (see llmd_timeslice/__init__.py)
 
 
 def _raise_open_file_limit() -> None:

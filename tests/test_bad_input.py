@@ -10,9 +10,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as xp
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as xp_grpc
 
-from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice import protocol
 
 
 async def test_min_weight_version_header_that_is_not_utf8_gets_400_not_a_crash():

@@ -195,7 +195,7 @@ def test_running_gate_holds_for_the_max_hold_its_environment_sets(tmp_path):
     import httpx
     import port_for
 
-    from epp_plugin import protocol
+    from llmd_timeslice import protocol
 
     ext_proc, authz, control = (port_for.select_random() for _ in range(3))
     cfg = tmp_path / "gate.yaml"

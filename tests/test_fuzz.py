@@ -1,9 +1,11 @@
 """Bad input, generated (hypothesis): the gate's ExternalProcessor stream (malformed and out-of-order
 messages, huge headers, missing or unknown pools) and the control APIs (invalid ids, negative or absurd
 numbers, unknown enum values). Every call ends with a response or a gRPC status other than INTERNAL /
-UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call. The
-ExternalProcessor stream's answers are predicted from its phases (docs/architecture.md) and asserted exactly:
-which answer each message gets, the refusal that ends a stream, the error naming the first message out of phase.
+UNKNOWN (a crash), nothing is left held or in flight, and the servers keep serving a well-formed call. Every
+answer is predicted from the input and asserted: the ExternalProcessor stream's from its phases
+(docs/architecture.md): which answer each message gets, the refusal that ends a stream, the error naming the first
+message out of phase; each control call's status code from the API's checks in their order (and, where it is
+accepted, what it returns).
 Crashes found here become named tests (tests/test_bad_input.py)."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -21,9 +24,9 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from epp_plugin import protocol
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
+from llmd_timeslice import protocol
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc
@@ -121,13 +124,24 @@ def servers():
     s.thread.join(10)
 
 
-def _code(call) -> grpc.StatusCode:
+def _call(call) -> tuple[grpc.StatusCode, object, str]:
+    """``(status code, response or None, details)`` of one call; a crash status fails the test at once."""
     try:
-        call()
+        resp = call()
     except grpc.RpcError as exc:
         assert exc.code() not in CRASH, f"{exc.code().name}: {exc.details()}"
-        return exc.code()
-    return grpc.StatusCode.OK
+        return exc.code(), None, exc.details() or ""
+    return grpc.StatusCode.OK, resp, ""
+
+
+def _code(call) -> grpc.StatusCode:
+    return _call(call)[0]
+
+
+OK = grpc.StatusCode.OK
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
 # ------------------------------------------------------------------------------------------ ext_proc
@@ -268,18 +282,66 @@ def test_after_fuzzing_ext_proc_a_well_formed_request_is_admitted(servers):
 
 
 # ----------------------------------------------------------------------------------------- control APIs
+# Each call's answer is predicted from the API's rules (docs/api.md and the servicers' checks, in their order) and
+# asserted: the status code, and for an accepted call what it returns.
+def _expected_set_states(pool: str, states) -> tuple[grpc.StatusCode, str]:
+    """SetEndpointStates: an unnamed pool is unknown (never created); each endpoint in order needs a state
+    (SERVING..WAKING, 1-4) and an ``ip:port``-shaped address, else INVALID_ARGUMENT naming it."""
+    if not pool:
+        return NOT_FOUND, "unknown pool ''"
+    for address, state, _ in states:
+        if state not in (1, 2, 3, 4):
+            return INVALID, f"endpoint {address!r}: state must be set"
+        if not address or ":" not in address:
+            return INVALID, "endpoint address must be ip:port"
+    return OK, ""
+
+
 @FUZZ
 @given(pool=text, states=st.lists(st.tuples(text, st.integers(-5, 50), ints), max_size=4))
 def test_fuzz_gate_control_set_states(servers, pool, states):
     stub = gpb_grpc.GateControlServiceStub(servers.chans["control"])
+    name = f"fz-{pool}" if pool else ""
     req = gpb.SetEndpointStatesRequest(
-        pool=f"fz-{pool}" if pool else "",
-        endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v) for a, s, v in states],
+        pool=name, endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v) for a, s, v in states]
     )
-    code = _code(lambda: stub.SetEndpointStates(req, metadata=MD, timeout=5))
-    if any(s not in (1, 2, 3, 4) for _, s, _ in states):
-        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
-    _code(lambda: stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=pool), metadata=MD, timeout=5))
+    want, detail = _expected_set_states(name, states)
+    code, _, details = _call(lambda: stub.SetEndpointStates(req, metadata=MD, timeout=5))
+    assert code == want and details.startswith(detail), (code, details)
+    if code == OK:  # each endpoint named is at its last update (state and weight version)
+        got = stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=name), metadata=MD, timeout=5)
+        last = {a: (s, v) for a, s, v in states}
+        assert {e.address: (e.state, e.weight_version) for e in got.endpoints if e.address in last} == last
+    known = pool in servers.gate.pools  # a pool exists once named by an accepted (or refused) update
+    code = _code(lambda: stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool=pool), metadata=MD, timeout=5))
+    assert code == (OK if known else NOT_FOUND)
+
+
+def _ids_refusal(job: str, group: str) -> grpc.StatusCode | None:
+    """The orchestrator's id checks, in their order: a job id, a group id, a known group."""
+    if not job or not group:
+        return INVALID
+    return None if group in ("g", "t") else NOT_FOUND
+
+
+def _settled(stub, group: str) -> opb.GetGroupStatusResponse:
+    """Group status once no switch is in flight and nobody waits (an acquire that gave up has left the queue)."""
+    for _ in range(500):
+        st_ = stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=group), metadata=MD, timeout=5)
+        if st_.group.group_state != opb.GroupStatus.STATE_SWITCHING and not st_.group.waiter_queue_depth:
+            return st_
+        time.sleep(0.01)
+    raise AssertionError(f"group {group} did not settle: {st_}")
+
+
+def _yield_token(token_md: str | None) -> int | None:
+    """What the orchestrator reads from the fencing-token metadata (not an integer: -1, refused)."""
+    if token_md is None:
+        return None
+    try:
+        return int(token_md)
+    except ValueError:
+        return -1
 
 
 @FUZZ
@@ -294,16 +356,44 @@ def test_fuzz_orchestrator_acquire_yield_lease(servers, job, group, timeout, tok
     stub = opb_grpc.TimeSliceOrchestratorServiceStub(servers.chans["orch"])
     leases = lease_pb2_grpc.LeaseServiceStub(servers.chans["orch"])
     md = MD if token_md is None else (*MD, ("x-llmd-timeslice-fencing-token", token_md))  # printable: gRPC's rule
-    got = _code(lambda: stub.Acquire(opb.AcquireRequest(job_id=job, group_id=group), metadata=MD, timeout=timeout))
-    _code(lambda: leases.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), metadata=MD, timeout=5))
-    _code(
+    refused = _ids_refusal(job, group)
+    # Acquire: a valid one is granted, or gives up at the caller's (short) deadline.
+    code = _code(lambda: stub.Acquire(opb.AcquireRequest(job_id=job, group_id=group), metadata=MD, timeout=timeout))
+    # (The caller's deadline, 10-300 ms, may pass before even a refusal comes back on a loaded machine.)
+    assert code in {refused or OK, grpc.StatusCode.DEADLINE_EXCEEDED}, code
+    holds = code == OK or (refused is None and _settled(stub, group).group.locking_job == job)
+    # GetLease: the holder's lease, else NOT_HOLDER.
+    code, lease, _ = _call(lambda: leases.GetLease(lease_pb2.GetLeaseRequest(job_id=job, group_id=group), metadata=MD, timeout=5))
+    assert code == (refused or (OK if holds else PRECONDITION)), code
+    if code == OK:
+        assert lease.job_id == job and lease.group_id == group and lease.fencing_token > 0
+    # Heartbeat: the token is checked first (positive), then the ids, then that it is the holder's current token.
+    code = _code(
         lambda: leases.Heartbeat(
             lease_pb2.HeartbeatRequest(job_id=job, group_id=group, fencing_token=token), metadata=MD, timeout=5
         )
     )
-    _code(lambda: stub.Yield(opb.YieldRequest(job_id=job, group_id=group), metadata=md, timeout=5))
-    del got
-    _code(lambda: stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=group), metadata=MD, timeout=5))
+    armed = holds and lease is not None and token == lease.fencing_token
+    assert code == (INVALID if token <= 0 else refused or (OK if armed else PRECONDITION)), code
+    # Yield: a fencing token in the metadata must be a positive integer; the holder's own (or none while unarmed).
+    ytoken = _yield_token(token_md)
+    code = _code(lambda: stub.Yield(opb.YieldRequest(job_id=job, group_id=group), metadata=md, timeout=5))
+    if ytoken is not None and ytoken <= 0:
+        want = INVALID
+    elif refused:
+        want = refused
+    elif not holds:
+        want = PRECONDITION
+    elif ytoken is not None:
+        want = OK if lease is not None and ytoken == lease.fencing_token else PRECONDITION
+    else:
+        want = PRECONDITION if armed else OK
+    assert code == want, (code, want)
+    released = code == OK
+    code, status, _ = _call(lambda: stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=group), metadata=MD, timeout=5))
+    assert code == (INVALID if not group else OK if group in ("g", "t") else NOT_FOUND), code
+    if code == OK:
+        assert status.group.locking_job == (job if holds and not released else "")
     _free(stub, leases, job, group)
 
 
@@ -316,6 +406,18 @@ def _free(stub, leases, job: str, group: str) -> None:
         return  # not the holder (or an unknown group / invalid id): nothing to free
     md = (*MD, ("x-llmd-timeslice-fencing-token", str(lease.fencing_token)))
     stub.Yield(opb.YieldRequest(job_id=job, group_id=group), metadata=md, timeout=5)
+
+
+def _valid_weights(version: int, source: str, location: str, info: str) -> bool:
+    """WeightUpdate's rules (llmd_timeslice/weights/update.py): ``update_info_json`` empty or a JSON object, a
+    version in [1, 2^62), a known source, a location for ``files``, update info for ``vllm_weight_transfer``."""
+    try:
+        parsed = json.loads(info) if info else {}
+    except ValueError:
+        return False
+    if not isinstance(parsed, dict) or not 0 < version < 2**62 or source not in ("files", "vllm_weight_transfer"):
+        return False
+    return bool(location) if source == "files" else bool(parsed)
 
 
 @FUZZ
@@ -333,14 +435,35 @@ def test_fuzz_weight_versions_and_switch_list(servers, job, group, version, sour
     stub = weights_pb2_grpc.WeightVersionServiceStub(servers.chans["orch"])
     update = weights_pb2.WeightUpdate(version=version, source=source, location=location, update_info_json=info)
     req = weights_pb2.PublishWeightVersionRequest(job_id=job, group_id=group, fencing_token=token, weights=update)
-    _code(lambda: stub.PublishWeightVersion(req, metadata=MD, timeout=5))
-    _code(lambda: stub.GetWeightVersion(weights_pb2.GetWeightVersionRequest(group_id=group), metadata=MD, timeout=5))
-    info_stub = ipb_grpc.OrchestratorInfoServiceStub(servers.chans["orch"])
-    _code(
-        lambda: info_stub.ListSwitches(
-            ipb.ListSwitchesRequest(limit=max(-(2**31), min(limit, 2**31 - 1)), group_id=group), metadata=MD, timeout=5
-        )
+    group_refusal = INVALID if not group else NOT_FOUND if group == "zz" else None
+    # Publish: the token (>= 0), the update, the ids; then nobody here holds a group, so it is NOT_HOLDER.
+    code = _code(lambda: stub.PublishWeightVersion(req, metadata=MD, timeout=5))
+    if token < 0 or not _valid_weights(version, source, location, info) or not job:
+        want = INVALID
+    else:
+        want = group_refusal or PRECONDITION
+    assert code == want, (code, want)
+    code, status, _ = _call(
+        lambda: stub.GetWeightVersion(weights_pb2.GetWeightVersionRequest(group_id=group), metadata=MD, timeout=5)
     )
+    assert code == (group_refusal or OK) and (status is None or status.group_id == group)
+    info_stub = ipb_grpc.OrchestratorInfoServiceStub(servers.chans["orch"])
+    wire_limit = max(-(2**31), min(limit, 2**31 - 1))
+    code, listed, _ = _call(
+        lambda: info_stub.ListSwitches(ipb.ListSwitchesRequest(limit=wire_limit, group_id=group), metadata=MD, timeout=5)
+    )
+    want = INVALID if wire_limit < 0 else (NOT_FOUND if group == "zz" else OK)  # "" lists every group
+    assert code == want, (code, want)
+    if code == OK:
+        assert len(listed.switches) <= (wire_limit or 10) and all(not group or s.group_id == group for s in listed.switches)
+
+
+def _expected_start(job: str, app: int, mode: int) -> grpc.StatusCode:
+    """Snapshot / Restore with an ``app_endpoint`` config and no endpoints (docs/snapshot.md): a job id, then a
+    known app (UNSPECIFIED, VLLM, SGLANG: 0-2), then a known suspend mode (0-2); then it starts an operation."""
+    if not job or app not in (0, 1, 2) or mode not in (0, 1, 2):
+        return INVALID
+    return OK
 
 
 @FUZZ
@@ -351,7 +474,7 @@ def test_fuzz_weight_versions_and_switch_list(servers, job, group, version, sour
     op=text,
     wait=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-10, 0.05)),
     version=ints,
-    source=text,
+    source=st.one_of(text, st.just("files")),
 )
 def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
     stub = spb_grpc.SnapshotAgentServiceStub(servers.chans["sidecar"])
@@ -359,10 +482,19 @@ def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
     cfg = spb.BackendConfig(app_endpoint=spb.AppEndpointConfig(app=app, mode=mode))
     for call in (stub.Snapshot, stub.Restore):
         req_cls = spb.SnapshotRequest if call is stub.Snapshot else spb.RestoreRequest
-        _code(lambda c=call, r=req_cls: c(r(job_id=job, group="g", backend_config=cfg), metadata=MD, timeout=5))
-    _code(lambda: stub.GetOperation(spb.GetOperationRequest(operation_id=op), metadata=MD, timeout=5))
-    _code(lambda: ext.WaitOperation(xpb.WaitOperationRequest(operation_id=op, timeout_s=wait), metadata=MD, timeout=5))
-    _code(
+        code, started, _ = _call(
+            lambda c=call, r=req_cls: c(r(job_id=job, group="g", backend_config=cfg), metadata=MD, timeout=5)
+        )
+        assert code == _expected_start(job, app, mode), code
+        if code == OK:  # the operation it started is known by its id
+            got = stub.GetOperation(spb.GetOperationRequest(operation_id=started.operation_id), metadata=MD, timeout=5)
+            assert started.operation_id and got.status != spb.OPERATION_STATUS_UNSPECIFIED
+    # An operation id nobody was given is unknown (before its wait is checked).
+    assert _code(lambda: stub.GetOperation(spb.GetOperationRequest(operation_id=op), metadata=MD, timeout=5)) == NOT_FOUND
+    code = _code(lambda: ext.WaitOperation(xpb.WaitOperationRequest(operation_id=op, timeout_s=wait), metadata=MD, timeout=5))
+    assert code == NOT_FOUND
+    # RestoreWithWeights: the update first, then the job: only job "s" (the vLLM default) is served here.
+    code = _code(
         lambda: ext.RestoreWithWeights(
             xpb.RestoreWithWeightsRequest(
                 restore=spb.RestoreRequest(job_id=job, group="g"),
@@ -372,8 +504,12 @@ def test_fuzz_sidecar(servers, job, app, mode, op, wait, version, source):
             timeout=5,
         )
     )
-    _code(lambda: ext.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), metadata=MD, timeout=5))
-    _code(lambda: stub.Status(spb.StatusRequest(), metadata=MD, timeout=5))
+    valid = 0 < version < 2**62 and source == "files"
+    assert code == (INVALID if not valid or not job else OK if job == "s" else NOT_FOUND), code
+    code = _code(lambda: ext.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=job), metadata=MD, timeout=5))
+    assert code == (INVALID if not job else OK if job == "s" else NOT_FOUND), code
+    status = stub.Status(spb.StatusRequest(), metadata=MD, timeout=5)
+    assert job != "s" or any(j.job_id == "s" for j in status.job_statuses)
 
 
 def test_after_fuzzing_the_control_apis_still_serve(servers):

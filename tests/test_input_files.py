@@ -35,7 +35,7 @@ def _one_line(r, code: int = 2) -> str:
 
 
 # ---------------------------------------------------------------- 1. config check accepts what the project writes
-# The inventory the demo writes: tests/test_stack_commands.py (the demo's stack is started by `up`'s launcher).
+# The inventory the demo writes: tests/local/test_stack_commands.py (the demo's stack is started by `up`'s launcher).
 
 
 def test_config_check_accepts_the_inventory_up_writes(tmp_path):
@@ -258,6 +258,7 @@ _METRIC_MODULES = (
     "epp_plugin.picker.server",
     "llmd_timeslice.auth",
     "llmd_timeslice.discovery.kubernetes",
+    "llmd_timeslice.discovery.reconcile",
     "llmd_timeslice.orchestrator.gate_hub",
     "llmd_timeslice.orchestrator.service",
     "llmd_timeslice.snapshot.server",
@@ -325,7 +326,7 @@ def test_every_istio_parameters_apply_in_the_docs_names_the_namespace():
 
 
 def test_the_phase_callbacks_orchestrator_variable_goes_through_the_same_parser():
-    from llmd_timeslice.integrations.phase_callback import TimesliceConfigError, _Config
+    from llmd_timeslice.client.integrations.phase_callback import TimesliceConfigError, _Config
 
     with pytest.raises(TimesliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port \(port 99999 is out"):
         _Config("job-a", "127.0.0.1:99999", "g", "g")

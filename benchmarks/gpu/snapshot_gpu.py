@@ -57,7 +57,7 @@ def copy_bandwidth(gib: float, reps: int) -> dict:
 
 def offloader_cycles(params_m: float, cycles: int) -> dict:
     from benchmarks.snapshot import build_trainer, plain_copy
-    from llmd_timeslice.snapshot.torch_offload import StateChecksumMismatch, TorchStateOffloader, _tensors
+    from llmd_timeslice.client.torch_offload import StateChecksumMismatch, TorchStateOffloader, _tensors
 
     model, opt = build_trainer(params_m, "cuda", width=4096)
     off = TorchStateOffloader(model, opt, pin_memory=True)
@@ -106,7 +106,7 @@ def reserved_after_offload(params_m: float, max_reserved_mib: float) -> dict:
     import gc
 
     from benchmarks.snapshot import build_trainer
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
 
     out: dict = {}
     for release in (False, True):

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from epp_plugin import protocol
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.pool_state import PoolState
+from llmd_timeslice import protocol
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,9 @@ Envoy's ext_authz filter (rendered by :func:`epp_plugin.envoy_config.authz_filte
 headers as an HTTP/1.1 check (no body) on a pooled connection and waits up to ``max_hold_s`` + 10 s for
 the answer. A check carries (``headers_to_add``, overwriting any client header of the same name)
 ``x-llmd-timeslice-pool``, ``x-llmd-timeslice-envoy`` and, when no EPP follows, ``x-llmd-timeslice-pick``;
-and from the client (``allowed_headers``) ``x-llmd-timeslice-min-weight-version``.
+and from the client (``allowed_headers``) ``x-llmd-timeslice-min-weight-version`` and the InferenceObjective
+header ``x-gateway-inference-objective`` (its band: :meth:`~epp_plugin.gate.pool_state.PoolState.objective`; a
+check without it does no band work).
 
 The answer, per :class:`~epp_plugin.gate.pool_state.PoolState`:
 
@@ -42,23 +44,25 @@ from collections.abc import Mapping
 import httptools
 from google.protobuf import struct_pb2
 
-from epp_plugin import protocol
+from epp_plugin.endpoint_pick import ENDPOINT_PICKS
 from epp_plugin.gate import metrics
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.endpoint_discovery import EndpointDirectory
-from epp_plugin.gate.endpoint_pick import LeastInFlight
 from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import BadCheck, min_weight_version, refusal_body
+from llmd_timeslice import protocol
+from llmd_timeslice.domain.objectives import ObjectiveClass
 
 log = logging.getLogger(__name__)
 
-_POOL, _ENVOY, _PICK, _MIN_VERSION, _EDS = range(5)
+_POOL, _ENVOY, _PICK, _MIN_VERSION, _EDS, _OBJECTIVE = range(6)
 _WANTED = {
     protocol.POOL_HEADER.encode(): _POOL,
     protocol.ENVOY_ID_HEADER.encode(): _ENVOY,
     protocol.PICK_HEADER.encode(): _PICK,
     protocol.MIN_WEIGHT_VERSION_HEADER.encode(): _MIN_VERSION,
     protocol.EDS_HEADER.encode(): _EDS,
+    protocol.OBJECTIVE_HEADER.encode(): _OBJECTIVE,
 }
 _PICK_VALUE = protocol.PICK_LEAST_IN_FLIGHT.encode()
 _ADMISSION = f"{protocol.ADMISSION_HEADER}: ".encode()
@@ -119,7 +123,7 @@ class AuthzService:
         self.book = book
         self.directory = directory
         """Envoy's endpoint discovery (when the gate picks): an endpoint is named only once Envoy has it."""
-        self.picker = LeastInFlight()
+        self.picker = ENDPOINT_PICKS.create("least_in_flight")
         self._answers: dict[tuple[str, bool], tuple[int, dict]] = {}  # (pool, pick) -> (epoch, key -> answer head)
         self.open: set[AuthzProtocol] = set()
         """Open connections from Envoy (each held check is one)."""
@@ -138,7 +142,8 @@ class AuthzService:
         """The endpoints a picked request may go to, in Envoy's order (the pick first, then its retries; only the
         pick without ``fallbacks``: an Envoy routing by ORIGINAL_DST, which takes one address); ``adm`` counts only
         against them from now on (and against the one that serves it once its upstream log names it)."""
-        order = self.picker.order(pool, adm.candidates, 1 + PICK_RETRY_ENDPOINTS if fallbacks else 1)
+        endpoints = pool.endpoints
+        order = self.picker.order(adm.candidates, 1 + PICK_RETRY_ENDPOINTS if fallbacks else 1, lambda a: endpoints[a].in_flight)
         pool.narrow(adm, order)
         return order
 
@@ -168,7 +173,7 @@ class AuthzService:
         aid = self.book.add(pool, adm, envoy)
         answer = head + _ADMISSION + aid.encode() + b"\r\n"
         if adm.hold_s > 0:
-            metrics.HOLD_SECONDS.labels(pool=pool.name).observe(adm.hold_s)
+            metrics.observe_hold(pool.name, adm)
             answer += _HOLD_MS + str(round(adm.hold_s * 1000)).encode() + b"\r\n"
         return answer + b"\r\n", aid
 
@@ -193,7 +198,7 @@ class AuthzProtocol(asyncio.Protocol):
     def __init__(self, svc: AuthzService) -> None:
         self._svc = svc
         self._parser = httptools.HttpRequestParser(self)
-        self._h: list = [None, None, None, None, None]
+        self._h: list = [None, None, None, None, None, None]
         self._held: asyncio.Task | None = None
         self._closed = False
         self._answered: str | None = None  # the last admission answered here, until the next check proves it read
@@ -236,8 +241,8 @@ class AuthzProtocol(asyncio.Protocol):
             self._transport.close()
             return
         h = self._h
-        pool_raw, envoy_raw, pick_raw, version_raw, eds_raw = h
-        h[0] = h[1] = h[2] = h[3] = h[4] = None
+        pool_raw, envoy_raw, pick_raw, version_raw, eds_raw, objective_raw = h
+        h[0] = h[1] = h[2] = h[3] = h[4] = h[5] = None
         self._answered = None  # a new check: Envoy read the previous answer
         svc = self._svc
         pool_name = pool_raw.decode("utf-8", "replace") if pool_raw is not None else None
@@ -251,7 +256,8 @@ class AuthzProtocol(asyncio.Protocol):
             if pool is None:
                 raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
             min_version = min_weight_version(version_raw.decode("utf-8", "replace") if version_raw is not None else None)
-            adm = pool.try_admit(min_version)
+            objective = pool.objective(objective_raw.decode("utf-8", "replace")) if objective_raw is not None else None
+            adm = pool.try_admit(min_version, objective)
         except AdmissionRefused as err:
             self._refuse(pool_name, err)
             return
@@ -261,12 +267,12 @@ class AuthzProtocol(asyncio.Protocol):
         if adm is not None:
             self._admit(pool, adm, envoy, pick)
         else:
-            self._held = asyncio.get_running_loop().create_task(self._hold(pool, min_version, envoy, pick))
+            self._held = asyncio.get_running_loop().create_task(self._hold(pool, min_version, envoy, pick, objective))
 
     # ------------------------------------------------------------ answers
-    async def _hold(self, pool: PoolState, min_version: int, envoy: str, pick: bool) -> None:
+    async def _hold(self, pool: PoolState, min_version: int, envoy: str, pick: bool, objective: ObjectiveClass | None) -> None:
         try:
-            adm = await pool.admit(min_version)
+            adm = await pool.admit(min_version, objective)
         except AdmissionRefused as err:
             self._held = None
             self._refuse(pool.name, err)

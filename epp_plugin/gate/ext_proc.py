@@ -39,10 +39,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
-from epp_plugin import protocol
 from epp_plugin.gate import metrics
 from epp_plugin.gate.pool_state import Admission, AdmissionRefused, PoolState, UnknownPool
 from epp_plugin.gate.refusals import min_weight_version, refusal_body
+from llmd_timeslice import protocol
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +125,18 @@ def _header(headers: pb.HttpHeaders, name: str) -> str | None:
     return None
 
 
-def _request_headers_of_interest(headers: pb.HttpHeaders) -> tuple[str | None, str]:
-    """``(min weight version header or None, x-request-id or "")`` in one pass over the headers."""
-    min_version, request_id = None, ""
+def _request_headers_of_interest(headers: pb.HttpHeaders) -> tuple[str | None, str, str | None]:
+    """``(min weight version header or None, x-request-id or "", InferenceObjective header or None)`` in one pass
+    over the headers."""
+    min_version, request_id, objective = None, "", None
     for h in headers.headers.headers:
         if h.key == protocol.MIN_WEIGHT_VERSION_HEADER:
             min_version = _value(h)
         elif h.key == REQUEST_ID_HEADER:
             request_id = _value(h)[:128]
-    return min_version, request_id
+        elif h.key == protocol.OBJECTIVE_HEADER:
+            objective = _value(h)
+    return min_version, request_id, objective
 
 
 class StreamPhase(enum.Enum):
@@ -264,15 +267,16 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     try:
                         if pool is None:
                             raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
-                        raw, request_id = _request_headers_of_interest(req.request_headers)
+                        raw, request_id, objective_raw = _request_headers_of_interest(req.request_headers)
                         min_version = min_weight_version(raw)
-                        adm = await pool.admit(min_version)
+                        objective = pool.objective(objective_raw) if objective_raw is not None else None
+                        adm = await pool.admit(min_version, objective)
                     except AdmissionRefused as err:
                         metrics.REFUSED.labels(pool=pool_name, reason=err.reason).inc()
                         yield refusal_response(err)
                         return
                     if adm.hold_s > 0:
-                        metrics.HOLD_SECONDS.labels(pool=pool_name).observe(adm.hold_s)
+                        metrics.observe_hold(pool_name, adm)
                     adm.request_id = request_id
                     st.admitted(adm)
                     st.sending = True

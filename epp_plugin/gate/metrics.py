@@ -4,6 +4,10 @@ Per-request counters on the hot path would cost CPU on every request, so pool fi
 admitted, released, in flight per endpoint, endpoint state, state epoch) are read from the pools
 at scrape time by :class:`PoolCollector`; only refusals and hold durations (rare paths) are
 counted as they happen.
+
+Per priority band (issue 26; docs/gate.md, "Priority bands"): ``llmd_timeslice_gate_band_held_requests``,
+``..._band_released_total``, ``..._band_refused_total{reason}`` and ``..._band_deadline_misses_total`` are read from
+the pools' band counters at scrape time; ``..._band_hold_seconds`` is observed with each held request's admission.
 """
 
 from __future__ import annotations
@@ -14,15 +18,30 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from epp_plugin.gate.pool_state import EndpointState, PoolState
+from epp_plugin.gate.pool_state import Admission, EndpointState, PoolState
 
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 REFUSED = Counter("llmd_timeslice_gate_refused_total", "Requests refused with 4xx/503, by reason.", ["pool", "reason"])
 HOLD_SECONDS = Histogram(
     "llmd_timeslice_gate_hold_seconds",
     "Seconds a held request waited before admission (held requests only).",
     ["pool"],
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+    buckets=HOLD_BUCKETS,
 )
+BAND_HOLD_SECONDS = Histogram(
+    "llmd_timeslice_gate_band_hold_seconds",
+    "Seconds a held request waited before admission, by priority band (held requests only).",
+    ["pool", "band"],
+    buckets=HOLD_BUCKETS,
+)
+
+
+def observe_hold(pool: str, adm: Admission) -> None:
+    """A held request was admitted after ``adm.hold_s`` seconds: the pool's and its band's hold histograms."""
+    HOLD_SECONDS.labels(pool=pool).observe(adm.hold_s)
+    BAND_HOLD_SECONDS.labels(pool=pool, band=str(adm.band)).observe(adm.hold_s)
+
+
 ORCHESTRATOR_EPOCH = Gauge("llmd_timeslice_gate_orchestrator_epoch", "Last state epoch received from the orchestrator.")
 LOST_COMPLETIONS = Counter(
     "llmd_timeslice_gate_lost_completions_total",
@@ -73,8 +92,36 @@ class PoolCollector(Collector):
             "1 for the endpoint's current state, 0 for the others.",
             labels=["pool", "endpoint", "state"],
         )
+        band_held = GaugeMetricFamily(
+            "llmd_timeslice_gate_band_held_requests", "Requests held now, by priority band.", labels=["pool", "band"]
+        )
+        band_released = CounterMetricFamily(
+            "llmd_timeslice_gate_band_released", "Held requests released, by priority band.", labels=["pool", "band"]
+        )
+        band_refused = CounterMetricFamily(
+            "llmd_timeslice_gate_band_refused",
+            "Requests of a band refused by the pool (hold_expired, sheddable_while_asleep, hold_queue_full, ...).",
+            labels=["pool", "band", "reason"],
+        )
+        band_misses = CounterMetricFamily(
+            "llmd_timeslice_gate_band_deadline_misses",
+            "Held requests of a band with a hold deadline released, or refused at their longest hold, after it.",
+            labels=["pool", "band"],
+        )
         for name, pool in self._pools():
             held.add_metric([name], pool.held)
+            # Band 0 (requests without an objective) always, so every pool's series exist from the start; other
+            # bands once they hold, declare a deadline or have counts.
+            by_band = pool.held_by_band()
+            stats = dict(pool.band_stats)
+            for band in sorted({0, *by_band, *stats, *(b.priority for b in pool.deadline_bands())}):
+                band_held.add_metric([name, str(band)], by_band.get(band, 0))
+            for band in sorted({0, *stats}):
+                st = stats.get(band)
+                band_released.add_metric([name, str(band)], st.released_total if st is not None else 0)
+                band_misses.add_metric([name, str(band)], st.deadline_misses_total if st is not None else 0)
+                for reason, n in list(st.refused_total.items()) if st is not None else ():
+                    band_refused.add_metric([name, str(band), reason], n)
             admitted.add_metric([name], pool.admitted_total)
             released.add_metric([name], pool.released_total)
             epoch.add_metric([name], pool.epoch)
@@ -82,7 +129,7 @@ class PoolCollector(Collector):
                 in_flight.add_metric([name, ep.address], ep.in_flight)
                 for st in EndpointState:
                     state.add_metric([name, ep.address, st.value], 1 if ep.state is st else 0)
-        yield from (held, admitted, released, epoch, in_flight, state)
+        yield from (held, admitted, released, epoch, in_flight, state, band_held, band_released, band_refused, band_misses)
         if self.books:
             open_ = GaugeMetricFamily(
                 "llmd_timeslice_gate_open_admissions", "Fast-path admissions answered and not yet ended by an access-log entry."

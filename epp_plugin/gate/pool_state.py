@@ -7,8 +7,9 @@ end); the control servicer turns orchestrator calls into ``set_states`` and ``wa
 
 Invariants held here (docs/architecture.md, "Invariants"):
 1. a request is admitted only with a non-empty list of SERVING endpoints (its *candidates*),
-   which becomes the subset hint; with none SERVING it waits in a FIFO queue;
-3. held requests are released FIFO, only to SERVING endpoints at the required weight version;
+   which becomes the subset hint; with none SERVING it waits in the hold queue of its priority band;
+3. held requests are released highest band first, FIFO within a band, only to SERVING endpoints at the
+   required weight version;
 4. a held request that is cancelled leaves the queue at once;
 5. the queue length and hold time are bounded; beyond them admission raises a typed error.
 
@@ -23,6 +24,12 @@ still travelling: in the EPP, queued, connecting, or computing a non-streamed an
 with :class:`DrainDeadline` (503, retryable) through its edge; a request whose response has started
 keeps counting and completes on the engine, which sleeps with ``mode=wait``. So after the deadline
 no request admitted before the drain can reach an engine that sleeps, and none is dropped silently.
+
+Priority bands (docs/gate.md, "Priority bands"; :mod:`llmd_timeslice.domain.objectives`): a request naming an
+InferenceObjective (:meth:`PoolState.objective`) is held in its objective's band, up to the objective's longest
+hold; a sheddable one (priority < 0) is refused at once (:class:`SheddableWhileAsleep`) while the pool has no
+SERVING endpoint. A request naming none is band 0 with the pool's ``max_hold_s`` (an undeclared band 0), exactly
+as before bands existed; the admission of a request that needs no wait does no band work at all.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from llmd_timeslice.domain.objectives import Band, ObjectiveClass, PoolPriorities
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,22 @@ class HoldExpired(AdmissionRefused):
     http_status = 503
     reason = "hold_expired"
     retry_after_s = 5
+
+
+class SheddableWhileAsleep(AdmissionRefused):
+    """A sheddable request (its objective's priority < 0) while the pool has no SERVING endpoint: refused at once
+    rather than held (HTTP 503, retryable once the pool serves again)."""
+
+    http_status = 503
+    reason = "sheddable_while_asleep"
+    retry_after_s = 5
+
+
+class UnknownObjective(AdmissionRefused):
+    """The request names an InferenceObjective this gate does not know for its pool (HTTP 400)."""
+
+    http_status = 400
+    reason = "unknown_objective"
 
 
 class UnknownPool(AdmissionRefused):
@@ -130,6 +155,8 @@ class Admission:
     """Set by an edge that can still answer the request after admitting it (ext_proc: an ImmediateResponse
     on the open stream); called once with the refusal when the drain deadline cuts the request."""
     cut: bool = False
+    band: int = 0
+    """Priority band the request was held in (0: no objective, or an objective of priority 0)."""
 
 
 @dataclass
@@ -148,6 +175,30 @@ class _Held:
     min_version: int
     enqueued_at: float
     future: asyncio.Future = field(repr=False)
+    band: int = 0
+    objective: str = ""
+
+
+@dataclass
+class BandStats:
+    """Counts of one band of one pool (exported at scrape time): held requests released, refused by reason, and
+    deadline misses (released, or refused at their longest hold, after the band's hold deadline)."""
+
+    released_total: int = 0
+    refused_total: dict[str, int] = field(default_factory=dict)
+    deadline_misses_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BandPressure:
+    """What a band with a hold deadline holds now (``GateMessage.hold_pressure``): ``oldest_held_s`` in seconds,
+    ``objective`` of the oldest held request ("" for none)."""
+
+    band: int
+    objective: str
+    oldest_held_s: float
+    hold_deadline_s: float
+    held: int
 
 
 class PoolState:
@@ -159,6 +210,7 @@ class PoolState:
         max_hold_s: most seconds a request is held before :class:`HoldExpired`.
         release_rate_per_s: held requests released per second when an endpoint turns SERVING
             (0 = no bound); releases go in bursts of ``release_burst``.
+        priorities: the pool's objectives and bands (None: objectives off, the objective header is ignored).
         clock: monotonic clock in seconds (injectable for tests).
     """
 
@@ -170,6 +222,7 @@ class PoolState:
         max_hold_s: float = 600.0,
         release_rate_per_s: float = 5_000.0,
         release_burst: int = 64,
+        priorities: PoolPriorities | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
@@ -182,7 +235,15 @@ class PoolState:
         self.epoch = 0
         self.last_changed: list[str] = []
         """Addresses the last :meth:`set_states` (or :meth:`replace_states`) changed, for its log line."""
-        self._held: deque[_Held] = deque()
+        self._held: dict[int, deque[_Held]] = {}
+        """Held requests per band; a band is a key only while it holds one (so ``if self._held`` is "anyone held")."""
+        self.priorities: PoolPriorities | None = None
+        self._band0 = Band(0, max_hold_s)
+        self.band_stats: dict[int, BandStats] = {}
+        self.on_pressure: Callable[[], None] | None = None
+        """Called when a band with a hold deadline starts or stops holding requests (the subscription sends
+        HoldPressure from it)."""
+        self.set_priorities(priorities)
         self._live: set[Admission] = set()
         self._changed = asyncio.Condition()
         self._releaser: asyncio.Task | None = None
@@ -210,8 +271,78 @@ class PoolState:
     # ------------------------------------------------------------------ queries
     @property
     def held(self) -> int:
-        """Requests waiting in the hold queue now."""
-        return len(self._held)
+        """Requests waiting in the hold queue now (every band)."""
+        return sum(len(q) for q in self._held.values())
+
+    def held_by_band(self) -> dict[int, int]:
+        """Requests held now per band, highest band first (bands holding none left out)."""
+        return {b: len(self._held[b]) for b in sorted(self._held, reverse=True)}
+
+    def pressure(self) -> list[BandPressure]:
+        """Each band with a hold deadline that holds requests now, highest first (see :class:`BandPressure`)."""
+        out = []
+        now = self._clock()
+        for b in sorted(self._held, reverse=True):
+            band = self._band(b)
+            q = self._held[b]
+            if band.hold_deadline_s is None or not q:
+                continue
+            oldest = q[0]
+            out.append(BandPressure(b, oldest.objective, now - oldest.enqueued_at, band.hold_deadline_s, len(q)))
+        return out
+
+    def deadline_bands(self) -> list[Band]:
+        """The declared bands with a hold deadline."""
+        if self.priorities is None:
+            return [self._band0] if self._band0.hold_deadline_s is not None else []
+        return [b for b in self.priorities.bands.values() if b.hold_deadline_s is not None]
+
+    def objective(self, name: str) -> ObjectiveClass | None:
+        """The objective a request names (the ``x-gateway-inference-objective`` header's value); None when the pool
+        has no objectives configured (the header is then ignored, as before objectives existed).
+
+        Raises:
+            UnknownObjective: objectives are configured and none has this name (the message lists the known ones).
+        """
+        pp = self.priorities
+        if pp is None:
+            return None
+        obj = pp.objectives.get(name)
+        if obj is None:
+            self.refused_total += 1
+            known = sorted(pp.objectives)
+            shown = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if len(known) > 20 else "")
+            raise UnknownObjective(
+                f"unknown InferenceObjective {name[:253]!r} for pool {self.name!r} "
+                f"(header x-gateway-inference-objective); known: {shown or 'none'}"
+            )
+        return obj
+
+    def set_priorities(self, priorities: PoolPriorities | None) -> None:
+        """Replace the pool's objectives and bands (file reload, a change of the InferenceObjective objects). Held
+        requests keep their band and their longest hold."""
+        self.priorities = priorities
+        self._band0 = priorities.band(0) if priorities is not None else Band(0, self.max_hold_s)
+
+    def band(self, priority: int) -> Band:
+        """The settings of band ``priority`` (declared, else the pool's ``max_hold_s`` and no deadline)."""
+        return self._band(priority)
+
+    def _band(self, priority: int) -> Band:
+        if priority == 0:
+            return self._band0
+        return self.priorities.band(priority) if self.priorities is not None else Band(priority, self.max_hold_s)
+
+    def _stats(self, band: int) -> BandStats:
+        st = self.band_stats.get(band)
+        if st is None:
+            st = self.band_stats[band] = BandStats()
+        return st
+
+    def _refused(self, band: int, reason: str) -> None:
+        self.refused_total += 1
+        refused = self._stats(band).refused_total
+        refused[reason] = refused.get(reason, 0) + 1
 
     @property
     def live(self) -> int:
@@ -234,69 +365,114 @@ class PoolState:
         )
 
     # ---------------------------------------------------------------- data path
-    def try_admit(self, min_version: int = 0) -> Admission | None:
+    def try_admit(self, min_version: int = 0, objective: ObjectiveClass | None = None) -> Admission | None:
         """Admit one request at once if that needs no wait (an eligible endpoint serves and nobody is held).
 
         Returns None when the request would have to wait: then ``await admit()`` holds it. Lets an edge
-        answer the common case without a task per request.
+        answer the common case without a task per request. ``objective``: from :meth:`objective` (None: band 0).
 
         Raises:
             GateShuttingDown: the gate is stopping.
+            SheddableWhileAsleep: ``objective`` is sheddable and no endpoint of the pool serves.
         """
         if self.closed:
             self.refused_total += 1
             raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
-        if self._held:
-            return None
-        candidates = self.serving(min_version)
-        return self._start(candidates, 0.0) if candidates else None
+        if not self._held:
+            candidates = self.serving(min_version)
+            if candidates:
+                return self._start(candidates, 0.0)
+        if objective is not None:
+            self._shed(objective)
+        return None
 
-    async def admit(self, min_version: int = 0) -> Admission:
-        """Admit one request: return at once when an endpoint serves, else hold it (FIFO).
+    def _shed(self, objective: ObjectiveClass | None) -> None:
+        """The request must wait: refuse it now when it is sheddable and the pool has no SERVING endpoint."""
+        if objective is not None and objective.band.sheddable and not self.serving():
+            self._refused(objective.band.priority, SheddableWhileAsleep.reason)
+            raise SheddableWhileAsleep(
+                f"pool {self.name!r} has no serving endpoint (its engines sleep while a trainer holds the "
+                f"accelerators) and objective {objective.name!r} is sheddable (priority {objective.band.priority} < 0): "
+                "refused rather than held; retry later"
+            )
+
+    async def admit(self, min_version: int = 0, objective: ObjectiveClass | None = None) -> Admission:
+        """Admit one request: return at once when an endpoint serves, else hold it in its band (FIFO within it;
+        ``objective`` None: band 0 with the pool's ``max_hold_s``).
 
         Raises:
-            QueueFull: ``max_held`` requests are already held.
-            HoldExpired: no eligible endpoint turned SERVING within ``max_hold_s`` seconds.
+            QueueFull: ``max_held`` requests are already held (all bands together).
+            HoldExpired: no eligible endpoint turned SERVING within the longest hold (the objective's, else its
+                band's, else ``max_hold_s``) seconds.
+            SheddableWhileAsleep: ``objective`` is sheddable and no endpoint of the pool serves.
             GateShuttingDown: the gate stopped while the request was held.
             asyncio.CancelledError: the caller (Envoy stream) went away; the entry is removed.
         """
-        adm = self.try_admit(min_version)
+        adm = self.try_admit(min_version, objective)
         if adm is not None:
             return adm
         candidates = self.serving(min_version)
-        if len(self._held) >= self.max_held:
-            self.refused_total += 1
-            raise QueueFull(f"pool {self.name!r} already holds {len(self._held)} requests (max_held)")
+        if objective is None:  # band 0: the pool's max_hold_s unless band 0 is declared
+            band, name = self._band0, ""
+            hold_s = band.max_hold_s if self.priorities is not None and 0 in self.priorities.bands else self.max_hold_s
+        else:
+            band, hold_s, name = objective.band, objective.max_hold_s, objective.name
+        held = self.held
+        if held >= self.max_held:
+            self._refused(band.priority, QueueFull.reason)
+            raise QueueFull(f"pool {self.name!r} already holds {held} requests (max_held)")
         loop = asyncio.get_running_loop()
-        entry = _Held(min_version, self._clock(), loop.create_future())
-        self._held.append(entry)
+        entry = _Held(min_version, self._clock(), loop.create_future(), band.priority, name)
+        q = self._held.get(band.priority)
+        if q is None:
+            q = self._held[band.priority] = deque()
+        q.append(entry)
+        if len(q) == 1 and band.hold_deadline_s is not None and self.on_pressure is not None:
+            self.on_pressure()
         if candidates:
             self._kick_releaser()
         try:
-            candidates = await asyncio.wait_for(entry.future, self.max_hold_s)
+            candidates = await asyncio.wait_for(entry.future, hold_s)
         except TimeoutError:
             self._drop(entry)
-            self.refused_total += 1
+            self._refused(band.priority, HoldExpired.reason)
+            if band.hold_deadline_s is not None and hold_s > band.hold_deadline_s:
+                self._stats(band.priority).deadline_misses_total += 1
+            what = f"objective {name!r} (band {band.priority})" if name else f"band {band.priority}"
             raise HoldExpired(
                 f"no endpoint of pool {self.name!r} at weight version >= {min_version} "
-                f"turned SERVING within {self.max_hold_s:g} s"
+                f"turned SERVING within {hold_s:g} s, the longest hold of {what}"
             ) from None
         except asyncio.CancelledError:
             self._drop(entry)
             raise
-        except AdmissionRefused:
-            self.refused_total += 1
+        except AdmissionRefused as err:
+            self._refused(band.priority, err.reason)
             raise
-        return self._start(candidates, self._clock() - entry.enqueued_at)
+        waited = self._clock() - entry.enqueued_at
+        if band.hold_deadline_s is not None and waited > band.hold_deadline_s:
+            self._stats(band.priority).deadline_misses_total += 1
+        adm = self._start(candidates, waited)
+        adm.band = band.priority
+        return adm
 
     def _drop(self, entry: _Held) -> None:
         # A released-but-abandoned entry was never counted in flight (that happens in _start).
-        try:
-            self._held.remove(entry)
-        except ValueError:
-            pass
+        q = self._held.get(entry.band)
+        if q is not None:
+            try:
+                q.remove(entry)
+            except ValueError:
+                pass
+            if not q:
+                del self._held[entry.band]
+                self._band_emptied(entry.band)
         if not entry.future.done():
             entry.future.cancel()
+
+    def _band_emptied(self, band: int) -> None:
+        if self.on_pressure is not None and self._band(band).hold_deadline_s is not None:
+            self.on_pressure()
 
     def _start(self, candidates: tuple[str, ...], hold_s: float) -> Admission:
         adm = Admission(self.name, candidates, self.epoch, hold_s)
@@ -545,10 +721,11 @@ class PoolState:
         self.closed = True
         for addr in list(self.failed):
             self._clear_failed(addr)
-        while self._held:
-            entry = self._held.popleft()
-            if not entry.future.done():
-                entry.future.set_exception(GateShuttingDown(f"gate stopped while pool {self.name!r} held the request"))
+        queues, self._held = self._held, {}
+        for q in queues.values():
+            for entry in q:
+                if not entry.future.done():
+                    entry.future.set_exception(GateShuttingDown(f"gate stopped while pool {self.name!r} held the request"))
         if self._releaser is not None:
             self._releaser.cancel()
 
@@ -568,24 +745,36 @@ class PoolState:
             self._releaser = asyncio.get_running_loop().create_task(self._release_held())
 
     async def _release_held(self) -> None:
-        """Release held requests FIFO in bursts, at most ``release_rate_per_s`` per second."""
+        """Release held requests in bursts, highest band first and FIFO within a band, at most
+        ``release_rate_per_s`` per second."""
         pause = self.release_burst / self.release_rate_per_s if self.release_rate_per_s > 0 else 0.0
         loop = asyncio.get_running_loop()
         due = loop.time()  # bursts on a schedule: the time spent releasing counts against the pause, not on top
         while self._held:
             released = 0
-            skipped: list[_Held] = []
-            while self._held and released < self.release_burst:
-                entry = self._held.popleft()
-                if entry.future.done():
-                    continue
-                candidates = self.serving(entry.min_version)
-                if not candidates:
-                    skipped.append(entry)  # waits for a newer weight version; keeps its place
-                    continue
-                entry.future.set_result(candidates)
-                released += 1
-            self._held.extendleft(reversed(skipped))
+            for band in sorted(self._held, reverse=True):
+                q = self._held[band]
+                skipped: list[_Held] = []
+                from_band = 0
+                while q and released < self.release_burst:
+                    entry = q.popleft()
+                    if entry.future.done():
+                        continue
+                    candidates = self.serving(entry.min_version)
+                    if not candidates:
+                        skipped.append(entry)  # waits for a newer weight version; keeps its place
+                        continue
+                    entry.future.set_result(candidates)
+                    released += 1
+                    from_band += 1
+                q.extendleft(reversed(skipped))
+                if from_band:
+                    self._stats(band).released_total += from_band
+                if not q:
+                    del self._held[band]
+                    self._band_emptied(band)
+                if released >= self.release_burst:
+                    break
             self.released_total += released
             if released == 0:
                 return

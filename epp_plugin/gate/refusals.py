@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from epp_plugin import protocol
 from epp_plugin.gate.pool_state import AdmissionRefused
+from llmd_timeslice import protocol
 
 
 class BadMinWeightVersion(AdmissionRefused):

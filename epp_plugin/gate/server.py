@@ -20,7 +20,7 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from epp_plugin.gate import ext_authz, metrics
 from epp_plugin.gate.access_log import GateAccessLogService
@@ -28,6 +28,7 @@ from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.control import GateControl
 from epp_plugin.gate.endpoint_discovery import EndpointDirectory
 from epp_plugin.gate.ext_proc import GateExternalProcessor
+from epp_plugin.gate.objectives_k8s import ObjectiveWatch
 from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.subscription import StateSubscription
 from llmd_timeslice import auth, tls
@@ -35,6 +36,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as state_pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as state_grpc
 from llmd_timeslice.config import GateSettings, Port
+from llmd_timeslice.domain.objectives import ObjectiveEntry, Objectives, PoolPriorities, load_objectives_file
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,12 @@ class GateConfig(GateSettings):
     token: str | None = Field(
         None, repr=False, exclude=True, description="Bearer token for the control port and the orchestrator."
     )
+    priorities: Objectives | None = Field(
+        None,
+        exclude=True,
+        description="Objectives and priority bands (the `objectives` file, read; None: the objective header is "
+        "ignored unless `objectives_from_kubernetes`).",
+    )
     failed_endpoint_hold_s: float = Field(
         5.0,
         ge=0,
@@ -61,10 +69,37 @@ class GateConfig(GateSettings):
         "unless the orchestrator publishes a new state for it first (0: until it does).",
     )
 
+    @model_validator(mode="after")
+    def _priorities_fit(self) -> GateConfig:
+        if self.priorities is not None:
+            problems = self.priorities.check(self.max_hold_s, self.default_pool)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
     @classmethod
     def from_settings(cls, settings: GateSettings, token: str | None) -> GateConfig:
-        """The configuration of a gate run from ``settings`` (as validated by ``llmd-timeslice gate``)."""
-        return cls.model_validate({**settings.model_dump(), "token": token})
+        """The configuration of a gate run from ``settings`` (as validated by ``llmd-timeslice gate``); reads the
+        ``objectives`` file.
+
+        Raises:
+            ObjectivesError: the objectives file is unusable (one line per problem).
+            FileNotFoundError: no such objectives file.
+        """
+        priorities = None
+        if settings.objectives is not None:
+            priorities = load_objectives_file(settings.objectives, settings.max_hold_s, settings.default_pool)
+        return cls.model_validate({**settings.model_dump(), "token": token, "priorities": priorities})
+
+    def pool_priorities(self, pool: str, from_kubernetes: list[ObjectiveEntry] | None = None) -> PoolPriorities | None:
+        """What pool ``pool`` knows of objectives and bands (None: objectives off); ``from_kubernetes``: the
+        InferenceObjective objects read, in place of the file's objectives (its bands stay)."""
+        if self.priorities is None and not self.objectives_from_kubernetes:
+            return None
+        source = self.priorities or Objectives()
+        if from_kubernetes is not None:
+            source = source.merged(from_kubernetes)
+        return source.for_pool(pool, self.default_pool, self.max_hold_s)
 
 
 class GateServer:
@@ -95,6 +130,27 @@ class GateServer:
         for pool in self.pools.values():
             pool.on_change = self.directory.refresh
         self._report_channel: aio.Channel | None = None
+        self.k8s_objectives: list[ObjectiveEntry] | None = None
+        """The InferenceObjectives read from Kubernetes (``objectives_from_kubernetes``; None: not read)."""
+        self.objective_watch: ObjectiveWatch | None = None
+        self._objectives_api = None
+
+    def _objectives_changed(self, entries: list[ObjectiveEntry]) -> None:
+        """The InferenceObjective objects changed: every pool gets its objectives anew (held requests keep their
+        band and longest hold)."""
+        self.k8s_objectives = entries
+        for name, pool in self.pools.items():
+            pool.set_priorities(self.config.pool_priorities(name, entries))
+        log.info("objectives now %s", {e.name: (e.pool, e.priority) for e in entries})
+
+    async def _start_objective_watch(self) -> None:
+        from llmd_timeslice.discovery.kubernetes import default_namespace, make_api_client
+
+        cfg = self.config
+        self._objectives_api = make_api_client(cfg.kubeconfig)
+        namespace = cfg.objectives_namespace or default_namespace()
+        self.objective_watch = ObjectiveWatch(namespace, self._objectives_api, self._objectives_changed)
+        self._objectives_changed(await self.objective_watch.start())
 
     def _new_pool(self, name: str) -> PoolState:
         pool = PoolState(
@@ -102,14 +158,26 @@ class GateServer:
             max_held=self.config.max_held,
             max_hold_s=self.config.max_hold_s,
             release_rate_per_s=self.config.release_rate_per_s,
+            priorities=self.config.pool_priorities(name, getattr(self, "k8s_objectives", None)),
         )
+        subscription = getattr(self, "subscription", None)
+        if subscription is not None:
+            subscription.watch_pool(pool)
         directory = getattr(self, "directory", None)  # pools made in __init__ are wired once it exists
         if directory is not None:
             pool.on_change = directory.refresh
         return pool
 
     async def start(self) -> None:
+        """Start every server (after the first list of the InferenceObjectives, with ``objectives_from_kubernetes``).
+
+        Raises:
+            ObjectivesApiError: the InferenceObjectives could not be listed (RBAC, no CRD, no API server).
+            KubernetesError: no Kubernetes configuration.
+        """
         cfg = self.config
+        if cfg.objectives_from_kubernetes:
+            await self._start_objective_watch()
         self._data = aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
         self.access_log = GateAccessLogService(self.book, on_failed=self._endpoint_failed)
@@ -224,6 +292,10 @@ class GateServer:
             for conn in list(self.authz.open):
                 conn.close()
         self.book.close()
+        if self.objective_watch is not None:
+            await self.objective_watch.stop()
+        if self._objectives_api is not None:
+            self._objectives_api.close()
         if self._report_channel is not None:
             await self._report_channel.close()
         if self._data is not None:

@@ -18,6 +18,12 @@ stream. The gate then **resubscribes**: it drops the stream and opens a new one,
 snapshot sent after the orchestrator registered the new stream, and that snapshot makes the view current again
 (it too must arrive within ``stale_after_s`` of the hello, or the session is dropped and retried).
 
+**Hold pressure** (issue 26; docs/gate.md, "Priority bands"): while a band with a hold deadline holds requests,
+the gate sends ``GateMessage.hold_pressure`` for it on the stream: at once when the band's first request is held,
+then every :data:`PRESSURE_PERIOD_S` while it holds any, and a last one with ``held = 0`` when it holds none. The
+orchestrator applies the group's yield-request policy to it; the gate holds no policy of its own. Nothing is sent
+while the stream is down (the next session's messages start over with a first one).
+
 Reconnects use exponential back-off (0.2 s doubling to 5 s, tenacity; a session that synced starts the next from
 0.2 s again).
 """
@@ -66,6 +72,13 @@ RECONNECT_FIRST_S = 0.2
 """First wait before reconnecting (doubling, per failed session in a row, up to :data:`RECONNECT_MAX_S`)."""
 RECONNECT_MAX_S = 5.0
 WATCHDOG_PERIOD_S = 0.1
+PRESSURE_PERIOD_S = 0.25
+"""Seconds between two HoldPressure messages of one band while it holds requests."""
+HOLD_PRESSURE = Counter(
+    "llmd_timeslice_gate_hold_pressure_messages_total",
+    "HoldPressure messages sent to the orchestrator (bands with a hold deadline holding requests), by pool.",
+    ["pool"],
+)
 
 
 class Resubscribe(Exception):
@@ -131,10 +144,19 @@ class StateSubscription:
         self._resubscribe: Resubscribe | None = None
         self.highest_term = 0
         """Highest orchestrator leader term seen on a command (fencing; 0: none, or an unfenced orchestrator)."""
+        self._pressure = asyncio.Event()
+        self.pressure_sent = 0
+        for pool in pools.values():
+            self.watch_pool(pool)
+
+    def watch_pool(self, pool: PoolState) -> None:
+        """Send HoldPressure for ``pool``'s deadline bands (every pool of the gate, also one created later)."""
+        pool.on_pressure = self._pressure.set
 
     async def run(self) -> None:
         """Connect, apply, reconnect on failure; runs until cancelled."""
         watchdog = asyncio.get_running_loop().create_task(self._watch_staleness())
+        pressure = asyncio.get_running_loop().create_task(self._send_pressure())
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(Exception),
             before_sleep=self._lost,
@@ -148,6 +170,53 @@ class StateSubscription:
                 await asyncio.sleep(RECONNECT_FIRST_S)
         finally:
             watchdog.cancel()
+            pressure.cancel()
+
+    async def _send_pressure(self) -> None:
+        """HoldPressure of every pool's deadline bands (see the module docstring); woken by a band starting or
+        stopping to hold (``PoolState.on_pressure``), else every :data:`PRESSURE_PERIOD_S` while one holds."""
+        last: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, band) -> (sent at, deadline) on this stream
+        outbox = None
+        while True:
+            if outbox is not self._outbox:  # a new session: every band starts over with a first message
+                outbox, last = self._outbox, {}
+            now = self._clock()
+            live = outbox is not None and self.connected.is_set()
+            seen: set[tuple[str, int]] = set()
+            for name, pool in list(self.pools.items()):
+                for bp in pool.pressure():
+                    key = (name, bp.band)
+                    seen.add(key)
+                    sent = last.get(key)
+                    if live and (sent is None or now - sent[0] >= PRESSURE_PERIOD_S):
+                        self._pressure_message(outbox, name, bp.band, bp.objective, bp.oldest_held_s, bp.hold_deadline_s, bp.held)
+                        last[key] = (now, bp.hold_deadline_s)
+            for key in [k for k in last if k not in seen]:
+                _, deadline = last.pop(key)
+                if live:
+                    self._pressure_message(outbox, key[0], key[1], "", 0.0, deadline, 0)
+            self._pressure.clear()
+            if seen:
+                due = min((last[k][0] + PRESSURE_PERIOD_S for k in seen if k in last), default=now + PRESSURE_PERIOD_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._pressure.wait(), max(0.0, due - self._clock()))
+            else:
+                await self._pressure.wait()
+
+    def _pressure_message(
+        self, outbox: asyncio.Queue | None, pool: str, band: int, objective: str, oldest_s: float, deadline_s: float, held: int
+    ) -> None:
+        if outbox is None:
+            return
+        outbox.put_nowait(
+            pb.GateMessage(
+                hold_pressure=pb.HoldPressure(
+                    pool=pool, band=band, objective=objective, oldest_held_s=oldest_s, hold_deadline_s=deadline_s, held=held
+                )
+            )
+        )
+        self.pressure_sent += 1
+        HOLD_PRESSURE.labels(pool=pool).inc()
 
     async def _watch_staleness(self) -> None:
         while True:
@@ -327,6 +396,7 @@ class StateSubscription:
             if pool is None:
                 pool = self.pools[pe.pool] = self._factory(pe.pool)
                 pool.set_stale(self.stale)
+                self.watch_pool(pool)
             items = [(e.address, TO_CORE[e.state], e.weight_version) for e in pe.endpoints if e.state in TO_CORE]
             if update.full_snapshot:
                 pool.replace_states(items)

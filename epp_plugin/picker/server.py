@@ -7,13 +7,13 @@ chooses only among those endpoints. It answers with request header
 ``x-gateway-destination-endpoint: ip:port`` (read by the ORIGINAL_DST cluster) and the same value
 in dynamic metadata ``envoy.lb``. When no endpoint is eligible it answers 503 itself.
 
-Selection is round-robin over the eligible endpoints of the pool, in configuration order.
+Selection is round-robin over the eligible endpoints of the pool, in configuration order (the ``round_robin``
+endpoint pick of :mod:`epp_plugin.endpoint_pick`, one per pool).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 
@@ -25,7 +25,8 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
-from epp_plugin import protocol
+from epp_plugin.endpoint_pick import ENDPOINT_PICKS
+from llmd_timeslice import protocol
 from llmd_timeslice.config import PickerSettings
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 
@@ -64,7 +65,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, config: PickerConfig) -> None:
         self.config = config
-        self._rr = {name: itertools.count() for name in config.pools}
+        self._picks = {name: ENDPOINT_PICKS.create("round_robin") for name in config.pools}
         self._responses: dict[str, pb.ProcessingResponse] = {}
 
     def _response_for(self, endpoint: str) -> pb.ProcessingResponse:
@@ -85,7 +86,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         eligible = endpoints if subset is None else [e for e in endpoints if e in subset]
         if not eligible:
             return None
-        return eligible[next(self._rr[pool]) % len(eligible)]
+        return self._picks[pool].pick(eligible)
 
     async def Process(self, request_iterator, context):  # noqa: N802
         pool = self.config.default_pool

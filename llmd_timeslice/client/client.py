@@ -12,7 +12,7 @@ client took its token from (or where it looked when it found none).
 Calls are retried on UNAVAILABLE (service config on the upstream service
 name, exponential back-off, 5 attempts).
 
-A ``state`` offloader (e.g. :class:`~llmd_timeslice.snapshot.torch_offload.TorchStateOffloader`)
+A ``state`` offloader (e.g. :class:`~llmd_timeslice.client.torch_offload.TorchStateOffloader`)
 passed to ``on_accelerators`` is restored right after the grant and offloaded right before the
 yield, so trainer state is resident exactly while the lease is held.
 """
@@ -396,7 +396,7 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
 
 class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     """asyncio variant of :class:`TimeSliceOrchestratorClient`: the same public methods with the same parameters
-    (``tests/test_client_parity.py`` fails when they drift), awaitable where they call the orchestrator;
+    (``tests/client/test_client_parity.py`` fails when they drift), awaitable where they call the orchestrator;
     ``on_accelerators`` and ``on_both_groups`` are async context managers (``on_accelerators`` also a decorator of
     coroutine functions), and ``async with client:`` closes it.
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from epp_plugin import protocol
+from llmd_timeslice import protocol
 
 PROMPTS = [
     "the quick brown fox",

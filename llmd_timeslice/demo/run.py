@@ -107,8 +107,8 @@ async def _rl_loop(
 ) -> None:
     from transformers.utils import logging as hf_logging
 
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
     from llmd_timeslice.demo.trainer import Trainer
-    from llmd_timeslice.snapshot.torch_offload import TorchStateOffloader
     from llmd_timeslice.weights.manifest import save_weight_version
 
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per iteration would bury the demo's lines

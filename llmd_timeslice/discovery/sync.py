@@ -1,7 +1,8 @@
 """Apply discovered group changes to a running orchestrator, as commands to its groups.
 
-Discovery never edits a group: :class:`InventorySync` sends each group of a new snapshot (from
-:class:`~llmd_timeslice.discovery.kubernetes.KubernetesDiscovery`) to
+Discovery never edits a group: :class:`InventorySync` (one snapshot at a time) and the orchestrator's reconcile
+loop (:class:`~llmd_timeslice.discovery.reconcile.Reconciler`, one worker per group) send each group of a new
+snapshot (from :class:`~llmd_timeslice.discovery.kubernetes.KubernetesDiscovery`) to
 :meth:`~llmd_timeslice.orchestrator.groups.Orchestrator.update_spec`, and the group's own task applies
 it between phase switches (``SPEC_UPDATE`` in :mod:`llmd_timeslice.orchestrator.phases`):
 
@@ -42,18 +43,27 @@ class InventorySync:
         """Bring the orchestrator's groups to ``specs``; returns once every group applied it (a group in the
         middle of a switch applies it when the switch ends)."""
         async with self._serial:
-            desired = {s.group_id: s for s in specs}
-            for gid, g in self.orch.groups.items():
-                if gid not in desired and g.spec.samplers:
-                    log.warning("group %s: no pods match any more; its samplers are removed, the group is kept", gid)
-                    desired[gid] = g.spec.copy(samplers=[])
             changed = [
-                s for gid, s in sorted(desired.items()) if gid not in self.orch.groups or _differs(self.orch.groups[gid].spec, s)
+                s
+                for s in desired_specs(self.orch, specs)
+                if s.group_id not in self.orch.groups or differs(self.orch.groups[s.group_id].spec, s)
             ]
             await asyncio.gather(*(self.orch.update_spec(s) for s in changed))
 
 
-def _differs(have: GroupSpec, want: GroupSpec) -> bool:
+def desired_specs(orch: Orchestrator, specs: list[GroupSpec]) -> list[GroupSpec]:
+    """The spec each group should have after snapshot ``specs``, by group id: a group of ``orch`` that
+    discovery no longer finds keeps existing with no samplers (logged)."""
+    desired = {s.group_id: s for s in specs}
+    for gid, g in orch.groups.items():
+        if gid not in desired and g.spec.samplers:
+            log.warning("group %s: no pods match any more; its samplers are removed, the group is kept", gid)
+            desired[gid] = g.spec.copy(samplers=[])
+    return [desired[gid] for gid in sorted(desired)]
+
+
+def differs(have: GroupSpec, want: GroupSpec) -> bool:
+    """Whether applying ``want`` changes a group now at ``have`` (its samplers or its settings)."""
     return have.samplers != want.samplers or have.settings() != want.settings()
 
 

@@ -4,7 +4,7 @@ The static inventory (``orchestrator --inventory``), the stack file of ``llmd-ti
 annotations (``--discovery kubernetes``) all produce a :class:`GroupSpec`: its :class:`GroupSettings` fields
 with their defaults, ranges and descriptions are defined here once. Adding a setting is one field here (with
 ``json_schema_extra={"annotation": ...}`` naming its pod annotation) plus its row in docs/group-settings.md
-(``tests/test_group_settings.py`` checks the table against the fields).
+(``tests/domain/test_group_settings.py`` checks the table against the fields).
 
 Each field's ``json_schema_extra`` says where Kubernetes discovery reads it:
 

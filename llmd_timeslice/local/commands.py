@@ -80,6 +80,7 @@ class GateCommand(_Command):
     default_pool: str | None = None
     pools: Sequence[str] = ()
     lost_completion_after_s: float | None = None
+    objectives: Path | None = None
     token_file: Path | None = None
 
     def flags(self) -> list[str]:
@@ -96,6 +97,7 @@ class GateCommand(_Command):
             *_flag("--default-pool", self.default_pool),
             *_flag("--lost-completion-after-s", self.lost_completion_after_s),
             *(a for p in self.pools for a in ("--pool", p)),
+            *_flag("--objectives", self.objectives),
             *_flag("--token-file", self.token_file),
         ]
 
@@ -196,6 +198,9 @@ class StackCommands:
         self.token_file = token_file
         self.inventory = workdir / "inventory.yaml"
         self.state_file = workdir / "orchestrator-state.json"
+        self.objectives = workdir / "objectives.yaml"
+        """The stack file's ``objectives`` / ``priority_bands`` sections as the gate's file (written by
+        :meth:`write_objectives`; no file and no flag when the stack declares none)."""
 
     @property
     def _host(self) -> str:
@@ -252,9 +257,20 @@ class StackCommands:
             default_pool=self.default_pool,
             lost_completion_after_s=self.lost_completion_after_s,
             pools=[pool.name for pool in self.sf.pools],
+            objectives=self.objectives if self.sf.gate_objectives() is not None else None,
             token_file=self.token_file,
             log_level=s.log_level,
         )
+
+    def write_objectives(self) -> Path | None:
+        """Write the gate's objectives file (the stack file's sections); None when the stack declares none."""
+        objectives = self.sf.gate_objectives()
+        if objectives is None:
+            return None
+        import yaml
+
+        self.objectives.write_text(yaml.safe_dump(objectives.model_dump(mode="json", exclude_none=True), sort_keys=False))
+        return self.objectives
 
     def picker(self) -> PickerCommand | None:
         """The EPP-protocol picker; None on the ``ext_authz`` edge (the gate picks the endpoint)."""

@@ -10,6 +10,8 @@ Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are ref
     groups:  [{group_id, <any group setting: docs/group-settings.md>}]
     jobs:    [{job_id, groups, priority, sleep_level, yield_opt_out}]  # optional: per-job settings
     engines: [{name, pool, group, sidecar_port, url | vllm: {model, port, args, cpu_defaults, python, env}}]
+    objectives:     [{name, pool, priority, max_hold_s}]          # optional: InferenceObjectives the gate knows
+    priority_bands: [{priority, max_hold_s, hold_deadline_s}]     # optional: per band (docs/gate.md)
 
 An engine is either **started** by the stack (``vllm:``; ``model`` a directory or ``builtin:tiny-llama``,
 built locally) or **already running** at ``url``. Checks beyond the types: unique names, every reference
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmd_timeslice import yaml_files
 from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
 from llmd_timeslice.domain.inventory import Inventory
+from llmd_timeslice.domain.objectives import ObjectiveEntry, Objectives, PriorityBandEntry
 
 BUILTIN_TINY = "builtin:tiny-llama"
 
@@ -160,6 +163,22 @@ class StackFile(_Strict):
     groups: list[GroupEntry] = Field(min_length=1)
     jobs: list[JobEntry] = Field(default_factory=list)
     engines: list[EngineEntry] = Field(min_length=1)
+    objectives: list[ObjectiveEntry] = Field(
+        default_factory=list,
+        description="InferenceObjectives the gate knows (the `x-gateway-inference-objective` header names one); "
+        "pool unset: the first pool.",
+    )
+    priority_bands: list[PriorityBandEntry] = Field(default_factory=list, description="Settings per priority band.")
+
+    def gate_objectives(self) -> Objectives | None:
+        """The gate's ``--objectives`` file content (None: neither section given, the header is ignored).
+
+        Raises:
+            pydantic.ValidationError: duplicate objectives or bands (:meth:`problems` reports them first).
+        """
+        if not self.objectives and not self.priority_bands:
+            return None
+        return Objectives(objectives=self.objectives, priority_bands=self.priority_bands)
 
     def problems(self, base_dir: Path) -> list[str]:
         """Cross-field checks: duplicates, unknown references, port clashes, missing model directories."""
@@ -209,6 +228,19 @@ class StackFile(_Strict):
                     "with '/', other than '/' itself (the first pool serves '/v1/')"
                 )
         dupes("pools.path_prefix", [p for p in prefixes if p])
+        for i, o in enumerate(self.objectives):
+            if o.pool is not None and o.pool not in pools:
+                out.append(f"objectives[{i}] ({o.name}).pool: unknown pool {o.pool!r}; declared: {sorted(pools)}")
+        try:
+            objectives = self.gate_objectives()
+        except ValidationError as exc:
+            out += [line.removeprefix("(top level): ") for line in yaml_files.validation_lines(exc, Objectives)]
+        else:
+            if objectives is not None:
+                out += [
+                    f"{line} (stack.max_hold_s)" if "gate's max_hold_s" in line else line
+                    for line in objectives.check(self.stack.max_hold_s, self.pools[0].name)
+                ]
         return out
 
     @staticmethod
@@ -242,6 +274,15 @@ class StackFile(_Strict):
             src = f"started: vllm {e.vllm.model} on port {e.vllm.port}" if e.vllm is not None else f"running at {e.url}"
             out.append(f"engine {e.name}: pool {e.pool}, group {e.group}, sidecar {e.sidecar_port}, {src}")
         out.append(f"{len(started)} of {len(self.engines)} engines started by the stack")
+        if self.objectives or self.priority_bands:
+            bands = ", ".join(
+                f"{b.priority}" + (f" (deadline {b.hold_deadline_s:g} s)" if b.hold_deadline_s is not None else "")
+                for b in sorted(self.priority_bands, key=lambda b: -b.priority)
+            )
+            out.append(
+                f"objectives: {', '.join(f'{o.name} ({o.priority})' for o in self.objectives) or 'none'}; "
+                f"priority bands: {bands or 'none declared'}"
+            )
         return out
 
     def inventory(self) -> Inventory:
@@ -269,7 +310,7 @@ class StackFile(_Strict):
         return Inventory.model_validate({"groups": groups})
 
 
-STACK_KEYS = ("stack", "pools", "groups", "jobs", "engines")
+STACK_KEYS = ("stack", "pools", "groups", "jobs", "engines", "objectives", "priority_bands")
 """Top-level keys of a stack file."""
 EMPTY_FILE = "the file is empty: nothing to check or start (see examples/cpu-stack.yaml)"
 """What ``up -f`` and ``config check`` both answer for an empty file (or ``{}``)."""

@@ -135,7 +135,7 @@ class Stack:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
         from epp_plugin.envoy_config import write_bootstrap
         from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
-        from epp_plugin.protocol import ENVOY_ID_ENV
+        from llmd_timeslice.protocol import ENVOY_ID_ENV
 
         self.logdir.mkdir(parents=True, exist_ok=True)
         if not self.token_file.exists():
@@ -198,6 +198,7 @@ class Stack:
             start_timeout_s=300.0,
             listen=(p.orchestrator, p.orchestrator_metrics),
         )
+        cmds.write_objectives()
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
         # entries must never end a request the route may still be serving (docs/gate.md, "Completions"): both
         # come from StackCommands.

@@ -3,8 +3,10 @@
 Drain (phase DRAINING): publish DRAINING on the gate state stream (returns once every connected
 gate acked the epoch), then wait on each gate's drain barrier (an event on the gate, not a poll).
 Suspend (SUSPENDING): ask each sidecar to sleep its engine (:meth:`GrpcSwitchActions.suspend_sampler`)
-and wait for the operation's completion event (``WaitOperationResult``, a project extension; the
-reference design polls ``GetOperation`` each second), then publish ASLEEP. Resume (RESUMING,
+and wait for the operation's completion event (one command and one event on the sidecar's operation
+stream, ``RunOperations``, a project extension: :mod:`~llmd_timeslice.orchestrator.sidecar_stream`;
+``Snapshot`` + ``WaitOperationResult`` for a sidecar without it; the reference design polls
+``GetOperation`` each second), then publish ASLEEP. Resume (RESUMING,
 REPAIRING): publish WAKING, wake each engine (:meth:`GrpcSwitchActions.resume_sampler`), and publish
 each endpoint SERVING as soon as its own wake is verified, so held requests start leaving before
 the slowest engine is back.
@@ -47,6 +49,12 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc a
 from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
 from llmd_timeslice.domain.switches import EngineReading, JobState, SamplerStepFailed, StepFault, SwitchRecord
 from llmd_timeslice.orchestrator.gate_hub import GateHub
+from llmd_timeslice.orchestrator.sidecar_stream import (
+    OperationRefused,
+    OperationStream,
+    StreamBroken,
+    StreamUnsupported,
+)
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import WeightUpdate
 
@@ -100,6 +108,8 @@ class GrpcSwitchActions(SwitchActions):
         self.start_rpc_timeout_s = start_rpc_timeout_s
         self._channels: dict[str, aio.Channel] = {}
         self._stub_cache: dict[str, tuple[spb_grpc.SnapshotAgentServiceStub, xpb_grpc.SnapshotOperationsServiceStub]] = {}
+        self._streams: dict[str, OperationStream] = {}
+        self._md = auth.call_metadata(token)
         self.sampler_states: dict[str, JobState] = {}
         self.term = 0
         """Leader term sent with every Snapshot/Restore (fencing; 0: no leader election)."""
@@ -122,11 +132,16 @@ class GrpcSwitchActions(SwitchActions):
         if ch is None:
             # tls.aio_channel caps the reconnect back-off at 5 s: the engine audit keeps probing a dead sidecar,
             # and with gRPC's default (up to 120 s) a sidecar back after a minute stayed unreachable (fail-fast
-            # UNAVAILABLE) for tens of seconds more (found by tests/test_stack_up.py).
-            ch = self._channels[target] = tls.aio_channel(target, self._tls, interceptors=auth.client_interceptors(self._token))
+            # UNAVAILABLE) for tens of seconds more (found by tests/local/test_stack_up.py).
+            # The token goes as call metadata (self._md), not through an interceptor: grpc.aio runs an intercepted
+            # call as an extra task, a measurable share of a switch's CPU per sampler (docs/decisions.md).
+            ch = self._channels[target] = tls.aio_channel(target, self._tls)
         return ch
 
     async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -181,7 +196,56 @@ class GrpcSwitchActions(SwitchActions):
     ) -> spb.GetOperationResponse:
         """One sleep or wake through the sidecar, waited for; returns the finished operation. Raises
         :class:`SamplerStepFailed`."""
+        stream = self._streams.get(sampler.sidecar)
+        if stream is None:
+            stream = self._streams[sampler.sidecar] = OperationStream(
+                self._stubs(sampler.sidecar)[1], self._md, self.start_rpc_timeout_s
+            )
+        stream.open_timeout_s = self.start_rpc_timeout_s
+        if stream.unsupported:
+            return await self._operation_unary(sampler, group, kind, config, weights)
+        cmd = xpb.OperationCommand()
+        if kind == "sleep":
+            cmd.snapshot.CopyFrom(
+                spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
+            )
+        else:
+            restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
+            if weights is None:
+                cmd.restore.CopyFrom(restore)
+            else:
+                cmd.restore_with_weights.CopyFrom(xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()))
+        try:
+            result = await stream.run(cmd, self.operation_timeout_s + RPC_TIMEOUT_S)
+        except StreamUnsupported:
+            return await self._operation_unary(sampler, group, kind, config, weights)
+        except (StreamBroken, OperationRefused, TimeoutError) as exc:
+            self.sampler_states[sampler.address] = JobState.FAULTED
+            if isinstance(exc, OperationRefused) and exc.fenced_term:
+                self._fenced(sampler, exc.fenced_term)
+            why = str(exc) if not isinstance(exc, TimeoutError) else f"DEADLINE_EXCEEDED: {exc}"
+            raise SamplerStepFailed(
+                sampler.address, kind, StepFault.SIDECAR, f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {why}"
+            ) from exc
+        return self._finished(sampler, kind, result.operation, result.fault)
+
+    def _finished(
+        self, sampler: SamplerEndpoint, kind: str, op: spb.GetOperationResponse, fault: int
+    ) -> spb.GetOperationResponse:
+        """``op`` if it COMPLETED; else SamplerStepFailed (WEIGHTS_REJECTED or ENGINE, by ``fault``)."""
+        if op.status != spb.OPERATION_STATUS_COMPLETE:
+            self.sampler_states[sampler.address] = JobState.FAULTED
+            why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
+            step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
+            raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
+        return op
+
+    async def _operation_unary(
+        self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig, weights: WeightUpdate | None = None
+    ) -> spb.GetOperationResponse:
+        """:meth:`_operation` over the unary calls, for a sidecar without ``RunOperations`` (an older release)."""
         stub, waiter = self._stubs(sampler.sidecar)
+        md = self._md
         fault = xpb.OPERATION_FAULT_UNSPECIFIED
         try:
             # wait_for_ready: a sidecar that is (re)connecting gets start_rpc_timeout_s, not a fail-fast error.
@@ -190,26 +254,28 @@ class GrpcSwitchActions(SwitchActions):
                     spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term),
                     timeout=self.start_rpc_timeout_s,
                     wait_for_ready=True,
+                    metadata=md,
                 )
             else:
                 restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
                 if weights is None:
-                    resp = await stub.Restore(restore, timeout=self.start_rpc_timeout_s, wait_for_ready=True)
+                    resp = await stub.Restore(restore, timeout=self.start_rpc_timeout_s, wait_for_ready=True, metadata=md)
                 else:
                     resp = await waiter.RestoreWithWeights(
                         xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()),
                         timeout=self.start_rpc_timeout_s,
                         wait_for_ready=True,
+                        metadata=md,
                     )
             wait = xpb.WaitOperationRequest(operation_id=resp.operation_id, timeout_s=self.operation_timeout_s)
             try:
-                result = await waiter.WaitOperationResult(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S)
+                result = await waiter.WaitOperationResult(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S, metadata=md)
                 op, fault = result.operation, result.fault
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 # A sidecar of an older release: no fault kinds.
-                op = await waiter.WaitOperation(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S)
+                op = await waiter.WaitOperation(wait, timeout=self.operation_timeout_s + RPC_TIMEOUT_S, metadata=md)
         except grpc.aio.AioRpcError as exc:
             self.sampler_states[sampler.address] = JobState.FAULTED
             self._check_fenced(sampler, exc)
@@ -219,12 +285,7 @@ class GrpcSwitchActions(SwitchActions):
                 StepFault.SIDECAR,
                 f"{kind} of {sampler.address} via sidecar {sampler.sidecar}: {exc.code().name}: {exc.details()}",
             ) from exc
-        if op.status != spb.OPERATION_STATUS_COMPLETE:
-            self.sampler_states[sampler.address] = JobState.FAULTED
-            why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
-            step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
-            raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
-        return op
+        return self._finished(sampler, kind, op, fault)
 
     def _check_fenced(self, sampler: SamplerEndpoint, exc: grpc.aio.AioRpcError) -> None:
         """A sidecar's fenced refusal (FAILED_PRECONDITION with the highest term it saw: snapshot/server.py) tells
@@ -233,15 +294,18 @@ class GrpcSwitchActions(SwitchActions):
             return
         for key, value in exc.trailing_metadata() or ():
             if key == FENCED_TERM_KEY:
-                log.error(
-                    "sidecar %s refused a command of leader term %d: it has seen term %s (a newer leader)",
-                    sampler.sidecar,
-                    self.term,
-                    value,
-                )
-                if self.on_fenced is not None:
-                    self.on_fenced(sampler.sidecar, self.term, int(value))
+                self._fenced(sampler, int(value))
                 return
+
+    def _fenced(self, sampler: SamplerEndpoint, highest: int) -> None:
+        log.error(
+            "sidecar %s refused a command of leader term %d: it has seen term %s (a newer leader)",
+            sampler.sidecar,
+            self.term,
+            highest,
+        )
+        if self.on_fenced is not None:
+            self.on_fenced(sampler.sidecar, self.term, highest)
 
     @staticmethod
     def _config(level: int) -> spb.BackendConfig:
@@ -354,7 +418,9 @@ class GrpcSwitchActions(SwitchActions):
         async def read(s: SamplerEndpoint) -> EngineReading | None:
             stub = self._stubs(s.sidecar)[1]
             try:
-                r = await stub.GetServedWeightVersion(xpb.GetServedWeightVersionRequest(job_id=s.job_id), timeout=RPC_TIMEOUT_S)
+                r = await stub.GetServedWeightVersion(
+                    xpb.GetServedWeightVersionRequest(job_id=s.job_id), timeout=RPC_TIMEOUT_S, metadata=self._md
+                )
             except grpc.aio.AioRpcError as exc:
                 log.debug("engine audit: %s via %s: %s %s", s.address, s.sidecar, exc.code().name, exc.details())
                 return None

@@ -37,7 +37,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint, SchedulingPolicy
+from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
 from llmd_timeslice.domain.switches import EngineFault, EngineReading, SwitchKind, SwitchRecord
 from llmd_timeslice.orchestrator.clock import Clock, LoopClock, TimerHandle
 from llmd_timeslice.orchestrator.errors import (
@@ -65,6 +65,7 @@ from llmd_timeslice.orchestrator.phases import (
     check,
 )
 from llmd_timeslice.orchestrator.switch import SwitchActions
+from llmd_timeslice.orchestrator.waiter_policy import waiter_policy
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 __all__ = [
@@ -175,14 +176,10 @@ class _Switch:
 
 
 def pick_waiter(g: Group) -> _Waiter:
-    """The next waiter of ``g`` by its policy (``g.waiters`` is in arrival order and not empty)."""
-    waiters = g.waiters
-    if g.spec.policy is SchedulingPolicy.PRIORITY:
-        prio = g.spec.job_priorities
-        return max(waiters, key=lambda w: prio.get(w.job_id, 0))  # max() keeps the first (FIFO) among equals
-    if g.spec.policy is SchedulingPolicy.ROUND_ROBIN:
-        return min(waiters, key=lambda w: g.last_granted.get(w.job_id, 0))
-    return waiters[0]
+    """The next waiter of ``g`` by its policy, the registered waiter policy of that name (``g.waiters`` is in
+    arrival order and not empty; :mod:`llmd_timeslice.orchestrator.waiter_policy`)."""
+    policy = waiter_policy(str(g.spec.policy))
+    return policy.pick(g.waiters, priorities=g.spec.job_priorities, last_granted=g.last_granted)
 
 
 def judge_engines(g: Group, readings: dict[str, EngineReading]) -> dict[str, tuple[EngineFault, str]]:

@@ -3,7 +3,7 @@
 Each group is run by one task (:class:`~llmd_timeslice.orchestrator.groups.Group`) that takes
 commands from a queue, one at a time; every change of phase is checked against
 :data:`TRANSITIONS` and an illegal one raises :class:`IllegalTransition`, naming the phase and the
-command. A reader answers "what can happen next" from that table; ``tests/test_group_machine.py``
+command. A reader answers "what can happen next" from that table; ``tests/orchestrator/test_group_machine.py``
 walks every edge of it.
 
 Phases (field terms; the wire keeps the upstream ``GroupStatus.State`` values, see :data:`WIRE_STATE`):

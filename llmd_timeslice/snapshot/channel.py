@@ -21,7 +21,6 @@ from llmd_timeslice.snapshot.backends.base import (
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
-    register_backend,
 )
 
 log = logging.getLogger(__name__)
@@ -116,7 +115,6 @@ class WorkloadRegistry:
         return self.channels.get(job_id)
 
 
-@register_backend
 class WorkloadChannelBackend(SnapshotBackend):
     """Snapshot/restore of a workload registered on WorkloadChannel: send a command, wait for its result.
 
@@ -125,6 +123,7 @@ class WorkloadChannelBackend(SnapshotBackend):
     """
 
     name = "workload_channel"
+    target = "channel"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
 
     def __init__(self, registry: WorkloadRegistry, job_id: str, command_timeout_s: float = 300.0, **_ignored) -> None:
@@ -136,7 +135,7 @@ class WorkloadChannelBackend(SnapshotBackend):
         if ch is None:
             raise BackendError(
                 f"no workload registered on WorkloadChannel for job {self.job_id!r}; start the trainer's "
-                "workload client (llmd_timeslice.snapshot.workload) before snapshot/restore"
+                "workload client (llmd_timeslice.client.workload) before snapshot/restore"
             )
         return ch
 

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 import grpc
 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from llmd_timeslice.snapshot.backends import cuda as _cuda  # noqa: F401 - registers the backends
-from llmd_timeslice.snapshot.backends import sglang as _sglang  # noqa: F401
-from llmd_timeslice.snapshot.backends import vllm as _vllm  # noqa: F401
-from llmd_timeslice.snapshot.backends.base import SnapshotBackend, SuspendMode, create_backend
-from llmd_timeslice.snapshot.channel import PB_TO_MODE, WorkloadChannelBackend, WorkloadRegistry
+from llmd_timeslice.snapshot.backends.base import SnapshotBackend, SuspendMode
+from llmd_timeslice.snapshot.backends.registry import SNAPSHOT_BACKENDS, backend_class
+from llmd_timeslice.snapshot.channel import PB_TO_MODE, WorkloadRegistry
 
 ANNOTATION_PREFIX = "snapshot.timeslice.io/"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
@@ -78,19 +76,22 @@ class BackendResolver:
         return {"offload": SuspendMode.OFFLOAD, "discard": SuspendMode.DISCARD}.get(v)
 
     def _build(self, name: str, job_id: str, **kw) -> SnapshotBackend:
-        if name == "workload_channel":
+        target = backend_class(name).target
+        if target == "channel":
             key: tuple = (name, job_id)
             if key not in self.built:
-                self.built[key] = WorkloadChannelBackend(self.registry, job_id, self.command_timeout_s)
+                self.built[key] = SNAPSHOT_BACKENDS.create(
+                    name, registry=self.registry, job_id=job_id, command_timeout_s=self.command_timeout_s
+                )
             return self.built[key]
-        key = (name, tuple(kw["pids"])) if name == "cuda" else (name, kw["base_url"].rstrip("/"))
+        key = (name, tuple(kw["pids"])) if target == "pids" else (name, kw["base_url"].rstrip("/"))
         default = self.defaults.get(job_id)
         if default is not None and default.name == name and key[1] == getattr(default, "base_url", None):
             return default
         if key not in self.built:
-            extra = self.backend_kwargs if name in ("vllm", "sglang") else {}
+            extra = self.backend_kwargs if target == "endpoint" else {}
             try:
-                self.built[key] = create_backend(name, **kw, **extra)
+                self.built[key] = SNAPSHOT_BACKENDS.create(name, **kw, **extra)
             except ValueError as exc:
                 raise ResolveError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         return self.built[key]
@@ -160,16 +161,17 @@ class BackendResolver:
             return Resolution(self._build("workload_channel", job_id), self._channel_mode(job_id), [], "workload_channel")
         if name := self._ann("backend", job_id):
             mode = self._ann_mode() or SuspendMode.OFFLOAD
-            if name == "cuda":
-                return Resolution(self._build("cuda", job_id, pids=self._pids(job_id, [])), SuspendMode.OFFLOAD, [], "annotation")
-            if name in ("vllm", "sglang"):
+            if name not in SNAPSHOT_BACKENDS:
+                raise ResolveError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"pod annotation names unknown snapshot backend {name!r}; known: {', '.join(SNAPSHOT_BACKENDS.names())}",
+                )
+            target = backend_class(name).target  # what the registered backend is built for
+            if target == "pids":
+                return Resolution(self._build(name, job_id, pids=self._pids(job_id, [])), SuspendMode.OFFLOAD, [], "annotation")
+            if target == "endpoint":
                 return Resolution(self._endpoint_backend(name, job_id, []), mode, [], "annotation")
-            if name == "workload_channel":
-                return Resolution(self._build("workload_channel", job_id), mode, [], "annotation")
-            raise ResolveError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pod annotation names unknown snapshot backend {name!r}; known: vllm, sglang, cuda, workload_channel",
-            )
+            return Resolution(self._build(name, job_id), mode, [], "annotation")
         if job_id in self.defaults:
             return Resolution(self.defaults[job_id], self._ann_mode() or SuspendMode.OFFLOAD, [], "default")
         raise ResolveError(

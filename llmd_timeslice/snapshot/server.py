@@ -4,6 +4,9 @@ One sidecar per pod serves the jobs of that pod (a vLLM server, usually one job)
 Restore return an operation id at once (upstream semantics) and run the backend in the
 background; ``GetOperation`` reads the result and ``WaitOperation`` (project extension) returns
 as soon as the operation ends, so the orchestrator waits on an event instead of polling.
+``RunOperations`` (project extension, the orchestrator's path) carries both on one long-lived
+stream: a command starts an operation, one event answers it when it ended (2 messages per
+operation instead of 2 unary calls: docs/decisions.md, "One operation stream per sidecar").
 
 Job states follow the Snapshot Agent's vocabulary: RUNNING, TRANSITIONING, SAVED, FAULTED.
 
@@ -15,11 +18,14 @@ explicit request config, then a workload registered on ``WorkloadChannel``
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import grpc
 from grpc import aio
@@ -72,6 +78,23 @@ _JOB_STATE = {
 }
 
 
+class Refused(Exception):
+    """A command the sidecar does not start: the gRPC status of its refusal (``fenced_term``: the highest leader
+    term seen, on a fenced one)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, fenced_term: int = 0) -> None:
+        super().__init__(details)
+        self.code, self.details, self.fenced_term = code, details, fenced_term
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        """End a unary call with this refusal (raises, as ``context.abort`` does)."""
+        trailing = ((FENCED_TERM_KEY, str(self.fenced_term)),) if self.fenced_term else ()
+        await context.abort(self.code, self.details, trailing_metadata=trailing)
+
+    def to_pb(self) -> xpb.OperationRefusal:
+        return xpb.OperationRefusal(code=self.code.value[0], details=self.details, fenced_term=self.fenced_term)
+
+
 @dataclass(eq=False)
 class Operation:
     """One snapshot or restore; ``done`` is set when it ends."""
@@ -89,6 +112,21 @@ class Operation:
     parked_requests: int = 0  # requests found inside the engine after the sleep (see SuspendResult)
     parked_action: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    _waiters: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
+
+    def on_done(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (in ``loop``, soon) once the operation ended: at once if it has."""
+        if self.done.is_set():
+            loop.call_soon(callback)
+        else:
+            self._waiters.append(callback)
+
+    def finish(self) -> None:
+        """Mark the operation ended: wakes its waiters."""
+        self.done.set()
+        waiters, self._waiters = self._waiters, []
+        for callback in waiters:
+            callback()
 
     def to_pb(self) -> pb.GetOperationResponse:
         elapsed = self.elapsed_ms if self.status != pb.OPERATION_STATUS_PENDING else int((time.monotonic() - self.started) * 1000)
@@ -136,9 +174,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self.highest_term = 0
         """Highest orchestrator leader term seen on a Snapshot/Restore (fencing; 0: none yet)."""
 
-    async def _fence(self, request, context, kind: str) -> None:
+    def _fence(self, request, kind: str) -> None:
         """Refuse (FAILED_PRECONDITION) a command whose ``leader_term`` is below the highest seen; remember a
-        higher one. A missing term (0, an unfenced orchestrator) passes only while no term has been seen."""
+        higher one. A missing term (0, an unfenced orchestrator) passes only while no term has been seen.
+        Raises :class:`Refused`."""
         term = request.leader_term
         if term < self.highest_term:
             FENCED_COMMANDS.inc()
@@ -147,29 +186,26 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 f"has seen term {self.highest_term} (a newer leader took over)"
             )
             log.error("%s", why)
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, why, trailing_metadata=((FENCED_TERM_KEY, str(self.highest_term)),)
-            )
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, why, fenced_term=self.highest_term)
         if term > self.highest_term:
             if self.highest_term:
                 log.warning("orchestrator leader term %d -> %d (a new leader)", self.highest_term, term)
             self.highest_term = term
 
-    async def _start(self, request, context, kind: str, weights: WeightUpdate | None = None) -> str:
+    def _start(self, request, kind: str, weights: WeightUpdate | None = None) -> Operation:
+        """Check and start one operation (in the background); returns it. Raises :class:`Refused`."""
         if not request.job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
-        await self._fence(request, context, kind)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
+        self._fence(request, kind)
         cfg = request.backend_config if request.HasField("backend_config") else None
         try:
             res = self.resolver.resolve(request.job_id, cfg)
         except ResolveError as exc:
-            await context.abort(exc.code, str(exc))
+            raise Refused(exc.code, str(exc)) from None
         if kind == "snapshot" and res.mode not in res.backend.supported_modes:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"backend {res.backend.name!r} does not support mode {res.mode.name}"
-            )
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"backend {res.backend.name!r} does not support mode {res.mode.name}")
         if weights is not None and not res.backend.supports_weight_sync:
-            await context.abort(
+            raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"backend {res.backend.name!r} of job {request.job_id!r} cannot load weights "
                 "(weight sync needs the vllm backend)",
@@ -181,7 +217,15 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return op.id
+        return op
+
+    async def _start_call(self, request, context, kind: str, weights: WeightUpdate | None = None) -> str:
+        """:meth:`_start` for a unary call: a refusal ends the call with its status."""
+        try:
+            return self._start(request, kind, weights).id
+        except Refused as exc:
+            await exc.abort(context)
+            raise  # unreachable: abort raises
 
     async def finish_operations(self, grace_s: float) -> None:
         """Wait up to ``grace_s`` seconds for operations in flight, then cancel the rest (logged)."""
@@ -251,7 +295,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 self.states[op.job_id] = "FAULTED"
             finally:
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
-                op.done.set()
+                op.finish()
                 log.info(
                     "operation=%s job=%s kind=%s%s status=%s elapsed_ms=%d%s%s",
                     op.id,
@@ -265,20 +309,77 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 )
 
     async def Snapshot(self, request, context):  # noqa: N802
-        return pb.SnapshotResponse(operation_id=await self._start(request, context, "snapshot"))
+        return pb.SnapshotResponse(operation_id=await self._start_call(request, context, "snapshot"))
 
     async def Restore(self, request, context):  # noqa: N802
-        return pb.RestoreResponse(operation_id=await self._start(request, context, "restore"))
+        return pb.RestoreResponse(operation_id=await self._start_call(request, context, "restore"))
+
+    @staticmethod
+    def _weights(request: xpb.RestoreWithWeightsRequest) -> WeightUpdate:
+        """The weight update of a RestoreWithWeights request. Raises :class:`Refused` (INVALID_ARGUMENT)."""
+        if not request.HasField("weights"):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "weights is required (use Restore without a sync)")
+        try:
+            return WeightUpdate.from_pb(request.weights)
+        except InvalidWeightUpdate as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     async def RestoreWithWeights(self, request, context):  # noqa: N802
         """Project extension: Restore with a weight sync (weights.proto, snapshot_ext.proto)."""
-        if not request.HasField("weights"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "weights is required (use Restore without a sync)")
         try:
-            weights = WeightUpdate.from_pb(request.weights)
-        except InvalidWeightUpdate as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.RestoreResponse(operation_id=await self._start(request.restore, context, "restore", weights))
+            weights = self._weights(request)
+        except Refused as exc:
+            await exc.abort(context)
+            raise  # unreachable: abort raises
+        return pb.RestoreResponse(operation_id=await self._start_call(request.restore, context, "restore", weights))
+
+    def _start_command(self, cmd: xpb.OperationCommand) -> Operation:
+        """Start the operation an OperationCommand names. Raises :class:`Refused`."""
+        which = cmd.WhichOneof("command")
+        if which == "snapshot":
+            return self._start(cmd.snapshot, "snapshot")
+        if which == "restore":
+            return self._start(cmd.restore, "restore")
+        if which == "restore_with_weights":
+            return self._start(cmd.restore_with_weights.restore, "restore", self._weights(cmd.restore_with_weights))
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"command {cmd.command_id}: an OperationCommand must set snapshot, restore or restore_with_weights",
+        )
+
+    async def RunOperations(self, request_iterator, context):  # noqa: N802
+        """Project extension (snapshot_ext.proto): a stream of commands, each answered by one event when its
+        operation ended (or at once, refused). Operations run as they would from unary calls; the stream's end
+        leaves those in flight running (a caller that reconnects reads them with GetOperation)."""
+        events: asyncio.Queue[xpb.OperationEvent | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def answer(command_id: int, op: Operation) -> None:
+            events.put_nowait(
+                xpb.OperationEvent(
+                    command_id=command_id, result=xpb.OperationResult(operation=op.to_pb(), fault=cast(Any, op.fault))
+                )
+            )
+
+        async def read_commands() -> None:
+            try:
+                async for cmd in request_iterator:
+                    try:
+                        op = self._start_command(cmd)
+                    except Refused as exc:
+                        events.put_nowait(xpb.OperationEvent(command_id=cmd.command_id, refused=exc.to_pb()))
+                        continue
+                    op.on_done(loop, functools.partial(answer, cmd.command_id, op))
+            finally:
+                events.put_nowait(None)
+
+        await context.send_initial_metadata(())  # the caller's open completes: this sidecar takes commands
+        reader = loop.create_task(read_commands())
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+        finally:
+            reader.cancel()
 
     async def GetServedWeightVersion(self, request, context):  # noqa: N802
         """Project extension (snapshot_ext.proto): the label the job's engine reports now, from the engine."""

@@ -196,7 +196,7 @@ async def test_orchestrator_restart_mid_switch_rolls_back_and_the_group_serves_a
 
 async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_probed_it_while_dead(stack):
     """The engine audit keeps calling a dead sidecar, which grows gRPC's reconnect back-off (to 120 s by default):
-    found by tests/test_stack_up.py, the first switch after the sidecar came back failed fast with UNAVAILABLE.
+    found by tests/local/test_stack_up.py, the first switch after the sidecar came back failed fast with UNAVAILABLE.
     The orchestrator's sidecar channels cap the back-off and the switch RPCs wait for the channel to be ready."""
     core, sidecars, client, pool, addrs = (
         stack["orch"].orchestrator,

@@ -200,7 +200,7 @@ async def _acquire_until_granted(address: str, deadline_s: float) -> AsyncTimeSl
 
 
 async def test_leader_killed_mid_switch_the_new_leader_grants_the_waiting_acquire(pair):
-    """Also: of the two replicas exactly one leads (the racing candidates: tests/test_leader_election.py)."""
+    """Also: of the two replicas exactly one leads (the racing candidates: tests/orchestrator/test_leader_election.py)."""
     a, b, api, engines, pool, addrs = pair["a"], pair["b"], pair["api"], pair["engines"], pair["pool"], pair["addrs"]
     # One leads: only it is Ready, and the follower refuses naming it.
     assert await a.serving() and not await b.serving(), "only the leader is Ready"

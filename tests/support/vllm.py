@@ -20,7 +20,7 @@ from __future__ import annotations
 import httpx
 import port_for
 
-from tests.conftest import ARTIFACTS
+from tests.support.artifacts import ARTIFACTS
 
 SHARED_GROUP = "vllm-shared"
 """xdist group of the tests using the session's server (tests/conftest.py adds the mark)."""
@@ -50,7 +50,7 @@ def _start(log_name: str):
     """The session's server: with :data:`LORA_ADAPTERS` where the engine reloads weights with LoRA enabled (vLLM 0.28
     and later, :func:`~llmd_timeslice.snapshot.backends.vllm_capabilities.reloads_with_lora`); on an older vLLM
     (``make test-vllm-older``) without them, so that its level-2 and weight-loading tests run on that engine: the
-    sidecar's refusal with LoRA there is tested on a server of its own (tests/test_vllm_capabilities.py)."""
+    sidecar's refusal with LoRA there is tested on a server of its own (tests/snapshot/test_vllm_capabilities.py)."""
     from llmd_timeslice.engines.tiny_model import build_tiny_llama, build_tiny_lora
     from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME, VllmServer, engine_version
     from llmd_timeslice.snapshot.backends.vllm_capabilities import reloads_with_lora

@@ -1,1 +1,1 @@
-"""Snapshot backends, chosen by name (see :func:`llmd_timeslice.snapshot.backends.base.create_backend`)."""
+"""Snapshot backends, chosen by name through :data:`llmd_timeslice.snapshot.backends.registry.SNAPSHOT_BACKENDS`."""

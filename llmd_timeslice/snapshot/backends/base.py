@@ -1,7 +1,8 @@
 """The snapshot backend interface: suspend / resume / state, with capability flags and a factory.
 
 Shaped like vLLM's sleep-mode backends: callers can ask what a backend supports (class-level
-``supported_modes``) without building it, and a registry maps names to classes.
+``supported_modes``) without building it. Backends are chosen by name through one explicit registry,
+:data:`llmd_timeslice.snapshot.backends.registry.SNAPSHOT_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class SnapshotBackend(abc.ABC):
 
     name: ClassVar[str]
     supported_modes: ClassVar[tuple[SuspendMode, ...]] = (SuspendMode.OFFLOAD,)
+    target: ClassVar[str] = "endpoint"
+    """What an instance is built for: ``endpoint`` (an engine's HTTP API: ``base_url``), ``pids`` (processes:
+    ``pids``) or ``channel`` (a workload that registers itself over WorkloadChannel)."""
     supports_weight_sync: ClassVar[bool] = False
     """Whether :meth:`resume_with_weights` can load a new weight version between the wake-ups."""
 
@@ -103,21 +107,3 @@ class SnapshotBackend(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients and connections."""
-
-
-_REGISTRY: dict[str, type[SnapshotBackend]] = {}
-
-
-def register_backend(cls: type[SnapshotBackend]) -> type[SnapshotBackend]:
-    """Class decorator: make ``cls`` available to :func:`create_backend` under ``cls.name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def create_backend(name: str, **kwargs) -> SnapshotBackend:
-    """Build a backend by name. Raises ``ValueError`` naming the known backends."""
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown snapshot backend {name!r}; known: {sorted(_REGISTRY)}") from None
-    return cls(**kwargs)

@@ -29,13 +29,11 @@ from llmd_timeslice.snapshot.backends.base import (
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
-    register_backend,
 )
 
 BINARY_ENV_VAR = "LLMD_TIMESLICE_CUDA_CHECKPOINT"
 
 
-@register_backend
 class CudaCheckpointBackend(SnapshotBackend):
     """Checkpoint/restore the CUDA state of ``pids`` with ``cuda-checkpoint``.
 
@@ -49,6 +47,7 @@ class CudaCheckpointBackend(SnapshotBackend):
     """
 
     name = "cuda"
+    target = "pids"
     supported_modes = (SuspendMode.OFFLOAD,)
 
     def __init__(

@@ -47,7 +47,6 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendMode,
     SuspendResult,
     freed_too_little,
-    register_backend,
 )
 from llmd_timeslice.snapshot.backends.vllm import (
     PROBE_PROMPTS,
@@ -76,7 +75,6 @@ def parse_sglang_load(text: str) -> float:
     return load
 
 
-@register_backend
 class SglangBackend(SnapshotBackend):
     """Release/resume one SGLang server's device memory.
 

@@ -138,7 +138,6 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendResult,
     WeightVersionRejected,
     freed_too_little,
-    register_backend,
 )
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
@@ -269,7 +268,6 @@ class ProbeMismatch(BackendError):
     serve: it is awake but its weights are wrong (a bad reload, corrupted memory)."""
 
 
-@register_backend
 class VllmBackend(SnapshotBackend):
     """Sleep/wake one vLLM OpenAI server.
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_control.proto\x12\x17llmd_timeslice.v1alpha1\"p\n\x0e\x45ndpointUpdate\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"d\n\x18SetEndpointStatesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\tendpoints\x18\x02 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointUpdate\"*\n\x19SetEndpointStatesResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"W\n\x12WaitDrainedRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xa6\x01\n\x13WaitDrainedResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12M\n\tin_flight\x18\x02 \x03(\x0b\x32:.llmd_timeslice.v1alpha1.WaitDrainedResponse.InFlightEntry\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"$\n\x14GetPoolStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"\x83\x01\n\x0e\x45ndpointStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\xba\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12:\n\tendpoints\x18\x03 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointStatus\x12\x0c\n\x04held\x18\x04 \x01(\x03\x12\x16\n\x0e\x61\x64mitted_total\x18\x05 \x01(\x03\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12\x15\n\rrefused_total\x18\x07 \x01(\x03\"\x12\n\x10ListPoolsRequest\"\"\n\x11ListPoolsResponse\x12\r\n\x05pools\x18\x01 \x03(\t*\x9e\x01\n\rEndpointState\x12\x1e\n\x1a\x45NDPOINT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45NDPOINT_STATE_SERVING\x10\x01\x12\x1b\n\x17\x45NDPOINT_STATE_DRAINING\x10\x02\x12\x19\n\x15\x45NDPOINT_STATE_ASLEEP\x10\x03\x12\x19\n\x15\x45NDPOINT_STATE_WAKING\x10\x04\x32\xc3\x03\n\x12GateControlService\x12z\n\x11SetEndpointStates\x12\x31.llmd_timeslice.v1alpha1.SetEndpointStatesRequest\x1a\x32.llmd_timeslice.v1alpha1.SetEndpointStatesResponse\x12h\n\x0bWaitDrained\x12+.llmd_timeslice.v1alpha1.WaitDrainedRequest\x1a,.llmd_timeslice.v1alpha1.WaitDrainedResponse\x12\x63\n\rGetPoolStatus\x12-.llmd_timeslice.v1alpha1.GetPoolStatusRequest\x1a#.llmd_timeslice.v1alpha1.PoolStatus\x12\x62\n\tListPools\x12).llmd_timeslice.v1alpha1.ListPoolsRequest\x1a*.llmd_timeslice.v1alpha1.ListPoolsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_control.proto\x12\x17llmd_timeslice.v1alpha1\"p\n\x0e\x45ndpointUpdate\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"d\n\x18SetEndpointStatesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\tendpoints\x18\x02 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointUpdate\"*\n\x19SetEndpointStatesResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"W\n\x12WaitDrainedRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xa6\x01\n\x13WaitDrainedResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12M\n\tin_flight\x18\x02 \x03(\x0b\x32:.llmd_timeslice.v1alpha1.WaitDrainedResponse.InFlightEntry\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"$\n\x14GetPoolStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"\x83\x01\n\x0e\x45ndpointStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\xee\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12:\n\tendpoints\x18\x03 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointStatus\x12\x0c\n\x04held\x18\x04 \x01(\x03\x12\x16\n\x0e\x61\x64mitted_total\x18\x05 \x01(\x03\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12\x15\n\rrefused_total\x18\x07 \x01(\x03\x12\x32\n\x05\x62\x61nds\x18\x08 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.BandStatus\"\xa6\x02\n\nBandStatus\x12\x0c\n\x04\x62\x61nd\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x03\x12\x12\n\nmax_hold_s\x18\x03 \x01(\x01\x12\x17\n\x0fhold_deadline_s\x18\x04 \x01(\x01\x12\x15\n\roldest_held_s\x18\x05 \x01(\x01\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12L\n\rrefused_total\x18\x07 \x03(\x0b\x32\x35.llmd_timeslice.v1alpha1.BandStatus.RefusedTotalEntry\x12\x1d\n\x15\x64\x65\x61\x64line_misses_total\x18\x08 \x01(\x03\x1a\x33\n\x11RefusedTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10ListPoolsRequest\"\"\n\x11ListPoolsResponse\x12\r\n\x05pools\x18\x01 \x03(\t*\x9e\x01\n\rEndpointState\x12\x1e\n\x1a\x45NDPOINT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45NDPOINT_STATE_SERVING\x10\x01\x12\x1b\n\x17\x45NDPOINT_STATE_DRAINING\x10\x02\x12\x19\n\x15\x45NDPOINT_STATE_ASLEEP\x10\x03\x12\x19\n\x15\x45NDPOINT_STATE_WAKING\x10\x04\x32\xc3\x03\n\x12GateControlService\x12z\n\x11SetEndpointStates\x12\x31.llmd_timeslice.v1alpha1.SetEndpointStatesRequest\x1a\x32.llmd_timeslice.v1alpha1.SetEndpointStatesResponse\x12h\n\x0bWaitDrained\x12+.llmd_timeslice.v1alpha1.WaitDrainedRequest\x1a,.llmd_timeslice.v1alpha1.WaitDrainedResponse\x12\x63\n\rGetPoolStatus\x12-.llmd_timeslice.v1alpha1.GetPoolStatusRequest\x1a#.llmd_timeslice.v1alpha1.PoolStatus\x12\x62\n\tListPools\x12).llmd_timeslice.v1alpha1.ListPoolsRequest\x1a*.llmd_timeslice.v1alpha1.ListPoolsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WAITDRAINEDRESPONSE_INFLIGHTENTRY']._loaded_options = None
   _globals['_WAITDRAINEDRESPONSE_INFLIGHTENTRY']._serialized_options = b'8\001'
-  _globals['_ENDPOINTSTATE']._serialized_start=1026
-  _globals['_ENDPOINTSTATE']._serialized_end=1184
+  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._loaded_options = None
+  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_options = b'8\001'
+  _globals['_ENDPOINTSTATE']._serialized_start=1375
+  _globals['_ENDPOINTSTATE']._serialized_end=1533
   _globals['_ENDPOINTUPDATE']._serialized_start=90
   _globals['_ENDPOINTUPDATE']._serialized_end=202
   _globals['_SETENDPOINTSTATESREQUEST']._serialized_start=204
@@ -52,11 +54,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDPOINTSTATUS']._serialized_start=647
   _globals['_ENDPOINTSTATUS']._serialized_end=778
   _globals['_POOLSTATUS']._serialized_start=781
-  _globals['_POOLSTATUS']._serialized_end=967
-  _globals['_LISTPOOLSREQUEST']._serialized_start=969
-  _globals['_LISTPOOLSREQUEST']._serialized_end=987
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=989
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=1023
-  _globals['_GATECONTROLSERVICE']._serialized_start=1187
-  _globals['_GATECONTROLSERVICE']._serialized_end=1638
+  _globals['_POOLSTATUS']._serialized_end=1019
+  _globals['_BANDSTATUS']._serialized_start=1022
+  _globals['_BANDSTATUS']._serialized_end=1316
+  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_start=1265
+  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_end=1316
+  _globals['_LISTPOOLSREQUEST']._serialized_start=1318
+  _globals['_LISTPOOLSREQUEST']._serialized_end=1336
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=1338
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=1372
+  _globals['_GATECONTROLSERVICE']._serialized_start=1536
+  _globals['_GATECONTROLSERVICE']._serialized_end=1987
 # @@protoc_insertion_point(module_scope)

@@ -90,7 +90,7 @@ class EndpointStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., weight_version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("pool", "epoch", "endpoints", "held", "admitted_total", "released_total", "refused_total")
+    __slots__ = ("pool", "epoch", "endpoints", "held", "admitted_total", "released_total", "refused_total", "bands")
     POOL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class PoolStatus(_message.Message):
     ADMITTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RELEASED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REFUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BANDS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     epoch: int
     endpoints: _containers.RepeatedCompositeFieldContainer[EndpointStatus]
@@ -105,7 +106,35 @@ class PoolStatus(_message.Message):
     admitted_total: int
     released_total: int
     refused_total: int
-    def __init__(self, pool: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[EndpointStatus, _Mapping]]] = ..., held: _Optional[int] = ..., admitted_total: _Optional[int] = ..., released_total: _Optional[int] = ..., refused_total: _Optional[int] = ...) -> None: ...
+    bands: _containers.RepeatedCompositeFieldContainer[BandStatus]
+    def __init__(self, pool: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[EndpointStatus, _Mapping]]] = ..., held: _Optional[int] = ..., admitted_total: _Optional[int] = ..., released_total: _Optional[int] = ..., refused_total: _Optional[int] = ..., bands: _Optional[_Iterable[_Union[BandStatus, _Mapping]]] = ...) -> None: ...
+
+class BandStatus(_message.Message):
+    __slots__ = ("band", "held", "max_hold_s", "hold_deadline_s", "oldest_held_s", "released_total", "refused_total", "deadline_misses_total")
+    class RefusedTotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BAND_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    HOLD_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_HELD_S_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MISSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    band: int
+    held: int
+    max_hold_s: float
+    hold_deadline_s: float
+    oldest_held_s: float
+    released_total: int
+    refused_total: _containers.ScalarMap[str, int]
+    deadline_misses_total: int
+    def __init__(self, band: _Optional[int] = ..., held: _Optional[int] = ..., max_hold_s: _Optional[float] = ..., hold_deadline_s: _Optional[float] = ..., oldest_held_s: _Optional[float] = ..., released_total: _Optional[int] = ..., refused_total: _Optional[_Mapping[str, int]] = ..., deadline_misses_total: _Optional[int] = ...) -> None: ...
 
 class ListPoolsRequest(_message.Message):
     __slots__ = ()

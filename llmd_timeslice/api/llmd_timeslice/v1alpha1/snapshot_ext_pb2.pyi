@@ -56,3 +56,35 @@ class OperationResult(_message.Message):
     operation: _snapshot_agent_pb2.GetOperationResponse
     fault: OperationFault
     def __init__(self, operation: _Optional[_Union[_snapshot_agent_pb2.GetOperationResponse, _Mapping]] = ..., fault: _Optional[_Union[OperationFault, str]] = ...) -> None: ...
+
+class OperationCommand(_message.Message):
+    __slots__ = ("command_id", "snapshot", "restore", "restore_with_weights")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_WITH_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    snapshot: _snapshot_agent_pb2.SnapshotRequest
+    restore: _snapshot_agent_pb2.RestoreRequest
+    restore_with_weights: RestoreWithWeightsRequest
+    def __init__(self, command_id: _Optional[int] = ..., snapshot: _Optional[_Union[_snapshot_agent_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_agent_pb2.RestoreRequest, _Mapping]] = ..., restore_with_weights: _Optional[_Union[RestoreWithWeightsRequest, _Mapping]] = ...) -> None: ...
+
+class OperationRefusal(_message.Message):
+    __slots__ = ("code", "details", "fenced_term")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_TERM_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    fenced_term: int
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., fenced_term: _Optional[int] = ...) -> None: ...
+
+class OperationEvent(_message.Message):
+    __slots__ = ("command_id", "result", "refused")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    result: OperationResult
+    refused: OperationRefusal
+    def __init__(self, command_id: _Optional[int] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., refused: _Optional[_Union[OperationRefusal, _Mapping]] = ...) -> None: ...

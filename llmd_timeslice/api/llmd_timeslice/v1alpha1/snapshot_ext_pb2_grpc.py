@@ -55,6 +55,11 @@ class SnapshotOperationsServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionResponse.FromString,
                 _registered_method=True)
+        self.RunOperations = channel.stream_stream(
+                '/llmd_timeslice.v1alpha1.SnapshotOperationsService/RunOperations',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationCommand.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationEvent.FromString,
+                _registered_method=True)
 
 
 class SnapshotOperationsServiceServicer:
@@ -93,6 +98,19 @@ class SnapshotOperationsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunOperations(self, request_iterator, context):
+        """One long-lived stream per orchestrator and sidecar in place of Snapshot / Restore /
+        RestoreWithWeights + WaitOperationResult: each OperationCommand starts the operation it names
+        (the same checks as the unary call: fencing, job, backend, mode); the sidecar answers each with
+        exactly one OperationEvent carrying its command_id, sent when the operation ended (its
+        OperationResult) or at once when it was refused (what the unary call would have ended with).
+        Operations of one stream run concurrently, as those of separate calls do. UNIMPLEMENTED on a
+        sidecar of an older release: the caller uses the unary calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +133,11 @@ def add_SnapshotOperationsServiceServicer_to_server(servicer, server):
                     servicer.GetServedWeightVersion,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionResponse.SerializeToString,
+            ),
+            'RunOperations': grpc.stream_stream_rpc_method_handler(
+                    servicer.RunOperations,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationCommand.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +248,33 @@ class SnapshotOperationsService:
             '/llmd_timeslice.v1alpha1.SnapshotOperationsService/GetServedWeightVersion',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.GetServedWeightVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunOperations(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmd_timeslice.v1alpha1.SnapshotOperationsService/RunOperations',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationCommand.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_snapshot__ext__pb2.OperationEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,754 @@
+"""Phase callbacks for RL frameworks, compatible with the upstream llm-d time-slicing integration.
+
+Upstream (llm-d-incubation/llm-d-rl-time-slicing @ 6cf8e9b, ``guides/rl-frameworks/README.md`` and
+``pkg/integrations/slime/timeslice_slime/{callback,locks}.py``) defines the interface a framework's driver
+calls around each accelerator phase::
+
+    class PhaseCallback:
+        def on_phase_begin(self, phase, role, context=None): ...
+        def on_phase_end(self, phase, role, context=None): ...
+        def close(self): ...
+
+and ``TimesliceCallback``, which takes a lock per role: ``trainer`` -> ``$TIMESLICE_TRAINER_GROUP``,
+``sampler`` -> ``$TIMESLICE_SAMPLER_GROUP``, ``both`` -> trainer then sampler (released in reverse order),
+configured only from ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP`` and
+``TIMESLICE_SAMPLER_GROUP``, and a no-op when the job id is unset. Switching is one import::
+
+    - from timeslice_slime.callback import TimesliceCallback
+    + from llmd_timeslice.client.integrations import TimesliceCallback
+
+Differences from upstream, each deliberate:
+
+* **Served sampler groups (router mode).** When ``$TIMESLICE_SAMPLER_GROUP`` names a group whose samplers are
+  vLLM servers behind this project's gate (the orchestrator lists samplers for it), rollouts go through the
+  router, which holds them while the samplers sleep. Holding that group would *put its samplers to sleep*, so
+  ``sampler``-only phases (``generate``, ``eval``, ``offload``, ``onload``) take no lock there; ``both`` phases
+  (``init``, ``weight_sync``) still take the trainer group, then the sampler group: the samplers drain and sleep
+  while the weights change, and wake with them. A sampler group without samplers keeps upstream's meaning exactly
+  (the job's own sampler processes are snapshotted by the agents). The trainer group may be the served sampler
+  group itself (trainer co-located on the samplers' accelerators, this project's main topology); upstream
+  refuses equal groups, and so does this class for groups without samplers.
+* **Weight versions.** Releasing a served sampler group with a ``context`` that hands over weights publishes
+  them as the next weight version first (``context["weights"]``: a
+  :class:`~llmd_timeslice.weights.update.WeightUpdate`; ``context["model"]``: a ``transformers`` model or state
+  dict, saved under ``weights_dir``; ``context["checkpoint_dir"]``: a safetensors directory, given a manifest),
+  so the samplers wake serving it. ``context["weight_version"]`` picks the number (default: last + 1).
+  :attr:`RoleLocks.weight_version` is what rollouts should ask the gate for.
+* **Errors surface.** Bad configuration fails in the constructor (a job id without an orchestrator address or
+  without groups, an unknown group); an unknown phase or role raises naming the known ones; a refused or timed
+  out acquire raises (as upstream); a lease lost while a phase ran raises :class:`LeaseLost` at the next phase
+  boundary and at release, where upstream only logs release errors. Other yield errors are logged, as upstream
+  (the lease then expires on the orchestrator).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from llmd_timeslice.addresses import check_host_port
+from llmd_timeslice.client import (
+    AsyncTimeSliceOrchestratorClient,
+    LeaseLost,
+    TimeSliceError,
+    TimeSliceOrchestratorClient,
+)
+from llmd_timeslice.weights.update import SOURCE_FILES, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+ENV_JOB_ID = "TIMESLICE_JOB_ID"
+ENV_ORCH_ADDR = "TIMESLICE_ORCH_ADDR"
+ENV_TRAINER_GROUP = "TIMESLICE_TRAINER_GROUP"
+ENV_SAMPLER_GROUP = "TIMESLICE_SAMPLER_GROUP"
+ENV_WEIGHTS_DIR = "LLMD_TIMESLICE_WEIGHTS_DIR"
+"""Project variable: where ``context["model"]`` weight versions are written (``<dir>/v<N>``)."""
+
+TRAINER = "trainer"
+SAMPLER = "sampler"
+BOTH = "both"
+ROLES = (TRAINER, SAMPLER, BOTH)
+
+PHASES: dict[str, str] = {
+    "init": BOTH,
+    "generate": SAMPLER,
+    "train": TRAINER,
+    "weight_sync": BOTH,
+    "save": TRAINER,
+    "offload": SAMPLER,
+    "onload": SAMPLER,
+    "eval": SAMPLER,
+    "create": TRAINER,
+}
+"""Phase -> the role upstream's drivers pass with it (guide table + slime callback docstring). Any role may be
+passed with any known phase, as upstream allows; the phase name is checked, the role decides the locks."""
+
+DEFAULT_ACQUIRE_TIMEOUT_S = 600.0
+"""Seconds an acquire may wait for its group before :class:`~llmd_timeslice.client.AcquireTimeout` (upstream's
+``DEFAULT_ACQUIRE_TIMEOUT_SEC``)."""
+
+
+class TimesliceConfigError(TimeSliceError):
+    """The time-slicing environment is incomplete or names groups the orchestrator does not know."""
+
+
+class UnknownPhase(TimeSliceError, ValueError):
+    """A phase name outside :data:`PHASES`."""
+
+
+class UnknownRole(TimeSliceError, ValueError):
+    """A role outside :data:`ROLES`."""
+
+
+class LockOrderError(TimeSliceError, RuntimeError):
+    """The trainer group was requested while only the sampler group is held (the global order is trainer first)."""
+
+
+class PhaseCallback:
+    """The framework-facing interface (upstream's, same method names); every method a no-op."""
+
+    def on_phase_begin(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def on_phase_end(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def check_phase(phase: str, role: str) -> None:
+    """Raise :class:`UnknownPhase` / :class:`UnknownRole` naming the known ones."""
+    if phase not in PHASES:
+        raise UnknownPhase(f"unknown phase {phase!r}; known phases: {', '.join(PHASES)}")
+    if role not in ROLES:
+        raise UnknownRole(f"unknown role {role!r} (phase {phase!r}); known roles: {', '.join(ROLES)}")
+
+
+class _LockPlan:
+    """Which groups a role takes and gives back: no I/O, shared by the sync and asyncio lock helpers.
+
+    ``groups``: role -> group id; ``served_sampler``: the sampler group has samplers behind the gate (router mode).
+    A group is yielded when the last role holding it gives it back (trainer and sampler may name one group).
+    """
+
+    def __init__(self, groups: dict[str, str], served_sampler: bool) -> None:
+        self.groups = groups
+        self.served_sampler = served_sampler
+        self.held: dict[str, set[str]] = {}  # group -> roles holding it
+
+    def roles_for(self, role: str) -> list[str]:
+        """Lock roles a phase role takes, in acquire order (release goes in reverse)."""
+        if role == TRAINER:
+            return [TRAINER]
+        if role == SAMPLER:
+            return [] if self.served_sampler else [SAMPLER]
+        return [TRAINER, SAMPLER]
+
+    def role_held(self, role: str) -> bool:
+        return role in self.held.get(self.groups[role], set())
+
+    def before_acquire(self, role: str) -> str | None:
+        """The group to acquire for ``role`` (None: already held by this job). Raises LockOrderError."""
+        group = self.groups[role]
+        if role == TRAINER and not self.role_held(TRAINER) and self.role_held(SAMPLER) and self.groups[SAMPLER] != group:
+            raise LockOrderError(
+                f"lock order: the trainer group {group!r} was requested while the sampler group "
+                f"{self.groups[SAMPLER]!r} is held; the global order is trainer first, then sampler "
+                "(end the sampler phase first)"
+            )
+        return None if group in self.held else group
+
+    def acquired(self, role: str) -> None:
+        self.held.setdefault(self.groups[role], set()).add(role)
+
+    def before_release(self, role: str) -> str | None:
+        """The group to yield when ``role`` gives it back (None: not held, or another role still holds it)."""
+        group = self.groups[role]
+        roles = self.held.get(group)
+        if not roles or role not in roles:
+            return None
+        roles.discard(role)
+        if roles:
+            return None
+        del self.held[group]
+        return group
+
+    def held_groups(self) -> list[str]:
+        return list(self.held)
+
+
+class _Config:
+    """What :meth:`RoleLocks.from_env` reads, checked: the job id switches time-slicing on."""
+
+    def __init__(self, job_id: str | None, orch_addr: str | None, trainer_group: str | None, sampler_group: str | None) -> None:
+        self.job_id, self.orch_addr = job_id or None, orch_addr or None
+        self.trainer_group, self.sampler_group = trainer_group or None, sampler_group or None
+        self.enabled = self.job_id is not None
+        if not self.enabled:
+            return
+        missing = [
+            name
+            for name, value in (
+                (ENV_ORCH_ADDR, self.orch_addr),
+                (ENV_TRAINER_GROUP, self.trainer_group),
+                (ENV_SAMPLER_GROUP, self.sampler_group),
+            )
+            if not value
+        ]
+        if missing:
+            raise TimesliceConfigError(
+                f"{ENV_JOB_ID}={self.job_id!r} turns time-slicing on, but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set: set {' and '.join(missing)} "
+                f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing"
+            )
+        try:
+            check_host_port(self.orch_addr or "", f"{ENV_ORCH_ADDR} as host:port")
+        except ValueError as exc:
+            raise TimesliceConfigError(str(exc)) from None
+
+    def groups(self) -> dict[str, str]:
+        """Role -> group; both are set whenever time-slicing is on (checked above)."""
+        if self.trainer_group is None or self.sampler_group is None:
+            raise TimesliceConfigError(f"time-slicing is off ({ENV_JOB_ID} unset): no groups")
+        return {TRAINER: self.trainer_group, SAMPLER: self.sampler_group}
+
+    @classmethod
+    def from_env(cls) -> _Config:
+        e = os.environ
+        return cls(e.get(ENV_JOB_ID), e.get(ENV_ORCH_ADDR), e.get(ENV_TRAINER_GROUP), e.get(ENV_SAMPLER_GROUP))
+
+
+def _yield_failed(job_id: str | None, role: str, group: str, exc: TimeSliceError) -> None:
+    """A yield that failed: when the orchestrator says this job no longer holds the group (its lease expired or
+    was reclaimed), the phase ran without the lock, so raise :class:`LeaseLost`; otherwise (orchestrator
+    unreachable) log, as upstream does: the lease expires on the orchestrator's side."""
+    if isinstance(exc, LeaseLost) or "FAILED_PRECONDITION" in str(exc):
+        raise LeaseLost(f"job {job_id!r} no longer held {group!r} ({role}) when the phase ended: {exc}") from None
+    log.error("job=%s RELEASE role=%s group=%s FAILED: %s", job_id, role, group, exc)
+
+
+def _hands_weights(context: Mapping[str, Any] | None) -> bool:
+    return context is not None and any(context.get(k) is not None for k in ("model", "checkpoint_dir", "weights"))
+
+
+def _served(status) -> bool:
+    return len(status.samplers) > 0
+
+
+def _check_groups(cfg: _Config, served_sampler: bool) -> None:
+    if cfg.trainer_group == cfg.sampler_group and not served_sampler:
+        raise TimesliceConfigError(
+            f"{ENV_TRAINER_GROUP} and {ENV_SAMPLER_GROUP} are both {cfg.trainer_group!r}, a group without samplers: "
+            "the trainer and sampler pools must be distinct groups (equal groups are allowed only for a served "
+            "sampler group, i.e. a trainer co-located on the samplers' accelerators)"
+        )
+
+
+class _WeightPublisher:
+    """Turns a phase ``context`` into the next :class:`WeightUpdate` (None when it hands over no weights)."""
+
+    def __init__(self, weights_dir: str | os.PathLike | None) -> None:
+        self.weights_dir = weights_dir or os.environ.get(ENV_WEIGHTS_DIR) or None
+        self.version = 0
+
+    def update_from(self, context: Mapping[str, Any] | None) -> WeightUpdate | None:
+        if not context:
+            return None
+        if context.get("weights") is not None:
+            weights = context["weights"]
+            if not isinstance(weights, WeightUpdate):
+                raise TypeError(f"context['weights'] must be a WeightUpdate, got {type(weights).__name__}")
+            return weights
+        has_model, ckpt = context.get("model") is not None, context.get("checkpoint_dir")
+        if not has_model and not ckpt:
+            return None
+        version = int(context.get("weight_version") or self.version + 1)
+        if ckpt:
+            from llmd_timeslice.weights.manifest import MANIFEST_NAME, write_manifest
+
+            path = Path(ckpt)
+            if not path.is_dir():
+                raise FileNotFoundError(f"context['checkpoint_dir'] {str(path)!r} is not a directory")
+            if not (path / MANIFEST_NAME).is_file():
+                write_manifest(path, version)
+            return WeightUpdate(version, SOURCE_FILES, str(path.resolve()))
+        root = context.get("weights_dir") or self.weights_dir
+        if not root:
+            raise TimesliceConfigError(
+                f"context['model'] hands over weights but there is no weights directory: set {ENV_WEIGHTS_DIR} "
+                "(a directory the samplers can read), pass weights_dir=, or context['weights_dir']"
+            )
+        from llmd_timeslice.weights.manifest import save_weight_version
+
+        return save_weight_version(context["model"], root, version)
+
+    def published(self, update: WeightUpdate) -> None:
+        self.version = max(self.version, update.version)
+
+
+class _Locks:
+    """What :class:`RoleLocks` and :class:`AsyncRoleLocks` share: the configuration, the lock plan, the weight
+    publisher and the client's lease state."""
+
+    config: _Config
+    job_id: str | None
+    enabled: bool
+    plan: _LockPlan
+    _weights: _WeightPublisher
+    _client: TimeSliceOrchestratorClient | AsyncTimeSliceOrchestratorClient | None
+
+    @property
+    def router_mode(self) -> bool:
+        """True when the sampler group is served behind the gate (sampler-only phases take no lock)."""
+        return self.plan.served_sampler
+
+    @property
+    def weight_version(self) -> int:
+        """The newest weight version of the sampler group this job knows of (published here or seen at start):
+        the minimum weight version rollouts should ask the gate for."""
+        return self._weights.version
+
+    def held(self, role: str) -> bool:
+        return self.enabled and role in (TRAINER, SAMPLER) and self.plan.role_held(role)
+
+    def _check_lease(self, role: str) -> None:
+        group = self.plan.groups[role]
+        lost = self._client.lease_lost(self.job_id, group) if self._client is not None else None
+        if lost:
+            raise LeaseLost(
+                f"job {self.job_id!r} lost its lease on {group!r} ({role}) while a phase ran: {lost}; "
+                "stop, restart from the last checkpoint and acquire again"
+            )
+
+    def _publishes_on(self, group: str) -> bool:
+        return self.router_mode and group == self.plan.groups[SAMPLER]
+
+    def _warn_unpublished(self, group: str, update: WeightUpdate | None, context: Mapping[str, Any] | None) -> None:
+        """Weights handed to the callback on a sampler group without samplers behind the gate are not published:
+        say so once per release (the framework must sync them itself)."""
+        if update is None and group == self.plan.groups[SAMPLER] and not self.router_mode and _hands_weights(context):
+            log.warning(
+                "sampler group %r has no samplers behind the gate: weights handed to the callback are not "
+                "published (the framework syncs them itself)",
+                group,
+            )
+
+
+class RoleLocks(_Locks):
+    """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
+    :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient` (bearer token and TLS from the environment, lease
+    heartbeats, fencing tokens).
+
+    Args:
+        job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
+        weights_dir: where ``context["model"]`` weight versions are written (default ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
+        client: a client to use (default: one built for ``orch_addr``; closed by :meth:`close` only if built here).
+        timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
+
+    Raises:
+        TimesliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
+        OrchestratorUnavailable: the orchestrator did not answer the start-up check.
+    """
+
+    DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
+
+    def __init__(
+        self,
+        job_id: str | None,
+        orch_addr: str | None,
+        trainer_group: str | None,
+        sampler_group: str | None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        client: TimeSliceOrchestratorClient | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.config = _Config(job_id, orch_addr, trainer_group, sampler_group)
+        self.job_id = self.config.job_id
+        self.enabled = self.config.enabled
+        self._weights = _WeightPublisher(weights_dir)
+        self._closed = False
+        self._client: TimeSliceOrchestratorClient | None = None
+        self._own_client = client is None
+        if not self.enabled:
+            log.warning("time-slicing off (%s unset): phase callbacks are no-ops", ENV_JOB_ID)
+            self.plan = _LockPlan({TRAINER: "", SAMPLER: ""}, served_sampler=False)
+            return
+        cfg = self.config
+        self._client = client or TimeSliceOrchestratorClient(cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group)
+        try:
+            status = self._client.weight_status(cfg.sampler_group)
+        except TimeSliceError as exc:
+            self._close_client()
+            if "NOT_FOUND" in str(exc):
+                raise TimesliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
+            if "UNIMPLEMENTED" in str(exc):  # an upstream orchestrator: no served groups there
+                status = None
+            else:
+                raise
+        served = status is not None and _served(status)
+        try:
+            _check_groups(cfg, served)
+            if cfg.trainer_group != cfg.sampler_group:
+                self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
+        except TimeSliceError as exc:
+            self._close_client()
+            if isinstance(exc, TimesliceConfigError):
+                raise
+            raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+        self.plan = _LockPlan(cfg.groups(), served_sampler=served)
+        if status is not None:
+            self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
+        log.info(
+            "job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s",
+            cfg.job_id,
+            cfg.orch_addr,
+            cfg.trainer_group,
+            cfg.sampler_group,
+            " (served: router mode)" if served else "",
+        )
+        atexit.register(self._atexit_cleanup)
+
+    @classmethod
+    def from_env(cls, **kw) -> RoleLocks:
+        """From ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``."""
+        c = _Config.from_env()
+        return cls(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
+
+    _client: TimeSliceOrchestratorClient | None
+
+    @property
+    def client(self) -> TimeSliceOrchestratorClient | None:
+        return self._client
+
+    def _live(self) -> TimeSliceOrchestratorClient:
+        if self._client is None:
+            raise TimeSliceError("the phase locks are closed")
+        return self._client
+
+    def acquire(self, role: str, timeout_sec: float | None = None) -> None:
+        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderError, UnknownRole,
+        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
+        if role not in (TRAINER, SAMPLER):
+            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
+        if not self.enabled:
+            return
+        group = self.plan.before_acquire(role)
+        if group is None:
+            self._check_lease(role)
+            self.plan.acquired(role)
+            return
+        r = self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
+        self.plan.acquired(role)
+        log.info(
+            "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",
+            self.job_id,
+            role,
+            group,
+            r.waited_ms,
+            r.context_restored,
+        )
+
+    def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
+        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
+        a served sampler group first publishes the weights ``context`` hands over.
+
+        Raises:
+            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
+            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
+        """
+        if role not in (TRAINER, SAMPLER):
+            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
+        if not self.enabled:
+            return
+        group = self.plan.before_release(role)
+        if group is None:
+            return
+        update = self._weights.update_from(context) if self._publishes_on(group) else None
+        self._warn_unpublished(group, update, context)
+        publish_error: Exception | None = None
+        if update is not None:
+            try:
+                self._live().publish_weights(update, self.job_id, group)
+                self._weights.published(update)
+            except TimeSliceError as exc:
+                publish_error = exc
+        try:
+            r = self._live().release(self.job_id, group)
+            log.info(
+                "job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s",
+                self.job_id,
+                role,
+                group,
+                r.pending_waiters,
+                r.snapshot_deferred,
+                f" weight_version={update.version}" if update is not None and publish_error is None else "",
+            )
+        except TimeSliceError as exc:
+            _yield_failed(self.job_id, role, group, exc)
+        if publish_error is not None:
+            raise publish_error
+
+    def release_all(self) -> None:
+        """Release everything, sampler role first."""
+        for role in (SAMPLER, TRAINER):
+            self.release(role)
+
+    def _close_client(self) -> None:
+        if self._client is not None and self._own_client:
+            self._client.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.enabled:
+                self.release_all()
+        finally:
+            self._close_client()
+
+    def _atexit_cleanup(self) -> None:
+        if self._closed or not self.plan.held:
+            return
+        log.warning("job=%s atexit: releasing held groups %s", self.job_id, sorted(self.plan.held))
+        try:
+            self.close()
+        except Exception as exc:  # the process is exiting: say so, do not raise
+            log.error("job=%s atexit cleanup failed: %s", self.job_id, exc)
+
+
+class TimesliceCallback(PhaseCallback):
+    """Upstream-compatible phase callback (same name, methods, phases, roles, env contract and lock order).
+
+    ``on_phase_begin(phase, role)``: ``trainer`` -> acquire the trainer group; ``sampler`` -> the sampler group
+    (none in router mode); ``both`` -> trainer, then sampler. ``on_phase_end``: the reverse. Sync RL (whole-step
+    turns) and async RL (generation N+1 dispatched while training N holds the trainer group; per-job sampler
+    groups) both work as in upstream's drivers.
+
+    Args:
+        locks: lock helper (default :meth:`RoleLocks.from_env`); other keyword arguments go to it.
+    """
+
+    def __init__(self, locks: RoleLocks | None = None, **kw) -> None:
+        self.locks = locks or RoleLocks.from_env(**kw)
+
+    @property
+    def weight_version(self) -> int:
+        return self.locks.weight_version
+
+    def on_phase_begin(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
+        check_phase(phase, role)
+        for r in self.locks.plan.roles_for(role) if self.locks.enabled else ():
+            self.locks.acquire(r)
+
+    def on_phase_end(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
+        check_phase(phase, role)
+        for r in reversed(self.locks.plan.roles_for(role)) if self.locks.enabled else ():
+            self.locks.release(r, context)
+
+    def close(self) -> None:
+        self.locks.close()
+
+
+class AsyncRoleLocks(_Locks):
+    """:class:`RoleLocks` for asyncio drivers (verifiers-based trainers and other async rollout loops): the same
+    plan and errors over :class:`~llmd_timeslice.client.AsyncTimeSliceOrchestratorClient`; create it with
+    ``await AsyncRoleLocks.create(...)`` (the start-up check is a call)."""
+
+    DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
+
+    def __init__(self) -> None:  # use create()/from_env()
+        self.enabled = False
+        self.job_id: str | None = None
+        self.plan = _LockPlan({TRAINER: "", SAMPLER: ""}, served_sampler=False)
+        self._weights = _WeightPublisher(None)
+        self._client: AsyncTimeSliceOrchestratorClient | None = None
+        self._own_client = True
+        self._closed = False
+
+    @classmethod
+    async def create(
+        cls,
+        job_id: str | None,
+        orch_addr: str | None,
+        trainer_group: str | None,
+        sampler_group: str | None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        client: AsyncTimeSliceOrchestratorClient | None = None,
+    ) -> AsyncRoleLocks:
+        """See :class:`RoleLocks` (same arguments and errors)."""
+        self = cls()
+        cfg = _Config(job_id, orch_addr, trainer_group, sampler_group)
+        self.config, self.job_id, self.enabled = cfg, cfg.job_id, cfg.enabled
+        self._weights = _WeightPublisher(weights_dir)
+        if not self.enabled:
+            log.warning("time-slicing off (%s unset): phase callbacks are no-ops", ENV_JOB_ID)
+            return self
+        self._own_client = client is None
+        self._client = client or AsyncTimeSliceOrchestratorClient(
+            cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group
+        )
+        try:
+            try:
+                status = await self._client.weight_status(cfg.sampler_group)
+            except TimeSliceError as exc:
+                if "NOT_FOUND" in str(exc):
+                    raise TimesliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
+                if "UNIMPLEMENTED" not in str(exc):
+                    raise
+                status = None
+            served = status is not None and _served(status)
+            _check_groups(cfg, served)
+            if cfg.trainer_group != cfg.sampler_group:
+                try:
+                    await self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
+                except TimeSliceError as exc:
+                    raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+        except BaseException:
+            if self._own_client:
+                await self._client.close()
+            raise
+        self.plan = _LockPlan(cfg.groups(), served_sampler=served)
+        if status is not None:
+            self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
+        return self
+
+    @classmethod
+    async def from_env(cls, **kw) -> AsyncRoleLocks:
+        c = _Config.from_env()
+        return await cls.create(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
+
+    _client: AsyncTimeSliceOrchestratorClient | None
+
+    @property
+    def client(self) -> AsyncTimeSliceOrchestratorClient | None:
+        return self._client
+
+    def _live(self) -> AsyncTimeSliceOrchestratorClient:
+        if self._client is None:
+            raise TimeSliceError("the phase locks are closed")
+        return self._client
+
+    async def acquire(self, role: str, timeout_sec: float | None = None) -> None:
+        """See :meth:`RoleLocks.acquire`."""
+        if role not in (TRAINER, SAMPLER):
+            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
+        if not self.enabled:
+            return
+        group = self.plan.before_acquire(role)
+        if group is None:
+            self._check_lease(role)
+            self.plan.acquired(role)
+            return
+        r = await self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
+        self.plan.acquired(role)
+        log.info(
+            "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",
+            self.job_id,
+            role,
+            group,
+            r.waited_ms,
+            r.context_restored,
+        )
+
+    async def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
+        """See :meth:`RoleLocks.release`."""
+        import asyncio
+
+        if role not in (TRAINER, SAMPLER):
+            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
+        if not self.enabled:
+            return
+        group = self.plan.before_release(role)
+        if group is None:
+            return
+        update = None
+        if self._publishes_on(group):
+            update = await asyncio.to_thread(self._weights.update_from, context)  # writes files: off the loop
+        self._warn_unpublished(group, update, context)
+        publish_error: Exception | None = None
+        if update is not None:
+            try:
+                await self._live().publish_weights(update, self.job_id, group)
+                self._weights.published(update)
+            except TimeSliceError as exc:
+                publish_error = exc
+        try:
+            await self._live().release(self.job_id, group)
+            log.info("job=%s RELEASE role=%s group=%s", self.job_id, role, group)
+        except TimeSliceError as exc:
+            _yield_failed(self.job_id, role, group, exc)
+        if publish_error is not None:
+            raise publish_error
+
+    async def release_all(self) -> None:
+        """Release everything, sampler role first."""
+        for role in (SAMPLER, TRAINER):
+            await self.release(role)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.enabled:
+                await self.release_all()
+        finally:
+            if self._client is not None and self._own_client:
+                await self._client.close()
+
+
+class AsyncTimesliceCallback:
+    """:class:`TimesliceCallback` with awaitable methods, for asyncio drivers: ``cb = await
+    AsyncTimesliceCallback.from_env()``, then ``await cb.on_phase_begin(phase, role, context)``."""
+
+    def __init__(self, locks: AsyncRoleLocks) -> None:
+        self.locks = locks
+
+    @classmethod
+    async def from_env(cls, **kw) -> AsyncTimesliceCallback:
+        return cls(await AsyncRoleLocks.from_env(**kw))
+
+    @property
+    def weight_version(self) -> int:
+        return self.locks.weight_version
+
+    async def on_phase_begin(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
+        check_phase(phase, role)
+        for r in self.locks.plan.roles_for(role) if self.locks.enabled else ():
+            await self.locks.acquire(r)
+
+    async def on_phase_end(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
+        check_phase(phase, role)
+        for r in reversed(self.locks.plan.roles_for(role)) if self.locks.enabled else ():
+            await self.locks.release(r, context)
+
+    async def close(self) -> None:
+        await self.locks.close()
+
+
+def phase(callback: TimesliceCallback, name: str, role: str | None = None, context: Mapping[str, Any] | None = None) -> Callable:
+    """``with phase(cb, "train"):`` -- ``on_phase_begin`` / ``on_phase_end`` around a block (role from
+    :data:`PHASES` when omitted). The end runs even when the block raises, so the locks are given back."""
+    import contextlib
+
+    role = role or PHASES.get(name, "")
+
+    @contextlib.contextmanager
+    def _cm():
+        callback.on_phase_begin(name, role, context)
+        try:
+            yield callback
+        except BaseException:
+            callback.on_phase_end(name, role, None)  # give the locks back; publish nothing from a failed phase
+            raise
+        callback.on_phase_end(name, role, context)
+
+    return _cm()

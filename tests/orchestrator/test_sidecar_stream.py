@@ -1,0 +1,208 @@
+"""The operation stream between the orchestrator and a sidecar (``RunOperations``, snapshot_ext.proto), in one process
+over real gRPC with a real sidecar on the fake vLLM: each command is answered by one event (the finished operation,
+or the refusal the unary call would have returned: fencing, unknown job, bad token); a sidecar that restarts gets a
+new stream; a dead one fails the command after the open timeout; a sidecar without the method (an older release)
+is driven through the unary calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
+from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
+from llmd_timeslice.domain.group_settings import SamplerEndpoint
+from llmd_timeslice.domain.switches import SamplerStepFailed, StepFault
+from llmd_timeslice.orchestrator.actions import GrpcSwitchActions
+from llmd_timeslice.orchestrator.gate_hub import GateHub
+from llmd_timeslice.orchestrator.sidecar_stream import OperationStream, StreamBroken
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.server import SidecarServer
+from tests.support.fake_engines import FakeVllm
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "t"
+
+
+@pytest.fixture
+async def sidecar():
+    engine = FakeVllm().start()
+    srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await srv.start()
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN)
+    sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), f"127.0.0.1:{srv.port}", "s")
+    yield engine, srv, acts, sampler
+    await acts.close()
+    await srv.stop()
+    engine.stop()
+
+
+async def test_a_sleep_and_a_wake_are_one_command_and_one_event_each_on_one_stream():
+    engine = FakeVllm().start()
+    srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    calls: list[str] = []
+    for name in ("Snapshot", "Restore", "WaitOperationResult", "WaitOperation"):
+        unary = getattr(srv.servicer, name)
+
+        async def counted(request, context, _m=unary, _n=name):
+            calls.append(_n)
+            return await _m(request, context)
+
+        setattr(srv.servicer, name, counted)
+    stream = srv.servicer.RunOperations
+
+    async def counted_stream(request_iterator, context):
+        calls.append("RunOperations")
+        async for event in stream(request_iterator, context):
+            yield event
+
+    srv.servicer.RunOperations = counted_stream  # type: ignore[method-assign]
+    await srv.start()
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN)
+    sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), f"127.0.0.1:{srv.port}", "s")
+    try:
+        cfg = acts._config(1)
+        op = await acts._operation(sampler, "g", "sleep", cfg)
+        assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
+        op = await acts._operation(sampler, "g", "wake", cfg)
+        assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 0
+        await acts._operation(sampler, "g", "sleep", cfg)
+        assert calls == ["RunOperations"], "one stream for every operation, no unary call"
+        assert [o.kind for o in srv.servicer.operations.values()] == ["snapshot", "restore", "snapshot"]
+    finally:
+        await acts.close()
+        await srv.stop()
+        engine.stop()
+
+
+async def test_a_failed_operation_comes_back_with_its_error_and_fault_kind(sidecar):
+    engine, _, acts, sampler = sidecar
+    engine.lie_on_sleep = True  # answers the sleep but stays awake: the verification fails
+    with pytest.raises(SamplerStepFailed) as err:
+        await acts._operation(sampler, "g", "sleep", acts._config(1))
+    assert err.value.fault is StepFault.ENGINE
+    assert str(err.value).startswith(f"sleep of {sampler.address} failed: ")
+
+
+async def test_refusals_on_the_stream_say_what_the_unary_call_would_have(sidecar):
+    _, srv, acts, sampler = sidecar
+    stream = OperationStream(acts._stubs(sampler.sidecar)[1], acts._md, 5.0)
+    try:
+        unknown = await _refused(stream, xpb.OperationCommand(snapshot=spb.SnapshotRequest(job_id="nope")))
+        assert unknown.code == grpc.StatusCode.NOT_FOUND and "nope" in unknown.details
+        empty = await _refused(stream, xpb.OperationCommand())
+        assert empty.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "must set snapshot, restore or restore_with_weights" in empty.details
+        no_weights = await _refused(
+            stream,
+            xpb.OperationCommand(restore_with_weights=xpb.RestoreWithWeightsRequest(restore=spb.RestoreRequest(job_id="s"))),
+        )
+        assert no_weights.code == grpc.StatusCode.INVALID_ARGUMENT and "weights is required" in no_weights.details
+        assert srv.servicer.operations == {}, "nothing was started"
+    finally:
+        stream.close()
+
+
+async def _refused(stream: OperationStream, cmd: xpb.OperationCommand):
+    from llmd_timeslice.orchestrator.sidecar_stream import OperationRefused
+
+    with pytest.raises(OperationRefused) as err:
+        await stream.run(cmd, 10)
+    return err.value
+
+
+async def test_a_fenced_refusal_on_the_stream_reaches_the_orchestrators_hook(sidecar):
+    _, srv, acts, sampler = sidecar
+    acts.term = 5
+    await acts._operation(sampler, "g", "sleep", acts._config(1))
+    old = GrpcSwitchActions(GateHub(), token=TOKEN)
+    old.term = 3
+    fenced: list[tuple] = []
+    old.on_fenced = lambda *a: fenced.append(a)
+    try:
+        fenced_msg = "FAILED_PRECONDITION: fenced: restore of job 's' from orchestrator leader term 3"
+        with pytest.raises(SamplerStepFailed, match=fenced_msg):
+            await old._operation(sampler, "g", "wake", old._config(1))
+    finally:
+        await old.close()
+    assert fenced == [(sampler.sidecar, 3, 5)]
+    assert srv.servicer.states["s"] == "SAVED", "the refused wake did nothing"
+
+
+async def test_a_wrong_token_fails_the_open_at_once_naming_it(sidecar):
+    _, _, _, sampler = sidecar
+    bad = GrpcSwitchActions(GateHub(), token="wrong")
+    t = time.monotonic()
+    try:
+        with pytest.raises(SamplerStepFailed, match=r"UNAUTHENTICATED: missing or wrong bearer token for .*RunOperations"):
+            await bad._operation(sampler, "g", "sleep", bad._config(1))
+    finally:
+        await bad.close()
+    assert time.monotonic() - t < 3, "refused at once, not after the open timeout"
+
+
+async def test_a_restarted_sidecar_gets_a_new_stream_and_a_dead_one_fails_after_the_open_timeout(sidecar):
+    engine, srv, acts, sampler = sidecar
+    cfg = acts._config(1)
+    await acts._operation(sampler, "g", "sleep", cfg)
+    port = srv.port
+    await srv.stop()
+    acts.start_rpc_timeout_s = 1.0
+    t = time.monotonic()
+    with pytest.raises(SamplerStepFailed, match="DEADLINE_EXCEEDED: no operation stream from the sidecar within 1 s") as err:
+        await acts._operation(sampler, "g", "wake", cfg)
+    assert err.value.fault is StepFault.SIDECAR
+    assert 0.9 <= time.monotonic() - t < 10
+    again = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=port, token=TOKEN)
+    await again.start()
+    try:
+        acts.start_rpc_timeout_s = 6.0
+        op = await acts._operation(sampler, "g", "wake", cfg)
+        assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 0
+    finally:
+        await again.stop()
+
+
+async def test_a_sidecar_stopping_with_an_operation_in_flight_fails_it_as_a_sidecar_fault(sidecar):
+    engine, srv, acts, sampler = sidecar
+    engine.sleep_delay_s = 3.0
+    sleep = asyncio.create_task(acts._operation(sampler, "g", "sleep", acts._config(1)))
+    while not srv.servicer.operations:
+        await asyncio.sleep(0.02)
+    await srv._server.stop(0)  # the server goes away; the operation's task is left behind (a killed process)
+    with pytest.raises(SamplerStepFailed, match=f"sleep of {sampler.address} via sidecar {sampler.sidecar}: ") as err:
+        await asyncio.wait_for(sleep, 10)
+    assert err.value.fault is StepFault.SIDECAR
+    await srv.servicer.finish_operations(5)
+
+
+async def test_a_sidecar_of_an_older_release_is_driven_through_the_unary_calls():
+    """Its server has no RunOperations (UNIMPLEMENTED): the start call plus WaitOperationResult, as before."""
+    engine = FakeVllm().start()
+    srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    srv.servicer.RunOperations = _unimplemented  # type: ignore[method-assign,assignment]
+    await srv.start()
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN)
+    sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), f"127.0.0.1:{srv.port}", "s")
+    try:
+        op = await acts._operation(sampler, "g", "sleep", acts._config(1))
+        assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
+        assert acts._streams[sampler.sidecar].unsupported, "not asked again"
+        await acts._operation(sampler, "g", "wake", acts._config(1))
+        assert engine.level == 0
+    finally:
+        await acts.close()
+        await srv.stop()
+        engine.stop()
+
+
+async def _unimplemented(request_iterator, context):
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+    yield  # an async generator, as the servicer's own
+
+
+def test_stream_broken_names_its_code():
+    assert str(StreamBroken(grpc.StatusCode.UNAVAILABLE, "gone")) == "UNAVAILABLE: gone"
