@@ -120,6 +120,12 @@ class JobAuthorizer:
         self._owner = {t: j for j, t in self.job_tokens.items()}
         self.require = require_job_tokens
 
+    def job_of(self, context) -> str | None:
+        """The job whose own token the call carries (None: the control token, or no job tokens configured)."""
+        if not self.job_tokens:
+            return None
+        return self._owner.get(bearer(context) or "")
+
     def check(self, context, job_id: str) -> str | None:
         """None when the caller may act for ``job_id``; else the reason to refuse (PERMISSION_DENIED)."""
         if not self.job_tokens:

@@ -72,6 +72,31 @@ def _weights_table(console: Console, ch: grpc.Channel, groups, md) -> None:
         console.print(t)
 
 
+def _yield_requests_table(console: Console, info, md) -> None:
+    """Yield requests per group (issue 26): counts since the orchestrator started and the one its holder carries
+    now (skipped on an orchestrator without ``ListYieldRequests``, and when no group ever had one)."""
+    try:
+        groups = info.ListYieldRequests(info_pb.ListYieldRequestsRequest(), timeout=5, metadata=md).groups
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return
+        raise
+    t = table("yield requests", ("group", "sent", "honoured", "ignored", "suppressed", "holder", "current"))
+    for g in groups:
+        if not (g.sent or g.suppressed or g.HasField("current")):
+            continue
+        cur = g.current
+        current = (
+            f"band {cur.band}{f' ({cur.objective})' if cur.objective else ''}, asked {cur.requested_ago_s:.1f} s ago"
+            f"{f', deadline {cur.hold_deadline_s:g} s' if cur.hold_deadline_s else ''}: {cur.reason}"
+            if g.HasField("current")
+            else "-"
+        )
+        t.add_row(g.group_id, str(g.sent), str(g.honoured), str(g.ignored), str(g.suppressed), g.holder or "-", current)
+    if t.row_count:
+        console.print(t)
+
+
 def print_status(orchestrator: str, gates: list[str], token_file: Path | None = None, console: Console | None = None) -> int:
     """Print the tables; returns 0, or 1 when a component could not be reached (its error is shown)."""
     console = console or output_console()
@@ -99,6 +124,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             console.print(t)
             _weights_table(console, ch, groups, md)
             info = info_grpc.OrchestratorInfoServiceStub(ch)
+            _yield_requests_table(console, info, md)
             switches = info.ListSwitches(info_pb.ListSwitchesRequest(limit=10), timeout=5, metadata=md).switches
             t = table("recent switches (newest first)", ("when", "group", "kind", "job", "ok", "phases (s)", "error"))
             for sw in switches:

@@ -16,6 +16,7 @@ from llmd_timeslice.client.client import (
     OrchestratorUnavailable,
     TimeSliceError,
     TimeSliceOrchestratorClient,
+    YieldRequested,
     YieldResult,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "OrchestratorUnavailable",
     "TimeSliceError",
     "TimeSliceOrchestratorClient",
+    "YieldRequested",
     "YieldResult",
 ]

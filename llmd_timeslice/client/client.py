@@ -15,6 +15,13 @@ name, exponential back-off, 5 attempts).
 A ``state`` offloader (e.g. :class:`~llmd_timeslice.client.torch_offload.TorchStateOffloader`)
 passed to ``on_accelerators`` is restored right after the grant and offloaded right before the
 yield, so trainer state is resident exactly while the lease is held.
+
+Yield requests (issue 26): while held traffic of a priority band nears its hold deadline, the orchestrator
+marks the holder's lease (``Lease.yield_requested``). The client learns it from the heartbeat answers it
+already gets (every ``min(ttl/3, 1 s)``): :meth:`~_JobAndGroup.yield_requested` reads it,
+:meth:`~_JobAndGroup.on_yield_requested` registers a callback called once per request, and
+``wait_yield_requested`` blocks (sync) or awaits (asyncio) until one comes. Yielding stays the holder's call:
+release at the next safe point (the phase callback does it at its next step boundary).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,6 +111,36 @@ class YieldResult:
     success: bool
     pending_waiters: int
     snapshot_deferred: bool
+
+
+@dataclass(frozen=True)
+class YieldRequested:
+    """The orchestrator asks this job to yield ``group_id`` at its next safe point (``Lease.yield_requested``,
+    lease.proto): ``band`` (InferenceObjective ``spec.priority``) and ``objective`` of the held requests that ask,
+    their ``pool``, the band's ``hold_deadline_s``, and ``requested_ago_s`` as of the heartbeat answer that
+    carried it."""
+
+    job_id: str
+    group_id: str
+    reason: str
+    band: int
+    objective: str
+    hold_deadline_s: float
+    requested_ago_s: float
+    pool: str
+
+    @classmethod
+    def from_lease(cls, lease: lease_pb2.Lease) -> YieldRequested | None:
+        if not lease.HasField("yield_requested"):
+            return None
+        y = lease.yield_requested
+        return cls(lease.job_id, lease.group_id, y.reason, y.band, y.objective, y.hold_deadline_s, y.requested_ago_s, y.pool)
+
+
+YieldCallback = Callable[[YieldRequested], object]
+YIELD_POLL_S = 1.0
+"""Longest heartbeat period (seconds): a yield request is learned within about this long (lease TTL / 3 when
+shorter)."""
 
 
 class StateOffloader(Protocol):
@@ -188,6 +225,7 @@ class _JobAndGroup:
     job_id: str | None
     group_id: str | None
     _beats: Mapping[tuple[str, str], _LeaseRenewal]
+    _yield_callbacks: list[YieldCallback]
 
     def _ids(self, job_id: str | None, group_id: str | None) -> tuple[str, str]:
         job, group = job_id or self.job_id, group_id or self.group_id
@@ -202,6 +240,20 @@ class _JobAndGroup:
         accelerators it may no longer hold; an unconfirmed lease turns None again once a heartbeat is answered."""
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.why_not_held() if beat else None
+
+    def yield_requested(self, job_id: str | None = None, group_id: str | None = None) -> YieldRequested | None:
+        """The yield request the last lease answer for this job's grant of the group carried, or None (none, not
+        held, or an orchestrator without the lease extension). Local state: no call."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        return beat.yield_request if beat else None
+
+    def on_yield_requested(self, callback: YieldCallback) -> None:
+        """Call ``callback(YieldRequested)`` once per request, for every group this client holds, when a lease
+        answer first carries it (from the heartbeat thread, or the heartbeat task of the asyncio client: keep it
+        short, e.g. set a flag the training loop reads at its next step). An exception it raises is logged."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        self._yield_callbacks.append(callback)
 
 
 class TimeSliceOrchestratorClient(_JobAndGroup):
@@ -243,6 +295,7 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _Heartbeat] = {}
+        self._yield_callbacks: list[YieldCallback] = []
 
     def acquire(self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None) -> AcquireResult:
         """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
@@ -266,17 +319,29 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return  # an orchestrator without the lease extension (upstream): nothing to renew
             raise _translate(exc, f"lease of {group!r} as {job!r}", self._token_source) from None
-        beat = _Heartbeat(self._leases_stub, self._md, job, group, lease.fencing_token, lease.ttl_s)
+        beat = _Heartbeat(self._leases_stub, self._md, job, group, lease.fencing_token, lease.ttl_s, self._yield_callbacks)
         old = self._beats.pop((job, group), None)
         if old is not None:
             old.stop()
         self._beats[(job, group)] = beat
+        beat.observe(lease)
         beat.start()
 
     def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
         """The fencing token of this job's current grant (None without heartbeats)."""
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
+
+    def wait_yield_requested(
+        self, timeout_s: float | None = None, job_id: str | None = None, group_id: str | None = None
+    ) -> YieldRequested | None:
+        """Block until a lease answer for this job's grant of the group carries a yield request (returned at once
+        if one is set), or ``timeout_s`` passes (None), or the group is not held with heartbeats (None at once)."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        if beat is None:
+            return None
+        beat.asked.wait(timeout_s)
+        return beat.yield_request
 
     def publish_weights(
         self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
@@ -432,6 +497,7 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
         self.heartbeats = heartbeats
         self._beats: dict[tuple[str, str], _AsyncHeartbeat] = {}
+        self._yield_callbacks: list[YieldCallback] = []
 
     async def acquire(
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
@@ -454,13 +520,26 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
                 old = self._beats.pop((job, group), None)
                 if old is not None:
                     old.stop()
-                self._beats[(job, group)] = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token, lease.ttl_s)
+                beat = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token, lease.ttl_s, self._yield_callbacks)
+                beat.observe(lease)
+                self._beats[(job, group)] = beat
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
 
     def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
         """See :meth:`TimeSliceOrchestratorClient.fencing_token` (local state: not awaitable)."""
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
+
+    async def wait_yield_requested(
+        self, timeout_s: float | None = None, job_id: str | None = None, group_id: str | None = None
+    ) -> YieldRequested | None:
+        """See :meth:`TimeSliceOrchestratorClient.wait_yield_requested`."""
+        beat = self._beats.get(self._ids(job_id, group_id))
+        if beat is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(beat.asked.wait(), timeout_s)
+        return beat.yield_request
 
     async def publish_weights(
         self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
@@ -624,13 +703,41 @@ class _LeaseRenewal:
     ``unconfirmed`` and renewing goes on: the next answer says whether the lease was kept (an orchestrator that
     could not run does not count that time against the holder) or reclaimed (then ``lost``)."""
 
-    def __init__(self, job: str, group: str, token: int, ttl_s: float) -> None:
+    def __init__(self, job: str, group: str, token: int, ttl_s: float, callbacks: list[YieldCallback] | None = None) -> None:
         self.job, self.group, self.token, self.ttl_s = job, group, token, ttl_s
-        self.period = max(0.05, ttl_s / 3)
+        self.period = max(0.05, min(ttl_s / 3, YIELD_POLL_S))
         self.rpc_timeout = max(0.5, self.period)
         self.lost: str | None = None
         self.unconfirmed: str | None = None
         self.last_ok = time.monotonic()
+        self.yield_request: YieldRequested | None = None
+        self._callbacks = callbacks if callbacks is not None else []
+
+    def observe(self, lease: lease_pb2.Lease) -> None:
+        """Take a lease answer's yield request: set, cleared, or a new one (callbacks run once per request)."""
+        req = YieldRequested.from_lease(lease)
+        first = req is not None and self.yield_request is None
+        self.yield_request = req
+        if req is None:
+            self._clear_asked()
+            return
+        if not first:
+            return
+        _log.warning(
+            "job=%s group=%s the orchestrator asks to yield at the next safe point: %s", self.job, self.group, req.reason
+        )
+        self._set_asked()
+        for cb in list(self._callbacks):
+            try:
+                cb(req)
+            except Exception as exc:
+                _log.error("job=%s group=%s on_yield_requested callback %r raised: %r", self.job, self.group, cb, exc)
+
+    def _set_asked(self) -> None:
+        raise NotImplementedError
+
+    def _clear_asked(self) -> None:
+        raise NotImplementedError
 
     def request(self) -> lease_pb2.HeartbeatRequest:
         return lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group, fencing_token=self.token)
@@ -676,8 +783,9 @@ class _LeaseRenewal:
 class _Heartbeat(_LeaseRenewal):
     """Background thread renewing one lease every ttl/3 seconds (see :class:`_LeaseRenewal`)."""
 
-    def __init__(self, stub, md, job: str, group: str, token: int, ttl_s: float) -> None:
-        super().__init__(job, group, token, ttl_s)
+    def __init__(self, stub, md, job: str, group: str, token: int, ttl_s: float, callbacks=None) -> None:
+        self.asked = threading.Event()
+        super().__init__(job, group, token, ttl_s, callbacks)
         self._stub, self._md = stub, md
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{group}", daemon=True)
@@ -689,12 +797,19 @@ class _Heartbeat(_LeaseRenewal):
     def stop(self) -> None:
         self._stop.set()
 
+    def _set_asked(self) -> None:
+        self.asked.set()
+
+    def _clear_asked(self) -> None:
+        self.asked.clear()
+
     def _run(self) -> None:
         self.last_ok = time.monotonic()
         while True:
             try:
-                self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout, metadata=self._md)
+                lease = self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout, metadata=self._md)
                 self.renewed()
+                self.observe(lease)
             except grpc.RpcError as exc:
                 if self.failed(exc):
                     return
@@ -705,8 +820,9 @@ class _Heartbeat(_LeaseRenewal):
 class _AsyncHeartbeat(_LeaseRenewal):
     """An asyncio task renewing one lease every ttl/3 seconds (see :class:`_LeaseRenewal`)."""
 
-    def __init__(self, stub, job: str, group: str, token: int, ttl_s: float) -> None:
-        super().__init__(job, group, token, ttl_s)
+    def __init__(self, stub, job: str, group: str, token: int, ttl_s: float, callbacks=None) -> None:
+        self.asked = asyncio.Event()
+        super().__init__(job, group, token, ttl_s, callbacks)
         self._stub = stub
         self._task = asyncio.get_running_loop().create_task(self._run()) if ttl_s > 0 else None
 
@@ -714,12 +830,19 @@ class _AsyncHeartbeat(_LeaseRenewal):
         if self._task is not None:
             self._task.cancel()
 
+    def _set_asked(self) -> None:
+        self.asked.set()
+
+    def _clear_asked(self) -> None:
+        self.asked.clear()
+
     async def _run(self) -> None:
         self.last_ok = time.monotonic()
         while True:
             try:
-                await self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout)
+                lease = await self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout)
                 self.renewed()
+                self.observe(lease)
             except grpc.RpcError as exc:
                 if self.failed(exc):
                     return

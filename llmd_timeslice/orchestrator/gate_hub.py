@@ -11,6 +11,11 @@ until every gate it heard from recently has either acked the epoch (after reconn
 without a stream for the ``stale_after_s`` it announced in its hello, after which that gate holds new
 requests by itself. So an epoch is never treated as applied while some gate may still steer by an
 older one (a network partition between gate and orchestrator, a gate stuck or restarting).
+
+Hold pressure (issue 26): a gate whose band with a hold deadline holds requests sends ``hold_pressure`` on its
+stream; the hub keeps each gate's latest per (pool, band), sums them over gates (held: the sum; oldest: the
+longest wait, with its objective) and hands the sum to ``on_hold_pressure`` (the orchestrator's yield-request
+policy, :mod:`llmd_timeslice.orchestrator.yield_requests`). A gate whose stream ends stops counting.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from prometheus_client import Counter, Gauge
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb_grpc
+from llmd_timeslice.orchestrator.yield_requests import HoldPressure
 
 log = logging.getLogger(__name__)
 # States whose publication need not wait for a lost gate to hold by itself: they put nothing out of service.
@@ -39,6 +45,10 @@ GATE_COMMANDS = Counter(
     "llmd_timeslice_orchestrator_gate_commands_total",
     "Commands sent on the state streams, summed over gates, by kind (state, snapshot, drain, keepalive).",
     ["kind"],
+)
+HOLD_PRESSURE = Counter(
+    "llmd_timeslice_orchestrator_hold_pressure_messages_total",
+    "hold_pressure messages received from gates (held requests of a band with a hold deadline).",
 )
 GATE_ENDPOINT_UPDATES = Counter(
     "llmd_timeslice_orchestrator_gate_endpoint_updates_total",
@@ -107,6 +117,10 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.on_endpoint_failure: Callable[[str, str], bool] | None = None
         """Called with ``(address, why)`` when a gate reports that Envoy could not connect to an endpoint; returns
         whether an engine audit was started (the server wires :meth:`Orchestrator.audit_endpoint`)."""
+        self.on_hold_pressure: Callable[[HoldPressure], object] | None = None
+        """Called with the pressure of one (pool, band) summed over gates at each ``hold_pressure`` message (the
+        server wires :meth:`Orchestrator.hold_pressure`)."""
+        self._pressure: dict[tuple[str, int], dict[str, pb.HoldPressure]] = {}  # (pool, band) -> gate id -> latest
 
     @property
     def gate_ids(self) -> list[str]:
@@ -166,6 +180,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             if self._gates.get(conn.gate_id) is conn:
                 del self._gates[conn.gate_id]
                 CONNECTED_GATES.set(len(self._gates))
+                self._forget_pressure(conn.gate_id)
             self._close(conn, "stream ended")
             log.info("gate %s disconnected", conn.gate_id)
 
@@ -196,6 +211,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
                     fut = conn.drains.pop(msg.drain_result.query_id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg.drain_result)
+                elif which == "hold_pressure":
+                    self._take_pressure(conn.gate_id, msg.hold_pressure)
                 elif which == "fenced":
                     log.error(
                         "gate %s refused a command of leader term %d: it has seen term %d (a newer leader)",
@@ -209,6 +226,46 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             pass
         finally:
             conn.outbox.put_nowait(None)
+
+    def _take_pressure(self, gate_id: str, p: pb.HoldPressure) -> None:
+        HOLD_PRESSURE.inc()
+        if not p.pool:
+            log.warning("gate %s: hold_pressure without a pool ignored", gate_id)
+            return
+        key = (p.pool, p.band)
+        per_gate = self._pressure.setdefault(key, {})
+        if p.held > 0:
+            per_gate[gate_id] = p
+        else:
+            per_gate.pop(gate_id, None)
+        self._emit_pressure(key, p.hold_deadline_s)
+
+    def _forget_pressure(self, gate_id: str) -> None:
+        for key, per_gate in list(self._pressure.items()):
+            gone = per_gate.pop(gate_id, None)
+            if gone is not None:
+                self._emit_pressure(key, gone.hold_deadline_s)
+
+    def _emit_pressure(self, key: tuple[str, int], hold_deadline_s: float) -> None:
+        per_gate = self._pressure.get(key) or {}
+        if not per_gate:
+            self._pressure.pop(key, None)
+            total = HoldPressure(key[0], key[1], "", 0.0, hold_deadline_s, 0)
+        else:
+            oldest = max(per_gate.values(), key=lambda m: m.oldest_held_s)
+            total = HoldPressure(
+                key[0],
+                key[1],
+                oldest.objective,
+                oldest.oldest_held_s,
+                max(m.hold_deadline_s for m in per_gate.values()),
+                sum(m.held for m in per_gate.values()),
+            )
+        if self.on_hold_pressure is not None:
+            try:
+                self.on_hold_pressure(total)
+            except Exception as exc:  # the stream must live on: a policy bug is logged, not fatal to the gate
+                log.error("hold pressure of pool %s band %d not taken: %r", key[0], key[1], exc, exc_info=exc)
 
     def _wake_acked(self, conn: _GateConn) -> None:
         """Resolve the waiters of every epoch ``conn`` has acked (True), or all of them once it closed (their

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
@@ -66,6 +67,17 @@ from llmd_timeslice.orchestrator.phases import (
 )
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.waiter_policy import waiter_policy
+from llmd_timeslice.orchestrator.yield_requests import (
+    YIELD_REQUEST_SECONDS,
+    YIELD_REQUESTS,
+    HoldPressure,
+    YieldAnswer,
+    YieldAsk,
+    YieldRequest,
+    YieldStats,
+    check_ask,
+    refusal,
+)
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
 __all__ = [
@@ -77,6 +89,9 @@ __all__ = [
     "Orchestrator",
     "RejectedWeights",
     "RestoreOutcome",
+    "YieldAnswer",
+    "YieldAsk",
+    "YieldRequest",
     "YieldResult",
 ]
 
@@ -115,6 +130,11 @@ class Lease:
     stall_credit_s: float = 0.0
     """Seconds added to ``expires_at`` since the last heartbeat because the orchestrator itself could not run
     (a stall: it could not hear the holder meanwhile); reset by each heartbeat."""
+    granted_at: float = 0.0
+    """Clock reading of the grant (after a restart: of the restore); ``min_training_s`` counts from it."""
+    yield_request: YieldRequest | None = None
+    """Set while the orchestrator asks the holder to yield (``Lease.yield_requested`` on the wire); a new grant
+    starts without one. Not persisted: after a restart the gates' next hold pressure asks again."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +183,7 @@ class Command:
     readings: dict[str, EngineReading] | None = None
     reconcile: bool = False
     epoch: int = 0
+    ask: YieldAsk | None = None
     reply: asyncio.Future[Any] | None = None
 
 
@@ -235,6 +256,10 @@ class Group:
         self.sampler_errors: dict[str, str] = {}  # out-of-service samplers -> why
         self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
         self.weight_sync_errors: dict[str, str] = {}  # job -> why its version failed (told at its next acquire)
+        self.yield_stats = YieldStats()
+        self.last_honoured: dict[str, float] = {}  # job -> clock reading of its last yield after a yield request
+        self._suppressed: set[tuple[int, int, str]] = set()  # (lease token, band, knob) counted for the gates' asks
+        self._yield_timer: TimerHandle | None = None
         self._waiters: deque[_Waiter] = deque()
         self._epoch = 0
         self._switch: _Switch | None = None
@@ -504,10 +529,11 @@ class Group:
         self.last_granted[job] = self.grants
         self.holder = job
         self.last_token += 1
-        self.lease = Lease(job, self.last_token, self.spec.lease_ttl_s)
+        self.lease = Lease(job, self.last_token, self.spec.lease_ttl_s, granted_at=self._orch.clock.now())
         self.expired_jobs.pop(job, None)
         self.published_in_grant = False
         self.deferred_job = None
+        self._suppressed.clear()
         self._dirty = True
         try:
             await self._save(strict=True)
@@ -544,6 +570,7 @@ class Group:
         deferred snapshot."""
         if not self.published_in_grant:
             self.publishers.discard(job)  # the auto sleep policy keeps level 2 for jobs that keep publishing
+        self._end_yield_request(job, honoured=kind is C.YIELD)
         self.holder, self.lease = None, None
         if self._lease_timer is not None:
             self._lease_timer.cancel()
@@ -562,6 +589,108 @@ class Group:
         self.deferred_job = job
         self._enter(P.DEFERRED, kind)
         return YieldResult(0, True)
+
+    # ------------------------------------------------------------------ yield requests
+    def _count(self, band: int, outcome: str) -> None:
+        setattr(self.yield_stats, outcome, getattr(self.yield_stats, outcome) + 1)
+        YIELD_REQUESTS.labels(group=self.group_id, band=str(band), outcome=outcome).inc()
+
+    def _end_yield_request(self, job: str, honoured: bool) -> None:
+        """The holder gives the group up (yield, lease expired, grant taken back): a request it carried ends; a
+        yield counts ``honoured`` and its delay goes into the histogram."""
+        if self._yield_timer is not None:
+            self._yield_timer.cancel()
+            self._yield_timer = None
+        req = self.lease.yield_request if self.lease is not None else None
+        if req is None or not honoured:
+            return
+        now = self._orch.clock.now()
+        self._count(req.band, "honoured")
+        YIELD_REQUEST_SECONDS.labels(group=self.group_id).observe(now - req.requested_at)
+        self.last_honoured[job] = now
+        log.info(
+            "group=%s job=%s yielded %.2f s after a yield request (%s)", self.group_id, job, now - req.requested_at, req.reason
+        )
+
+    async def _on_yield_request(self, cmd: Command) -> YieldAnswer:
+        ask = cmd.ask
+        assert ask is not None
+        self._enter(self.phase, C.YIELD_REQUEST)
+        lease, job = self.lease, self.holder
+        if self.phase is not P.HELD or lease is None or job is None:
+            return YieldAnswer(
+                False,
+                "",
+                f"group {self.group_id!r} is not held (phase {self.phase.name}): nobody to ask; "
+                + ("its samplers serve" if self.loaded_job == SAMPLERS else "no job holds its lease"),
+            )
+        now = self._orch.clock.now()
+        req = lease.yield_request
+        if ask.source == "gate" and ask.held <= 0:  # the band holds nothing any more: nothing to yield for
+            if req is not None and req.source == "gate" and (req.pool, req.band) == (ask.pool, ask.band) and not req.ignored:
+                lease.yield_request = None
+                if self._yield_timer is not None:
+                    self._yield_timer.cancel()
+                    self._yield_timer = None
+                log.info(
+                    "group=%s job=%s yield request withdrawn: band %d of pool %s holds nothing now",
+                    self.group_id,
+                    job,
+                    ask.band,
+                    ask.pool,
+                )
+            return YieldAnswer(False, job, f"band {ask.band} of pool {ask.pool} holds no request")
+        if req is not None:
+            return YieldAnswer(True, job, f"already requested {now - req.requested_at:.1f} s ago: {req.reason}")
+        spec = self.spec
+        if not ask.due(spec.yield_request_fraction):
+            return YieldAnswer(
+                False,
+                job,
+                f"not yet: the oldest held request waited {ask.oldest_held_s:.2f} s, below yield_request_fraction "
+                f"{spec.yield_request_fraction:g} of the {ask.hold_deadline_s:g} s hold deadline",
+            )
+        trained_s = now - max(lease.granted_at, self.last_honoured.get(job, -math.inf))
+        why = refusal(spec, ask, job, trained_s)
+        if why is not None:
+            knob, detail = why
+            key = (lease.token, ask.band, knob)
+            if ask.source == "operator" or key not in self._suppressed:
+                self._suppressed.add(key)
+                self._count(ask.band, "suppressed")
+                log.info("group=%s job=%s yield request suppressed: %s", self.group_id, job, detail)
+            return YieldAnswer(False, job, f"policy: {detail}")
+        deadline_in = ask.deadline_in_s()
+        lease.yield_request = YieldRequest(
+            ask.reason, ask.band, ask.objective, ask.hold_deadline_s, ask.pool, ask.source, now,
+            None if deadline_in is None else now + deadline_in,
+        )  # fmt: skip
+        self._count(ask.band, "sent")
+        log.warning("group=%s job=%s asked to yield at its next safe point: %s", self.group_id, job, ask.reason)
+        if deadline_in is not None:
+            token = lease.token
+            self._yield_timer = self._orch.clock.call_at(
+                now + deadline_in, lambda: self.post(Command(C.YIELD_DEADLINE, token=token))
+            )
+        return YieldAnswer(True, job)
+
+    async def _on_yield_deadline(self, cmd: Command) -> None:
+        self._enter(P.HELD, C.YIELD_DEADLINE)
+        self._yield_timer = None
+        lease = self.lease
+        req = lease.yield_request if lease is not None and lease.token == cmd.token else None
+        if req is None or req.ignored:
+            return  # withdrawn, or another grant meanwhile
+        req.ignored = True
+        self._count(req.band, "ignored")
+        log.warning(
+            "group=%s job=%s kept the group past band %d's %g s hold deadline after a yield request (%s)",
+            self.group_id,
+            self.holder,
+            req.band,
+            req.hold_deadline_s,
+            req.reason,
+        )
 
     # ------------------------------------------------------------------ handlers
     async def _on_acquire(self, cmd: Command) -> object:
@@ -1089,7 +1218,7 @@ class Group:
             lease = d.get("lease")
             if d.get("holder") and lease:
                 self.holder = d["holder"]
-                self.lease = Lease(lease["job_id"], int(lease["token"]), float(lease["ttl_s"]))
+                self.lease = Lease(lease["job_id"], int(lease["token"]), float(lease["ttl_s"]), granted_at=self._orch.clock.now())
                 self.phase = P.HELD  # restored before the task runs: no transition
                 if lease.get("armed") and self.lease.ttl_s > 0:
                     self.lease.expires_at = self._orch.clock.now() + self.lease.ttl_s
@@ -1108,7 +1237,7 @@ class Group:
     async def close(self) -> None:
         """Stop the task and its steps; every pending acquire and command fails with SwitchFailed."""
         self._closed = True
-        for timer in (self._lease_timer, self._repair_timer):
+        for timer in (self._lease_timer, self._repair_timer, self._yield_timer):
             if timer is not None:
                 timer.cancel()
         tasks = [t for t in (self._task, *self._effects) if t is not None]
@@ -1145,6 +1274,8 @@ class Group:
         C.REPAIRED: _on_resumed,
         C.AUDITED: _on_audited,
         C.PROBED: _on_probed,
+        C.YIELD_REQUEST: _on_yield_request,
+        C.YIELD_DEADLINE: _on_yield_deadline,
     }
 
 
@@ -1258,6 +1389,33 @@ class Orchestrator:
             raise InvalidArgument("job_id is required")
         g: Group = await self.group(group_id).ask(Command(C.PUBLISH_WEIGHTS, job_id=job_id, token=fencing_token, weights=weights))
         return g
+
+    async def request_yield(self, group_id: str, reason: str = "", band: int = 0, hold_deadline_s: float = 0.0) -> YieldAnswer:
+        """Ask the holder of ``group_id`` to yield at its next safe point (``LeaseService.RequestYield``): the
+        group's policy applies (docs/group-settings.md) except ``yield_request_fraction`` (there is no held request
+        to measure). ``hold_deadline_s`` > 0: the request counts ``ignored`` once that many seconds pass with the
+        holder keeping the group. A group nobody holds answers ``requested=False`` saying so.
+
+        Raises:
+            InvalidArgument (empty group id, a negative or non-finite deadline, a band outside int32),
+            UnknownGroup (naming it and the known groups).
+        """
+        g = self.group(group_id)
+        bad = check_ask(band, hold_deadline_s)
+        if bad is not None:
+            raise InvalidArgument(bad)
+        ask = YieldAsk(reason or "requested by an operator (RequestYield)", band, hold_deadline_s, source="operator")
+        answer: YieldAnswer = await g.ask(Command(C.YIELD_REQUEST, ask=ask))
+        return answer
+
+    def hold_pressure(self, pressure: HoldPressure) -> None:
+        """Held requests of one band of ``pressure.pool`` (from the gates, :class:`~llmd_timeslice.orchestrator.
+        gate_hub.GateHub`): posted to every group whose samplers serve that pool; a group a job holds applies its
+        yield-request policy. Returns at once."""
+        ask = YieldAsk.from_pressure(pressure)
+        for g in self.groups.values():
+            if any(s.pool == pressure.pool for s in g.spec.samplers):
+                g.post(Command(C.YIELD_REQUEST, ask=ask))
 
     def lease(self, job_id: str, group_id: str) -> Lease:
         """The holder's current lease. Raises InvalidArgument, UnknownGroup, NotHolder."""

@@ -38,6 +38,8 @@ Legal sequences (the table below is the complete list):
 * discovery: ``-spec update->`` applies at once in ``FREE, SERVING, OUT_OF_SERVICE, HELD, DEFERRED``
   (new samplers of an idle group are woken: ``-> RESUMING``; a group left without samplers becomes
   ``FREE``) and waits for the next of those phases otherwise;
+* a yield request (``-yield request->``, the gates' hold pressure or ``RequestYield``) is taken in any phase
+  and stays put; in ``HELD`` it may mark the holder's lease, ``-yield deadline->`` (its timer) counts it ignored;
 * a waiter that gives up (``-abandon->``) leaves the queue in any phase; if it was the one a switch was
   for, the switch grants the next waiter, or wakes the samplers again when nobody waits any more;
 * start-up: ``SERVING -start-> RESUMING`` (reconcile: wake and verify), ``HELD -start-> HELD`` (a
@@ -132,6 +134,11 @@ class GroupCommand(enum.Enum):
     AUDITED = "audited"
     PROBED = "probed"
     GRANT_NOT_SAVED = "grant_not_saved"
+    YIELD_REQUEST = "yield_request"
+    """Ask the holder to yield at its next safe point (the gates' hold pressure, ``RequestYield``); taken in every
+    phase (stays put): only ``HELD`` has a holder to ask, the others answer so."""
+    YIELD_DEADLINE = "yield_deadline"
+    """Timer: the hold deadline of a yield request's band passed (the request counts ``ignored`` if still set)."""
     INTERNAL_ERROR = "internal_error"
     """Not queued: the group's task takes this move itself when a handler raised an unexpected exception (a
     bug), to leave the group in a safe phase (see :data:`TRANSITIONS` and docs/architecture.md)."""
@@ -178,6 +185,7 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
             (P.HELD, C.ACQUIRE): {P.HELD},
             (P.HELD, C.SPEC_UPDATE): {P.HELD},
             (P.HELD, C.START): {P.HELD},
+            (P.HELD, C.YIELD_DEADLINE): {P.HELD},
             # deferred snapshot (no samplers)
             (P.DEFERRED, C.ACQUIRE): {P.HELD},
             (P.DEFERRED, C.SPEC_UPDATE): {P.DEFERRED, P.RESUMING},
@@ -192,6 +200,8 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
             (P.REPAIRING, C.SPEC_UPDATE): {P.REPAIRING},
             # a waiter gives up (deadline, disconnect): it leaves the queue, in any phase
             **{(p, C.ABANDON): {p} for p in GroupPhase},
+            # a yield request (hold pressure from the gates, RequestYield): only HELD has a holder to mark
+            **{(p, C.YIELD_REQUEST): {p} for p in GroupPhase},
             # an unexpected exception while handling a command (a bug): waiters and the switch in flight fail,
             # and the group goes where the repair path takes over. Samplers whose state is unknown are marked
             # out of service (OUT_OF_SERVICE; the repair timer wakes and verifies them); a job whose lease is
@@ -212,7 +222,8 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
 """(phase, command) -> the phases the command may lead to (the current one where it stays)."""
 
 IGNORED: frozenset[tuple[GroupPhase, GroupCommand]] = frozenset(
-    {(p, c) for p in GroupPhase for c in (C.AUDIT_TICK, C.REPAIR_TICK, C.AUDITED, C.PROBED, C.LEASE_EXPIRED)} - set(TRANSITIONS)
+    {(p, c) for p in GroupPhase for c in (C.AUDIT_TICK, C.REPAIR_TICK, C.AUDITED, C.PROBED, C.LEASE_EXPIRED, C.YIELD_DEADLINE)}
+    - set(TRANSITIONS)
 )
 """Late timer ticks and stale advisory results: dropped without a transition (not an error)."""
 

@@ -221,7 +221,12 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     def _wire(lease: core.Lease, group_id: str, now: float) -> lease_pb2.Lease:
         left = max(0.0, lease.expires_at - now) if lease.expires_at is not None else 0.0
         return lease_pb2.Lease(
-            job_id=lease.job_id, group_id=group_id, fencing_token=lease.token, ttl_s=lease.ttl_s, expires_in_s=left
+            job_id=lease.job_id,
+            group_id=group_id,
+            fencing_token=lease.token,
+            ttl_s=lease.ttl_s,
+            expires_in_s=left,
+            yield_requested=yield_requested(lease.yield_request, now),
         )
 
     async def GetLease(self, request, context):  # noqa: N802
@@ -239,6 +244,36 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         except core.OrchestratorError as exc:
             await _abort(context, exc)
         return self._wire(lease, request.group_id, self._orch.clock.now())
+
+    async def RequestYield(self, request, context):  # noqa: N802
+        """Ask the group's holder to yield at its next safe point (operators, tests). Answers ``requested=false``
+        with the reason for a group nobody holds or a policy refusal (naming the knob); NOT_FOUND for an unknown
+        group, INVALID_ARGUMENT for a malformed deadline; PERMISSION_DENIED for a job's own token (with per-job
+        tokens a job may not push another off its group: the control token asks)."""
+        owner = self._jobs.job_of(context)
+        if owner is not None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"RequestYield takes the control token, not job {owner!r}'s own token"
+            )
+        try:
+            answer = await self._orch.request_yield(request.group_id, request.reason, request.band, request.hold_deadline_s)
+        except core.OrchestratorError as exc:
+            await _abort(context, exc)
+        return lease_pb2.RequestYieldResponse(requested=answer.requested, holder=answer.holder, detail=answer.detail)
+
+
+def yield_requested(req: core.YieldRequest | None, now: float) -> lease_pb2.YieldRequested | None:
+    """The wire form of a lease's yield request (None: none)."""
+    if req is None:
+        return None
+    return lease_pb2.YieldRequested(
+        reason=req.reason,
+        band=req.band,
+        objective=req.objective,
+        hold_deadline_s=req.hold_deadline_s,
+        requested_ago_s=max(0.0, now - req.requested_at),
+        pool=req.pool,
+    )
 
 
 class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceServicer):
@@ -272,6 +307,31 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
                     parked_requests=r.parked_requests,
                 )
                 for r in records[: request.limit or 10]
+            ]
+        )
+
+    async def ListYieldRequests(self, request, context):  # noqa: N802
+        """Yield requests per group (sent, honoured, ignored, suppressed) and the one the holder carries now."""
+        if request.group_id:
+            try:
+                groups = [self._orch.group(request.group_id)]
+            except core.OrchestratorError as exc:
+                await _abort(context, exc)
+        else:
+            groups = [self._orch.groups[gid] for gid in sorted(self._orch.groups)]
+        now = self._orch.clock.now()
+        return orchestrator_info_pb2.ListYieldRequestsResponse(
+            groups=[
+                orchestrator_info_pb2.GroupYieldRequests(
+                    group_id=g.group_id,
+                    sent=g.yield_stats.sent,
+                    honoured=g.yield_stats.honoured,
+                    ignored=g.yield_stats.ignored,
+                    suppressed=g.yield_stats.suppressed,
+                    holder=g.holder or "",
+                    current=yield_requested(g.lease.yield_request if g.lease is not None else None, now),
+                )
+                for g in groups
             ]
         )
 

@@ -15,7 +15,8 @@ from llmd_timeslice.client.integrations import AsyncRoleLocks, RoleLocks
 ASYNC_NAME = {"__enter__": "__aenter__", "__exit__": "__aexit__"}
 """A sync method and its asyncio counterpart under another name."""
 
-LOCAL = {"fencing_token", "lease_lost", "on_accelerators", "on_both_groups", "held"}
+LOCAL = {"fencing_token", "lease_lost", "on_accelerators", "on_both_groups", "held", "yield_requested", "on_yield_requested"}
+
 """Public members that read local state or return a context manager: plain (not awaitable) on both faces."""
 
 FACE_ONLY = {

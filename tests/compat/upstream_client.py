@@ -74,6 +74,24 @@ def twenty(stub):
     check(order == names, f"grants were not FIFO: {order}")
 
 
+def yield_requested(stub):
+    """Acquire, then wait (a line on stdin) while the orchestrator asks this holder to yield; yield, acquire again.
+    The Lease extension is not in this client's wire: nothing of the request may change what it sees."""
+    a = stub.Acquire(pb.AcquireRequest(job_id="trainer-0", group_id="g0"), timeout=10)
+    check(a.success, f"Acquire {a}")
+    print("ACQUIRED", flush=True)
+    check(sys.stdin.readline().strip() == "REQUESTED", "the test asked for a yield")
+    s = stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g0"))
+    check(s.group.group_state == pb.GroupStatus.STATE_LOCKED and s.group.locking_job == "trainer-0", f"status {s}")
+    y = stub.Yield(pb.YieldRequest(job_id="trainer-0", group_id="g0"))
+    check(y.success and y.pending_waiters == 0, f"Yield {y}")
+    a = stub.Acquire(pb.AcquireRequest(job_id="trainer-0", group_id="g0"), timeout=10)
+    check(a.success, f"second Acquire {a}")
+    check(stub.Yield(pb.YieldRequest(job_id="trainer-0", group_id="g0")).success, "second Yield")
+
+
 with grpc.insecure_channel(sys.argv[2]) as channel:
-    {"basic": basic, "twenty": twenty}[sys.argv[3]](pb_grpc.TimeSliceOrchestratorServiceStub(channel))
+    {"basic": basic, "twenty": twenty, "yield_requested": yield_requested}[sys.argv[3]](
+        pb_grpc.TimeSliceOrchestratorServiceStub(channel)
+    )
 print("OK")

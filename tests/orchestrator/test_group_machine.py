@@ -746,6 +746,69 @@ async def _fault_repairing(e: Env):
     assert min(e.clock.pending()) == pytest.approx(e.clock.now() + 4.0), "the repair back-off doubles"
 
 
+async def _asked_nobody_holds(e: Env, gid: str = "s") -> None:
+    a = await e.orch.request_yield(gid, "eval waits", band=10, hold_deadline_s=5)
+    assert not a.requested and a.holder == "" and f"group {gid!r} is not held" in a.detail, a
+
+
+async def _yield_request_free_serving_deferred(e: Env):
+    await _asked_nobody_holds(e, "t")  # FREE
+    await _asked_nobody_holds(e, "s")  # SERVING
+    await e.deferred()
+    await _asked_nobody_holds(e, "t")
+
+
+async def _yield_request_draining_suspending(e: Env):
+    await e.draining()
+    await _asked_nobody_holds(e)
+    e.acts.hold.add("suspend")
+    e.acts.release("drain")
+    await e.wait(P.SUSPENDING)
+    await _asked_nobody_holds(e)
+    e.acts.release("suspend")
+    await e.tasks[0]
+    assert e.g().holder == "A"
+
+
+async def _yield_request_resuming_out_of_service_repairing(e: Env):
+    await e.resuming()
+    await _asked_nobody_holds(e)
+    e.acts.fail_samplers = {S2.address}
+    e.acts.release("resume")
+    await e.wait(P.OUT_OF_SERVICE)
+    await _asked_nobody_holds(e)
+    e.acts.fail_samplers = set()
+    e.acts.hold.add("resume")
+    e.clock.advance(2.0)
+    await e.wait(P.REPAIRING)
+    await _asked_nobody_holds(e)
+    e.acts.release("resume")
+    await e.wait(P.SERVING)
+
+
+async def _yield_request_held_honoured(e: Env):
+    await e.held()
+    e.clock.advance(10.0)  # min_training_s (default 10 s) since the grant
+    a = await e.orch.request_yield("s", "eval waits", band=10, hold_deadline_s=5)
+    assert a.requested and a.holder == "A" and not a.detail
+    assert e.orch.lease("A", "s").yield_request.band == 10
+    again = await e.orch.request_yield("s", "eval waits more", band=10, hold_deadline_s=5)
+    assert again.requested and "already requested" in again.detail
+    e.clock.advance(1.5)
+    await e.orch.yield_("A", "s")
+    st = e.g().yield_stats
+    assert (st.sent, st.honoured, st.ignored) == (1, 1, 0)
+
+
+async def _yield_request_held_ignored_past_the_deadline(e: Env):
+    await e.held()
+    e.clock.advance(10.0)
+    assert (await e.orch.request_yield("s", "eval waits", band=10, hold_deadline_s=5)).requested
+    e.clock.advance(5.0)  # the band's deadline passes while A keeps the group
+    await e.g().wait_until(lambda g: g.yield_stats.ignored == 1, 5)
+    assert e.g().holder == "A", "yielding stays cooperative: A keeps the group"
+
+
 SCENARIOS = [
     v
     for k, v in sorted(globals().items())

@@ -66,3 +66,31 @@ def test_upstream_client_drives_the_orchestrator_unchanged(stubs, server, scenar
         timeout=120,
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
+def test_upstream_client_works_unchanged_against_a_group_that_receives_yield_requests(stubs, loop_thread):
+    """Acquire (upstream client), a yield request marks its lease, it yields and acquires again: its wire has no
+    Lease extension and nothing it sees changes; the orchestrator counts the yield as honoured."""
+    inv = Inventory.model_validate({"groups": [dict(INV.model_dump()["groups"][0], min_training_s=0)]})
+    srv = OrchestratorServer(inv, port=0, actions=RecordingActions())
+    loop_thread.run(srv.start())
+    proc = subprocess.Popen(
+        [sys.executable, str(COMPAT / "upstream_client.py"), str(stubs), f"127.0.0.1:{srv.port}", "yield_requested"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ACQUIRED"
+        answer = loop_thread.run(srv.orchestrator.request_yield("g0", "eval band waits", band=10, hold_deadline_s=5))
+        assert answer.requested and answer.holder == "trainer-0"
+        proc.stdin.write("REQUESTED\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out.strip().endswith("OK"), out + err
+        g = srv.orchestrator.groups["g0"]
+        assert (g.yield_stats.sent, g.yield_stats.honoured) == (1, 1)
+    finally:
+        proc.kill()
+        loop_thread.run(srv.stop())

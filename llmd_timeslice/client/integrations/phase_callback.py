@@ -39,6 +39,11 @@ Differences from upstream, each deliberate:
   out acquire raises (as upstream); a lease lost while a phase ran raises :class:`LeaseLost` at the next phase
   boundary and at release, where upstream only logs release errors. Other yield errors are logged, as upstream
   (the lease then expires on the orchestrator).
+* **Yield requests (issue 26).** When held traffic of a priority band nears its hold deadline the orchestrator
+  asks the holder to yield (``Lease.yield_requested``, learned from the lease heartbeats). A driver that calls
+  ``at_step_boundary(phase, role)`` between its steps honours it there: the phase's groups are yielded (no
+  weights published) and acquired again, as between phases, so the held requests are served meanwhile. A
+  driver that never calls it keeps upstream's behaviour: the group is kept until the phase ends.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from llmd_timeslice.client import (
     LeaseLost,
     TimeSliceError,
     TimeSliceOrchestratorClient,
+    YieldRequested,
 )
 from llmd_timeslice.weights.update import SOURCE_FILES, WeightUpdate
 
@@ -316,6 +322,31 @@ class _Locks:
     def held(self, role: str) -> bool:
         return self.enabled and role in (TRAINER, SAMPLER) and self.plan.role_held(role)
 
+    def yield_requested(self, role: str) -> YieldRequested | None:
+        """The yield request the orchestrator made for a group that phase role ``role`` (trainer, sampler, both)
+        holds now, or None. Raises :class:`UnknownRole`."""
+        if role not in ROLES:
+            raise UnknownRole(f"unknown role {role!r}; known roles: {', '.join(ROLES)}")
+        if not self.enabled or self._client is None:
+            return None
+        for r in self._held_roles(role):
+            req = self._client.yield_requested(self.job_id, self.plan.groups[r])
+            if req is not None:
+                return req
+        return None
+
+    def _held_roles(self, role: str) -> list[str]:
+        return [r for r in self.plan.roles_for(role) if self.plan.role_held(r)]
+
+    def _log_yield(self, role: str, req: YieldRequested) -> None:
+        log.warning(
+            "job=%s STEP BOUNDARY role=%s: yielding group %s on request (%s), then acquiring it again",
+            self.job_id,
+            role,
+            req.group_id,
+            req.reason,
+        )
+
     def _check_lease(self, role: str) -> None:
         group = self.plan.groups[role]
         lost = self._client.lease_lost(self.job_id, group) if self._client is not None else None
@@ -499,6 +530,22 @@ class RoleLocks(_Locks):
         for role in (SAMPLER, TRAINER):
             self.release(role)
 
+    def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
+        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
+        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
+        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
+        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
+        req = self.yield_requested(role)
+        if req is None:
+            return False
+        self._log_yield(role, req)
+        roles = self._held_roles(role)
+        for r in reversed(roles):
+            self.release(r)
+        for r in roles:
+            self.acquire(r, timeout_sec)
+        return True
+
     def _close_client(self) -> None:
         if self._client is not None and self._own_client:
             self._client.close()
@@ -551,6 +598,14 @@ class TimesliceCallback(PhaseCallback):
         check_phase(phase, role)
         for r in reversed(self.locks.plan.roles_for(role)) if self.locks.enabled else ():
             self.locks.release(r, context)
+
+    def at_step_boundary(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> bool:
+        """Between two steps of ``phase`` (e.g. each optimizer step of ``train``): honour a yield request for a
+        group the phase holds (:meth:`RoleLocks.step_boundary`: yield, then acquire again, as between phases).
+        Returns whether it yielded; a no-op (False) without a request. Project extension (not upstream's
+        interface). Raises UnknownPhase / UnknownRole, and as :meth:`RoleLocks.acquire`."""
+        check_phase(phase, role)
+        return self.locks.step_boundary(role)
 
     def close(self) -> None:
         self.locks.close()
@@ -693,6 +748,19 @@ class AsyncRoleLocks(_Locks):
         for role in (SAMPLER, TRAINER):
             await self.release(role)
 
+    async def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
+        """See :meth:`RoleLocks.step_boundary`."""
+        req = self.yield_requested(role)
+        if req is None:
+            return False
+        self._log_yield(role, req)
+        roles = self._held_roles(role)
+        for r in reversed(roles):
+            await self.release(r)
+        for r in roles:
+            await self.acquire(r, timeout_sec)
+        return True
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -729,6 +797,11 @@ class AsyncTimesliceCallback:
         check_phase(phase, role)
         for r in reversed(self.locks.plan.roles_for(role)) if self.locks.enabled else ():
             await self.locks.release(r, context)
+
+    async def at_step_boundary(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> bool:
+        """See :meth:`TimesliceCallback.at_step_boundary`."""
+        check_phase(phase, role)
+        return await self.locks.step_boundary(role)
 
     async def close(self) -> None:
         await self.locks.close()

@@ -1,3 +1,4 @@
+from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2 as _lease_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -55,3 +56,33 @@ class ListSwitchesResponse(_message.Message):
     SWITCHES_FIELD_NUMBER: _ClassVar[int]
     switches: _containers.RepeatedCompositeFieldContainer[SwitchInfo]
     def __init__(self, switches: _Optional[_Iterable[_Union[SwitchInfo, _Mapping]]] = ...) -> None: ...
+
+class ListYieldRequestsRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class GroupYieldRequests(_message.Message):
+    __slots__ = ("group_id", "sent", "honoured", "ignored", "suppressed", "holder", "current")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    HONOURED_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESSED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    sent: int
+    honoured: int
+    ignored: int
+    suppressed: int
+    holder: str
+    current: _lease_pb2.YieldRequested
+    def __init__(self, group_id: _Optional[str] = ..., sent: _Optional[int] = ..., honoured: _Optional[int] = ..., ignored: _Optional[int] = ..., suppressed: _Optional[int] = ..., holder: _Optional[str] = ..., current: _Optional[_Union[_lease_pb2.YieldRequested, _Mapping]] = ...) -> None: ...
+
+class ListYieldRequestsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupYieldRequests]
+    def __init__(self, groups: _Optional[_Iterable[_Union[GroupYieldRequests, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class OrchestratorInfoServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListSwitchesRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListSwitchesResponse.FromString,
                 _registered_method=True)
+        self.ListYieldRequests = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListYieldRequests',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorInfoServiceServicer:
@@ -50,6 +55,13 @@ class OrchestratorInfoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListYieldRequests(self, request, context):
+        """Yield requests per group since the orchestrator started (issue 26; docs/architecture.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorInfoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_OrchestratorInfoServiceServicer_to_server(servicer, server):
                     servicer.ListSwitches,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListSwitchesRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListSwitchesResponse.SerializeToString,
+            ),
+            'ListYieldRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListYieldRequests,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class OrchestratorInfoService:
             '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListSwitches',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListSwitchesRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListSwitchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListYieldRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListYieldRequests',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
