@@ -240,13 +240,13 @@ async def _send(http, rec: RunRecord, rid: str, band: int, headers: dict[str, st
 
 async def one_run(name: str, p: Params, router: str, orchestrator: str, token: str, progress) -> RunRecord:
     """The GRPO-style loop of one run (see the module docstring), driven through the phase-callback integration
-    (:class:`~llmd_timeslice.integrations.phase_callback.AsyncTimesliceCallback`: ``train`` takes the group,
+    (:class:`~llmd_timeslice.client.integrations.phase_callback.AsyncTimesliceCallback`: ``train`` takes the group,
     :meth:`at_step_boundary` honours a yield request between two steps, ``generate`` takes no lock in router
     mode)."""
     import httpx
 
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
-    from llmd_timeslice.integrations.phase_callback import AsyncRoleLocks, AsyncTimesliceCallback
+    from llmd_timeslice.client.integrations.phase_callback import AsyncRoleLocks, AsyncTimesliceCallback
 
     rec = RunRecord(name)
     job = TRAINER_OPTED_OUT if name == "yield_off" else TRAINER
