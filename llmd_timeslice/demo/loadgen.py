@@ -31,7 +31,7 @@ PROMPTS = [
 class RequestRecord:
     """One request: times in seconds since the demo's start, ``hold_ms`` from the gate."""
 
-    kind: str  # "load" or "rollout"
+    kind: str  # "load", "rollout" or "eval" (the second traffic class: an InferenceObjective's requests)
     stream: bool
     sent_at: float
     done_at: float = 0.0
@@ -96,15 +96,19 @@ async def send_completion(
     max_tokens: int = 12,
     temperature: float = 0.8,
     min_weight_version: int = 0,
+    objective: str | None = None,
 ) -> RequestRecord:
     """Send one completion through the router and record what the client saw; with ``min_weight_version``
-    the gate holds it until an engine at that weight version (or newer) serves."""
+    the gate holds it until an engine at that weight version (or newer) serves; ``objective`` names its
+    InferenceObjective (header ``x-gateway-inference-objective``: its priority band at the gate)."""
     rec = RequestRecord(kind, stream, time.monotonic() - t0, min_weight_version=min_weight_version)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
-    headers = {protocol.MIN_WEIGHT_VERSION_HEADER: str(min_weight_version)} if min_weight_version else None
+    headers = {protocol.MIN_WEIGHT_VERSION_HEADER: str(min_weight_version)} if min_weight_version else {}
+    if objective:
+        headers[protocol.OBJECTIVE_HEADER] = objective
     try:
         if stream:
-            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers or None) as r:
                 rec.status = r.status_code
                 _read_gate_headers(rec, r.headers)
                 done = False
@@ -120,7 +124,7 @@ async def send_completion(
                 elif r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}"
         else:
-            r = await client.post(url + "/v1/completions", json=body, headers=headers)
+            r = await client.post(url + "/v1/completions", json=body, headers=headers or None)
             rec.status = r.status_code
             _read_gate_headers(rec, r.headers)
             rec.ok = r.status_code == 200 and bool(r.json().get("choices"))
@@ -135,10 +139,23 @@ async def send_completion(
 
 
 class LoadGenerator:
-    """Sends ``rps`` requests per second until stopped; every ``stream_every``-th one streams."""
+    """Sends ``rps`` requests per second until stopped; every ``stream_every``-th one streams (0: none). Each is
+    recorded as ``kind``; with ``objective`` each names that InferenceObjective (a second traffic class, e.g.
+    evaluation requests in a band with a hold deadline)."""
 
-    def __init__(self, url: str, model: str, rps: float, t0: float, stream_every: int = 3) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        rps: float,
+        t0: float,
+        stream_every: int = 3,
+        kind: str = "load",
+        objective: str | None = None,
+        max_tokens: int = 12,
+    ) -> None:
         self.url, self.model, self.rps, self.t0, self.stream_every = url, model, rps, t0, stream_every
+        self.kind, self.objective, self.max_tokens = kind, objective, max_tokens
         self.records: list[RequestRecord] = []
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -153,7 +170,17 @@ class LoadGenerator:
         while not self._stop.is_set():
             stream = self.stream_every > 0 and i % self.stream_every == 0
             task = asyncio.create_task(
-                send_completion(client, self.url, self.model, PROMPTS[i % len(PROMPTS)], stream=stream, kind="load", t0=self.t0)
+                send_completion(
+                    client,
+                    self.url,
+                    self.model,
+                    PROMPTS[i % len(PROMPTS)],
+                    stream=stream,
+                    kind=self.kind,
+                    t0=self.t0,
+                    max_tokens=self.max_tokens,
+                    objective=self.objective,
+                )
             )
             self._tasks.add(task)
             task.add_done_callback(self._done)

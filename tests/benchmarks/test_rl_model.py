@@ -264,3 +264,99 @@ def test_scrape_and_delta_of_the_orchestrator_histogram():
     assert phase_delta(before, after, "drain") == pytest.approx(0.3)
     assert phase_delta(before, after, "wake") is None
     assert phase_delta(after, after, "drain") is None
+
+
+# ------------------------------------------------------------------ second traffic class (eval), issue 26
+def _eval_sim(name="llmd_timeslice", inp=None, ev=None, layout="colocated", iterations=10):
+    inp = inp or m.default_inputs()
+    wl = m.make_workload(inp, layout=layout, iterations=iterations)
+    return m.simulate_eval(m.make_strategy(name, inp, wl.model_b, wl.group_size), wl, ev), wl
+
+
+@pytest.mark.parametrize("layout", ["colocated", "crossed"])
+def test_without_eval_traffic_the_eval_model_is_the_duty_cycle_model(layout):
+    inp = m.default_inputs()
+    ours, wl = _eval_sim(inp=inp, layout=layout)
+    s = m.make_strategy("llmd_timeslice", inp, wl.model_b, wl.group_size)
+    plain = m.simulate(s, wl)
+    # the same schedule, except that the release wakes the sampler at once: its wake leaves the rollout's path
+    wake = sum(c.seconds for c in s.suspend("trainer") + s.resume("sampler"))
+    assert plain["duty_cycle"] <= ours["duty_cycle"] <= plain["duty_cycle"] * (1 + wake / plain["iteration_s"]) + 1e-9
+    assert ours["training_step_s"] == pytest.approx(plain["training_step_s"], rel=1e-9)
+    assert ours["eval_requests"] == 0 and ours["yield_requests"]["sent"] == 0
+
+
+def test_without_yield_requests_eval_waits_out_the_training_phase_and_training_is_untouched():
+    inp = m.default_inputs()
+    none, wl = _eval_sim(inp=inp)
+    off, _ = _eval_sim(inp=inp, ev=m.eval_class(inp, yield_requests=False))
+    assert off["duty_cycle"] == pytest.approx(none["duty_cycle"], rel=1e-9)  # nobody asks: same schedule
+    assert off["yield_requests"]["sent"] == 0
+    # a request that arrives as the trainer is granted waits the whole phase (+ the switches around it)
+    assert wl.train_s < off["eval_hold_max_s"] < wl.train_s + 10
+    assert off["eval_hold_p99_s"] > 0.9 * wl.train_s
+    assert 0.3 < off["eval_held_fraction"] < 0.7  # about the share of time the trainer holds the group
+    assert off["eval_failed"] == 0  # the band's longest hold (120 s) is above the phase
+
+
+def test_with_free_switches_the_eval_hold_is_bounded_by_the_policy_and_safe_point_delays():
+    """ceiling (zero-cost switches), min_training_s = 0: a held request waits at most fraction x deadline, the gate's
+    report period, one heartbeat and one training step (plus its own service while the sampler drains)."""
+    inp = m.default_inputs()
+    ev = m.eval_class(inp, min_training_s=0.0, train_step_s=0.5, heartbeat_period_s=0.5, service_s=0.1)
+    res, _ = _eval_sim("ceiling", inp=inp, ev=ev)
+    bound = ev.fraction * ev.hold_deadline_s + ev.pressure_period_s + ev.heartbeat_period_s + ev.train_step_s + ev.service_s
+    assert res["eval_hold_max_s"] <= bound + 1e-6
+    assert res["eval_hold_p99_s"] <= ev.hold_deadline_s
+    assert res["yield_requests"]["honoured"] > 0 and res["eval_failed"] == 0
+    # every yield re-grants: the training phase is only cut, never shortened (the same compute is done)
+    assert res["training_step_s"] >= m.make_workload(inp, layout="colocated").train_s
+
+
+def test_min_training_bounds_the_yields_and_trades_eval_hold_for_duty_cycle():
+    inp = m.default_inputs()
+    rows = m.eval_tradeoff(inp, min_training=(0.0, 5.0, 20.0), steps=(2.0,), iterations=8)
+    wl = m.make_workload(inp, layout="colocated")
+    yields = [r["yields_per_iteration"] for r in rows]
+    duty = [r["duty_cycle_vs_no_eval"] for r in rows]
+    p99 = [r["eval_hold_p99_s"] for r in rows]
+    assert yields[0] > yields[1] > yields[2] > 0
+    assert duty[0] < duty[1] < duty[2] <= 1.0
+    assert p99[0] < p99[1] < p99[2]
+    for r in rows:  # at most one yield per min_training_s of training (+ the one at the phase's start)
+        assert r["yields_per_iteration"] <= wl.train_s / max(r["min_training_s"], 1e-9) + 1
+
+
+def test_run_eval_reports_the_benchmark_runs_side_by_side():
+    rep = m.run_eval(m.default_inputs(), iterations=8, min_training_s=5.0)
+    assert set(rep["runs"]) == set(m.EVAL_RUNS) and rep["deadline_s"] == 5.0
+    on, off = rep["runs"]["yield_on"], rep["runs"]["yield_off"]
+    assert rep["runs"]["no_eval"]["duty_cycle_vs_no_eval"] == 1.0
+    assert on["eval_hold_p99_s"] < off["eval_hold_p99_s"]
+    assert on["duty_cycle"] < off["duty_cycle"]  # each yield costs two handovers
+    assert on["yield_requests"]["request_to_yield_s_mean"] > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("hold_deadline_s", 0.0, "hold deadline must be in (0, max_hold_s=120.0], got 0.0"),
+        ("hold_deadline_s", 500.0, "hold deadline must be in (0, max_hold_s=120.0], got 500.0"),
+        ("fraction", 1.5, "yield request fraction must be in (0, 1], got 1.5"),
+        ("rps", -1.0, "eval rps must be >= 0, got -1.0"),
+        ("min_training_s", -2.0, "min_training_s must be >= 0, got -2.0"),
+        ("train_step_s", 0.0, "train_step_s must be > 0, got 0.0"),
+    ],
+)
+def test_bad_eval_class_inputs_are_refused_naming_the_value(field, value, words):
+    with pytest.raises(ValueError) as err:
+        m.eval_class(m.default_inputs(), **{field: value})
+    assert words in str(err.value)
+
+
+def test_eval_class_needs_a_layout_where_a_trainer_takes_the_samplers_group():
+    inp = m.default_inputs()
+    with pytest.raises(ValueError, match="layout 'interleaved' never lends"):
+        _eval_sim(inp=inp, ev=m.eval_class(inp), layout="interleaved")
+    with pytest.raises(ValueError, match="dedicated samplers never sleep"):
+        _eval_sim("dedicated", inp=inp, ev=m.eval_class(inp))

@@ -73,3 +73,31 @@ def test_timeline_sampler_lanes_are_labelled_by_sampler_name(tmp_path, monkeypat
     assert out.stat().st_size > 10_000
     labels = [t.get_text() for t in figures[0].axes[0].get_yticklabels()]
     assert labels == ["sampler-0", "sampler-1", "trainer"]
+
+
+def test_timeline_shows_priority_bands_yields_and_eval_requests(tmp_path, monkeypatch):
+    """With a second traffic class: one held line per band (highest first), the trainer's yields in its lane and
+    the eval requests apart from the rest."""
+    from llmd_timeslice.demo import timeline
+
+    monitor = [
+        {"t": 0.0, "held": 0, "endpoints": {"a": "SERVING"}, "bands": {}},
+        {"t": 1.0, "held": 3, "endpoints": {"a": "ASLEEP"}, "bands": {"0": 2, "10": 1}},
+        {"t": 2.0, "held": 0, "endpoints": {"a": "SERVING"}, "bands": {"0": 0, "10": 0}},
+    ]
+    figures = []
+    real_close = timeline.plt.close
+    monkeypatch.setattr(timeline.plt, "close", lambda fig: (figures.append(fig), real_close(fig)))
+    timeline.plot_timeline(
+        tmp_path / "timeline.png",
+        monitor,
+        [(0.0, 1.0, "train"), (1.0, 1.5, "yield"), (1.5, 2.0, "train")],
+        [
+            {"kind": "eval", "ok": True, "sent_at": 1.0, "done_at": 1.6, "hold_ms": 500},
+            {"kind": "rollout", "ok": True, "sent_at": 0.1, "done_at": 2.1, "hold_ms": 1900},
+        ],
+    )
+    lanes, held, latency = figures[0].axes
+    assert [t.get_text() for t in held.get_legend().get_texts()] == ["all bands", "band 10", "band 0"]
+    assert "yield request honoured" in [t.get_text() for t in lanes.get_legend().get_texts()]
+    assert "eval (second traffic class)" in [t.get_text() for t in latency.get_legend().get_texts()]
