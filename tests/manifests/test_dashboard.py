@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "manifests" / "grafana" / "llmd-timeslice-groups.json"
 
 CONTRACT_METRICS = (  # issue 26's metric names (/work/prompts/contract-26.md): the dashboard uses exactly these
