@@ -224,6 +224,25 @@ def _track_grpc_aio_servers() -> None:
 _track_grpc_aio_servers()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Before each test: SIGINT back to Python's default handler if an asyncio runner left its own behind.
+
+    ``asyncio.Runner`` installs ``partial(Runner._on_sigint, main_task=...)`` only while the handler is the default,
+    and restores it only if it is still its own. Seen in a full run on a loaded machine: after an Envoy of one test
+    could not bind its port, a runner's handler stayed installed; every later ``asyncio.run`` in that worker then
+    read it through ``signal.getsignal``, whose enum conversion formats ``repr(handler)``: the repr of a finished
+    task holding that test's exception, which overflowed the recursion limit, so each later test of the worker
+    failed with RecursionError. ``_signal`` reads the raw handler without that conversion."""
+    import _signal
+    import functools
+    import signal
+
+    handler = _signal.getsignal(signal.SIGINT)
+    if isinstance(handler, functools.partial) and isinstance(getattr(handler.func, "__self__", None), asyncio.Runner):
+        _signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a test and its fixtures are torn down: every gRPC server whose event loop has ended was stopped."""
