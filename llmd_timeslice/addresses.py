@@ -37,6 +37,8 @@ def parse_host_port(value: str, what: str = "host:port") -> HostPort:
     if not isinstance(value, str) or not value:
         raise bad("empty")
     text = value
+    if "://" in text:
+        raise bad(f"a URL, not an address: give host:port without the scheme, e.g. {text.split('://', 1)[1].rstrip('/')!r}")
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         if not sep:

@@ -135,6 +135,7 @@ def test_no_reader_bypasses_the_one_loader():
         ("::1:50051", "an IPv6 address goes in brackets, e.g. [::1]:50051"),
         ("[::1", "an IPv6 address in [ ] is not closed"),
         ("[nope]:1", "'nope' in [ ] is not an IPv6 address"),
+        ("http://127.0.0.1:50051/", "a URL, not an address: give host:port without the scheme, e.g. '127.0.0.1:50051'"),
     ],
 )
 def test_status_and_gate_refuse_the_same_bad_address_in_one_line(value, problem):

@@ -95,20 +95,19 @@ def pool_status(pool: PoolState) -> pb.PoolStatus:
 def band_status(pool: PoolState) -> list[pb.BandStatus]:
     """The pool's bands that hold requests, declare a hold deadline or have counts, highest first."""
     held = pool.held_by_band()
-    pressure = {p.band: p for p in pool.pressure()}
+    oldest = pool.oldest_held_by_band()
     declared = {b.priority: b for b in (pool.priorities.bands.values() if pool.priorities is not None else ())}
     out = []
     for b in sorted({*held, *declared, *pool.band_stats}, reverse=True):
         band = declared.get(b) or pool.band(b)
         st = pool.band_stats.get(b)
-        p = pressure.get(b)
         out.append(
             pb.BandStatus(
                 band=b,
                 held=held.get(b, 0),
                 max_hold_s=band.max_hold_s,
                 hold_deadline_s=band.hold_deadline_s or 0.0,
-                oldest_held_s=p.oldest_held_s if p is not None else 0.0,
+                oldest_held_s=oldest.get(b, 0.0),
                 released_total=st.released_total if st is not None else 0,
                 refused_total=dict(st.refused_total) if st is not None else {},
                 deadline_misses_total=st.deadline_misses_total if st is not None else 0,

@@ -278,6 +278,11 @@ class PoolState:
         """Requests held now per band, highest band first (bands holding none left out)."""
         return {b: len(self._held[b]) for b in sorted(self._held, reverse=True)}
 
+    def oldest_held_by_band(self) -> dict[int, float]:
+        """Seconds the oldest held request of each band has waited (bands holding none left out)."""
+        now = self._clock()
+        return {b: now - q[0].enqueued_at for b, q in self._held.items() if q}
+
     def pressure(self) -> list[BandPressure]:
         """Each band with a hold deadline that holds requests now, highest first (see :class:`BandPressure`)."""
         out = []

@@ -141,6 +141,7 @@ async def test_status_and_metrics_show_held_per_band():
     bands = {b.band: b for b in st.bands}
     assert st.held == 2 and bands[10].held == 1 and bands[10].hold_deadline_s == 0.5 and bands[10].oldest_held_s > 0
     assert bands[0].held == 1 and bands[5].held == 0 and bands[5].max_hold_s == 0.4
+    assert bands[0].oldest_held_s > 0, "a band without a hold deadline shows its oldest held request too (new-user walk)"
     col = PoolCollector()
     col.pool_maps.append({"default": pool})
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in col.collect() for s in m.samples}
