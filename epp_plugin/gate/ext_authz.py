@@ -125,11 +125,49 @@ class AuthzService:
         """Envoy's endpoint discovery (when the gate picks): an endpoint is named only once Envoy has it."""
         self.picker = ENDPOINT_PICKS.create("least_in_flight")
         self._answers: dict[tuple[str, bool], tuple[int, dict]] = {}  # (pool, pick) -> (epoch, key -> answer head)
+        self._by_header: dict[bytes, PoolState] = {}
+        """Pools by the check's raw pool header, filled as checks name them (the gate adds pools, never replaces
+        one: server.py, control.py, subscription.py), so a check decodes no header."""
+        self._envoys: dict[bytes, str] = {}  # raw Envoy id -> str (a handful per gate)
         self.open: set[AuthzProtocol] = set()
         """Open connections from Envoy (each held check is one)."""
 
     def protocol(self) -> AuthzProtocol:
         return AuthzProtocol(self)
+
+    def pool(self, raw: bytes | None) -> PoolState:
+        """The pool a check names (its raw ``x-llmd-timeslice-pool`` value).
+
+        Raises:
+            BadCheck: no pool header.
+            UnknownPool: no such pool on this gate.
+        """
+        pool = self._by_header.get(raw) if raw is not None else None
+        if pool is not None:
+            return pool
+        if raw is None:
+            raise BadCheck(
+                f"a check needs the {protocol.POOL_HEADER} header (rendered by the gate's Envoy "
+                "config); this port serves Envoy's ext_authz only"
+            )
+        name = raw.decode("utf-8", "replace")
+        pool = self.pools.get(name)
+        if pool is None:
+            raise UnknownPool(f"pool {name!r} is not configured on this gate")
+        if len(self._by_header) < _CACHE_LIMIT:
+            self._by_header[raw] = pool
+        return pool
+
+    def envoy(self, raw: bytes | None) -> str:
+        """The check's Envoy id (``x-llmd-timeslice-envoy``) as text ("" without it)."""
+        if raw is None:
+            return ""
+        envoy = self._envoys.get(raw)
+        if envoy is None:
+            envoy = raw.decode("ascii", "replace")
+            if len(self._envoys) < _CACHE_LIMIT:
+                self._envoys[raw] = envoy
+        return envoy
 
     def _cache(self, pool: PoolState, pick: bool) -> dict:
         key = (pool.name, pick)
@@ -158,6 +196,7 @@ class AuthzService:
                     b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n"
                     + _line(protocol.DESTINATION_HEADER, ",".join(order))
                     + _line(protocol.WEIGHT_VERSION_HEADER, str(pool.endpoints[order[0]].weight_version))
+                    + _ADMISSION
                 )
         else:
             cache = self._cache(pool, False)
@@ -169,13 +208,12 @@ class AuthzService:
                 )
                 if len(versions) == 1:
                     head += _line(protocol.WEIGHT_VERSION_HEADER, str(versions.pop()))
-                cache[adm.candidates] = head
+                head = cache[adm.candidates] = head + _ADMISSION
         aid = self.book.add(pool, adm, envoy)
-        answer = head + _ADMISSION + aid.encode() + b"\r\n"
         if adm.hold_s > 0:
             metrics.observe_hold(pool.name, adm)
-            answer += _HOLD_MS + str(round(adm.hold_s * 1000)).encode() + b"\r\n"
-        return answer + b"\r\n", aid
+            return head + aid.encode() + b"\r\n" + _HOLD_MS + str(round(adm.hold_s * 1000)).encode() + b"\r\n\r\n", aid
+        return head + aid.encode() + b"\r\n\r\n", aid
 
 
 class AuthzProtocol(asyncio.Protocol):
@@ -245,23 +283,18 @@ class AuthzProtocol(asyncio.Protocol):
         h[0] = h[1] = h[2] = h[3] = h[4] = h[5] = None
         self._answered = None  # a new check: Envoy read the previous answer
         svc = self._svc
-        pool_name = pool_raw.decode("utf-8", "replace") if pool_raw is not None else None
+        pool: PoolState | None = None
         try:
-            if pool_name is None:
-                raise BadCheck(
-                    f"a check needs the {protocol.POOL_HEADER} header (rendered by the gate's Envoy "
-                    "config); this port serves Envoy's ext_authz only"
-                )
-            pool = svc.pools.get(pool_name)
-            if pool is None:
-                raise UnknownPool(f"pool {pool_name!r} is not configured on this gate")
-            min_version = min_weight_version(version_raw.decode("utf-8", "replace") if version_raw is not None else None)
+            pool = svc.pool(pool_raw)
+            # Without the optional headers (the common case) no decode and no call: 0 and band 0.
+            min_version = min_weight_version(version_raw.decode("utf-8", "replace")) if version_raw is not None else 0
             objective = pool.objective(objective_raw.decode("utf-8", "replace")) if objective_raw is not None else None
             adm = pool.try_admit(min_version, objective)
         except AdmissionRefused as err:
-            self._refuse(pool_name, err)
+            name = pool.name if pool is not None else pool_raw.decode("utf-8", "replace") if pool_raw is not None else None
+            self._refuse(name, err)
             return
-        envoy = envoy_raw.decode("ascii", "replace") if envoy_raw is not None else ""
+        envoy = svc.envoy(envoy_raw)
         pick = pick_raw == _PICK_VALUE
         self._eds = eds_raw is not None
         if adm is not None:

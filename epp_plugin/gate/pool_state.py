@@ -47,6 +47,9 @@ from llmd_timeslice.domain.objectives import Band, ObjectiveClass, PoolPrioritie
 
 log = logging.getLogger(__name__)
 
+_INF = math.inf  # a module global: no attribute lookup per admission
+_SERVING_CACHE_LIMIT = 64
+
 
 class EndpointState(enum.Enum):
     """Gate view of one model-server endpoint (docs/architecture.md, "States and their vocabularies")."""
@@ -125,7 +128,7 @@ class GateShuttingDown(AdmissionRefused):
     retry_after_s = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class Endpoint:
     """One endpoint (``ip:port``) of a pool; ``in_flight`` counts live requests that may reach it."""
 
@@ -135,7 +138,7 @@ class Endpoint:
     in_flight: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Admission:
     """One admitted request, from request headers to stream end.
 
@@ -258,6 +261,9 @@ class PoolState:
         self.on_change: Callable[[], None] | None = None
         """Called after every change of the endpoint list or states (the EDS directory refreshes from it)."""
         self.failed: dict[str, asyncio.TimerHandle | None] = {}
+        self._serving: dict[int, tuple[str, ...]] = {}
+        """:meth:`serving`'s answer per ``min_version``, emptied by every change of an endpoint's state, version or
+        failure mark (:meth:`_states_changed`): the data path asks it once per request, the state changes per switch."""
         """Endpoints Envoy could not connect to (:meth:`mark_failed`): not steered to until their state changes or
         their hold passes."""
         self.stale = False
@@ -356,18 +362,25 @@ class PoolState:
 
     def serving(self, min_version: int = 0) -> tuple[str, ...]:
         """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order (none while stale)."""
-        if self.stale or (self.fresh_until != math.inf and self._clock() >= self.fresh_until):
+        if self.stale or (self.fresh_until != _INF and self._clock() >= self.fresh_until):
             return ()
-        if self.failed:
-            failed = self.failed
-            return tuple(
-                ep.address
-                for ep in self.endpoints.values()
-                if ep.state is EndpointState.SERVING and ep.weight_version >= min_version and ep.address not in failed
-            )
-        return tuple(
-            ep.address for ep in self.endpoints.values() if ep.state is EndpointState.SERVING and ep.weight_version >= min_version
+        found = self._serving.get(min_version)
+        if found is not None:
+            return found
+        failed = self.failed
+        found = tuple(
+            ep.address
+            for ep in self.endpoints.values()
+            if ep.state is EndpointState.SERVING and ep.weight_version >= min_version and ep.address not in failed
         )
+        if len(self._serving) >= _SERVING_CACHE_LIMIT:  # min_version comes from clients: bounded
+            self._serving.clear()
+        self._serving[min_version] = found
+        return found
+
+    def _states_changed(self) -> None:
+        """An endpoint was added, removed, changed state or version, or was marked failed or unmarked."""
+        self._serving.clear()
 
     # ---------------------------------------------------------------- data path
     def try_admit(self, min_version: int = 0, objective: ObjectiveClass | None = None) -> Admission | None:
@@ -496,20 +509,22 @@ class PoolState:
         if adm.finished or adm.served is not None:
             return version
         adm.served = address
-        if address not in adm.candidates:
+        dropped = adm.candidates
+        if address not in dropped:
             # Served outside the hint (an EPP that ignored it): count it where it really went.
-            ep = self.endpoints.get(address)
             if ep is not None:
                 ep.in_flight += 1
-            dropped = adm.candidates
             adm.candidates = (address,) if ep is not None else ()
+            if not dropped:
+                return version
         else:
-            dropped = tuple(a for a in adm.candidates if a != address)
             adm.candidates = (address,)
+            if len(dropped) == 1:  # the hint was that endpoint alone: nothing stops counting
+                return version
         for addr in dropped:
-            self._uncount(addr)
-        if dropped:
-            self._notify()
+            if addr != address:
+                self._uncount(addr)
+        self._notify()
         return version
 
     def narrow(self, adm: Admission, addresses: tuple[str, ...]) -> None:
@@ -564,6 +579,7 @@ class PoolState:
                     self._clear_failed(address)  # the orchestrator said something new about it: that governs
         self.last_changed = changed
         if changed:
+            self._states_changed()
             self.epoch += 1
             if self._held and self.serving():
                 self._kick_releaser()
@@ -611,15 +627,18 @@ class PoolState:
             return False
         timer = asyncio.get_running_loop().call_later(hold_s, self._failed_expired, address) if hold_s > 0 else None
         self.failed[address] = timer
+        self._states_changed()
         return ep.state is EndpointState.SERVING
 
     def _failed_expired(self, address: str) -> None:
         self.failed.pop(address, None)
+        self._states_changed()
         if self._held and self.serving():
             self._kick_releaser()
 
     def _clear_failed(self, address: str) -> None:
         timer = self.failed.pop(address, None)
+        self._states_changed()
         if timer is not None:
             timer.cancel()
 
@@ -634,6 +653,7 @@ class PoolState:
         for addr in [a for a in self.endpoints if a not in listed]:
             if self.endpoints[addr].in_flight == 0:
                 del self.endpoints[addr]
+                self._states_changed()
                 if addr in self.failed:
                     self._clear_failed(addr)
                 if self.on_change is not None:

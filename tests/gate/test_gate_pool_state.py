@@ -192,3 +192,28 @@ async def test_a_lost_completion_costs_one_drain_not_every_later_one():
     pool.finish(lost)  # a late access-log entry: idempotent
     pool.finish(hinted)
     assert pool.in_flight(["e1:1", "e2:1"]) == {"e1:1": 0, "e2:1": 0}
+
+
+async def test_serving_answer_follows_every_change_after_being_asked():
+    """serving() keeps its answer per min_version between changes: each kind of change must show at once."""
+    pool = PoolState("p")
+    e1, e2 = "10.0.0.1:8000", "10.0.0.2:8000"
+    pool.set_states([(e1, S, 1), (e2, S, 2)])
+    assert pool.serving() == (e1, e2) and pool.serving(2) == (e2,)
+    pool.set_states([(e1, S, 3)])  # a new weight version
+    assert pool.serving(2) == (e1, e2), "a version change must show in serving(min_version)"
+    pool.set_states([(e2, A, None)])
+    assert pool.serving() == (e1,), "a state change must show"
+    pool.mark_failed(e1, 0.05)
+    assert pool.serving() == (), "a failed mark must show"
+    await asyncio.sleep(0.1)
+    assert pool.serving() == (e1,), "the failed mark's expiry must show"
+    pool.set_states([(e2, S, None)])
+    assert pool.serving() == (e1, e2)
+    pool.replace_states([(e1, S, 3)])  # e2 listed no more, nothing in flight: removed
+    assert pool.serving() == (e1,), "a removed endpoint must not stay a candidate"
+    pool.set_stale(True)
+    assert pool.serving() == ()
+    pool.set_stale(False)
+    assert pool.serving() == (e1,)
+    assert pool.try_admit().candidates == (e1,)
