@@ -396,6 +396,11 @@ def eval_summary(records: list[dict], yields: list[dict], eval_rps: float, deadl
         "eval_deadline_misses": sum(1 for h in holds if h > deadline_s * 1000),
         "yields_honoured": len(yields),
         "request_to_yield_s_max": round(max(to_yield, default=0.0), 2),
+        "eval_notes": (
+            "eval_hold_ms percentiles are over every completed eval request (0 for one not held), unlike hold_ms_p50 "
+            "(held requests only); eval_deadline_misses: held longer than eval_deadline_s; request_to_yield_s: from "
+            "the heartbeat answer that carried a yield request to the trainer's yield at its next step boundary."
+        ),
     }
 
 
