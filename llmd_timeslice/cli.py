@@ -418,6 +418,17 @@ def demo(
     iterations: Annotated[int, typer.Option(help="RL iterations (each a switch to the trainer and back).", min=1)] = 5,
     load_rps: Annotated[float, typer.Option(help="Background load: requests per second through Envoy.", min=0.1)] = 6.0,
     train_s: Annotated[float, typer.Option(help="Least seconds of training per iteration.", min=0)] = 4.0,
+    eval_rps: Annotated[
+        float,
+        typer.Option(
+            help="A second traffic class: eval requests per second (InferenceObjective 'eval', priority 10, with a hold "
+            "deadline); the trainer honours yield requests at its step boundaries. 0: none.",
+            min=0,
+        ),
+    ] = 0.0,
+    eval_deadline_s: Annotated[
+        float, typer.Option(help="The eval band's hold deadline, seconds (with --eval-rps).", min=0.1, max=120)
+    ] = 5.0,
     log_level: LogLevelOpt = LogLevel.warning,
 ) -> None:
     """Run the whole stack on this machine (Envoy, gate on the fast path picking the endpoint, orchestrator, 2 vLLM + sidecars)
@@ -425,7 +436,8 @@ def demo(
     from llmd_timeslice.demo.run import run_demo
 
     _setup_logging(log_level)
-    raise typer.Exit(run_demo(out, iterations=iterations, load_rps=load_rps, train_s=train_s))
+    code = run_demo(out, iterations, load_rps, train_s, eval_rps=eval_rps, eval_deadline_s=eval_deadline_s)
+    raise typer.Exit(code)
 
 
 class _GateEdge(enum.StrEnum):

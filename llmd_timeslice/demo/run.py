@@ -10,6 +10,10 @@
    restored; the trainer writes weight version N+1 (safetensors + XXH3-128 manifest) and yields with
    it, so the samplers wake with the new policy; the next rollout asks the gate for that version with
    ``x-llmd-timeslice-min-weight-version`` and each response says which version served it);
+   With ``--eval-rps R`` a second traffic class (InferenceObjective ``eval``, priority band 10 with a hold deadline)
+   sends R requests per second; the RL loop trains in steps and, when the orchestrator asks it to yield for held
+   eval requests (``yield_requested()`` on its lease), yields at the next step boundary and acquires the group
+   again, so the samplers serve the held requests in between (docs/integrations.md, "Yield requests");
 4. writes ``OUT/summary.json``, ``OUT/requests.json`` and ``OUT/timeline.png`` and prints a summary.
 """
 
@@ -55,11 +59,14 @@ class GateMonitor:
 
     async def snapshot(self) -> dict:
         s = await self._stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool="default"), timeout=5)
-        return {
+        snap = {
             "t": time.monotonic() - self.t0,
             "held": s.held,
             "endpoints": {e.address: gpb.EndpointState.Name(e.state)[15:] for e in s.endpoints},
         }
+        if s.bands:  # the gate's priority bands (held per band: the timeline's band lines)
+            snap["bands"] = {str(b.band): b.held for b in s.bands}
+        return snap
 
     async def wait_serving(self, n: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -104,7 +111,13 @@ async def _rl_loop(
     phases: list,
     iters: list,
     rollout_records: list,
+    yields: list | None = None,
+    step_s: float = 0.5,
 ) -> None:
+    """The RL loop. With ``yields`` (a list: the eval class runs) training goes in steps of about ``step_s`` seconds
+    and a yield request is honoured at the next step boundary: trainer state offloaded, the group yielded (no new
+    weights), acquired again, state restored; each honoured request is appended to ``yields`` as ``{"asked_at",
+    "yielded_at", "back_at", "band", "objective"}`` (seconds since ``t0``) and drawn as a ``yield`` phase."""
     from transformers.utils import logging as hf_logging
 
     from llmd_timeslice.client.torch_offload import TorchStateOffloader
@@ -120,6 +133,47 @@ async def _rl_loop(
     await asyncio.to_thread(offloader.offload)  # trainer state lives in host memory until it holds the group
     ts = AsyncTimeSliceOrchestratorClient(orchestrator_addr, job_id=TRAINER_JOB, group_id=GROUP, token=token)
     now = lambda: time.monotonic() - t0  # noqa: E731
+    asked: list[float] = []  # when a lease answer first carried each yield request (the client's callback)
+    ts.on_yield_requested(lambda _request: asked.append(now()))
+
+    async def train(prompts: list[str], completions: list[str]) -> tuple[dict, float]:
+        """Train ``train_s`` seconds; with ``yields``: in steps, honouring yield requests between them. Returns the
+        trainer's figures and the start of the last training span (after the last yield)."""
+        if yields is None:
+            return await asyncio.to_thread(trainer.step, prompts, completions, train_s), now()
+        figs: list[dict] = []
+        span = now()
+        trained = 0.0
+        while True:
+            figs.append(await asyncio.to_thread(trainer.step, prompts, completions, min(step_s, train_s - trained)))
+            trained += figs[-1]["train_s"]
+            if trained >= train_s:
+                break
+            req = ts.yield_requested()
+            if req is None:
+                continue
+            y = now()
+            asked_at = asked[-1] if asked else y  # now: the callback may append a newer request during the yield
+            phases.append((span, y, "train"))
+            await asyncio.to_thread(offloader.offload)
+            await ts.release()  # no new weights: the samplers wake with the version they had
+            await ts.acquire(timeout_sec=300)
+            await asyncio.to_thread(offloader.restore)
+            span = now()
+            phases.append((y, span, "yield"))
+            yields.append({"asked_at": asked_at, "yielded_at": y, "back_at": span, "band": req.band, "objective": req.objective})
+            console.print(
+                f"    yielded for held {req.objective or 'band ' + str(req.band)} requests at a step boundary "
+                f"({y - asked_at:.1f} s after the request), back training after {span - y:.1f} s"
+            )
+        fig = {
+            "loss": figs[-1]["loss"],
+            "reward_mean": figs[-1]["reward_mean"],
+            "optimizer_steps": sum(f["optimizer_steps"] for f in figs),
+            "train_s": trained,
+        }
+        return fig, span
+
     try:
         for it in range(iterations):
             a = now()
@@ -154,12 +208,13 @@ async def _rl_loop(
             phases.append((b, c, "switch to trainer"))
             await asyncio.to_thread(offloader.restore)  # checksum-verified
             completions = [r.text for r in recs]
-            fig = await asyncio.to_thread(trainer.step, prompts, completions, train_s)
+            n_yields = len(yields or ())
+            fig, span = await train(prompts, completions)
             version += 1
             update = await asyncio.to_thread(save_weight_version, trainer.model, weights_root, version)
             await asyncio.to_thread(offloader.offload)
             d = now()
-            phases.append((c, d, "train"))
+            phases.append((span if yields is not None else c, d, "train"))
             res = await ts.release(weights=update)
             console.print(
                 f"    switch to trainer {acq.waited_ms} ms (drain + verified sleep), trained "
@@ -178,14 +233,17 @@ async def _rl_loop(
                     "rollout_min_weight_version": version - 1,
                     "published_weight_version": version,
                     "rollout_weight_versions": sorted({r.weight_version for r in recs}),
+                    **({"yields": len(yields) - n_yields} if yields is not None else {}),
                 }
             )
     finally:
         await ts.close()
 
 
-async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> dict:
-    from llmd_timeslice.demo.stack import demo_stack_file
+async def _demo(
+    out: Path, iterations: int, load_rps: float, train_s: float, eval_rps: float = 0.0, eval_deadline_s: float = 5.0
+) -> dict:
+    from llmd_timeslice.demo.stack import EVAL_OBJECTIVE, demo_stack_file
     from llmd_timeslice.engines.tiny_model import build_tiny_llama
     from llmd_timeslice.local.up import Stack, StackRunner
 
@@ -195,7 +253,7 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
     t_begin = time.monotonic()
     with console.status("building the tiny Llama model (local, no download) ..."):
         model_dir = build_tiny_llama(out / "model")
-    sf = demo_stack_file(out, model_dir, GROUP, samplers=2)
+    sf = demo_stack_file(out, model_dir, GROUP, samplers=2, eval_deadline_s=eval_deadline_s if eval_rps > 0 else None)
     stack = Stack(sf, out)
     stack.token_file.unlink(missing_ok=True)  # a fresh token per run (the launcher writes one)
     names = {e.address: e.name for e in sf.engines}
@@ -229,10 +287,13 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
         phases: list = []
         iters: list = []
         rollout_records: list = []
+        yields: list | None = [] if eval_rps > 0 else None
         limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
         async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits) as client:
             load = LoadGenerator(eps["router"], SERVED_MODEL, load_rps, t0)
             load_task = asyncio.create_task(load.run(client))
+            evals = LoadGenerator(eps["router"], SERVED_MODEL, eval_rps, t0, kind="eval", objective=EVAL_OBJECTIVE)
+            eval_task = asyncio.create_task(evals.run(client)) if eval_rps > 0 else None
             await asyncio.sleep(3)  # some load before the first switch
             await _rl_loop(
                 eps["router"],
@@ -246,20 +307,28 @@ async def _demo(out: Path, iterations: int, load_rps: float, train_s: float) -> 
                 phases,
                 iters,
                 rollout_records,
+                yields,
             )
             await monitor.wait_serving(len(sf.engines), 120)
             await asyncio.sleep(3)  # some load after the last wake
             with console.status("waiting for the last requests ..."):
                 await load.stop()
                 await load_task
+                if eval_task is not None:
+                    await evals.stop()
+                    await eval_task
         await monitor.stop(mon_task)
-        records = [r.to_json() for r in load.records + rollout_records]
+        records = [r.to_json() for r in load.records + rollout_records + evals.records]
         summary = _summary(records, iters, load_rps, time.monotonic() - t0, t0 - t_begin)
+        if yields is not None:
+            summary |= eval_summary(records, yields, eval_rps, eval_deadline_s)
+            (out / "yields.json").write_text(json.dumps(yields, indent=1))
         (out / "requests.json").write_text(json.dumps(records))
         (out / "iterations.json").write_text(json.dumps(iters, indent=1))
         from llmd_timeslice.demo.timeline import plot_timeline  # matplotlib: ~0.5 s to import, only here
 
-        plot_timeline(out / "timeline.png", monitor.samples, phases, records, names=names)
+        asked = [y["asked_at"] for y in yields] if yields is not None else None
+        plot_timeline(out / "timeline.png", monitor.samples, phases, records, names=names, yield_requests=asked)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
     finally:
@@ -306,6 +375,35 @@ def _summary(records: list[dict], iters: list[dict], load_rps: float, wall_s: fl
     }
 
 
+def eval_summary(records: list[dict], yields: list[dict], eval_rps: float, deadline_s: float) -> dict:
+    """The eval class's figures (``--eval-rps``) from request records (``kind == "eval"``) and the RL loop's honoured
+    yields (``asked_at``, ``yielded_at``: seconds): hold percentiles in ms over every completed eval request (0 for
+    one not held), how many missed the band's hold deadline, yields honoured and the seconds from the request (as
+    the heartbeat answer carried it) to the yield."""
+    ev = [r for r in records if r["kind"] == "eval"]
+    ok = [r for r in ev if r["ok"]]
+    holds = [r["hold_ms"] for r in ok]
+    to_yield = [y["yielded_at"] - y["asked_at"] for y in yields]
+    return {
+        "eval_rps": eval_rps,
+        "eval_deadline_s": deadline_s,
+        "eval_requests": len(ev),
+        "eval_failed": len(ev) - len(ok),
+        "eval_held": sum(1 for h in holds if h > 0),
+        "eval_hold_ms_p50": _pct(holds, 50),
+        "eval_hold_ms_p99": _pct(holds, 99),
+        "eval_hold_ms_max": max(holds, default=0),
+        "eval_deadline_misses": sum(1 for h in holds if h > deadline_s * 1000),
+        "yields_honoured": len(yields),
+        "request_to_yield_s_max": round(max(to_yield, default=0.0), 2),
+        "eval_notes": (
+            "eval_hold_ms percentiles are over every completed eval request (0 for one not held), unlike hold_ms_p50 "
+            "(held requests only); eval_deadline_misses: held longer than eval_deadline_s; request_to_yield_s: from "
+            "the heartbeat answer that carried a yield request to the trainer's yield at its next step boundary."
+        ),
+    }
+
+
 SUMMARY_LINES: tuple[tuple[str, ...], ...] = (
     ("requests_sent", "requests_completed", "requests_failed", "requests_held"),
     ("hold_ms_p50", "hold_ms_p99", "phase_switches", "switch_ms_p50", "switch_ms_max"),
@@ -313,6 +411,12 @@ SUMMARY_LINES: tuple[tuple[str, ...], ...] = (
     ("load_rps", "streaming_requests", "sampler_backend", "engine"),
 )
 """The figures of the printed summary, line by line (``summary.json`` has them all, with ``notes``)."""
+
+EVAL_SUMMARY_LINES: tuple[tuple[str, ...], ...] = (
+    ("eval_rps", "eval_requests", "eval_failed", "eval_held", "eval_hold_ms_p50", "eval_hold_ms_p99", "eval_deadline_misses"),
+    ("eval_deadline_s", "yields_honoured", "request_to_yield_s_max"),
+)
+"""The lines printed after :data:`SUMMARY_LINES` when the demo ran a second traffic class (``--eval-rps``)."""
 
 
 def _figure(v) -> str:
@@ -325,13 +429,15 @@ def _figure(v) -> str:
 
 def summary_lines(summary: dict, total_s: float) -> list[str]:
     """The demo's printed summary (the README shows the same lines): a title line that says what each
-    duration measures, then ``figure value · figure value`` lines (:data:`SUMMARY_LINES`)."""
+    duration measures, then ``figure value · figure value`` lines (:data:`SUMMARY_LINES`, then
+    :data:`EVAL_SUMMARY_LINES` with an eval class)."""
     title = (
         f"llmd-timeslice demo: {total_s:.0f} s in all = setup_s {_figure(summary['setup_s'])} (tiny model, vLLM "
         f"start-up, stack) + wall_s {_figure(summary['wall_s'])} (stack up to the last answer: load and RL loop) "
         "+ stop"
     )
-    return [title, *(" · ".join(f"{k} {_figure(summary[k])}" for k in line if k in summary) for line in SUMMARY_LINES)]
+    lines = SUMMARY_LINES + (EVAL_SUMMARY_LINES if "eval_rps" in summary else ())
+    return [title, *(" · ".join(f"{k} {_figure(summary[k])}" for k in line if k in summary) for line in lines)]
 
 
 async def _cancel_on_signals(coro):
@@ -343,7 +449,14 @@ async def _cancel_on_signals(coro):
     return await task
 
 
-def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: float = 4.0) -> int:
+def run_demo(
+    out: Path,
+    iterations: int = 5,
+    load_rps: float = 6.0,
+    train_s: float = 4.0,
+    eval_rps: float = 0.0,
+    eval_deadline_s: float = 5.0,
+) -> int:
     """Run the demo; returns the exit code (0 when no request failed).
 
     Args:
@@ -351,12 +464,15 @@ def run_demo(out: Path, iterations: int = 5, load_rps: float = 6.0, train_s: flo
         iterations: RL iterations (each is a switch to the trainer and back).
         load_rps: background requests per second through Envoy.
         train_s: least seconds of training per iteration (optimizer steps repeat until then).
+        eval_rps: requests per second of the second traffic class (InferenceObjective ``eval``); 0: none (the
+            plain demo); above 0 the trainer honours yield requests at its step boundaries.
+        eval_deadline_s: the eval band's hold deadline, seconds (> 0, at most the gate's longest hold, 120 s).
     """
     from llmd_timeslice.local.supervisor import StartFailed
 
     t = time.monotonic()
     try:
-        summary = asyncio.run(_cancel_on_signals(_demo(out, iterations, load_rps, train_s)))
+        summary = asyncio.run(_cancel_on_signals(_demo(out, iterations, load_rps, train_s, eval_rps, eval_deadline_s)))
     except asyncio.CancelledError:
         console.print("[yellow]stopped by a signal; every process of the stack was stopped[/yellow]")
         return 143

@@ -44,6 +44,7 @@ def plot_timeline(
     trainer_phases: list[tuple[float, float, str]],
     requests: list[dict],
     names: dict[str, str] | None = None,
+    yield_requests: list[float] | None = None,
 ) -> Path:
     """Write the PNG: a lane per sampler (gate endpoint state) and the trainer, held requests below.
 
@@ -51,7 +52,8 @@ def plot_timeline(
     held}`` (the gate's priority bands: one line each); ``trainer_phases``: ``(start_s, end_s, phase)`` (phase
     ``yield``: the trainer yielded at a step boundary on a yield request); ``requests``: request records
     (``kind``, ``sent_at``, ``done_at``, ``hold_ms``, ``ok``; kind ``eval``: the second traffic class, drawn apart);
-    ``names``: ``{address: sampler name}`` for the lane labels (see :func:`sampler_lanes`).
+    ``names``: ``{address: sampler name}`` for the lane labels (see :func:`sampler_lanes`); ``yield_requests``:
+    when the trainer learned each yield request (seconds), drawn as markers above its lane.
     """
     fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True, gridspec_kw={"height_ratios": [2.2, 1.2, 1.2]})
     samplers = sampler_lanes(monitor, names)
@@ -65,13 +67,17 @@ def plot_timeline(
     for start, end, phase in trainer_phases:
         ax.barh(ti, end - start, left=start, color=TRAINER_COLORS.get(phase, "k"), height=0.6, edgecolor="k", linewidth=0.3)
     ax.set_yticks(range(len(lanes)), lanes)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
+    handles: list = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
     yielded = any(p == "yield" for *_, p in trainer_phases)
     trainer_kinds = ["rollout", "switch to trainer", "train", *(["yield"] if yielded else [])]
     handles += [plt.Rectangle((0, 0), 1, 1, color=TRAINER_COLORS[k]) for k in trainer_kinds]
+    labels = [*STATE_COLORS, *(k if k != "yield" else "yield request honoured" for k in trainer_kinds)]
+    if yield_requests:
+        handles.append(ax.scatter(yield_requests, [ti + 0.42] * len(yield_requests), marker="v", c="k", s=22, zorder=3))
+        labels.append("yield requested")
     ax.legend(
         handles,
-        [*STATE_COLORS, *(k if k != "yield" else "yield request honoured" for k in trainer_kinds)],
+        labels,
         ncol=8,
         fontsize=8,
         loc="lower center",

@@ -92,7 +92,8 @@ def test_timeline_shows_priority_bands_yields_and_eval_requests(tmp_path, monkey
         tmp_path / "timeline.png",
         monitor,
         [(0.0, 1.0, "train"), (1.0, 1.5, "yield"), (1.5, 2.0, "train")],
-        [
+        yield_requests=[0.8],
+        requests=[
             {"kind": "eval", "ok": True, "sent_at": 1.0, "done_at": 1.6, "hold_ms": 500},
             {"kind": "rollout", "ok": True, "sent_at": 0.1, "done_at": 2.1, "hold_ms": 1900},
         ],
@@ -100,4 +101,5 @@ def test_timeline_shows_priority_bands_yields_and_eval_requests(tmp_path, monkey
     lanes, held, latency = figures[0].axes
     assert [t.get_text() for t in held.get_legend().get_texts()] == ["all bands", "band 10", "band 0"]
     assert "yield request honoured" in [t.get_text() for t in lanes.get_legend().get_texts()]
+    assert "yield requested" in [t.get_text() for t in lanes.get_legend().get_texts()]
     assert "eval (second traffic class)" in [t.get_text() for t in latency.get_legend().get_texts()]
