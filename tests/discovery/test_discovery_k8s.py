@@ -638,10 +638,10 @@ def test_cli_orchestrator_with_kubernetes_discovery(kube, tmp_path):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.TimeSliceOrchestratorServiceStub(ch)
-            groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=20, wait_for_ready=True).group_ids
+            groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=90, wait_for_ready=True).group_ids
             assert list(groups) == ["g0"]
             kube.add(make_pod("t1", "g-new", role="trainer", ip="10.0.0.10"))
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while "g-new" not in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).group_ids:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
@@ -660,7 +660,7 @@ def test_cli_kubernetes_errors_are_one_line(kube, tmp_path):
         env=_cli_env(tmp_path, kube.url),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=90,  # a bound on a hang, not a speed: a loaded 2-core machine starts the CLI in 20+ s
     )
     assert r.returncode == 2 and "RBAC verb 'list'" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
