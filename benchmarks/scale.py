@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.scale --out scale.json [--quick] [--switches 30] [--profile-dir DIR]
 
-For each (N samplers, M gates) in {1, 16, 64, 128} x {1, 4} (``--quick``: {1, 4} x {1, 2}, 3 switches): one real
+For each (N samplers, M gates) in {1, 16, 64, 128} x {1, 4} (``--quick``: {1, 4} x {2}, 3 switches: the tests' run): one real
 orchestrator (``llmd-timeslice orchestrator``, a child process), M real gates subscribed to it (``llmd-timeslice
 gate`` processes), and N real sidecars (``SidecarServer`` + ``VllmBackend``, real gRPC) each on a fake vLLM over real
 HTTP (``tests.support.fake_engines.FakeVllm``, with TCP_NODELAY, its ``/metrics`` page padded to the families and
@@ -47,7 +47,7 @@ HOST_SIZE = 32
 """Sidecars (and fake engines) per sidecar host process."""
 
 FULL_SAMPLERS, FULL_GATES, FULL_SWITCHES = (1, 16, 64, 128), (1, 4), 30
-QUICK_SAMPLERS, QUICK_GATES, QUICK_SWITCHES = (1, 4), (1, 2), 3
+QUICK_SAMPLERS, QUICK_GATES, QUICK_SWITCHES = (1, 4), (2,), 3
 WARMUP_SWITCHES = 2
 
 

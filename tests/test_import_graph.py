@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.source import parse_source
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "llmd_timeslice"
 ROUTER_SIDE = "epp_plugin"
@@ -58,7 +60,7 @@ def find_imports(mods: dict[str, Path]) -> list[Import]:
     out: list[Import] = []
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_source(path)):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -15,6 +15,7 @@ from llmd_timeslice.discovery.kubernetes import GROUP_ANNOTATIONS, JOB_ANNOTATIO
 from llmd_timeslice.domain.group_settings import SETTINGS_FIELDS, GroupSettings, GroupSpec, SamplerEndpoint
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.local.stack_file import StackFile
+from tests.support.source import parse_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +92,7 @@ def test_each_default_is_defined_once():
     for path in [*(ROOT / "llmd_timeslice").rglob("*.py"), *(ROOT / "epp_plugin").rglob("*.py")]:
         if path == owner or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_source(path)):
             if not isinstance(node, ast.ClassDef):
                 continue
             for item in node.body:

@@ -266,14 +266,16 @@ async def test_leader_frozen_past_its_lease_is_fenced_after_the_takeover_and_ste
         # B restored the holder and its lease; nobody heartbeats, so B reclaims the group and wakes the engines.
         await until(lambda: [s.servicer.highest_term for s in sidecars] == [2, 2], what="B commands the sidecars", timeout_s=30)
         await until(lambda: set(pool.serving()) == set(addrs), what="B woke the samplers")
-    else:
-        # The Service still lists A (Ready as it will claim once thawed): the gate's next connection goes to A.
-        svc.pin(a)
-        svc.proxy.cut()
-        svc.proxy.heal()
     pair["api_path_a"].blackhole()  # A's node is cut off from the API server: its Lease calls hang
     caplog.set_level("ERROR")
     a.signal(signal.SIGCONT)
+    if refused_by == "gate":
+        # The Service still lists A (Ready as it claims, thawed): the gate's next connection goes to A. Cut after the
+        # thaw, not before: the gate's attempts to reach a frozen A back off, and on a loaded machine its next one
+        # came after A had stepped down (renew_deadline_s), so A never sent it a late command.
+        svc.pin(a)
+        svc.proxy.cut()
+        svc.proxy.heal()
     assert await asyncio.to_thread(a.proc.wait, 30) == 3, "A stepped down and exited with code 3"
     log = a.log()
     assert "steps down" in log

@@ -153,3 +153,25 @@ def test_the_launcher_removes_a_vllm_servers_runtime_directory_after_it_exits(tm
     assert runtime.is_dir() and env["VLLM_RPC_BASE_PATH"] == str(runtime)
     vllm.after_exit()
     assert not runtime.exists()
+
+
+def test_the_examples_vllm_engines_run_the_command_the_tests_real_vllm_runs(tmp_path):
+    """``up`` on the CPU example starts each vLLM engine with the command line and environment of the session's
+    real vLLM server (tests/support/vllm.py), so that server's tests (sleep, wake, weight reloads, the phase switch)
+    are tests of what ``up`` starts; tests/local/test_stack_up.py runs ``up`` on fake engines."""
+    from llmd_timeslice.engines.vllm_server import VllmServer
+
+    model = _model(tmp_path)
+    stack = _up_stack(tmp_path, model)
+    cmds = stack.commands()
+    for e in stack.sf.engines:
+        ours = cmds.vllm(e, model)
+        tests = VllmServer(model, ours.port, tmp_path / "tests-vllm.log")  # tests/support/vllm.py, before its LoRA flags
+        assert ours.command() == tests.command(), e.name
+        env_ours, env_tests = ours.environment(), tests.environment()
+        for env, server in ((env_ours, ours), (env_tests, tests)):  # each start's own runtime directory
+            for k in [k for k, v in env.items() if v.startswith(str(server.runtime_dir))]:
+                del env[k]
+        assert env_ours == env_tests, e.name
+        for server in (ours, tests):
+            server.remove_runtime_dir()
