@@ -48,6 +48,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendResult,
     freed_too_little,
 )
+from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
 from llmd_timeslice.snapshot.backends.vllm import (
     PROBE_PROMPTS,
     PROBE_TOKENS,
@@ -123,7 +124,7 @@ class SglangBackend(SnapshotBackend):
         self.probe_max_mismatched_prompts = probe_max_mismatched_prompts
         self.probe_references: dict[str | None, list[list]] = {}
         """Weight version label (None: the engine reports none) -> greedy token ids per probe prompt."""
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s)
+        self._http = engine_http_client(self.base_url, request_timeout_s)
         self._released: set[str] = set()  # SGLang cannot be asked; this is what we released
         self._paused = False  # this backend paused generation before its release
 

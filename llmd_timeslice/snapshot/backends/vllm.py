@@ -139,6 +139,7 @@ from llmd_timeslice.snapshot.backends.base import (
     WeightVersionRejected,
     freed_too_little,
 )
+from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
 from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader, default_loaders
@@ -342,7 +343,7 @@ class VllmBackend(SnapshotBackend):
         self.idle_timeout_s = idle_timeout_s
         self.idle_poll_s = idle_poll_s
         self.probe = probe
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s)
+        self._http = engine_http_client(self.base_url, request_timeout_s)
         if weight_loaders is None:
             weight_loaders = default_loaders()
         self.weight_loaders = weight_loaders
