@@ -19,11 +19,8 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
-
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from llmd_timeslice.discovery.kubernetes import KubernetesError
 from llmd_timeslice.domain.objectives import (
@@ -35,6 +32,7 @@ from llmd_timeslice.domain.objectives import (
     ObjectivesError,
     objective_from_k8s,
 )
+from llmd_timeslice.watch_rounds import run_rounds, stop_watch_thread
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +141,7 @@ class ObjectiveWatch:
         """Stop the watch (closes its connection)."""
         self._stopping.set()
         if self._thread is not None:
-            deadline = time.monotonic() + 5.0
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                w = self._watch
-                if w is not None:
-                    w.stop()
-                await asyncio.to_thread(self._thread.join, 0.05)
+            await stop_watch_thread(self._thread, self._stopping, lambda: self._watch)
             self._thread = None
 
     # ------------------------------------------------------------ watch thread
@@ -224,27 +217,7 @@ class ObjectiveWatch:
             raise _explain(exc, "watch" if self._rv else "list", self.namespace) from exc
 
     def _run(self) -> None:
-        retrying = Retrying(
-            retry=retry_if_exception_type(Exception),
-            reraise=True,
-            stop=lambda state: self._stopping.is_set(),
-            sleep=self._pause,
-            wait=wait_exponential_jitter(multiplier=self.backoff_s, max=self.backoff_max_s, jitter=self.backoff_s),
-            before_sleep=self._retrying_in,
-        )
-        while not self._stopping.is_set():
-            try:
-                retrying(self._round)
-            except Exception:
-                return
-
-    def _pause(self, seconds: float) -> None:
-        self._stopping.wait(seconds)  # stop() ends the wait
-
-    @staticmethod
-    def _retrying_in(state: RetryCallState) -> None:
-        wait_s = state.next_action.sleep if state.next_action is not None else 0.0
-        log.warning("%s; retrying in %.1f s", state.outcome.exception() if state.outcome else "", wait_s)
+        run_rounds(self._round, self._stopping, self.backoff_s, self.backoff_max_s, log)
 
     def _publish(self) -> None:
         entries = self.entries()

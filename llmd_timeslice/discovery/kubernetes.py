@@ -61,7 +61,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,16 +68,14 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from pydantic import TypeAdapter, ValidationError
 from tenacity import (
-    RetryCallState,
     Retrying,
     retry_if_exception,
-    retry_if_exception_type,
     stop_after_attempt,
     wait_exponential,
-    wait_exponential_jitter,
 )
 
 from llmd_timeslice.domain.group_settings import GroupSettings, GroupSpec, SamplerEndpoint
+from llmd_timeslice.watch_rounds import run_rounds, stop_watch_thread
 
 log = logging.getLogger(__name__)
 
@@ -493,15 +490,7 @@ class KubernetesDiscovery:
         """Stop the watch (closes its connection) and end every ``changes()`` iterator."""
         self._stopping.set()
         if self._thread is not None:
-            # Watch.stop() shuts the socket of an open response; repeated, since the thread may be
-            # between creating the Watch and opening its request.
-            deadline = time.monotonic() + 5.0
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                w = self._watch
-                if w is not None:
-                    w.stop()
-                await asyncio.to_thread(self._thread.join, 0.05)
-            if self._thread.is_alive():
+            if not await stop_watch_thread(self._thread, self._stopping, lambda: self._watch):
                 log.warning("kubernetes discovery: the watch thread did not stop within 5 s (left as a daemon)")
             self._thread = None
         for q in self._subscribers:
@@ -592,20 +581,8 @@ class KubernetesDiscovery:
 
     def _run(self) -> None:
         """The watch thread: rounds of (list if needed, watch) until :meth:`stop`; API errors are retried after a
-        doubling, jittered wait that :meth:`stop` cuts short (tenacity)."""
-        retrying = Retrying(
-            retry=retry_if_exception_type(Exception),
-            reraise=True,
-            stop=lambda state: self._stopping.is_set(),
-            sleep=self._pause,
-            wait=wait_exponential_jitter(multiplier=self.backoff_s, max=self.backoff_max_s, jitter=self.backoff_s),
-            before_sleep=self._retrying_in,
-        )
-        while not self._stopping.is_set():
-            try:
-                retrying(self._round)
-            except Exception:
-                return  # stop() was called during a failing round
+        doubling, jittered wait that :meth:`stop` cuts short (:func:`~llmd_timeslice.watch_rounds.run_rounds`)."""
+        run_rounds(self._round, self._stopping, self.backoff_s, self.backoff_max_s, log)
 
     def _round(self) -> None:
         """List (when no resourceVersion is known), then one watch request. A 410 Gone ends the round normally
@@ -630,13 +607,6 @@ class KubernetesDiscovery:
             self.last_error = str(err)
             WATCH_ERRORS.labels(reason=str(status or type(exc).__name__)).inc()
             raise err from exc
-
-    def _pause(self, seconds: float) -> None:
-        self._stopping.wait(seconds)  # stop() ends the wait
-
-    def _retrying_in(self, state: RetryCallState) -> None:
-        wait_s = state.next_action.sleep if state.next_action is not None else 0.0
-        log.warning("%s; retrying in %.1f s", state.outcome.exception() if state.outcome else "", wait_s)
 
     def _snapshot(self) -> tuple[tuple, list[GroupSpec], dict[str, str]]:
         members = []
