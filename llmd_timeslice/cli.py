@@ -577,6 +577,8 @@ def config_check(
     except ConfigError as exc:
         for line in exc.errors:
             typer.echo(f"{file}: {line}", err=True)
+        if _no_known_top_level_key(_parsed(file)) and not any("did you mean" in line for line in exc.errors):
+            typer.echo(f"{file}: {_FILE_KINDS}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"OK {file}: {', '.join(cfg.configured()) or 'no component'} configured")
     for line in summary_lines(cfg):
@@ -584,6 +586,21 @@ def config_check(
 
 
 _UNREADABLE = object()
+
+_FILE_KINDS = (
+    "config check reads a component configuration (top-level gate, picker, orchestrator, sidecar), a stack file of "
+    "`up` (stack, pools, groups, engines, ...) or a static inventory (groups)"
+)
+
+
+def _no_known_top_level_key(data: object) -> bool:
+    """True when parsed YAML ``data`` is of no kind ``config check`` knows: not a mapping, or a mapping without one
+    top-level key of a component configuration (checked by the caller's loader, which names the closest key)."""
+    from llmd_timeslice.config import SECTIONS
+
+    if data is _UNREADABLE or data is None:
+        return False
+    return not isinstance(data, dict) or not any(k in (*SECTIONS, "token_file") for k in data)
 
 
 def _parsed(file: Path) -> object:

@@ -65,6 +65,32 @@ def test_an_empty_file_is_refused_alike_by_config_check_and_up(tmp_path, text):
     assert check == up == f"{f}: the file is empty: nothing to check or start (see examples/cpu-stack.yaml)"
 
 
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        ("foo: 1\n", "foo: unknown key"),
+        ("- stack\n- engines\n", "expected a mapping of sections (gate, picker, orchestrator, sidecar), got list"),
+    ],
+)
+def test_a_file_of_no_known_kind_is_told_which_kinds_config_check_reads(tmp_path, text, first):
+    """A new user's finding: ``foo: 1`` answered only ``foo: unknown key``, and a list only named a component
+    configuration's sections, whatever the user meant the file to be."""
+    f = tmp_path / "what.yaml"
+    f.write_text(text)
+    r = run_cli("config", "check", str(f))
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"{f}: {first}",
+        f"{f}: config check reads a component configuration (top-level gate, picker, orchestrator, sidecar), a stack "
+        "file of `up` (stack, pools, groups, engines, ...) or a static inventory (groups)",
+    ], r.stderr
+
+
+def test_a_misspelled_section_gets_its_did_you_mean_and_no_list_of_kinds(tmp_path):
+    f = tmp_path / "gate.yaml"
+    f.write_text("gatee: {}\n")
+    assert _one_line(run_cli("config", "check", str(f))) == f"{f}: gatee: unknown key (did you mean gate?)"
+
+
 # ---------------------------------------------------------------- 2. one loader, duplicate keys refused
 def test_loader_refuses_a_duplicate_key_naming_it_and_both_lines():
     with pytest.raises(yaml_files.DuplicateKeyError) as err:
