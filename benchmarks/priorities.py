@@ -113,22 +113,23 @@ def timed_fake_vllm(service_s: dict[str, float], arrivals: dict[str, float], loc
 # ----------------------------------------------------------------------------------------------- the stack
 def stack_file(p: Params, work: Path, engines: list, token_file: Path) -> dict:
     """The ``llmd-timeslice up`` stack file of the benchmark (free loopback ports)."""
-    import port_for
+    from llmd_timeslice.local.ports import free_ports
 
-    ports = {
-        k: port_for.select_random()
-        for k in (
-            "router",
-            "router_admin",
-            "gate_ext_proc",
-            "gate_authz",
-            "gate_control",
-            "gate_metrics",
-            "picker",
-            "orchestrator",
-            "orchestrator_metrics",
-        )
-    }
+    names = (
+        "router",
+        "router_admin",
+        "gate_ext_proc",
+        "gate_authz",
+        "gate_control",
+        "gate_metrics",
+        "picker",
+        "orchestrator",
+        "orchestrator_metrics",
+    )
+    # Distinct ports, the sidecars' included: ports chosen one by one collided here once (picker = gate_control).
+    chosen = free_ports(len(names) + len(engines))
+    ports = dict(zip(names, chosen, strict=False))
+    sidecar_ports = chosen[len(names) :]
     return {
         "stack": {
             "name": "priorities",
@@ -156,7 +157,7 @@ def stack_file(p: Params, work: Path, engines: list, token_file: Path) -> dict:
             }
         ],
         "engines": [
-            {"name": f"sampler-{i}", "group": GROUP, "pool": POOL, "sidecar_port": port_for.select_random(), "url": e.url}
+            {"name": f"sampler-{i}", "group": GROUP, "pool": POOL, "sidecar_port": sidecar_ports[i], "url": e.url}
             for i, e in enumerate(engines)
         ],
     }

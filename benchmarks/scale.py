@@ -283,7 +283,6 @@ def _pct(xs: list[float], q: int) -> float:
 async def _one_run(
     n: int, m: int, switches: int, hosts: list[SidecarHost], work: Path, token_file: Path, profile_dir: Path | None, progress
 ) -> dict:
-    import port_for
     import psutil
     import yaml
 
@@ -291,6 +290,7 @@ async def _one_run(
     from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2_grpc as ipb_grpc
     from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
     from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
+    from llmd_timeslice.local.ports import free_ports
 
     samplers = [s for h in hosts for s in h.samplers][:n]
     used_hosts = hosts[: (n + HOST_SIZE - 1) // HOST_SIZE]
@@ -311,7 +311,8 @@ async def _one_run(
     inv_path.write_text(yaml.safe_dump(inv, sort_keys=False))
     logdir = work / "logs"
     tok = ["--token-file", str(token_file)]
-    orch_port, orch_metrics = port_for.select_random(), port_for.select_random()
+    # Distinct ports for every child of the run (chosen one by one, two could collide).
+    orch_port, orch_metrics, *gate_ports = free_ports(2 + 3 * m)
     profile = profile_dir / f"orchestrator-N{n}-M{m}.prof" if profile_dir is not None else None
     orch = _Child(
         f"orchestrator-N{n}-M{m}",
@@ -337,7 +338,7 @@ async def _one_run(
         progress(f"N={n} M={m}: starting the orchestrator and {m} gate(s)")
         orch.start()
         for i in range(m):
-            p = [port_for.select_random() for _ in range(3)]
+            p = gate_ports[3 * i : 3 * i + 3]
             gates.append(
                 _Child(
                     f"gate-{i}-N{n}-M{m}",

@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 import httpx
-import port_for
 import pytest
 import yaml
 
 from llmd_timeslice.client import TimeSliceOrchestratorClient
 from llmd_timeslice.engines.tiny_model import build_tiny_llama
 from llmd_timeslice.engines.vllm_server import SERVED_MODEL_NAME
+from llmd_timeslice.local.ports import free_ports
 from llmd_timeslice.local.up import alive
 from tests.support.fake_engines import FakeVllm
 from tests.support.prometheus import sample
@@ -126,16 +126,17 @@ def _check_pool_b_asleep_holds_its_request_while_the_default_pool_serves(ep: dic
 
 def test_up_runs_a_two_pool_stack_for_an_rl_script_restarts_children_and_down_leaves_nothing(tmp_path):
     d = yaml.safe_load((REPO / "examples" / "cpu-stack.yaml").read_text())
-    for k in d["stack"]["ports"]:
-        d["stack"]["ports"][k] = port_for.select_random()
+    ports = free_ports(len(d["stack"]["ports"]) + len(d["engines"]))  # distinct: one by one, two could collide
+    d["stack"]["ports"] = dict(zip(d["stack"]["ports"], ports, strict=False))
+    sidecar_ports = ports[len(d["stack"]["ports"]) :]
     # The example's file, with its second engine in a pool and group of its own.
     assert [e["name"] for e in d["engines"]] == ["sampler-0", "sampler-1"]
     d["pools"].append({"name": "pool-b", "path_prefix": "/pool-b/"})
     d["groups"].append({"group_id": "group-b", "drain_timeout_s": 20})
     engines = [FakeVllm().start(), FakeVllm().start()]
-    for e, engine in zip(d["engines"], engines, strict=True):
+    for e, engine, sidecar_port in zip(d["engines"], engines, sidecar_ports, strict=True):
         del e["vllm"]
-        e.update(url=engine.url, sidecar_port=port_for.select_random())
+        e.update(url=engine.url, sidecar_port=sidecar_port)
     d["engines"][1].update(pool="pool-b", group="group-b")
     engine_urls = [e.url for e in engines]
     model_dir = build_tiny_llama(tmp_path / "tiny-llama")  # the model the RL script trains
