@@ -138,14 +138,20 @@ def unknown_key(err: Mapping[str, Any], root: type[BaseModel]) -> str:
 
 
 def validation_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
-    """One line per error of ``exc`` (raised validating ``root``): ``where: what``, no URL, no input dump."""
-    lines = []
+    """One line per error of ``exc`` (raised validating ``root``): ``where: what``, no URL, no input dump. A required
+    key that is missing because it is misspelled gets one line, the misspelling's ``did you mean``, not a second
+    ``required`` line before it (``enignes:`` for ``engines:``)."""
+    lines: list[str] = []
+    missing: dict[str, int] = {}
     for e in exc.errors(include_url=False):
+        where = loc_text(e["loc"])
         if e["type"] == "extra_forbidden":
             msg = unknown_key(e, root)
         elif e["type"] == "missing":
             msg = "required"
+            missing[where] = len(lines)
         else:
             msg = e["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        lines.append(f"{loc_text(e['loc'])}: {msg}")
-    return lines
+        lines.append(f"{where}: {msg}")
+    explained = {i for line in lines for where, i in missing.items() if line.endswith(f"(did you mean {where}?)")}
+    return [line for i, line in enumerate(lines) if i not in explained]

@@ -91,6 +91,22 @@ def test_a_misspelled_section_gets_its_did_you_mean_and_no_list_of_kinds(tmp_pat
     assert _one_line(run_cli("config", "check", str(f))) == f"{f}: gatee: unknown key (did you mean gate?)"
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "line"),
+    [
+        ("engines:", "enignes:", "enignes: unknown key (did you mean engines?)"),
+        ("  - name: sampler-0", "  - nmae: sampler-0", "engines[0].nmae: unknown key (did you mean engines[0].name?)"),
+    ],
+)
+def test_a_misspelled_required_key_is_one_did_you_mean_line_not_also_required(tmp_path, old, new, line):
+    """A new user's finding: ``enignes:`` answered ``engines: required`` first, then the ``did you mean``."""
+    text = (REPO / "examples" / "cpu-stack.yaml").read_text()
+    assert old in text
+    f = tmp_path / "stack.yaml"
+    f.write_text(text.replace(old, new, 1))
+    assert _one_line(run_cli("config", "check", str(f))) == f"{f}: {line}"
+
+
 # ---------------------------------------------------------------- 2. one loader, duplicate keys refused
 def test_loader_refuses_a_duplicate_key_naming_it_and_both_lines():
     with pytest.raises(yaml_files.DuplicateKeyError) as err:
