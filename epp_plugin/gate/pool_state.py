@@ -261,11 +261,11 @@ class PoolState:
         self.on_change: Callable[[], None] | None = None
         """Called after every change of the endpoint list or states (the EDS directory refreshes from it)."""
         self.failed: dict[str, asyncio.TimerHandle | None] = {}
+        """Endpoints Envoy could not connect to (:meth:`mark_failed`): not steered to until their state changes or
+        their hold passes."""
         self._serving: dict[int, tuple[str, ...]] = {}
         """:meth:`serving`'s answer per ``min_version``, emptied by every change of an endpoint's state, version or
         failure mark (:meth:`_states_changed`): the data path asks it once per request, the state changes per switch."""
-        """Endpoints Envoy could not connect to (:meth:`mark_failed`): not steered to until their state changes or
-        their hold passes."""
         self.stale = False
         """True while the gate has lost the orchestrator's state stream for longer than its grace: no
         endpoint is steerable (new requests are held) until the stream resyncs."""
@@ -575,8 +575,7 @@ class PoolState:
                 if version is not None:
                     ep.weight_version = version
                 changed.append(address)
-                if address in self.failed:
-                    self._clear_failed(address)  # the orchestrator said something new about it: that governs
+                self._clear_failed(address)  # the orchestrator said something new about it: that governs
         self.last_changed = changed
         if changed:
             self._states_changed()
@@ -637,7 +636,10 @@ class PoolState:
             self._kick_releaser()
 
     def _clear_failed(self, address: str) -> None:
-        timer = self.failed.pop(address, None)
+        """Unmark ``address`` (no-op when it is not marked failed)."""
+        if address not in self.failed:
+            return
+        timer = self.failed.pop(address)
         self._states_changed()
         if timer is not None:
             timer.cancel()
@@ -654,8 +656,7 @@ class PoolState:
             if self.endpoints[addr].in_flight == 0:
                 del self.endpoints[addr]
                 self._states_changed()
-                if addr in self.failed:
-                    self._clear_failed(addr)
+                self._clear_failed(addr)
                 if self.on_change is not None:
                     self.on_change()
             else:
