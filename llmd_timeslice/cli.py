@@ -570,14 +570,15 @@ def config_check(
     listed as notes (`up` would refuse them)."""
     from llmd_timeslice.config import ConfigError, load_config, summary_lines
 
-    if _check_stack_file(file) or _check_inventory(file):
+    data = _parsed(file)
+    if _check_stack_file(file, data) or _check_inventory(file, data):
         return
     try:
         cfg = load_config(file, env=env)
     except ConfigError as exc:
         for line in exc.errors:
             typer.echo(f"{file}: {line}", err=True)
-        if _no_known_top_level_key(_parsed(file)) and not any("did you mean" in line for line in exc.errors):
+        if _no_known_top_level_key(data) and not any("did you mean" in line for line in exc.errors):
             typer.echo(f"{file}: {_FILE_KINDS}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"OK {file}: {', '.join(cfg.configured()) or 'no component'} configured")
@@ -616,12 +617,12 @@ def _parsed(file: Path) -> object:
         return _UNREADABLE
 
 
-def _check_stack_file(file: Path) -> bool:
-    """``config check`` on a stack file: True when FILE is one (and was checked); exits 2 on problems. An empty file
-    is refused as ``up -f`` refuses it (no kind of file the project reads is empty)."""
+def _check_stack_file(file: Path, data: object) -> bool:
+    """``config check`` on a stack file (``data``: FILE parsed, :func:`_parsed`): True when FILE is one (and was
+    checked); exits 2 on problems. An empty file is refused as ``up -f`` refuses it (no kind of file the project
+    reads is empty)."""
     from llmd_timeslice.local.stack_file import EMPTY_FILE, StackError, load_stack_file, looks_like_stack_file
 
-    data = _parsed(file)
     if data is None or data == {}:
         typer.echo(f"{file}: {EMPTY_FILE}", err=True)
         raise typer.Exit(2)
@@ -636,11 +637,8 @@ def _check_stack_file(file: Path) -> bool:
     from llmd_timeslice.local.up import Stack
 
     base = file.resolve().parent
-
-    def n(items: list, what: str) -> str:
-        return f"{len(items)} {what}{'' if len(items) == 1 else 's'}"
-
-    typer.echo(f"OK {file}: stack file ({n(sf.engines, 'engine')}, {n(sf.groups, 'group')}, {n(sf.pools, 'pool')})")
+    counts = f"{_count(len(sf.engines), 'engine')}, {_count(len(sf.groups), 'group')}, {_count(len(sf.pools), 'pool')}"
+    typer.echo(f"OK {file}: stack file ({counts})")
     for line in sf.summary_lines(base):
         typer.echo(f"  {line}")
     for line in Stack(sf, base).port_problems():
@@ -652,12 +650,12 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def _check_inventory(file: Path) -> bool:
-    """``config check`` on a static inventory (``orchestrator --inventory``, the file ``up`` and the demo write):
-    True when FILE is one (and was checked); exits 2 on problems, one line each."""
+def _check_inventory(file: Path, data: object) -> bool:
+    """``config check`` on a static inventory (``orchestrator --inventory``, the file ``up`` and the demo write;
+    ``data``: FILE parsed): True when FILE is one (and was checked); exits 2 on problems, one line each."""
     from llmd_timeslice.discovery.static import InventoryError, load_inventory, looks_like_inventory
 
-    if not looks_like_inventory(_parsed(file)):
+    if not looks_like_inventory(data):
         return False
     try:
         inv = load_inventory(file)
