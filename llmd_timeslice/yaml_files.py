@@ -124,16 +124,22 @@ def _clean(loc: tuple) -> tuple:
     return tuple(p for p in loc if not str(p).startswith("function-"))
 
 
-def unknown_key(err: Mapping[str, Any], root: type[BaseModel]) -> str:
-    """``unknown key (did you mean stack.max_hold_s?)`` for an ``extra_forbidden`` error of ``root``, or the keys
-    valid there when none is close."""
+def _closest_key(err: Mapping[str, Any], root: type[BaseModel]) -> tuple[str | None, list[str]]:
+    """For an ``extra_forbidden`` error of ``root``: (the location of the valid key closest to the unknown one, e.g.
+    ``stack.max_hold_s``, or None) and the keys valid there."""
     loc = _clean(err["loc"])
     parent, key = loc[:-1], str(loc[-1])
     model = model_at(root, parent)
     known = list(model.model_fields) if model is not None else []
     close = difflib.get_close_matches(key, known, n=1)
-    if close:
-        return f"unknown key (did you mean {loc_text((*parent, close[0]))}?)"
+    return (loc_text((*parent, close[0])) if close else None), known
+
+
+def _unknown_key_text(close: str | None, known: list[str]) -> str:
+    """``unknown key (did you mean stack.max_hold_s?)`` (``close``, from :func:`_closest_key`), or the keys valid
+    there (``known``) when none is close."""
+    if close is not None:
+        return f"unknown key (did you mean {close}?)"
     return f"unknown key (known here: {', '.join(known)})" if known else "unknown key"
 
 
@@ -141,17 +147,19 @@ def validation_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     """One line per error of ``exc`` (raised validating ``root``): ``where: what``, no URL, no input dump. A required
     key that is missing because it is misspelled gets one line, the misspelling's ``did you mean``, not a second
     ``required`` line before it (``enignes:`` for ``engines:``)."""
-    lines: list[str] = []
-    missing: dict[str, int] = {}
-    for e in exc.errors(include_url=False):
+    errors = exc.errors(include_url=False)
+    closest = {i: _closest_key(e, root) for i, e in enumerate(errors) if e["type"] == "extra_forbidden"}
+    suggested = {close for close, _ in closest.values()}
+    lines = []
+    for i, e in enumerate(errors):
         where = loc_text(e["loc"])
-        if e["type"] == "extra_forbidden":
-            msg = unknown_key(e, root)
+        if i in closest:
+            msg = _unknown_key_text(*closest[i])
         elif e["type"] == "missing":
+            if where in suggested:
+                continue
             msg = "required"
-            missing[where] = len(lines)
         else:
             msg = e["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         lines.append(f"{where}: {msg}")
-    explained = {i for line in lines for where, i in missing.items() if line.endswith(f"(did you mean {where}?)")}
-    return [line for i, line in enumerate(lines) if i not in explained]
+    return lines
