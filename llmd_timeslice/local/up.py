@@ -36,6 +36,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from llmd_timeslice.http_tls import verify_for
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
 from llmd_timeslice.local.ports import port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
@@ -58,9 +59,9 @@ STOP_BOUND_S = 60.0
 
 def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
     """A readiness probe: ``GET url`` answers 200 within 2 s. Called 5 times a second while a child starts."""
-    # A plain-http URL needs no TLS context; httpx's default one loads the certifi bundle, ~26 ms of CPU per client
-    # (measured), which at 5 probes a second per starting child was most of what `up` itself spent.
-    verify = url.startswith("https://")
+    # A plain-http URL needs no TLS context: at 5 probes a second per starting child, httpx's default one per client
+    # (the certifi bundle loaded each time) was most of what `up` itself spent.
+    verify = verify_for(url)
 
     async def probe() -> bool:
         async with httpx.AsyncClient(timeout=2, verify=verify) as c:

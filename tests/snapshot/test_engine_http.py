@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ssl
 
+from llmd_timeslice import http_tls
 from llmd_timeslice.snapshot.backends import engine_http
 from tests.support.fake_engines import FakeVllm
 
@@ -25,6 +26,6 @@ async def test_an_http_engine_is_reached_without_building_a_tls_context(monkeypa
 def test_https_engines_share_one_verifying_context():
     a = engine_http.engine_http_client("https://engine-a:8000", 5)
     b = engine_http.engine_http_client("https://engine-b:8000", 5)
-    ctx = engine_http._tls_context()
-    assert ctx is engine_http._tls_context() and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    ctx = http_tls._tls_context()
+    assert ctx is http_tls._tls_context() and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
     assert a._transport._pool._ssl_context is ctx and b._transport._pool._ssl_context is ctx
