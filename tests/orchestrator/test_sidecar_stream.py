@@ -22,6 +22,7 @@ from llmd_timeslice.orchestrator.sidecar_stream import OperationStream, StreamBr
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "t"
@@ -150,6 +151,11 @@ async def test_a_restarted_sidecar_gets_a_new_stream_and_a_dead_one_fails_after_
     await acts._operation(sampler, "g", "sleep", cfg)
     port = srv.port
     await srv.stop()
+    # The old stream's end reached its reader before the next command: what follows is the open of a new stream to a
+    # dead sidecar. (A command written before the reader saw the end fails with that end, UNAVAILABLE "Cancelling all
+    # calls", and is not sent again: the sidecar may have started it. Seen once on a loaded machine.)
+    stream = acts._streams[sampler.sidecar]
+    await until(lambda: stream._open is None or stream._open.broken is not None, what="the old stream seen ended")
     acts.start_rpc_timeout_s = 1.0
     t = time.monotonic()
     with pytest.raises(SamplerStepFailed, match="DEADLINE_EXCEEDED: no operation stream from the sidecar within 1 s") as err:
