@@ -18,6 +18,11 @@ import pytest
 from tests.support.artifacts import ARTIFACTS
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before any grpc import (see llmd_timeslice/__init__.py)
+# One OpenMP thread per test process (torch, and every child process: trainers, offload checks): 4 pytest workers
+# on 2 cores plus their children already use every core, and torch's own pool of one thread per core spins while it
+# waits (measured: the fifty-cycle offload check, 10.2 s of CPU idle, 8.1 s with one thread; under the full run's load
+# it took 24 s). vLLM servers set their own (llmd_timeslice/engines/vllm_server.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _raise_open_file_limit() -> None:
@@ -115,25 +120,37 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "kills_vllm: kills the session's shared vLLM server (runs after every other test that uses it)"
     )
+    config.addinivalue_line(
+        "markers",
+        f"torch: imports torch in the test process (these run in one xdist worker, group {TORCH_GROUP!r}: importing "
+        "torch and the torch._dynamo that the first optimizer pulls in is ~6 s of CPU per process)",
+    )
+
+
+TORCH_GROUP = "torch"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests using the session's vLLM server (``vllm_server``) run in one xdist worker, first, in collection order,
     the ones that kill it last; then the other tests that start vLLM (they take longest: starting them early keeps
-    the end of a parallel run short); then the rest."""
+    the end of a parallel run short); then the tests marked ``torch``, in one worker of their own (torch is imported
+    once, not in every worker: measured, every one of 4 workers imported it when they were spread); then the rest."""
     from tests.support.vllm import SHARED_GROUP
 
-    shared, killing, other_vllm, rest = [], [], [], []
+    shared, killing, other_vllm, with_torch, rest = [], [], [], [], []
     for item in items:
         if "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group(SHARED_GROUP))
             (killing if item.get_closest_marker("kills_vllm") else shared).append(item)
         elif item.get_closest_marker("vllm"):
             other_vllm.append(item)
+        elif item.get_closest_marker("torch"):
+            item.add_marker(pytest.mark.xdist_group(TORCH_GROUP))
+            with_torch.append(item)
         else:
             rest.append(item)
-    items[:] = shared + killing + other_vllm + rest
+    items[:] = shared + killing + other_vllm + with_torch + rest
 
 
 def pytest_collection_finish(session) -> None:

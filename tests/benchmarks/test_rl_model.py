@@ -12,6 +12,8 @@ import pytest
 from benchmarks import rl_model as m
 from benchmarks.rl_real import bulk_state_rates, phase_delta, scrape_phases
 
+pytestmark = pytest.mark.torch  # in the xdist worker that imports torch (tests/conftest.py)
+
 
 def _inp(**values) -> dict[str, m.Input]:
     inp = m.default_inputs()

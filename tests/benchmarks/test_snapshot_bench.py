@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.torch  # in the xdist worker that imports torch (tests/conftest.py)
+
 # torch (through the benchmarks) is imported by the tests that need it: each pytest-xdist worker imports every
 # test module, and torch alone is ~2 s of CPU.
 

@@ -30,6 +30,8 @@ from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.orchestrator.test_orchestrator import RecordingActions
 
+pytestmark = pytest.mark.torch  # in the xdist worker that imports torch (tests/conftest.py)
+
 TOKEN = "cb-token"
 INVENTORY = Inventory.model_validate(
     {

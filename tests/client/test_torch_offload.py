@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.torch  # in the xdist worker that imports torch (tests/conftest.py)
+
 # torch (also through torch_offload) is imported by each test: every pytest-xdist worker imports every test module,
 # and torch alone is ~2 s of CPU.
 

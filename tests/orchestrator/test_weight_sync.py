@@ -34,6 +34,8 @@ from tests.support.one_sampler import one_sampler
 from tests.support.waits import until as _until
 from tests.support.weight_status import weight_status_when
 
+pytestmark = pytest.mark.torch  # in the xdist worker that imports torch (tests/conftest.py)
+
 TOKEN = "t"
 
 
