@@ -17,7 +17,6 @@ from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice import tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
-from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as gspb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as gspb_grpc
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
@@ -108,8 +107,9 @@ async def test_every_control_api_refuses_a_missing_or_wrong_token_and_counts_it(
                     assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION), (method, code)
         # The gate state stream (a gate subscribing) needs the token too.
         async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as ch:
-            hello = gspb.GateMessage(hello=gspb.GateHello(gate_id="intruder"))
-            stream = gspb_grpc.GateStateServiceStub(ch).Connect(iter([hello]), timeout=5)
+            # Refused on the call's headers alone. No hello is written: a message sent while the server ends the call
+            # can fail locally in grpc.aio, which then reports INTERNAL instead of the server's status (seen under load).
+            stream = gspb_grpc.GateStateServiceStub(ch).Connect(timeout=5)
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 async for _ in stream:
                     pass

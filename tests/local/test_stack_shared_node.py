@@ -103,12 +103,10 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
         pids = [c["pid"] for c in state["components"]]
         ep = state["endpoints"]
 
-        # The second `up`: refused within 10 s, one line per taken port naming the first stack's process on it.
-        t = time.monotonic()
+        # The second `up`: refused before it starts anything (its ports are checked once, up front: no wait for them to
+        # be freed), one line per taken port naming the first stack's process on it.
         r = subprocess.run([*CLI, "up", "-f", str(second), "--no-live"], capture_output=True, text=True, timeout=60)
-        took = time.monotonic() - t
         assert r.returncode == 2, r.stdout + r.stderr
-        assert took < 10, f"refused after {took:.1f} s"
         for c in state["components"]:
             line = next((ln for ln in r.stderr.splitlines() if f"port {c['port']} (" in ln), "")
             assert f"is in use by pid {c['pid']} (" in line, (c, r.stderr)

@@ -136,13 +136,12 @@ async def test_a_fenced_refusal_on_the_stream_reaches_the_orchestrators_hook(sid
 async def test_a_wrong_token_fails_the_open_at_once_naming_it(sidecar):
     _, _, _, sampler = sidecar
     bad = GrpcSwitchActions(GateHub(), token="wrong")
-    t = time.monotonic()
     try:
+        # The sidecar's status itself, not the open timeout's error: the open ended with the call, not after waiting.
         with pytest.raises(SamplerStepFailed, match=r"UNAUTHENTICATED: missing or wrong bearer token for .*RunOperations"):
             await bad._operation(sampler, "g", "sleep", bad._config(1))
     finally:
         await bad.close()
-    assert time.monotonic() - t < 3, "refused at once, not after the open timeout"
 
 
 async def test_a_restarted_sidecar_gets_a_new_stream_and_a_dead_one_fails_after_the_open_timeout(sidecar):
