@@ -267,6 +267,40 @@ def test_examples_take_the_router_from_the_export_line_up_prints(monkeypatch, tm
     }
 
 
+@pytest.mark.parametrize(
+    "serving,pending,rejected,on_disk,expected",
+    [
+        (0, 0, 0, [], (0, 1)),  # a new group, an empty weights folder
+        (2, 0, 0, ["v1", "v2"], (2, 3)),  # the same command run again after publishing 1 and 2
+        (0, 0, 0, ["v1", "v2", "notes", "vx"], (0, 3)),  # the group forgot (a new stack), the folder did not
+        (2, 4, 3, ["v1", "v2"], (2, 5)),  # a pending and a rejected version are newer than the folder's
+    ],
+)
+def test_rl_loop_publishes_above_every_version_the_group_or_its_weights_folder_knows(
+    tmp_path, serving, pending, rejected, on_disk, expected
+):
+    """Why rl_loop.py can run again with the same weights folder (published versions are immutable, and the
+    orchestrator refuses a version that is not newer than its latest); its first run is end to end in the `up` test."""
+    from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2
+
+    mod = _example("rl_loop")
+    for name in on_disk:
+        (tmp_path / name).mkdir()
+    status = weights_pb2.WeightVersionStatus(
+        group_id="g",
+        serving_version=serving,
+        pending=weights_pb2.WeightUpdate(version=pending),
+        rejected=weights_pb2.RejectedWeightVersion(version=rejected),
+    )
+
+    class Client:  # the one call _versions makes, as TimeSliceOrchestratorClient answers it
+        def weight_status(self, group_id):
+            assert group_id == "g"
+            return status
+
+    assert mod._versions(Client(), "g", tmp_path) == expected
+
+
 @pytest.mark.parametrize("name", ["rl_loop", "verifiers_grpo", "trl_grpo_remote"])
 def test_examples_stop_rather_than_guess_a_port(tmp_path, capsys, name):
     mod = _example(name)

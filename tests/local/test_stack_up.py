@@ -180,10 +180,8 @@ def test_up_runs_a_two_pool_stack_for_an_rl_script_restarts_children_and_down_le
         )
         assert r.returncode == 0, r.stdout + r.stderr
         assert "final rollout at weight version(s) [2]" in r.stdout, r.stdout
-        # Run again (the same command, the same weights folder): it goes on from version 2 instead of failing on v1.
-        again = subprocess.run([*r.args[:5], "1", *r.args[6:]], env=env, capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0, again.stdout + again.stderr
-        assert "final rollout at weight version(s) [3]" in again.stdout, again.stdout
+        # Running it again with the same weights folder goes on from version 2: tests/test_input_files.py checks the
+        # versions it chooses (a second run here was ~11 s of CPU, importing torch and transformers again).
 
         _check_pool_b_asleep_holds_its_request_while_the_default_pool_serves(ep, engine_urls)
 
