@@ -23,8 +23,10 @@ import hashlib
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
+
+from tests.support.http_server import QuietHTTPServer
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -88,7 +90,7 @@ class _FakeEngine(abc.ABC):
         self.calls: list[tuple[str, str, object]] = []
         self.lock = threading.Lock()
         self.dead = False
-        self._srv = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self._srv = QuietHTTPServer(("127.0.0.1", port), _Handler)
         self._srv.owner = self  # type: ignore[attr-defined]
         self._srv.daemon_threads = True
         # shutdown() returns at the serve loop's next poll (0.5 s by default, paid by every test's teardown)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from tests.support.http_server import QuietHTTPServer
 
 _KINDS = {"configmaps": ("v1", "ConfigMap"), "leases": ("coordination.k8s.io/v1", "Lease")}
 
@@ -130,7 +132,7 @@ class FakeKubeApi:
             def do_POST(self):
                 self._handle("POST")
 
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._srv = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
         threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 

@@ -11,8 +11,10 @@ import json
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
+
+from tests.support.http_server import QuietHTTPServer
 
 NS = "llm-d-timeslice"
 
@@ -81,7 +83,7 @@ class FakeKube:
         self.cond = threading.Condition()
         self.generation = 0  # bump to end every open watch stream
         self.stopping = False
-        self._server: ThreadingHTTPServer | None = None
+        self._server: QuietHTTPServer | None = None
 
     # ------------------------------------------------------------ state
     def _change(self, kind: str, pod: dict, record: bool = True) -> None:
@@ -287,7 +289,7 @@ class FakeKube:
                 fake.modify(name, lambda p: p["metadata"]["labels"].update(patch["metadata"]["labels"]))
                 self._json(200, fake.pods[name])
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self.url

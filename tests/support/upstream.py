@@ -12,8 +12,10 @@ import hashlib
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
+
+from tests.support.http_server import QuietHTTPServer
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -78,7 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = _handle
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(QuietHTTPServer):
     request_queue_size = 4096  # listen backlog: thousands of released requests connect at once
 
 
