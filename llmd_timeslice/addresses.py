@@ -28,11 +28,11 @@ def parse_host_port(value: str, what: str = "host:port") -> HostPort:
     """Parse ``value`` as ``host:port`` (module docstring).
 
     Raises:
-        ValueError: one line, ``expected <what> ...: <the problem>, got '<value>'``.
+        ValueError: one line, ``expected <what>, got '<value>': <the problem>``.
     """
 
     def bad(problem: str) -> ValueError:
-        return ValueError(f"expected {what} ({problem}), got {value!r}")
+        return ValueError(f"expected {what}, got {value!r}: {problem}")
 
     if not isinstance(value, str) or not value:
         raise bad("empty")

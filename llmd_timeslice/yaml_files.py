@@ -75,9 +75,18 @@ def load_all(text: str) -> Iterator[Any]:
 
 
 def error_text(exc: yaml.YAMLError) -> str:
-    """One line for a YAML problem: a duplicate key as is, a syntax error as ``not valid YAML: ...``."""
+    """One line for a YAML problem: a duplicate key as is, a syntax error as ``not valid YAML at line L, column C:
+    <problem> (<while parsing what> at line L, column C)``, from PyYAML's marks (1-based here, 0-based there); an
+    error without a mark as PyYAML words it, on one line."""
     if isinstance(exc, DuplicateKeyError):
         return str(exc)
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        text = f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+        if exc.context:
+            at = exc.context_mark
+            text += f" ({exc.context}" + (f" at line {at.line + 1}, column {at.column + 1})" if at else ")")
+        return text
     return "not valid YAML: " + " ".join(str(exc).split())
 
 

@@ -181,7 +181,7 @@ def test_no_reader_bypasses_the_one_loader():
     ],
 )
 def test_status_and_gate_refuse_the_same_bad_address_in_one_line(value, problem):
-    expected = f"expected host:port ({problem}), got {value!r}"
+    expected = f"expected host:port, got {value!r}: {problem}"
     with pytest.raises(ValueError) as err:
         parse_host_port(value)
     assert str(err.value) == expected
@@ -324,7 +324,7 @@ def test_find_stack_flag_over_variable_over_running_stack(monkeypatch, tmp_path)
     find_stack.add_arguments(ap, tmp_path / "s.yaml")
     eps = find_stack.from_args(ap.parse_args(["--token-file", "/flag"]))
     assert (eps.router, eps.orchestrator, eps.token_file) == ("http://r", "env:2", "/flag")
-    with pytest.raises(ValueError, match=r"expected the orchestrator as host:port \(port 99999 is out of 1..65535\)"):
+    with pytest.raises(ValueError, match=r"expected the orchestrator as host:port, got 'h:99999': port 99999 is out of 1..65535"):
         find_stack.from_args(ap.parse_args(["--orchestrator", "h:99999"]))
 
 
@@ -405,6 +405,6 @@ def test_every_istio_parameters_apply_in_the_docs_names_the_namespace():
 def test_the_phase_callbacks_orchestrator_variable_goes_through_the_same_parser():
     from llmd_timeslice.client.integrations.phase_callback import TimesliceConfigError, _Config
 
-    with pytest.raises(TimesliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port \(port 99999 is out"):
+    with pytest.raises(TimesliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port, got '[^']+': port 99999 is out"):
         _Config("job-a", "127.0.0.1:99999", "g", "g")
     assert _Config("job-a", "[::1]:50051", "g", "g").orch_addr == "[::1]:50051"
