@@ -304,6 +304,8 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
             return None
         finally:
             writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
     for _ in range(5):
         rs = await asyncio.gather(*(held_then_gone() for _ in range(300)))
@@ -314,6 +316,12 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
             await asyncio.sleep(0.05)
         assert router.pool().held == 0 and router.pool().live == 0
         await asyncio.sleep(0.2)
+        # The streams' tasks may still be ending (seen under load: 2 of them, 0.2 s after the last hold ended): a leak
+        # stays, so wait up to 5 s for the count of the second round before reading it.
+        for _ in range(50):
+            if len(tasks) < 2 or len(asyncio.all_tasks()) <= tasks[1]:
+                break
+            await asyncio.sleep(0.1)
         rss.append(proc.memory_info().rss)
         tasks.append(len(asyncio.all_tasks()))
     assert tasks[-1] <= tasks[1], f"asyncio tasks grow with each round of cancelled holds: {tasks}"
