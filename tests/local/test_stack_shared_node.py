@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import yaml
 from llmd_timeslice.local.stack_file import StackPorts
 from llmd_timeslice.local.up import ROUTER_URL_ENV, alive
 from tests.support.fake_engines import FakeVllm
+from tests.support.squatter import bind_when_free
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
 
@@ -54,24 +54,6 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
-
-
-def _bind_when_free(port: int, timeout_s: float) -> socket.socket:
-    """A socket listening on 127.0.0.1:port, bound as soon as the port is free."""
-    from llmd_timeslice.local.ports import listeners
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-            return s
-        except OSError:
-            s.close()
-            assert time.monotonic() < deadline, f"port {port} stayed taken: {listeners(port)}"
-            time.sleep(0.01)
 
 
 def _stack_file(tmp_path: Path, name: str, ports: dict, sidecar_port: int, engine_url: str) -> Path:
@@ -171,7 +153,7 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
         # A component whose restart finds its port taken (here by this test) fails `up`, instead of restarting forever.
         gate = next(c for c in state["components"] if c["name"] == "gate")
         os.kill(gate["pid"], signal.SIGKILL)
-        squatter = _bind_when_free(gate["port"], 5)  # within the supervisor's 1 s back-off
+        squatter = bind_when_free(gate["port"], 5)  # within the supervisor's 1 s back-off
         try:
             assert up.wait(30) == 1, out_path.read_text()
         finally:

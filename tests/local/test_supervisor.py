@@ -13,6 +13,7 @@ import pytest
 
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
 from llmd_timeslice.local.up import alive, http_probe
+from tests.support.squatter import bind_when_free
 from tests.support.waits import until as _until
 
 
@@ -154,25 +155,26 @@ async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_p
     fatal: list[StartFailed] = []
     sup = Supervisor([[web]], backoff_s=0.5, on_fatal=fatal.append)
     await sup.start()
-    other = None
+    squatter = None
     try:
         os.kill(sup.child("web").pid, signal.SIGKILL)
         if case == "port_taken_meanwhile":
-            other = await _foreign_listener(port)  # within the 0.5 s back-off
+            # Taken by this process before the supervisor's event loop (this test's) runs again, so before its restart
+            # (a server process of its own took longer than the 0.5 s back-off to start under load).
+            squatter = bind_when_free(port, 10)
         await _until(lambda: bool(fatal), 20)
         assert sup.child("web").state == "failed" and sup.child("web").restarts == 1
         msg = str(fatal[0])
         if case == "port_taken_meanwhile":
-            assert f"port {port} is held by pid {other.pid}" in msg, msg
+            assert f"port {port} is held by pid {os.getpid()}" in msg, msg
         else:
             assert "exited with code 2 while starting (a usage error" in msg and "No such option: --colour" in msg, msg
         await asyncio.sleep(1.5)  # more than the next back-off: nothing restarts it
         assert sup.child("web").restarts == 1 and len(fatal) == 1
     finally:
         await sup.stop()
-        if other is not None:
-            other.kill()
-            await other.wait()
+        if squatter is not None:
+            squatter.close()
 
 
 async def test_child_that_keeps_failing_to_start_is_given_up_after_max_start_failures(tmp_path):
