@@ -45,4 +45,5 @@ async def test_stop_cuts_a_retry_wait_short_and_stops_the_current_watch():
     await asyncio.sleep(0.1)  # now in a 30 s wait
     t = time.monotonic()
     assert await stop_watch_thread(thread, stopping, Watch)
-    assert time.monotonic() - t < 2 and stopped_watches, "the wait ended at once; the round's watch was stopped"
+    # Well under the 30 s wait (not a speed bound: a loaded machine takes seconds to switch threads).
+    assert time.monotonic() - t < 15 and stopped_watches, "the wait ended at once; the round's watch was stopped"

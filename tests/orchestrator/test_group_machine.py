@@ -902,7 +902,8 @@ async def test_lease_expiry_and_repair_back_off_run_on_the_clock_without_sleepin
         assert not e.clock.pending(), "no repair timer left once serving"
     finally:
         await e.close()
-    assert time.monotonic() - t0 < 5, "simulated minutes took real seconds"
+    # 242 s of simulated waits: far below them means the clock was simulated (not a speed bound).
+    assert time.monotonic() - t0 < 60, "simulated minutes took real minutes"
 
 
 async def test_a_stall_of_the_orchestrator_does_not_count_against_the_lease_holder():
