@@ -291,7 +291,8 @@ async def test_clients_gone_while_held_leave_no_tasks_streams_or_memory_behind(r
     # Each client is a bare connection that sends its request, waits 1 s without an answer (held) and closes. Not an
     # HTTP client library: this test reads the resident size of its own process, which aiohttp's clients moved by 5.1 %
     # over the rounds (gate or not), and httpx's 1,500 requests were ~7 s of this process's CPU.
-    host, port = httpx.URL(router.url).host, httpx.URL(router.url).port
+    url = httpx.URL(router.url)
+    host, port = url.host, url.port
     request = f"GET /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
 
     async def held_then_gone() -> bytes | None:

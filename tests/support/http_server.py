@@ -8,6 +8,7 @@ previous test's server wrote a BrokenPipeError, failed the width check).
 
 from __future__ import annotations
 
+import sys
 from http.server import ThreadingHTTPServer
 
 
@@ -15,8 +16,6 @@ class QuietHTTPServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` that drops a handler's ``ConnectionError`` (the client is gone) and reports the rest."""
 
     def handle_error(self, request, client_address) -> None:
-        import sys
-
         if isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipe, ConnectionReset, ConnectionAborted
             return
         super().handle_error(request, client_address)
