@@ -12,7 +12,7 @@ from benchmarks import priorities
 
 
 def test_priorities_benchmark_tiny_run_writes_json_png_and_summary(tmp_path):
-    args = ["--out", str(tmp_path), "--iterations", "1", "--batch", "2", "--train-s", "4", "--step-s", "0.25"]
+    args = ["--out", str(tmp_path), "--iterations", "1", "--batch", "2", "--train-s", "2.5", "--step-s", "0.25"]
     args += ["--eval-rps", "2", "--deadline-s", "2", "--min-training-s", "0.5", "--lease-ttl-s", "0.6"]
     assert priorities.main(args) == 0
     res = json.loads((tmp_path / "priorities.json").read_text())
