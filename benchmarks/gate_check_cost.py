@@ -36,6 +36,7 @@ import asyncio
 import gc
 import json
 import platform
+import secrets
 import statistics
 import string
 import time
@@ -175,7 +176,16 @@ class _GcClock:
 
 async def measure(checks: int, batch: int, rounds: int) -> dict:
     """Run the rounds; returns the figures (module doc)."""
-    gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0, pools=["default"], default_pool="default"))
+    gate = GateServer(
+        GateConfig(
+            ext_proc_port=0,
+            authz_port=0,
+            control_port=0,
+            pools=["default"],
+            default_pool="default",
+            token=secrets.token_hex(16),  # its control port is served too; nobody calls it here
+        )
+    )
     await gate.start()
     try:
         gate.pools["default"].set_states([(ENDPOINT, EndpointState.SERVING, 0)])
@@ -274,13 +284,18 @@ def plot(res: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gate_check_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write (.png and .txt beside it)")
-    ap.add_argument("--checks", type=int, default=50_000, help="checks per round")
-    ap.add_argument("--batch", type=int, default=44, help="requests per access-log message")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds after one warm-up round (medians reported)")
+    ap.add_argument("--checks", type=int, default=50_000, help="checks per round (default 50000)")
+    ap.add_argument("--batch", type=int, default=44, help="requests per access-log message (default 44)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds after one warm-up round, medians reported (default 5)")
     args = ap.parse_args(argv)
     if args.checks < 1 or args.batch < 1 or args.rounds < 1:
         ap.error(f"--checks, --batch and --rounds must be >= 1, got {args.checks}, {args.batch}, {args.rounds}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.is_dir():
+        ap.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. {args.out / 'gate_check_cost.json'}")
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: cannot create its folder {args.out.parent} ({exc.strerror})")
     res = uvloop.run(measure(args.checks, args.batch, args.rounds))
     args.out.write_text(json.dumps(res, indent=2))
     plot(res, args.out.with_suffix(".png"))

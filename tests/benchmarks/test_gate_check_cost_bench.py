@@ -29,3 +29,18 @@ def test_gate_check_cost_refuses_a_zero_size_naming_it(tmp_path, capsys):
     assert exc.value.code == 2
     assert "--checks, --batch and --rounds must be >= 1, got 0, 44, 5" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("out", "words"),
+    [
+        ("{tmp}", "is a directory; give the JSON file to write"),
+        ("{tmp}/file.txt/x.json", "cannot create its folder"),
+    ],
+)
+def test_gate_check_cost_refuses_an_unusable_out_before_it_runs(tmp_path, capsys, out, words):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        gate_check_cost.main(["--out", out.format(tmp=tmp_path), "--checks", "1", "--rounds", "1"])
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
