@@ -32,7 +32,6 @@ Writes the JSON, a PNG (bars) and a text summary beside ``--out``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import platform
@@ -42,12 +41,12 @@ import string
 import time
 from pathlib import Path
 
-import httptools
 import uvloop
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import text_format
 
+from benchmarks.authz_floor import FloorCheck, floor_answer
 from benchmarks.report import write_summary
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
@@ -55,11 +54,9 @@ from llmd_timeslice import protocol
 
 ENDPOINT = "127.0.0.1:28652"
 CHECK = (
-    b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:31268\r\ncontent-length: 0\r\n"
-    + protocol.POOL_HEADER.encode()
-    + b": default\r\nx-llmd-timeslice-envoy: envoy-f377e8d884d0\r\nx-envoy-internal: true\r\n"
-    b"x-envoy-expected-rq-timeout-ms: 610000\r\n\r\n"
-)
+    f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:31268\r\ncontent-length: 0\r\n{protocol.POOL_HEADER}: default\r\n"
+    f"{protocol.ENVOY_ID_HEADER}: envoy-f377e8d884d0\r\nx-envoy-internal: true\r\nx-envoy-expected-rq-timeout-ms: 610000\r\n\r\n"
+).encode()
 """An ext_authz check as Envoy 1.40 sends it with the rendered fast-path config (captured here)."""
 _ADMISSION_MARK = protocol.ADMISSION_HEADER.encode() + b": "
 
@@ -77,22 +74,6 @@ class _Recorder:
         pass
 
 
-class _Floor(asyncio.Protocol):
-    """The baseline: parse the check, write a fixed answer (benchmarks/authz_floor.py's protocol)."""
-
-    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nx-llmd-timeslice-admission: 0\r\n\r\n"
-
-    def __init__(self, transport: _Recorder) -> None:
-        self.transport = transport
-        self.parser = httptools.HttpRequestParser(self)
-
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed_data(data)
-
-    def on_message_complete(self) -> None:
-        self.transport.write(self.answer)
-
-
 _UPSTREAM_READY_ENTRY = (
     "common_properties { downstream_remote_address { $client } downstream_local_address { $listener }"
     " start_time { seconds: 1796221169 nanos: 407813000 } upstream_remote_address { $engine }"
@@ -104,8 +85,8 @@ _UPSTREAM_READY_ENTRY = (
 )
 _METADATA = (
     'metadata { filter_metadata { key: "envoy.lb" value { fields { key: "x-gateway-destination-endpoint"'
-    ' value { string_value: "127.0.0.1:28652" } } } } filter_metadata { key: "envoy.lb.subset_hint" value { fields {'
-    ' key: "x-gateway-destination-endpoint-subset" value { list_value { values { string_value: "127.0.0.1:28652" } } } } } } }'
+    ' value { string_value: "$endpoint" } } } } filter_metadata { key: "envoy.lb.subset_hint" value { fields {'
+    ' key: "x-gateway-destination-endpoint-subset" value { list_value { values { string_value: "$endpoint" } } } } } } }'
 )
 _END_ENTRY = (
     "common_properties { downstream_remote_address { $client } downstream_local_address { $listener }"
@@ -128,36 +109,46 @@ _END_ENTRY = (
 567 bytes; the logged admission header is added per request."""
 
 
-def _addr(port: int) -> str:
-    return f'socket_address {{ address: "127.0.0.1" port_value: {port} }}'
+def _addr(host: str, port: int) -> str:
+    return f'socket_address {{ address: "{host}" port_value: {port} }}'
 
 
 def _parse(template: str, **fields: str) -> accesslog_pb2.HTTPAccessLogEntry:
     return text_format.Parse(string.Template(template).substitute(fields), accesslog_pb2.HTTPAccessLogEntry())
 
 
-def _entry(template: accesslog_pb2.HTTPAccessLogEntry, admission: str) -> accesslog_pb2.HTTPAccessLogEntry:
-    e = accesslog_pb2.HTTPAccessLogEntry()
-    e.CopyFrom(template)
-    e.request.request_headers[protocol.ADMISSION_HEADER] = admission
-    return e
-
-
-def _batches(admissions: list[str], batch: int) -> list[bytes]:
-    """Serialized ``StreamAccessLogsMessage`` batches: per admission, its ``UpstreamPoolReady`` then ``DownstreamEnd``."""
-    engine, listener = _addr(28652), _addr(25785)
-    ready = _parse(_UPSTREAM_READY_ENTRY, client=_addr(56922), listener=listener, engine=engine, upstream_local=_addr(56346))
-    end = _parse(
-        _END_ENTRY, client=_addr(56892), listener=listener, engine=engine, upstream_local=_addr(56336), metadata=_METADATA
+def entry_templates() -> tuple[accesslog_pb2.HTTPAccessLogEntry, accesslog_pb2.HTTPAccessLogEntry]:
+    """The ``UpstreamPoolReady`` and ``DownstreamEnd`` entries of :data:`_UPSTREAM_READY_ENTRY` / :data:`_END_ENTRY`,
+    upstream at :data:`ENDPOINT`, without an admission."""
+    host, port = ENDPOINT.rsplit(":", 1)
+    engine, listener = _addr(host, int(port)), _addr("127.0.0.1", 25785)
+    ready = _parse(
+        _UPSTREAM_READY_ENTRY,
+        client=_addr("127.0.0.1", 56922),
+        listener=listener,
+        engine=engine,
+        upstream_local=_addr("127.0.0.1", 56346),
     )
-    out = []
-    for lo in range(0, len(admissions), batch):
-        msg = als_pb2.StreamAccessLogsMessage()
-        for aid in admissions[lo : lo + batch]:
-            msg.http_logs.log_entry.append(_entry(ready, aid))
-            msg.http_logs.log_entry.append(_entry(end, aid))
-        out.append(msg.SerializeToString())
-    return out
+    end = _parse(
+        _END_ENTRY,
+        client=_addr("127.0.0.1", 56892),
+        listener=listener,
+        engine=engine,
+        upstream_local=_addr("127.0.0.1", 56336),
+        metadata=string.Template(_METADATA).substitute(endpoint=ENDPOINT),
+    )
+    return ready, end
+
+
+def _message(templates: tuple[accesslog_pb2.HTTPAccessLogEntry, ...], admissions: list[str]) -> bytes:
+    """One serialized ``StreamAccessLogsMessage``: per admission, each template's entry logging its id."""
+    msg = als_pb2.StreamAccessLogsMessage()
+    for aid in admissions:
+        for template in templates:
+            e = msg.http_logs.log_entry.add()
+            e.CopyFrom(template)
+            e.request.request_headers[protocol.ADMISSION_HEADER] = aid
+    return msg.SerializeToString()
 
 
 class _GcClock:
@@ -193,7 +184,9 @@ async def measure(checks: int, batch: int, rounds: int) -> dict:
         proto, sent = gate.authz.protocol(), _Recorder()
         proto.connection_made(sent)
         floor_sent = _Recorder()
-        floor = _Floor(floor_sent)
+        floor = FloorCheck(floor_answer(ENDPOINT, hint=True))  # the answer shape of an admission for an EPP
+        floor.connection_made(floor_sent)
+        templates = entry_templates()
         clock = _GcClock()
         gc.callbacks.append(clock)
         rows = []
@@ -213,7 +206,7 @@ async def measure(checks: int, batch: int, rounds: int) -> dict:
                     admissions = [a.split(_ADMISSION_MARK, 1)[1].split(b"\r\n", 1)[0].decode() for a in sent.out]
                     if len(admissions) != n or len(gate.book) != n:
                         raise RuntimeError(f"{len(admissions)} answers and {len(gate.book)} open admissions for {n} checks")
-                    (raw,) = _batches(admissions, batch)
+                    raw = _message(templates, admissions)
                     t2 = time.perf_counter()
                     await gate.access_log.StreamAccessLogs(_one(raw), None)
                     t3 = time.perf_counter()
