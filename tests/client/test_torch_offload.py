@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -171,3 +172,42 @@ def test_any_changed_byte_of_a_large_tensor_is_caught_at_restore(where):
     host[i] ^= 0x01
     off.restore()  # put back: bit-exact again
     assert not off.offloaded
+
+
+def test_fused_copy_of_many_tensors_splits_them_among_the_threads_and_keeps_each_checksum(monkeypatch):
+    """Many tensors at once (one split among the threads, shares crossing tensor ends): each pair's checksum is the
+    two-pass one, every byte is copied, and small or mixed-width tensors take the plain path in the same call."""
+    import torch
+
+    from llmd_timeslice.client import torch_offload
+
+    monkeypatch.setattr(torch_offload, "_pool", None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three shares, whatever this machine has
+    g = torch.Generator().manual_seed(7)
+    srcs = [torch.randn(n, generator=g) for n in (700_001, 1 << 18, 5, (1 << 15) + 1, 3 * (1 << 17) + 513)]
+    srcs.append(torch.randint(0, 255, (1 << 17,), dtype=torch.uint8, generator=g))
+    dsts = [torch.empty_like(s) for s in srcs]
+    assert torch_offload.copy_many_with_checksums(list(zip(dsts, srcs, strict=True))) == [
+        torch_offload.tensor_checksum(s) for s in srcs
+    ]
+    assert all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in zip(dsts, srcs, strict=True))
+    assert torch_offload.copy_many_with_checksums([]) == []
+
+
+@pytest.mark.parametrize("sizes,workers", [([1 << 20], 2), ([1 << 15, 1 << 18, 3 << 15], 3), ([512] * 7, 4), ([1 << 16], 8)])
+def test_fused_copy_plan_covers_every_word_once_on_chunk_boundaries(sizes, workers):
+    """The split of the fused copy: each job's words covered exactly once, in order, cut only on fused-chunk
+    boundaries, in no more shares than threads."""
+    from llmd_timeslice.client.torch_offload import _FUSED_CHUNK_WORDS, _split_plan
+
+    plans = _split_plan(sizes, workers)
+    assert 1 <= len(plans) <= workers and all(plans)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for plan in plans:
+        for ji, lo, hi in plan:
+            covered.setdefault(ji, []).append((lo, hi))
+    for ji, full in enumerate(sizes):
+        ranges = covered[ji]
+        assert ranges[0][0] == 0 and ranges[-1][1] == full
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        assert all(hi % _FUSED_CHUNK_WORDS == 0 for _, hi in ranges[:-1])
