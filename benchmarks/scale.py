@@ -24,6 +24,14 @@ measured, so this is an estimate). The summary's
 (target <= 0.25), with ratios of the largest N to N = 1 for acquire and release (target <= 2 with the sidecars'
 CPU taken out). Writes JSON, a PNG of the curves and a text summary beside ``--out``.
 
+Floors in the same run (:mod:`benchmarks.stream_floor`): after the runs, a client that does nothing but send each
+sampler the orchestrator's two commands per switch (sleep, wake) on one stream each, to do-nothing servers that
+answer spread over the sleep phase the largest one-gate run measured (as the engines' answers arrived there), at
+N = 1 and the largest N, over grpc.aio (the orchestrator's library) and over plain asyncio TCP. The summary's
+``floor_marginal_cpu_ms_per_sampler`` gives each floor's (cpu at the largest N - cpu at N = 1) / (N - 1), and
+``ratio_marginal_to_grpc_floor`` the orchestrator's marginal over grpc.aio's (1.0: nothing above the two commands).
+``--no-floor`` skips them.
+
 ``--profile-dir DIR`` runs the orchestrator under cProfile on CPU time (``DIR/orchestrator-N{n}-M{m}.prof``; the
 figures of such a run include the profiler's overhead).
 """
@@ -47,6 +55,8 @@ HOST_SIZE = 32
 """Sidecars (and fake engines) per sidecar host process."""
 
 FULL_SAMPLERS, FULL_GATES, FULL_SWITCHES = (1, 16, 64, 128), (1, 4), 30
+FLOOR_SWITCHES = 10
+"""Switches of each floor measurement (at most the run's own): each takes two spreads of wall time."""
 QUICK_SAMPLERS, QUICK_GATES, QUICK_SWITCHES = (1, 4), (2,), 3
 WARMUP_SWITCHES = 2
 
@@ -521,7 +531,30 @@ def _summary(runs: list[dict]) -> dict:
     return out
 
 
-def _plot(path: Path, runs: list[dict]) -> None:
+def _floors(runs: list[dict], switches: int, progress) -> dict:
+    """:mod:`benchmarks.stream_floor` at N = 1 and the largest N, both transports, answers spread over the largest
+    one-gate run's sleep phase (p50); the marginal of each, as the summary's orchestrator marginal is computed."""
+    from benchmarks import stream_floor
+
+    ns = sorted({r["samplers"] for r in runs})
+    m1 = min(r["gates"] for r in runs)
+    largest = next(r for r in runs if r["samplers"] == ns[-1] and r["gates"] == m1)
+    spread_s = largest["acquire_phases_ms_p50"].get("sleep", 0.0) / 1000
+    out: dict = {"spread_ms": spread_s * 1000, "switches": switches, "runs": []}
+    for transport in ("grpc", "tcp"):
+        at = {}
+        for n in (ns[0], ns[-1]):
+            progress(f"floor: {transport}, N={n}, answers spread over {spread_s * 1000:.0f} ms")
+            at[n] = stream_floor.measure(n, switches, spread_s, transport)
+            out["runs"].append(at[n])
+        if ns[-1] > ns[0]:
+            out[f"{transport}_marginal_cpu_ms_per_sampler"] = (
+                at[ns[-1]]["cpu_ms_per_switch"] - at[ns[0]]["cpu_ms_per_switch"]
+            ) / (ns[-1] - ns[0])
+    return out
+
+
+def _plot(path: Path, runs: list[dict], floors: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -536,6 +569,12 @@ def _plot(path: Path, runs: list[dict]) -> None:
         axes[1].plot(xs, [r["orchestrator_cpu_ms_per_switch"] for r in rs], "o-", label=f"orchestrator, {m} gate(s)")
         axes[1].plot(xs, [r["gate_cpu_ms_per_switch"] for r in rs], "s--", label=f"each gate, {m} gate(s)")
         axes[2].plot(xs, [r["messages_per_gate_per_switch"] for r in rs], "o-", label=f"commands per gate, {m} gate(s)")
+    for transport, style in (("grpc", "k:"), ("tcp", "k-.")):
+        measured = (floors or {}).get("runs", [])
+        pts = sorted((f["samplers"], f["cpu_ms_per_switch"]) for f in measured if f["transport"] == transport)
+        if pts:
+            name = "grpc.aio" if transport == "grpc" else "plain TCP"
+            axes[1].plot(*zip(*pts, strict=True), style, label=f"floor: 2 commands per sampler, {name}")
     rs = sorted((r for r in runs if r["gates"] == min(r["gates"] for r in runs)), key=lambda r: r["samplers"])
     axes[2].plot([r["samplers"] for r in rs], [r["endpoints_changed_per_switch"] for r in rs], "k:", label="endpoints changed")
     axes[0].set_ylabel("ms (p50)")
@@ -582,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samplers", type=str, help="comma-separated N values (default 1,16,64,128)")
     ap.add_argument("--gates", type=str, help="comma-separated M values (default 1,4)")
     ap.add_argument("--profile-dir", type=Path, help="run the orchestrator under cProfile, writing .prof files here")
+    ap.add_argument("--no-floor", action="store_true", help="skip the do-nothing command floors (benchmarks.stream_floor)")
     ap.add_argument("--sidecar-host", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -606,9 +646,18 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     runs = asyncio.run(_bench(samplers, gates, switches, work, a.profile_dir, progress))
+    summary = _summary(runs)
+    floors = None if a.no_floor else _floors(runs, min(switches, FLOOR_SWITCHES), progress)
+    if floors is not None and "grpc_marginal_cpu_ms_per_sampler" in floors:
+        summary["floor_marginal_cpu_ms_per_sampler"] = {t: floors[f"{t}_marginal_cpu_ms_per_sampler"] for t in ("grpc", "tcp")}
+        if "marginal_orchestrator_cpu_ms_per_sampler" in summary and floors["grpc_marginal_cpu_ms_per_sampler"] > 0:
+            summary["ratio_marginal_to_grpc_floor"] = (
+                summary["marginal_orchestrator_cpu_ms_per_sampler"] / floors["grpc_marginal_cpu_ms_per_sampler"]
+            )
     res = {
         "runs": runs,
-        "summary": _summary(runs),
+        "summary": summary,
+        "floors": floors,
         "wall_s": round(time.monotonic() - t0, 1),
         "quick": a.quick,
         "cores": os.cpu_count(),
@@ -620,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     a.out.write_text(json.dumps(res, indent=1))
-    _plot(a.out.with_suffix(".png"), runs)
+    _plot(a.out.with_suffix(".png"), runs, floors)
     lines = [f"benchmarks.scale: {len(runs)} runs, {switches} switches each, {res['wall_s']} s, {res['cores']} cores"]
     lines.append(
         f"{'N':>4} {'M':>2} {'acq p50':>8} {'rel p50':>8} {'acq-sc':>7} {'rel-sc':>7} {'orch cpu':>9} {'gate cpu':>9} "
@@ -648,6 +697,16 @@ def main(argv: list[str] | None = None) -> int:
             f"release {s['ratio_release_ms_p50_largest_to_1']:.1f}x; sidecars' CPU taken out: acquire "
             f"{s['ratio_acquire_ms_p50_excl_sidecars_largest_to_1']:.1f}x, release "
             f"{s['ratio_release_ms_p50_excl_sidecars_largest_to_1']:.1f}x (target <= 2)"
+        )
+    if "floor_marginal_cpu_ms_per_sampler" in s:
+        f = s["floor_marginal_cpu_ms_per_sampler"]
+        ratio = s.get("ratio_marginal_to_grpc_floor")
+        lines.append(
+            f"floor, two do-nothing commands per sampler per switch, answers spread over {floors['spread_ms']:.0f} ms "
+            f"(benchmarks.stream_floor): grpc.aio {f['grpc']:.3f} ms per sampler, plain asyncio TCP {f['tcp']:.3f}; "
+            f"orchestrator / grpc.aio floor {ratio:.2f}"
+            if ratio is not None
+            else "orchestrator / grpc.aio floor: n/a"
         )
     write_summary(a.out, lines)
     return 0

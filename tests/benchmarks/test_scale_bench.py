@@ -22,4 +22,11 @@ def test_scale_benchmark_quick_mode_writes_runs_with_the_documented_figures(tmp_
         assert 3 <= r["messages_per_gate_per_switch"] <= r["endpoints_changed_per_switch"] + 1, r
         assert r["engine_calls_per_sampler_switch"] > 0
     assert "marginal_orchestrator_cpu_ms_per_sampler" in res["summary"]
+    floors = res["floors"]  # the do-nothing command floors, both transports, at N = 1 and the largest N
+    assert {(f["transport"], f["samplers"]) for f in floors["runs"]} == {
+        (t, n) for t in ("grpc", "tcp") for n in (min(scale.QUICK_SAMPLERS), max(scale.QUICK_SAMPLERS))
+    }
+    assert all(f["cpu_ms_per_switch"] > 0 for f in floors["runs"]), floors
+    assert set(res["summary"]["floor_marginal_cpu_ms_per_sampler"]) == {"grpc", "tcp"}
+    assert "grpc.aio floor" in out.with_suffix(".txt").read_text()
     assert out.with_suffix(".png").stat().st_size > 0 and "marginal orchestrator CPU" in out.with_suffix(".txt").read_text()
