@@ -23,17 +23,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 
 WARMUP_SWITCHES = 2
+MAX_SPREAD_MS = 60_000.0
 _FRAME = struct.Struct("!I")
 
 
@@ -59,9 +62,12 @@ class _DoNothingSidecar(xpb_grpc.SnapshotOperationsServiceServicer):
 
     async def RunOperations(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
         await context.send_initial_metadata(())  # the orchestrator's stream opens on it (sidecar_stream.py)
-        async for cmd in request_iterator:
-            await asyncio.sleep(random.random() * self.spread_s)
-            yield _answer(cmd.command_id)
+        try:
+            async for cmd in request_iterator:
+                await asyncio.sleep(random.random() * self.spread_s)
+                yield _answer(cmd.command_id)
+        except asyncio.CancelledError:  # the client went away: the end of a measurement
+            return
 
 
 async def _serve(samplers: int, spread_s: float, transport: str) -> None:
@@ -94,6 +100,11 @@ async def _serve(samplers: int, spread_s: float, transport: str) -> None:
         keep.append(server)
     print(" ".join(map(str, ports)), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    for server in keep:
+        if transport == "grpc":
+            await server.stop(0)  # type: ignore[attr-defined]
+        else:
+            server.close()  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------------------- client
@@ -163,7 +174,10 @@ def measure(samplers: int, switches: int, spread_s: float, transport: str = "grp
         assert server.stdout is not None
         ports = [int(p) for p in server.stdout.readline().split()]
         if len(ports) != samplers:
-            raise RuntimeError(f"stream floor: the servers did not start (got {len(ports)} ports of {samplers})")
+            raise RuntimeError(
+                f"stream floor: the servers did not start: got {len(ports)} ports of {samplers} (too many for this "
+                "machine's open-file limit or memory? try fewer --samplers)"
+            )
         client = _client_grpc if transport == "grpc" else _client_tcp
         cpu = asyncio.run(client(ports, switches))
     finally:
@@ -185,31 +199,58 @@ def measure(samplers: int, switches: int, spread_s: float, transport: str = "grp
 
 
 def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    def positive_number(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
 
-    return parse
+    return positive_number
+
+
+def _spread_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= MAX_SPREAD_MS:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SPREAD_MS:g}] ms, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.stream_floor",
+        description=__doc__.split("\n")[0],
+        epilog="Prints one JSON object: cpu_ms_per_switch (the client process's CPU, every thread, ms per switch) and "
+        "cpu_ms_per_sampler_switch (the same divided by --samplers); --out also writes it to a file. "
+        "benchmarks.scale runs this after its own runs, as the floor of its marginal orchestrator CPU.",
+    )
     ap.add_argument("--samplers", type=_positive(int), default=128, help="streams, one per sampler (default 128)")
     ap.add_argument("--switches", type=_positive(int), default=20, help="switches measured, after 2 warm-up (default 20)")
     ap.add_argument(
-        "--spread-ms", type=float, default=300.0, help="answers come uniformly over [0, this] ms after each command (default 300)"
+        "--spread-ms",
+        type=_spread_ms,
+        default=300.0,
+        help="answers come uniformly over [0, this] ms after a command (default 300)",
     )
     ap.add_argument("--transport", choices=("grpc", "tcp"), default="grpc", help="grpc.aio (default) or plain asyncio TCP")
+    ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.spread_ms < 0:
-        ap.error(f"--spread-ms must be >= 0, got {a.spread_ms:g}")
     if a.serve:
         asyncio.run(_serve(a.samplers, a.spread_ms / 1000, a.transport))
         return 0
-    print(json.dumps(measure(a.samplers, a.switches, a.spread_ms / 1000, a.transport)))
+    if a.out is not None and (a.out.is_dir() or not os.access(a.out.parent if a.out.parent.exists() else Path("."), os.W_OK)):
+        ap.error(f"--out {a.out}: not a writable file path")
+    text = json.dumps(measure(a.samplers, a.switches, a.spread_ms / 1000, a.transport))
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(text)
     return 0
 
 

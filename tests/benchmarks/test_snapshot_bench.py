@@ -33,3 +33,31 @@ def test_gpu_benchmark_exits_cleanly_without_cuda(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert "skipped" in json.loads(out.read_text())
         assert "CUDA is not available" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--params-m", "0"], "--params-m"),
+        (["--params-m", "-1"], "--params-m"),
+        (["--cycles", "2"], "--cycles"),
+        (["--cycles", "x"], "--cycles"),
+        (["--device", "bogus"], "--device"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_run_naming_them(args, named, tmp_path, capsys):
+    from benchmarks import snapshot
+
+    with pytest.raises(SystemExit) as exc:
+        snapshot.main(["--out", str(tmp_path / "s.json"), *args])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_an_unusable_out_is_refused_before_the_run(tmp_path, capsys):
+    from benchmarks import snapshot
+
+    with pytest.raises(SystemExit) as exc:
+        snapshot.main(["--out", str(tmp_path)])  # a directory
+    assert exc.value.code == 2 and "--out" in capsys.readouterr().err

@@ -14,6 +14,9 @@ import pytest
         (["--spread-ms", "-5"], "--spread-ms"),
         (["--transport", "quic"], "--transport"),
         (["--samplers", "many"], "--samplers"),
+        (["--spread-ms", "nan"], "--spread-ms"),
+        (["--spread-ms", "inf"], "--spread-ms"),
+        (["--out", "/proc"], "--out"),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(args, named, capsys):
