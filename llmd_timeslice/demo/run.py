@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import shutil
 import signal
@@ -97,6 +98,21 @@ class GateMonitor:
         if task is not None:
             await task
         await self._ch.close()
+
+
+_TRAINER_SIDE_MODULES = (
+    "transformers.utils.logging",
+    "llmd_timeslice.client.torch_offload",
+    "llmd_timeslice.demo.trainer",
+    "llmd_timeslice.weights.manifest",
+)
+"""What :func:`_rl_loop` imports on the trainer side (torch and transformers under them)."""
+
+
+def _import_trainer_side() -> None:
+    """Import :data:`_TRAINER_SIDE_MODULES`, so that :func:`_rl_loop`'s own imports find them loaded."""
+    for name in _TRAINER_SIDE_MODULES:
+        importlib.import_module(name)
 
 
 async def _rl_loop(
@@ -271,7 +287,11 @@ async def _demo(
                 st.update("starting sidecars, orchestrator, gate, Envoy ...")
 
         runner = StackRunner(stack, on_event=on_event)
+        # The trainer side's imports (seconds of CPU) while vLLM starts, not on the event loop once the load runs:
+        # there they stalled the load generator for ~3 s just before the first switch (a fresh helper's finding).
+        preload = asyncio.ensure_future(asyncio.to_thread(_import_trainer_side))
         await runner.start(on_stage_ready=on_stage_ready)
+        await preload
     try:
         eps = stack.endpoints()
         token = stack.token_file.read_text().strip()
