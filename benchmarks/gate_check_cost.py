@@ -47,7 +47,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import text_format
 
 from benchmarks.authz_floor import FloorCheck, floor_answer
-from benchmarks.report import write_summary
+from benchmarks.report import prepare_out, write_summary
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice import protocol
@@ -283,12 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.checks < 1 or args.batch < 1 or args.rounds < 1:
         ap.error(f"--checks, --batch and --rounds must be >= 1, got {args.checks}, {args.batch}, {args.rounds}")
-    if args.out.is_dir():
-        ap.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. {args.out / 'gate_check_cost.json'}")
-    try:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        ap.error(f"--out {args.out}: cannot create its folder {args.out.parent} ({exc.strerror})")
+    prepare_out(ap, args.out, "gate_check_cost.json")
     res = uvloop.run(measure(args.checks, args.batch, args.rounds))
     args.out.write_text(json.dumps(res, indent=2))
     plot(res, args.out.with_suffix(".png"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import number, prepare_out
 from llmd_timeslice.client.torch_offload import TorchStateOffloader, _tensors
 
 
@@ -149,54 +149,34 @@ def run(params_m: float, cycles: int, device: str) -> dict:
     return out
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _cycles(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 3:
-        raise argparse.ArgumentTypeError(f"must be >= 3 (the first cycle, then both orders of the steady state), got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.snapshot", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON output file")
     ap.add_argument(
         "--params-m",
-        type=_positive_float,
+        type=number(float, 1e-6, 1e5, " million parameters"),
         default=32.0,
         help="trainer parameters, millions (state ~16 B each; rounded to whole 2048 x 2048 layers, at least one)",
     )
-    ap.add_argument("--cycles", type=_cycles, default=6, help="offload/restore cycles, >= 3 (first + steady state)")
+    ap.add_argument(
+        "--cycles",
+        type=number(int, 3, what=" (the first cycle, then both orders of the steady state)"),
+        default=6,
+        help="offload/restore cycles, >= 3 (first + steady state)",
+    )
     ap.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="where the trainer state lives: cpu, or cuda[:N] where CUDA is available (default: cuda if available)",
     )
     a = ap.parse_args(argv)
-    if a.out.is_dir() or (a.out.parent.exists() and not os.access(a.out.parent, os.W_OK)):
-        ap.error(f"--out {a.out}: not a writable file path")
     try:
         device = torch.device(a.device)
     except RuntimeError as exc:
         ap.error(f"--device {a.device}: {exc}")
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         ap.error(f"--device {a.device}: this machine has {'CUDA' if torch.cuda.is_available() else 'no CUDA'}; use cpu")
-    try:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        ap.error(f"--out {a.out}: {exc}")
+    prepare_out(ap, a.out, "snapshot.json")
     res = run(a.params_m, a.cycles, a.device)
     a.out.write_text(json.dumps(res, indent=2))
     f, s, r = res["first_cycle"], res["steady_state"], res["ratio_to_copy"]

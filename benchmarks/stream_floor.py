@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import struct
 import subprocess
@@ -31,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.report import number, prepare_out
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
@@ -74,37 +74,37 @@ async def _serve(samplers: int, spread_s: float, transport: str) -> None:
     """``samplers`` servers; prints their ports on one line, then serves until stdin closes."""
     from grpc import aio
 
+    async def frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                (size,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                cmd = xpb.OperationCommand.FromString(await reader.readexactly(size))
+                await asyncio.sleep(random.random() * spread_s)
+                data = _answer(cmd.command_id).SerializeToString()
+                writer.write(_FRAME.pack(len(data)) + data)
+        except asyncio.IncompleteReadError:
+            writer.close()
+
     ports: list[int] = []
-    keep: list[object] = []
+    grpc_servers: list[aio.Server] = []
+    tcp_servers: list[asyncio.Server] = []
     for _ in range(samplers):
         if transport == "grpc":
             server = aio.server()
             xpb_grpc.add_SnapshotOperationsServiceServicer_to_server(_DoNothingSidecar(spread_s), server)
             ports.append(server.add_insecure_port("127.0.0.1:0"))
             await server.start()
+            grpc_servers.append(server)
         else:
-
-            async def frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                try:
-                    while True:
-                        (size,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-                        cmd = xpb.OperationCommand.FromString(await reader.readexactly(size))
-                        await asyncio.sleep(random.random() * spread_s)
-                        data = _answer(cmd.command_id).SerializeToString()
-                        writer.write(_FRAME.pack(len(data)) + data)
-                except asyncio.IncompleteReadError:
-                    writer.close()
-
-            server = await asyncio.start_server(frames, "127.0.0.1", 0)
-            ports.append(server.sockets[0].getsockname()[1])
-        keep.append(server)
+            tcp = await asyncio.start_server(frames, "127.0.0.1", 0)
+            ports.append(tcp.sockets[0].getsockname()[1])
+            tcp_servers.append(tcp)
     print(" ".join(map(str, ports)), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    for server in keep:
-        if transport == "grpc":
-            await server.stop(0)  # type: ignore[attr-defined]
-        else:
-            server.close()  # type: ignore[attr-defined]
+    for server in grpc_servers:
+        await server.stop(0)
+    for tcp in tcp_servers:
+        tcp.close()
 
 
 # ------------------------------------------------------------------------------------------------- client
@@ -198,29 +198,6 @@ def measure(samplers: int, switches: int, spread_s: float, transport: str = "grp
     }
 
 
-def _positive(kind):
-    def positive_number(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        return value
-
-    return positive_number
-
-
-def _spread_ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= MAX_SPREAD_MS:
-        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SPREAD_MS:g}] ms, got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.stream_floor",
@@ -229,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_ms_per_sampler_switch (the same divided by --samplers); --out also writes it to a file. "
         "benchmarks.scale runs this after its own runs, as the floor of its marginal orchestrator CPU.",
     )
-    ap.add_argument("--samplers", type=_positive(int), default=128, help="streams, one per sampler (default 128)")
-    ap.add_argument("--switches", type=_positive(int), default=20, help="switches measured, after 2 warm-up (default 20)")
+    ap.add_argument("--samplers", type=number(int, 1), default=128, help="streams, one per sampler (default 128)")
+    ap.add_argument("--switches", type=number(int, 1), default=20, help="switches measured, after 2 warm-up (default 20)")
     ap.add_argument(
         "--spread-ms",
-        type=_spread_ms,
+        type=number(float, 0, MAX_SPREAD_MS, " ms"),
         default=300.0,
         help="answers come uniformly over [0, this] ms after a command (default 300)",
     )
@@ -244,11 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve:
         asyncio.run(_serve(a.samplers, a.spread_ms / 1000, a.transport))
         return 0
-    if a.out is not None and (a.out.is_dir() or not os.access(a.out.parent if a.out.parent.exists() else Path("."), os.W_OK)):
-        ap.error(f"--out {a.out}: not a writable file path")
+    if a.out is not None:
+        prepare_out(ap, a.out, "stream_floor.json")
     text = json.dumps(measure(a.samplers, a.switches, a.spread_ms / 1000, a.transport))
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text + "\n")
     print(text)
     return 0
