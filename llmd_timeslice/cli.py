@@ -108,7 +108,8 @@ def gate(settings: GateSettings, token_file: Path | None) -> None:
 
     try:
         _run_uvloop(lambda: serve(cfg, tls.from_env()))
-    except KubernetesError as exc:  # --objectives-from-kubernetes: the InferenceObjectives could not be listed
+    except KubernetesError as exc:  # --kubeconfig names a file that cannot be loaded (bad input). The cluster's state
+        # (no InferenceObjective CRD, RBAC, API server down) never ends the gate: bands off (docs/gate.md).
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise typer.Exit(2) from None
 

@@ -250,8 +250,18 @@ class GateSettings(_Section):
     )
     objectives_from_kubernetes: bool = Field(
         False,
-        description="Read the InferenceObjective objects of the gate's pools (list + watch, "
-        "`inference.networking.x-k8s.io/v1alpha2`) in `objectives_namespace`; bands still come from `objectives`.",
+        description="Read the InferenceObjective objects of the gate's pools (list + watch) in "
+        "`objectives_namespace`, from the group the API server serves, `llm-d.ai/v1alpha2` first (as the EPP), else "
+        "`inference.networking.x-k8s.io/v1alpha2`; bands still come from `objectives`. Neither served, RBAC refused "
+        'or no API server: the gate serves with bands off (docs/gate.md, "Priority bands").',
+    )
+    objectives_recheck_s: Duration = Field(
+        60.0,
+        ge=1,
+        le=3600,
+        description="With `objectives_from_kubernetes`: how often the gate asks the discovery API again which "
+        "InferenceObjective group is served (the longest watch request; the wait while none is served or RBAC "
+        "refuses), seconds.",
     )
     objectives_namespace: str | None = Field(
         None, description="Namespace of the InferenceObjective objects (unset: the gate's own, else `default`)."
@@ -1080,7 +1090,11 @@ def _objectives_reference() -> str:
 `up` takes the same two lists as its top-level `objectives` and `priority_bands` sections (`up` writes them to the
 gate's file). With `gate.objectives_from_kubernetes` the objectives come from the pool's InferenceObjective objects
 instead (`spec.priority`; an annotation `timeslice.io/max-hold-s` sets one's longest hold) and the bands still from
-the file. What the gate does with them: docs/gate.md, "Priority bands".
+the file: from `llm-d.ai/v1alpha2` where the API server serves it (the group llm-d-router's EPP reads), else
+`inference.networking.x-k8s.io/v1alpha2`, asked again every `gate.objectives_recheck_s`. Where neither is served,
+the RBAC refuses or the API server cannot be reached, the gate keeps serving with the bands off (the objective
+header ignored) and says so in one warning, the gauge `llmd_timeslice_gate_objectives_source` and
+`llmd-timeslice status`. What the gate does with them: docs/gate.md, "Priority bands".
 
 ```yaml
 objectives:

@@ -164,12 +164,43 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                             str(s.held) if i == 0 else "",
                         )
                 console.print(t)
+                line = objectives_line(gate_stub, md)
+                if line:
+                    console.print(line)
                 if bands:
                     console.print(bands_table(bands))
             except grpc.RpcError as exc:
                 console.print(f"[red]gate {gate}: {exc.code().name}: {exc.details()}[/red]")
                 rc = 1
     return rc
+
+
+def objectives_line(gate_stub, md) -> str:
+    """One line on where the gate's InferenceObjectives come from (``GetObjectivesSource``): the group read, or why
+    priority bands are off. Empty for a gate that does not read them from Kubernetes, or predates the call."""
+    try:
+        src = gate_stub.GetObjectivesSource(gpb.GetObjectivesSourceRequest(), timeout=5, metadata=md)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return ""
+        raise
+    if src.state in (gpb.OBJECTIVES_SOURCE_STATE_UNSPECIFIED, gpb.OBJECTIVES_SOURCE_STATE_NOT_KUBERNETES):
+        return ""
+    from rich.markup import escape
+
+    state = gpb.ObjectivesSourceState.Name(src.state)[len("OBJECTIVES_SOURCE_STATE_") :].lower()
+    served = f"; served: {', '.join(src.served)}" if len(src.served) > 1 else ""
+    if src.state == gpb.OBJECTIVES_SOURCE_STATE_READING:
+        return (
+            f"objectives: {src.objectives} InferenceObjectives from {src.group_version} in {src.namespace}{served}; "
+            "priority bands on"
+        )
+    if src.group_version:
+        return (
+            f"[yellow]objectives: {state}: {escape(src.detail)}; keeping the {src.objectives} InferenceObjectives of "
+            f"{src.group_version} last read[/yellow]"
+        )
+    return f"[yellow]objectives: {state}: priority bands off: {escape(src.detail)}[/yellow]"
 
 
 def bands_table(bands: list) -> Table:

@@ -1576,13 +1576,16 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
             "Optional: the replicated gate reads the InferenceObjectives of its pools from the Kubernetes API\n"
             "(--objectives-from-kubernetes: list + watch, in its own namespace), so a request's\n"
             'x-gateway-inference-objective header picks its priority band (docs/gate.md, "Priority bands").\n'
-            "Needs the InferenceObjective CRD (inference.networking.x-k8s.io/v1alpha2) installed. Add it to an\n"
-            "overlay that keeps base's gate Deployment: components: [../../components/gate-objectives]",
+            "Reads InferenceObjectives from the group the cluster serves (llm-d.ai/v1alpha2 first, as the EPP;\n"
+            "else inference.networking.x-k8s.io/v1alpha2); with neither CRD installed the gate serves with\n"
+            "bands off. Add it to an overlay that keeps base's gate Deployment:\n"
+            "components: [../../components/gate-objectives]",
             gate_objectives_component(),
         ),
         "components/gate-objectives/rbac.yaml": _doc(
-            "What the gate needs to read InferenceObjectives, and nothing else: get/list/watch on them in its own\n"
-            "namespace (Role, not ClusterRole).",
+            "What the gate needs to read InferenceObjectives, and nothing else: get/list/watch on them, in both\n"
+            "groups that serve them, in its own namespace (Role, not ClusterRole). Discovery (which group is\n"
+            "served) needs no rule here: the cluster's default system:discovery covers it.",
             *gate_objectives_rbac(),
         ),
     }
@@ -1590,11 +1593,13 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
 
 
 GATE_SERVICE_ACCOUNT = "llmd-timeslice-gate"
-INFERENCE_OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+INFERENCE_OBJECTIVE_GROUPS = ["llm-d.ai", "inference.networking.x-k8s.io"]
+"""The groups that serve InferenceObjective (llmd_timeslice.domain.objectives.GROUPS; a test keeps them equal)."""
 
 
 def gate_objectives_rbac() -> list[dict]:
-    """Role + RoleBinding: ``get``/``list``/``watch`` on ``inferenceobjectives`` only, for the gate's ServiceAccount."""
+    """Role + RoleBinding: ``get``/``list``/``watch`` on ``inferenceobjectives`` only (both groups that serve them),
+    for the gate's ServiceAccount."""
     labels = {"app.kubernetes.io/name": "llmd-timeslice", "app.kubernetes.io/component": "gate"}
     return [
         {
@@ -1603,7 +1608,7 @@ def gate_objectives_rbac() -> list[dict]:
             "metadata": {"name": "llmd-timeslice-gate-objectives", "labels": labels},
             "rules": [
                 {
-                    "apiGroups": [INFERENCE_OBJECTIVE_GROUP],
+                    "apiGroups": list(INFERENCE_OBJECTIVE_GROUPS),
                     "resources": ["inferenceobjectives"],
                     "verbs": ["get", "list", "watch"],
                 }

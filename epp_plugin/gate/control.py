@@ -11,6 +11,7 @@ from collections.abc import Callable, MutableMapping
 
 import grpc
 
+from epp_plugin.gate.objectives_k8s import SourceState, SourceStatus
 from epp_plugin.gate.pool_state import EndpointState, PoolState
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as pb_grpc
@@ -22,6 +23,12 @@ TO_CORE = {
     pb.ENDPOINT_STATE_WAKING: EndpointState.WAKING,
 }
 _TO_WIRE = {v: k for k, v in TO_CORE.items()}
+_SOURCE_TO_WIRE = {
+    SourceState.READING: pb.OBJECTIVES_SOURCE_STATE_READING,
+    SourceState.NO_CRD: pb.OBJECTIVES_SOURCE_STATE_NO_CRD,
+    SourceState.FORBIDDEN: pb.OBJECTIVES_SOURCE_STATE_FORBIDDEN,
+    SourceState.UNREACHABLE: pb.OBJECTIVES_SOURCE_STATE_UNREACHABLE,
+}
 
 MAX_DRAIN_WAIT_S = 3600.0
 
@@ -29,11 +36,18 @@ log = logging.getLogger(__name__)
 
 
 class GateControl(pb_grpc.GateControlServiceServicer):
-    """Control servicer; ``pool_factory(name)`` creates a pool on first mention when allowed."""
+    """Control servicer; ``pool_factory(name)`` creates a pool on first mention when allowed; ``objectives_source()``
+    is the InferenceObjective source's status (None: objectives are not read from Kubernetes)."""
 
-    def __init__(self, pools: MutableMapping[str, PoolState], pool_factory: Callable[[str], PoolState] | None) -> None:
+    def __init__(
+        self,
+        pools: MutableMapping[str, PoolState],
+        pool_factory: Callable[[str], PoolState] | None,
+        objectives_source: Callable[[], SourceStatus | None] = lambda: None,
+    ) -> None:
         self._pools = pools
         self._factory = pool_factory
+        self._objectives_source = objectives_source
 
     async def _pool(self, name: str, context: grpc.aio.ServicerContext, create: bool = False) -> PoolState:
         pool = self._pools.get(name)
@@ -73,6 +87,23 @@ class GateControl(pb_grpc.GateControlServiceServicer):
 
     async def ListPools(self, request, context):  # noqa: N802
         return pb.ListPoolsResponse(pools=sorted(self._pools))
+
+    async def GetObjectivesSource(self, request, context):  # noqa: N802
+        return objectives_source(self._objectives_source())
+
+
+def objectives_source(status: SourceStatus | None) -> pb.ObjectivesSource:
+    """Wire form of the objectives source (None: not read from Kubernetes)."""
+    if status is None:
+        return pb.ObjectivesSource(state=pb.OBJECTIVES_SOURCE_STATE_NOT_KUBERNETES)
+    return pb.ObjectivesSource(
+        state=_SOURCE_TO_WIRE[status.state],
+        namespace=status.namespace,
+        group_version=status.group_version or "",
+        served=list(status.served),
+        objectives=status.objectives,
+        detail=status.detail,
+    )
 
 
 def pool_status(pool: PoolState) -> pb.PoolStatus:

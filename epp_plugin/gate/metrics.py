@@ -64,6 +64,31 @@ ENDPOINT_FAILURES = Counter(
     ["pool", "endpoint"],
 )
 
+OBJECTIVES_SOURCE_STATES = ("reading", "no_crd", "forbidden", "unreachable")
+"""States of ``llmd_timeslice_gate_objectives_source`` (``epp_plugin.gate.objectives_k8s.SourceState``)."""
+OBJECTIVES_SOURCE = Gauge(
+    "llmd_timeslice_gate_objectives_source",
+    "InferenceObjectives read from Kubernetes (--objectives-from-kubernetes): 1 for the source's current state, 0 for "
+    "the others. state reading: bands on, group_version names the group read (llm-d.ai/v1alpha2 or "
+    "inference.networking.x-k8s.io/v1alpha2); no_crd (neither served), forbidden (RBAC), unreachable: bands off, "
+    "unless group_version names the objects last read, still applied.",
+    ["namespace", "state", "group_version"],
+)
+_objectives_series: dict[str, list[tuple[str, str]]] = {}
+
+
+def set_objectives_source(namespace: str, state: str | None, group_version: str | None) -> None:
+    """The objectives source of ``namespace`` is now ``state`` (one of :data:`OBJECTIVES_SOURCE_STATES`), applying
+    the objects of ``group_version`` (None: none); ``state`` None withdraws the namespace's series (gate stopped)."""
+    for labels in _objectives_series.pop(namespace, []):
+        OBJECTIVES_SOURCE.remove(namespace, *labels)
+    if state is None:
+        return
+    series = [(s, (group_version or "") if s == state else "") for s in OBJECTIVES_SOURCE_STATES]
+    for s, gv in series:
+        OBJECTIVES_SOURCE.labels(namespace=namespace, state=s, group_version=gv).set(1 if s == state else 0)
+    _objectives_series[namespace] = series
+
 
 class PoolCollector(Collector):
     """Reads the figures of every registered gate's pools (and fast-path books) at scrape time."""

@@ -28,7 +28,7 @@ from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.control import GateControl
 from epp_plugin.gate.endpoint_discovery import EndpointDirectory
 from epp_plugin.gate.ext_proc import GateExternalProcessor
-from epp_plugin.gate.objectives_k8s import ObjectiveWatch
+from epp_plugin.gate.objectives_k8s import ObjectiveWatch, SourceState, SourceStatus
 from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.subscription import StateSubscription
 from llmd_timeslice import auth, tls
@@ -93,13 +93,16 @@ class GateConfig(GateSettings):
 
     def pool_priorities(self, pool: str, from_kubernetes: list[ObjectiveEntry] | None = None) -> PoolPriorities | None:
         """What pool ``pool`` knows of objectives and bands (None: objectives off); ``from_kubernetes``: the
-        InferenceObjective objects read, in place of the file's objectives (its bands stay)."""
-        if self.priorities is None and not self.objectives_from_kubernetes:
+        InferenceObjective objects read, in place of the file's objectives (its bands stay). With
+        ``objectives_from_kubernetes`` and none read (no CRD served, RBAC refused, API server unreachable, not
+        read yet): None, bands off (docs/gate.md, "Priority bands")."""
+        if self.objectives_from_kubernetes:
+            if from_kubernetes is None:
+                return None
+            return (self.priorities or Objectives()).merged(from_kubernetes).for_pool(pool, self.default_pool, self.max_hold_s)
+        if self.priorities is None:
             return None
-        source = self.priorities or Objectives()
-        if from_kubernetes is not None:
-            source = source.merged(from_kubernetes)
-        return source.for_pool(pool, self.default_pool, self.max_hold_s)
+        return self.priorities.for_pool(pool, self.default_pool, self.max_hold_s)
 
 
 class GateServer:
@@ -134,22 +137,47 @@ class GateServer:
         """The InferenceObjectives read from Kubernetes (``objectives_from_kubernetes``; None: not read)."""
         self.objective_watch: ObjectiveWatch | None = None
         self._objectives_api = None
+        self._objectives_status: SourceStatus | None = None  # set when no watch could be made (no configuration)
 
-    def _objectives_changed(self, entries: list[ObjectiveEntry]) -> None:
-        """The InferenceObjective objects changed: every pool gets its objectives anew (held requests keep their
-        band and longest hold)."""
+    def objectives_source(self) -> SourceStatus | None:
+        """Where the InferenceObjectives come from now (None: not read from Kubernetes)."""
+        if self.objective_watch is not None:
+            return self.objective_watch.status
+        return self._objectives_status
+
+    def _objectives_changed(self, entries: list[ObjectiveEntry] | None) -> None:
+        """The InferenceObjective objects changed (None: none read, bands off): every pool gets its objectives anew
+        (held requests keep their band and longest hold)."""
         self.k8s_objectives = entries
         for name, pool in self.pools.items():
             pool.set_priorities(self.config.pool_priorities(name, entries))
-        log.info("objectives now %s", {e.name: (e.pool, e.priority) for e in entries})
+        if entries is not None:
+            log.info("objectives now %s", {e.name: (e.pool, e.priority) for e in entries})
 
     async def _start_objective_watch(self) -> None:
-        from llmd_timeslice.discovery.kubernetes import default_namespace, make_api_client
+        """Discover and read the InferenceObjectives (:class:`ObjectiveWatch`). Never raises for the cluster's state:
+        without the CRD, the RBAC or the API server the gate serves with bands off. No Kubernetes configuration
+        at all (not in a pod with a ServiceAccount token, no kubeconfig): bands off, one warning.
+
+        Raises:
+            KubernetesError: ``kubeconfig`` names a file that cannot be loaded (bad input: the gate does not start).
+        """
+        from llmd_timeslice.discovery.kubernetes import KubernetesError, default_namespace, make_api_client
 
         cfg = self.config
-        self._objectives_api = make_api_client(cfg.kubeconfig)
         namespace = cfg.objectives_namespace or default_namespace()
-        self.objective_watch = ObjectiveWatch(namespace, self._objectives_api, self._objectives_changed)
+        try:
+            self._objectives_api = make_api_client(cfg.kubeconfig)
+        except KubernetesError as exc:
+            if cfg.kubeconfig is not None:
+                raise
+            self._objectives_status = SourceStatus(SourceState.UNREACHABLE, namespace, detail=str(exc))
+            metrics.set_objectives_source(namespace, SourceState.UNREACHABLE.value, None)
+            log.warning("InferenceObjectives: %s; priority bands off (the objective header is ignored)", exc)
+            return
+        self.objective_watch = ObjectiveWatch(
+            namespace, self._objectives_api, self._objectives_changed, recheck_s=cfg.objectives_recheck_s
+        )
         self._objectives_changed(await self.objective_watch.start())
 
     def _new_pool(self, name: str) -> PoolState:
@@ -169,11 +197,12 @@ class GateServer:
         return pool
 
     async def start(self) -> None:
-        """Start every server (after the first list of the InferenceObjectives, with ``objectives_from_kubernetes``).
+        """Start every server (after the first discovery and list of the InferenceObjectives, with
+        ``objectives_from_kubernetes``: a missing CRD, RBAC or API server turns the bands off, see
+        :class:`ObjectiveWatch`).
 
         Raises:
-            ObjectivesApiError: the InferenceObjectives could not be listed (RBAC, no CRD, no API server).
-            KubernetesError: no Kubernetes configuration.
+            KubernetesError: the ``kubeconfig`` named cannot be loaded.
         """
         cfg = self.config
         if cfg.objectives_from_kubernetes:
@@ -189,7 +218,9 @@ class GateServer:
 
         self._control = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(cfg.token))
         factory = self._new_pool if cfg.accept_new_pools else None
-        gate_control_pb2_grpc.add_GateControlServiceServicer_to_server(GateControl(self.pools, factory), self._control)
+        gate_control_pb2_grpc.add_GateControlServiceServicer_to_server(
+            GateControl(self.pools, factory, self.objectives_source), self._control
+        )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._control)
         self.control_port = tls.add_port(self._control, f"{cfg.host}:{cfg.control_port}", self.tls)
         await self._data.start()
@@ -294,6 +325,8 @@ class GateServer:
         self.book.close()
         if self.objective_watch is not None:
             await self.objective_watch.stop()
+        elif self._objectives_status is not None:
+            metrics.set_objectives_source(self._objectives_status.namespace, None, None)
         if self._objectives_api is not None:
             self._objectives_api.close()
         if self._report_channel is not None:

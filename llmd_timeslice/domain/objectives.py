@@ -24,6 +24,23 @@ commit 88fd4792d162):
   This gate answers 400 ``unknown_objective`` instead, once it knows objectives at all: a typo otherwise turns
   an eval request into rollout traffic that waits a whole training phase without anyone noticing.
 
+The same kind under the llm-d group (llm-d/llm-d-router, commit ebab687927f5331c1b39defcb579a07951bce56c; moved
+there in #1169, commit 0fb6a7c51, first released in v0.9.0):
+
+* group ``llm-d.ai``, version ``v1alpha2``, plural ``inferenceobjectives``, namespaced
+  (``config/crd/bases/llm-d.ai_inferenceobjectives.yaml``; ``apix/v1alpha2/doc.go``, ``+groupName=llm-d.ai``);
+* the same spec with one difference: ``spec.priority`` is Go ``*int32`` (CRD ``format: int32``), so the API server
+  refuses what this project refuses; ``spec.poolRef`` has the same defaults (``apix/v1alpha2/shared_types.go``,
+  ``PoolObjectReference``); the EPP's reconciler keeps an objective when ``poolRef.name`` is its pool and
+  ``poolRef.group`` its ``--pool-group`` (default ``inference.networking.k8s.io``, ``pkg/epp/server/options.go``),
+  for objects of either group (``pkg/epp/controller/inferenceobjective_reconciler.go``);
+* which group the EPP reads (``pkg/epp/server/controller_config.go``, ``populateWithDiscovery``): once, at its
+  start, it asks the discovery API for ``llm-d.ai/v1alpha2`` then ``inference.networking.x-k8s.io/v1alpha2``
+  (``ServerResourcesForGroupVersion``; a group version counts when its resource list has the kind
+  ``InferenceObjective``, an error counts as absent) and takes the first found; with both served it reads only
+  ``llm-d.ai`` and logs that it ignores the legacy objects; with neither it runs without objectives.
+  :data:`GROUP_VERSIONS` keeps that order.
+
 Range: the upstream type is Go ``int`` (64 bits on 64-bit builds, 32 on 32-bit ones) and the API server stores any
 int64; this project takes the int32 range, the one every build of the EPP reads the same and the width of
 ``HoldPressure.band`` / ``YieldRequested.band`` on the wire. Larger values are refused with a line naming them.
@@ -40,8 +57,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 """Request header naming the request's InferenceObjective (GIE ``pkg/epp/metadata/consts.go``, ``ObjectiveKey``)."""
-GROUP = "inference.networking.x-k8s.io"
+LLMD_GROUP = "llm-d.ai"
+"""InferenceObjective's group in llm-d-router (since v0.9.0): the one its EPP prefers."""
+LEGACY_GROUP = "inference.networking.x-k8s.io"
+"""InferenceObjective's group in the Gateway API Inference Extension (``release-1.5`` and before)."""
 VERSION = "v1alpha2"
+GROUP_VERSIONS: tuple[tuple[str, str], ...] = ((LLMD_GROUP, VERSION), (LEGACY_GROUP, VERSION))
+"""The group versions that serve InferenceObjective, in the order the EPP prefers them (``controller_config.go``,
+``supportedInferenceAPIGVs``)."""
+GROUPS: tuple[str, ...] = tuple(g for g, _ in GROUP_VERSIONS)
 PLURAL = "inferenceobjectives"
 KIND = "InferenceObjective"
 POOL_GROUP = "inference.networking.k8s.io"
@@ -278,8 +302,11 @@ def load_objectives_file(path: str | Path, max_hold_s: float | None = None, defa
 
 
 def objective_from_k8s(obj: dict) -> tuple[str, ObjectiveEntry]:
-    """``(poolRef.group, entry)`` of an InferenceObjective object as the API server returns it (``spec.priority``
-    unset: 0; an annotation ``timeslice.io/max-hold-s`` sets the objective's longest hold).
+    """``(poolRef.group, entry)`` of an InferenceObjective object as the API server returns it, of either group
+    (``llm-d.ai/v1alpha2`` or ``inference.networking.x-k8s.io/v1alpha2``: the same spec; see the module docstring).
+    ``spec.priority`` unset: 0; ``spec.poolRef.group`` unset (an object stored before its CRD defaulted it):
+    ``inference.networking.k8s.io``, the CRDs' default; an annotation ``timeslice.io/max-hold-s`` sets the objective's
+    longest hold.
 
     Raises:
         ObjectivesError: the object does not fit (a priority outside int32, no poolRef.name).

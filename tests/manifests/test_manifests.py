@@ -1848,8 +1848,12 @@ def test_gate_objectives_component_grants_only_get_list_watch_on_inference_objec
     docs = kustomize(over)
     role = find(docs, "Role", "llmd-timeslice-gate-objectives")
     assert role["rules"] == [
-        {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"], "verbs": ["get", "list", "watch"]}
-    ]
+        {
+            "apiGroups": ["llm-d.ai", "inference.networking.x-k8s.io"],
+            "resources": ["inferenceobjectives"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ], "both groups the gate may read (issue 37 §1): llm-d-router's and the inference extension's"
     binding = find(docs, "RoleBinding", "llmd-timeslice-gate-objectives")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llmd-timeslice-gate", "namespace": S.namespace}]
     gate = find(docs, "Deployment", "llmd-timeslice-gate")["spec"]["template"]["spec"]
@@ -1858,6 +1862,6 @@ def test_gate_objectives_component_grants_only_get_list_watch_on_inference_objec
     assert not find(built("base"), "Deployment", "llmd-timeslice-gate")["spec"]["template"]["spec"][
         "automountServiceAccountToken"
     ], "without the component the gate calls no Kubernetes API"
-    from llmd_timeslice.domain.objectives import GROUP, PLURAL
+    from llmd_timeslice.domain.objectives import GROUPS, PLURAL
 
-    assert (role["rules"][0]["apiGroups"], role["rules"][0]["resources"]) == ([GROUP], [PLURAL])
+    assert (role["rules"][0]["apiGroups"], role["rules"][0]["resources"]) == (list(GROUPS), [PLURAL])

@@ -14,11 +14,26 @@ class EndpointState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENDPOINT_STATE_DRAINING: _ClassVar[EndpointState]
     ENDPOINT_STATE_ASLEEP: _ClassVar[EndpointState]
     ENDPOINT_STATE_WAKING: _ClassVar[EndpointState]
+
+class ObjectivesSourceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OBJECTIVES_SOURCE_STATE_UNSPECIFIED: _ClassVar[ObjectivesSourceState]
+    OBJECTIVES_SOURCE_STATE_NOT_KUBERNETES: _ClassVar[ObjectivesSourceState]
+    OBJECTIVES_SOURCE_STATE_READING: _ClassVar[ObjectivesSourceState]
+    OBJECTIVES_SOURCE_STATE_NO_CRD: _ClassVar[ObjectivesSourceState]
+    OBJECTIVES_SOURCE_STATE_FORBIDDEN: _ClassVar[ObjectivesSourceState]
+    OBJECTIVES_SOURCE_STATE_UNREACHABLE: _ClassVar[ObjectivesSourceState]
 ENDPOINT_STATE_UNSPECIFIED: EndpointState
 ENDPOINT_STATE_SERVING: EndpointState
 ENDPOINT_STATE_DRAINING: EndpointState
 ENDPOINT_STATE_ASLEEP: EndpointState
 ENDPOINT_STATE_WAKING: EndpointState
+OBJECTIVES_SOURCE_STATE_UNSPECIFIED: ObjectivesSourceState
+OBJECTIVES_SOURCE_STATE_NOT_KUBERNETES: ObjectivesSourceState
+OBJECTIVES_SOURCE_STATE_READING: ObjectivesSourceState
+OBJECTIVES_SOURCE_STATE_NO_CRD: ObjectivesSourceState
+OBJECTIVES_SOURCE_STATE_FORBIDDEN: ObjectivesSourceState
+OBJECTIVES_SOURCE_STATE_UNREACHABLE: ObjectivesSourceState
 
 class EndpointUpdate(_message.Message):
     __slots__ = ("address", "state", "weight_version")
@@ -145,3 +160,23 @@ class ListPoolsResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, pools: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetObjectivesSourceRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ObjectivesSource(_message.Message):
+    __slots__ = ("state", "namespace", "group_version", "served", "objectives", "detail")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    state: ObjectivesSourceState
+    namespace: str
+    group_version: str
+    served: _containers.RepeatedScalarFieldContainer[str]
+    objectives: int
+    detail: str
+    def __init__(self, state: _Optional[_Union[ObjectivesSourceState, str]] = ..., namespace: _Optional[str] = ..., group_version: _Optional[str] = ..., served: _Optional[_Iterable[str]] = ..., objectives: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...

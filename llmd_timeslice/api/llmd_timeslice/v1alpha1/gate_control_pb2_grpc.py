@@ -54,6 +54,11 @@ class GateControlServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ListPoolsRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ListPoolsResponse.FromString,
                 _registered_method=True)
+        self.GetObjectivesSource = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.GateControlService/GetObjectivesSource',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.GetObjectivesSourceRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ObjectivesSource.FromString,
+                _registered_method=True)
 
 
 class GateControlServiceServicer:
@@ -87,6 +92,14 @@ class GateControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetObjectivesSource(self, request, context):
+        """Where the gate's InferenceObjectives come from (`--objectives-from-kubernetes`):
+        the group it reads, or why priority bands are off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GateControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_GateControlServiceServicer_to_server(servicer, server):
                     servicer.ListPools,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ListPoolsRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ListPoolsResponse.SerializeToString,
+            ),
+            'GetObjectivesSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetObjectivesSource,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.GetObjectivesSourceRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ObjectivesSource.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class GateControlService:
             '/llmd_timeslice.v1alpha1.GateControlService/ListPools',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ListPoolsRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ListPoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetObjectivesSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.GateControlService/GetObjectivesSource',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.GetObjectivesSourceRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.ObjectivesSource.FromString,
             options,
             channel_credentials,
             insecure,
