@@ -179,9 +179,11 @@ def make_api_client(kubeconfig: str | os.PathLike | None = None, host: str | Non
             return client.ApiClient(cfg)
         except config.ConfigException:
             pass
+    import yaml
+
     try:
         config.load_kube_config(config_file=str(kubeconfig) if kubeconfig else None, client_configuration=cfg)
-    except (config.ConfigException, OSError, TypeError) as exc:
+    except (config.ConfigException, OSError, TypeError, yaml.YAMLError) as exc:  # YAMLError: not YAML at all
         raise KubernetesError(
             f"no Kubernetes configuration: not in a cluster and no usable kubeconfig "
             f"({kubeconfig or os.environ.get('KUBECONFIG') or '~/.kube/config'}): {exc}"

@@ -20,7 +20,10 @@ import asyncio
 import copy
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,7 +40,6 @@ from epp_plugin.gate.objectives_k8s import RBAC_NEEDED, SourceState
 from epp_plugin.gate.pool_state import UnknownObjective
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
-from llmd_timeslice.discovery.kubernetes import KubernetesError
 from llmd_timeslice.domain.objectives import Objectives
 from llmd_timeslice.status import objectives_line
 from tests.support.kube_api import write_kubeconfig
@@ -429,13 +431,22 @@ async def test_an_unreachable_api_server_leaves_the_bands_off_and_the_gate_servi
         await gate.stop()
 
 
-async def test_a_kubeconfig_that_cannot_be_loaded_is_bad_input(tmp_path):
-    """The one start failure left: a named kubeconfig the client cannot load (``gate`` exits 2 naming it)."""
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\ncurrent-context: missing\n", id="no-context"),
+        pytest.param("{{{ not: yaml", id="not-yaml"),
+    ],
+)
+def test_a_kubeconfig_that_cannot_be_loaded_is_bad_input_the_gate_exits_2_naming_it(tmp_path, text):
+    """The one start failure left with --objectives-from-kubernetes: a named kubeconfig the client cannot load (bad
+    input, one line naming the file). The cluster's state never ends the gate (tests above)."""
     bad = tmp_path / "kubeconfig"
-    bad.write_text("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\ncurrent-context: missing\n")
-    gate = _gate(str(bad))
-    try:
-        with pytest.raises(KubernetesError, match="no Kubernetes configuration"):
-            await gate.start()
-    finally:
-        await gate.stop()
+    bad.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_TIMESLICE_")}
+    args = ["gate", "--ext-proc-port", "0", "--control-port", "0", "--metrics-port", "0"]
+    args += ["--objectives-from-kubernetes", "--kubeconfig", str(bad)]
+    r = subprocess.run([sys.executable, "-m", "llmd_timeslice.cli", *args], capture_output=True, text=True, timeout=60, env=env)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("llmd-timeslice: error:")]
+    assert r.returncode == 2 and len(errors) == 1, (r.returncode, r.stderr[-2000:])
+    assert f"no usable kubeconfig ({bad})" in errors[0] and "Traceback" not in r.stderr
