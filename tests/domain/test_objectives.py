@@ -3,6 +3,8 @@ each kind of bad input (the gate's file, the stack file's sections, an Inference
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmd_timeslice import protocol
@@ -138,3 +140,24 @@ def test_gate_flag_objectives_is_in_the_help_and_a_bad_file_is_one_line_and_exit
     assert r.returncode == 2 and "hold_deadline_s: 700 is above the band's longest hold 600 s" in r.stderr, r.stderr
     r = run_cli("gate", "--objectives", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "missing.yaml" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_objects_of_both_groups_are_read_alike():
+    """llm-d.ai/v1alpha2 (llm-d-router) and inference.networking.x-k8s.io/v1alpha2 (the inference extension) carry
+    the same spec; the fixtures follow one cited commit each (tests/fixtures/inference-objectives/README.md)."""
+    import yaml
+
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "inference-objectives"
+    read = {}
+    for name in ("llm-d.ai-v1alpha2.yaml", "inference.networking.x-k8s.io-v1alpha2.yaml"):
+        for obj in yaml.safe_load_all((folder / name).read_text()):
+            group, entry = objective_from_k8s(obj)
+            assert group == "inference.networking.k8s.io", (name, group)
+            read[(obj["apiVersion"], entry.name)] = (entry.pool, entry.priority)
+    assert read == {
+        ("llm-d.ai/v1alpha2", "eval"): ("default", 10),
+        ("llm-d.ai/v1alpha2", "rollout"): ("default", 0),
+        ("llm-d.ai/v1alpha2", "batch"): ("default", -1),
+        ("inference.networking.x-k8s.io/v1alpha2", "eval"): ("default", 3),
+        ("inference.networking.x-k8s.io/v1alpha2", "legacy-only"): ("default", 1),
+    }

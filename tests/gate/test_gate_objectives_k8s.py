@@ -80,6 +80,7 @@ class FakeObjectivesApi:
 
     def __init__(self, forbid: bool = False) -> None:
         self.objects: dict[str, dict[str, dict]] = {}  # group version served -> name -> object
+        self.discovery = copy.deepcopy(DISCOVERY)  # its documents, per group version
         self.events: list[tuple[int, str, str, dict]] = []  # (resourceVersion, group version, type, object)
         self.rv = 500
         self.forbid = forbid
@@ -109,18 +110,18 @@ class FakeObjectivesApi:
                 fake.requests.append((url.path, watch))
                 with fake.cond:
                     served = list(fake.objects)
-                if url.path == "/apis":
-                    groups = [DISCOVERY[gv]["group"] for gv in DISCOVERY if gv in served]
+                if url.path.rstrip("/") == "/apis":  # the client asks /apis/; the API server answers both
+                    groups = [fake.discovery[gv]["group"] for gv in fake.discovery if gv in served]
                     return self._json(200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
                 parts = url.path.strip("/").split("/")
                 if len(parts) == 2 and parts[0] == "apis":
                     for gv in served:
                         if gv.split("/")[0] == parts[1]:
-                            return self._json(200, {"kind": "APIGroup", "apiVersion": "v1", **DISCOVERY[gv]["group"]})
+                            return self._json(200, {"kind": "APIGroup", "apiVersion": "v1", **fake.discovery[gv]["group"]})
                     return self._json(404, NOT_FOUND)
                 if len(parts) == 3 and parts[0] == "apis":
                     gv = f"{parts[1]}/{parts[2]}"
-                    return self._json(200, DISCOVERY[gv]["resources"]) if gv in served else self._json(404, NOT_FOUND)
+                    return self._json(200, fake.discovery[gv]["resources"]) if gv in served else self._json(404, NOT_FOUND)
                 m = OBJECTS_PATH.fullmatch(url.path)
                 gv = f"{m.group(1)}/{m.group(2)}" if m else ""
                 if not m or gv not in served:
@@ -260,6 +261,31 @@ async def _serving(gate: GateServer) -> bool:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gate.ext_proc_port}") as ch:
         answer = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_discovery_counts_a_group_version_only_when_it_lists_the_kind():
+    """The EPP's test (``gvkExists``): the group version's APIResourceList names kind InferenceObjective. llm-d.ai with
+    only llm-d-router's InferenceModelRewrite CRD installed does not count."""
+    from kubernetes import client
+
+    from epp_plugin.gate.objectives_discovery import served_group_versions
+    from llmd_timeslice.discovery.kubernetes import make_api_client
+
+    api = FakeObjectivesApi()
+    api_client = make_api_client(host=api.url)
+    try:
+        assert served_group_versions(api_client) == []
+        api.serve(LEGACY, [])
+        api.serve(LLMD, [])
+        assert served_group_versions(api_client) == [LLMD, LEGACY], "the EPP's order"
+        groups = client.ApisApi(api_client).get_api_versions().groups  # the fixtures parse as the real client's models
+        assert sorted(g.preferred_version.group_version for g in groups) == sorted([LLMD, LEGACY])
+        resources = api.discovery[LLMD]["resources"]
+        resources["resources"] = [r for r in resources["resources"] if r["kind"] != "InferenceObjective"]
+        assert served_group_versions(api_client) == [LEGACY]
+    finally:
+        api_client.close()
+        api.stop()
 
 
 async def test_the_gate_lists_then_watches_the_inference_objectives_of_its_pools(tmp_path):
