@@ -180,11 +180,14 @@ class ObjectiveWatch:
         return self.entries() if self._reading else None
 
     async def start(self) -> list[ObjectiveEntry] | None:
-        """Discover and list once (never raises for a missing CRD, a refusal or an unreachable API server: the
-        bands are off then, :attr:`status` says why), then keep them current in a thread. Returns
-        :meth:`current`."""
+        """Discover and list once, then keep them current in a thread. Never raises: without the CRD, the RBAC or
+        an API server that answers, the bands are off (:attr:`status` says why) and the thread keeps checking.
+        Returns :meth:`current`."""
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._sync)
+        try:
+            await asyncio.to_thread(self._sync)
+        except ObjectivesApiError as exc:  # e.g. a 5xx: the watch thread retries it; the gate starts all the same
+            self._set(SourceState.UNREACHABLE, str(exc))
         self._last = self.current()
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name=f"objectives-watch-{self.namespace}", daemon=True)

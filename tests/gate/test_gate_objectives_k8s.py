@@ -84,6 +84,7 @@ class FakeObjectivesApi:
         self.events: list[tuple[int, str, str, dict]] = []  # (resourceVersion, group version, type, object)
         self.rv = 500
         self.forbid = forbid
+        self.discovery_status: int | None = None  # answer discovery with this error status (e.g. 503)
         self.requests: list[tuple[str, bool]] = []
         self.cond = threading.Condition()
         self.stopping = False
@@ -119,6 +120,9 @@ class FakeObjectivesApi:
                         if gv.split("/")[0] == parts[1]:
                             return self._json(200, {"kind": "APIGroup", "apiVersion": "v1", **fake.discovery[gv]["group"]})
                     return self._json(404, NOT_FOUND)
+                if len(parts) == 3 and parts[0] == "apis" and fake.discovery_status is not None:
+                    code = fake.discovery_status
+                    return self._json(code, {**NOT_FOUND, "reason": "ServiceUnavailable", "code": code, "message": "etcd"})
                 if len(parts) == 3 and parts[0] == "apis":
                     gv = f"{parts[1]}/{parts[2]}"
                     return self._json(200, fake.discovery[gv]["resources"]) if gv in served else self._json(404, NOT_FOUND)
@@ -418,6 +422,23 @@ async def test_crds_that_appear_or_go_are_followed(tmp_path, caplog):
         await _until(lambda: pool.priorities is None, 15, "bands off once no CRD is served")
         assert gate.objectives_source().state is SourceState.NO_CRD  # type: ignore[union-attr]
         assert await _serving(gate)
+    finally:
+        await gate.stop()
+        api.stop()
+
+
+async def test_an_api_server_that_fails_discovery_leaves_the_bands_off_until_it_answers(tmp_path):
+    api = FakeObjectivesApi()
+    api.serve(LLMD)
+    api.discovery_status = 503
+    gate = _gate(write_kubeconfig(tmp_path / "kubeconfig", api.url, NS))
+    await gate.start()
+    try:
+        assert (await _serving(gate)) and gate.pools["default"].priorities is None
+        status = gate.objectives_source()
+        assert status is not None and status.state is SourceState.UNREACHABLE and "503" in status.detail, status
+        api.discovery_status = None
+        await _until(lambda: gate.pools["default"].priorities is not None, 15, "bands on once discovery answers")
     finally:
         await gate.stop()
         api.stop()
