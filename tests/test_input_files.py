@@ -340,7 +340,7 @@ _METRIC_MODULES = (
     "llmd_timeslice.orchestrator.service",
     "llmd_timeslice.snapshot.server",
 )
-DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", *sorted((REPO / "manifests").rglob("README.md"))]
+DOCS = [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md", *sorted((REPO / "manifests").rglob("README.md"))]
 
 
 def _metric_labels() -> dict[str, set[str]]:
