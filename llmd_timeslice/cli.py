@@ -72,7 +72,8 @@ def _run(coro_factory) -> None:
 
 
 def _run_uvloop(coro_factory) -> None:
-    """``_run`` on uvloop's event loop (the gate's HTTP ext_authz edge is measured on it: docs/decisions.md)."""
+    """``_run`` on uvloop's event loop (the gate's HTTP ext_authz edge is measured on it:
+    docs/decisions/fast-path-http-server.md)."""
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
@@ -332,6 +333,17 @@ StackFileOpt = Annotated[
     Path, typer.Option("--file", "-f", help="Stack file (see examples/cpu-stack.yaml).", exists=True, dir_okay=False)
 ]
 WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
+PortOffsetOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--port-offset",
+        min=0,
+        max=60000,
+        metavar="N",
+        help="Add N to every port the stack binds (replaces the file's stack.port_offset): a second stack beside the "
+        "first; its workdir is .llmd-timeslice/<name>+N. Give the same N to status and down.",
+    ),
+]
 
 
 def _host_port_option(value):
@@ -369,12 +381,13 @@ def status(
         ),
     ] = None,
     workdir: WorkdirOpt = None,
+    port_offset: PortOffsetOpt = None,
 ) -> None:
     """Show groups (holder, waiters, state, weight versions) and, per gate, endpoint states and held requests."""
     if file is not None:
         from llmd_timeslice.local.up import print_stack_status
 
-        raise typer.Exit(print_stack_status(file, workdir))
+        raise typer.Exit(print_stack_status(file, workdir, port_offset))
     from llmd_timeslice.status import print_status
 
     raise typer.Exit(print_status(orchestrator_addr, gate_addr, token_file))
@@ -388,6 +401,7 @@ def up(
         bool | None, typer.Option(help="Live status table (default: when stdout is a terminal; else a line per event).")
     ] = None,
     log_level: LogLevelOpt = LogLevel.warning,
+    port_offset: PortOffsetOpt = None,
 ) -> None:
     """Start the whole stack of a stack file and supervise it until Ctrl-C / SIGTERM / `down`.
 
@@ -396,21 +410,23 @@ def up(
     metrics URLs; restarts a component that dies (back-off 1 s to 30 s); writes logs to WORKDIR/logs.
     On stop, held requests get 503 (gate_shutting_down), engines it did not start are woken, the rest stopped.
 
-    On a shared node: a port of the stack that is taken is refused before anything starts (exit 2, one line per
-    port naming its holder); a component is ready only on its own sockets; a restart that cannot succeed (port
-    held by another process, a usage error, 5 failed starts in a row) stops the stack (exit 1)."""
+    On a shared node: `--port-offset N` (or the file's stack.port_offset) moves every port of the stack by N, so a
+    second stack runs beside the first. A `host` that is not an address of this machine, or a port of the stack that
+    is taken, is refused before anything starts (exit 2: one line, or one line per port naming its holder); a
+    component is ready only on its own sockets; a restart that cannot succeed (port held by another process, a usage
+    error, 5 failed starts in a row) stops the stack (exit 1)."""
     from llmd_timeslice.local.up import run_up
 
     _setup_logging(log_level)
-    raise typer.Exit(run_up(file, workdir, live))
+    raise typer.Exit(run_up(file, workdir, live, port_offset))
 
 
 @app.command(short_help="Stop a stack started with `up`; check nothing is left.")
-def down(file: StackFileOpt, workdir: WorkdirOpt = None) -> None:
+def down(file: StackFileOpt, workdir: WorkdirOpt = None, port_offset: PortOffsetOpt = None) -> None:
     """Stop a stack started with `up` (from another shell) and check that none of its processes is left."""
     from llmd_timeslice.local.up import run_down
 
-    raise typer.Exit(run_down(file, workdir))
+    raise typer.Exit(run_down(file, workdir, port_offset=port_offset))
 
 
 @app.command(short_help="Run the whole stack and an RL loop on this machine.")

@@ -2,7 +2,7 @@
 
 In the library, not in ``epp_plugin``, because clients (``llmd_timeslice.client.integrations.rollouts``, the demo's load)
 send and read these headers, and of the library only the entry points that start the whole stack import the
-router side (docs/decisions.md, "Where each process's code lives").
+router side (docs/decisions/process-code-layout.md).
 
 EPP protocol facts are from the Gateway API Inference Extension, proposal 004
 ("Endpoint Picker Protocol"): the subset hint is dynamic metadata namespace

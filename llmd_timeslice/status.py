@@ -97,6 +97,44 @@ def _yield_requests_table(console: Console, info, md) -> None:
         console.print(t)
 
 
+def group_state_text(state: str, agents: list[str]) -> str:
+    """What a group is doing, for the groups table: upstream's ``state`` (``IDLE``: no job holds the group,
+    ``IDLE_YIELDED``, ``LOCKED``, ``SWITCHING``) with, while no job holds it, whether its samplers serve, read from
+    their agent states (``RUNNING``: awake and serving): ``SERVING (IDLE)`` rather than a bare ``IDLE`` for a group
+    whose samplers answer requests."""
+    if state not in ("IDLE", "IDLE_YIELDED") or not agents:
+        return state
+    serving = sum(a == "RUNNING" for a in agents)
+    if serving == len(agents):
+        return f"SERVING ({state})"
+    if serving:
+        return f"SERVING {serving}/{len(agents)} ({state})"
+    return f"{state}, samplers not serving"
+
+
+def token_hint(token_file: Path | None) -> str:
+    """Where the token ``status`` sent came from, for an UNAUTHENTICATED or PERMISSION_DENIED answer: the flag that
+    fixes it is named either way."""
+    if token_file is not None:
+        return f"the token sent came from --token-file {token_file}; is it this stack's?"
+    if os.environ.get(auth.TOKEN_FILE_ENV):
+        return f"the token sent came from ${auth.TOKEN_FILE_ENV} ({os.environ[auth.TOKEN_FILE_ENV]}); give --token-file FILE"
+    if os.environ.get(auth.TOKEN_ENV):
+        return f"the token sent came from ${auth.TOKEN_ENV}; give --token-file FILE"
+    return (
+        f"no token was sent: give --token-file FILE (the stack's token; `up` prints it), or set ${auth.TOKEN_FILE_ENV}, "
+        "or use `status -f STACK_FILE`"
+    )
+
+
+def _refusal(exc: grpc.RpcError, token_file: Path | None) -> str:
+    """``CODE: details``, and for a token refused the hint of :func:`token_hint`."""
+    text = f"{exc.code().name}: {exc.details()}"
+    if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        text += f" ({token_hint(token_file)})"
+    return text
+
+
 def print_status(orchestrator: str, gates: list[str], token_file: Path | None = None, console: Console | None = None) -> int:
     """Print the tables; returns 0, or 1 when a component could not be reached (its error is shown)."""
     console = console or output_console()
@@ -110,12 +148,11 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             t = table(f"groups @ {orchestrator}", ("group", "state", "holder", "loaded", "waiters", "samplers"))
             for gid in groups:
                 s = stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id=gid), timeout=5, metadata=md)
-                agents = ", ".join(
-                    f"{a.job_id}:{opb.SnapshotAgentJobState.State.Name(a.job_state)[6:]}" for a in s.agent_job_states
-                )
+                states = [opb.SnapshotAgentJobState.State.Name(a.job_state)[6:] for a in s.agent_job_states]
+                agents = ", ".join(f"{a.job_id}:{st}" for a, st in zip(s.agent_job_states, states, strict=True))
                 t.add_row(
                     gid,
-                    opb.GroupStatus.State.Name(s.group.group_state)[6:],
+                    group_state_text(opb.GroupStatus.State.Name(s.group.group_state)[6:], states),
                     s.group.locking_job or "-",
                     s.group.loaded_job or "samplers",
                     str(s.group.waiter_queue_depth),
@@ -126,7 +163,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             info = info_grpc.OrchestratorInfoServiceStub(ch)
             _yield_requests_table(console, info, md)
             switches = info.ListSwitches(info_pb.ListSwitchesRequest(limit=10), timeout=5, metadata=md).switches
-            t = table("recent switches (newest first)", ("when", "group", "kind", "job", "ok", "phases (s)", "error"))
+            t = table("recent switches (newest first)", ("when", "group", "kind", "cause", "job", "ok", "phases (s)", "error"))
             for sw in switches:
                 when = time.strftime("%H:%M:%S", time.localtime(sw.started_at_unix_s))
                 phases = " ".join(f"{k}={v:.3f}" for k, v in sw.phase_seconds.items())
@@ -135,11 +172,18 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                     notes.append(f"{len(sw.drain_cut_request_ids)} cut at drain deadline (503)")
                 notes += [f"{a}: {n} parked" for a, n in sorted(sw.parked_requests.items())]
                 t.add_row(
-                    when, sw.group_id, sw.kind, sw.job_id or "-", "yes" if sw.ok else "[red]no[/red]", phases, "; ".join(notes)
+                    when,
+                    sw.group_id,
+                    sw.kind,
+                    sw.cause or "-",
+                    sw.job_id or "-",
+                    "yes" if sw.ok else "[red]no[/red]",
+                    phases,
+                    "; ".join(notes),
                 )
             console.print(t)
         except grpc.RpcError as exc:
-            console.print(f"[red]orchestrator {orchestrator}: {exc.code().name}: {exc.details()}[/red]")
+            console.print(f"orchestrator {orchestrator}: {_refusal(exc, token_file)}", style="red", markup=False)
             rc = 1
     for gate in gates:
         with tls.channel(gate, tls_files) as ch:
@@ -170,7 +214,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
                 if bands:
                     console.print(bands_table(bands))
             except grpc.RpcError as exc:
-                console.print(f"[red]gate {gate}: {exc.code().name}: {exc.details()}[/red]")
+                console.print(f"gate {gate}: {_refusal(exc, token_file)}", style="red", markup=False)
                 rc = 1
     return rc
 

@@ -1,5 +1,6 @@
 """The import graph: no cycle between top-level packages, subpackages or modules, and the router side imported by
-the library's stack entry points only (docs/architecture.md, "Where each process's code lives"; docs/decisions.md).
+the library's stack entry points only (docs/architecture.md, "Where each process's code lives";
+docs/decisions/process-code-layout.md).
 
 Every import statement counts, also one inside a function or under ``if TYPE_CHECKING:``: a lazy import still ties
 two modules together (it only hides the cycle until the function runs). Generated protobuf stubs are left out, and

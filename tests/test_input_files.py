@@ -340,7 +340,7 @@ _METRIC_MODULES = (
     "llmd_timeslice.orchestrator.service",
     "llmd_timeslice.snapshot.server",
 )
-DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", *sorted((REPO / "manifests").rglob("README.md"))]
+DOCS = [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md", *sorted((REPO / "manifests").rglob("README.md"))]
 
 
 def _metric_labels() -> dict[str, set[str]]:
@@ -408,3 +408,16 @@ def test_the_phase_callbacks_orchestrator_variable_goes_through_the_same_parser(
     with pytest.raises(TimesliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port, got '[^']+': port 99999 is out"):
         _Config("job-a", "127.0.0.1:99999", "g", "g")
     assert _Config("job-a", "[::1]:50051", "g", "g").orch_addr == "[::1]:50051"
+
+
+def test_no_doc_tells_a_user_to_pip_install_the_project_by_name_from_an_index():
+    """llmd-timeslice is not published: `pip install "llmd-timeslice[...]"` would fetch nothing, or someone else's
+    package of that name. The docs install it from a checkout (a path) or a wheel built from one."""
+    import re
+
+    wrong = [
+        f"{doc.relative_to(REPO)}: {m.group(0)}"
+        for doc in DOCS
+        for m in re.finditer(r"pip install [\"']?llmd[-_]timeslice\b[^\s\"'`]*", doc.read_text())
+    ]
+    assert not wrong, wrong

@@ -2,7 +2,7 @@
 world): when the gate picks the endpoint (fast path without an EPP), Envoy's model-server cluster is an EDS cluster
 fed from here, so that a connection refused by one endpoint can be retried on another.
 
-Why (docs/decisions.md, "A refused connection is retried on another endpoint"): an ORIGINAL_DST cluster routes to
+Why (docs/decisions/refused-connection-override-host.md): an ORIGINAL_DST cluster routes to
 the one address in ``x-gateway-destination-endpoint`` and a retry reuses it (Envoy 1.40
 ``source/extensions/clusters/original_dst/original_dst_cluster.cc``: only the header's first value is read). The
 ``envoy.load_balancing_policies.override_host`` policy takes a list ``ip:port,ip:port,...`` from that header and

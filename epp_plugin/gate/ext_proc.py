@@ -16,7 +16,7 @@ Each stream's state is one :class:`_Stream` (phase :class:`StreamPhase`, admissi
 does not take (a second ``request_headers``, ``response_headers`` before an admission, a message with nothing
 set) ends the stream with a gRPC error naming it (:class:`OutOfPhaseMessage`, ``out_of_phase: ...``) and
 releases the admission, as Envoy's own filter drops a processor that answers out of turn (docs/architecture.md,
-the ext_proc edge; docs/decisions.md).
+the ext_proc edge; docs/decisions/ext-proc-out-of-phase.md).
 
 Drain deadline: each admission gets an ``on_cut`` that answers the request with an ImmediateResponse
 (503 ``drain_deadline``) on its still open stream. Envoy accepts an ``immediate_response`` whatever it

@@ -150,8 +150,12 @@ class StateOffloader(Protocol):
     def restore(self): ...
 
 
-def _token_with_source(token: str | None, token_file: str | os.PathLike | None) -> tuple[str | None, str]:
-    """The bearer token to send, and a sentence saying where it came from (for :class:`AuthError`).
+def _token_with_source(
+    token: str | None, token_file: str | os.PathLike | None, token_file_source: str | None = None
+) -> tuple[str | None, str]:
+    """The bearer token to send, and a sentence saying where it came from (for :class:`AuthError`); a
+    ``token_file`` the caller found elsewhere is named by ``token_file_source`` (``$LLMD_TIMESLICE_TOKEN_FILE``,
+    ``--token-file``, a running stack), else as the ``token_file=`` argument.
 
     Raises:
         FileNotFoundError: the token file does not exist.
@@ -160,7 +164,8 @@ def _token_with_source(token: str | None, token_file: str | os.PathLike | None) 
     if token is not None:
         return token, "the client's token came from the token= argument" + ("" if token else " (empty: none sent)")
     if token_file is not None:
-        return auth.load_token(token_file), f"the client's token came from the token_file= argument: file {token_file}"
+        source = token_file_source or "the token_file= argument"
+        return auth.load_token(token_file), f"the client's token came from {source}: file {token_file}"
     path = os.environ.get(auth.TOKEN_FILE_ENV)
     if path:
         return auth.load_token(path), f"the client's token came from ${auth.TOKEN_FILE_ENV}: file {path}"
@@ -268,6 +273,8 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
             token where the orchestrator has per-job tokens.
         tls_files: mutual TLS (default: from ``LLMD_TIMESLICE_TLS_*_FILE``, see :mod:`llmd_timeslice.tls`).
         token_file: file holding the bearer token (when ``token`` is not given).
+        token_file_source: where ``token_file`` came from, named in an authentication error (e.g.
+            ``$LLMD_TIMESLICE_TOKEN_FILE`` when a script read it from there); default: the ``token_file=`` argument.
 
     Raises:
         FileNotFoundError, ValueError: the token file is missing or empty.
@@ -284,10 +291,11 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         sampler_group_id: str | None = None,
         tls_files: tls.TlsFiles | None = None,
         token_file: str | os.PathLike | None = None,
+        token_file_source: str | None = None,
     ) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
-        token, self._token_source = _token_with_source(token, token_file)
+        token, self._token_source = _token_with_source(token, token_file, token_file_source)
         self._md = auth.call_metadata(token)
         self._channel = tls.channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options))
         self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
@@ -482,10 +490,11 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         sampler_group_id: str | None = None,
         tls_files: tls.TlsFiles | None = None,
         token_file: str | os.PathLike | None = None,
+        token_file_source: str | None = None,
     ) -> None:
         self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
         self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
-        tok, self._token_source = _token_with_source(token, token_file)
+        tok, self._token_source = _token_with_source(token, token_file, token_file_source)
         self._channel = tls.aio_channel(
             self.target,
             tls_files or tls.from_env(),

@@ -16,7 +16,7 @@ host core (BLAKE2b ran at 0.88 GB/s here, 28 s per direction for a 7B trainer's 
 state lives in host memory (the CPU "device" here) the checksum is fused with the copy
 (:func:`copy_many_with_checksums`: 256 KiB chunks, each summed right after it is copied, while it is in
 cache; the chunks of every tensor split among the threads once), so offload and restore make one pass over
-memory, not two (docs/decisions.md, "Trainer-state checksum on the device, not BLAKE2b on the host"); on an accelerator it stays a
+memory, not two (docs/decisions/trainer-state-checksum-on-device.md); on an accelerator it stays a
 device reduction next to the host <-> device copy.
 
 Freeing a tensor's storage on a GPU only returns it to PyTorch's caching allocator, which keeps the
@@ -187,7 +187,7 @@ def copy_many_with_checksums(pairs: list[tuple[torch.Tensor, torch.Tensor]], sum
     The chunks of *all* the pairs are split into one contiguous share per thread (``torch.get_num_threads()``
     threads, the caller's among them) and joined once: one join per tensor left threads idle at every tensor's end
     (a trainer's state is many tensors; 5.4-5.7 GB/s against 6.5-6.6 GB/s for one join on this machine,
-    docs/decisions.md, "Trainer-state checksum on the device, not BLAKE2b on the host"). With torch's own ops, every chunk was a
+    docs/decisions/trainer-state-checksum-on-device.md). With torch's own ops, every chunk was a
     parallel region of its own, and on a machine whose cores are busy each of those waits for its slowest thread to
     be scheduled (measured here under load: 0.1 GB/s against 2 GB/s for one plain copy)."""
     out: dict[int, tuple[int, int]] = {}

@@ -345,9 +345,11 @@ async def _demo(
             (out / "yields.json").write_text(json.dumps(yields, indent=1))
         (out / "requests.json").write_text(json.dumps(records))
         (out / "iterations.json").write_text(json.dumps(iters, indent=1))
-        from llmd_timeslice.demo.timeline import plot_timeline  # matplotlib: ~0.5 s to import, only here
+        from llmd_timeslice.demo.timeline import TIMELINE_DATA, plot_timeline  # matplotlib: ~0.5 s, only here
 
         asked = [y["asked_at"] for y in yields] if yields is not None else None
+        data = {"monitor": monitor.samples, "trainer_phases": phases, "names": names, "yield_requests": asked}
+        (out / TIMELINE_DATA).write_text(json.dumps(data))  # `python -m llmd_timeslice.demo.timeline DIR` redraws
         plot_timeline(out / "timeline.png", monitor.samples, phases, records, names=names, yield_requests=asked)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -76,6 +76,9 @@ class SwitchRecord:
     job_id: str
     started_at: float
     phases: dict[str, float] = field(default_factory=dict)
+    cause: str = ""
+    """The group command that started it (``acquire``, ``yield``, ``lease_expired``, ``abandon``, ``audit_tick``,
+    ...): a lease expiry told apart from a yield."""
     ok: bool = True
     error: str = ""
     sleep_level: int = 0

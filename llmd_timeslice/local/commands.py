@@ -12,7 +12,7 @@ Two layers:
   bootstrap (:class:`~epp_plugin.envoy_config.EnvoyRouterConfig`) and Envoy's own command line.
   ``llmd-timeslice up``, the demo and the benchmarks start a stack through it (:mod:`llmd_timeslice.local.up`), so
   the sizes that belong together, the route timeout (hold + longest generation + 60 s), the gate's
-  lost-completion age above it and the default pool, are computed once (docs/decisions.md, "One stack launcher").
+  lost-completion age above it and the default pool, are computed once (docs/decisions/one-stack-launcher.md).
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ class StackEndpoints:
     """Orchestrator ``host:port``."""
     token_file: str
     """Control-plane token file."""
+    token_source: str = "--token-file"
+    """Where ``token_file`` was found: ``--token-file``, ``$LLMD_TIMESLICE_TOKEN_FILE`` or ``the running stack of
+    FILE``, for error messages (the client's ``token_file_source=``)."""
 
     def export(self) -> None:
         """Set the export line's variables to these values, for code that reads them (the upstream phase
@@ -89,6 +92,7 @@ def find_stack(
         StackNotFound: one of the three found nowhere (the message names the flags, the variables and ``stack``).
         ValueError: an orchestrator address that is not ``host:port`` (one line, llmd_timeslice/addresses.py).
     """
+    token_source = "--token-file" if token_file else f"${TOKEN_FILE_ENV}"
     router = router or os.environ.get(ROUTER_URL_ENV)
     orchestrator = orchestrator or os.environ.get(ORCH_ADDR_ENV)
     token_file = token_file or os.environ.get(TOKEN_FILE_ENV)
@@ -96,7 +100,8 @@ def find_stack(
         eps = running_stack_endpoints(stack)
         router = router or eps.get("router")
         orchestrator = orchestrator or eps.get("orchestrator")
-        token_file = token_file or eps.get("token_file")
+        if not token_file:
+            token_file, token_source = eps.get("token_file"), f"the running stack of {stack}"
     missing = [n for n, v in (("--router", router), ("--orchestrator", orchestrator), ("--token-file", token_file)) if not v]
     if missing or router is None or orchestrator is None or token_file is None:
         raise StackNotFound(
@@ -104,4 +109,4 @@ def find_stack(
             f"({ROUTER_URL_ENV}, {ORCH_ADDR_ENV}, {TOKEN_FILE_ENV}), pass --stack FILE, or pass the flags"
         )
     check_host_port(orchestrator, "the orchestrator as host:port")
-    return StackEndpoints(router.rstrip("/"), orchestrator, str(token_file))
+    return StackEndpoints(router.rstrip("/"), orchestrator, str(token_file), token_source)

@@ -87,6 +87,24 @@ def bind_error(host: str, port: int) -> OSError | None:
     return None
 
 
+def host_problem(host: str) -> str | None:
+    """None when this machine can bind ``host`` (one of its addresses, a wildcard, or a name that resolves to one);
+    else one line saying it is not an address of this machine, tried with port 0 (no port is taken)."""
+    exc = bind_error(host, 0)
+    if exc is None:
+        return None
+    if exc.errno == errno.EADDRNOTAVAIL:
+        why = "not an address of this machine"
+    elif isinstance(exc, socket.gaierror):
+        why = "a name that does not resolve"
+    else:
+        why = "not usable here"
+    return (
+        f"stack.host: {host} is {why} ({exc.strerror or exc}); every component binds it: use 127.0.0.1, "
+        "0.0.0.0 or an address of this machine's interfaces"
+    )
+
+
 def port_problems(ports: list[tuple[str, str, int]]) -> list[str]:
     """One line per port that cannot be bound: ``(where, host, port)`` in, e.g.
     ``port 8080 (stack.ports.router) on 127.0.0.1 is in use by pid 4242 (envoy -c ...)`` out."""

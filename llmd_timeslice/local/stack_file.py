@@ -2,7 +2,7 @@
 
 Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are refused)::
 
-    stack:   {name, host, workdir, token_file, max_hold_s, generation_timeout_s, log_level, gate_edge,
+    stack:   {name, host, workdir, token_file, max_hold_s, generation_timeout_s, log_level, gate_edge, port_offset,
               ports: {router, router_admin, gate_ext_proc, gate_authz, gate_control, gate_metrics, picker,
                       orchestrator, orchestrator_metrics}}
     pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
@@ -15,12 +15,20 @@ Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are ref
 
 An engine is either **started** by the stack (``vllm:``; ``model`` a directory or ``builtin:tiny-llama``,
 built locally) or **already running** at ``url``. Checks beyond the types: unique names, every reference
-(pool, group) known, no port used twice, model directories present.
+(pool, group) known, no port used twice, model directories present. Every check runs even when another failed, so
+one pass names every problem of the file.
+
+``stack.port_offset`` (or ``up --port-offset N``, which overrides it) is added to every port the stack binds, so a
+second stack runs beside the first by one setting: the ports of ``stack.ports``, and each engine's ``sidecar_port``
+and ``vllm.port`` (not the ``url`` of an engine it does not start). Its default workdir is then
+``.llmd-timeslice/<name>+<offset>``.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
@@ -84,6 +92,13 @@ class StackSettings(_Strict):
         "ext_authz",
         description="How Envoy calls the gate: ext_authz (the fast path; the gate also picks the "
         "endpoint, no picker runs) or ext_proc (then the EPP-protocol picker picks).",
+    )
+    port_offset: int = Field(
+        0,
+        ge=0,
+        le=60000,
+        description="Added to every port the stack binds (stack.ports, each engine's sidecar_port and vllm.port; "
+        "not a running engine's url), so a second stack runs beside the first; `up --port-offset N` overrides it.",
     )
     ports: StackPorts = Field(default_factory=StackPorts)
 
@@ -170,6 +185,25 @@ class StackFile(_Strict):
     )
     priority_bands: list[PriorityBandEntry] = Field(default_factory=list, description="Settings per priority band.")
 
+    def with_port_offset(self, offset: int) -> StackFile:
+        """This stack with ``offset`` added to every port it binds (module docstring) and ``stack.port_offset`` set to
+        it; the file's own ports are the base (an offset replaces the file's ``port_offset``, it does not add to it).
+        Not validated again: :meth:`problems` names a port the offset moves past 65535."""
+        if offset == self.stack.port_offset == 0:
+            return self
+        ports = self.stack.ports.model_copy(update={k: v + offset for k, v in self.stack.ports.model_dump().items()})
+        engines = [
+            e.model_copy(
+                update={
+                    "sidecar_port": e.sidecar_port + offset,
+                    **({"vllm": e.vllm.model_copy(update={"port": e.vllm.port + offset})} if e.vllm else {}),
+                }
+            )
+            for e in self.engines
+        ]
+        stack = self.stack.model_copy(update={"ports": ports, "port_offset": offset})
+        return self.model_copy(update={"stack": stack, "engines": engines})
+
     def gate_objectives(self) -> Objectives | None:
         """The gate's ``--objectives`` file content (None: neither section given, the header is ignored).
 
@@ -216,7 +250,9 @@ class StackFile(_Strict):
             elif urlparse(e.url).hostname in local:
                 ports.append((f"engines[{i}] ({e.name}).url", urlparse(e.url).port))
         for where, port in ports:
-            if port in used:
+            if port > 65535:
+                out.append(f"{where}: port {port} is above 65535 with stack.port_offset {self.stack.port_offset}")
+            elif port in used:
                 out.append(f"{where}: port {port} is also {used[port]}")
             else:
                 used[port] = where
@@ -251,7 +287,8 @@ class StackFile(_Strict):
     def workdir(self, base_dir: Path) -> Path:
         if self.stack.workdir is not None:
             return self.resolve(base_dir, self.stack.workdir)
-        return base_dir / ".llmd-timeslice" / self.stack.name
+        suffix = f"+{self.stack.port_offset}" if self.stack.port_offset else ""
+        return base_dir / ".llmd-timeslice" / f"{self.stack.name}{suffix}"
 
     def summary_lines(self, base_dir: Path) -> list[str]:
         """A short human summary (``llmd-timeslice config check`` on a stack file)."""
@@ -326,8 +363,9 @@ def looks_like_stack_file(data: object) -> bool:
     return not (set(SECTIONS) & set(data))
 
 
-def load_stack_file(path: str | os.PathLike) -> StackFile:
-    """Parse and check a stack file.
+def load_stack_file(path: str | os.PathLike, port_offset: int | None = None) -> StackFile:
+    """Parse and check a stack file; ``port_offset`` (``up --port-offset``), when given, replaces the file's
+    ``stack.port_offset`` (:meth:`StackFile.with_port_offset`).
 
     Raises:
         StackError: one line per problem (YAML syntax, unknown keys, wrong types, duplicates, unknown
@@ -336,13 +374,13 @@ def load_stack_file(path: str | os.PathLike) -> StackFile:
     """
     path = Path(path)
     try:
-        return _load(path)
+        return _load(path, port_offset)
     except StackError as exc:
         exc.path = path
         raise
 
 
-def _load(path: Path) -> StackFile:
+def _load(path: Path, port_offset: int | None) -> StackFile:
     text = path.read_text()
     try:
         data = yaml_files.load(text)
@@ -355,8 +393,83 @@ def _load(path: Path) -> StackFile:
     try:
         sf = StackFile.model_validate(data)
     except ValidationError as exc:
-        raise StackError(yaml_files.validation_lines(exc, StackFile)) from None
+        lines = yaml_files.validation_lines(exc, StackFile)
+        raise StackError(lines + [ln for ln in _problems_despite(data, exc, path) if ln not in lines]) from None
+    if port_offset is not None and not 0 <= port_offset <= 60000:
+        raise StackError([f"--port-offset: {port_offset} is not in 0..60000"])
+    sf = sf.with_port_offset(sf.stack.port_offset if port_offset is None else port_offset)
     problems = sf.problems(path.resolve().parent)
     if problems:
         raise StackError(problems)
     return sf
+
+
+_ENTRY_LISTS = ("pools", "groups", "jobs", "engines", "objectives", "priority_bands")
+_ENTRY_INDEX = re.compile(r"\b(" + "|".join(_ENTRY_LISTS) + r")\[(\d+)\]")
+
+
+def _problems_despite(data: dict, exc: ValidationError, path: Path) -> list[str]:
+    """The cross-field problems (:meth:`StackFile.problems`) of a file that also has type or range errors, so that
+    one pass names them all: every invalid value is taken out (a ``stack`` key falls back to its default; a list
+    entry with an invalid or missing required value, or an error of its own, is left out), the rest validated again
+    and checked. Lines about what was taken out are dropped (its default may clash, a reference to a left-out group
+    is not a second problem), and entries keep their indices in the file. Nothing when the rest is still invalid."""
+    data = copy.deepcopy(data)
+    repaired: set[str] = set()
+    left_out: dict[str, set[int]] = {k: set() for k in _ENTRY_LISTS}
+    for _ in range(3):
+        for err in sorted(exc.errors(), key=lambda e: [str(p) for p in e["loc"]], reverse=True):
+            loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+            if len(loc) >= 2 and loc[0] in left_out and isinstance(loc[1], int):
+                if err["type"] == "missing" or len(loc) == 2 or loc[2] in ("name", "group_id"):
+                    left_out[str(loc[0])].add(loc[1])
+                    continue
+            elif not loc or loc[0] != "stack" or err["type"] == "missing":
+                return []
+            if not _delete_at(data, loc):
+                return []
+            repaired.add(yaml_files.loc_text(loc))
+        kept = {k: [i for i in range(len(data.get(k) or [])) if i not in gone] for k, gone in left_out.items()}
+        trial = {k: ([v[i] for i in kept[k]] if k in left_out and isinstance(v, list) else v) for k, v in data.items()}
+        try:
+            sf = StackFile.model_validate(trial)
+        except ValidationError as again:
+            exc = again
+            continue
+        sf = sf.with_port_offset(sf.stack.port_offset)
+        names = {
+            str(e.get(key))
+            for lst, key in (("groups", "group_id"), ("pools", "name"))
+            for i, e in enumerate(data.get(lst) or [])
+            if i in left_out[lst] and isinstance(e, dict)
+        }
+
+        def in_file(m: re.Match, kept: dict[str, list[int]] = kept) -> str:
+            return f"{m.group(1)}[{kept[m.group(1)][int(m.group(2))]}]"
+
+        out = []
+        for line in sf.problems(path.resolve().parent):
+            line = _ENTRY_INDEX.sub(in_file, line)
+            where = line.split(":", 1)[0].split(" (")[0]
+            if any(where == r or where.startswith(r + ".") for r in repaired):
+                continue
+            if any(f"unknown group {n!r}" in line or f"unknown pool {n!r}" in line for n in names):
+                continue
+            out.append(line)
+        return out
+    return []
+
+
+def _delete_at(data: object, loc: tuple) -> bool:
+    """Removes the value at ``loc`` (keys and list indices) from ``data``; False when it is not there."""
+    *parents, last = loc
+    for part in parents:
+        try:
+            data = data[part]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            return False
+    try:
+        del data[last]  # type: ignore[attr-defined]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return True

@@ -16,7 +16,7 @@ row, is final: the child is marked ``failed`` and ``on_fatal`` is called instead
 Why not supervisord or circus: they are daemons with their own configuration files and control
 sockets; here the stack needs in-process knowledge of each child (its readiness probe, its stage in
 the start order, its restarts) to render the status table and the stack state file. See
-docs/decisions.md.
+docs/decisions/up-supervises-children.md.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from llmd_timeslice.http_tls import verify_for
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
-from llmd_timeslice.local.ports import port_problems
+from llmd_timeslice.local.ports import host_problem, port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
 from llmd_timeslice.status import output_console, table
@@ -452,7 +452,7 @@ class StackRunner:
         await self.stop()
 
 
-def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None) -> int:
+def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None, port_offset: int | None = None) -> int:
     """``llmd-timeslice up``; returns the exit code: 0 after a clean stop of a running stack, 128 + the signal
     (130 for Ctrl-C, 143 for SIGTERM) when stopped while starting, 1 if the stack did not start or a
     component failed for good, 2 if a stack already runs from the workdir, another ``up`` of the workdir is starting
@@ -462,7 +462,7 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
 
     from llmd_timeslice.local.stack_file import load_stack_file
 
-    sf = load_stack_file(file)
+    sf = load_stack_file(file, port_offset)
     stack = Stack(sf, file.resolve().parent, workdir)
     console = output_console()
     stack.workdir.mkdir(parents=True, exist_ok=True)
@@ -498,6 +498,10 @@ def _run_up_locked(file: Path, stack: Stack, console, live_table: bool | None) -
                     "`llmd-timeslice down -f FILE` first[/red]"
                 )
                 return 2
+    bad_host = host_problem(stack.host)
+    if bad_host:
+        output_console(stderr=True).print(f"llmd-timeslice up: {bad_host}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     taken = stack.port_problems()
     if taken:
         err = output_console(stderr=True)
@@ -531,10 +535,11 @@ def alive(pid) -> bool:
         return True
 
 
-def read_state(file: Path, workdir: Path | None = None) -> tuple[Path, dict | None]:
+def read_state(file: Path, workdir: Path | None = None, port_offset: int | None = None) -> tuple[Path, dict | None]:
+    """(the workdir of the stack of ``file``, its ``stack.json`` or None); ``port_offset`` as given to ``up``."""
     from llmd_timeslice.local.stack_file import load_stack_file
 
-    sf = load_stack_file(file)
+    sf = load_stack_file(file, port_offset)
     wd = (workdir or sf.workdir(file.resolve().parent)).resolve()
     try:
         return wd, json.loads((wd / STATE_FILE).read_text())
@@ -542,10 +547,12 @@ def read_state(file: Path, workdir: Path | None = None) -> tuple[Path, dict | No
         return wd, None
 
 
-def run_down(file: Path, workdir: Path | None = None, timeout_s: float = STOP_BOUND_S + 15) -> int:
+def run_down(
+    file: Path, workdir: Path | None = None, timeout_s: float = STOP_BOUND_S + 15, port_offset: int | None = None
+) -> int:
     """Stop a stack started by ``up`` from another shell: SIGTERM to ``up``, wait, then check nothing is left."""
     console = Console()
-    wd, state = read_state(file, workdir)
+    wd, state = read_state(file, workdir, port_offset)
     if state is None or not alive(state.get("pid")):
         console.print(f"no running stack in {wd}")
         return 0 if state is None or state.get("phase") == "stopped" else _reap(console, state)
@@ -574,12 +581,12 @@ def _reap(console: Console, state: dict) -> int:
     return 0
 
 
-def print_stack_status(file: Path, workdir: Path | None = None) -> int:
+def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int | None = None) -> int:
     """Components from the state file, then groups and gate tables from the running stack."""
     from llmd_timeslice.status import print_status
 
     console = output_console()
-    wd, state = read_state(file, workdir)
+    wd, state = read_state(file, workdir, port_offset)
     if state is None:
         console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
         return 1

@@ -134,7 +134,8 @@ class GrpcSwitchActions(SwitchActions):
             # and with gRPC's default (up to 120 s) a sidecar back after a minute stayed unreachable (fail-fast
             # UNAVAILABLE) for tens of seconds more (found by tests/local/test_stack_up.py).
             # The token goes as call metadata (self._md), not through an interceptor: grpc.aio runs an intercepted
-            # call as an extra task, a measurable share of a switch's CPU per sampler (docs/decisions.md).
+            # call as an extra task, a measurable share of a switch's CPU per sampler
+            # (docs/decisions/sidecar-operation-stream.md).
             ch = self._channels[target] = tls.aio_channel(target, self._tls)
         return ch
 

@@ -6,8 +6,7 @@ its holder has not renewed it for ``leaseDurationSeconds`` (as observed locally)
 ``retry_period_s``, giving up (stepping down) when it could not renew for ``renew_deadline_s``. Every write is a
 replace at the ``resourceVersion`` it read, so of two candidates racing for a free Lease the API server lets one
 win (the other gets 409 Conflict). That library is synchronous and thread-based and lacks three things this
-orchestrator needs; :class:`TermLeaseLock` adds them to the library's ``LeaseLock`` (docs/decisions.md,
-"Leader election: the kubernetes client's, bridged"):
+orchestrator needs; :class:`TermLeaseLock` adds them to the library's ``LeaseLock`` (docs/decisions/leader-election.md):
 
 - an ``ApiClient`` of our own (``LeaseLock`` builds ``CoordinationV1Api()`` on the default configuration);
 - ``spec.leaseTransitions`` kept as client-go keeps it (+1 whenever the holder changes;

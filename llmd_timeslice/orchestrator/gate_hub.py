@@ -372,7 +372,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         made while an earlier coalesced epoch of ``pool`` is still waiting for acks (and those of the same event-loop
         iteration) go out together in the next one, as soon as it is acked. So each endpoint is published at most
         one ack round after it was ready, never after another endpoint's wake, and a release of N samplers costs the
-        gates as many epochs as the acks it waited for rather than N (docs/decisions.md). Returns the epoch that
+        gates as many epochs as the acks it waited for rather than N (docs/decisions/control-path-128-samplers.md).
+        Returns the epoch that
         carried ``updates`` and the gates that did not ack it in time.
 
         Raises:

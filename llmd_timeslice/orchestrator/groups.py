@@ -913,6 +913,7 @@ class Group:
         w = pick_waiter(self)
         rec = SwitchRecord(self.group_id, SwitchKind.TO_JOB, w.job_id, self._orch.clock.wall())
         rec.sleep_level = self.spec.sleep_level_for(w.job_id, w.job_id in self.publishers)
+        rec.cause = kind.value
         self._switch = _Switch(rec, w)
         self._enter(P.DRAINING, kind)
         self._spawn(self._step(self._orch.actions.drain_samplers, self.spec.copy(), rec, C.DRAINED, C.DRAIN_FAILED), "drain")
@@ -995,6 +996,7 @@ class Group:
     ) -> None:
         targets = list(self.spec.samplers) if samplers is None else samplers
         rec = self.resume_record(kind, after_job, targets)
+        rec.cause = cmd.value
         rec.engine_faults = dict(engine_faults or {})
         self._switch = _Switch(rec, None, list(replies or []))
         repair = kind is SwitchKind.REPAIR

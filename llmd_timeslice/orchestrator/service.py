@@ -305,6 +305,7 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
                     phase_seconds={k: v for k, v in r.phases.items() if k != "drained_in_time"},
                     drain_cut_request_ids=r.drain_cut,
                     parked_requests=r.parked_requests,
+                    cause=r.cause,
                 )
                 for r in records[: request.limit or 10]
             ]

@@ -3,7 +3,7 @@
 A sleep or wake used to cost 2 unary calls (``Snapshot``/``Restore``/``RestoreWithWeights``, then
 ``WaitOperationResult``), 4 per sampler per switch; on grpc.aio each unary call is a call set-up, a batch of six
 operations and its completion hop into the event loop, and together they were most of the orchestrator's CPU per
-added sampler (docs/decisions.md, "One operation stream per sidecar"). On one long-lived stream an operation is one
+added sampler (docs/decisions/sidecar-operation-stream.md). On one long-lived stream an operation is one
 message each way: the command, and the event the sidecar sends when the operation ended (or at once, refused).
 
 The stream is opened on first use and again after it broke. Opening waits for the channel to be ready (a sidecar

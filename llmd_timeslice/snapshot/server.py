@@ -6,7 +6,7 @@ background; ``GetOperation`` reads the result and ``WaitOperation`` (project ext
 as soon as the operation ends, so the orchestrator waits on an event instead of polling.
 ``RunOperations`` (project extension, the orchestrator's path) carries both on one long-lived
 stream: a command starts an operation, one event answers it when it ended (2 messages per
-operation instead of 2 unary calls: docs/decisions.md, "One operation stream per sidecar").
+operation instead of 2 unary calls: docs/decisions/sidecar-operation-stream.md).
 
 Job states follow the Snapshot Agent's vocabulary: RUNNING, TRANSITIONING, SAVED, FAULTED.
 

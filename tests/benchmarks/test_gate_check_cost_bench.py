@@ -1,5 +1,6 @@
 """benchmarks.gate_check_cost runs at a tiny size and writes what its docs promise; its figures are in
-docs/decisions.md, not asserted here (no timed assertions): only what must hold whatever the machine's speed."""
+docs/benchmarks.md#gate-cpu-per-request, not asserted here (no timed assertions): only what must hold whatever the
+machine's speed."""
 
 from __future__ import annotations
 

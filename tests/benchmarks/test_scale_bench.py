@@ -1,5 +1,5 @@
 """benchmarks.scale runs end to end in its quick mode (real orchestrator, gates and sidecars as processes) and writes
-the figures its docs promise; the full run's figures are in docs/decisions.md, not asserted here."""
+the figures its docs promise; the full run's figures are in docs/benchmarks.md, not asserted here."""
 
 from __future__ import annotations
 

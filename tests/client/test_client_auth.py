@@ -96,3 +96,31 @@ def test_right_token_from_a_file_argument_works(orchestrator, tmp_path, monkeypa
         assert c.list_groups() == ["g"]
         c.acquire(timeout_sec=5)
         c.release()
+
+
+def test_rl_loop_with_a_wrong_token_in_the_variable_names_the_variable_not_an_argument(
+    orchestrator, tmp_path, monkeypatch, capsys
+):
+    """examples/rl_loop.py finds the token file through llmd_timeslice.local.find_stack and hands it to the client;
+    the refusal names where the user put it ($LLMD_TIMESLICE_TOKEN_FILE), not the token_file= argument the script
+    passed on."""
+    import importlib.util
+    from pathlib import Path
+
+    from llmd_timeslice.local.find_stack import ORCH_ADDR_ENV
+    from llmd_timeslice.local.up import ROUTER_URL_ENV
+
+    spec = importlib.util.spec_from_file_location("rl_loop", Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py")
+    assert spec is not None and spec.loader is not None
+    rl_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl_loop)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    wrong = tmp_path / "old-stack-token"
+    wrong.write_text("a-token-of-another-stack\n")
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(wrong))
+    monkeypatch.setenv(ORCH_ADDR_ENV, orchestrator)
+    monkeypatch.setenv(ROUTER_URL_ENV, "http://127.0.0.1:9")
+    assert rl_loop.main(["--stack", str(tmp_path / "none.yaml"), "--group", "g", "--iterations", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"the client's token came from ${TOKEN_FILE_ENV}: file {wrong}" in err, err
+    assert "token_file= argument" not in err, err

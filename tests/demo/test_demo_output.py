@@ -103,3 +103,68 @@ def test_timeline_shows_priority_bands_yields_and_eval_requests(tmp_path, monkey
     assert "yield request honoured" in [t.get_text() for t in lanes.get_legend().get_texts()]
     assert "yield requested" in [t.get_text() for t in lanes.get_legend().get_texts()]
     assert "eval (second traffic class)" in [t.get_text() for t in latency.get_legend().get_texts()]
+
+
+def _figure_of(timeline, monkeypatch) -> list:
+    figures: list = []
+    real_close = timeline.plt.close
+    monkeypatch.setattr(timeline.plt, "close", lambda fig: (figures.append(fig), real_close(fig)))
+    return figures
+
+
+def test_rollouts_have_a_lane_of_their_own_and_a_batch_sent_while_the_samplers_wake_says_why(tmp_path, monkeypatch):
+    """The trainer's lane shows the trainer (switch, train); the rollout batches, which the samplers run, get their
+    own lane; a batch sent right after a yield, while no sampler serves yet, is marked and explained (the yield
+    returns at once; the gate holds that batch until a sampler is verified SERVING: its first answer). A gap in the
+    monitor's samples is drawn as not sampled, not as the state before it."""
+    from llmd_timeslice.demo import timeline
+
+    monitor = [
+        {"t": t, "held": 0, "endpoints": {"a": state, "b": state}}
+        for t, state in ((0.0, "SERVING"), (1.0, "ASLEEP"), (3.0, "WAKING"), (3.1, "WAKING"), (5.6, "WAKING"), (5.7, "SERVING"))
+    ]
+    phases = [(0.0, 1.0, "rollout"), (1.0, 1.1, "switch to trainer"), (1.1, 3.0, "train"), (3.05, 6.5, "rollout")]
+    requests = [
+        {"kind": "rollout", "ok": True, "sent_at": 0.1, "done_at": 0.5, "hold_ms": 0},
+        {"kind": "rollout", "ok": True, "sent_at": 3.05, "done_at": 5.75, "hold_ms": 2600},
+    ]
+    assert [(s, round(w, 3)) for s, w in timeline.rollout_waits(monitor, phases, requests)] == [(3.05, 2.7)]
+    figures = _figure_of(timeline, monkeypatch)
+    timeline.plot_timeline(tmp_path / "t.png", monitor, phases, requests, names={"a": "sampler-0", "b": "sampler-1"})
+    lanes = figures[0].axes[0]
+    assert [t.get_text() for t in lanes.get_yticklabels()] == ["sampler-0", "sampler-1", "rollouts", "trainer"]
+    trainer_lane = len(lanes.get_yticklabels()) - 1
+    on_trainer = [p for p in lanes.patches if abs(p.get_y() + p.get_height() / 2 - trainer_lane) < 0.01]
+    assert on_trainer and timeline.ROLLOUT_COLOR not in {
+        timeline.matplotlib.colors.to_hex(p.get_facecolor()) for p in on_trainer
+    }, "no rollout on the trainer's lane"
+    notes = [t.get_text() for t in lanes.texts]
+    assert notes == ["sent right after the yield: held at the gate 2.7 s\nwhile the samplers wake with the new weights"]
+    legend = [t.get_text() for t in lanes.get_legend().get_texts()]
+    assert "rollout batch" in legend and "not sampled" in legend, "3.1 -> 5.6: a gap in the samples"
+    assert timeline._spans([(0.0, "WAKING"), (0.1, "WAKING"), (2.0, "SERVING")]) == [
+        (0.0, 0.1, "WAKING"),
+        (0.1, 0.2, "WAKING"),
+        (0.2, 2.0, ""),
+        (2.0, 2.1, "SERVING"),
+    ]
+
+
+def test_the_all_bands_line_is_drawn_over_the_band_lines_so_one_band_holding_everything_hides_neither(tmp_path, monkeypatch):
+    from llmd_timeslice.demo import timeline
+
+    monitor = [
+        {"t": 0.0, "held": 0, "endpoints": {"a": "SERVING"}, "bands": {"0": 0}},
+        {"t": 1.0, "held": 4, "endpoints": {"a": "ASLEEP"}, "bands": {"0": 4}},
+        {"t": 2.0, "held": 0, "endpoints": {"a": "SERVING"}, "bands": {"0": 0}},
+    ]
+    figures = _figure_of(timeline, monkeypatch)
+    timeline.plot_timeline(tmp_path / "t.png", monitor, [(0.0, 2.0, "train")], [])
+    held = figures[0].axes[1]
+    total, band0 = (next(ln for ln in held.get_lines() if ln.get_label() == name) for name in ("all bands", "band 0"))
+    assert list(total.get_ydata()) == list(band0.get_ydata()), "the case: the same values"
+    assert (
+        total.get_zorder() > band0.get_zorder()
+        and total.get_linestyle() == "--"
+        and band0.get_linewidth() > total.get_linewidth()
+    )

@@ -344,3 +344,109 @@ def test_up_passes_the_objectives_sections_to_the_gate_it_starts(tmp_path):
     sf = load_stack_file(_write(tmp_path, d))
     stages = Stack(sf, tmp_path, workdir=tmp_path / "work2").prepare()
     assert "--objectives" not in next(c for st in stages for c in st if c.name == "gate").argv
+
+
+# ---------------------------------------------------------------- the first hour (issue 42)
+def _model_keys(model, prefix: str = "") -> list[str]:
+    """Every key a stack file may hold, as ``engines[].vllm.port`` paths (the models' own fields, nested models and
+    lists of models followed)."""
+    from llmd_timeslice import yaml_files
+
+    out = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        out.append(path)
+        inner = yaml_files._inner_model(field.annotation)
+        if inner is not None:
+            is_list = "list[" in str(field.annotation)
+            out += _model_keys(inner, f"{path}{'[]' if is_list else ''}.")
+    return out
+
+
+def _example_keys(text: str) -> set[str]:
+    """The keys of examples/cpu-stack.yaml as paths, the commented-out ones (``# key: value``) included."""
+    import re
+
+    def walk(node, prefix: str) -> set[str]:
+        keys: set[str] = set()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                keys.add(f"{prefix}{k}")
+                keys |= walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list):
+            for item in node:
+                keys |= walk(item, f"{prefix.removesuffix('.')}[].")
+        return keys
+
+    # A commented key is uncommented in place (its indentation kept), so it lands at its own path.
+    uncommented = re.sub(r"(?m)^(\s*)# ([a-z_]+: .*?)(\s+#.*)?$", r"\1\2", text)
+    keys = walk(yaml.safe_load(uncommented), "")
+    return {k for k in keys if not re.search(r"\.(job_priorities|job_sleep_levels|env)\..", k)}
+
+
+def test_the_cpu_example_shows_every_key_of_the_stack_file():
+    from llmd_timeslice.local.stack_file import StackFile
+
+    shown = _example_keys((REPO / "examples" / "cpu-stack.yaml").read_text())
+    missing = [k for k in _model_keys(StackFile) if k not in shown]
+    assert not missing, f"examples/cpu-stack.yaml says it shows every key; it lacks {missing}"
+
+
+def test_a_stack_file_with_five_errors_of_different_kinds_reports_all_five_at_once(tmp_path):
+    d = _base()
+    d["stack"]["max_hold_s"] = -1  # range
+    d["groups"][0]["sleep_level"] = 5  # range, in a group that engines refer to
+    d["engines"][0]["sidecar_port"] = "nine"  # type, in an engine that is then left out of the cross checks
+    d["engines"][1]["pool"] = "nowhere"  # an unknown reference, found only by the cross checks
+    d["engines"][1]["vllm"]["model"] = "./no-such-model"  # a missing model directory, also a cross check
+    with pytest.raises(StackError) as ei:
+        load_stack_file(_write(tmp_path, d))
+    errors = ei.value.errors
+    assert len(errors) == 5, errors
+    for where in (
+        "stack.max_hold_s:",
+        "groups[0].sleep_level:",
+        "engines[0].sidecar_port:",
+        "engines[1] (sampler-1).pool: unknown pool 'nowhere'",
+        "engines[1] (sampler-1).vllm.model: no model directory",
+    ):
+        assert any(e.startswith(where) for e in errors), (where, errors)
+
+
+def test_port_offset_moves_every_port_the_stack_binds_and_its_workdir(tmp_path):
+    f = _write(tmp_path, _base())
+    base = load_stack_file(f)
+    moved = load_stack_file(f, port_offset=100)
+    assert {k: v + 100 for k, v in base.stack.ports.model_dump().items()} == moved.stack.ports.model_dump()
+    assert [(e.sidecar_port + 100, e.vllm.port + 100) for e in base.engines] == [
+        (e.sidecar_port, e.vllm.port) for e in moved.engines
+    ]
+    assert moved.workdir(tmp_path) == tmp_path / ".llmd-timeslice" / "cpu+100"
+    d = _base()
+    d["stack"]["port_offset"] = 100
+    assert load_stack_file(_write(tmp_path, d)).stack.ports == moved.stack.ports, "the setting does what the flag does"
+    assert load_stack_file(_write(tmp_path, d), port_offset=0).stack.ports == base.stack.ports, "the flag replaces it"
+
+
+def test_a_port_offset_past_65535_names_the_port_it_moves_there(tmp_path):
+    d = _base()
+    d["stack"]["port_offset"] = 15000  # orchestrator 50051 -> 65051: fine; below, the flag moves it further
+    load_stack_file(_write(tmp_path, d))
+    with pytest.raises(StackError) as ei:
+        load_stack_file(_write(tmp_path, d), port_offset=16000)
+    assert "stack.ports.orchestrator: port 66051 is above 65535 with stack.port_offset 16000" in ei.value.errors
+
+
+def test_up_with_a_host_that_is_not_an_address_of_this_machine_is_one_line_and_exit_2(tmp_path):
+    d = _base()
+    d["stack"]["host"] = "10.255.255.1"
+    d["stack"]["workdir"] = str(tmp_path / "work")
+    f = _write(tmp_path, d)
+    r = run_cli("up", "-f", str(f), "--no-live")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        "llmd-timeslice up: stack.host: 10.255.255.1 is not an address of this machine (Cannot assign requested "
+        "address); every component binds it: use 127.0.0.1, 0.0.0.0 or an address of this machine's interfaces"
+    ], r.stderr
+    assert not (tmp_path / "work" / "stack.json").exists() and not (tmp_path / "work" / "logs").exists()

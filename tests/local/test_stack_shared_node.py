@@ -42,6 +42,17 @@ def _distinct_ports() -> dict[str, int]:
     return dict(zip(StackPorts.model_fields, sorted(picked), strict=True))
 
 
+def _free_offset(taken: list[int]) -> int:
+    """An offset that moves every port of ``taken`` onto a port free now and outside ``taken``."""
+    from llmd_timeslice.local.ports import bind_error
+
+    for offset in range(101, 5000, 97):
+        moved = [p + offset for p in taken]
+        if max(moved) <= 65535 and not set(moved) & set(taken) and all(bind_error("127.0.0.1", p) is None for p in moved):
+            return offset
+    raise AssertionError(f"no free offset for {taken}")
+
+
 def _state(workdir: Path) -> dict:
     try:
         return json.loads((workdir / "stack.json").read_text())
@@ -95,6 +106,35 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
         assert f"port {ports['router']} (stack.ports.router) on 127.0.0.1 is in use by pid" in r.stderr
         assert f"port {sidecar_port} (engines[0] ({ENGINE}).sidecar_port)" in r.stderr
         assert "stack up" not in r.stdout and not (tmp_path / "second" / "stack.json").exists(), "nothing started"
+
+        # The same file with one flag, `--port-offset N`, starts beside the first and serves; `down` with the same N.
+        offset = _free_offset([*ports.values(), sidecar_port])
+        second_up = subprocess.Popen(
+            [*CLI, "up", "-f", str(second), "--no-live", "--port-offset", str(offset)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            _wait(
+                lambda: _state(tmp_path / "second").get("phase") == "running" or second_up.poll() is not None,
+                180,
+                "the second stack",
+            )
+            assert second_up.poll() is None, "the second stack did not start with --port-offset"
+            ep2 = _state(tmp_path / "second")["endpoints"]
+            assert ep2["router"] == f"http://127.0.0.1:{ports['router'] + offset}", ep2
+            resp = httpx.post(
+                ep2["router"] + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2}, timeout=30
+            )
+            assert resp.status_code == 200, resp.text
+        finally:
+            down2 = subprocess.run(
+                [*CLI, "down", "-f", str(second), "--port-offset", str(offset)], capture_output=True, text=True, timeout=120
+            )
+            if second_up.poll() is None:
+                second_up.kill()
+            second_up.wait()
+        assert down2.returncode == 0 and "stack stopped" in down2.stdout, down2.stdout + down2.stderr
 
         # The first stack still serves, nothing of it restarted.
         time.sleep(1.5)

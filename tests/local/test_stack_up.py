@@ -13,7 +13,7 @@
 * a request held while a trainer holds the group answered 503 on ``down``, and no process left afterwards.
 
 Fake engines, not real vLLM: a vLLM start here is ~40 s of CPU and this test took 170 s of a full run with one
-(docs/decisions.md, "make test within 3 minutes"). What ``up`` starts for a ``vllm:`` engine is the command line and
+(docs/benchmarks.md#make-test-layout). What ``up`` starts for a ``vllm:`` engine is the command line and
 environment of the session's real vLLM server (tests/local/test_stack_commands.py checks they are equal), whose tests
 check real vLLM's sleep, wake and weight reloads under the sidecar (tests/snapshot/test_snapshot_vllm.py,
 tests/snapshot/test_vllm_phase_switch.py, tests/snapshot/test_vllm_weight_sync.py); two vLLM engines started by one

@@ -401,6 +401,8 @@ async def _held_yield_to_samplers(e: Env):
     await e.held()
     await e.orch.yield_("A", "s")
     await e.wait(P.SERVING)
+    await e.wait(P.SERVING, pred=lambda g: g.history and g.history[-1].kind == "to_samplers")
+    assert [(r.kind, r.cause) for r in e.g().history] == [("to_job", "acquire"), ("to_samplers", "yield")]
 
 
 async def _held_yield_deferred(e: Env):
@@ -426,6 +428,8 @@ async def _held_lease_expires_to_samplers(e: Env):
     await e.orch.heartbeat("A", "s", e.orch.lease("A", "s").token)
     e.clock.advance(31)
     await e.wait(P.SERVING)
+    await e.wait(P.SERVING, pred=lambda g: g.history and g.history[-1].kind == "to_samplers")
+    assert e.g().history[-1].cause == "lease_expired", "status tells a lease expiry from a yield"
 
 
 async def _held_lease_expires_deferred(e: Env):

@@ -105,3 +105,13 @@ async def test_status_shows_groups_endpoints_and_recent_switches(stack, tmp_path
     assert "recent switches" in text and "to_job" in text and "drain=" in text, text
     assert "ASLEEP" in text and addrs[0] in text, text
     await client.release()
+    g = orch.orchestrator.groups["g"]
+    await _until(lambda: g.state.value == "IDLE" and g.history and g.history[-1].kind.value == "to_samplers")
+    await _until(lambda: all(s.address in gate.pools["default"].serving() for s in g.spec.samplers))
+    console = Console(record=True, width=200)
+    rc = await asyncio.to_thread(print_status, f"127.0.0.1:{orch.port}", [], token, console)
+    text = console.export_text()
+    assert rc == 0 and "SERVING (IDLE)" in text, "a group whose samplers serve is not shown as a bare IDLE: " + text
+    # The switches table names what started each switch: here the trainer's acquire, then its yield.
+    rows = [[c.strip() for c in ln.split("│")] for ln in text.splitlines() if "to_job" in ln or "to_samplers" in ln]
+    assert [r[3:5] for r in rows[:2]] == [["to_samplers", "yield"], ["to_job", "acquire"]], text

@@ -165,7 +165,7 @@ def test_an_engine_without_sleep_routes_or_a_route_table():
 
 
 def test_the_example_manifest_pins_the_vllm_that_make_test_vllm_older_runs():
-    """The oldest vLLM a shipped manifest pins is the one the older tier checks (docs/decisions.md)."""
+    """The oldest vLLM a shipped manifest pins is the one the older tier checks (docs/decisions/vllm-older-tier.md)."""
     from pathlib import Path
 
     import yaml

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2 as llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_lease__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\nBllmd_timeslice/api/llmd_timeslice/v1alpha1/orchestrator_info.proto\x12\x17llmd_timeslice.v1alpha1\x1a\x36llmd_timeslice/api/llmd_timeslice/v1alpha1/lease.proto\"6\n\x13ListSwitchesRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\"\x9d\x03\n\nSwitchInfo\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x19\n\x11started_at_unix_s\x18\x04 \x01(\x01\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12L\n\rphase_seconds\x18\x07 \x03(\x0b\x32\x35.llmd_timeslice.v1alpha1.SwitchInfo.PhaseSecondsEntry\x12\x1d\n\x15\x64rain_cut_request_ids\x18\x08 \x03(\t\x12P\n\x0fparked_requests\x18\t \x03(\x0b\x32\x37.llmd_timeslice.v1alpha1.SwitchInfo.ParkedRequestsEntry\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13ParkedRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x14ListSwitchesResponse\x12\x35\n\x08switches\x18\x01 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.SwitchInfo\",\n\x18ListYieldRequestsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xb5\x01\n\x12GroupYieldRequests\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04sent\x18\x02 \x01(\x03\x12\x10\n\x08honoured\x18\x03 \x01(\x03\x12\x0f\n\x07ignored\x18\x04 \x01(\x03\x12\x12\n\nsuppressed\x18\x05 \x01(\x03\x12\x0e\n\x06holder\x18\x06 \x01(\t\x12\x38\n\x07\x63urrent\x18\x07 \x01(\x0b\x32\'.llmd_timeslice.v1alpha1.YieldRequested\"X\n\x19ListYieldRequestsResponse\x12;\n\x06groups\x18\x01 \x03(\x0b\x32+.llmd_timeslice.v1alpha1.GroupYieldRequests2\x82\x02\n\x17OrchestratorInfoService\x12k\n\x0cListSwitches\x12,.llmd_timeslice.v1alpha1.ListSwitchesRequest\x1a-.llmd_timeslice.v1alpha1.ListSwitchesResponse\x12z\n\x11ListYieldRequests\x12\x31.llmd_timeslice.v1alpha1.ListYieldRequestsRequest\x1a\x32.llmd_timeslice.v1alpha1.ListYieldRequestsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\nBllmd_timeslice/api/llmd_timeslice/v1alpha1/orchestrator_info.proto\x12\x17llmd_timeslice.v1alpha1\x1a\x36llmd_timeslice/api/llmd_timeslice/v1alpha1/lease.proto\"6\n\x13ListSwitchesRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\"\xac\x03\n\nSwitchInfo\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x19\n\x11started_at_unix_s\x18\x04 \x01(\x01\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12L\n\rphase_seconds\x18\x07 \x03(\x0b\x32\x35.llmd_timeslice.v1alpha1.SwitchInfo.PhaseSecondsEntry\x12\x1d\n\x15\x64rain_cut_request_ids\x18\x08 \x03(\t\x12P\n\x0fparked_requests\x18\t \x03(\x0b\x32\x37.llmd_timeslice.v1alpha1.SwitchInfo.ParkedRequestsEntry\x12\r\n\x05\x63\x61use\x18\n \x01(\t\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13ParkedRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x14ListSwitchesResponse\x12\x35\n\x08switches\x18\x01 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.SwitchInfo\",\n\x18ListYieldRequestsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xb5\x01\n\x12GroupYieldRequests\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04sent\x18\x02 \x01(\x03\x12\x10\n\x08honoured\x18\x03 \x01(\x03\x12\x0f\n\x07ignored\x18\x04 \x01(\x03\x12\x12\n\nsuppressed\x18\x05 \x01(\x03\x12\x0e\n\x06holder\x18\x06 \x01(\t\x12\x38\n\x07\x63urrent\x18\x07 \x01(\x0b\x32\'.llmd_timeslice.v1alpha1.YieldRequested\"X\n\x19ListYieldRequestsResponse\x12;\n\x06groups\x18\x01 \x03(\x0b\x32+.llmd_timeslice.v1alpha1.GroupYieldRequests2\x82\x02\n\x17OrchestratorInfoService\x12k\n\x0cListSwitches\x12,.llmd_timeslice.v1alpha1.ListSwitchesRequest\x1a-.llmd_timeslice.v1alpha1.ListSwitchesResponse\x12z\n\x11ListYieldRequests\x12\x31.llmd_timeslice.v1alpha1.ListYieldRequestsRequest\x1a\x32.llmd_timeslice.v1alpha1.ListYieldRequestsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTSWITCHESREQUEST']._serialized_start=151
   _globals['_LISTSWITCHESREQUEST']._serialized_end=205
   _globals['_SWITCHINFO']._serialized_start=208
-  _globals['_SWITCHINFO']._serialized_end=621
-  _globals['_SWITCHINFO_PHASESECONDSENTRY']._serialized_start=515
-  _globals['_SWITCHINFO_PHASESECONDSENTRY']._serialized_end=566
-  _globals['_SWITCHINFO_PARKEDREQUESTSENTRY']._serialized_start=568
-  _globals['_SWITCHINFO_PARKEDREQUESTSENTRY']._serialized_end=621
-  _globals['_LISTSWITCHESRESPONSE']._serialized_start=623
-  _globals['_LISTSWITCHESRESPONSE']._serialized_end=700
-  _globals['_LISTYIELDREQUESTSREQUEST']._serialized_start=702
-  _globals['_LISTYIELDREQUESTSREQUEST']._serialized_end=746
-  _globals['_GROUPYIELDREQUESTS']._serialized_start=749
-  _globals['_GROUPYIELDREQUESTS']._serialized_end=930
-  _globals['_LISTYIELDREQUESTSRESPONSE']._serialized_start=932
-  _globals['_LISTYIELDREQUESTSRESPONSE']._serialized_end=1020
-  _globals['_ORCHESTRATORINFOSERVICE']._serialized_start=1023
-  _globals['_ORCHESTRATORINFOSERVICE']._serialized_end=1281
+  _globals['_SWITCHINFO']._serialized_end=636
+  _globals['_SWITCHINFO_PHASESECONDSENTRY']._serialized_start=530
+  _globals['_SWITCHINFO_PHASESECONDSENTRY']._serialized_end=581
+  _globals['_SWITCHINFO_PARKEDREQUESTSENTRY']._serialized_start=583
+  _globals['_SWITCHINFO_PARKEDREQUESTSENTRY']._serialized_end=636
+  _globals['_LISTSWITCHESRESPONSE']._serialized_start=638
+  _globals['_LISTSWITCHESRESPONSE']._serialized_end=715
+  _globals['_LISTYIELDREQUESTSREQUEST']._serialized_start=717
+  _globals['_LISTYIELDREQUESTSREQUEST']._serialized_end=761
+  _globals['_GROUPYIELDREQUESTS']._serialized_start=764
+  _globals['_GROUPYIELDREQUESTS']._serialized_end=945
+  _globals['_LISTYIELDREQUESTSRESPONSE']._serialized_start=947
+  _globals['_LISTYIELDREQUESTSRESPONSE']._serialized_end=1035
+  _globals['_ORCHESTRATORINFOSERVICE']._serialized_start=1038
+  _globals['_ORCHESTRATORINFOSERVICE']._serialized_end=1296
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class ListSwitchesRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class SwitchInfo(_message.Message):
-    __slots__ = ("group_id", "kind", "job_id", "started_at_unix_s", "ok", "error", "phase_seconds", "drain_cut_request_ids", "parked_requests")
+    __slots__ = ("group_id", "kind", "job_id", "started_at_unix_s", "ok", "error", "phase_seconds", "drain_cut_request_ids", "parked_requests", "cause")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SwitchInfo(_message.Message):
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAIN_CUT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PARKED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     kind: str
     job_id: str
@@ -49,7 +50,8 @@ class SwitchInfo(_message.Message):
     phase_seconds: _containers.ScalarMap[str, float]
     drain_cut_request_ids: _containers.RepeatedScalarFieldContainer[str]
     parked_requests: _containers.ScalarMap[str, str]
-    def __init__(self, group_id: _Optional[str] = ..., kind: _Optional[str] = ..., job_id: _Optional[str] = ..., started_at_unix_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., drain_cut_request_ids: _Optional[_Iterable[str]] = ..., parked_requests: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    cause: str
+    def __init__(self, group_id: _Optional[str] = ..., kind: _Optional[str] = ..., job_id: _Optional[str] = ..., started_at_unix_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., drain_cut_request_ids: _Optional[_Iterable[str]] = ..., parked_requests: _Optional[_Mapping[str, str]] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ListSwitchesResponse(_message.Message):
     __slots__ = ("switches",)
