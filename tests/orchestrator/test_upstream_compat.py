@@ -183,7 +183,7 @@ async def as_installed(tmp_path):
 
 
 async def test_upstreams_client_acquires_and_yields_on_the_upstream_port_and_is_refused_on_the_main_port(stubs, as_installed):
-    orch, ports, logdir = as_installed
+    _orch, ports, logdir = as_installed
     upstream, main = f"127.0.0.1:{ports['grpc-upstream']}", f"127.0.0.1:{ports['grpc']}"
     for target, scenario in ((upstream, "basic"), (upstream, "twenty"), (main, "unauthenticated")):
         r = await asyncio.to_thread(run_upstream_client, stubs, target, scenario)
