@@ -17,6 +17,7 @@ The upstream port serving nothing else: tests/orchestrator/test_upstream_compat_
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -189,6 +190,31 @@ async def test_upstreams_client_acquires_and_yields_on_the_upstream_port_and_is_
         r = await asyncio.to_thread(run_upstream_client, stubs, target, scenario)
         assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (
             f"{scenario} on {target}: {r.stdout}{r.stderr}\norchestrator log:\n{(logdir / 'orchestrator.log').read_text()}"
+        )
+
+
+UPSTREAM_CLIENT_ENV = "LLMD_TIMESLICE_UPSTREAM_CLIENT"
+"""A checkout of upstream's Python client (llm-d-rl-time-slicing ``pkg/client/python``, package ``timeslice``); it is
+not on PyPI, so the test below runs only where one is given (checked with 0.2.1, 6cf8e9b07c60)."""
+
+
+@pytest.mark.skipif(
+    not os.environ.get(UPSTREAM_CLIENT_ENV),
+    reason=f"set {UPSTREAM_CLIENT_ENV} to a checkout of llm-d-rl-time-slicing's pkg/client/python (not on PyPI)",
+)
+async def test_upstreams_own_client_package_acquires_and_yields_as_installed(as_installed):
+    _orch, ports, logdir = as_installed
+    client_dir = os.environ[UPSTREAM_CLIENT_ENV]
+    for port, scenario in ((ports["grpc-upstream"], "acquire_yield"), (ports["grpc"], "unauthenticated")):
+        r = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, str(COMPAT / "upstream_package_client.py"), client_dir, f"127.0.0.1:{port}", scenario],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (
+            f"{scenario} on {port}: {r.stdout}{r.stderr}\norchestrator log:\n{(logdir / 'orchestrator.log').read_text()}"
         )
 
 
