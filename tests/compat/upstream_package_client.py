@@ -9,8 +9,8 @@ refused with UNAUTHENTICATED, which this client surfaces as an ``OrchestratorErr
 import sys
 
 sys.path.insert(0, sys.argv[1])
-from timeslice import TimeSliceOrchestratorClient  # noqa: E402
-from timeslice.orchestrator.exceptions import OrchestratorError  # noqa: E402
+from timeslice import TimeSliceOrchestratorClient
+from timeslice.orchestrator.exceptions import OrchestratorError
 
 
 def check(cond, what):
