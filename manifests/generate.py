@@ -711,7 +711,8 @@ def flow_control_values(s: GuideSettings, release_values: dict) -> str:
     """Label fallback: the release's own EndpointPickerConfig (``router.epp.pluginsCustomConfig`` under its
     ``pluginsConfigFile``, as ``helm get values`` gives it) with flow control layered on: the ``flowControl`` feature
     gate added to its ``featureGates``, the empty-pool hold = ``max_hold_s`` (:func:`flow_control_ttl`: its
-    ``noEndpointRequestTTL`` where the pinned EPP has it, else ``defaultRequestTTL``; its other flowControl keys kept). Every plugin and scheduling profile of the guide stays as it is. Raises ValueError when the release has
+    ``noEndpointRequestTTL`` where the pinned EPP has it, else ``defaultRequestTTL``; its other flowControl keys
+    kept). Every plugin and scheduling profile of the guide stays as it is. Raises ValueError when the release has
     no EndpointPickerConfig of its own (then ``values-flow-control.yaml``, written for the chart's default plugins)."""
     epp = ((release_values or {}).get("router") or {}).get("epp") or {}
     name, custom = epp.get("pluginsConfigFile"), epp.get("pluginsCustomConfig") or {}
