@@ -213,3 +213,23 @@ def test_bad_router_retry_settings_are_refused_naming_them(kwargs, needle):
     with pytest.raises(ValueError) as err:
         GateRetryPolicy(**kwargs)
     assert needle in str(err.value)
+
+
+def test_the_rl_loop_example_rides_out_a_ttl_eviction_and_reports_a_saturated_refusal(router_factory):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
+    spec = importlib.util.spec_from_file_location("example_rl_loop", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # prompt 1: evicted by the queue TTL, then served; prompt 2: shed (saturated); prompts 3 and 4: served.
+    router = router_factory(TTL_EXPIRED_V010, OK, SATURATED_FILTERS, OK)
+    recs = mod.rollout(router.url, "m", 0)
+    assert [r["status"] for r in recs] == [200, 429, 200, 200]
+    assert recs[1]["refusal"] == (
+        "router refused with 429 rejected-saturated: inference error: ResourceExhausted - "
+        "no candidates left after filtering the endpoints"
+    )
+    assert [r["refusal"] for r in recs if r is not recs[1]] == [None, None, None]
+    assert router.requests == 5
