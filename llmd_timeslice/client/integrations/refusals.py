@@ -21,7 +21,9 @@ Two vocabularies reach a client:
                               scheduling filters that leave no candidate (429, #2462; before: a 429 without the
                               header).
   ``rejected-shutting-down``  the EPP's flow controller is stopping (503).
-  ``rejected-context-cancelled``, ``evicted``, ``evicted-*``: the request was cancelled or killed (503).
+  ``rejected-context-cancelled`` the client went away (503).
+  ``evicted``, ``evicted-*``  a dispatched request killed by flow control (429, body ``request evicted by flow
+                              control``: ``pkg/epp/handlers/server.go``); not repeated (it may have generated).
   ==========================  ======================================================================================
 
 The rollout helper (:mod:`~llmd_timeslice.client.integrations.rollouts`) repeats, with back-off and within the
