@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from llmd_timeslice.client import TimeSliceError, TimeSliceOrchestratorClient
+from llmd_timeslice.client.integrations import TimeSliceRollouts
 from llmd_timeslice.local import find_stack
 from llmd_timeslice.weights.manifest import save_weight_version
 
@@ -35,19 +36,21 @@ PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "a small mo
 
 
 def rollout(router: str, model: str, min_version: int) -> list[dict]:
+    """One batch through the router, asking for ``min_version``. ``TimeSliceRollouts``' client rides out the gate's
+    refusals and the llm-d EPP's "wait" answers (a queue TTL that ran out, an empty pool) within its budget, and
+    returns any other refusal at once, typed: each entry's ``refusal`` names who refused it and why."""
+    rollouts = TimeSliceRollouts(router, min_weight_version=min_version, timeout_s=300)
     out = []
-    with httpx.Client(timeout=300) as c:
+    with rollouts.http_client() as c:
         for p in PROMPTS:
-            r = c.post(
-                f"{router}/v1/completions",
-                json={"model": model, "prompt": p, "max_tokens": 8},
-                headers={"x-llmd-timeslice-min-weight-version": str(min_version)},
-            )
+            r = c.post(f"{rollouts.router_url}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 8})
+            refusal = rollouts.records[-1].refusal
             out.append(
                 {
                     "status": r.status_code,
                     "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text,
                     "weight_version": int(r.headers.get("x-llmd-timeslice-weight-version", -1)),
+                    "refusal": str(refusal) if refusal is not None else None,
                 }
             )
     return out
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"version(s) {served} (asked >= {version})",
                 flush=True,
             )
+            for r in recs:
+                if r["refusal"]:
+                    print(f"  refused: {r['refusal']}", flush=True)
             t = time.monotonic()
             res = client.acquire(timeout_sec=300)
             print(

@@ -155,6 +155,8 @@ def run(
         "published_weight_version": cb.weight_version,
         "rollouts": len(records),
         "failed": len(rollouts.failed()),
+        # Who refused the failed requests and why (the gate's reason or the llm-d EPP's dropped reason, typed):
+        "refused": sorted({str(r.refusal) for r in rollouts.failed() if r.refusal is not None}),
         "below_requested": len(rollouts.below_requested()),
         "served_weight_versions": sorted({r.served_weight_version for r in records if r.served_weight_version is not None}),
         "asked_weight_versions": sorted({r.min_weight_version for r in records if r.min_weight_version is not None}),

@@ -180,6 +180,8 @@ async def run(
         await cb.close()
         await client.close()
     summary["failed_requests"] = len(rollouts.failed())
+    # Who refused the failed requests and why (the gate's reason or the llm-d EPP's dropped reason, typed).
+    summary["refused"] = sorted({str(r.refusal) for r in rollouts.failed() if r.refusal is not None})
     summary["below_requested"] = len(rollouts.below_requested())
     summary["ok"] = (
         not summary["failed_requests"]
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = asyncio.run(run(router, a.model_dir, a.iterations, a.rollouts_per_example, a.model, weights_dir=a.weights_dir))
     print(
         f"verifiers_grpo: {'ok' if summary['ok'] else 'FAILED'}: {summary['failed_requests']} failed requests, "
-        f"{summary['below_requested']} served below the version asked for",
+        f"{summary['below_requested']} served below the version asked for"
+        + "".join(f"\n  refused: {why}" for why in summary.get("refused", [])),
         flush=True,
     )
     return 0 if summary["ok"] else 1

@@ -91,3 +91,42 @@ def check_ip_port(value: str, what: str = "ip:port") -> str:
     except ValueError:
         raise ValueError(f"expected {what} ({hp.host!r} is not an IP address), got {value!r}") from None
     return value
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_network(text: str) -> Network:
+    """``10.0.0.0/8``, ``192.168.1.7`` (one address), ``::1`` or ``fd00::/8`` -> a network.
+
+    Raises:
+        ValueError: one line naming ``text`` (not an address or CIDR, or host bits set as in ``10.0.0.1/8``).
+    """
+    try:
+        return ipaddress.ip_network(str(text).strip(), strict=True)
+    except ValueError as exc:
+        raise ValueError(f"expected an IP address or CIDR (e.g. 10.0.0.0/8), got {text!r}: {exc}") from None
+
+
+def check_network(text: str) -> str:
+    """``text`` unchanged once :func:`parse_network` accepts it (for settings that keep the string)."""
+    parse_network(text)
+    return text
+
+
+def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address in a gRPC peer string (``ipv4:10.1.2.3:5000``, ``ipv6:[::1]:5000``, percent-encoded forms
+    too; an IPv4-mapped IPv6 address as its IPv4 address); None for other transports (``unix:...``)."""
+    from urllib.parse import unquote
+
+    kind, _, rest = unquote(peer or "").partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip

@@ -149,6 +149,8 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
             require_job_tokens=s.require_job_tokens,
             tls_files=tls.from_env(),
             engine_audit_interval_s=s.engine_audit_interval_s,
+            upstream_compat_port=s.upstream_compat_port,
+            upstream_compat_allowed_peers=tuple(s.upstream_compat_allowed_peers),
             **kwargs,
         )
 

@@ -37,7 +37,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmd_timeslice import yaml_files
-from llmd_timeslice.addresses import check_host_port, check_ip_port
+from llmd_timeslice.addresses import check_host_port, check_ip_port, check_network
 from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
 
 ENV_PREFIX = "LLMD_TIMESLICE_"
@@ -352,6 +352,24 @@ class OrchestratorSettings(_Section):
     )
     host: str = _host()
     port: Port = Field(50051, description="gRPC port (TimeSliceOrchestratorService and GateStateService).")
+    upstream_compat_port: Port | None = Field(
+        None,
+        description="Second gRPC port serving only the upstream-compatible TimeSliceOrchestratorService (and gRPC "
+        "health) WITHOUT the bearer token, plain TCP, for upstream's client, which cannot send one; restrict who "
+        "reaches it (a NetworkPolicy, `upstream_compat_allowed_peers`: docs/security.md). Unset: not served.",
+    )
+    upstream_compat_allowed_peers: Annotated[
+        list[Annotated[str, AfterValidator(check_network)]],
+        Flag(
+            "--upstream-compat-allowed-peer",
+            help="A source address or CIDR admitted on --upstream-compat-port (repeatable).",
+            metavar="CIDR",
+        ),
+    ] = Field(
+        [],
+        description="Source addresses or CIDRs admitted on `upstream_compat_port` (others: PERMISSION_DENIED); "
+        "empty: every peer that reaches the port.",
+    )
     state_file: Path | None = Field(
         None, description="Local state file: holders, leases and group states survive a restart (unset: kept in memory only)."
     )
@@ -411,6 +429,10 @@ class OrchestratorSettings(_Section):
             raise RuleError("inventory", "is for {discovery=static}; with kubernetes the pods are the inventory")
         if self.state_file is not None and self.state_configmap is not None:
             raise RuleError("state_configmap", "choose one of {state_file} and {state_configmap}")
+        if self.upstream_compat_port is not None and self.upstream_compat_port and self.upstream_compat_port == self.port:
+            raise RuleError("upstream_compat_port", "must differ from {port} (the main port keeps the bearer token)")
+        if self.upstream_compat_allowed_peers and self.upstream_compat_port is None:
+            raise RuleError("upstream_compat_allowed_peers", "needs {upstream_compat_port}")
         if self.leader_election:
             if self.state_configmap is None:
                 raise RuleError("leader_election", "needs {state_configmap} (the state a new leader restores)")

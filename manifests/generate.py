@@ -585,14 +585,42 @@ def values_serving_label(s: GuideSettings) -> str:
     )
 
 
+EPP_HAS_NO_ENDPOINT_REQUEST_TTL: dict[str, bool] = {
+    # llm-d-router apix/config/v1alpha1/endpointpickerconfig_types.go, FlowControlConfig. noEndpointRequestTTL
+    # (#2284, bba90136ff12, 2026-08-18, on main) bounds the queue wait while the pool has NO endpoints; without it
+    # defaultRequestTTL bounds both regimes. No release up to v0.10.0 (71f4f0999f95) has it.
+    "v0.9.0": False,
+    "v0.10.0": False,
+}
+"""EPP version -> whether its EndpointPickerConfig has ``flowControl.noEndpointRequestTTL`` (versions checked)."""
+
+
+def flow_control_ttl(s: GuideSettings, epp_version: str | None = None) -> dict[str, str]:
+    """The label fallback's queue-wait budget for ``epp_version``: the hold of an empty pool (every sampler asleep)
+    is ``max_hold_s``. Where the EPP has ``noEndpointRequestTTL``, only that is set, so a saturated pool keeps the
+    EPP's own ``defaultRequestTTL`` (60 s unless the release sets one) and is shed early; before it, the one
+    ``defaultRequestTTL`` must be ``max_hold_s``, which also lets a saturated pool queue that long.
+
+    Raises:
+        ValueError: ``epp_version`` is not in :data:`EPP_HAS_NO_ENDPOINT_REQUEST_TTL` (not checked: read its
+            ``FlowControlConfig`` and add it).
+    """
+    epp_version = epp_version or EPP_VERSION
+    if epp_version not in EPP_HAS_NO_ENDPOINT_REQUEST_TTL:
+        raise ValueError(
+            f"llm-d-router {epp_version}: not checked for flowControl.noEndpointRequestTTL (llm-d-router #2284); "
+            "read its apix/config/v1alpha1/endpointpickerconfig_types.go and add it to EPP_HAS_NO_ENDPOINT_REQUEST_TTL"
+        )
+    key = "noEndpointRequestTTL" if EPP_HAS_NO_ENDPOINT_REQUEST_TTL[epp_version] else "defaultRequestTTL"
+    return {key: _dur(s.max_hold_s)}
+
+
 def values_flow_control(s: GuideSettings) -> str:
     epc = {
         "apiVersion": "llm-d.ai/v1alpha1",
         "kind": "EndpointPickerConfig",
         "featureGates": ["flowControl"],
-        # llm-d-router v0.9.0 apix/config/v1alpha1: one TTL for queued requests (noEndpointRequestTTL, which
-        # splits the empty-pool case off, is newer than v0.9.0).
-        "flowControl": {"defaultRequestTTL": _dur(s.max_hold_s)},
+        "flowControl": flow_control_ttl(s),
         "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}, {"type": "prefix-cache-scorer"}],
         "schedulingProfiles": [
             {
@@ -608,7 +636,10 @@ def values_flow_control(s: GuideSettings) -> str:
     text = _dump(epc)
     return (
         HEADER + "# Label fallback only (no gate on the request path): the EPP's flow control holds requests while\n"
-        "# the pool is empty (every sampler asleep) for up to defaultRequestTTL, then answers 503.\n"
+        f"# the pool is empty (every sampler asleep) for up to {s.max_hold_s:g} s (max_hold_s), then answers 503\n"
+        "# (x-llm-d-request-dropped-reason: rejected-ttl-expired on v0.9.0, rejected-no-endpoints from v0.10.0).\n"
+        f"# llm-d-router {EPP_VERSION} has one TTL for both regimes, so a saturated pool also queues that long\n"
+        "# (then 429 rejected-ttl-expired from v0.10.0); noEndpointRequestTTL (#2284, after v0.10.0) splits it.\n"
         "# Layer after values-gateway.yaml and values-serving-label.yaml, ONLY for a release that sets no\n"
         "# EndpointPickerConfig of its own (the chart's default plugins, below). A guide's release has its own:\n"
         "# `generate.py --flow-control-values` layers flow control onto it instead (guide README).\n"
@@ -679,7 +710,8 @@ def epp_config_errors(epc: dict) -> list[str]:
 def flow_control_values(s: GuideSettings, release_values: dict) -> str:
     """Label fallback: the release's own EndpointPickerConfig (``router.epp.pluginsCustomConfig`` under its
     ``pluginsConfigFile``, as ``helm get values`` gives it) with flow control layered on: the ``flowControl`` feature
-    gate added to its ``featureGates``, ``flowControl.defaultRequestTTL`` = ``max_hold_s`` (its other flowControl keys
+    gate added to its ``featureGates``, the empty-pool hold = ``max_hold_s`` (:func:`flow_control_ttl`: its
+    ``noEndpointRequestTTL`` where the pinned EPP has it, else ``defaultRequestTTL``; its other flowControl keys
     kept). Every plugin and scheduling profile of the guide stays as it is. Raises ValueError when the release has
     no EndpointPickerConfig of its own (then ``values-flow-control.yaml``, written for the chart's default plugins)."""
     epp = ((release_values or {}).get("router") or {}).get("epp") or {}
@@ -702,7 +734,7 @@ def flow_control_values(s: GuideSettings, release_values: dict) -> str:
     if "flowControl" not in gates:
         gates.append("flowControl")
     epc["featureGates"] = gates
-    epc["flowControl"] = {**(epc.get("flowControl") or {}), "defaultRequestTTL": _dur(s.max_hold_s)}
+    epc["flowControl"] = {**(epc.get("flowControl") or {}), **flow_control_ttl(s)}
     return (
         "# Printed by manifests/generate.py --flow-control-values: the release's EndpointPickerConfig with the\n"
         "# label fallback's flow control layered on (its plugins and scheduling profiles unchanged).\n"

@@ -57,8 +57,9 @@ def demo_stack_file(
             "objectives": [{"name": EVAL_OBJECTIVE, "priority": EVAL_PRIORITY}],
             "priority_bands": [{"priority": EVAL_PRIORITY, "max_hold_s": max_hold_s, "hold_deadline_s": eval_deadline_s}],
         }
-    ports = free_ports(len(StackPorts.model_fields) + 2 * samplers)
-    stack_ports = dict(zip(StackPorts.model_fields, ports, strict=False))
+    names = [n for n, f in StackPorts.model_fields.items() if f.default is not None]  # optional ports stay off
+    ports = free_ports(len(names) + 2 * samplers)
+    stack_ports = dict(zip(names, ports, strict=False))
     rest = ports[len(stack_ports) :]
     return StackFile.model_validate(
         {

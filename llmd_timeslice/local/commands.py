@@ -132,12 +132,16 @@ class OrchestratorCommand(_Command):
     metrics_port: int | None = None
     state_file: Path | None = None
     token_file: Path | None = None
+    upstream_compat_port: int | None = None
+    upstream_compat_allowed_peers: tuple[str, ...] = ()
 
     def flags(self) -> list[str]:
         return [
             *_flag("--inventory", self.inventory),
             *_flag("--host", self.host),
             *_flag("--port", self.port),
+            *_flag("--upstream-compat-port", self.upstream_compat_port),
+            *(a for peer in self.upstream_compat_allowed_peers for a in ("--upstream-compat-allowed-peer", peer)),
             *_flag("--metrics-port", self.metrics_port),
             *_flag("--state-file", self.state_file),
             *_flag("--token-file", self.token_file),
@@ -238,6 +242,10 @@ class StackCommands:
             host=self._host,
             port=p.orchestrator,
             metrics_port=p.orchestrator_metrics,
+            upstream_compat_port=p.orchestrator_upstream,
+            upstream_compat_allowed_peers=tuple(self.sf.stack.upstream_compat_allowed_peers)
+            if p.orchestrator_upstream is not None
+            else (),
             state_file=self.state_file,
             token_file=self.token_file,
             log_level=self.sf.stack.log_level,

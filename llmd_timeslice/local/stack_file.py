@@ -4,7 +4,7 @@ Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are ref
 
     stack:   {name, host, workdir, token_file, max_hold_s, generation_timeout_s, log_level, gate_edge, port_offset,
               ports: {router, router_admin, gate_ext_proc, gate_authz, gate_control, gate_metrics, picker,
-                      orchestrator, orchestrator_metrics}}
+                      orchestrator, orchestrator_metrics, orchestrator_upstream}, upstream_compat_allowed_peers}
     pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
                                                       # pool, the prefix stripped before the engine
     groups:  [{group_id, <any group setting: docs/group-settings.md>}]
@@ -30,13 +30,14 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmd_timeslice import yaml_files
+from llmd_timeslice.addresses import check_network
 from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.domain.objectives import ObjectiveEntry, Objectives, PriorityBandEntry
@@ -69,6 +70,13 @@ class StackPorts(_Strict):
     picker: int = Field(9004, ge=1, le=65535, description="EPP-protocol picker (ext_proc; with gate_edge ext_proc).")
     orchestrator: int = Field(50051, ge=1, le=65535, description="Orchestrator gRPC (TimeSlice clients connect here).")
     orchestrator_metrics: int = Field(9091, ge=1, le=65535, description="Orchestrator Prometheus /metrics.")
+    orchestrator_upstream: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Orchestrator's upstream-compatible gRPC port: TimeSliceOrchestratorService only, no token, for "
+        "upstream's client; admits only `stack.upstream_compat_allowed_peers` (null: not served).",
+    )
 
 
 class StackSettings(_Strict):
@@ -101,6 +109,10 @@ class StackSettings(_Strict):
         "not a running engine's url), so a second stack runs beside the first; `up --port-offset N` overrides it.",
     )
     ports: StackPorts = Field(default_factory=StackPorts)
+    upstream_compat_allowed_peers: list[Annotated[str, AfterValidator(check_network)]] = Field(
+        ["127.0.0.1", "::1"],
+        description="Source addresses or CIDRs admitted on `ports.orchestrator_upstream` (default: this machine only).",
+    )
 
 
 class PoolEntry(_Strict):
@@ -242,7 +254,7 @@ class StackFile(_Strict):
                     out.append(f"jobs[{j}] ({job.job_id}).groups: unknown group {g!r}; declared: {sorted(groups)}")
         used: dict[int, str] = {}
         local = {"127.0.0.1", "localhost", "0.0.0.0", self.stack.host}
-        ports = [(f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items()]
+        ports = [(f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v is not None]
         for i, e in enumerate(self.engines):
             ports.append((f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
             if e.vllm is not None:

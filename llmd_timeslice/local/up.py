@@ -106,6 +106,8 @@ class Stack:
             "metrics_orchestrator": f"http://{h}:{p.orchestrator_metrics}/metrics",
             "metrics_envoy": f"http://{h}:{p.router_admin}/stats/prometheus",
         }
+        if p.orchestrator_upstream is not None:
+            eps["orchestrator_upstream"] = f"{h}:{p.orchestrator_upstream}"  # upstream's client: no token
         for e in self.sf.engines:
             eps[f"metrics_{e.name}"] = f"{e.base_url}/metrics"
         if any(e.vllm is not None and e.vllm.model == BUILTIN_TINY for e in self.sf.engines):
@@ -116,7 +118,9 @@ class Stack:
         """``(where in the stack file, bind host, port)`` of every port the stack's components bind."""
         h = self.host
         unused = {"picker"} if self.sf.stack.gate_edge == "ext_authz" else set()  # the gate picks: no picker process
-        out = [(f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused]
+        out = [
+            (f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused and v is not None
+        ]
         for i, e in enumerate(self.sf.engines):
             out.append((f"engines[{i}] ({e.name}).sidecar_port", h, e.sidecar_port))
             if e.vllm is not None:
@@ -197,7 +201,7 @@ class Stack:
             p.orchestrator,
             probe=grpc_health_probe(f"{h}:{p.orchestrator}"),
             start_timeout_s=300.0,
-            listen=(p.orchestrator, p.orchestrator_metrics),
+            listen=(p.orchestrator, p.orchestrator_metrics, *filter(None, [p.orchestrator_upstream])),
         )
         cmds.write_objectives()
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log

@@ -34,6 +34,8 @@ from llmd_timeslice.orchestrator.service import (
     export_switch,
 )
 from llmd_timeslice.orchestrator.switch import SwitchActions
+from llmd_timeslice.orchestrator.upstream_listener import PeerAllowList, describe
+from llmd_timeslice.orchestrator.upstream_listener import interceptors as peer_interceptors
 
 if TYPE_CHECKING:  # election imports the kubernetes client (~0.35 s per process start); only the CLI builds one
     from llmd_timeslice.orchestrator.election import LeaderElector
@@ -130,8 +132,13 @@ class OrchestratorServer:
         labeler: ServingLabeler | None = None,
         clock: Clock | None = None,
         election: LeaderElector | None = None,
+        upstream_compat_port: int | None = None,
+        upstream_compat_allowed_peers: tuple[str, ...] = (),
     ) -> None:
         self.inventory = inventory
+        self.upstream_compat_port = upstream_compat_port
+        self.upstream_compat_peers = PeerAllowList(upstream_compat_allowed_peers)
+        self._upstream: aio.Server | None = None
         self.engine_audit_interval_s = engine_audit_interval_s
         self.jobs = auth.JobAuthorizer(job_tokens, require_job_tokens)
         self.tls = tls_files
@@ -175,9 +182,8 @@ class OrchestratorServer:
         if self.election is not None:
             interceptors = [*interceptors, _LeaderOnly(self)]
         self._server = aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
-            OrchestratorService(self.orchestrator, self.jobs), self._server
-        )
+        servicer = OrchestratorService(self.orchestrator, self.jobs)
+        pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, self._server)
         gate_state_pb2_grpc.add_GateStateServiceServicer_to_server(self.hub, self._server)
         lease_pb2_grpc.add_LeaseServiceServicer_to_server(LeaseServicer(self.orchestrator, self.jobs), self._server)
         weights_pb2_grpc.add_WeightVersionServiceServicer_to_server(
@@ -189,7 +195,11 @@ class OrchestratorServer:
         hs = self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
+        if self.upstream_compat_port is not None:
+            self._start_upstream_listener(servicer, hs)
         await self._server.start()
+        if self._upstream is not None:
+            await self._upstream.start()
         await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         saved = None
         if self.election is not None:
@@ -218,6 +228,21 @@ class OrchestratorServer:
             sorted(self.orchestrator.groups),
             f" leader term={self.term}" if self.election is not None else "",
         )
+
+    def _start_upstream_listener(self, servicer: OrchestratorService, hs: health.aio.HealthServicer) -> None:
+        """Bind the upstream-compatible port: the same servicer and health, peer check, leader-only; no token."""
+        interceptors = peer_interceptors(self.upstream_compat_peers)
+        if self.election is not None:
+            interceptors = [*interceptors, _LeaderOnly(self)]
+        self._upstream = aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, self._upstream)
+        health_pb2_grpc.add_HealthServicer_to_server(hs, self._upstream)
+        address = f"{self.host}:{self.upstream_compat_port}"
+        self.upstream_compat_port = self._upstream.add_insecure_port(address)
+        if not self.upstream_compat_port:
+            raise OSError(f"upstream_compat_port: cannot bind {address}")
+        extra = ["authentication is off on the main port too"] if not self.token else []
+        log.warning("%s", describe(self.host, self.upstream_compat_port, self.upstream_compat_peers, extra))
 
     async def _restore_and_start(self, saved: dict | None) -> None:
         """Restore ``saved`` (the state store's), persist every change from here on, start the groups (reconcile)."""
@@ -311,6 +336,8 @@ class OrchestratorServer:
         await asyncio.sleep(0)
         if self._server is not None:
             await self._server.stop(1.0)
+        if self._upstream is not None:
+            await self._upstream.stop(1.0)
         await self.actions.close()
         if self.election is not None:
             # A clean stop (rolling update) hands the Lease back, so the other replica takes over at its next retry.

@@ -90,8 +90,23 @@ def yield_requested(stub):
     check(stub.Yield(pb.YieldRequest(job_id="trainer-0", group_id="g0")).success, "second Yield")
 
 
+def unauthenticated(stub):
+    """The orchestrator's main port requires a bearer token, which this client never sends: every call is refused."""
+    for name, call in (
+        ("ListGroups", lambda: stub.ListGroups(pb.ListGroupsRequest(), timeout=10)),
+        ("Acquire", lambda: stub.Acquire(pb.AcquireRequest(job_id="trainer-0", group_id="g0"), timeout=10)),
+        ("Yield", lambda: stub.Yield(pb.YieldRequest(job_id="trainer-0", group_id="g0"), timeout=10)),
+    ):
+        try:
+            call()
+            check(False, f"{name} accepted without a token")
+        except grpc.RpcError as err:
+            check(err.code() == grpc.StatusCode.UNAUTHENTICATED, f"{name} -> {err.code()} {err.details()}")
+
+
+# As upstream's client does (llm-d-rl-time-slicing 6cf8e9b07c60, pkg/client/python/timeslice/orchestrator/client.py):
+# an insecure channel, no call credentials, no metadata.
 with grpc.insecure_channel(sys.argv[2]) as channel:
-    {"basic": basic, "twenty": twenty, "yield_requested": yield_requested}[sys.argv[3]](
-        pb_grpc.TimeSliceOrchestratorServiceStub(channel)
-    )
+    scenarios = {"basic": basic, "twenty": twenty, "yield_requested": yield_requested, "unauthenticated": unauthenticated}
+    scenarios[sys.argv[3]](pb_grpc.TimeSliceOrchestratorServiceStub(channel))
 print("OK")

@@ -11,6 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler
 
 from tests.support.http_server import QuietHTTPServer
+from tests.support.kube_pods import FakeKube
 
 _KINDS = {"configmaps": ("v1", "ConfigMap"), "leases": ("coordination.k8s.io/v1", "Lease")}
 
@@ -37,12 +38,14 @@ class FakeKubeApi:
 
     Args:
         deny: answer every request 403 Forbidden (RBAC tests).
+        pods: also serve these pods (``/api/v1/namespaces/NS/pods``: list, watch, patch), so that one server is the
+            whole API of a process that discovers pods and keeps its state and Lease there.
 
     ``items`` holds the ConfigMaps and ``leases`` the Leases, by ``(namespace, name)``; ``requests`` lists
     ``(method, path)``; ``put_versions`` the resourceVersion each PUT carried; ``conflicts`` counts 409 answers.
     """
 
-    def __init__(self, deny: bool = False) -> None:
+    def __init__(self, deny: bool = False, pods: FakeKube | None = None) -> None:
         self.items: dict[tuple[str, str], dict] = {}
         self.leases: dict[tuple[str, str], dict] = {}
         self.requests: list[tuple[str, str]] = []
@@ -60,9 +63,14 @@ class FakeKubeApi:
         def status(code: int, reason: str, message: str = "") -> dict:
             return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code, "message": message}
 
-        class Handler(BaseHTTPRequestHandler):
+        base = pods.handler_class() if pods is not None else BaseHTTPRequestHandler
+
+        class Handler(base):
             def log_message(self, *a):
                 pass
+
+            def _pods(self) -> bool:
+                return pods is not None and "/pods" in self.path.split("?")[0]
 
             def _reply(self, code, obj):
                 data = json.dumps(obj).encode()
@@ -123,16 +131,20 @@ class FakeKubeApi:
                     store[(ns, name)] = stamp(body)
                     return self._reply(201, body)
 
-            def do_GET(self):
+            def do_GET(self):  # noqa: N802 (http.server's names)
+                if self._pods():
+                    return super().do_GET()
                 self._handle("GET")
 
-            def do_PUT(self):
+            def do_PUT(self):  # noqa: N802 (http.server's names)
                 self._handle("PUT")
 
-            def do_POST(self):
+            def do_POST(self):  # noqa: N802 (http.server's names)
                 self._handle("POST")
 
         self._srv = QuietHTTPServer(("127.0.0.1", 0), Handler)
+        self._srv.daemon_threads = True  # pod watches stay open
+        self._pods = pods
         self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
         threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
@@ -154,5 +166,7 @@ class FakeKubeApi:
             obj["metadata"]["resourceVersion"] = str(self.rv)
 
     def stop(self) -> None:
+        if self._pods is not None:
+            self._pods.stop()
         self._srv.shutdown()
         self._srv.server_close()

@@ -128,6 +128,14 @@ class FakeKube:
 
     # ------------------------------------------------------------ server
     def start(self) -> str:
+        self._server = QuietHTTPServer(("127.0.0.1", 0), self.handler_class())
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self.url
+
+    def handler_class(self) -> type[BaseHTTPRequestHandler]:
+        """The request handler of these pods (``do_GET``, ``do_PATCH``); :class:`~tests.support.kube_api.FakeKubeApi`
+        serves it beside its ConfigMaps and Leases when given ``pods``."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -289,10 +297,7 @@ class FakeKube:
                 fake.modify(name, lambda p: p["metadata"]["labels"].update(patch["metadata"]["labels"]))
                 self._json(200, fake.pods[name])
 
-        self._server = QuietHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self.url
+        return Handler
 
     @property
     def url(self) -> str:
@@ -302,5 +307,6 @@ class FakeKube:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

@@ -3,7 +3,8 @@
 * :mod:`~llmd_timeslice.client.integrations.phase_callback`: ``TimesliceCallback`` (same names, phases, roles,
   environment contract and lock order as upstream's slime integration) and its asyncio variant;
 * :mod:`~llmd_timeslice.client.integrations.rollouts`: ``TimeSliceRollouts``, ``openai`` SDK clients that ask the gate
-  for a weight version, ride out its refusals and report the version that served each rollout;
+  for a weight version, ride out its refusals (and the llm-d EPP's "wait" answers) and report the version that
+  served each rollout; :mod:`~llmd_timeslice.client.integrations.refusals`: who refused a request and why;
 * :mod:`~llmd_timeslice.client.integrations.verifiers`: the same for ``verifiers`` environments.
 
 See docs/integrations.md.
@@ -31,6 +32,12 @@ from llmd_timeslice.client.integrations.phase_callback import (
     UnknownRole,
     phase,
 )
+from llmd_timeslice.client.integrations.refusals import (
+    DROPPED_REASON_HEADER,
+    ROUTER_RETRYABLE_REASONS,
+    Refusal,
+    refusal_of,
+)
 from llmd_timeslice.client.integrations.rollouts import (
     RETRYABLE_REASONS,
     GateRetryPolicy,
@@ -41,6 +48,7 @@ from llmd_timeslice.client.integrations.rollouts import (
 
 __all__ = [
     "BOTH",
+    "DROPPED_REASON_HEADER",
     "ENV_JOB_ID",
     "ENV_ORCH_ADDR",
     "ENV_SAMPLER_GROUP",
@@ -49,6 +57,7 @@ __all__ = [
     "PHASES",
     "RETRYABLE_REASONS",
     "ROLES",
+    "ROUTER_RETRYABLE_REASONS",
     "SAMPLER",
     "TRAINER",
     "AsyncRoleLocks",
@@ -56,6 +65,7 @@ __all__ = [
     "GateRetryPolicy",
     "LockOrderError",
     "PhaseCallback",
+    "Refusal",
     "RoleLocks",
     "RolloutRecord",
     "RolloutScope",
@@ -65,4 +75,5 @@ __all__ = [
     "UnknownPhase",
     "UnknownRole",
     "phase",
+    "refusal_of",
 ]

@@ -21,8 +21,14 @@ for other libraries) whose HTTP transport
    429/503 twice, waiting the ``retry-after`` up to 60 s, then raises: measured in docs/integrations.md); errors
    that are not the gate's (no reason header: a connection reset, an engine's 500) are left to the SDK's own
    retries;
-3. records every request (:class:`RolloutRecord`): the version it asked for, the version that served it, the
-   refusals it met and its final status, grouped per rollout by :meth:`TimeSliceRollouts.rollout`.
+3. repeats, with exponential back-off within the same budget, the llm-d EPP's answers that mean "wait"
+   (``x-llm-d-request-dropped-reason``: ``rejected-ttl-expired``, 429 from llm-d-router v0.10.0 and 503 before;
+   ``rejected-no-endpoints``; ``rejected-shutting-down``), and returns any other EPP refusal
+   (``rejected-saturated``, an unknown reason) at once as a typed refusal, ``x-should-retry: false``, never
+   repeated blindly (:mod:`~llmd_timeslice.client.integrations.refusals` has both vocabularies, by version);
+4. records every request (:class:`RolloutRecord`): the version it asked for, the version that served it, the
+   refusals it met, its final status and the typed refusal of a refused answer (:attr:`RolloutRecord.refusal`),
+   grouped per rollout by :meth:`TimeSliceRollouts.rollout`.
 
 The ``openai`` SDK takes an ``httpx`` client as ``http_client`` (openai 2.x is built on ``httpx``; openai 3.x on
 ``httpx2`` and still accepts ``httpx`` clients: ``openai/_httpx2.py``), so nothing of the SDK is patched.
@@ -42,7 +48,8 @@ from dataclasses import dataclass, field
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, Retrying
 
-from llmd_timeslice.protocol import HOLD_MS_HEADER, MIN_WEIGHT_VERSION_HEADER, REASON_HEADER, WEIGHT_VERSION_HEADER
+from llmd_timeslice.client.integrations.refusals import ROUTER_KNOWN_REASONS, ROUTER_RETRYABLE_REASONS, Refusal, refusal_of
+from llmd_timeslice.protocol import HOLD_MS_HEADER, MIN_WEIGHT_VERSION_HEADER, WEIGHT_VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -62,33 +69,57 @@ class GateRetryPolicy:
     """How long to keep repeating requests the gate refused.
 
     Args:
-        budget_s: seconds from a request's first attempt after which a refusal is returned to the caller.
-        reasons: refusal reasons that are retried (default :data:`RETRYABLE_REASONS`).
-        default_delay_s: wait when a refusal carries no ``retry-after``.
-        max_delay_s: upper bound of one wait, whatever ``retry-after`` says.
+        budget_s: seconds from a request's first attempt after which a refusal is returned to the caller (the
+            caller's deadline for riding out refusals).
+        reasons: gate refusal reasons that are retried (default :data:`RETRYABLE_REASONS`).
+        router_reasons: the EPP's ``x-llm-d-request-dropped-reason`` values that are retried (default
+            :data:`~llmd_timeslice.client.integrations.refusals.ROUTER_RETRYABLE_REASONS`); any other EPP refusal
+            is returned at once.
+        default_delay_s: wait when a gate refusal carries no ``retry-after``; the first wait after an EPP refusal.
+        backoff_multiplier: each further EPP refusal of one request waits this many times longer (the EPP sends no
+            ``retry-after``).
+        max_delay_s: upper bound of one wait, whatever ``retry-after`` or the back-off says.
     """
 
     budget_s: float = 900.0
     reasons: frozenset[str] = RETRYABLE_REASONS
+    router_reasons: frozenset[str] = ROUTER_RETRYABLE_REASONS
     default_delay_s: float = 1.0
+    backoff_multiplier: float = 2.0
     max_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.budget_s < 0 or self.default_delay_s < 0 or self.max_delay_s < 0:
             raise ValueError("budget_s, default_delay_s and max_delay_s are seconds >= 0")
+        if not self.backoff_multiplier >= 1:
+            raise ValueError(f"backoff_multiplier must be >= 1, got {self.backoff_multiplier!r}")
         unknown = set(self.reasons) - KNOWN_REASONS
         if unknown:
             raise ValueError(f"unknown gate refusal reason(s) {sorted(unknown)}; known: {', '.join(sorted(KNOWN_REASONS))}")
+        unknown = set(self.router_reasons) - ROUTER_KNOWN_REASONS
+        if unknown:
+            raise ValueError(
+                f"unknown router refusal reason(s) {sorted(unknown)}; known: {', '.join(sorted(ROUTER_KNOWN_REASONS))}"
+            )
 
-    def delay(self, response: httpx.Response, started: float, now: float) -> float | None:
-        """Seconds to wait before repeating a refused request, or None to return the refusal."""
-        reason = response.headers.get(REASON_HEADER)
-        if reason not in self.reasons:
+    def delay(self, response: httpx.Response, started: float, now: float, router_refusals: int = 1) -> float | None:
+        """Seconds to wait before repeating a refused request, or None to return the refusal. ``router_refusals``:
+        how many EPP refusals this request met so far, this one included (the back-off's exponent)."""
+        refusal = refusal_of(response)
+        if refusal is None:
             return None
+        if refusal.source == "gate":
+            if refusal.reason not in self.reasons:
+                return None
+            fallback = self.default_delay_s
+        else:
+            if refusal.reason not in self.router_reasons:
+                return None
+            fallback = self.default_delay_s * self.backoff_multiplier ** max(0, router_refusals - 1)
         try:
             wait = float(response.headers.get("retry-after", ""))
         except ValueError:
-            wait = self.default_delay_s
+            wait = fallback
         wait = min(max(wait, 0.0), self.max_delay_s)
         return wait if now - started + wait <= self.budget_s else None
 
@@ -108,6 +139,8 @@ class RolloutRecord:
     hold_ms: int | None = None
     retry_wait_s: float = 0.0
     error: str = ""
+    refusal: Refusal | None = None
+    """The final answer's refusal (gate or router; None when it was not refused), to report."""
 
     @property
     def ok(self) -> bool:
@@ -265,7 +298,8 @@ class TimeSliceRollouts:
             record.status = response.status_code
             record.served_weight_version = _parse_int(response.headers.get(WEIGHT_VERSION_HEADER))
             record.hold_ms = _parse_int(response.headers.get(HOLD_MS_HEADER))
-            if response.headers.get(REASON_HEADER):
+            record.refusal = refusal_of(response, read_body=True)
+            if record.refusal is not None:
                 response.headers[SHOULD_RETRY_HEADER] = "false"  # the helper already retried what was worth it
         if error is not None:
             record.error = f"{type(error).__name__}: {error}"
@@ -299,7 +333,8 @@ def _parse_int(value: str | None) -> int | None:
 
 
 def _refusal(response: httpx.Response) -> str | None:
-    return response.headers.get(REASON_HEADER) if response.status_code in (400, 429, 503) else None
+    refusal = refusal_of(response)
+    return refusal.reason if refusal is not None else None
 
 
 class _Refusals:
@@ -310,19 +345,21 @@ class _Refusals:
         self.policy, self.record = policy, record
         self.started = time.monotonic()
         self.next_wait = 0.0
+        self.router_refusals = 0
 
     def attempted(self, response: httpx.Response) -> httpx.Response:
         self.record.attempts += 1
-        reason = _refusal(response)
-        if reason is not None:
-            self.record.refusals.append(reason)
+        refusal = refusal_of(response)
+        if refusal is not None:
+            self.record.refusals.append(refusal.reason)
+            self.router_refusals += refusal.source == "router"
         return response
 
     def retry(self, state: RetryCallState) -> bool:
         if state.outcome is None or state.outcome.failed:
             return False  # a transport error: raised to the caller as it is
         response = state.outcome.result()
-        wait = self.policy.delay(response, self.started, time.monotonic()) if _refusal(response) else None
+        wait = self.policy.delay(response, self.started, time.monotonic(), self.router_refusals) if _refusal(response) else None
         if wait is None:
             return False
         self.next_wait = wait
