@@ -775,7 +775,9 @@ def test_standalone_envoy_routes_only_the_openai_api_and_404s_the_rest():
             assert all(v["disabled"] for v in r["typed_per_filter_config"].values()), "a 404 is never held"
             assert set(r["typed_per_filter_config"]) == {gen.GATE_FILTER_NAME, gen.EPP_FILTER_NAME}
     hcm = _hcm_filters(boot, "vllm")[0]
-    assert hcm["normalize_path"] and hcm["merge_slashes"] and hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
+    assert hcm["normalize_path"] and hcm["merge_slashes"]
+    # The chart's own action (UNESCAPE_AND_REDIRECT) is kept: the client's redirected request is routed normalized.
+    assert hcm["path_with_escaped_slashes_action"] in ("REJECT_REQUEST", "UNESCAPE_AND_REDIRECT")
 
 
 # ------------------------------------------------------------- defects 10, 11: DRA and the image
@@ -1750,7 +1752,8 @@ def test_gate_and_epp_connections_lift_envoys_outbound_flood_limits():
                 yield from http2_options(v)
 
     for name, cfg in configs.items():
-        found = list(http2_options(cfg))
+        # Clusters only: the chart's own listener keeps its downstream (client) HTTP/2 options.
+        found = list(http2_options(cfg.get("static_resources", {}).get("clusters", cfg)))
         assert found, f"{name}: no HTTP/2 cluster"
         for opts in found:
             assert opts.get("max_outbound_control_frames", 1000) > max_held, (name, opts)
