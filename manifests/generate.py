@@ -61,7 +61,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     subset_hint_filter,
 )
 from llmd_timeslice import k8s_modelserver, protocol, yaml_files  # noqa: E402
-from manifests import chart_envoy  # noqa: E402
+from manifests import chart_envoy, guide_steps  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
@@ -1284,7 +1284,7 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
     pool_args = [f"--pool={s.pool}", f"--default-pool={s.pool}"]
     base = _kustomization(
         namespace=ns,
-        labels=[{"pairs": {"app.kubernetes.io/part-of": "llmd-timeslice"}, "includeSelectors": False}],
+        labels=[{"pairs": {"app.kubernetes.io/part-of": "llmd-timeslice", **guide_steps.PHASE_LABEL}, "includeSelectors": False}],
         resources=["gate", "orchestrator"],
         images=_images(s),
         patches=[
@@ -1313,6 +1313,12 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
             "  kubectl apply -k manifests/guides/time-slicing/base",
             base,
         ),
+        "router/values-pins.yaml": _doc(
+            f"The llm-d-router release this guide pins (llm-d/llm-d-router {guide_steps.ROUTER_VERSION}): its EPP image,\n"
+            "never main / Always (the -dev charts' defaults). Every helm upgrade of the guide layers it (README: Install).",
+            guide_steps.pins_values(),
+        ),
+        "README.md": guide_steps.with_install_block((guide / "README.md").read_text()),
         "base/monitoring/kustomization.yaml": _doc(
             "Optional: needs the prometheus-operator CRDs (monitoring.coreos.com).\n"
             "  kubectl apply -k manifests/guides/time-slicing/base/monitoring",
