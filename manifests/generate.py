@@ -417,11 +417,11 @@ def values_gateway(s: GuideSettings) -> str:
         "httpRoute": {"create": False},
     }
     return _doc(
-        "Helm values for the llm-d-router-gateway chart (llm-d/llm-d-router v0.9.0), LAYERED LAST on the\n"
-        "guide's own values, for every gateway variant:\n"
-        "  helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-gateway --version v0.9.0 \\\n"
-        "    -f <llm-d>/guides/recipes/router/base.values.yaml -f <llm-d>/guides/<guide>/router/<guide>.values.yaml \\\n"
-        "    -f values-gateway.yaml --set provider.name=<istio|agentgateway|none> -n <namespace>\n"
+        f"Helm values for the llm-d-router-gateway chart (llm-d/llm-d-router {guide_steps.ROUTER_VERSION}), LAYERED LAST on\n"
+        "the release's own values, for every gateway variant (README: Install, after our /v1/ route is applied):\n"
+        f"  helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-gateway --version {guide_steps.ROUTER_VERSION} \\\n"
+        "    --reset-then-reuse-values -f values-pins.yaml -f values-gateway.yaml \\\n"
+        "    --set provider.name=<istio|agentgateway|none> -n <namespace> --wait\n"
         "* failureMode FailClose: the gateway never routes around the EPP (CRD enum FailOpen|FailClose).\n"
         "* httpRoute.create false: the chart's HTTPRoute matches PathPrefix / (templates/httproute.yaml), which\n"
         "  would expose vLLM's /sleep, /wake_up, /collective_rpc; each gateway overlay ships its own route\n"
