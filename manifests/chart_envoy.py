@@ -38,7 +38,7 @@ from epp_plugin.envoy_config import (
     NOT_ROUTED_BODY,
     PER_ROUTE_TYPE,
 )
-from llmd_timeslice import protocol
+from llmd_timeslice import protocol, yaml_files
 
 CHART = "llm-d-router-standalone"
 CHART_VERSION = "v0.10.0"
@@ -58,13 +58,6 @@ SAFE_ESCAPED_SLASH_ACTIONS = ("REJECT_REQUEST", "UNESCAPE_AND_REDIRECT")
 
 class ChartEnvoyError(ValueError):
     """The input is not a chart-rendered Envoy configuration this patch understands (one line, names the part)."""
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """A PyYAML error on one line: its problem and where."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return f"{getattr(exc, 'problem', None) or exc}{where}"
 
 
 def seconds(duration: str | int | float) -> float:
@@ -93,10 +86,10 @@ def _envoy_configs(docs: Iterable) -> list[dict]:
         elif doc.get("kind") == "ConfigMap" and CONFIG_KEY in (doc.get("data") or {}):
             text = doc["data"][CONFIG_KEY]
             try:
-                cfg = yaml.safe_load(text)
+                cfg = yaml_files.load(text)
             except yaml.YAMLError as exc:
                 name = doc.get("metadata", {}).get("name")
-                raise ChartEnvoyError(f"ConfigMap {name}: {CONFIG_KEY} is not YAML: {_yaml_problem(exc)}") from None
+                raise ChartEnvoyError(f"ConfigMap {name}: {CONFIG_KEY} is not YAML: {yaml_files.error_text(exc)}") from None
             if isinstance(cfg, dict) and "static_resources" in cfg:
                 found.append(cfg)
     return found
@@ -107,9 +100,9 @@ def chart_envoy_config(text: str) -> dict:
     whose ``data["envoy.yaml"]`` has static resources) or that ``envoy.yaml`` itself. Raises ChartEnvoyError when
     there is none, or more than one."""
     try:
-        docs = list(yaml.safe_load_all(text))
+        docs = list(yaml_files.load_all(text))
     except yaml.YAMLError as exc:
-        raise ChartEnvoyError(f"not YAML: {_yaml_problem(exc)}") from None
+        raise ChartEnvoyError(yaml_files.error_text(exc)) from None
     configs = _envoy_configs(docs)
     if not configs:
         raise ChartEnvoyError(

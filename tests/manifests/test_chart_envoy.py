@@ -149,7 +149,8 @@ def test_the_install_step_patches_what_helm_template_rendered(flavour):
 
 BAD_INPUTS = {
     "nothing rendered": ("kind: ConfigMap\nmetadata: {name: x}\ndata: {a: b}\n", "no Envoy configuration"),
-    "not YAML": ("a: [\n", "not YAML"),
+    "not YAML": ("a: [\n", "not valid YAML"),
+    "a key twice": ("kind: ConfigMap\nkind: Secret\n", "duplicate key 'kind'"),
     "two releases": (
         chart_envoy.rendered_path().read_text() + "\n---\n" + chart_envoy.rendered_path(False).read_text(),
         "2 Envoy configurations",
