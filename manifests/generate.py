@@ -13,6 +13,9 @@ Usage::
     python3 manifests/generate.py --check         # exit 1 if a file differs (the tests do this too)
     python3 manifests/generate.py --settings my.yaml --out DIR
                                                   # a full copy of the guide in DIR for other names
+    helm template ... | python3 manifests/generate.py --standalone-values -
+                                                  # only print our standalone values: the chart's own Envoy
+                                                  # config as rendered for the release, the gate patched in
     python3 manifests/generate.py --istio-parameters <llm-d>/guides/recipes/gateway/istio/configmap.yaml \
         | kubectl apply -n <namespace> -f -       # also print the Istio Gateway's parameters ConfigMap with
                                                   # the gate container folded in (none: without a recipe's)
@@ -39,14 +42,11 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from epp_plugin import envoy_config  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
     _BIG_THRESHOLDS,
-    ADMIN_PATHS_UNDER_API,
     API_PREFIX,
     AUTHZ_FILTER_NAME,
     EXT_PROC_TYPE,
     HCM_TYPE,
-    NOT_ROUTED_BODY,
     PER_ROUTE_TYPE,
-    ROUTER_TYPE,
     authz_cluster,
     authz_filter,
     authz_per_route,
@@ -61,6 +61,7 @@ from epp_plugin.envoy_config import (  # noqa: E402
     subset_hint_filter,
 )
 from llmd_timeslice import k8s_modelserver, protocol, yaml_files  # noqa: E402
+from manifests import chart_envoy, guide_steps  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
@@ -223,8 +224,6 @@ ROUTE_RULE_INDEX = 0
 GATE_FILTER_NAME = "envoy.filters.http.ext_proc.timeslice_gate"
 EPP_FILTER_NAME = "envoy.filters.http.ext_proc"  # the name the llm-d chart and Istio give the EPP's filter
 GATE_READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
-HEALTH_CHECK_TYPE = "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck"
-TLS_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 RELEASE_NAME = "{{ .Release.Name }}"
 RELEASE_NAMESPACE = "{{ .Release.Namespace }}"
 
@@ -315,59 +314,36 @@ def _add_args(*args: str) -> str:
 # ------------------------------------------------------------------------------ Envoy: standalone
 
 
-def llmd_epp_filter(cluster: str) -> dict:
-    """The llm-d EPP's ext_proc filter as the llm-d-router-standalone chart renders it (values.yaml,
-    proxy.presets.envoy), plus the metadata forwarding that lets the EPP see the gate's subset hint."""
+def _standalone_gate_cluster(namespace: str) -> dict:
+    """Every gate replica, by the headless Service (one address per ready pod), so Envoy spreads ext_proc streams over
+    replicas stream by stream. Each held request is one open stream: hence the raised circuit breakers."""
+    address = f"{GATE_HEADLESS_SERVICE}.{namespace}.svc.cluster.local"
     return {
-        "name": EPP_FILTER_NAME,
-        "typed_config": {
-            "@type": EXT_PROC_TYPE,
-            "grpc_service": {"envoy_grpc": {"cluster_name": cluster, "authority": f"localhost:{EPP_PORT}"}, "timeout": "10s"},
-            # EPP down => 503, never an unpicked endpoint (the chart's sidecar default is fail closed too).
-            "failure_mode_allow": False,
-            "status_on_error": {"code": 503},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
-            },
-            "message_timeout": "1000s",
-            "metadata_options": {
-                # The subset hint written by the gate (accepted by the gate's receiving_namespaces)
-                # reaches the EPP only through this list (EPP protocol, proposal 004).
-                "forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]},
-                "receiving_namespaces": {"untyped": [protocol.DESTINATION_NAMESPACE]},
-            },
+        "name": "llmd_timeslice_gate",
+        "type": "STRICT_DNS",
+        "dns_refresh_rate": "5s",
+        "respect_dns_ttl": True,
+        "connect_timeout": "1s",
+        "lb_policy": "LEAST_REQUEST",
+        "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
+        "typed_extension_protocol_options": grpc_http2_options(),
+        "load_assignment": {
+            "cluster_name": "llmd_timeslice_gate",
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": address, "port_value": GATE_EXT_PROC_PORT}}}}
+                    ]
+                }
+            ],
         },
     }
 
 
-def _standalone_routes(s: GuideSettings) -> list[dict]:
-    disabled = {"@type": PER_ROUTE_TYPE, "disabled": True}
-
-    def not_routed(match: dict) -> dict:
-        # vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1) and anything else: 404 from Envoy, gate and EPP skipped.
-        return {
-            "match": match,
-            "direct_response": {"status": 404, "body": {"inline_string": NOT_ROUTED_BODY}},
-            "typed_per_filter_config": {GATE_FILTER_NAME: disabled, EPP_FILTER_NAME: disabled},
-        }
-
-    return [
-        *(not_routed({"path": p}) for p in ADMIN_PATHS_UNDER_API),
-        {
-            "match": {"prefix": API_PREFIX},
-            "route": {"cluster": "original_destination_cluster", "timeout": _dur(s.request_timeout_s)},
-        },
-        not_routed({"prefix": "/"}),
-    ]
-
-
-def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict:
-    """Envoy bootstrap for the llm-d standalone router (EPP in the same pod, sidecar mode).
+def standalone_bootstrap(s: GuideSettings, release: str, namespace: str, chart_cfg: dict | None = None) -> dict:
+    """Envoy bootstrap for the llm-d standalone router (EPP in the same pod, sidecar mode): the chart's own rendered
+    ``envoy.yaml`` (``chart_cfg``; default: the pinned chart's, manifests/chart/) with the gate patched in
+    (manifests/chart_envoy.py says what changes; everything else stays the chart's).
 
     ``release``/``namespace``: the Helm release and its namespace; the values file passes the template
     expressions ``{{ .Release.Name }}`` / ``{{ .Release.Namespace }}``, which the chart renders
@@ -375,147 +351,36 @@ def standalone_bootstrap(s: GuideSettings, release: str, namespace: str) -> dict
     """
     gate = gate_filter("llmd_timeslice_gate", release, s.max_hold_s, failure_mode_allow=False)
     gate["name"] = GATE_FILTER_NAME
-    hcm = {
-        "@type": HCM_TYPE,
-        "stat_prefix": "http-8081",
-        # A held request sends no bytes, nor does a long non-streamed generation: Envoy's default
-        # (300 s) would reset either.
-        "stream_idle_timeout": _dur(s.request_timeout_s),
+    return chart_envoy.patch(
+        chart_envoy.rendered() if chart_cfg is None else chart_cfg,
+        gate_filter=gate,
+        gate_cluster=_standalone_gate_cluster(namespace),
         # A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
-        "local_reply_config": {"mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["standalone"])},
-        "use_remote_address": True,
-        # Route on the normalized path (/v1/../sleep is /sleep: 404); an escaped slash is refused.
-        "normalize_path": True,
-        "merge_slashes": True,
-        "path_with_escaped_slashes_action": "REJECT_REQUEST",
-        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
-        "route_config": {
-            "name": "vllm",
-            "virtual_hosts": [{"name": "vllm-default", "domains": ["*"], "routes": _standalone_routes(s)}],
-        },
-        # Order is the design: the gate holds/steers first, then the EPP picks inside the hint.
-        "http_filters": [
-            gate,
-            llmd_epp_filter("ext_proc"),
-            {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE, "suppress_envoy_headers": True}},
-        ],
-    }
-    ready_hcm = {
-        "@type": HCM_TYPE,
-        "stat_prefix": "envoy-ready-http",
-        "route_config": {
-            "name": "local_route",
-            "virtual_hosts": [
-                {
-                    "name": "prometheus_stats",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/stats/prometheus"}, "route": {"cluster": "prometheus_stats"}}],
-                }
-            ],
-        },
-        "http_filters": [
-            {
-                "name": "envoy.filters.http.health_check",
-                "typed_config": {
-                    "@type": HEALTH_CHECK_TYPE,
-                    "pass_through_mode": False,
-                    "headers": [{"name": ":path", "string_match": {"exact": "/ready"}}],
-                },
-            },
-            {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}},
-        ],
-    }
-
-    def listener(name: str, port: int, typed_hcm: dict) -> dict:
-        return {
-            "name": name,
-            "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
-            "filter_chains": [
-                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": typed_hcm}]}
-            ],
-        }
-
-    def endpoint(address: str, port: int) -> dict:
-        return {"endpoint": {"address": {"socket_address": {"address": address, "port_value": port}}}}
-
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 19000}}},
-        "static_resources": {
-            "listeners": [listener("envoy-proxy-ready-0.0.0.0-19001", 19001, ready_hcm), listener("vllm", 8081, hcm)],
-            "clusters": [
-                {
-                    "name": "prometheus_stats",
-                    "type": "STATIC",
-                    "connect_timeout": "0.250s",
-                    "load_assignment": {
-                        "cluster_name": "prometheus_stats",
-                        "endpoints": [{"lb_endpoints": [endpoint("127.0.0.1", 19000)]}],
-                    },
-                },
-                {
-                    "name": "original_destination_cluster",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "5s",
-                    "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
-                    "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
-                },
-                {
-                    # The EPP, on loopback in the EPP pod (the chart's sidecar mode). It serves TLS with a
-                    # self-signed certificate by default: TLS without verification, as the chart's own
-                    # Envoy does (values.yaml proxy.presets.envoy, transport_socket).
-                    "name": "ext_proc",
-                    "type": "STATIC",
-                    "connect_timeout": "1s",
-                    "lb_policy": "LEAST_REQUEST",
-                    "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
-                    "typed_extension_protocol_options": grpc_http2_options(),
-                    "transport_socket": {
-                        "name": "envoy.transport_sockets.tls",
-                        "typed_config": {"@type": TLS_TYPE, "common_tls_context": {"validation_context": {}}},
-                    },
-                    "load_assignment": {
-                        "cluster_name": "ext_proc",
-                        "endpoints": [{"lb_endpoints": [endpoint("127.0.0.1", EPP_PORT)]}],
-                    },
-                },
-                {
-                    # Every gate replica, by the headless Service (one address per ready pod), so
-                    # Envoy spreads ext_proc streams over replicas stream by stream. Each held
-                    # request is one open stream: hence the raised circuit breakers.
-                    "name": "llmd_timeslice_gate",
-                    "type": "STRICT_DNS",
-                    "dns_refresh_rate": "5s",
-                    "respect_dns_ttl": True,
-                    "connect_timeout": "1s",
-                    "lb_policy": "LEAST_REQUEST",
-                    "circuit_breakers": copy.deepcopy(_BIG_THRESHOLDS),
-                    "typed_extension_protocol_options": grpc_http2_options(),
-                    "load_assignment": {
-                        "cluster_name": "llmd_timeslice_gate",
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    endpoint(f"{GATE_HEADLESS_SERVICE}.{namespace}.svc.cluster.local", GATE_EXT_PROC_PORT)
-                                ]
-                            }
-                        ],
-                    },
-                },
-            ],
-        },
-    }
+        local_reply_mappers=gate_error_mappers("ext_proc", ENVOY_VERSIONS["standalone"]),
+        request_timeout_s=s.request_timeout_s,
+        http2_options=grpc_http2_options(),
+    )
 
 
-def values_standalone(s: GuideSettings) -> str:
-    envoy_yaml = _dump(standalone_bootstrap(s, RELEASE_NAME, RELEASE_NAMESPACE))
+def values_standalone(s: GuideSettings, chart_cfg: dict | None = None, source: str | None = None) -> str:
+    """Our values for the standalone chart: its rendered ``envoy.yaml`` (``chart_cfg``, from ``source``; default: the
+    pinned chart's for the guide's values, manifests/chart/) with the gate patched in."""
+    if chart_cfg is not None:
+        chart_envoy.template_safe(chart_cfg)
+    boot = standalone_bootstrap(s, RELEASE_NAME, RELEASE_NAMESPACE, chart_cfg)
+    envoy_yaml = _dump(boot)
+    source = source or (
+        f"llm-d/llm-d-router {chart_envoy.CHART_VERSION} ({chart_envoy.CHART_COMMIT[:12]}) for the guide's values\n"
+        f"# ({chart_envoy.rendered_path().relative_to(REPO)})"
+    )
+    tls = "TLS (secure-serving on)" if chart_envoy.epp_serves_tls(boot) else "plain text (secure-serving false)"
     return (
-        HEADER + "# Helm values for the llm-d-router-standalone chart (llm-d/llm-d-router v0.9.0, config/charts/\n"
-        "# llm-d-router-standalone), LAYERED LAST on the guide's own values (they keep the guide's EPP\n"
-        "# plugins and its model-server selector):\n"
-        "#   helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-standalone --version v0.9.0 \\\n"
-        "#     -f <llm-d>/guides/recipes/router/base.values.yaml -f <llm-d>/guides/<guide>/router/<guide>.values.yaml \\\n"
-        "#     -f values-standalone.yaml -n <namespace>\n"
+        (HEADER if chart_cfg is None else "")
+        + "# Helm values for the llm-d-router-standalone chart, LAYERED LAST on the guide's own values (they keep the\n"
+        "# guide's EPP plugins and its model-server selector). envoy.yaml below is the chart's own, as rendered from\n"
+        f"# {source},\n"
+        f"# with the gate patched in (manifests/chart_envoy.py); its EPP cluster speaks {tls}, as the chart\n"
+        "# rendered it. Render it again whenever the chart, its version or the EPP's flags change (README: Install).\n"
         "# The chart renders {{ .Release.Name }} / {{ .Release.Namespace }} below (tpl over envoy.yaml).\n"
         "router:\n"
         "  inferencePool:\n"
@@ -552,11 +417,11 @@ def values_gateway(s: GuideSettings) -> str:
         "httpRoute": {"create": False},
     }
     return _doc(
-        "Helm values for the llm-d-router-gateway chart (llm-d/llm-d-router v0.9.0), LAYERED LAST on the\n"
-        "guide's own values, for every gateway variant:\n"
-        "  helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-gateway --version v0.9.0 \\\n"
-        "    -f <llm-d>/guides/recipes/router/base.values.yaml -f <llm-d>/guides/<guide>/router/<guide>.values.yaml \\\n"
-        "    -f values-gateway.yaml --set provider.name=<istio|agentgateway|none> -n <namespace>\n"
+        f"Helm values for the llm-d-router-gateway chart (llm-d/llm-d-router {guide_steps.ROUTER_VERSION}), LAYERED LAST on\n"
+        "the release's own values, for every gateway variant (README: Install, after our /v1/ route is applied):\n"
+        f"  helm upgrade <guide> oci://ghcr.io/llm-d/charts/llm-d-router-gateway --version {guide_steps.ROUTER_VERSION} \\\n"
+        "    --reset-then-reuse-values -f values-pins.yaml -f values-gateway.yaml \\\n"
+        "    --set provider.name=<istio|agentgateway|none> -n <namespace> --wait\n"
         "* failureMode FailClose: the gateway never routes around the EPP (CRD enum FailOpen|FailClose).\n"
         "* httpRoute.create false: the chart's HTTPRoute matches PathPrefix / (templates/httproute.yaml), which\n"
         "  would expose vLLM's /sleep, /wake_up, /collective_rpc; each gateway overlay ships its own route\n"
@@ -1451,7 +1316,7 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
     pool_args = [f"--pool={s.pool}", f"--default-pool={s.pool}"]
     base = _kustomization(
         namespace=ns,
-        labels=[{"pairs": {"app.kubernetes.io/part-of": "llmd-timeslice"}, "includeSelectors": False}],
+        labels=[{"pairs": {"app.kubernetes.io/part-of": "llmd-timeslice", **guide_steps.PHASE_LABEL}, "includeSelectors": False}],
         resources=["gate", "orchestrator"],
         images=_images(s),
         patches=[
@@ -1480,6 +1345,12 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
             "  kubectl apply -k manifests/guides/time-slicing/base",
             base,
         ),
+        "router/values-pins.yaml": _doc(
+            f"The llm-d-router release this guide pins (llm-d/llm-d-router {guide_steps.ROUTER_VERSION}): its EPP image,\n"
+            "never main / Always (the -dev charts' defaults). Every helm upgrade of the guide layers it (README: Install).",
+            guide_steps.pins_values(),
+        ),
+        "README.md": guide_steps.with_install_block((guide / "README.md").read_text()),
         "base/monitoring/kustomization.yaml": _doc(
             "Optional: needs the prometheus-operator CRDs (monitoring.coreos.com).\n"
             "  kubectl apply -k manifests/guides/time-slicing/base/monitoring",
@@ -1704,7 +1575,24 @@ def main(argv: list[str] | None = None) -> int:
         help="Only print (stdout) the label fallback's EPP values: the release's EndpointPickerConfig "
         "(`helm get values <release> -o yaml`, - for stdin) with flow control layered on.",
     )
+    parser.add_argument(
+        "--standalone-values",
+        metavar="RENDERED|-",
+        help="Only print (stdout) our standalone chart values: the chart's Envoy config as `helm template` renders "
+        "it for the release (- for stdin) with the gate patched in (manifests/chart_envoy.py).",
+    )
     args = parser.parse_args(argv)
+    if args.standalone_values:
+        source = args.standalone_values
+        try:
+            s = load_settings(args.settings)
+            text = sys.stdin.read() if source == "-" else Path(source).read_text()
+            chart = chart_envoy.chart_envoy_config(text)
+            sys.stdout.write(values_standalone(s, chart, "the `helm template` output on stdin" if source == "-" else source))
+        except (OSError, ValueError, TypeError, yaml.YAMLError) as exc:
+            print(f"generate.py: --standalone-values {source}: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.flow_control_values:
         try:
             s = load_settings(args.settings)

@@ -133,6 +133,7 @@ def for_run(boot: dict, gate_port: int, epp_port: int = 1) -> tuple[dict, int, i
     for lis in boot["static_resources"]["listeners"]:
         port = port_for.select_random()
         lis["address"]["socket_address"].update(address="127.0.0.1", port_value=port)
+        lis.pop("additional_addresses", None)  # the chart's `::` binds (fixed ports): loopback IPv4 only here
         lis["name"] = f"{lis['name']}-{port}"
         if gate in lis["filter_chains"][0]["filters"][0]["typed_config"].get("http_filters", []):
             client_port = port
