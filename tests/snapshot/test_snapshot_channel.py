@@ -276,7 +276,8 @@ async def test_upstreams_timeslice_io_backend_annotation_resolves_as_that_backen
     protojson) beside ours (``snapshot.timeslice.io/backend``): each resolves, ours wins where a pod carries both."""
     upstream = {
         "timeslice.io/backend": "app_endpoint",
-        "timeslice.io/backend-config": '{"app": "APP_SGLANG", "endpoints": ["http://127.0.0.1:30001"], "mode": "SUSPEND_MODE_DISCARD"}',
+        "timeslice.io/backend-config": '{"app": "APP_SGLANG", "endpoints": ["http://127.0.0.1:30001"], '
+        '"mode": "SUSPEND_MODE_DISCARD"}',
     }
     r = BackendResolver({}, WorkloadRegistry(), annotations=upstream)
     both = BackendResolver({}, WorkloadRegistry(), annotations={**upstream, "snapshot.timeslice.io/backend": "vllm"})
