@@ -12,9 +12,12 @@ with that file and prints one line per difference, naming the fact and both valu
 Refresh, one command (snapshots as the fetch tool leaves them, ``<root>/<owner>+<name>/repo`` git directories, or
 plain checkouts given one by one with ``--snapshot owner/name=PATH``)::
 
-    .venv/bin/python tools/upstream_facts.py record --mirror-root /work/.mirror
+    .venv/bin/python tools/upstream_facts.py record --mirror-root /work/.mirror \\
+        --snapshot llm-d/llm-d=<a checkout of llm-d/llm-d>@<its commit>
 
-then ``.venv/bin/python tools/upstream_facts.py check`` (exit 1 on a difference) and commit the JSON file.
+(``--snapshot`` overrides the mirror for one repository: the stored mirror of llm-d/llm-d is a 2025 snapshot without
+the guides' image components, so the record of 2026-12-05 read that one file from a checkout of ec40068fbf0b), then
+``.venv/bin/python tools/upstream_facts.py check`` (exit 1 on a difference) and commit the JSON file.
 
 Snapshots are read with ``git show <commit>:<path>`` (a git directory) or from the working tree (a plain checkout,
 whose commit is ``git rev-parse HEAD`` when it has one, else given as ``PATH@COMMIT``). Protos are compared as
@@ -43,6 +46,7 @@ RECORD = ROOT / "tests" / "fixtures" / "upstream-facts.json"
 GIE = "kubernetes-sigs/gateway-api-inference-extension"
 ROUTER = "llm-d/llm-d-router"
 TIMESLICING = "llm-d-incubation/llm-d-rl-time-slicing"
+LLM_D = "llm-d/llm-d"
 GUIDE_VALUES = "manifests/guides/time-slicing/router"
 
 
@@ -112,6 +116,18 @@ FACTS: tuple[Fact, ...] = (
         ("regex_all", {"file": "manifests/generate.py", "pattern": r'"type": "([a-z0-9-]+)"'}),
         compare="subset",
         note="every EPP plugin type our EndpointPickerConfigs name is registered by that EPP",
+    ),
+    Fact(
+        "llm-d-guides.vllm-image-tag",
+        LLM_D,
+        "main",
+        ("guides/recipes/modelserver/components/images/gpu-vllm/release/kustomization.yaml",),
+        "kustomize_image_tag",
+        (
+            "regex_first",
+            {"file": "manifests/guides/time-slicing/README.md", "pattern": r"the llm-d guides pin `(v[0-9][^`]*)`"},
+        ),
+        note="the vLLM image the llm-d guides' NVIDIA GPU model servers run (the component every guide includes)",
     ),
     Fact(
         "proto.snapshot-agent",
@@ -256,6 +272,12 @@ def _helm_value_keys(snap: Snapshot, commit: str, paths: tuple[str, ...], depth:
 _GO_TYPE = re.compile(r'\w*Type\s*=\s*"([a-z0-9][a-z0-9-]*)"')
 
 
+def _kustomize_image_tag(snap: Snapshot, commit: str, paths: tuple[str, ...]) -> str:
+    """``newTag`` of the first ``images`` entry of a kustomization or Component."""
+    images = (yaml.safe_load(snap.read(commit, paths[0])) or {}).get("images") or [{}]
+    return str(images[0].get("newTag"))
+
+
 def _go_plugin_types(snap: Snapshot, commit: str, paths: tuple[str, ...]) -> list[str]:
     """The plugin type names the EPP's Go sources declare (``...Type = "name"``), test files left out."""
     found: set[str] = set()
@@ -317,6 +339,7 @@ def _proto(snap: Snapshot, commit: str, paths: tuple[str, ...]) -> list[str]:
 
 
 EXTRACTORS = {
+    "kustomize_image_tag": _kustomize_image_tag,
     "crd": _crd,
     "yaml_paths": _yaml_paths,
     "helm_value_keys": _helm_value_keys,
@@ -358,11 +381,17 @@ def _regex_all(root: Path, file: str, pattern: str) -> list[str]:
     return sorted(set(re.findall(pattern, (root / file).read_text())))
 
 
+def _regex_first(root: Path, file: str, pattern: str) -> str | None:
+    m = re.search(pattern, (root / file).read_text())
+    return m[1] if m else None
+
+
 def _our_proto(root: Path, file: str) -> list[str]:
     return proto_signature((root / file).read_text(), Path(file).name)
 
 
 LOCATORS = {
+    "regex_first": _regex_first,
     "constants": _constants,
     "file_names": _file_names,
     "yaml_paths": _our_yaml_paths,
