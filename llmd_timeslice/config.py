@@ -1076,9 +1076,11 @@ With `orchestrator.discovery: kubernetes` the orchestrator lists and watches the
 
 | on the pod | kind | meaning | when absent |
 |---|---|---|---|
-| `timeslice.io/group` | label | accelerator group (upstream label) | pod skipped |
+| `timeslice.io/group` | label | accelerator group (upstream label; also read as `timeslicing.llm-d.ai/group` or \
+`timeslicing.k8s.io/group`, the spellings llm-d-rl-time-slicing #43 proposes; disagreeing spellings: pod skipped) | pod skipped |
 | `timeslice.io/role` | label | `sampler`: a sampler of the group; other roles only make the group exist | not a sampler |
-| `timeslice.io/job-id` | label | the sampler's job id (the sidecar's `--job-id`) | pod name |
+| `timeslice.io/job-id` | label | the sampler's job id (the sidecar's `--job-id`; upstream label, read in the same \
+three spellings) | pod name |
 | `timeslice.io/pool` | annotation | InferencePool of the sampler | `default_pool` |
 | `timeslice.io/engine-port` | annotation | port the EPP routes to on the pod IP | `vllm` container's port, else `engine_port` |
 | `timeslice.io/sidecar-port` | annotation | the snapshot sidecar's gRPC port | port named `ts-grpc`, else `sidecar_port` |

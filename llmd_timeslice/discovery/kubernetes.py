@@ -32,6 +32,15 @@ What a pod must carry (the label contract of ``manifests/guides/time-slicing``):
 ``timeslice.io/serving`` (label)            written by :class:`PodLabeler` (label fallback)
 ==========================================  ======================================================
 
+Upstream's two labels, ``group`` and ``job-id``, are read in each spelling in use or proposed: ``timeslice.io/``
+(what upstream's orchestrator selects by today: llm-d-incubation/llm-d-rl-time-slicing (6cf8e9b07c60)
+``pkg/timeslice-orchestrator/infrastructure/kubernetes.go``, ``cmd/timesliceorchestrator/main.go``) and the two
+domains its issue #43 (open) proposes instead, ``timeslicing.llm-d.ai/`` and ``timeslicing.k8s.io/``
+(:data:`UPSTREAM_LABEL_DOMAINS`). A pod whose spellings disagree is skipped with a warning naming both. This
+project writes ``timeslice.io/`` (upstream's orchestrator finds no pod by the others yet). A server-side selector
+cannot OR two keys: with pods labelled in a new spelling only, set the selector to that key (``--selector
+timeslicing.llm-d.ai/group``).
+
 An annotation with a malformed value is ignored with a warning naming the pod, the key and the value
 (docs/group-settings.md lists them all).
 
@@ -93,6 +102,9 @@ ENGINE_CONTAINERS = ("modelserver", "vllm")
 (llm-d/llm-d ``guides/optimized-baseline/modelserver/gpu/vllm/base``, commit 05b03f75739f); ``vllm`` is kept for
 older manifests."""
 DEFAULT_LABEL_SELECTOR = LABEL_GROUP
+#: The domains upstream's ``group`` / ``job-id`` labels are read under, in order (module doc): today's first, then
+#: the two llm-d-rl-time-slicing issue #43 proposes.
+UPSTREAM_LABEL_DOMAINS = ("timeslice.io", "timeslicing.llm-d.ai", "timeslicing.k8s.io")
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 RBAC_HINT = "Role llmd-timeslice-orchestrator in manifests/guides/time-slicing/base/orchestrator/rbac.yaml"
 
@@ -301,6 +313,19 @@ def _is_ready(pod: dict) -> bool:
     return False
 
 
+class _SpellingsDisagree(ValueError):
+    """A pod carries one upstream label in several spellings with different values."""
+
+
+def upstream_label(labels: dict, name: str) -> str | None:
+    """The value of upstream's label ``name`` (``group``, ``job-id``) in any of :data:`UPSTREAM_LABEL_DOMAINS`;
+    None when absent or empty. Raises _SpellingsDisagree (naming each key and value) when they differ."""
+    found = {k: v for d in UPSTREAM_LABEL_DOMAINS if (v := labels.get(k := f"{d}/{name}"))}
+    if len(set(found.values())) > 1:
+        raise _SpellingsDisagree(", ".join(f"{k}={v!r}" for k, v in found.items()))
+    return next(iter(found.values()), None)
+
+
 def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
     """The member a pod makes (readiness not considered), or None when it cannot be one."""
     meta = _meta(pod)
@@ -308,7 +333,11 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
     labels = meta.get("labels") or {}
     ann = meta.get("annotations") or {}
     status = pod.get("status") or {}
-    group = labels.get(LABEL_GROUP)
+    try:
+        group, job_label = upstream_label(labels, "group"), upstream_label(labels, "job-id")
+    except _SpellingsDisagree as exc:
+        log.warning("pod %s skipped: its labels spell one upstream label with different values: %s", name, exc)
+        return None
     if not group or meta.get("deletionTimestamp") or status.get("phase") != "Running":
         return None
     role = labels.get(LABEL_ROLE, "")
@@ -317,7 +346,7 @@ def pod_member(pod: dict, defaults: DiscoveryDefaults) -> PodMember | None:
         for key, fld in GROUP_ANNOTATIONS.items()
         if (v := _annotation(name, ann, key, functools.partial(_group_value, fld))) is not None
     )
-    job_id = labels.get(LABEL_JOB_ID) or name
+    job_id = job_label or name
     if role != ROLE_SAMPLER:
         job_settings = tuple(
             (fld, v)

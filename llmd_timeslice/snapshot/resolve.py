@@ -10,6 +10,14 @@ Order (first that applies wins):
    ``snapshot.timeslice.io/endpoint`` (engine URL, default ``http://127.0.0.1:8000``),
    ``snapshot.timeslice.io/pids`` (comma-separated, for ``cuda``) and
    ``snapshot.timeslice.io/mode`` (``offload`` | ``discard``: the mode when the request leaves it unset);
+   else upstream's spelling (llm-d-incubation/llm-d-rl-time-slicing PR #159, open: ``pkg/snapshot-agent/utils/
+   pod-utils.go`` at d2cbb6fd6697): ``timeslice.io/backend`` = a ``BackendConfig`` field name (``cuda``,
+   ``app_endpoint``, ``app_channel``, ``direct_memory``, ...) or ``noop``, with the optional
+   ``timeslice.io/backend-config`` holding that field's message as protojson (e.g. ``{"endpoints":
+   ["http://localhost:8000"]}`` for ``app_endpoint``). It is resolved as if the request had carried that
+   ``BackendConfig``; a malformed config, an unknown name, or one this sidecar does not serve fails the request
+   naming the annotation (never a silent fall-through). Ours wins where a pod carries both; this project writes
+   ours;
 4. the job's default backend (the sidecar's ``--job-id`` / ``--engine-url``).
 
 The mode is always resolved here (never UNSPECIFIED past this point): the request's, else the
@@ -21,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import json_format
 
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from llmd_timeslice.snapshot.backends.base import SnapshotBackend, SuspendMode
@@ -28,6 +37,9 @@ from llmd_timeslice.snapshot.backends.registry import SNAPSHOT_BACKENDS, backend
 from llmd_timeslice.snapshot.channel import PB_TO_MODE, WorkloadRegistry
 
 ANNOTATION_PREFIX = "snapshot.timeslice.io/"
+#: Upstream's pod annotations naming a job's backend (module doc, 3.).
+UPSTREAM_BACKEND_ANNOTATION = "timeslice.io/backend"
+UPSTREAM_BACKEND_CONFIG_ANNOTATION = "timeslice.io/backend-config"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 
 
@@ -172,6 +184,9 @@ class BackendResolver:
             if target == "endpoint":
                 return Resolution(self._endpoint_backend(name, job_id, []), mode, [], "annotation")
             return Resolution(self._build(name, job_id), mode, [], "annotation")
+        if upstream := self._upstream_backend_config():
+            resolved = self.resolve(job_id, upstream)
+            return Resolution(resolved.backend, resolved.mode, resolved.tags, "annotation")
         if job_id in self.defaults:
             return Resolution(self.defaults[job_id], self._ann_mode() or SuspendMode.OFFLOAD, [], "default")
         raise ResolveError(
@@ -179,6 +194,32 @@ class BackendResolver:
             f"unknown job {job_id!r} on this sidecar; it serves {sorted(self.defaults)} and registered "
             f"workloads {sorted(self.registry.channels)}",
         )
+
+    def _upstream_backend_config(self) -> pb.BackendConfig | None:
+        """The ``BackendConfig`` upstream's ``timeslice.io/backend`` (+ ``-config``) annotations declare, or None
+        when the pod declares none. Raises ResolveError naming the annotation: an unknown or unserved name
+        (FAILED_PRECONDITION), a config that is not that message's protojson (INVALID_ARGUMENT)."""
+        name = (self.annotations.get(UPSTREAM_BACKEND_ANNOTATION) or "").strip()
+        if not name:
+            return None
+        fields = pb.BackendConfig.DESCRIPTOR.oneofs_by_name["backend"].fields
+        if name not in {f.name for f in fields}:
+            raise ResolveError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pod annotation {UPSTREAM_BACKEND_ANNOTATION}={name!r} is not a backend this sidecar serves "
+                "(it serves app_endpoint, app_channel and cuda; 'noop' is not served)",
+            )
+        cfg = pb.BackendConfig()
+        raw = self.annotations.get(UPSTREAM_BACKEND_CONFIG_ANNOTATION) or "{}"
+        try:
+            json_format.Parse(raw, getattr(cfg, name))
+        except json_format.ParseError as exc:
+            raise ResolveError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pod annotation {UPSTREAM_BACKEND_CONFIG_ANNOTATION} is not protojson of BackendConfig.{name}: {exc}",
+            ) from exc
+        getattr(cfg, name).SetInParent()  # "{}" still selects the field
+        return cfg
 
     @staticmethod
     def _wire_mode(m: pb.SuspendMode) -> SuspendMode | None:

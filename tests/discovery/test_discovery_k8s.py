@@ -668,3 +668,33 @@ def test_cli_kubernetes_errors_are_one_line(kube, tmp_path):
     assert r.returncode == 2 and "--discovery kubernetes" in r.stderr
     r = run_cli("orchestrator")
     assert r.returncode == 2 and "--inventory" in r.stderr and "required" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "domain",
+    [
+        "timeslice.io",  # upstream today (llm-d-rl-time-slicing 6cf8e9b07c60 infrastructure/kubernetes.go)
+        "timeslicing.llm-d.ai",  # proposed by its issue #43
+        "timeslicing.k8s.io",  # proposed by its issue #43
+    ],
+)
+def test_upstreams_group_and_job_id_labels_are_read_in_each_spelling(domain):
+    from llmd_timeslice.discovery.kubernetes import pod_member
+
+    pod = make_pod("p", None, labels={f"{domain}/group": "g7", f"{domain}/job-id": "job-a"})
+    member = pod_member(pod, DEFAULTS)
+    assert (member.group, member.job_id, member.sampler.address) == ("g7", "job-a", "10.0.0.1:8000")
+
+
+def test_a_pod_whose_label_spellings_disagree_is_skipped_naming_both(caplog):
+    from llmd_timeslice.discovery.kubernetes import pod_member
+
+    agree = make_pod("same", "g1", labels={"timeslicing.llm-d.ai/group": "g1"})
+    assert pod_member(agree, DEFAULTS).group == "g1", "the same value in two spellings is one label"
+    pod = make_pod("p", "g1", labels={"timeslice.io/job-id": "a", "timeslicing.k8s.io/job-id": "b"})
+    with caplog.at_level("WARNING"):
+        assert pod_member(pod, DEFAULTS) is None
+    assert (
+        "pod p skipped: its labels spell one upstream label with different values: "
+        "timeslice.io/job-id='a', timeslicing.k8s.io/job-id='b'"
+    ) in caplog.text

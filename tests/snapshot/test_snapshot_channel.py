@@ -269,3 +269,61 @@ async def test_resolution_order_request_then_channel_then_annotation_then_defaul
         assert e.value.code is grpc.StatusCode.NOT_FOUND
     finally:
         await r.close()
+
+
+async def test_upstreams_timeslice_io_backend_annotation_resolves_as_that_backend_config():
+    """Upstream's spelling (llm-d-rl-time-slicing PR #159: ``timeslice.io/backend`` + ``timeslice.io/backend-config``,
+    protojson) beside ours (``snapshot.timeslice.io/backend``): each resolves, ours wins where a pod carries both."""
+    upstream = {
+        "timeslice.io/backend": "app_endpoint",
+        "timeslice.io/backend-config": '{"app": "APP_SGLANG", "endpoints": ["http://127.0.0.1:30001"], '
+        '"mode": "SUSPEND_MODE_DISCARD"}',
+    }
+    r = BackendResolver({}, WorkloadRegistry(), annotations=upstream)
+    both = BackendResolver({}, WorkloadRegistry(), annotations={**upstream, "snapshot.timeslice.io/backend": "vllm"})
+    cuda = BackendResolver(
+        {},
+        WorkloadRegistry(),
+        annotations={"timeslice.io/backend": "cuda", "timeslice.io/backend-config": '{"explicitTarget": {"pids": [7]}}'},
+    )
+    try:
+        got = r.resolve("k", None)
+        assert (got.source, got.mode) == ("annotation", SuspendMode.DISCARD)
+        assert isinstance(got.backend, SglangBackend) and got.backend.base_url == "http://127.0.0.1:30001"
+        ours = both.resolve("k", None)
+        assert ours.source == "annotation" and isinstance(ours.backend, VllmBackend), "ours wins"
+        pids = cuda.resolve("k", None)
+        assert pids.backend.name == "cuda" and pids.backend.pids == [7]
+    finally:
+        for x in (r, both, cuda):
+            await x.close()
+
+
+@pytest.mark.parametrize(
+    ("annotations", "code", "message"),
+    [
+        (
+            {"timeslice.io/backend": "noop"},
+            "FAILED_PRECONDITION",
+            "pod annotation timeslice.io/backend='noop' is not a backend this sidecar serves (it serves app_endpoint, "
+            "app_channel and cuda; 'noop' is not served)",
+        ),
+        (
+            {"timeslice.io/backend": "app_endpoint", "timeslice.io/backend-config": "{not json"},
+            "INVALID_ARGUMENT",
+            "pod annotation timeslice.io/backend-config is not protojson of BackendConfig.app_endpoint: ",
+        ),
+        (
+            {"timeslice.io/backend": "app_endpoint", "timeslice.io/backend-config": '{"endpoint": "x"}'},
+            "INVALID_ARGUMENT",
+            "pod annotation timeslice.io/backend-config is not protojson of BackendConfig.app_endpoint: ",
+        ),
+        ({"timeslice.io/backend": "direct_memory"}, "UNIMPLEMENTED", "backend config 'direct_memory' is not served"),
+    ],
+    ids=["noop", "config-not-json", "config-unknown-field", "direct-memory"],
+)
+def test_a_bad_upstream_backend_annotation_fails_the_request_naming_it(annotations, code, message):
+    r = BackendResolver({}, WorkloadRegistry(), annotations=annotations)
+    with pytest.raises(ResolveError) as e:
+        r.resolve("k", None)
+    assert e.value.code.name == code and str(e.value).startswith(message), str(e.value)

