@@ -294,7 +294,11 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     _setup_logging(s.log_level)
     _metrics(s.metrics_port, s.host)
     token = load_token(token_file)
-    engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
+    engine_kwargs = {
+        "min_freed_fraction": s.min_freed_fraction,
+        "residual_margin_bytes": int(s.residual_margin_bytes),
+        "memory_settle_timeout_s": s.memory_settle_timeout_s,
+    }
 
     async def main() -> None:
         backend = job_default_backend(  # by name, from the one backend registry

@@ -30,7 +30,7 @@ from typing import Any, cast
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
@@ -42,10 +42,12 @@ from llmd_timeslice.snapshot.accelerators import AcceleratorReader, nvml_acceler
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
     EngineUnreachable,
+    SleepResidual,
     SnapshotBackend,
     SuspendMode,
     WeightVersionRejected,
 )
+from llmd_timeslice.snapshot.backends.sleep_memory import MemoryNotFreed
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
@@ -57,6 +59,24 @@ PARKED_REQUESTS = Counter(
     "Requests found inside an engine after its verified sleep (they reached it after the drain), by what was done: "
     "aborted (finish_reason abort at once) or kept (pause mode keep: they resume on wake).",
     ["job_id", "action"],
+)
+
+SLEEP_RESIDUAL = Gauge(
+    "llmd_timeslice_sidecar_sleep_residual_bytes",
+    "Device memory the engine still held after its last sleep at this level, once settled (bytes; NVML per process "
+    "where it lists the engine's pids, else the device's used memory). Set by every sleep, verified or not.",
+    ["job_id", "level"],
+)
+SLEEP_RESIDUAL_BUDGET = Gauge(
+    "llmd_timeslice_sidecar_sleep_residual_budget_bytes",
+    "The budget the last sleep's residual at this level was checked against (bytes): the group's "
+    "residual_budget_bytes, else the first verified sleep's residual plus the margin.",
+    ["job_id", "level"],
+)
+SLEEPS_OVER_BUDGET = Counter(
+    "llmd_timeslice_sidecar_sleeps_over_budget_total",
+    "Sleeps not verified because the engine still held more device memory than its budget (or freed too little).",
+    ["job_id", "level"],
 )
 
 FENCED_COMMANDS = Counter(
@@ -192,6 +212,18 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 log.warning("orchestrator leader term %d -> %d (a new leader)", self.highest_term, term)
             self.highest_term = term
 
+    @staticmethod
+    def _record_residual(job_id: str, residual: SleepResidual | None, over: bool = False) -> None:
+        """The residual of one sleep into the metrics (module constants above)."""
+        if residual is None:
+            return
+        labels = {"job_id": job_id, "level": str(residual.level)}
+        SLEEP_RESIDUAL.labels(**labels).set(residual.bytes)
+        if residual.budget is not None:
+            SLEEP_RESIDUAL_BUDGET.labels(**labels).set(residual.budget)
+        if over:
+            SLEEPS_OVER_BUDGET.labels(**labels).inc()
+
     def _start(self, request, kind: str, weights: WeightUpdate | None = None) -> Operation:
         """Check and start one operation (in the background); returns it. Raises :class:`Refused`."""
         if not request.job_id:
@@ -214,7 +246,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
-        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights))
+        budget = request.device_residual_budget_bytes if kind == "snapshot" else 0
+        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights, budget))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return op
@@ -247,14 +280,22 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     del self.operations[old]
 
     async def _run(
-        self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str], weights: WeightUpdate | None = None
+        self,
+        op: Operation,
+        backend: SnapshotBackend,
+        mode: SuspendMode,
+        tags: list[str],
+        weights: WeightUpdate | None = None,
+        residual_budget_bytes: int = 0,
     ) -> None:
         async with self._locks[op.job_id]:
             self.states[op.job_id] = "TRANSITIONING"
             try:
                 if op.kind == "snapshot":
-                    res = await asyncio.wait_for(backend.suspend(mode, tags), self._timeout)
+                    budget = {"residual_budget_bytes": residual_budget_bytes or None} if backend.checks_residual else {}
+                    res = await asyncio.wait_for(backend.suspend(mode, tags, **budget), self._timeout)
                     if res is not None:
+                        self._record_residual(op.job_id, res.residual)
                         op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
                         if res.parked_requests:
                             op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
@@ -279,6 +320,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 self.states[op.job_id] = "FAULTED"
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
+                if isinstance(exc, MemoryNotFreed):
+                    self._record_residual(op.job_id, exc.residual, over=True)
                 if isinstance(exc, WeightVersionRejected):
                     op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
                 self.states[op.job_id] = "FAULTED"

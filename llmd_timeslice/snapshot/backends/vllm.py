@@ -33,9 +33,9 @@ running engine (a reload there puts the model on meta tensors and the next reque
 sleep is made at level 1, every weight version is refused before the engine is touched, and an engine found at
 level 2 stays out of service with the reason.
 
-Where NVML is present (``nvidia-ml-py``, import guarded) the backend reads device memory before
-and after a sleep and fails it unless at least ``min_freed_fraction`` of the used memory was freed;
-any ``memory_reader`` callable can stand in for NVML (tests inject one).
+Where NVML answers (``nvidia-ml-py``) every sleep is verified by the device memory the engine still holds after it,
+polled until it settles and checked against a budget (:mod:`~llmd_timeslice.snapshot.backends.sleep_memory`); a
+``memory_reader`` callable (device bytes) or ``nvml`` (a module shaped like ``pynvml``) can stand in (tests).
 
 An HTTP 200 from ``/sleep`` proves nothing by itself, so every step is verified afterwards: the
 engine must report sleeping (``/is_sleeping``, and the sleep-state gauge of *every* engine core where
@@ -137,9 +137,10 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendMode,
     SuspendResult,
     WeightVersionRejected,
-    freed_too_little,
 )
+from llmd_timeslice.snapshot.backends.device_memory import engine_memory
 from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
+from llmd_timeslice.snapshot.backends.sleep_memory import GIB, SleepMemoryCheck
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
 from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader, default_loaders
@@ -156,33 +157,6 @@ PAUSE_MODES = ("wait", "keep", "abort")
 
 MemoryReader = Callable[[], "int | None"]
 """Returns the device memory in use, in bytes (None: unknown)."""
-
-
-def nvml_memory_reader(device_indices: list[int] | None = None) -> MemoryReader | None:
-    """A reader of used device memory summed over ``device_indices`` (default: all), through NVML.
-
-    Returns None when ``nvidia-ml-py`` is not installed or NVML cannot start (no driver, no GPU).
-    """
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-    except Exception as exc:  # pynvml.NVMLError and friends: no driver / no device
-        log.info("NVML unavailable (%r); device memory is not verified", exc)
-        return None
-    indices = list(range(count)) if device_indices is None else device_indices
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-
-    def read() -> int | None:
-        try:
-            return sum(int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles)
-        except Exception:
-            return None
-
-    return read
 
 
 @dataclass
@@ -284,9 +258,16 @@ class VllmBackend(SnapshotBackend):
         reload_weights: after a level-2 sleep, reload weights (``collective_rpc reload_weights``)
             between the weights and kv_cache wake-ups.
         reset_prefix_cache: after a level-2 wake, ``POST /reset_prefix_cache``.
-        memory_reader: device memory in use, bytes (default: NVML where present, else none).
-        min_freed_fraction: with a reader, a sleep must free at least this fraction of the memory
-            in use before it (0 disables the check; the freed bytes are still reported).
+        memory_reader: device memory in use, bytes (default: NVML where it answers, per process of ``engine_pids``,
+            else none: not checked, said once).
+        min_freed_fraction: with memory read, a sleep must free at least this fraction of the memory the engine
+            held before it (0 disables that part of the check; the freed bytes are still reported).
+        residual_margin_bytes: a sleep's default budget is the residual of the engine's first verified sleep at
+            that level plus this (bytes).
+        memory_settle_timeout_s, memory_poll_s: how long, and how often, the memory is read after a sleep until it
+            settles within budget (:class:`~llmd_timeslice.snapshot.backends.sleep_memory.SleepMemoryCheck`).
+        nvml: a module shaped like ``pynvml`` (default: ``import pynvml``); engine_pids: the engine's processes
+            (default: the listener on ``base_url``'s port and its children, read at each sleep).
         weight_loaders: weight source name -> loader (default:
             :func:`~llmd_timeslice.snapshot.backends.vllm_weights.default_loaders`).
         probe_prompts, probe_tokens: the semantic probe's prompts and greedy tokens per prompt (module doc).
@@ -299,6 +280,7 @@ class VllmBackend(SnapshotBackend):
 
     name = "vllm"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
+    checks_residual = True
     supports_weight_sync = True
 
     def __init__(
@@ -312,11 +294,16 @@ class VllmBackend(SnapshotBackend):
         reload_weights: bool = True,
         reset_prefix_cache: bool = True,
         memory_reader: MemoryReader | None = None,
-        min_freed_fraction: float = 0.0,
+        min_freed_fraction: float = 0.5,
         weight_loaders: dict[str, WeightLoader] | None = None,
         probe_prompts: tuple[str, ...] = PROBE_PROMPTS,
         probe_tokens: int = PROBE_TOKENS,
         probe_max_mismatched_prompts: int = 0,
+        residual_margin_bytes: int = GIB,
+        memory_settle_timeout_s: float = 60.0,
+        memory_poll_s: float = 0.25,
+        nvml: object | None = None,
+        engine_pids: list[int] | None = None,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
@@ -336,10 +323,15 @@ class VllmBackend(SnapshotBackend):
         self.pause_mode = pause_mode
         self.reload = reload_weights
         self.reset_prefix_cache = reset_prefix_cache
-        self.memory_reader = memory_reader if memory_reader is not None else nvml_memory_reader()
-        self.min_freed_fraction = min_freed_fraction
         self.level: int | None = None  # level of the current sleep (None: awake or unknown)
         self.base_url = base_url.rstrip("/")
+        self.memory = SleepMemoryCheck(
+            engine_memory(self.base_url, memory_reader, nvml, engine_pids),
+            min_freed_fraction=min_freed_fraction,
+            margin_bytes=residual_margin_bytes,
+            settle_timeout_s=memory_settle_timeout_s,
+            poll_s=memory_poll_s,
+        )
         self.idle_timeout_s = idle_timeout_s
         self.idle_poll_s = idle_poll_s
         self.probe = probe
@@ -459,16 +451,15 @@ class VllmBackend(SnapshotBackend):
                 return False, m
             await asyncio.sleep(self.idle_poll_s)
 
-    def _read_memory(self) -> int | None:
-        return self.memory_reader() if self.memory_reader is not None else None
-
     async def sleep(self, level: int, mode: str | None = None) -> None:
         """``POST /sleep?level=N&mode=M`` (no waiting for idle, no verification)."""
         await self._post("/sleep", params={"level": level, "mode": mode or self.pause_mode})
 
-    async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
+    async def suspend(self, mode: SuspendMode, tags: list[str], residual_budget_bytes: int | None = None) -> SuspendResult:
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
-        found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
+        found inside the sleeping engine (module doc) and check the device memory it still holds against its budget
+        (``residual_budget_bytes``: the group's for this level; None: the first verified sleep's + margin). Raises
+        BackendError (the message says what to do), ``MemoryNotFreed`` over budget."""
         level = 2 if mode is SuspendMode.DISCARD else 1
         if level == 2 and (caps := await self.capabilities()).lora_reload_broken:
             # Waking from level 2 needs a reload this engine cannot do (vllm_capabilities): level 1 keeps the weights.
@@ -493,7 +484,7 @@ class VllmBackend(SnapshotBackend):
             # It has been serving this version: its answers are the reference. Only when idle: on a busy engine the
             # probe would wait for the running batch and delay the sleep (the next verified wake records it then).
             self.probe_references[self.weight_version] = await self._probe_tokens()
-        before = self._read_memory()
+        before = await self.memory.before_sleep()
         await self.sleep(level)
         self.level = level
         if not await self.is_suspended():
@@ -513,15 +504,13 @@ class VllmBackend(SnapshotBackend):
             m = await self.metrics()
             self._check_sleep_state(m, level)
             parked, action = await self._handle_parked(m)
-        after = self._read_memory()
-        freed, fraction = freed_too_little(before, after, self.min_freed_fraction)
-        if fraction is not None:
-            raise BackendError(
-                f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
-                f"bytes (freed {fraction:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
-                "(--enable-sleep-mode)? the engine is left out of service"
-            )
-        return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
+        residual = await self.memory.after_sleep(before, level, residual_budget_bytes, f"vLLM {self.base_url}")
+        return SuspendResult(
+            device_bytes_freed=None if residual is None else residual.freed,
+            parked_requests=parked,
+            parked_action=action,
+            residual=residual,
+        )
 
     def _check_sleep_state(self, m: EngineMetrics, level: int) -> None:
         """``vllm:engine_sleep_state`` of every engine core in ``m`` must be the state of sleep ``level``."""
