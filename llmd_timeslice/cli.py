@@ -287,6 +287,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     """Run a snapshot sidecar for one engine (sleep / wake, verified). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_token
+    from llmd_timeslice.snapshot.backends.cuda import UnsupportedWorkload
     from llmd_timeslice.snapshot.backends.registry import job_default_backend
     from llmd_timeslice.snapshot.server import SidecarServer
 
@@ -300,7 +301,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
         "memory_settle_timeout_s": s.memory_settle_timeout_s,
     }
 
-    async def main() -> None:
+    try:  # built before the loop: a workload the backend cannot serve (cuda: NCCL mapped) is refused at start
         backend = job_default_backend(  # by name, from the one backend registry
             s.backend,
             engine_url=s.engine_url,
@@ -310,6 +311,11 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
             probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
             **engine_kwargs,
         )
+    except UnsupportedWorkload as exc:
+        typer.echo(f"llmd-timeslice sidecar: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
         defaults = {} if backend is None else {s.job_id: backend}  # None: the job registers over WorkloadChannel
         srv = SidecarServer(
             defaults,

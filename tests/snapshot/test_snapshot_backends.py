@@ -196,7 +196,7 @@ async def test_cuda_checkpoint_without_driver_says_so(cuda_cli, monkeypatch):
 
 async def test_cuda_checkpoint_timeout_and_lie_and_unknown_pid(cuda_cli, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_HANG", "5")
-    b = CudaCheckpointBackend([os.getpid()], binary=str(cuda_cli), api="toggle", timeout_s=0.5)
+    b = CudaCheckpointBackend([os.getpid()], binary=str(cuda_cli), api="toggle", timeout_s=0.5, state_timeout_s=0.5)
     with pytest.raises(BackendError, match=r"took more than 0\.5 s and was killed"):
         await b.suspend(SuspendMode.OFFLOAD, [])
     monkeypatch.delenv("FAKE_CUDA_CHECKPOINT_HANG")
