@@ -318,3 +318,19 @@ async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(
     finally:
         await srv.stop()
         not_vllm.stop()
+
+
+async def test_a_level1_wake_resets_the_prefix_cache_and_an_awake_engine_is_not_reset(fake_vllm):
+    """Issue 38 §4: level 1 frees the KV cache too, so cached prefixes must not point at discarded blocks."""
+    eng = fake_vllm()
+    b = VllmBackend(eng.url, memory_reader=lambda: None)
+    try:
+        await b.suspend(SuspendMode.OFFLOAD, [])
+        await b.resume([])
+        posts = eng.paths()
+        assert posts.index("/reset_prefix_cache") > posts.index("/wake_up")
+        n = posts.count("/reset_prefix_cache")
+        await b.resume([])  # already awake: nothing was discarded, nothing to reset
+        assert eng.paths().count("/reset_prefix_cache") == n
+    finally:
+        await b.close()

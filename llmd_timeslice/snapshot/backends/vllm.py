@@ -82,7 +82,11 @@ refused). Any answer >= 500 is followed by ``GET /health``; a 503 there raises
 (``/is_sleeping``), the next wake, and the engine audit's ``GetServedWeightVersion`` (``engine_unreachable``) all
 read it as an engine that cannot serve: out of service, repaired once an engine listens there again.
 
-Prefix cache reset (after a wake that reloaded weights): vLLM 0.32's ``POST /reset_prefix_cache`` answers
+Prefix cache after a wake: every sleep frees the KV cache (level 1 included: only the weights are offloaded), so
+after any wake from a sleep (level 1 or 2, or one that reloaded weights) the backend resets the prefix cache where the
+engine's route table (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`) lists ``/reset_prefix_cache``:
+cached prefixes must not point at discarded blocks (vllm-project/vllm#17103). Without the route: one warning.
+Reset answers: vLLM 0.32's ``POST /reset_prefix_cache`` answers
 200 ``{"success": false}`` when blocks are still held, e.g. by running requests
 (``vllm/entrypoints/serve/dev/cache/api_router.py``; ``BlockPool.reset_prefix_cache`` in
 ``vllm/v1/core/block_pool.py``). The backend then resets with ``?reset_running_requests=true`` (the scheduler
@@ -617,6 +621,7 @@ class VllmBackend(SnapshotBackend):
         if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
         reloaded = False
+        kv_discarded = level is not None  # asleep at level 1 or 2: its KV cache was freed (module doc)
         if not tags:
             await self._post("/wake_up")
         if "weights" in tags:
@@ -630,8 +635,8 @@ class VllmBackend(SnapshotBackend):
                 return  # a partial wake: the caller wakes kv_cache next
         if "kv_cache" in tags:
             await self._post("/wake_up", params={"tags": "kv_cache"})
-            if (level == 2 or reloaded) and self.reset_prefix_cache:
-                await self._reset_prefix_cache()
+        if (kv_discarded or reloaded) and self.reset_prefix_cache and (not tags or "kv_cache" in tags):
+            await self._reset_after_wake()
         await self._verify_awake()
 
     async def _reload_last_good(self) -> None:
@@ -721,6 +726,18 @@ class VllmBackend(SnapshotBackend):
                 f"{weights.version}; the endpoint stays out of service"
             )
         self.last_sync = {"load_s": load_s, "total_s": time.perf_counter() - t0, "bytes": float(nbytes or 0)}
+
+    async def _reset_after_wake(self) -> None:
+        """After a wake whose KV cache was discarded: ``POST /reset_prefix_cache`` where the engine's route table has
+        it (module doc, "Prefix cache after a wake"); without the route, one warning."""
+        if (await self.capabilities()).has("/reset_prefix_cache"):
+            await self._reset_prefix_cache()
+        else:
+            log.warning(
+                "engine %s serves no /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1): its prefix cache is "
+                "not reset after the wake, cached prefixes may point at discarded KV blocks (vllm#17103)",
+                self.base_url,
+            )
 
     async def _reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache``, verified by its answer (module doc): refused -> reset with running requests
