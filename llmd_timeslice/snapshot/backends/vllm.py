@@ -52,6 +52,11 @@ so the endpoint stays out of service and the next restore reloads the weights. G
 is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
 ``probe_max_mismatched_prompts`` tolerates.
 
+Speculative decoding: where the engine exports vLLM's ``spec_decode`` counters, the probe's draft acceptance is
+compared with the one its weight version had when it first served; a collapse (below
+``spec_decode_min_acceptance_ratio`` of it: vllm#52479, the draft model not restored by a level-2 wake) fails the wake
+with :class:`SpecDecodeCollapsed` (:mod:`~llmd_timeslice.snapshot.backends.vllm_spec_decode`).
+
 LoRA adapters: the probe runs for the base model and for every LoRA adapter ``GET /v1/models`` lists (an entry
 with ``parent``), each with a reference of its own per weight version; a mismatch through one adapter fails the wake
 the same way, naming it (the next restore reloads the weights, and vLLM 0.32's ``GPUModelRunner.reload_weights``
@@ -147,6 +152,7 @@ from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
 from llmd_timeslice.snapshot.backends.sleep_memory import GIB, SleepMemoryCheck
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
+from llmd_timeslice.snapshot.backends.vllm_spec_decode import AcceptanceCheck, SpecDecodeCounters, parse_spec_decode
 from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader, default_loaders
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
@@ -242,6 +248,11 @@ PROBE_PROMPTS = ("The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n)
 PROBE_TOKENS = 8
 
 
+class SpecDecodeCollapsed(BackendError):
+    """The engine is awake and answers right, but its speculative decoding's draft acceptance collapsed after the
+    wake (:mod:`~llmd_timeslice.snapshot.backends.vllm_spec_decode`)."""
+
+
 class ProbeMismatch(BackendError):
     """The engine's greedy tokens for the probe prompts differ from the reference of the weight version it should
     serve: it is awake but its weights are wrong (a bad reload, corrupted memory)."""
@@ -270,6 +281,8 @@ class VllmBackend(SnapshotBackend):
             that level plus this (bytes).
         memory_settle_timeout_s, memory_poll_s: how long, and how often, the memory is read after a sleep until it
             settles within budget (:class:`~llmd_timeslice.snapshot.backends.sleep_memory.SleepMemoryCheck`).
+        spec_decode_min_acceptance_ratio: with speculative decoding on, a wake whose probe's draft acceptance is
+            below this fraction of the version's reference fails (:class:`SpecDecodeCollapsed`; 0: off).
         nvml: a module shaped like ``pynvml`` (default: ``import pynvml``); engine_pids: the engine's processes
             (default: the listener on ``base_url``'s port and its children, read at each sleep).
         weight_loaders: weight source name -> loader (default:
@@ -308,6 +321,7 @@ class VllmBackend(SnapshotBackend):
         memory_poll_s: float = 0.25,
         nvml: object | None = None,
         engine_pids: list[int] | None = None,
+        spec_decode_min_acceptance_ratio: float = 0.5,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
@@ -348,6 +362,8 @@ class VllmBackend(SnapshotBackend):
         self.weights_unusable: str | None = None  # why the weights in the engine cannot be served
         self.last_sync: dict[str, float] = {}  # figures of the last weight sync (seconds, bytes)
         self._capabilities: VllmCapabilities | None = None
+        self.spec_decode = AcceptanceCheck(spec_decode_min_acceptance_ratio)
+        self._spec_decode_off = False
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -487,7 +503,9 @@ class VllmBackend(SnapshotBackend):
         ):
             # It has been serving this version: its answers are the reference. Only when idle: on a busy engine the
             # probe would wait for the running batch and delay the sleep (the next verified wake records it then).
-            self.probe_references[self.weight_version] = await self._probe_tokens()
+            tokens, acceptance = await self._probe_tokens_measured()
+            self.probe_references[self.weight_version] = tokens
+            self.spec_decode.observe(self.weight_version, acceptance)  # the version's reference acceptance
         before = await self.memory.before_sleep()
         await self.sleep(level)
         self.level = level
@@ -869,13 +887,30 @@ class VllmBackend(SnapshotBackend):
         """Served model name -> greedy token ids of each probe prompt: the base model and every LoRA adapter."""
         return {m: await self._greedy_tokens(m) for m in await self._served_models()}
 
+    async def _spec_counters(self) -> SpecDecodeCounters | None:
+        """The engine's speculative-decoding counters (None: it exports none, i.e. runs without
+        ``--speculative-config``; asked once, then never again)."""
+        if self._spec_decode_off:
+            return None
+        counters = parse_spec_decode((await self._get("/metrics")).text)
+        self._spec_decode_off = counters is None
+        return counters
+
+    async def _probe_tokens_measured(self) -> tuple[dict[str, list[list[int]]], float | None]:
+        """:meth:`_probe_tokens` and the draft acceptance over those requests (None: no speculative decoding)."""
+        before = await self._spec_counters()
+        got = await self._probe_tokens()
+        after = await self._spec_counters() if before is not None else None
+        return got, (after.acceptance_since(before) if before is not None and after is not None else None)
+
     async def _probe(self) -> None:
         """The semantic probe (module doc): compare with the reference of the version served, or record it. An
         adapter first seen now is recorded; one no longer served is forgotten (a warning: its requests get vLLM's 404)."""
-        got = await self._probe_tokens()
+        got, acceptance = await self._probe_tokens_measured()
         ref = self.probe_references.get(self.weight_version)
         if ref is None:
             self.probe_references[self.weight_version] = got
+            self.spec_decode.observe(self.weight_version, acceptance)
             return
         for model, tokens in got.items():
             ref.setdefault(model, tokens)
@@ -888,6 +923,11 @@ class VllmBackend(SnapshotBackend):
             del ref[model]
         wrong = [(m, i) for m in ref for i, (a, b) in enumerate(zip(ref[m], got[m], strict=True)) if a != b]
         if len(wrong) <= self.probe_max_mismatched_prompts:
+            if collapsed := self.spec_decode.observe(self.weight_version, acceptance):
+                raise SpecDecodeCollapsed(
+                    f"vLLM {self.base_url}: {collapsed}; the endpoint stays out of service: restart the engine (or "
+                    "its pod) to load the draft model again"
+                )
             return
         base = next(iter(got))
         m, i = wrong[0]
