@@ -327,6 +327,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
             annotations=s.annotation,
             command_timeout_s=s.command_timeout_s,
             backend_kwargs=engine_kwargs,
+            max_identical_wake_failures=s.max_identical_wake_failures,
         )
         await srv.start()
         try:

@@ -454,6 +454,13 @@ class SidecarSettings(_Section):
         description="Most time to wait after a sleep for the engine's device memory to settle within its budget "
         "(below operation_timeout_s).",
     )
+    max_identical_wake_failures: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="After this many wakes of a job failing the same way in a row, its engine is marked failed: "
+        "restores fail at once naming the failure until a snapshot of it succeeds (0: never; docs/snapshot.md).",
+    )
     pid: Annotated[list[int], Flag(help="cuda backend: a process to checkpoint (repeatable).")] = Field(
         default_factory=list, description="cuda backend: processes to checkpoint."
     )

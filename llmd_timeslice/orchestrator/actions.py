@@ -248,7 +248,11 @@ class GrpcSwitchActions(SwitchActions):
         if op.status != spb.OPERATION_STATUS_COMPLETE:
             self.sampler_states[sampler.address] = JobState.FAULTED
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
-            step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
+            faults: dict[int, StepFault] = {
+                xpb.OPERATION_FAULT_WEIGHTS_REJECTED: StepFault.WEIGHTS_REJECTED,
+                xpb.OPERATION_FAULT_ENGINE_FAILED: StepFault.ENGINE_FAILED,
+            }
+            step_fault = faults.get(fault, StepFault.ENGINE)
             raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
         return op
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 import uuid
 from collections import defaultdict
@@ -77,6 +78,12 @@ SLEEPS_OVER_BUDGET = Counter(
     "llmd_timeslice_sidecar_sleeps_over_budget_total",
     "Sleeps not verified because the engine still held more device memory than its budget (or freed too little).",
     ["job_id", "level"],
+)
+
+ENGINES_MARKED_FAILED = Counter(
+    "llmd_timeslice_sidecar_engines_marked_failed_total",
+    "Engines marked failed because their wake failed the same way max_identical_wake_failures times in a row.",
+    ["job_id"],
 )
 
 FENCED_COMMANDS = Counter(
@@ -162,6 +169,21 @@ class Operation:
         return resp
 
 
+def failure_signature(error: str) -> str:
+    """What makes two failures "the same": the error with its figures (counts, ids, durations) taken out."""
+    return re.sub(r"\d+(?:\.\d+)?", "#", error)
+
+
+@dataclass
+class WakeFailures:
+    """A job's run of identical wake failures (``signature`` of the last, ``count`` in a row); ``failed``: the
+    reason the engine was marked failed (None: not marked)."""
+
+    signature: str = ""
+    count: int = 0
+    failed: str | None = None
+
+
 class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOperationsServiceServicer):
     """Servicer for one pod's jobs.
 
@@ -171,6 +193,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         annotations: the pod's annotations (see :mod:`llmd_timeslice.snapshot.resolve`).
         command_timeout_s: most seconds a registered workload may take to answer a command.
         backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
+        max_identical_wake_failures: after this many wakes of a job failing the same way in a row (the error with its
+            figures taken out), its engine is marked failed: later restores fail at once, naming the failure
+            (fault ``ENGINE_FAILED``), until a snapshot of it succeeds; 0: never.
     """
 
     def __init__(
@@ -180,7 +205,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         annotations: dict[str, str] | None = None,
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
+        max_identical_wake_failures: int = 3,
     ) -> None:
+        self.max_identical_wake_failures = max_identical_wake_failures
+        self.wake_failures: defaultdict[str, WakeFailures] = defaultdict(WakeFailures)
         self.backends = backends
         self.workloads = WorkloadRegistry()
         self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
@@ -289,6 +317,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         residual_budget_bytes: int = 0,
     ) -> None:
         async with self._locks[op.job_id]:
+            failures = self.wake_failures[op.job_id]
+            if op.kind == "restore" and failures.failed is not None:
+                self._refuse_failed_engine(op, failures.failed)
+                return
             self.states[op.job_id] = "TRANSITIONING"
             try:
                 if op.kind == "snapshot":
@@ -337,6 +369,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, f"internal error: {exc!r}"
                 self.states[op.job_id] = "FAULTED"
             finally:
+                self._count_wake_failure(op)
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
                 op.finish()
                 log.info(
@@ -350,6 +383,36 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     f" parked_requests={op.parked_requests} ({op.parked_action})" if op.parked_requests else "",
                     f" error={op.error}" if op.error else "",
                 )
+
+    def _count_wake_failure(self, op: Operation) -> None:
+        """Track the job's run of identical wake failures; mark its engine failed at the bound (class doc). A
+        snapshot that succeeds clears the mark (the engine works again, e.g. it restarted)."""
+        failures = self.wake_failures[op.job_id]
+        if op.status == pb.OPERATION_STATUS_COMPLETE:
+            self.wake_failures.pop(op.job_id, None)
+            return
+        if op.kind != "restore" or op.error is None or op.fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED:
+            return  # a rejected version is the version's fault, not the engine's (its last good version serves)
+        signature = failure_signature(op.error)
+        failures.count = failures.count + 1 if signature == failures.signature else 1
+        failures.signature = signature
+        if self.max_identical_wake_failures and failures.count >= self.max_identical_wake_failures:
+            failures.failed = (
+                f"engine of job {op.job_id!r} marked failed: its wake failed the same way {failures.count} times in "
+                f"a row (max_identical_wake_failures={self.max_identical_wake_failures}); last: {op.error}. Restores "
+                "are refused without touching it: restart the engine (or its pod); a snapshot that succeeds clears "
+                "the mark"
+            )
+            op.error, op.fault = failures.failed, xpb.OPERATION_FAULT_ENGINE_FAILED
+            ENGINES_MARKED_FAILED.labels(job_id=op.job_id).inc()
+            log.error("%s", failures.failed)
+
+    def _refuse_failed_engine(self, op: Operation, why: str) -> None:
+        """End restore ``op`` at once: its engine is marked failed (``why``)."""
+        op.status, op.error, op.fault = pb.OPERATION_STATUS_FAILED, why, xpb.OPERATION_FAULT_ENGINE_FAILED
+        self.states[op.job_id] = "FAULTED"
+        op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
+        op.finish()
 
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start_call(request, context, "snapshot"))
@@ -542,8 +605,11 @@ class SidecarServer:
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
         tls_files: tls.TlsFiles | None = None,
+        max_identical_wake_failures: int = 3,
     ) -> None:
-        self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs)
+        self.servicer = SnapshotSidecar(
+            backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs, max_identical_wake_failures
+        )
         self.host, self.port, self.token = host, port, token
         self.tls = tls_files
         self._server: aio.Server | None = None
