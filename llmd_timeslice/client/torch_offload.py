@@ -380,7 +380,7 @@ class TorchStateOffloader:
         budget = self.device_budget_bytes
         if budget is not None and reserved is not None and reserved > budget:
             stats.over_budget = (
-                f"the trainer's offload left {reserved / 2**30:.2f} GiB reserved on the device ({allocated / 2**30:.2f} "
+                f"the trainer's offload left {reserved / 2**30:.2f} GiB reserved on the device ({(allocated or 0) / 2**30:.2f} "
                 f"GiB of it in live tensors), over its budget of {budget / 2**30:.2f} GiB: the sampler waking next may "
                 "run out of memory; free what else the process holds on the device (other tensors, CUDA graphs) "
                 "before yielding"
