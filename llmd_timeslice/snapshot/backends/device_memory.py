@@ -74,13 +74,19 @@ class NvmlMemory:
         indices = range(nvml.nvmlDeviceGetCount()) if device_indices is None else device_indices
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         self.pids = pids
+        self._last_pids: set[int] = set()
 
-    def _pids(self) -> set[int]:
+    def _pids(self, fresh: bool) -> set[int]:
+        """The engine's pids: looked up again when ``fresh`` (the reading before a sleep), else those of that
+        reading (one lookup per sleep, not one per poll)."""
+        if not fresh:
+            return self._last_pids
         try:
-            return set(self.pids() if callable(self.pids) else self.pids)
+            self._last_pids = set(self.pids() if callable(self.pids) else self.pids)
         except Exception as exc:  # psutil errors: the pids cannot be found now
             log.debug("engine pids unknown (%r); reading the device's used memory", exc)
-            return set()
+            self._last_pids = set()
+        return self._last_pids
 
     def device_used(self) -> int | None:
         """Used memory summed over the devices, bytes (None: NVML failed)."""
@@ -107,7 +113,7 @@ class NvmlMemory:
         """A reading: per process when the engine's pids are listed (``scope`` None or ``process``), else the
         device's. With ``scope="process"`` a process no longer listed holds 0 bytes (it freed its context)."""
         if scope != "device":
-            pids = self._pids()
+            pids = self._pids(fresh=scope is None)
             used = self.process_used(pids) if pids else None
             if used is not None:
                 return MemoryReading(used, "process")
