@@ -291,6 +291,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     """Run a snapshot sidecar for one engine (sleep / wake, verified). Mutual TLS: LLMD_TIMESLICE_TLS_*_FILE."""
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_token
+    from llmd_timeslice.snapshot.backends.cuda import UnsupportedWorkload
     from llmd_timeslice.snapshot.backends.registry import job_default_backend
     from llmd_timeslice.snapshot.server import SidecarServer
 
@@ -298,9 +299,13 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     _setup_logging(s.log_level)
     _metrics(s.metrics_port, s.host)
     token = load_token(token_file)
-    engine_kwargs = {"min_freed_fraction": s.min_freed_fraction}
+    engine_kwargs = {
+        "min_freed_fraction": s.min_freed_fraction,
+        "residual_margin_bytes": int(s.residual_margin_bytes),
+        "memory_settle_timeout_s": s.memory_settle_timeout_s,
+    }
 
-    async def main() -> None:
+    try:  # built before the loop: a workload the backend cannot serve (cuda: NCCL mapped) is refused at start
         backend = job_default_backend(  # by name, from the one backend registry
             s.backend,
             engine_url=s.engine_url,
@@ -310,6 +315,11 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
             probe_max_mismatched_prompts=s.probe_max_mismatched_prompts,
             **engine_kwargs,
         )
+    except UnsupportedWorkload as exc:
+        typer.echo(f"llmd-timeslice sidecar: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
         defaults = {} if backend is None else {s.job_id: backend}  # None: the job registers over WorkloadChannel
         srv = SidecarServer(
             defaults,
@@ -321,6 +331,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
             annotations=s.annotation,
             command_timeout_s=s.command_timeout_s,
             backend_kwargs=engine_kwargs,
+            max_identical_wake_failures=s.max_identical_wake_failures,
         )
         await srv.start()
         try:

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 import annotated_types
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmd_timeslice import yaml_files
@@ -467,12 +467,31 @@ class SidecarSettings(_Section):
         "wait and abort end them (/pause_generation abort), keep retracts them (retract).",
     )
     min_freed_fraction: float = Field(
-        0.0,
+        0.5,
         ge=0,
         le=1,
-        description="Where NVML is present: fail a sleep that frees "
-        "less than this fraction of used device memory "
-        "(0: only report).",
+        description="Where NVML answers: a sleep must free at least this fraction of the device memory the engine "
+        "held before it (0: that part of the check off; docs/snapshot.md, 'Device memory after a sleep').",
+    )
+    residual_margin_bytes: Annotated[ByteSize, Flag(metavar="SIZE")] = Field(
+        ByteSize(1024**3),
+        ge=0,
+        description="Where NVML answers and the group sets no residual_budget_bytes for the level: a sleep's budget "
+        "is the residual of the engine's first verified sleep at that level plus this (bytes or a size, e.g. 2GiB).",
+    )
+    memory_settle_timeout_s: Duration = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="Most time to wait after a sleep for the engine's device memory to settle within its budget "
+        "(below operation_timeout_s).",
+    )
+    max_identical_wake_failures: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="After this many wakes of a job failing the same way in a row, its engine is marked failed: "
+        "restores fail at once naming the failure until a snapshot of it succeeds (0: never; docs/snapshot.md).",
     )
     pid: Annotated[list[int], Flag(help="cuda backend: a process to checkpoint (repeatable).")] = Field(
         default_factory=list, description="cuda backend: processes to checkpoint."
@@ -505,6 +524,8 @@ class SidecarSettings(_Section):
     def _backend_needs(self) -> SidecarSettings:
         if self.backend == "cuda" and not self.pid:
             raise RuleError("pid", "required with {backend=cuda} (the processes to checkpoint)")
+        if self.memory_settle_timeout_s >= self.operation_timeout_s:
+            raise RuleError("memory_settle_timeout_s", "must be below {operation_timeout_s} (a sleep includes it)")
         return self
 
 

@@ -27,6 +27,14 @@ process has initialised CUDA) and reports what stays reserved (``OffloadStats.de
 memory still referenced by other live tensors of the process stays reserved). ``benchmarks/gpu/
 snapshot_gpu.py`` checks on a GPU that this is about zero.
 
+What an offload leaves on the device is reported, not only what it moved (issue 38 §1: a residual that grows cycle
+after cycle until the other side runs out of memory, NVIDIA-NeMo/RL#2619): ``device_reserved_bytes``
+(``torch.cuda.memory_reserved()``: what the driver sees this process hold) and ``device_allocated_bytes``
+(``torch.cuda.memory_allocated()``: live tensors, the state's or others'), both None where CUDA was never
+initialised (a CPU trainer: nothing to report, not 0). Over ``device_budget_bytes`` reserved, the offload warns
+(logger ``llmd_timeslice.client.torch_offload``) and sets ``OffloadStats.over_budget`` to the reason, before the
+trainer yields (``on_accelerators`` offloads, then releases); ``last_offload`` keeps the figures.
+
 On this CPU-only machine the "device" is the CPU: offload still moves the bytes into the
 reusable host buffers and frees the working storage, through the same code as on a GPU.
 """
@@ -34,6 +42,7 @@ reusable host buffers and frees the working storage, through the same code as on
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +50,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE_BUDGET_BYTES = 1024**3
+"""What an offload may leave reserved on the device before the trainer is told (module doc)."""
 
 
 class StateChecksumMismatch(RuntimeError):
@@ -55,13 +69,17 @@ class StateNotOffloaded(RuntimeError):
 class OffloadStats:
     """Figures of the last offload or restore: ``bytes`` moved, ``seconds`` taken; after an offload,
     ``device_reserved_bytes`` is the device memory PyTorch's caching allocator still reserves in this
-    process (``torch.cuda.memory_reserved()``; None without CUDA)."""
+    process (``torch.cuda.memory_reserved()``; None without CUDA), ``device_allocated_bytes`` what live tensors
+    still hold (``torch.cuda.memory_allocated()``; None without CUDA), and ``over_budget`` the reason when more than
+    the offloader's ``device_budget_bytes`` stays reserved (None: within it, or not measured)."""
 
     bytes: int
     seconds: float
     checksum: str
     allocated_buffers: int
     device_reserved_bytes: int | None = None
+    device_allocated_bytes: int | None = None
+    over_budget: str | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -280,6 +298,8 @@ class TorchStateOffloader:
         pin_memory: pin host buffers (default: when CUDA is available).
         release_device_cache: end each offload by returning the caching allocator's memory to the driver
             (:func:`release_cached_device_memory`); False only to measure what it saves.
+        device_budget_bytes: most device memory an offload may leave reserved in this process before it warns and
+            sets ``OffloadStats.over_budget`` (module doc; None: not checked).
     """
 
     def __init__(
@@ -288,8 +308,11 @@ class TorchStateOffloader:
         optimizer: torch.optim.Optimizer | None = None,
         pin_memory: bool | None = None,
         release_device_cache: bool = True,
+        device_budget_bytes: int | None = DEFAULT_DEVICE_BUDGET_BYTES,
     ) -> None:
         self.model = model
+        self.device_budget_bytes = device_budget_bytes
+        self.last_offload: OffloadStats | None = None
         self.optimizer = optimizer
         self.release_device_cache = release_device_cache
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -349,8 +372,22 @@ class TorchStateOffloader:
             for t, _, _, device in self._offloaded:
                 t.set_(torch.empty(0, dtype=t.dtype, device=device))  # free the working storage
         reserved = release_cached_device_memory() if self.release_device_cache else None
+        if reserved is None and torch.cuda.is_initialized():
+            reserved = int(torch.cuda.memory_reserved())
+        allocated = int(torch.cuda.memory_allocated()) if reserved is not None else None
         self.cycles += 1
-        return OffloadStats(moved, time.perf_counter() - t0, checksum, self.allocations, reserved)
+        stats = OffloadStats(moved, time.perf_counter() - t0, checksum, self.allocations, reserved, allocated)
+        budget = self.device_budget_bytes
+        if budget is not None and reserved is not None and reserved > budget:
+            stats.over_budget = (
+                f"the trainer's offload left {reserved / 2**30:.2f} GiB reserved on the device ({(allocated or 0) / 2**30:.2f} "
+                f"GiB of it in live tensors), over its budget of {budget / 2**30:.2f} GiB: the sampler waking next may "
+                "run out of memory; free what else the process holds on the device (other tensors, CUDA graphs) "
+                "before yielding"
+            )
+            log.warning("%s", stats.over_budget)
+        self.last_offload = stats
+        return stats
 
     def restore(self) -> OffloadStats:
         """Copy state back into fresh device storage and verify the checksum.

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from llmd_timeslice.addresses import check_host_port
 
@@ -123,6 +123,29 @@ class GroupSettings(BaseModel):
         description='Jobs never asked to yield (on a job\'s own pods: the annotation `"true"`).',
         json_schema_extra=_k8s("timeslice.io/yield-opt-out", "job"),
     )
+
+    residual_budget_bytes: dict[SleepLevel, ByteSize] = Field(
+        default_factory=dict,
+        description="Per sleep level, the most device memory a sampler's engine may still hold once a sleep settled "
+        '(bytes, or a size such as `4GiB`; annotation `"1=4GiB,2=1GiB"`); over it the sleep is not verified. A '
+        "level not listed: the residual of the engine's first verified sleep at that level plus the sidecar's margin.",
+        json_schema_extra=_k8s("timeslice.io/residual-budget"),
+    )
+
+    @field_validator("residual_budget_bytes", mode="before")
+    @classmethod
+    def _budgets_from_text(cls, v: Any) -> Any:
+        # A pod annotation spells the map "1=4GiB,2=1GiB" (or "" for none).
+        if isinstance(v, str):
+            pairs = [p.split("=", 1) for p in v.replace(" ", "").split(",") if p]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError(f"expected LEVEL=SIZE pairs such as 1=4GiB,2=1GiB, got {v!r}")
+            return dict(pairs)
+        return v
+
+    def residual_budget_for(self, level: int) -> int:
+        """The group's residual budget of a sleep at ``level`` in bytes (0: none, the sidecar's default applies)."""
+        return int(self.residual_budget_bytes.get(level, 0))
 
     @field_validator("yield_request_bands", mode="before")
     @classmethod

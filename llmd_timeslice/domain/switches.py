@@ -54,6 +54,9 @@ class StepFault(enum.Enum):
     """The sidecar ran the operation and it failed (the engine refused, or verification did not hold)."""
     WEIGHTS_REJECTED = "weights_rejected"
     """The weight version failed verification or loading; the engine can still serve its last good version."""
+    ENGINE_FAILED = "engine_failed"
+    """The sidecar marked the engine failed: its wake failed the same way several times in a row (not worth retrying
+    until the engine restarts; snapshot_ext.proto, ``OPERATION_FAULT_ENGINE_FAILED``)."""
     LABEL = "label"
     """The serving label could not be written (label fallback)."""
 

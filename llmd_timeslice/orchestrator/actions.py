@@ -193,9 +193,16 @@ class GrpcSwitchActions(SwitchActions):
 
     # ---------------------------------------------------------------- sidecars
     async def _operation(
-        self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig, weights: WeightUpdate | None = None
+        self,
+        sampler: SamplerEndpoint,
+        group: str,
+        kind: str,
+        config: spb.BackendConfig,
+        weights: WeightUpdate | None = None,
+        residual_budget_bytes: int = 0,
     ) -> spb.GetOperationResponse:
-        """One sleep or wake through the sidecar, waited for; returns the finished operation. Raises
+        """One sleep or wake through the sidecar, waited for; returns the finished operation. ``residual_budget_bytes``:
+        a sleep's device-memory budget (the group's for its level; 0: the sidecar's default). Raises
         :class:`SamplerStepFailed`."""
         stream = self._streams.get(sampler.sidecar)
         if stream is None:
@@ -203,13 +210,18 @@ class GrpcSwitchActions(SwitchActions):
                 self._stubs(sampler.sidecar)[1], self._md, self.start_rpc_timeout_s
             )
         stream.open_timeout_s = self.start_rpc_timeout_s
+        snapshot = spb.SnapshotRequest(
+            job_id=sampler.job_id,
+            group=group,
+            backend_config=config,
+            leader_term=self.term,
+            device_residual_budget_bytes=residual_budget_bytes,
+        )
         if stream.unsupported:
-            return await self._operation_unary(sampler, group, kind, config, weights)
+            return await self._operation_unary(sampler, group, kind, config, weights, snapshot)
         cmd = xpb.OperationCommand()
         if kind == "sleep":
-            cmd.snapshot.CopyFrom(
-                spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
-            )
+            cmd.snapshot.CopyFrom(snapshot)
         else:
             restore = spb.RestoreRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
             if weights is None:
@@ -219,7 +231,7 @@ class GrpcSwitchActions(SwitchActions):
         try:
             result = await stream.run(cmd, self.operation_timeout_s + RPC_TIMEOUT_S)
         except StreamUnsupported:
-            return await self._operation_unary(sampler, group, kind, config, weights)
+            return await self._operation_unary(sampler, group, kind, config, weights, snapshot)
         except (StreamBroken, OperationRefused, TimeoutError) as exc:
             self.sampler_states[sampler.address] = JobState.FAULTED
             if isinstance(exc, OperationRefused) and exc.fenced_term:
@@ -237,14 +249,25 @@ class GrpcSwitchActions(SwitchActions):
         if op.status != spb.OPERATION_STATUS_COMPLETE:
             self.sampler_states[sampler.address] = JobState.FAULTED
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
-            step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
+            faults: dict[int, StepFault] = {
+                xpb.OPERATION_FAULT_WEIGHTS_REJECTED: StepFault.WEIGHTS_REJECTED,
+                xpb.OPERATION_FAULT_ENGINE_FAILED: StepFault.ENGINE_FAILED,
+            }
+            step_fault = faults.get(fault, StepFault.ENGINE)
             raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
         return op
 
     async def _operation_unary(
-        self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig, weights: WeightUpdate | None = None
+        self,
+        sampler: SamplerEndpoint,
+        group: str,
+        kind: str,
+        config: spb.BackendConfig,
+        weights: WeightUpdate | None = None,
+        snapshot: spb.SnapshotRequest | None = None,
     ) -> spb.GetOperationResponse:
-        """:meth:`_operation` over the unary calls, for a sidecar without ``RunOperations`` (an older release)."""
+        """:meth:`_operation` over the unary calls, for a sidecar without ``RunOperations`` (an older release);
+        ``snapshot``: the sleep's request as :meth:`_operation` built it."""
         stub, waiter = self._stubs(sampler.sidecar)
         md = self._md
         fault = xpb.OPERATION_FAULT_UNSPECIFIED
@@ -252,7 +275,8 @@ class GrpcSwitchActions(SwitchActions):
             # wait_for_ready: a sidecar that is (re)connecting gets start_rpc_timeout_s, not a fail-fast error.
             if kind == "sleep":
                 resp = await stub.Snapshot(
-                    spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term),
+                    snapshot
+                    or spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term),
                     timeout=self.start_rpc_timeout_s,
                     wait_for_ready=True,
                     metadata=md,
@@ -320,7 +344,8 @@ class GrpcSwitchActions(SwitchActions):
         parked inside the sleeping engine (and what it did with them) go to ``record.parked_requests``.
         Raises SamplerStepFailed."""
         self.sampler_states[sampler.address] = JobState.TRANSITIONING
-        op = await self._operation(sampler, spec.group_id, "sleep", config)
+        level = 2 if config.app_endpoint.mode == spb.SUSPEND_MODE_DISCARD else 1
+        op = await self._operation(sampler, spec.group_id, "sleep", config, residual_budget_bytes=spec.residual_budget_for(level))
         self.sampler_states[sampler.address] = JobState.SAVED
         if record is not None and op.parked_requests:
             record.parked_requests[sampler.address] = f"{op.parked_requests} {op.parked_action}"

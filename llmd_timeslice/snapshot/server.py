@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 import uuid
 from collections import defaultdict
@@ -30,7 +31,7 @@ from typing import Any, cast
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
@@ -42,10 +43,12 @@ from llmd_timeslice.snapshot.accelerators import AcceleratorReader, nvml_acceler
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
     EngineUnreachable,
+    SleepResidual,
     SnapshotBackend,
     SuspendMode,
     WeightVersionRejected,
 )
+from llmd_timeslice.snapshot.backends.sleep_memory import MemoryNotFreed
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
@@ -57,6 +60,30 @@ PARKED_REQUESTS = Counter(
     "Requests found inside an engine after its verified sleep (they reached it after the drain), by what was done: "
     "aborted (finish_reason abort at once) or kept (pause mode keep: they resume on wake).",
     ["job_id", "action"],
+)
+
+SLEEP_RESIDUAL = Gauge(
+    "llmd_timeslice_sidecar_sleep_residual_bytes",
+    "Device memory the engine still held after its last sleep at this level, once settled (bytes; NVML per process "
+    "where it lists the engine's pids, else the device's used memory). Set by every sleep, verified or not.",
+    ["job_id", "level"],
+)
+SLEEP_RESIDUAL_BUDGET = Gauge(
+    "llmd_timeslice_sidecar_sleep_residual_budget_bytes",
+    "The budget the last sleep's residual at this level was checked against (bytes): the group's "
+    "residual_budget_bytes, else the first verified sleep's residual plus the margin.",
+    ["job_id", "level"],
+)
+SLEEPS_OVER_BUDGET = Counter(
+    "llmd_timeslice_sidecar_sleeps_over_budget_total",
+    "Sleeps not verified because the engine still held more device memory than its budget (or freed too little).",
+    ["job_id", "level"],
+)
+
+ENGINES_MARKED_FAILED = Counter(
+    "llmd_timeslice_sidecar_engines_marked_failed_total",
+    "Engines marked failed because their wake failed the same way max_identical_wake_failures times in a row.",
+    ["job_id"],
 )
 
 FENCED_COMMANDS = Counter(
@@ -142,6 +169,21 @@ class Operation:
         return resp
 
 
+def failure_signature(error: str) -> str:
+    """What makes two failures "the same": the error with its figures (counts, ids, durations) taken out."""
+    return re.sub(r"\d+(?:\.\d+)?", "#", error)
+
+
+@dataclass
+class WakeFailures:
+    """A job's run of identical wake failures (``signature`` of the last, ``count`` in a row); ``failed``: the
+    reason the engine was marked failed (None: not marked)."""
+
+    signature: str = ""
+    count: int = 0
+    failed: str | None = None
+
+
 class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOperationsServiceServicer):
     """Servicer for one pod's jobs.
 
@@ -151,6 +193,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         annotations: the pod's annotations (see :mod:`llmd_timeslice.snapshot.resolve`).
         command_timeout_s: most seconds a registered workload may take to answer a command.
         backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
+        max_identical_wake_failures: after this many wakes of a job failing the same way in a row (the error with its
+            figures taken out), its engine is marked failed: later restores fail at once, naming the failure
+            (fault ``ENGINE_FAILED``), until a snapshot of it succeeds; 0: never.
     """
 
     def __init__(
@@ -160,7 +205,10 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         annotations: dict[str, str] | None = None,
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
+        max_identical_wake_failures: int = 3,
     ) -> None:
+        self.max_identical_wake_failures = max_identical_wake_failures
+        self.wake_failures: defaultdict[str, WakeFailures] = defaultdict(WakeFailures)
         self.backends = backends
         self.workloads = WorkloadRegistry()
         self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
@@ -192,6 +240,18 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 log.warning("orchestrator leader term %d -> %d (a new leader)", self.highest_term, term)
             self.highest_term = term
 
+    @staticmethod
+    def _record_residual(job_id: str, residual: SleepResidual | None, over: bool = False) -> None:
+        """The residual of one sleep into the metrics (module constants above)."""
+        if residual is None:
+            return
+        labels = {"job_id": job_id, "level": str(residual.level)}
+        SLEEP_RESIDUAL.labels(**labels).set(residual.bytes)
+        if residual.budget is not None:
+            SLEEP_RESIDUAL_BUDGET.labels(**labels).set(residual.budget)
+        if over:
+            SLEEPS_OVER_BUDGET.labels(**labels).inc()
+
     def _start(self, request, kind: str, weights: WeightUpdate | None = None) -> Operation:
         """Check and start one operation (in the background); returns it. Raises :class:`Refused`."""
         if not request.job_id:
@@ -214,7 +274,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
-        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights))
+        budget = request.device_residual_budget_bytes if kind == "snapshot" else 0
+        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights, budget))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return op
@@ -247,14 +308,26 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     del self.operations[old]
 
     async def _run(
-        self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str], weights: WeightUpdate | None = None
+        self,
+        op: Operation,
+        backend: SnapshotBackend,
+        mode: SuspendMode,
+        tags: list[str],
+        weights: WeightUpdate | None = None,
+        residual_budget_bytes: int = 0,
     ) -> None:
         async with self._locks[op.job_id]:
+            failures = self.wake_failures[op.job_id]
+            if op.kind == "restore" and failures.failed is not None:
+                self._refuse_failed_engine(op, failures.failed)
+                return
             self.states[op.job_id] = "TRANSITIONING"
             try:
                 if op.kind == "snapshot":
-                    res = await asyncio.wait_for(backend.suspend(mode, tags), self._timeout)
+                    budget = {"residual_budget_bytes": residual_budget_bytes or None} if backend.checks_residual else {}
+                    res = await asyncio.wait_for(backend.suspend(mode, tags, **budget), self._timeout)
                     if res is not None:
+                        self._record_residual(op.job_id, res.residual)
                         op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
                         if res.parked_requests:
                             op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
@@ -279,6 +352,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 self.states[op.job_id] = "FAULTED"
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
+                if isinstance(exc, MemoryNotFreed):
+                    self._record_residual(op.job_id, exc.residual, over=True)
                 if isinstance(exc, WeightVersionRejected):
                     op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
                 self.states[op.job_id] = "FAULTED"
@@ -294,6 +369,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, f"internal error: {exc!r}"
                 self.states[op.job_id] = "FAULTED"
             finally:
+                self._count_wake_failure(op)
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
                 op.finish()
                 log.info(
@@ -307,6 +383,36 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     f" parked_requests={op.parked_requests} ({op.parked_action})" if op.parked_requests else "",
                     f" error={op.error}" if op.error else "",
                 )
+
+    def _count_wake_failure(self, op: Operation) -> None:
+        """Track the job's run of identical wake failures; mark its engine failed at the bound (class doc). A
+        snapshot that succeeds clears the mark (the engine works again, e.g. it restarted)."""
+        failures = self.wake_failures[op.job_id]
+        if op.status == pb.OPERATION_STATUS_COMPLETE:
+            self.wake_failures.pop(op.job_id, None)
+            return
+        if op.kind != "restore" or op.error is None or op.fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED:
+            return  # a rejected version is the version's fault, not the engine's (its last good version serves)
+        signature = failure_signature(op.error)
+        failures.count = failures.count + 1 if signature == failures.signature else 1
+        failures.signature = signature
+        if self.max_identical_wake_failures and failures.count >= self.max_identical_wake_failures:
+            failures.failed = (
+                f"engine of job {op.job_id!r} marked failed: its wake failed the same way {failures.count} times in "
+                f"a row (max_identical_wake_failures={self.max_identical_wake_failures}); last: {op.error}. Restores "
+                "are refused without touching it: restart the engine (or its pod); a snapshot that succeeds clears "
+                "the mark"
+            )
+            op.error, op.fault = failures.failed, xpb.OPERATION_FAULT_ENGINE_FAILED
+            ENGINES_MARKED_FAILED.labels(job_id=op.job_id).inc()
+            log.error("%s", failures.failed)
+
+    def _refuse_failed_engine(self, op: Operation, why: str) -> None:
+        """End restore ``op`` at once: its engine is marked failed (``why``)."""
+        op.status, op.error, op.fault = pb.OPERATION_STATUS_FAILED, why, xpb.OPERATION_FAULT_ENGINE_FAILED
+        self.states[op.job_id] = "FAULTED"
+        op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
+        op.finish()
 
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start_call(request, context, "snapshot"))
@@ -499,8 +605,11 @@ class SidecarServer:
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
         tls_files: tls.TlsFiles | None = None,
+        max_identical_wake_failures: int = 3,
     ) -> None:
-        self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs)
+        self.servicer = SnapshotSidecar(
+            backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs, max_identical_wake_failures
+        )
         self.host, self.port, self.token = host, port, token
         self.tls = tls_files
         self._server: aio.Server | None = None

@@ -211,3 +211,39 @@ def test_fused_copy_plan_covers_every_word_once_on_chunk_boundaries(sizes, worke
         assert ranges[0][0] == 0 and ranges[-1][1] == full
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
         assert all(hi % _FUSED_CHUNK_WORDS == 0 for _, hi in ranges[:-1])
+
+
+def test_an_offload_that_leaves_more_than_its_budget_reserved_is_told(monkeypatch, caplog):
+    """Issue 38 §1: reserved (what the driver sees), not only allocated; warned and in the figures before the yield."""
+    import logging
+
+    import torch
+
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
+
+    model, opt = _trained_model()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 3 * 2**30)  # a cache others' tensors pin
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * 2**30)
+    off = TorchStateOffloader(model, opt, device_budget_bytes=2**30)
+    with caplog.at_level(logging.WARNING, logger="llmd_timeslice.client.torch_offload"):
+        stats = off.offload()
+    assert (stats.device_reserved_bytes, stats.device_allocated_bytes) == (3 * 2**30, 2 * 2**30)
+    assert "left 3.00 GiB reserved on the device (2.00 GiB of it in live tensors), over its budget of 1.00 GiB" in (
+        stats.over_budget
+    )
+    assert [r.getMessage() for r in caplog.records] == [stats.over_budget] and off.last_offload is stats
+    off.restore()
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    assert off.offload().over_budget is None
+
+
+def test_a_cpu_trainer_reports_no_device_figures_rather_than_zero():
+    from llmd_timeslice.client.torch_offload import TorchStateOffloader
+
+    model, opt = _trained_model()
+    stats = TorchStateOffloader(model, opt).offload()
+    assert (stats.device_reserved_bytes, stats.device_allocated_bytes, stats.over_budget) == (None, None, None)

@@ -28,6 +28,7 @@ SETTINGS = {
     "yield_request_bands": [10],
     "yield_request_fraction": 0.8,
     "min_training_s": 3.0,
+    "residual_budget_bytes": {1: 4 * 1024**3, 2: 512 * 1024**2},
 }
 JOB_SETTINGS = {"job_priorities": {"trainer-a": 5}, "job_sleep_levels": {"trainer-a": 1}, "job_yield_opt_out": ["trainer-a"]}
 
@@ -48,6 +49,8 @@ def _pod(name: str, role: str, annotations: dict[str, str]) -> dict:
 def _annotation_text(value) -> str:
     if isinstance(value, list):
         return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
     return str(value)
 
 
@@ -124,6 +127,9 @@ def test_the_kubernetes_defaults_start_from_the_model():
         ("min_training_s", -1, "min_training_s"),
         ("yield_request_bands", "ten", "yield_request_bands"),
         ("sleep_levle", 1, "sleep_levle"),
+        ("residual_budget_bytes", "1=4GiB,3=1GiB", "residual_budget_bytes"),
+        ("residual_budget_bytes", "4GiB", "residual_budget_bytes"),
+        ("residual_budget_bytes", "1=lots", "residual_budget_bytes"),
     ],
 )
 def test_a_bad_setting_names_its_field(key, value, expected):

@@ -16,8 +16,9 @@ import pytest
 
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.cuda import CudaCheckpointBackend
+from llmd_timeslice.snapshot.backends.device_memory import device_reader, open_nvml
 from llmd_timeslice.snapshot.backends.sglang import SglangBackend
-from llmd_timeslice.snapshot.backends.vllm import VllmBackend, nvml_memory_reader
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from tests.support.fake_engines import FakeSglang, FakeVllm
 
 FAKE_CLI = Path(__file__).parents[1] / "support" / "fake_cuda_checkpoint.py"
@@ -94,27 +95,27 @@ async def test_sidecar_restart_between_sleep_and_wake_reads_the_level_from_the_e
 async def test_device_memory_check_with_an_injected_reader(fake_vllm):
     eng = fake_vllm()
     readings = iter([10_000, 9_000])  # before, after: only 10 % freed
-    b = VllmBackend(eng.url, memory_reader=lambda: next(readings), min_freed_fraction=0.5)
+    fast = {"memory_poll_s": 0.0, "memory_settle_timeout_s": 0.5}
+    b = VllmBackend(eng.url, memory_reader=lambda: next(readings, 9_000), min_freed_fraction=0.5, **fast)
     try:
-        with pytest.raises(BackendError, match=r"freed 10.0% < 50%"):
+        with pytest.raises(BackendError, match=r"freed 0\.00 GiB of 0\.00 GiB \(10% < 50%\)"):
             await b.suspend(SuspendMode.OFFLOAD, [])
         await b.resume([])
         readings = iter([10_000, 1_000])
-        b.memory_reader = lambda: next(readings)
+        b.memory.source = device_reader(lambda: next(readings, 1_000))
         res = await b.suspend(SuspendMode.OFFLOAD, [])
         assert res.device_bytes_freed == 9_000
     finally:
         await b.close()
 
 
-def test_nvml_reader_is_none_without_nvidia_ml_py_or_a_driver():
+def test_nvml_is_none_without_nvidia_ml_py_or_a_driver():
     try:
         import pynvml  # noqa: F401
     except ImportError:
-        assert nvml_memory_reader() is None
+        assert open_nvml() is None
     else:  # pragma: no cover - only where nvidia-ml-py is installed
-        r = nvml_memory_reader()
-        assert r is None or isinstance(r(), int | None)
+        open_nvml()  # None without a driver; never raises
 
 
 def test_bad_pause_mode_is_refused():
@@ -195,7 +196,7 @@ async def test_cuda_checkpoint_without_driver_says_so(cuda_cli, monkeypatch):
 
 async def test_cuda_checkpoint_timeout_and_lie_and_unknown_pid(cuda_cli, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_HANG", "5")
-    b = CudaCheckpointBackend([os.getpid()], binary=str(cuda_cli), api="toggle", timeout_s=0.5)
+    b = CudaCheckpointBackend([os.getpid()], binary=str(cuda_cli), api="toggle", timeout_s=0.5, state_timeout_s=0.5)
     with pytest.raises(BackendError, match=r"took more than 0\.5 s and was killed"):
         await b.suspend(SuspendMode.OFFLOAD, [])
     monkeypatch.delenv("FAKE_CUDA_CHECKPOINT_HANG")
@@ -317,3 +318,19 @@ async def test_served_weight_version_rpc_answers_each_bad_input_with_its_status(
     finally:
         await srv.stop()
         not_vllm.stop()
+
+
+async def test_a_level1_wake_resets_the_prefix_cache_and_an_awake_engine_is_not_reset(fake_vllm):
+    """Issue 38 §4: level 1 frees the KV cache too, so cached prefixes must not point at discarded blocks."""
+    eng = fake_vllm()
+    b = VllmBackend(eng.url, memory_reader=lambda: None)
+    try:
+        await b.suspend(SuspendMode.OFFLOAD, [])
+        await b.resume([])
+        posts = eng.paths()
+        assert posts.index("/reset_prefix_cache") > posts.index("/wake_up")
+        n = posts.count("/reset_prefix_cache")
+        await b.resume([])  # already awake: nothing was discarded, nothing to reset
+        assert eng.paths().count("/reset_prefix_cache") == n
+    finally:
+        await b.close()

@@ -15,6 +15,8 @@ from llmd_timeslice.cli import app
         (["--backend", "criu"], "Input should be 'vllm', 'sglang', 'cuda' or 'workload_channel'"),
         (["--pause-mode", "later"], "Input should be 'wait', 'keep' or 'abort'"),
         (["--annotation", "novalue"], "expected KEY=VALUE, got 'novalue'"),
+        (["--residual-margin-bytes", "lots"], "--residual-margin-bytes': could not parse value and unit"),
+        (["--memory-settle-timeout-s", "300"], "must be below --operation-timeout-s"),
     ],
 )
 def test_sidecar_refuses_bad_snapshot_options(args, message):

@@ -49,6 +49,45 @@ async def test_level2_discard_then_wake_weights_reload_kv_cache(vllm_server):
         await b.close()
 
 
+def _prefix_hits(text: str) -> float:
+    """``vllm:prefix_cache_hits_total`` summed over its series (tokens served from the prefix cache; vLLM 0.32
+    ``vllm/v1/metrics/loggers.py``)."""
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:prefix_cache_hits_total"))
+
+
+async def test_a_level1_wake_resets_the_prefix_cache_and_a_repeated_prefix_is_served_right(vllm_server):
+    """Issue 38 §4 (vllm-project/vllm#17103): level 1 frees the KV cache, so after the wake the backend resets the
+    prefix cache (its POST seen on the wire, answered success) and a repeated prefix is recomputed, not read from
+    blocks the sleep discarded: the same greedy tokens, and no prefix-cache hit for it."""
+    b = VllmBackend(vllm_server.url, memory_reader=lambda: None)
+    resets: list[httpx.Response] = []
+
+    async def seen(r: httpx.Response) -> None:
+        if r.request.url.path == "/reset_prefix_cache":
+            await r.aread()
+            resets.append(r)
+
+    b._http.event_hooks["response"].append(seen)
+    prompt = " ".join(f"word{i}" for i in range(96))  # several KV blocks of a shared prefix
+    body = {"model": vllm_server.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    try:
+        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as c:
+            first = (await c.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+            hits = _prefix_hits((await c.get("/metrics")).text)
+            again = (await c.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+            cached = _prefix_hits((await c.get("/metrics")).text) - hits
+            assert again == first and cached > 0, "the engine caches prefixes (else this test shows nothing)"
+            await b.suspend(SuspendMode.OFFLOAD, [])
+            await b.resume([])
+            assert [r.status_code for r in resets] == [200] and resets[0].json().get("success", True)
+            hits = _prefix_hits((await c.get("/metrics")).text)
+            after = (await c.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+            assert after == first
+            assert _prefix_hits((await c.get("/metrics")).text) - hits < cached, "a prefix cached before the sleep was hit"
+    finally:
+        await b.close()
+
+
 async def _running(c: httpx.AsyncClient, url: str) -> float:
     """``vllm:num_requests_running`` now (the engine's scheduler gauge, updated every step)."""
     text = (await c.get(url + "/metrics")).text

@@ -11,7 +11,10 @@ unlock needs a restored lock) like the real tool. A pid that does not exist is a
 Knobs (environment): ``FAKE_CUDA_CHECKPOINT_STATE_DIR`` (required: one file per pid holds its
 state), ``FAKE_CUDA_CHECKPOINT_FAIL=driver`` (print the driver error and exit 1, like a node
 without the NVIDIA driver), ``FAKE_CUDA_CHECKPOINT_HANG=SECONDS`` (sleep before acting),
-``FAKE_CUDA_CHECKPOINT_LIE=1`` (exit 0 on toggle/checkpoint without changing the state).
+``FAKE_CUDA_CHECKPOINT_LIE=1`` (exit 0 on toggle/checkpoint without changing the state),
+``FAKE_CUDA_CHECKPOINT_FAIL_PID=PID`` (the checkpoint of that pid fails as the driver does on an unsupported
+allocation, leaving it where it was: ``locked`` with the action CLI), ``FAKE_CUDA_CHECKPOINT_HANG_GET_STATE=SECONDS``
+(only ``--get-state`` sleeps, as it hangs reading one process while another is locked: NVIDIA/cuda-checkpoint#45).
 """
 
 import os
@@ -49,8 +52,13 @@ def main(argv: list[str]) -> int:
     state = f.read_text() if f.exists() else "running"
     lie = os.environ.get("FAKE_CUDA_CHECKPOINT_LIE") == "1"
     if "--get-state" in argv:
+        time.sleep(float(os.environ.get("FAKE_CUDA_CHECKPOINT_HANG_GET_STATE", "0")))
         print(state)
         return 0
+    checkpointing = ("--toggle" in argv and state == "running") or args.get("--action") == "checkpoint"
+    if checkpointing and os.environ.get("FAKE_CUDA_CHECKPOINT_FAIL_PID") == pid:
+        print(f"Could not checkpoint process {pid}: OS call failed or operation not supported on this OS", file=sys.stderr)
+        return 1
     if "--toggle" in argv:
         new = {"running": "checkpointed", "checkpointed": "running"}.get(state)
         if new is None:

@@ -152,6 +152,11 @@ class FakeVllm(_FakeEngine):
       route that reaches the core answers 500 ``{"error": {"message": "EngineCore encountered an issue..."}}``,
       ``GET /health`` 503, ``/metrics`` keeps the last sleep state; ``die_after_next_sleep``: the next ``/sleep``
       answers 200, then the core dies. :meth:`restart` brings a live core back.
+    * ``spec_tokens``: speculative decoding with that many draft tokens per step (0: off, no ``spec_decode``
+      counters on ``/metrics``); ``spec_acceptance``: the fraction of draft tokens accepted; ``collapse_spec_next_wake``:
+      after the next full wake every draft token is rejected (a draft model not restored: vllm#52479). The counters
+      are shaped like vLLM 0.32's (``vllm/v1/spec_decode/metrics.py``: counters with ``engine`` and ``model_name``
+      labels, ``_total`` samples and a ``_created`` gauge, as prometheus-client writes a counter).
     * ``lora_adapters``: LoRA adapter names served besides the base model (listed by ``/v1/models`` with ``parent``,
       each with its own greedy tokens); ``garble_adapter_next_wake``: that adapter answers other tokens after the
       next full wake until the weights are reloaded (``reload_weights`` resets vLLM 0.32's LoRA state,
@@ -197,6 +202,8 @@ class FakeVllm(_FakeEngine):
         self.weight_version = "default"  # vLLM's label before any update
         self.weights_path: str | None = None  # last reload_weights(weights_path=...)
         self.transfer_updates: list = []  # update_info of each /update_weights
+        self.spec_tokens, self.spec_acceptance, self.collapse_spec_next_wake = 0, 0.7, False
+        self.draft_tokens = self.accepted_tokens = 0.0
 
     def _state(self) -> str:
         return {0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.level]
@@ -261,6 +268,11 @@ class FakeVllm(_FakeEngine):
         finally:
             with self.lock:
                 self.running -= 1
+        if self.spec_tokens:
+            with self.lock:
+                drafted = float(n * len(prompts) * self.spec_tokens)
+                self.draft_tokens += drafted
+                self.accepted_tokens += drafted * self.spec_acceptance
         model = body.get("model") if body.get("model") in self.lora_adapters else "fake"  # any other name: the base
         choices = []
         for i, p in enumerate(prompts):
@@ -326,6 +338,15 @@ class FakeVllm(_FakeEngine):
                             f'vllm:engine_sleep_state{{engine="{e}",model_name="fake",sleep_state="{s}"}} '
                             f"{1.0 if s == state else 0.0}"
                         )
+            if self.spec_tokens:
+                for name, value in (("draft_tokens", self.draft_tokens), ("accepted_tokens", self.accepted_tokens)):
+                    lines += [
+                        f"# HELP vllm:spec_decode_num_{name}_total Number of {name.replace('_', ' ')}.",
+                        f"# TYPE vllm:spec_decode_num_{name}_total counter",
+                        f'vllm:spec_decode_num_{name}_total{{engine="0",model_name="fake"}} {value}',
+                        f"# TYPE vllm:spec_decode_num_{name}_created gauge",
+                        f'vllm:spec_decode_num_{name}_created{{engine="0",model_name="fake"}} 1.7e9',
+                    ]
             lines += [
                 "# TYPE vllm:request_success counter",
                 f'vllm:request_success_total{{engine="0",finished_reason="abort"}} {float(self.aborted_total)}',
@@ -349,6 +370,8 @@ class FakeVllm(_FakeEngine):
                     self.level = 0
                     if self.garble_next_wake:
                         self.garble_next_wake, self.garbled = False, True
+                    if self.collapse_spec_next_wake:
+                        self.collapse_spec_next_wake, self.spec_acceptance = False, 0.0
                     if self.garble_adapter_next_wake:
                         self.garbled_adapter, self.garble_adapter_next_wake = self.garble_adapter_next_wake, ""
                     if self.wake_resumes_pause:

@@ -47,6 +47,25 @@ class WeightVersionRejected(BackendError):
     workload can still serve its last good version (a plain :meth:`SnapshotBackend.resume` reloads it)."""
 
 
+@dataclass(frozen=True)
+class SleepResidual:
+    """What one sleep left on the device: ``bytes`` after it settled (or when time was up), ``before`` the sleep,
+    the ``budget`` it was checked against (None: no budget yet, the first sleep at that level), its ``source``
+    (``group`` absolute budget or ``first_sleep`` + margin), the ``scope`` of the readings and the sleep ``level``."""
+
+    bytes: int
+    before: int
+    budget: int | None
+    source: str
+    scope: str
+    level: int
+    waited_s: float
+
+    @property
+    def freed(self) -> int:
+        return self.before - self.bytes
+
+
 @dataclass
 class SuspendResult:
     """Bytes figures are optional: ``None`` where the backend cannot measure them. ``parked_requests``: requests
@@ -57,19 +76,8 @@ class SuspendResult:
     device_bytes_freed: int | None = None
     parked_requests: int = 0
     parked_action: str = ""
-
-
-def freed_too_little(before: int | None, after: int | None, min_fraction: float) -> tuple[int | None, float | None]:
-    """``(freed, fraction)``: the device memory a suspend freed (bytes; None when either reading is missing) and,
-    only when it is below ``min_fraction`` of ``before`` (the engine answered its release call but kept its memory;
-    ``min_fraction`` 0 turns the check off), the fraction it freed; else None. Shared by the backends that read
-    device memory around a suspend."""
-    if before is None or after is None:
-        return None, None
-    freed = before - after
-    if min_fraction > 0 and before > 0 and freed < min_fraction * before:
-        return freed, freed / before
-    return freed, None
+    residual: SleepResidual | None = None
+    """The device memory the workload still holds after the suspend, checked against its budget (None: not read)."""
 
 
 class SnapshotBackend(abc.ABC):
@@ -80,12 +88,15 @@ class SnapshotBackend(abc.ABC):
     target: ClassVar[str] = "endpoint"
     """What an instance is built for: ``endpoint`` (an engine's HTTP API: ``base_url``), ``pids`` (processes:
     ``pids``) or ``channel`` (a workload that registers itself over WorkloadChannel)."""
+    checks_residual: ClassVar[bool] = False
+    """Whether :meth:`suspend` checks the device memory left and takes ``residual_budget_bytes`` (vllm, sglang)."""
     supports_weight_sync: ClassVar[bool] = False
     """Whether :meth:`resume_with_weights` can load a new weight version between the wake-ups."""
 
     @abc.abstractmethod
     async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
-        """Free the accelerator; raise :class:`BackendError` unless verified suspended."""
+        """Free the accelerator; raise :class:`BackendError` unless verified suspended. Backends that check the
+        memory left (``checks_residual``) also take ``residual_budget_bytes`` (the group's budget for the level)."""
 
     @abc.abstractmethod
     async def resume(self, tags: list[str]) -> None:

@@ -19,9 +19,11 @@ queued, for versions whose assertion ignores a paused engine's queue) and checks
 ``POST /continue_generation`` and the release fails). A pause the backend made is lifted with ``POST
 /continue_generation`` after the full resume, before the probe: a paused SGLang holds every new request.
 
-SGLang exposes no "is sleeping" endpoint, so verification is: the HTTP answer, device memory
-freed (same ``memory_reader`` / ``min_freed_fraction`` as the vLLM backend, NVML where present)
-after a release, and after a full resume the semantic probe the vLLM backend has: greedy tokens
+SGLang exposes no "is sleeping" endpoint, so verification is: the HTTP answer, the device memory the engine
+still holds after a release of every tag, polled until it settles within budget (the vLLM backend's check:
+:mod:`~llmd_timeslice.snapshot.backends.sleep_memory`; SGLang answers its release before the memory is freed,
+THUDM/slime#579), budget level 1 for an offload and 2 for a discard, and after a full resume the semantic
+probe the vLLM backend has: greedy tokens
 (``temperature`` 0, ``ignore_eos``) of the fixed :data:`~llmd_timeslice.snapshot.backends.vllm.PROBE_PROMPTS`
 through ``POST /generate`` (``output_ids`` of each answer; its text where a version returns none), compared with a
 reference for the weight version the engine reports (``GET /get_weight_version``; one reference where the route is
@@ -46,15 +48,15 @@ from llmd_timeslice.snapshot.backends.base import (
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
-    freed_too_little,
 )
+from llmd_timeslice.snapshot.backends.device_memory import engine_memory
 from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
+from llmd_timeslice.snapshot.backends.sleep_memory import GIB, SleepMemoryCheck
 from llmd_timeslice.snapshot.backends.vllm import (
     PROBE_PROMPTS,
     PROBE_TOKENS,
     MemoryReader,
     ProbeMismatch,
-    nvml_memory_reader,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class SglangBackend(SnapshotBackend):
         base_url: e.g. ``http://127.0.0.1:30000``.
         probe: the semantic probe after a full resume (module doc).
         request_timeout_s: timeout of each HTTP call, in seconds.
-        memory_reader / min_freed_fraction: as for :class:`~llmd_timeslice.snapshot.backends.vllm.VllmBackend`.
+        memory_reader, min_freed_fraction, residual_margin_bytes, memory_settle_timeout_s, memory_poll_s, nvml,
+            engine_pids: as for :class:`~llmd_timeslice.snapshot.backends.vllm.VllmBackend`.
         idle_timeout_s, idle_poll_s: most seconds to wait for an idle engine before a release, and the poll period.
         pause_mode: ``/pause_generation`` mode when the engine is still busy (``abort`` | ``retract``; module doc).
         probe_prompts, probe_tokens, probe_max_mismatched_prompts: as for the vLLM backend.
@@ -94,6 +97,7 @@ class SglangBackend(SnapshotBackend):
 
     name = "sglang"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
+    checks_residual = True
 
     def __init__(
         self,
@@ -101,13 +105,18 @@ class SglangBackend(SnapshotBackend):
         probe: bool = True,
         request_timeout_s: float = 120.0,
         memory_reader: MemoryReader | None = None,
-        min_freed_fraction: float = 0.0,
+        min_freed_fraction: float = 0.5,
         idle_timeout_s: float = 60.0,
         idle_poll_s: float = 0.05,
         pause_mode: str = "abort",
         probe_prompts: tuple[str, ...] = PROBE_PROMPTS,
         probe_tokens: int = PROBE_TOKENS,
         probe_max_mismatched_prompts: int = 0,
+        residual_margin_bytes: int = GIB,
+        memory_settle_timeout_s: float = 60.0,
+        memory_poll_s: float = 0.25,
+        nvml: object | None = None,
+        engine_pids: list[int] | None = None,
         **_ignored,
     ) -> None:
         pause_mode = VLLM_PAUSE_MODE_EQUIVALENT.get(pause_mode, pause_mode)
@@ -117,8 +126,13 @@ class SglangBackend(SnapshotBackend):
             raise ValueError("the probe needs at least one prompt and probe_tokens >= 1")
         self.base_url = base_url.rstrip("/")
         self.probe = probe
-        self.memory_reader = memory_reader if memory_reader is not None else nvml_memory_reader()
-        self.min_freed_fraction = min_freed_fraction
+        self.memory = SleepMemoryCheck(
+            engine_memory(self.base_url, memory_reader, nvml, engine_pids),
+            min_freed_fraction=min_freed_fraction,
+            margin_bytes=residual_margin_bytes,
+            settle_timeout_s=memory_settle_timeout_s,
+            poll_s=memory_poll_s,
+        )
         self.idle_timeout_s, self.idle_poll_s, self.pause_mode = idle_timeout_s, idle_poll_s, pause_mode
         self.probe_prompts, self.probe_tokens = tuple(probe_prompts), probe_tokens
         self.probe_max_mismatched_prompts = probe_max_mismatched_prompts
@@ -191,15 +205,17 @@ class SglangBackend(SnapshotBackend):
         await self._post("/continue_generation", {})
         self._paused = False
 
-    async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
-        """Wait for idle (or pause), record the probe reference if the version has none, release, check memory."""
+    async def suspend(self, mode: SuspendMode, tags: list[str], residual_budget_bytes: int | None = None) -> SuspendResult:
+        """Wait for idle (or pause), record the probe reference if the version has none, release, check the memory
+        left against its budget after a release of every tag (module doc; raises ``MemoryNotFreed`` over it)."""
         load = await self._wait_idle()
         if self.probe and load == 0 and not self._released:
             version = await self._weight_version()
             if version not in self.probe_references:
                 self.probe_references[version] = await self._probe_tokens()
         await self._pause_if_busy(load)
-        before = self.memory_reader() if self.memory_reader else None
+        whole = not tags or set(tags) >= set(ALL_TAGS)
+        before = await self.memory.before_sleep() if whole else None
         try:
             await self._post("/release_memory_occupation", {"tags": list(tags) or None})
         except BackendError:
@@ -207,15 +223,9 @@ class SglangBackend(SnapshotBackend):
                 await self._continue()
             raise
         self._released |= set(tags) or set(ALL_TAGS)
-        after = self.memory_reader() if self.memory_reader else None
-        freed, fraction = freed_too_little(before, after, self.min_freed_fraction)
-        if fraction is not None:
-            raise BackendError(
-                f"SGLang {self.base_url} answered release with 200 but device memory went from {before} "
-                f"to {after} bytes (< {self.min_freed_fraction:.0%} freed); the endpoint stays out of "
-                "service"
-            )
-        return SuspendResult(device_bytes_freed=freed)
+        level = 2 if mode is SuspendMode.DISCARD else 1
+        residual = await self.memory.after_sleep(before, level, residual_budget_bytes, f"SGLang {self.base_url}")
+        return SuspendResult(device_bytes_freed=None if residual is None else residual.freed, residual=residual)
 
     async def resume(self, tags: list[str]) -> None:
         """Resume ``tags`` (empty: all released); after the last one, continue generation if paused, then probe."""

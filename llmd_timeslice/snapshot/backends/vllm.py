@@ -34,9 +34,9 @@ sleep is made at level 1, every weight version is refused before the engine is t
 level 2 stays out of service with the reason; with LoRA and tensor parallelism there every sleep is refused (a level-1
 wake can corrupt the LoRA state, vLLM #53888).
 
-Where NVML is present (``nvidia-ml-py``, import guarded) the backend reads device memory before
-and after a sleep and fails it unless at least ``min_freed_fraction`` of the used memory was freed;
-any ``memory_reader`` callable can stand in for NVML (tests inject one).
+Where NVML answers (``nvidia-ml-py``) every sleep is verified by the device memory the engine still holds after it,
+polled until it settles and checked against a budget (:mod:`~llmd_timeslice.snapshot.backends.sleep_memory`); a
+``memory_reader`` callable (device bytes) or ``nvml`` (a module shaped like ``pynvml``) can stand in (tests).
 
 An HTTP 200 from ``/sleep`` proves nothing by itself, so every step is verified afterwards: the
 engine must report sleeping (``/is_sleeping``, and the sleep-state gauge of *every* engine core where
@@ -52,6 +52,11 @@ the wake with :class:`ProbeMismatch`, puts the engine back to sleep (level 2) an
 so the endpoint stays out of service and the next restore reloads the weights. Greedy decoding in float32
 is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
 ``probe_max_mismatched_prompts`` tolerates.
+
+Speculative decoding: where the engine exports vLLM's ``spec_decode`` counters, the probe's draft acceptance is
+compared with the one its weight version had when it first served; a collapse (below
+``spec_decode_min_acceptance_ratio`` of it: vllm#52479, the draft model not restored by a level-2 wake) fails the wake
+with :class:`SpecDecodeCollapsed` (:mod:`~llmd_timeslice.snapshot.backends.vllm_spec_decode`).
 
 LoRA adapters: the probe runs for the base model and for every LoRA adapter ``GET /v1/models`` lists (an entry
 with ``parent``), each with a reference of its own per weight version; a mismatch through one adapter fails the wake
@@ -83,7 +88,11 @@ refused). Any answer >= 500 is followed by ``GET /health``; a 503 there raises
 (``/is_sleeping``), the next wake, and the engine audit's ``GetServedWeightVersion`` (``engine_unreachable``) all
 read it as an engine that cannot serve: out of service, repaired once an engine listens there again.
 
-Prefix cache reset (after a wake that reloaded weights): vLLM 0.32's ``POST /reset_prefix_cache`` answers
+Prefix cache after a wake: every sleep frees the KV cache (level 1 included: only the weights are offloaded), so
+after any wake from a sleep (level 1 or 2, or one that reloaded weights) the backend resets the prefix cache where the
+engine's route table (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`) lists ``/reset_prefix_cache``:
+cached prefixes must not point at discarded blocks (vllm-project/vllm#17103). Without the route: one warning.
+Reset answers: vLLM 0.32's ``POST /reset_prefix_cache`` answers
 200 ``{"success": false}`` when blocks are still held, e.g. by running requests
 (``vllm/entrypoints/serve/dev/cache/api_router.py``; ``BlockPool.reset_prefix_cache`` in
 ``vllm/v1/core/block_pool.py``). The backend then resets with ``?reset_running_requests=true`` (the scheduler
@@ -138,11 +147,13 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendMode,
     SuspendResult,
     WeightVersionRejected,
-    freed_too_little,
 )
+from llmd_timeslice.snapshot.backends.device_memory import engine_memory
 from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
+from llmd_timeslice.snapshot.backends.sleep_memory import GIB, SleepMemoryCheck
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
+from llmd_timeslice.snapshot.backends.vllm_spec_decode import AcceptanceCheck, SpecDecodeCounters, parse_spec_decode
 from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader, default_loaders
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
@@ -157,33 +168,6 @@ PAUSE_MODES = ("wait", "keep", "abort")
 
 MemoryReader = Callable[[], "int | None"]
 """Returns the device memory in use, in bytes (None: unknown)."""
-
-
-def nvml_memory_reader(device_indices: list[int] | None = None) -> MemoryReader | None:
-    """A reader of used device memory summed over ``device_indices`` (default: all), through NVML.
-
-    Returns None when ``nvidia-ml-py`` is not installed or NVML cannot start (no driver, no GPU).
-    """
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-    except Exception as exc:  # pynvml.NVMLError and friends: no driver / no device
-        log.info("NVML unavailable (%r); device memory is not verified", exc)
-        return None
-    indices = list(range(count)) if device_indices is None else device_indices
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-
-    def read() -> int | None:
-        try:
-            return sum(int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles)
-        except Exception:
-            return None
-
-    return read
 
 
 @dataclass
@@ -265,6 +249,11 @@ PROBE_PROMPTS = ("The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n)
 PROBE_TOKENS = 8
 
 
+class SpecDecodeCollapsed(BackendError):
+    """The engine is awake and answers right, but its speculative decoding's draft acceptance collapsed after the
+    wake (:mod:`~llmd_timeslice.snapshot.backends.vllm_spec_decode`)."""
+
+
 class ProbeMismatch(BackendError):
     """The engine's greedy tokens for the probe prompts differ from the reference of the weight version it should
     serve: it is awake but its weights are wrong (a bad reload, corrupted memory)."""
@@ -285,9 +274,18 @@ class VllmBackend(SnapshotBackend):
         reload_weights: after a level-2 sleep, reload weights (``collective_rpc reload_weights``)
             between the weights and kv_cache wake-ups.
         reset_prefix_cache: after a level-2 wake, ``POST /reset_prefix_cache``.
-        memory_reader: device memory in use, bytes (default: NVML where present, else none).
-        min_freed_fraction: with a reader, a sleep must free at least this fraction of the memory
-            in use before it (0 disables the check; the freed bytes are still reported).
+        memory_reader: device memory in use, bytes (default: NVML where it answers, per process of ``engine_pids``,
+            else none: not checked, said once).
+        min_freed_fraction: with memory read, a sleep must free at least this fraction of the memory the engine
+            held before it (0 disables that part of the check; the freed bytes are still reported).
+        residual_margin_bytes: a sleep's default budget is the residual of the engine's first verified sleep at
+            that level plus this (bytes).
+        memory_settle_timeout_s, memory_poll_s: how long, and how often, the memory is read after a sleep until it
+            settles within budget (:class:`~llmd_timeslice.snapshot.backends.sleep_memory.SleepMemoryCheck`).
+        spec_decode_min_acceptance_ratio: with speculative decoding on, a wake whose probe's draft acceptance is
+            below this fraction of the version's reference fails (:class:`SpecDecodeCollapsed`; 0: off).
+        nvml: a module shaped like ``pynvml`` (default: ``import pynvml``); engine_pids: the engine's processes
+            (default: the listener on ``base_url``'s port and its children, read at each sleep).
         weight_loaders: weight source name -> loader (default:
             :func:`~llmd_timeslice.snapshot.backends.vllm_weights.default_loaders`).
         probe_prompts, probe_tokens: the semantic probe's prompts and greedy tokens per prompt (module doc).
@@ -300,6 +298,7 @@ class VllmBackend(SnapshotBackend):
 
     name = "vllm"
     supported_modes = (SuspendMode.OFFLOAD, SuspendMode.DISCARD)
+    checks_residual = True
     supports_weight_sync = True
 
     def __init__(
@@ -313,11 +312,17 @@ class VllmBackend(SnapshotBackend):
         reload_weights: bool = True,
         reset_prefix_cache: bool = True,
         memory_reader: MemoryReader | None = None,
-        min_freed_fraction: float = 0.0,
+        min_freed_fraction: float = 0.5,
         weight_loaders: dict[str, WeightLoader] | None = None,
         probe_prompts: tuple[str, ...] = PROBE_PROMPTS,
         probe_tokens: int = PROBE_TOKENS,
         probe_max_mismatched_prompts: int = 0,
+        residual_margin_bytes: int = GIB,
+        memory_settle_timeout_s: float = 60.0,
+        memory_poll_s: float = 0.25,
+        nvml: object | None = None,
+        engine_pids: list[int] | None = None,
+        spec_decode_min_acceptance_ratio: float = 0.5,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
@@ -337,10 +342,15 @@ class VllmBackend(SnapshotBackend):
         self.pause_mode = pause_mode
         self.reload = reload_weights
         self.reset_prefix_cache = reset_prefix_cache
-        self.memory_reader = memory_reader if memory_reader is not None else nvml_memory_reader()
-        self.min_freed_fraction = min_freed_fraction
         self.level: int | None = None  # level of the current sleep (None: awake or unknown)
         self.base_url = base_url.rstrip("/")
+        self.memory = SleepMemoryCheck(
+            engine_memory(self.base_url, memory_reader, nvml, engine_pids),
+            min_freed_fraction=min_freed_fraction,
+            margin_bytes=residual_margin_bytes,
+            settle_timeout_s=memory_settle_timeout_s,
+            poll_s=memory_poll_s,
+        )
         self.idle_timeout_s = idle_timeout_s
         self.idle_poll_s = idle_poll_s
         self.probe = probe
@@ -353,6 +363,8 @@ class VllmBackend(SnapshotBackend):
         self.weights_unusable: str | None = None  # why the weights in the engine cannot be served
         self.last_sync: dict[str, float] = {}  # figures of the last weight sync (seconds, bytes)
         self._capabilities: VllmCapabilities | None = None
+        self.spec_decode = AcceptanceCheck(spec_decode_min_acceptance_ratio)
+        self._spec_decode_off = False
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -460,16 +472,15 @@ class VllmBackend(SnapshotBackend):
                 return False, m
             await asyncio.sleep(self.idle_poll_s)
 
-    def _read_memory(self) -> int | None:
-        return self.memory_reader() if self.memory_reader is not None else None
-
     async def sleep(self, level: int, mode: str | None = None) -> None:
         """``POST /sleep?level=N&mode=M`` (no waiting for idle, no verification)."""
         await self._post("/sleep", params={"level": level, "mode": mode or self.pause_mode})
 
-    async def suspend(self, mode: SuspendMode, tags: list[str]) -> SuspendResult:
+    async def suspend(self, mode: SuspendMode, tags: list[str], residual_budget_bytes: int | None = None) -> SuspendResult:
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
-        found inside the sleeping engine (module doc). Raises BackendError (the message says what to do)."""
+        found inside the sleeping engine (module doc) and check the device memory it still holds against its budget
+        (``residual_budget_bytes``: the group's for this level; None: the first verified sleep's + margin). Raises
+        BackendError (the message says what to do), ``MemoryNotFreed`` over budget."""
         level = 2 if mode is SuspendMode.DISCARD else 1
         if (caps := await self.capabilities()).lora_sleep_unsafe:  # no safe level: refused before the engine is touched
             raise BackendError(f"vLLM {self.base_url}: sleep refused: {caps.lora_sleep_reason()}")
@@ -495,8 +506,10 @@ class VllmBackend(SnapshotBackend):
         ):
             # It has been serving this version: its answers are the reference. Only when idle: on a busy engine the
             # probe would wait for the running batch and delay the sleep (the next verified wake records it then).
-            self.probe_references[self.weight_version] = await self._probe_tokens()
-        before = self._read_memory()
+            tokens, acceptance = await self._probe_tokens_measured()
+            self.probe_references[self.weight_version] = tokens
+            self.spec_decode.observe(self.weight_version, acceptance)  # the version's reference acceptance
+        before = await self.memory.before_sleep()
         await self.sleep(level)
         self.level = level
         if not await self.is_suspended():
@@ -516,15 +529,13 @@ class VllmBackend(SnapshotBackend):
             m = await self.metrics()
             self._check_sleep_state(m, level)
             parked, action = await self._handle_parked(m)
-        after = self._read_memory()
-        freed, fraction = freed_too_little(before, after, self.min_freed_fraction)
-        if fraction is not None:
-            raise BackendError(
-                f"vLLM {self.base_url} reports sleeping but device memory went from {before} to {after} "
-                f"bytes (freed {fraction:.1%} < {self.min_freed_fraction:.0%}); is sleep mode enabled "
-                "(--enable-sleep-mode)? the engine is left out of service"
-            )
-        return SuspendResult(device_bytes_freed=freed, parked_requests=parked, parked_action=action)
+        residual = await self.memory.after_sleep(before, level, residual_budget_bytes, f"vLLM {self.base_url}")
+        return SuspendResult(
+            device_bytes_freed=None if residual is None else residual.freed,
+            parked_requests=parked,
+            parked_action=action,
+            residual=residual,
+        )
 
     def _check_sleep_state(self, m: EngineMetrics, level: int) -> None:
         """``vllm:engine_sleep_state`` of every engine core in ``m`` must be the state of sleep ``level``."""
@@ -631,6 +642,7 @@ class VllmBackend(SnapshotBackend):
         if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
         reloaded = False
+        kv_discarded = level is not None  # asleep at level 1 or 2: its KV cache was freed (module doc)
         if not tags:
             await self._post("/wake_up")
         if "weights" in tags:
@@ -644,8 +656,8 @@ class VllmBackend(SnapshotBackend):
                 return  # a partial wake: the caller wakes kv_cache next
         if "kv_cache" in tags:
             await self._post("/wake_up", params={"tags": "kv_cache"})
-            if (level == 2 or reloaded) and self.reset_prefix_cache:
-                await self._reset_prefix_cache()
+        if (kv_discarded or reloaded) and self.reset_prefix_cache and (not tags or "kv_cache" in tags):
+            await self._reset_after_wake()
         await self._verify_awake()
 
     async def _reload_last_good(self) -> None:
@@ -735,6 +747,18 @@ class VllmBackend(SnapshotBackend):
                 f"{weights.version}; the endpoint stays out of service"
             )
         self.last_sync = {"load_s": load_s, "total_s": time.perf_counter() - t0, "bytes": float(nbytes or 0)}
+
+    async def _reset_after_wake(self) -> None:
+        """After a wake whose KV cache was discarded: ``POST /reset_prefix_cache`` where the engine's route table has
+        it (module doc, "Prefix cache after a wake"); without the route, one warning."""
+        if (await self.capabilities()).has("/reset_prefix_cache"):
+            await self._reset_prefix_cache()
+        else:
+            log.warning(
+                "engine %s serves no /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1): its prefix cache is "
+                "not reset after the wake, cached prefixes may point at discarded KV blocks (vllm#17103)",
+                self.base_url,
+            )
 
     async def _reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache``, verified by its answer (module doc): refused -> reset with running requests
@@ -866,13 +890,30 @@ class VllmBackend(SnapshotBackend):
         """Served model name -> greedy token ids of each probe prompt: the base model and every LoRA adapter."""
         return {m: await self._greedy_tokens(m) for m in await self._served_models()}
 
+    async def _spec_counters(self) -> SpecDecodeCounters | None:
+        """The engine's speculative-decoding counters (None: it exports none, i.e. runs without
+        ``--speculative-config``; asked once, then never again)."""
+        if self._spec_decode_off:
+            return None
+        counters = parse_spec_decode((await self._get("/metrics")).text)
+        self._spec_decode_off = counters is None
+        return counters
+
+    async def _probe_tokens_measured(self) -> tuple[dict[str, list[list[int]]], float | None]:
+        """:meth:`_probe_tokens` and the draft acceptance over those requests (None: no speculative decoding)."""
+        before = await self._spec_counters()
+        got = await self._probe_tokens()
+        after = await self._spec_counters() if before is not None else None
+        return got, (after.acceptance_since(before) if before is not None and after is not None else None)
+
     async def _probe(self) -> None:
         """The semantic probe (module doc): compare with the reference of the version served, or record it. An
         adapter first seen now is recorded; one no longer served is forgotten (a warning: its requests get vLLM's 404)."""
-        got = await self._probe_tokens()
+        got, acceptance = await self._probe_tokens_measured()
         ref = self.probe_references.get(self.weight_version)
         if ref is None:
             self.probe_references[self.weight_version] = got
+            self.spec_decode.observe(self.weight_version, acceptance)
             return
         for model, tokens in got.items():
             ref.setdefault(model, tokens)
@@ -885,6 +926,11 @@ class VllmBackend(SnapshotBackend):
             del ref[model]
         wrong = [(m, i) for m in ref for i, (a, b) in enumerate(zip(ref[m], got[m], strict=True)) if a != b]
         if len(wrong) <= self.probe_max_mismatched_prompts:
+            if collapsed := self.spec_decode.observe(self.weight_version, acceptance):
+                raise SpecDecodeCollapsed(
+                    f"vLLM {self.base_url}: {collapsed}; the endpoint stays out of service: restart the engine (or "
+                    "its pod) to load the draft model again"
+                )
             return
         base = next(iter(got))
         m, i = wrong[0]

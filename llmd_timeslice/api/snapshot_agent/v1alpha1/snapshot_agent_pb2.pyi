@@ -129,18 +129,20 @@ class BackendConfig(_message.Message):
     def __init__(self, cuda: _Optional[_Union[CudaBackendConfig, _Mapping]] = ..., app_endpoint: _Optional[_Union[AppEndpointConfig, _Mapping]] = ..., app_channel: _Optional[_Union[AppChannelConfig, _Mapping]] = ..., direct_memory: _Optional[_Union[DirectMemoryBackendConfig, _Mapping]] = ..., memory_regions: _Optional[_Union[MemoryRegionsBackendConfig, _Mapping]] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("job_id", "group", "backend", "backend_config", "leader_term")
+    __slots__ = ("job_id", "group", "backend", "backend_config", "leader_term", "device_residual_budget_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_CONFIG_FIELD_NUMBER: _ClassVar[int]
     LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_RESIDUAL_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     backend: Backend
     backend_config: BackendConfig
     leader_term: int
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., leader_term: _Optional[int] = ...) -> None: ...
+    device_residual_budget_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., leader_term: _Optional[int] = ..., device_residual_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class SnapshotResponse(_message.Message):
     __slots__ = ("operation_id",)
