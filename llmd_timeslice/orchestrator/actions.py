@@ -46,7 +46,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
-from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
+from llmd_timeslice.domain.group_settings import MAX_DEADLINE_S, GroupSpec, SamplerEndpoint
 from llmd_timeslice.domain.switches import EngineReading, JobState, SamplerStepFailed, StepFault, SwitchRecord
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.sidecar_stream import (
@@ -67,6 +67,25 @@ RPC_TIMEOUT_S = 10.0
 START_RPC_TIMEOUT_S = 6.0
 """Deadline of the calls that start a sidecar operation; they wait for the channel to be ready (a sidecar that is
 reconnecting is reached within the 5 s back-off cap), so a dead sidecar fails the switch after this long."""
+
+
+def operation_deadlines(spec: GroupSpec) -> xpb.OperationDeadlines:
+    """``spec``'s sleep, wake and reload deadlines as a command carries them (reload 0: by the version's bytes,
+    computed by the sidecar, which knows them)."""
+    return xpb.OperationDeadlines(
+        sleep_s=spec.sleep_deadline_s, wake_s=spec.wake_deadline_s, reload_s=spec.reload_deadline_s or 0.0
+    )
+
+
+def operation_wait_s(spec: GroupSpec, kind: str) -> float:
+    """How long the orchestrator waits for a sidecar's answer to a ``kind`` ("sleep" or "wake") operation: its
+    deadline, and for a wake one weight reload's on top (the sidecar enforces both; an unset reload deadline, known
+    only to the sidecar by the bytes, is waited for up to the longest one the setting allows). A sidecar that dies
+    meanwhile breaks the operation stream first."""
+    if kind == "sleep":
+        return spec.sleep_deadline_s
+    reload_s = spec.reload_deadline_s or MAX_DEADLINE_S
+    return spec.wake_deadline_s + reload_s
 
 
 class ServingLabeler(Protocol):
@@ -192,9 +211,16 @@ class GrpcSwitchActions(SwitchActions):
 
     # ---------------------------------------------------------------- sidecars
     async def _operation(
-        self, sampler: SamplerEndpoint, group: str, kind: str, config: spb.BackendConfig, weights: WeightUpdate | None = None
+        self,
+        sampler: SamplerEndpoint,
+        group: str,
+        kind: str,
+        config: spb.BackendConfig,
+        weights: WeightUpdate | None = None,
+        spec: GroupSpec | None = None,
     ) -> spb.GetOperationResponse:
-        """One sleep or wake through the sidecar, waited for; returns the finished operation. Raises
+        """One sleep or wake through the sidecar, waited for; returns the finished operation. The command carries
+        ``spec``'s deadlines (:func:`operation_deadlines`), and the wait for its answer outlasts them. Raises
         :class:`SamplerStepFailed`."""
         stream = self._streams.get(sampler.sidecar)
         if stream is None:
@@ -205,6 +231,10 @@ class GrpcSwitchActions(SwitchActions):
         if stream.unsupported:
             return await self._operation_unary(sampler, group, kind, config, weights)
         cmd = xpb.OperationCommand()
+        wait_s = self.operation_timeout_s
+        if spec is not None:
+            cmd.deadlines.CopyFrom(operation_deadlines(spec))
+            wait_s = operation_wait_s(spec, kind)
         if kind == "sleep":
             cmd.snapshot.CopyFrom(
                 spb.SnapshotRequest(job_id=sampler.job_id, group=group, backend_config=config, leader_term=self.term)
@@ -216,7 +246,7 @@ class GrpcSwitchActions(SwitchActions):
             else:
                 cmd.restore_with_weights.CopyFrom(xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()))
         try:
-            result = await stream.run(cmd, self.operation_timeout_s + RPC_TIMEOUT_S)
+            result = await stream.run(cmd, wait_s + RPC_TIMEOUT_S)
         except StreamUnsupported:
             return await self._operation_unary(sampler, group, kind, config, weights)
         except (StreamBroken, OperationRefused, TimeoutError) as exc:
@@ -319,7 +349,7 @@ class GrpcSwitchActions(SwitchActions):
         parked inside the sleeping engine (and what it did with them) go to ``record.parked_requests``.
         Raises SamplerStepFailed."""
         self.sampler_states[sampler.address] = JobState.TRANSITIONING
-        op = await self._operation(sampler, spec.group_id, "sleep", config)
+        op = await self._operation(sampler, spec.group_id, "sleep", config, spec=spec)
         self.sampler_states[sampler.address] = JobState.SAVED
         if record is not None and op.parked_requests:
             record.parked_requests[sampler.address] = f"{op.parked_requests} {op.parked_action}"
@@ -336,7 +366,7 @@ class GrpcSwitchActions(SwitchActions):
         loaded = weights is not None
         try:
             try:
-                await self._operation(sampler, spec.group_id, "wake", config, weights)
+                await self._operation(sampler, spec.group_id, "wake", config, weights, spec)
             except SamplerStepFailed as exc:
                 if weights is None or exc.fault is not StepFault.WEIGHTS_REJECTED:
                     raise
@@ -350,7 +380,7 @@ class GrpcSwitchActions(SwitchActions):
                 )
                 loaded = False
                 try:
-                    await self._operation(sampler, spec.group_id, "wake", config)
+                    await self._operation(sampler, spec.group_id, "wake", config, spec=spec)
                 except SamplerStepFailed as again:
                     raise SamplerStepFailed(
                         address, "wake", again.fault, f"{exc}; waking it with its last good version failed too: {again}"

@@ -22,6 +22,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.auth import JobAuthorizer
+from llmd_timeslice.domain.group_settings import RELOAD_BASE_S, RELOAD_FLOOR_BYTES_PER_S
 from llmd_timeslice.domain.switches import JobState
 from llmd_timeslice.orchestrator import groups as core
 from llmd_timeslice.orchestrator.phases import IllegalTransition
@@ -330,6 +331,29 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
                     suppressed=g.yield_stats.suppressed,
                     holder=g.holder or "",
                     current=yield_requested(g.lease.yield_request if g.lease is not None else None, now),
+                )
+                for g in groups
+            ]
+        )
+
+    async def ListGroupDeadlines(self, request, context):  # noqa: N802
+        """Each group's sleep, wake and reload deadlines (docs/group-settings.md; reload 0: by the version's bytes)."""
+        if request.group_id:
+            try:
+                groups = [self._orch.group(request.group_id)]
+            except core.OrchestratorError as exc:
+                await _abort(context, exc)
+        else:
+            groups = [self._orch.groups[gid] for gid in sorted(self._orch.groups)]
+        rule = f"{RELOAD_BASE_S:g} s + the version's bytes at {RELOAD_FLOOR_BYTES_PER_S / 2**20:g} MiB/s"
+        return orchestrator_info_pb2.ListGroupDeadlinesResponse(
+            groups=[
+                orchestrator_info_pb2.GroupDeadlines(
+                    group_id=g.group_id,
+                    sleep_s=g.spec.sleep_deadline_s,
+                    wake_s=g.spec.wake_deadline_s,
+                    reload_s=g.spec.reload_deadline_s or 0.0,
+                    reload_rule=rule,
                 )
                 for g in groups
             ]

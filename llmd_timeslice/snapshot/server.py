@@ -46,6 +46,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendMode,
     WeightVersionRejected,
 )
+from llmd_timeslice.snapshot.backends.deadlines import OperationClock, OperationDeadlines, operation_clock
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
@@ -147,7 +148,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
 
     Args:
         backends: job id -> default backend that suspends/resumes it.
-        operation_timeout_s: most seconds a backend call may take before the operation FAILS.
+        operation_timeout_s: most seconds a sleep or a wake may take before the operation FAILS, where the command
+            names no deadline of its own (``OperationCommand.deadlines``; a weight reload inside a wake has its own,
+            :mod:`~llmd_timeslice.snapshot.backends.deadlines`).
         annotations: the pod's annotations (see :mod:`llmd_timeslice.snapshot.resolve`).
         command_timeout_s: most seconds a registered workload may take to answer a command.
         backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
@@ -192,7 +195,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 log.warning("orchestrator leader term %d -> %d (a new leader)", self.highest_term, term)
             self.highest_term = term
 
-    def _start(self, request, kind: str, weights: WeightUpdate | None = None) -> Operation:
+    def _start(
+        self, request, kind: str, weights: WeightUpdate | None = None, limits: OperationDeadlines | None = None
+    ) -> Operation:
         """Check and start one operation (in the background); returns it. Raises :class:`Refused`."""
         if not request.job_id:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
@@ -214,7 +219,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
-        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights))
+        task = asyncio.get_running_loop().create_task(
+            self._run(op, res.backend, res.mode, res.tags, weights, limits or OperationDeadlines())
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return op
@@ -247,35 +254,27 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     del self.operations[old]
 
     async def _run(
-        self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str], weights: WeightUpdate | None = None
+        self,
+        op: Operation,
+        backend: SnapshotBackend,
+        mode: SuspendMode,
+        tags: list[str],
+        weights: WeightUpdate | None = None,
+        limits: OperationDeadlines = OperationDeadlines(),
     ) -> None:
         async with self._locks[op.job_id]:
             self.states[op.job_id] = "TRANSITIONING"
+            kind = "sleep" if op.kind == "snapshot" else "wake"
+            limit_s = (limits.sleep_s if kind == "sleep" else limits.wake_s) or self._timeout
+            clock: OperationClock | None = None
             try:
-                if op.kind == "snapshot":
-                    res = await asyncio.wait_for(backend.suspend(mode, tags), self._timeout)
-                    if res is not None:
-                        op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
-                        if res.parked_requests:
-                            op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
-                            PARKED_REQUESTS.labels(job_id=op.job_id, action=res.parked_action).inc(res.parked_requests)
-                    self.states[op.job_id] = "SAVED"
-                elif weights is not None:
-                    await asyncio.wait_for(backend.resume_with_weights(tags, weights), self._timeout)
-                    op.storage_bytes = int(getattr(backend, "last_sync", {}).get("bytes", 0)) or None
-                    self.states[op.job_id] = "RUNNING"
-                else:
-                    await asyncio.wait_for(backend.resume(tags), self._timeout)
-                    self.states[op.job_id] = "RUNNING"
+                async with operation_clock(kind, limit_s, limits.reload_s) as clock:
+                    await self._run_backend(op, backend, mode, tags, weights)
                 op.status = pb.OPERATION_STATUS_COMPLETE
             except TimeoutError:
-                op.status, op.error = (
-                    pb.OPERATION_STATUS_FAILED,
-                    (
-                        f"{op.kind} of job {op.job_id!r} took more than {self._timeout:g} s; the engine is left out "
-                        "of service: check its logs, then retry the operation"
-                    ),
-                )
+                what = f"{op.kind} of job {op.job_id!r}"
+                op.status = pb.OPERATION_STATUS_FAILED
+                op.error = clock.expired_reason(what) if clock is not None else f"{what} ran past {limit_s:g} s"
                 self.states[op.job_id] = "FAULTED"
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
@@ -308,6 +307,26 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     f" error={op.error}" if op.error else "",
                 )
 
+    async def _run_backend(
+        self, op: Operation, backend: SnapshotBackend, mode: SuspendMode, tags: list[str], weights: WeightUpdate | None
+    ) -> None:
+        """The backend's part of ``op`` (under the operation's deadline, set by :meth:`_run`)."""
+        if op.kind == "snapshot":
+            res = await backend.suspend(mode, tags)
+            if res is not None:
+                op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
+                if res.parked_requests:
+                    op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
+                    PARKED_REQUESTS.labels(job_id=op.job_id, action=res.parked_action).inc(res.parked_requests)
+            self.states[op.job_id] = "SAVED"
+        elif weights is not None:
+            await backend.resume_with_weights(tags, weights)
+            op.storage_bytes = int(getattr(backend, "last_sync", {}).get("bytes", 0)) or None
+            self.states[op.job_id] = "RUNNING"
+        else:
+            await backend.resume(tags)
+            self.states[op.job_id] = "RUNNING"
+
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start_call(request, context, "snapshot"))
 
@@ -336,12 +355,14 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
     def _start_command(self, cmd: xpb.OperationCommand) -> Operation:
         """Start the operation an OperationCommand names. Raises :class:`Refused`."""
         which = cmd.WhichOneof("command")
+        limits = OperationDeadlines.from_pb(cmd.deadlines)
         if which == "snapshot":
-            return self._start(cmd.snapshot, "snapshot")
+            return self._start(cmd.snapshot, "snapshot", limits=limits)
         if which == "restore":
-            return self._start(cmd.restore, "restore")
+            return self._start(cmd.restore, "restore", limits=limits)
         if which == "restore_with_weights":
-            return self._start(cmd.restore_with_weights.restore, "restore", self._weights(cmd.restore_with_weights))
+            weights = self._weights(cmd.restore_with_weights)
+            return self._start(cmd.restore_with_weights.restore, "restore", weights, limits)
         raise Refused(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"command {cmd.command_id}: an OperationCommand must set snapshot, restore or restore_with_weights",

@@ -152,6 +152,9 @@ class FakeVllm(_FakeEngine):
       route that reaches the core answers 500 ``{"error": {"message": "EngineCore encountered an issue..."}}``,
       ``GET /health`` 503, ``/metrics`` keeps the last sleep state; ``die_after_next_sleep``: the next ``/sleep``
       answers 200, then the core dies. :meth:`restart` brings a live core back.
+    * ``reload_delay_s``: seconds each ``collective_rpc reload_weights`` takes (a large model's shards, vllm#35547);
+      ``reloads`` counts them, ``max_reloads_in_flight`` the most that ran at once (vLLM would queue a second one
+      behind the first in its engine core).
     * ``lora_adapters``: LoRA adapter names served besides the base model (listed by ``/v1/models`` with ``parent``,
       each with its own greedy tokens); ``garble_adapter_next_wake``: that adapter answers other tokens after the
       next full wake until the weights are reloaded (``reload_weights`` resets vLLM 0.32's LoRA state,
@@ -197,6 +200,8 @@ class FakeVllm(_FakeEngine):
         self.weight_version = "default"  # vLLM's label before any update
         self.weights_path: str | None = None  # last reload_weights(weights_path=...)
         self.transfer_updates: list = []  # update_info of each /update_weights
+        self.reload_delay_s = 0.0
+        self.reloads = self.reloads_in_flight = self.max_reloads_in_flight = 0
 
     def _state(self) -> str:
         return {0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.level]
@@ -369,6 +374,15 @@ class FakeVllm(_FakeEngine):
             if (body or {}).get("method") == "reload_weights":
                 if "weights" in self.asleep_tags and self.level:
                     return 500, {"error": "weights are asleep"}, "application/json"
+                with self.lock:
+                    self.reloads += 1
+                    self.reloads_in_flight += 1
+                    self.max_reloads_in_flight = max(self.max_reloads_in_flight, self.reloads_in_flight)
+                try:
+                    time.sleep(self.reload_delay_s)
+                finally:
+                    with self.lock:
+                        self.reloads_in_flight -= 1
                 self.weights_path = ((body or {}).get("kwargs") or {}).get("weights_path", self.weights_path)
                 self.garbled, self.garbled_adapter = False, ""
             return 200, {"results": [None]}, "application/json"
