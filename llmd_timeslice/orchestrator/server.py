@@ -27,6 +27,9 @@ from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, RestoreOutcome
 from llmd_timeslice.orchestrator.persistence import StatePersister, StateStore
 from llmd_timeslice.orchestrator.service import (
+    LEADER,
+    LEADER_TERM,
+    SAMPLERS_OUT_OF_SERVICE,
     LeaseServicer,
     OrchestratorInfo,
     OrchestratorService,
@@ -190,6 +193,7 @@ class OrchestratorServer:
         health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
         self.port = tls.add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
+        SAMPLERS_OUT_OF_SERVICE.orchestrators.append(self.orchestrator)
         await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         saved = None
         if self.election is not None:
@@ -210,6 +214,8 @@ class OrchestratorServer:
             return
         self.serving = True
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        LEADER.set(1)
+        LEADER_TERM.set(self.term)
         self.ready.set()
         log.info(
             "orchestrator %s:%d groups=%s%s",
@@ -285,6 +291,7 @@ class OrchestratorServer:
         if self.stepped_down.is_set() or self.election is None:
             return
         self.serving = False
+        LEADER.set(0)
         self.step_down_reason = reason
         self.stepped_down.set()
         log.error("orchestrator %s (term %d) steps down: %s", self.election.identity, self.term, reason)
@@ -304,6 +311,10 @@ class OrchestratorServer:
         return state
 
     async def stop(self) -> None:
+        if self.serving:
+            LEADER.set(0)
+        if self.orchestrator in SAMPLERS_OUT_OF_SERVICE.orchestrators:
+            SAMPLERS_OUT_OF_SERVICE.orchestrators.remove(self.orchestrator)
         await self.orchestrator.close()
         if self.orchestrator.persister is not None:
             await self.orchestrator.persister.close()
