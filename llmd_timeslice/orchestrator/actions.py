@@ -88,6 +88,13 @@ def operation_wait_s(spec: GroupSpec, kind: str) -> float:
     return spec.wake_deadline_s + reload_s
 
 
+_STEP_FAULTS: dict[int, StepFault] = {
+    xpb.OPERATION_FAULT_WEIGHTS_REJECTED: StepFault.WEIGHTS_REJECTED,
+    xpb.OPERATION_FAULT_ENGINE_UNREACHABLE: StepFault.ENGINE_UNREACHABLE,
+}
+"""A failed operation's fault (snapshot_ext.proto) -> the step's fault; any other: StepFault.ENGINE."""
+
+
 class ServingLabeler(Protocol):
     """Marks a sampler serving or not outside the gate (e.g. :class:`~llmd_timeslice.discovery.kubernetes.PodLabeler`,
     the pod label ``timeslice.io/serving``). Raises on failure."""
@@ -266,7 +273,7 @@ class GrpcSwitchActions(SwitchActions):
         if op.status != spb.OPERATION_STATUS_COMPLETE:
             self.sampler_states[sampler.address] = JobState.FAULTED
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
-            step_fault = StepFault.WEIGHTS_REJECTED if fault == xpb.OPERATION_FAULT_WEIGHTS_REJECTED else StepFault.ENGINE
+            step_fault = _STEP_FAULTS.get(int(fault), StepFault.ENGINE)
             raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
         return op
 
@@ -423,10 +430,25 @@ class GrpcSwitchActions(SwitchActions):
         record.phases["drain"] = time.monotonic() - t
 
     async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
+        """Put every sampler to sleep. A sampler whose engine is down (nothing answers at its address, or its engine
+        core is dead: the sidecar says so, ``StepFault.ENGINE_UNREACHABLE``) holds no accelerator memory: it is left
+        out, named in ``record.unreachable``, and the sleep goes on with the others (issue 38 §5). Any other
+        failure raises (the first, once every sampler's sleep ended)."""
         t = time.monotonic()
         cfg = self._config(record.sleep_level or spec.sleep_level)
-        await asyncio.gather(*(self.suspend_sampler(spec, s, cfg, record) for s in spec.samplers))
+        results = await asyncio.gather(
+            *(self.suspend_sampler(spec, s, cfg, record) for s in spec.samplers), return_exceptions=True
+        )
         record.phases["sleep"] = time.monotonic() - t
+        for s, r in zip(spec.samplers, results, strict=True):
+            if isinstance(r, SamplerStepFailed) and r.fault is StepFault.ENGINE_UNREACHABLE:
+                record.unreachable[s.address] = str(r)
+                log.warning("group=%s sampler %s left out of the sleep: its engine is down (%s)", spec.group_id, s.address, r)
+        for r in results:
+            if isinstance(r, BaseException) and not (
+                isinstance(r, SamplerStepFailed) and r.fault is StepFault.ENGINE_UNREACHABLE
+            ):
+                raise r
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
 
     async def resume_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:

@@ -267,6 +267,7 @@ class Group:
         self._pending_replies: list[asyncio.Future[Any]] = []
         self._pending_settings: GroupSpec | None = None
         self._reading = False
+        self._returning: set[str] = set()  # samplers back from being down, being put to sleep while HELD
         self._lease_timer: TimerHandle | None = None
         self._repair_timer: TimerHandle | None = None
         self._repair_delay: float | None = None
@@ -945,6 +946,12 @@ class Group:
         assert sw is not None
         self._switch = None
         self._orch.record(self, sw.record)
+        for addr, why in sw.record.unreachable.items():  # down: no accelerator memory held; asleep before it serves
+            self.sampler_errors[addr] = (
+                f"its engine was down at the sleep ({why}); out of service, put to sleep when it answers again"
+            )
+            self.unreachable_engines.add(addr)
+            self._dirty = True
         w = sw.waiter
         if w is not None and not w.future.done():
             await self._grant(w, C.SUSPENDED)
@@ -1102,7 +1109,9 @@ class Group:
         actions = self._orch.actions
         if self._reading or not actions.can_read_engines:
             return
-        if self.phase is P.SERVING:
+        if self.phase is P.HELD:  # a sampler whose engine was down at the sleep: is it back (and awake)?
+            samplers, done = [s for s in self.spec.samplers if s.address in self.unreachable_engines], C.PROBED
+        elif self.phase is P.SERVING:
             samplers, done = list(self.spec.samplers), C.AUDITED
         else:  # OUT_OF_SERVICE: is an engine that refused connections back?
             samplers, done = [s for s in self.spec.samplers if s.address in self.sampler_errors], C.PROBED
@@ -1136,6 +1145,9 @@ class Group:
         self._start_resume(SwitchKind.REPAIR, C.AUDITED, samplers=bad, engine_faults={a: f for a, (f, _) in faults.items()})
 
     async def _on_probed(self, cmd: Command) -> None:
+        if self.phase is P.HELD:
+            self._on_probed_held(cmd)
+            return
         back = False
         if cmd.epoch == self._epoch:
             for addr, r in (cmd.readings or {}).items():
@@ -1149,6 +1161,46 @@ class Group:
             self._start_repair(C.PROBED)
         else:
             self._enter(P.OUT_OF_SERVICE, C.PROBED)
+
+    def _on_probed_held(self, cmd: Command) -> None:
+        """While a job holds the group: each sampler left out of the sleep that answers again is put to sleep (an
+        engine back from a restart is awake and takes accelerator memory), or counted asleep if it already is."""
+        back = []
+        if cmd.epoch == self._epoch:
+            for addr, r in sorted((cmd.readings or {}).items()):
+                if r.unreachable or addr not in self.unreachable_engines:
+                    continue
+                if r.sleeping:
+                    self._returned_asleep(addr, "it reports itself asleep")
+                else:
+                    back.append(addr)
+        self._enter(P.HELD, C.PROBED)
+        if back and not self._returning:
+            samplers = [s for s in self.spec.samplers if s.address in back]
+            log.warning("group=%s samplers %s answer again while the group is held: putting them to sleep", self.group_id, back)
+            rec = SwitchRecord(self.group_id, SwitchKind.TO_JOB, self.holder or "", self._orch.clock.wall())
+            rec.sleep_level = self.spec.sleep_level_for(self.holder or "", (self.holder or "") in self.publishers)
+            self._returning = set(back)
+            spec = self.spec.copy(samplers=samplers)
+            self._spawn(self._step(self._orch.actions.suspend_samplers, spec, rec, C.RETURNED, C.RETURNED), "returned")
+
+    def _returned_asleep(self, addr: str, how: str) -> None:
+        self.unreachable_engines.discard(addr)
+        self.sampler_errors.pop(addr, None)
+        self._dirty = True
+        log.warning(
+            "group=%s sampler %s is back and asleep (%s); it serves again when the holder yields", self.group_id, addr, how
+        )
+
+    async def _on_returned(self, cmd: Command) -> None:
+        rec, addrs = cmd.record, self._returning
+        self._returning = set()
+        if cmd.error is not None:  # those that did fall asleep report it at the next probe, the others are tried again
+            log.error("group=%s putting returned samplers %s to sleep failed: %s", self.group_id, sorted(addrs), cmd.error)
+        elif rec is not None:
+            for addr in sorted(addrs - set(rec.unreachable)):
+                self._returned_asleep(addr, "put to sleep, verified")
+        self._enter(P.HELD, C.RETURNED)
 
     async def _on_repair_tick(self, cmd: Command) -> None:
         log.warning(
@@ -1274,6 +1326,7 @@ class Group:
         C.REPAIRED: _on_resumed,
         C.AUDITED: _on_audited,
         C.PROBED: _on_probed,
+        C.RETURNED: _on_returned,
         C.YIELD_REQUEST: _on_yield_request,
         C.YIELD_DEADLINE: _on_yield_deadline,
     }

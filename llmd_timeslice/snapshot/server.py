@@ -280,6 +280,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
                 if isinstance(exc, WeightVersionRejected):
                     op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
+                elif isinstance(exc, EngineUnreachable):
+                    op.fault = xpb.OPERATION_FAULT_ENGINE_UNREACHABLE
                 self.states[op.job_id] = "FAULTED"
             except asyncio.CancelledError:
                 op.status, op.error = (

@@ -395,7 +395,12 @@ class VllmBackend(SnapshotBackend):
     async def _get(self, path: str) -> httpx.Response:
         note_step(f"GET {path}")
         try:
-            r = await self._http.get(path)
+            try:
+                r = await self._http.get(path)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection the engine closed without answering (it was killed, or restarted): a GET
+                # is idempotent, so once more on a new connection, which says whether anything listens there now.
+                r = await self._http.get(path)
         except httpx.HTTPError as exc:
             kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
             raise kind(

@@ -12,8 +12,10 @@ class OperationFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OPERATION_FAULT_UNSPECIFIED: _ClassVar[OperationFault]
     OPERATION_FAULT_WEIGHTS_REJECTED: _ClassVar[OperationFault]
+    OPERATION_FAULT_ENGINE_UNREACHABLE: _ClassVar[OperationFault]
 OPERATION_FAULT_UNSPECIFIED: OperationFault
 OPERATION_FAULT_WEIGHTS_REJECTED: OperationFault
+OPERATION_FAULT_ENGINE_UNREACHABLE: OperationFault
 
 class GetServedWeightVersionRequest(_message.Message):
     __slots__ = ("job_id",)
