@@ -310,6 +310,13 @@ class Group:
         return max((v for a, v in self.sampler_versions.items() if a not in self.sampler_errors), default=0)
 
     @property
+    def weights_can_change(self) -> bool:
+        """Whether a newer weight version may reach the samplers: a job holds or waits for the group (it may publish
+        one), or a published version is not served yet."""
+        target = self.target_weights
+        return self.holder is not None or bool(self._waiters) or (target is not None and self.serving_version < target.version)
+
+    @property
     def target_weights(self) -> WeightUpdate | None:
         """The version every wake converges to: the latest published one, or the last good one while that is
         rejected."""
@@ -355,6 +362,7 @@ class Group:
             except Exception as exc:  # a bug: the group may be half-changed; put it in a safe phase and say so
                 await self._recover(cmd, exc, before)
             self._notify_watchers()
+            self._orch.note_weights_final(self)
 
     async def _recover(self, cmd: Command, exc: Exception, before: tuple[GroupPhase, str | None, int | None]) -> None:
         """After an unexpected exception in the handler of ``cmd``: fail the caller with :class:`GroupFault`, stop
@@ -1364,6 +1372,9 @@ class Orchestrator:
             self.groups[s.group_id] = Group(s, self)
         self._on_switch = on_switch
         self.on_transition: Callable[[Group, GroupPhase, GroupCommand, GroupPhase], None] | None = None
+        self.on_weights_final: Callable[[str, bool], None] | None = None
+        """Called with (pool, whether no newer weight version can come for it) after each command of a group serving
+        that pool (the gate hub sends the changes: issue 38 §5)."""
         """Called with (group, from, command, to) for every move, staying put included (tests, tracing)."""
         self.persister: Any = None  # a StatePersister (persistence.py) once the server wires one
         self.repair_first_s = 2.0
@@ -1549,6 +1560,19 @@ class Orchestrator:
                 g.post(Command(C.AUDIT_TICK))
                 found = True
         return found
+
+    def weights_final(self, pool: str) -> bool:
+        """True when no newer weight version can come for ``pool``: groups serve it and none of them can change
+        its weights now (:attr:`Group.weights_can_change`)."""
+        groups = [g for g in self.groups.values() if any(s.pool == pool for s in g.spec.samplers)]
+        return bool(groups) and not any(g.weights_can_change for g in groups)
+
+    def note_weights_final(self, g: Group) -> None:
+        """After a command of ``g``: tell :attr:`on_weights_final` about each pool ``g`` serves."""
+        if self.on_weights_final is None:
+            return
+        for pool in sorted({s.pool for s in g.spec.samplers}):
+            self.on_weights_final(pool, self.weights_final(pool))
 
     def _arm_audit(self) -> None:
         self._audit_timer = self.clock.call_at(self.clock.now() + self.audit_interval_s, self._audit)

@@ -146,6 +146,7 @@ class OrchestratorServer:
         self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch, clock=clock)
         self.hub.on_endpoint_failure = self.orchestrator.audit_endpoint
         self.hub.on_hold_pressure = self.orchestrator.hold_pressure
+        self.orchestrator.on_weights_final = self.hub.set_weights_final
         self._reconcile = reconcile_on_start
         self.state_store = state_store
         self._server: aio.Server | None = None

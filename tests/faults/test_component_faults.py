@@ -219,8 +219,9 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
 
 async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_acquire_then_comes_back(stack):
     """A sidecar frozen (SIGSTOP) mid-sleep for longer than the group's sleep deadline (set to 3 s here; the
-    orchestrator waits that long plus its RPC margin for the answer): the acquire fails with the reason instead of hanging, no request reaches a sleeping
-    engine, and after SIGCONT the group serves on both samplers again by itself (repair) and the next acquire works."""
+    orchestrator waits that long plus its RPC margin for the answer): the acquire fails with the reason instead of
+    hanging, no request reaches a sleeping engine, and after SIGCONT the group serves on both samplers again by itself
+    (repair) and the next acquire works."""
     import os
     import signal
 
