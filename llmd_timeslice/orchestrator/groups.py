@@ -145,6 +145,34 @@ class RejectedWeights:
     error: str
 
 
+@dataclass(frozen=True)
+class SyncProblem:
+    """One weight-version problem kept for the publisher's next acquire: sampler address -> why, of ``n`` samplers
+    woken with ``version``; ``kind``: ``rejected`` (by all; not retried), ``refused`` (those serve their last good
+    version) or ``not_loaded`` (those stay out of service). Told only for the samplers still without it then."""
+
+    version: int
+    kind: str
+    reasons: dict[str, str]
+    n: int
+    serving: int = 0  # rejected: the version the samplers serve instead
+
+    def text(self, reasons: dict[str, str]) -> str:
+        """The message for ``reasons`` (a subset of :attr:`reasons`)."""
+        k, v, why = len(reasons), self.version, "; ".join(f"{a}: {e}" for a, e in sorted(reasons.items()))
+        if self.kind == "rejected":
+            return (
+                f"weight version {v} was rejected by {k} of {self.n} sampler(s) and is not retried until a newer "
+                f"version is published; they serve version {self.serving}: {why}"
+            )
+        if self.kind == "refused":
+            return f"weight version {v} was refused by {k} of {self.n} sampler(s), which serve their last good version: {why}"
+        return (
+            f"weight version {v} did not load on {k} of {self.n} sampler(s) woken with it, which stay out of service at "
+            f"their old version: {why}"
+        )
+
+
 @dataclass
 class AcquireResult:
     """``waited_ms``: milliseconds from the call to the grant."""
@@ -255,7 +283,7 @@ class Group:
         self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
         self.sampler_errors: dict[str, str] = {}  # out-of-service samplers -> why
         self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
-        self.weight_sync_errors: dict[str, str] = {}  # job -> why its version failed (told at its next acquire)
+        self.weight_sync_errors: dict[str, list[SyncProblem]] = {}  # job -> its version's problems (next acquire)
         self.yield_stats = YieldStats()
         self.last_honoured: dict[str, float] = {}  # job -> clock reading of its last yield after a yield request
         self._suppressed: set[tuple[int, int, str]] = set()  # (lease token, band, knob) counted for the gates' asks
@@ -565,14 +593,26 @@ class Group:
             self._waiters.remove(w)
 
     def _weight_sync_error_for(self, job: str) -> str:
-        """The weight-sync problems kept for ``job`` since it published (popped: told once), marked as repaired when
-        every sampler serves the published version in service by now (a repair or a restarted engine fixed it)."""
-        error = self.weight_sync_errors.pop(job, "")
-        w = self.weights
-        repaired = w is not None and not self.sampler_errors and bool(self.sampler_versions)
-        if error and w is not None and repaired and all(v == w.version for v in self.sampler_versions.values()):
-            error += f" (since repaired: every sampler serves weight version {w.version} now)"
-        return error
+        """The weight-sync problems kept for ``job`` since it published (popped: told once), about the samplers still
+        without that version in service now only: what a repair or a restarted engine fixed meanwhile is not told
+        (logged here instead). "" when nothing is still wrong."""
+        problems = self.weight_sync_errors.pop(job, [])
+        texts, repaired = [], []
+        for p in problems:
+            still = {
+                a: why for a, why in p.reasons.items() if a in self.sampler_errors or self.sampler_versions.get(a, 0) < p.version
+            }
+            repaired += sorted(set(p.reasons) - set(still))
+            if still:
+                texts.append(p.text(still))
+        if repaired:
+            log.info(
+                "group=%s weight-version problems of job %s on %s were repaired before its next acquire: not reported",
+                self.group_id,
+                job,
+                repaired,
+            )
+        return "; ".join(texts)
 
     async def _release(self, job: str, kind: GroupCommand) -> YieldResult:
         """The holder is gone (yield, lease expired, grant taken back): the next waiter, the samplers, or a
@@ -1083,33 +1123,22 @@ class Group:
         publisher = self.weights_publisher or rec.job_id
         n = len(rec.sampler_versions)
         loaded = [a for a, v in rec.sampler_versions.items() if v == w.version and a not in rec.sampler_errors]
-        problems = []
+        problems: list[SyncProblem] = []
         if rec.weights_rejected:
             reasons = "; ".join(f"{a}: {e}" for a, e in sorted(rec.weights_rejected.items()))
             if not loaded and self.weights is not None and w.version == self.weights.version:
                 # Nobody could load it: not retried until a newer version is published.
                 self.rejected = RejectedWeights(w.version, reasons)
-                problems.append(
-                    f"weight version {w.version} was rejected by {len(rec.weights_rejected)} of {n} "
-                    "sampler(s) and is not retried until a newer version is published; they serve "
-                    f"version {self.serving_version}: {reasons}"
-                )
+                problems.append(SyncProblem(w.version, "rejected", dict(rec.weights_rejected), n, self.serving_version))
             else:
-                problems.append(
-                    f"weight version {w.version} was refused by {len(rec.weights_rejected)} of {n} "
-                    f"sampler(s), which serve their last good version: {reasons}"
-                )
-            log.error("group=%s %s", self.group_id, problems[-1])
+                problems.append(SyncProblem(w.version, "refused", dict(rec.weights_rejected), n))
+            log.error("group=%s %s", self.group_id, problems[-1].text(problems[-1].reasons))
         if loaded and (self.last_good is None or w.version > self.last_good.version):
             self.last_good = w
         if rec.sampler_errors:
-            problems.append(
-                f"weight version {w.version} did not load on {len(rec.sampler_errors)} of {n} "
-                "sampler(s) woken with it, which stay out of service at their old version: "
-                + "; ".join(f"{a}: {e}" for a, e in sorted(rec.sampler_errors.items()))
-            )
+            problems.append(SyncProblem(w.version, "not_loaded", dict(rec.sampler_errors), n))
         if problems:
-            self.weight_sync_errors[publisher] = "; ".join(problems)
+            self.weight_sync_errors[publisher] = problems
 
     # ------------------------------------------------------------------ audit and repair
     async def _on_audit_tick(self, cmd: Command) -> None:
