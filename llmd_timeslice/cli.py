@@ -317,6 +317,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
             annotations=s.annotation,
             command_timeout_s=s.command_timeout_s,
             backend_kwargs=engine_kwargs,
+            hung_after_s=s.hung_after_s,
         )
         await srv.start()
         try:

@@ -243,7 +243,7 @@ def judge_engines(g: Group, readings: dict[str, EngineReading]) -> dict[str, tup
         if r.unreachable:
             faults[smp.address] = (
                 EngineFault.UNREACHABLE,
-                f"its engine refuses connections (down or restarting): {r.unreachable}",
+                f"its engine refuses connections or does not answer (down, restarting or hung): {r.unreachable}",
             )
         elif r.sleeping:
             faults[smp.address] = (EngineFault.ASLEEP, "its engine sleeps while it should serve")

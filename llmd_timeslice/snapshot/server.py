@@ -154,6 +154,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         annotations: the pod's annotations (see :mod:`llmd_timeslice.snapshot.resolve`).
         command_timeout_s: most seconds a registered workload may take to answer a command.
         backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
+        hung_after_s: an engine that does not answer ``GetServedWeightVersion``'s reads within this many seconds is
+            reported hung (``engine_unreachable``): the orchestrator's audit takes it out of service like a dead one
+            (issue 38 §5: a frozen engine was never noticed).
     """
 
     def __init__(
@@ -163,7 +166,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         annotations: dict[str, str] | None = None,
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
+        hung_after_s: float = 5.0,
     ) -> None:
+        self.hung_after_s = hung_after_s
         self.backends = backends
         self.workloads = WorkloadRegistry()
         self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
@@ -417,8 +422,16 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 grpc.StatusCode.FAILED_PRECONDITION, f"backend {backend.name!r} of job {request.job_id!r} has no weight version"
             )
         try:
-            label = await backend.served_weight_version()
-            sleeping = await backend.is_suspended()
+            async with asyncio.timeout(self.hung_after_s):
+                label = await backend.served_weight_version()
+                sleeping = await backend.is_suspended()
+        except TimeoutError:
+            why = (
+                f"engine of job {request.job_id!r} did not answer within {self.hung_after_s:g} s (hung: a frozen "
+                "process, a stuck engine core); out of service until it answers again"
+            )
+            log.error("%s", why)
+            return xpb.GetServedWeightVersionResponse(engine_unreachable=why)
         except EngineUnreachable as exc:
             return xpb.GetServedWeightVersionResponse(engine_unreachable=str(exc))
         except BackendError as exc:
@@ -522,8 +535,11 @@ class SidecarServer:
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
         tls_files: tls.TlsFiles | None = None,
+        hung_after_s: float = 5.0,
     ) -> None:
-        self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs)
+        self.servicer = SnapshotSidecar(
+            backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs, hung_after_s
+        )
         self.host, self.port, self.token = host, port, token
         self.tls = tls_files
         self._server: aio.Server | None = None
