@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rich.console import Console
 
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
@@ -23,6 +24,7 @@ from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
+from llmd_timeslice.status import print_status
 from tests.support.fake_engines import FakeVllm
 from tests.support.waits import until
 
@@ -111,7 +113,7 @@ async def test_a_reload_past_its_deadline_names_the_step_and_the_repair_waits_fo
 
 
 @pytest.mark.parametrize("stack", [{"sleep_deadline_s": 7, "wake_deadline_s": 11}], indirect=True)
-async def test_status_shows_each_groups_deadlines(stack):
+async def test_status_shows_each_groups_deadlines(stack, tmp_path):
     _, _, orch, _, _ = stack
     import grpc
 
@@ -122,6 +124,14 @@ async def test_status_shows_each_groups_deadlines(stack):
         ).groups
     assert (d.group_id, d.sleep_s, d.wake_s, d.reload_s) == ("g", 7, 11, 0)
     assert d.reload_rule == "300 s + the version's bytes at 200 MiB/s"
+    token = tmp_path / "token"
+    token.write_text("t")
+    console = Console(record=True, width=300)
+    rc = await asyncio.to_thread(print_status, f"127.0.0.1:{orch.port}", [], token, console)
+    text = console.export_text()
+    assert rc == 0 and "operation deadlines (s)" in text, text
+    row = next(line for line in text.splitlines() if "by bytes" in line)
+    assert "7" in row and "11" in row and "300 s + the version's bytes at 200 MiB/s" in row, row
 
 
 async def test_a_sleep_past_its_deadline_names_the_sleep_deadline_and_the_step():
