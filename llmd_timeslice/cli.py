@@ -332,6 +332,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
             command_timeout_s=s.command_timeout_s,
             backend_kwargs=engine_kwargs,
             max_identical_wake_failures=s.max_identical_wake_failures,
+            hung_after_s=s.hung_after_s,
         )
         await srv.start()
         try:

@@ -459,7 +459,21 @@ class SidecarSettings(_Section):
     host: str = _host()
     port: Port = Field(9001, description="gRPC port (SnapshotAgentService).")
     idle_timeout_s: Duration = Field(60.0, gt=0, le=3600, description="Time to wait for the engine to go idle before sleep.")
-    operation_timeout_s: Duration = Field(300.0, gt=0, le=3600, description="Most time one sleep or wake may take.")
+    operation_timeout_s: Duration = Field(
+        300.0,
+        gt=0,
+        le=3600,
+        description="Most time one sleep or wake may take when the command names no deadline (the orchestrator sends "
+        "its group's sleep_deadline_s / wake_deadline_s: docs/group-settings.md).",
+    )
+    hung_after_s: Duration = Field(
+        5.0,
+        gt=0,
+        le=9,
+        description="An engine that does not answer the orchestrator's audit read (its weight version and sleep state) "
+        "within this long is reported hung and leaves service like a dead one, until it answers again (below the "
+        "orchestrator's 10 s deadline for that read).",
+    )
     pause_mode: Literal["wait", "keep", "abort"] = Field(
         "wait",
         description="vLLM /sleep mode for requests still in flight: wait (finish them), keep (freeze until "

@@ -135,6 +135,23 @@ def _refusal(exc: grpc.RpcError, token_file: Path | None) -> str:
     return text
 
 
+def _deadlines_table(console: Console, info, md) -> None:
+    """Each group's sleep, wake and reload deadlines (issue 38; skipped on an orchestrator without
+    ``ListGroupDeadlines``)."""
+    try:
+        groups = info.ListGroupDeadlines(info_pb.ListGroupDeadlinesRequest(), timeout=5, metadata=md).groups
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return
+        raise
+    t = table("operation deadlines (s)", ("group", "sleep", "wake", "reload"))
+    for g in groups:
+        reload = f"{g.reload_s:g}" if g.reload_s else f"by bytes: {g.reload_rule}"
+        t.add_row(g.group_id, f"{g.sleep_s:g}", f"{g.wake_s:g}", reload)
+    if t.row_count:
+        console.print(t)
+
+
 def print_status(orchestrator: str, gates: list[str], token_file: Path | None = None, console: Console | None = None) -> int:
     """Print the tables; returns 0, or 1 when a component could not be reached (its error is shown)."""
     console = console or output_console()
@@ -162,6 +179,7 @@ def print_status(orchestrator: str, gates: list[str], token_file: Path | None = 
             _weights_table(console, ch, groups, md)
             info = info_grpc.OrchestratorInfoServiceStub(ch)
             _yield_requests_table(console, info, md)
+            _deadlines_table(console, info, md)
             switches = info.ListSwitches(info_pb.ListSwitchesRequest(limit=10), timeout=5, metadata=md).switches
             t = table("recent switches (newest first)", ("when", "group", "kind", "cause", "job", "ok", "phases (s)", "error"))
             for sw in switches:

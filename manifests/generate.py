@@ -65,6 +65,9 @@ from manifests import chart_envoy, guide_steps  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
 SETTINGS_FILE = GUIDE / "settings.yaml"
+ALERT_RULES_FILE = ROOT / "alerts" / "llmd-timeslice-rules.yaml"
+"""The alerting rules' one source: a plain Prometheus rules file (the local stack loads it as it is); the guide's
+PrometheusRule carries the same groups (:func:`prometheus_rule`)."""
 
 # ------------------------------------------------------------------------- the Envoy of each variant
 
@@ -1310,6 +1313,20 @@ def _settings_yaml(s: GuideSettings) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prometheus_rule(rules_file: Path = ALERT_RULES_FILE) -> dict:
+    """The guide's ``PrometheusRule`` (prometheus-operator, ``monitoring.coreos.com/v1``): the groups of the plain
+    rules file, unchanged. Raises ValueError when the file has no ``groups``."""
+    groups = (yaml_files.load(rules_file.read_text()) or {}).get("groups")
+    if not groups:
+        raise ValueError(f"{rules_file}: no 'groups' of alerting rules")
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "llmd-timeslice", "labels": {"app.kubernetes.io/name": "llmd-timeslice"}},
+        "spec": {"groups": groups},
+    }
+
+
 def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
     """Every generated file for ``s``, path -> content (paths under ``guide``)."""
     ns = s.namespace
@@ -1354,7 +1371,13 @@ def rendered_files(s: GuideSettings, guide: Path = GUIDE) -> dict[Path, str]:
         "base/monitoring/kustomization.yaml": _doc(
             "Optional: needs the prometheus-operator CRDs (monitoring.coreos.com).\n"
             "  kubectl apply -k manifests/guides/time-slicing/base/monitoring",
-            _kustomization(namespace=ns, resources=["servicemonitors.yaml"]),
+            _kustomization(namespace=ns, resources=["servicemonitors.yaml", "prometheusrule.yaml"]),
+        ),
+        "base/monitoring/prometheusrule.yaml": _doc(
+            "The alerting rules of manifests/alerts/llmd-timeslice-rules.yaml (their one source; docs/operations.md,\n"
+            '"Alerts") as a PrometheusRule. A Prometheus of the prometheus-operator loads it where its ruleSelector\n'
+            "matches these labels (kube-prometheus-stack: add its release label, or set ruleSelectorNilUsesHelmValues: false).",
+            prometheus_rule(),
         ),
         "router/values-standalone.yaml": values_standalone(s),
         "router/standalone-envoy.yaml": HEADER + "# What the chart renders from values-standalone.yaml for release "

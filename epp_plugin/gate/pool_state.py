@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmd_timeslice.domain.objectives import Band, ObjectiveClass, PoolPriorities
+from llmd_timeslice.protocol import MIN_WEIGHT_VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,15 @@ class DrainDeadline(AdmissionRefused):
     http_status = 503
     reason = "drain_deadline"
     retry_after_s = 1
+
+
+class WeightVersionUnavailable(AdmissionRefused):
+    """The request asks for a weight version above the newest the pool has, and none can come now: no job holds or
+    waits for the pool's group and none is pending (the orchestrator's ``weights_final``). HTTP 503, refused at once
+    rather than held to the longest hold (issue 38 §5)."""
+
+    http_status = 503
+    reason = "weight_version_unavailable"
 
 
 class GateShuttingDown(AdmissionRefused):
@@ -258,6 +268,7 @@ class PoolState:
         self.released_total = 0
         self.refused_total = 0
         self.closed = False
+        self.weights_final = False  # the orchestrator says no newer weight version can come now (set_weights_final)
         self.on_change: Callable[[], None] | None = None
         """Called after every change of the endpoint list or states (the EDS directory refreshes from it)."""
         self.failed: dict[str, asyncio.TimerHandle | None] = {}
@@ -396,6 +407,8 @@ class PoolState:
         if self.closed:
             self.refused_total += 1
             raise GateShuttingDown(f"gate is shutting down; pool {self.name!r} admits nothing")
+        if min_version and self.weights_final:
+            self._check_version_can_come(min_version, objective)
         if not self._held:
             candidates = self.serving(min_version)
             if candidates:
@@ -403,6 +416,36 @@ class PoolState:
         if objective is not None:
             self._shed(objective)
         return None
+
+    def newest_version(self) -> int:
+        """The highest weight version any endpoint of the pool has (whatever its state; 0: the initial weights)."""
+        return max((ep.weight_version for ep in self.endpoints.values()), default=0)
+
+    def _unavailable(self, min_version: int) -> WeightVersionUnavailable:
+        return WeightVersionUnavailable(
+            f"pool {self.name!r} has no weight version >= {min_version} (header "
+            f"{MIN_WEIGHT_VERSION_HEADER}): the newest there is is {self.newest_version()}, and none newer can come "
+            "now (no trainer holds or waits for the pool's group, none is pending)"
+        )
+
+    def _check_version_can_come(self, min_version: int, objective: ObjectiveClass | None) -> None:
+        """Refuse at once a request for a version above the newest while none newer can come."""
+        if min_version > self.newest_version():
+            self._refused(objective.band.priority if objective is not None else 0, WeightVersionUnavailable.reason)
+            raise self._unavailable(min_version)
+
+    def set_weights_final(self, final: bool) -> None:
+        """The orchestrator says whether a newer weight version can come (``weights_final``, gate_state.proto). When
+        none can, held requests asking for a version above the newest are refused now (:class:`WeightVersionUnavailable`)
+        instead of at their longest hold."""
+        was, self.weights_final = self.weights_final, final
+        if not final or was:
+            return
+        newest = self.newest_version()
+        for q in list(self._held.values()):
+            for entry in [e for e in q if e.min_version > newest and not e.future.done()]:
+                entry.future.set_exception(self._unavailable(entry.min_version))  # admit() counts the refusal
+                self._drop(entry)  # out of the queue now
 
     def _shed(self, objective: ObjectiveClass | None) -> None:
         """The request must wait: refuse it now when it is sheddable and the pool has no SERVING endpoint."""

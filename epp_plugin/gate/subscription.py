@@ -402,6 +402,7 @@ class StateSubscription:
                 pool.replace_states(items)
             else:
                 pool.set_states(items)
+            pool.set_weights_final(pe.weights_final)
             export_pool(pool)
         if update.full_snapshot:
             for name, pool in self.pools.items():

@@ -48,6 +48,10 @@ SleepLevel = Annotated[int, Field(ge=1, le=2)]
 """vLLM's sleep levels (``POST /sleep?level=N``): 1 offloads the weights to host memory, 2 discards them."""
 
 
+MAX_DEADLINE_S = 86400.0
+"""The longest a sleep, wake or reload deadline may be set to, seconds (a day)."""
+
+
 def _k8s(annotation: str, scope: Literal["group", "job"] = "group") -> dict[str, Any]:
     return {"annotation": annotation, "scope": scope}
 
@@ -68,6 +72,30 @@ class GroupSettings(BaseModel):
         le=3600,
         description="Drain deadline: longest wait for in-flight requests before the samplers sleep.",
         json_schema_extra=_k8s("timeslice.io/drain-timeout-s"),
+    )
+    sleep_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        description="Longest one sampler's sleep may take (waiting for idle, the sleep, its verification), apart "
+        "from each engine call's own HTTP timeout.",
+        json_schema_extra=_k8s("timeslice.io/sleep-deadline-s"),
+    )
+    wake_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        description="Longest one sampler's wake may take, its weight reload not included (that has reload_deadline_s).",
+        json_schema_extra=_k8s("timeslice.io/wake-deadline-s"),
+    )
+    reload_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        description="Longest one weight reload may take (a weight version's load, or the last good version's reload "
+        "after a level-2 sleep). None: grows with the version's bytes, RELOAD_BASE_S + bytes / "
+        "RELOAD_FLOOR_BYTES_PER_S (300 s + bytes at 200 MiB/s).",
+        json_schema_extra=_k8s("timeslice.io/reload-deadline-s"),
     )
     lease_ttl_s: float = Field(
         30.0,
@@ -166,6 +194,21 @@ class GroupSettings(BaseModel):
     def settings(self) -> GroupSettings:
         """The settings alone, as their own copy (compared to decide whether a spec update changes settings)."""
         return GroupSettings.model_construct(**{name: _copied(getattr(self, name)) for name in SETTINGS_FIELDS})
+
+
+RELOAD_BASE_S = 300.0
+"""The default reload deadline's fixed part, seconds (an engine's own start-up work around the bytes)."""
+RELOAD_FLOOR_BYTES_PER_S = 200 * 2**20
+"""The assumed floor of the bandwidth a reload reads weights at, bytes per second (200 MiB/s: a network volume or a
+slow local disk; a reload faster than this finishes well inside the default)."""
+
+
+def reload_deadline_for(setting_s: float | None, nbytes: int | None) -> float:
+    """The reload deadline, seconds: ``setting_s`` (the group's ``reload_deadline_s``) where set; else
+    ``RELOAD_BASE_S + nbytes / RELOAD_FLOOR_BYTES_PER_S`` (``nbytes`` None or 0: the base alone)."""
+    if setting_s is not None:
+        return setting_s
+    return RELOAD_BASE_S + (nbytes or 0) / RELOAD_FLOOR_BYTES_PER_S
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(GroupSettings.model_fields)

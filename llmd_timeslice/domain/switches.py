@@ -59,6 +59,8 @@ class StepFault(enum.Enum):
     until the engine restarts; snapshot_ext.proto, ``OPERATION_FAULT_ENGINE_FAILED``)."""
     LABEL = "label"
     """The serving label could not be written (label fallback)."""
+    ENGINE_UNREACHABLE = "engine_unreachable"
+    """Nothing answers at the engine's address, or its engine core is dead: it holds no accelerator memory."""
 
 
 class SamplerStepFailed(RuntimeError):
@@ -101,6 +103,9 @@ class SwitchRecord:
     """To a job: requests the gates answered 503 ``drain_deadline`` at the drain deadline (x-request-id each)."""
     parked_requests: dict[str, str] = field(default_factory=dict)
     """To a job: address -> requests found inside its engine after it slept and what was done ("2 aborted")."""
+    unreachable: dict[str, str] = field(default_factory=dict)
+    """to_job: samplers left out of the sleep because their engine was down (address -> why); they hold no
+    accelerator memory, stay out of service, and are put to sleep when they answer again (issue 38 §5)."""
 
 
 @dataclass(frozen=True)

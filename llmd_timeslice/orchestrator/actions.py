@@ -46,7 +46,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2 as xpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import snapshot_ext_pb2_grpc as xpb_grpc
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as spb_grpc
-from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
+from llmd_timeslice.domain.group_settings import MAX_DEADLINE_S, GroupSpec, SamplerEndpoint
 from llmd_timeslice.domain.switches import EngineReading, JobState, SamplerStepFailed, StepFault, SwitchRecord
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.sidecar_stream import (
@@ -67,6 +67,33 @@ RPC_TIMEOUT_S = 10.0
 START_RPC_TIMEOUT_S = 6.0
 """Deadline of the calls that start a sidecar operation; they wait for the channel to be ready (a sidecar that is
 reconnecting is reached within the 5 s back-off cap), so a dead sidecar fails the switch after this long."""
+
+
+def operation_deadlines(spec: GroupSpec) -> xpb.OperationDeadlines:
+    """``spec``'s sleep, wake and reload deadlines as a command carries them (reload 0: by the version's bytes,
+    computed by the sidecar, which knows them)."""
+    return xpb.OperationDeadlines(
+        sleep_s=spec.sleep_deadline_s, wake_s=spec.wake_deadline_s, reload_s=spec.reload_deadline_s or 0.0
+    )
+
+
+def operation_wait_s(spec: GroupSpec, kind: str) -> float:
+    """How long the orchestrator waits for a sidecar's answer to a ``kind`` ("sleep" or "wake") operation: its
+    deadline, and for a wake one weight reload's on top (the sidecar enforces both; an unset reload deadline, known
+    only to the sidecar by the bytes, is waited for up to the longest one the setting allows). A sidecar that dies
+    meanwhile breaks the operation stream first."""
+    if kind == "sleep":
+        return spec.sleep_deadline_s
+    reload_s = spec.reload_deadline_s or MAX_DEADLINE_S
+    return spec.wake_deadline_s + reload_s
+
+
+_STEP_FAULTS: dict[int, StepFault] = {
+    xpb.OPERATION_FAULT_WEIGHTS_REJECTED: StepFault.WEIGHTS_REJECTED,
+    xpb.OPERATION_FAULT_ENGINE_UNREACHABLE: StepFault.ENGINE_UNREACHABLE,
+    xpb.OPERATION_FAULT_ENGINE_FAILED: StepFault.ENGINE_FAILED,
+}
+"""A failed operation's fault (snapshot_ext.proto) -> the step's fault; any other: StepFault.ENGINE."""
 
 
 class ServingLabeler(Protocol):
@@ -200,9 +227,11 @@ class GrpcSwitchActions(SwitchActions):
         config: spb.BackendConfig,
         weights: WeightUpdate | None = None,
         residual_budget_bytes: int = 0,
+        spec: GroupSpec | None = None,
     ) -> spb.GetOperationResponse:
         """One sleep or wake through the sidecar, waited for; returns the finished operation. ``residual_budget_bytes``:
-        a sleep's device-memory budget (the group's for its level; 0: the sidecar's default). Raises
+        a sleep's device-memory budget (the group's for its level; 0: the sidecar's default). The command carries
+        ``spec``'s deadlines (:func:`operation_deadlines`), and the wait for its answer outlasts them. Raises
         :class:`SamplerStepFailed`."""
         stream = self._streams.get(sampler.sidecar)
         if stream is None:
@@ -220,6 +249,10 @@ class GrpcSwitchActions(SwitchActions):
         if stream.unsupported:
             return await self._operation_unary(sampler, group, kind, config, weights, snapshot)
         cmd = xpb.OperationCommand()
+        wait_s = self.operation_timeout_s
+        if spec is not None:
+            cmd.deadlines.CopyFrom(operation_deadlines(spec))
+            wait_s = operation_wait_s(spec, kind)
         if kind == "sleep":
             cmd.snapshot.CopyFrom(snapshot)
         else:
@@ -229,7 +262,7 @@ class GrpcSwitchActions(SwitchActions):
             else:
                 cmd.restore_with_weights.CopyFrom(xpb.RestoreWithWeightsRequest(restore=restore, weights=weights.to_pb()))
         try:
-            result = await stream.run(cmd, self.operation_timeout_s + RPC_TIMEOUT_S)
+            result = await stream.run(cmd, wait_s + RPC_TIMEOUT_S)
         except StreamUnsupported:
             return await self._operation_unary(sampler, group, kind, config, weights, snapshot)
         except (StreamBroken, OperationRefused, TimeoutError) as exc:
@@ -249,11 +282,7 @@ class GrpcSwitchActions(SwitchActions):
         if op.status != spb.OPERATION_STATUS_COMPLETE:
             self.sampler_states[sampler.address] = JobState.FAULTED
             why = op.error if op.HasField("error") else f"status {spb.OperationStatus.Name(op.status)}"
-            faults: dict[int, StepFault] = {
-                xpb.OPERATION_FAULT_WEIGHTS_REJECTED: StepFault.WEIGHTS_REJECTED,
-                xpb.OPERATION_FAULT_ENGINE_FAILED: StepFault.ENGINE_FAILED,
-            }
-            step_fault = faults.get(fault, StepFault.ENGINE)
+            step_fault = _STEP_FAULTS.get(int(fault), StepFault.ENGINE)
             raise SamplerStepFailed(sampler.address, kind, step_fault, f"{kind} of {sampler.address} failed: {why}")
         return op
 
@@ -345,7 +374,9 @@ class GrpcSwitchActions(SwitchActions):
         Raises SamplerStepFailed."""
         self.sampler_states[sampler.address] = JobState.TRANSITIONING
         level = 2 if config.app_endpoint.mode == spb.SUSPEND_MODE_DISCARD else 1
-        op = await self._operation(sampler, spec.group_id, "sleep", config, residual_budget_bytes=spec.residual_budget_for(level))
+        op = await self._operation(
+            sampler, spec.group_id, "sleep", config, residual_budget_bytes=spec.residual_budget_for(level), spec=spec
+        )
         self.sampler_states[sampler.address] = JobState.SAVED
         if record is not None and op.parked_requests:
             record.parked_requests[sampler.address] = f"{op.parked_requests} {op.parked_action}"
@@ -362,7 +393,7 @@ class GrpcSwitchActions(SwitchActions):
         loaded = weights is not None
         try:
             try:
-                await self._operation(sampler, spec.group_id, "wake", config, weights)
+                await self._operation(sampler, spec.group_id, "wake", config, weights, spec)
             except SamplerStepFailed as exc:
                 if weights is None or exc.fault is not StepFault.WEIGHTS_REJECTED:
                     raise
@@ -376,7 +407,7 @@ class GrpcSwitchActions(SwitchActions):
                 )
                 loaded = False
                 try:
-                    await self._operation(sampler, spec.group_id, "wake", config)
+                    await self._operation(sampler, spec.group_id, "wake", config, spec=spec)
                 except SamplerStepFailed as again:
                     raise SamplerStepFailed(
                         address, "wake", again.fault, f"{exc}; waking it with its last good version failed too: {again}"
@@ -419,10 +450,25 @@ class GrpcSwitchActions(SwitchActions):
         record.phases["drain"] = time.monotonic() - t
 
     async def suspend_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:
+        """Put every sampler to sleep. A sampler whose engine is down (nothing answers at its address, or its engine
+        core is dead: the sidecar says so, ``StepFault.ENGINE_UNREACHABLE``) holds no accelerator memory: it is left
+        out, named in ``record.unreachable``, and the sleep goes on with the others (issue 38 §5). Any other
+        failure raises (the first, once every sampler's sleep ended)."""
         t = time.monotonic()
         cfg = self._config(record.sleep_level or spec.sleep_level)
-        await asyncio.gather(*(self.suspend_sampler(spec, s, cfg, record) for s in spec.samplers))
+        results = await asyncio.gather(
+            *(self.suspend_sampler(spec, s, cfg, record) for s in spec.samplers), return_exceptions=True
+        )
         record.phases["sleep"] = time.monotonic() - t
+        for s, r in zip(spec.samplers, results, strict=True):
+            if isinstance(r, SamplerStepFailed) and r.fault is StepFault.ENGINE_UNREACHABLE:
+                record.unreachable[s.address] = str(r)
+                log.warning("group=%s sampler %s left out of the sleep: its engine is down (%s)", spec.group_id, s.address, r)
+        for r in results:
+            if isinstance(r, BaseException) and not (
+                isinstance(r, SamplerStepFailed) and r.fault is StepFault.ENGINE_UNREACHABLE
+            ):
+                raise r
         await self._publish(spec.samplers, gpb.ENDPOINT_STATE_ASLEEP)
 
     async def resume_samplers(self, spec: GroupSpec, record: SwitchRecord) -> None:

@@ -99,6 +99,7 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.ack_timeout_s = ack_timeout_s
         self.keepalive_s = keepalive_s
         self.epoch = 0
+        self.weights_final: dict[str, bool] = {}  # pool -> no newer weight version can come now (set_weights_final)
         self.state: dict[str, dict[str, tuple[gpb.EndpointState, int]]] = {}  # pool -> address -> (wire state, weight version)
         self._gates: dict[str, _GateConn] = {}
         self._ids = itertools.count()
@@ -323,11 +324,27 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             full_snapshot=True,
             pools=[
                 pb.PoolEndpoints(
-                    pool=pool, endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v) for a, (s, v) in eps.items()]
+                    pool=pool,
+                    endpoints=[gpb.EndpointUpdate(address=a, state=s, weight_version=v) for a, (s, v) in eps.items()],
+                    weights_final=self.weights_final.get(pool, False),
                 )
                 for pool, eps in self.state.items()
             ],
         )
+
+    def set_weights_final(self, pool: str, final: bool) -> None:
+        """Whether no newer weight version can come for ``pool`` (:meth:`Orchestrator.weights_final`); a change is
+        sent to every gate at once (a state update without endpoints; not waited for: the flag only lets a gate
+        refuse at once what it would otherwise hold, and the next update of the pool carries it again)."""
+        if self.weights_final.get(pool, False) == final:
+            return
+        self.weights_final[pool] = final
+        self.epoch += 1
+        cmd = pb.GateCommand(state=pb.StateUpdate(epoch=self.epoch, pools=[pb.PoolEndpoints(pool=pool, weights_final=final)]))
+        conns = [c for c in self._gates.values() if not c.closed]
+        for c in conns:
+            c.outbox.put_nowait(cmd)
+        GATE_COMMANDS.labels("state").inc(len(conns))
 
     async def publish(self, pool: str, updates: list[tuple[str, gpb.EndpointState, int | None]]) -> tuple[int, list[str]]:
         """Apply ``(address, wire state, weight version or None)`` updates to ``pool``; send them to every gate
@@ -341,7 +358,10 @@ class GateHub(pb_grpc.GateStateServiceServicer):
             wire.append(gpb.EndpointUpdate(address=address, state=state, weight_version=v))
         self.epoch += 1
         epoch = self.epoch
-        cmd = pb.GateCommand(state=pb.StateUpdate(epoch=epoch, pools=[pb.PoolEndpoints(pool=pool, endpoints=wire)]))
+        final = self.weights_final.get(pool, False)
+        cmd = pb.GateCommand(
+            state=pb.StateUpdate(epoch=epoch, pools=[pb.PoolEndpoints(pool=pool, endpoints=wire, weights_final=final)])
+        )
         conns = [c for c in self._gates.values() if not c.closed]
         for c in conns:
             c.outbox.put_nowait(cmd)

@@ -145,6 +145,34 @@ class RejectedWeights:
     error: str
 
 
+@dataclass(frozen=True)
+class SyncProblem:
+    """One weight-version problem kept for the publisher's next acquire: sampler address -> why, of ``n`` samplers
+    woken with ``version``; ``kind``: ``rejected`` (by all; not retried), ``refused`` (those serve their last good
+    version) or ``not_loaded`` (those stay out of service). Told only for the samplers still without it then."""
+
+    version: int
+    kind: str
+    reasons: dict[str, str]
+    n: int
+    serving: int = 0  # rejected: the version the samplers serve instead
+
+    def text(self, reasons: dict[str, str]) -> str:
+        """The message for ``reasons`` (a subset of :attr:`reasons`)."""
+        k, v, why = len(reasons), self.version, "; ".join(f"{a}: {e}" for a, e in sorted(reasons.items()))
+        if self.kind == "rejected":
+            return (
+                f"weight version {v} was rejected by {k} of {self.n} sampler(s) and is not retried until a newer "
+                f"version is published; they serve version {self.serving}: {why}"
+            )
+        if self.kind == "refused":
+            return f"weight version {v} was refused by {k} of {self.n} sampler(s), which serve their last good version: {why}"
+        return (
+            f"weight version {v} did not load on {k} of {self.n} sampler(s) woken with it, which stay out of service at "
+            f"their old version: {why}"
+        )
+
+
 @dataclass
 class AcquireResult:
     """``waited_ms``: milliseconds from the call to the grant."""
@@ -215,7 +243,7 @@ def judge_engines(g: Group, readings: dict[str, EngineReading]) -> dict[str, tup
         if r.unreachable:
             faults[smp.address] = (
                 EngineFault.UNREACHABLE,
-                f"its engine refuses connections (down or restarting): {r.unreachable}",
+                f"its engine refuses connections or does not answer (down, restarting or hung): {r.unreachable}",
             )
         elif r.sleeping:
             faults[smp.address] = (EngineFault.ASLEEP, "its engine sleeps while it should serve")
@@ -255,7 +283,7 @@ class Group:
         self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
         self.sampler_errors: dict[str, str] = {}  # out-of-service samplers -> why
         self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
-        self.weight_sync_errors: dict[str, str] = {}  # job -> why its version failed (told at its next acquire)
+        self.weight_sync_errors: dict[str, list[SyncProblem]] = {}  # job -> its version's problems (next acquire)
         self.yield_stats = YieldStats()
         self.last_honoured: dict[str, float] = {}  # job -> clock reading of its last yield after a yield request
         self._suppressed: set[tuple[int, int, str]] = set()  # (lease token, band, knob) counted for the gates' asks
@@ -267,6 +295,7 @@ class Group:
         self._pending_replies: list[asyncio.Future[Any]] = []
         self._pending_settings: GroupSpec | None = None
         self._reading = False
+        self._returning: set[str] = set()  # samplers back from being down, being put to sleep while HELD
         self._lease_timer: TimerHandle | None = None
         self._repair_timer: TimerHandle | None = None
         self._repair_delay: float | None = None
@@ -307,6 +336,13 @@ class Group:
     def serving_version(self) -> int:
         """Highest weight version any in-service sampler of the group serves (0: the initial weights)."""
         return max((v for a, v in self.sampler_versions.items() if a not in self.sampler_errors), default=0)
+
+    @property
+    def weights_can_change(self) -> bool:
+        """Whether a newer weight version may reach the samplers: a job holds or waits for the group (it may publish
+        one), or a published version is not served yet."""
+        target = self.target_weights
+        return self.holder is not None or bool(self._waiters) or (target is not None and self.serving_version < target.version)
 
     @property
     def target_weights(self) -> WeightUpdate | None:
@@ -354,6 +390,7 @@ class Group:
             except Exception as exc:  # a bug: the group may be half-changed; put it in a safe phase and say so
                 await self._recover(cmd, exc, before)
             self._notify_watchers()
+            self._orch.note_weights_final(self)
 
     async def _recover(self, cmd: Command, exc: Exception, before: tuple[GroupPhase, str | None, int | None]) -> None:
         """After an unexpected exception in the handler of ``cmd``: fail the caller with :class:`GroupFault`, stop
@@ -556,14 +593,26 @@ class Group:
             self._waiters.remove(w)
 
     def _weight_sync_error_for(self, job: str) -> str:
-        """The weight-sync problems kept for ``job`` since it published (popped: told once), marked as repaired when
-        every sampler serves the published version in service by now (a repair or a restarted engine fixed it)."""
-        error = self.weight_sync_errors.pop(job, "")
-        w = self.weights
-        repaired = w is not None and not self.sampler_errors and bool(self.sampler_versions)
-        if error and w is not None and repaired and all(v == w.version for v in self.sampler_versions.values()):
-            error += f" (since repaired: every sampler serves weight version {w.version} now)"
-        return error
+        """The weight-sync problems kept for ``job`` since it published (popped: told once), about the samplers still
+        without that version in service now only: what a repair or a restarted engine fixed meanwhile is not told
+        (logged here instead). "" when nothing is still wrong."""
+        problems = self.weight_sync_errors.pop(job, [])
+        texts, repaired = [], []
+        for p in problems:
+            still = {
+                a: why for a, why in p.reasons.items() if a in self.sampler_errors or self.sampler_versions.get(a, 0) < p.version
+            }
+            repaired += sorted(set(p.reasons) - set(still))
+            if still:
+                texts.append(p.text(still))
+        if repaired:
+            log.info(
+                "group=%s weight-version problems of job %s on %s were repaired before its next acquire: not reported",
+                self.group_id,
+                job,
+                repaired,
+            )
+        return "; ".join(texts)
 
     async def _release(self, job: str, kind: GroupCommand) -> YieldResult:
         """The holder is gone (yield, lease expired, grant taken back): the next waiter, the samplers, or a
@@ -946,6 +995,12 @@ class Group:
         assert sw is not None
         self._switch = None
         self._orch.record(self, sw.record)
+        for addr, why in sw.record.unreachable.items():  # down: no accelerator memory held; asleep before it serves
+            self.sampler_errors[addr] = (
+                f"its engine was down at the sleep ({why}); out of service, put to sleep when it answers again"
+            )
+            self.unreachable_engines.add(addr)
+            self._dirty = True
         w = sw.waiter
         if w is not None and not w.future.done():
             await self._grant(w, C.SUSPENDED)
@@ -1070,33 +1125,22 @@ class Group:
         publisher = self.weights_publisher or rec.job_id
         n = len(rec.sampler_versions)
         loaded = [a for a, v in rec.sampler_versions.items() if v == w.version and a not in rec.sampler_errors]
-        problems = []
+        problems: list[SyncProblem] = []
         if rec.weights_rejected:
             reasons = "; ".join(f"{a}: {e}" for a, e in sorted(rec.weights_rejected.items()))
             if not loaded and self.weights is not None and w.version == self.weights.version:
                 # Nobody could load it: not retried until a newer version is published.
                 self.rejected = RejectedWeights(w.version, reasons)
-                problems.append(
-                    f"weight version {w.version} was rejected by {len(rec.weights_rejected)} of {n} "
-                    "sampler(s) and is not retried until a newer version is published; they serve "
-                    f"version {self.serving_version}: {reasons}"
-                )
+                problems.append(SyncProblem(w.version, "rejected", dict(rec.weights_rejected), n, self.serving_version))
             else:
-                problems.append(
-                    f"weight version {w.version} was refused by {len(rec.weights_rejected)} of {n} "
-                    f"sampler(s), which serve their last good version: {reasons}"
-                )
-            log.error("group=%s %s", self.group_id, problems[-1])
+                problems.append(SyncProblem(w.version, "refused", dict(rec.weights_rejected), n))
+            log.error("group=%s %s", self.group_id, problems[-1].text(problems[-1].reasons))
         if loaded and (self.last_good is None or w.version > self.last_good.version):
             self.last_good = w
         if rec.sampler_errors:
-            problems.append(
-                f"weight version {w.version} did not load on {len(rec.sampler_errors)} of {n} "
-                "sampler(s) woken with it, which stay out of service at their old version: "
-                + "; ".join(f"{a}: {e}" for a, e in sorted(rec.sampler_errors.items()))
-            )
+            problems.append(SyncProblem(w.version, "not_loaded", dict(rec.sampler_errors), n))
         if problems:
-            self.weight_sync_errors[publisher] = "; ".join(problems)
+            self.weight_sync_errors[publisher] = problems
 
     # ------------------------------------------------------------------ audit and repair
     async def _on_audit_tick(self, cmd: Command) -> None:
@@ -1104,7 +1148,9 @@ class Group:
         actions = self._orch.actions
         if self._reading or not actions.can_read_engines:
             return
-        if self.phase is P.SERVING:
+        if self.phase is P.HELD:  # a sampler whose engine was down at the sleep: is it back (and awake)?
+            samplers, done = [s for s in self.spec.samplers if s.address in self.unreachable_engines], C.PROBED
+        elif self.phase is P.SERVING:
             samplers, done = list(self.spec.samplers), C.AUDITED
         else:  # OUT_OF_SERVICE: is an engine that refused connections back?
             samplers, done = [s for s in self.spec.samplers if s.address in self.sampler_errors], C.PROBED
@@ -1138,6 +1184,9 @@ class Group:
         self._start_resume(SwitchKind.REPAIR, C.AUDITED, samplers=bad, engine_faults={a: f for a, (f, _) in faults.items()})
 
     async def _on_probed(self, cmd: Command) -> None:
+        if self.phase is P.HELD:
+            self._on_probed_held(cmd)
+            return
         back = False
         if cmd.epoch == self._epoch:
             for addr, r in (cmd.readings or {}).items():
@@ -1151,6 +1200,46 @@ class Group:
             self._start_repair(C.PROBED)
         else:
             self._enter(P.OUT_OF_SERVICE, C.PROBED)
+
+    def _on_probed_held(self, cmd: Command) -> None:
+        """While a job holds the group: each sampler left out of the sleep that answers again is put to sleep (an
+        engine back from a restart is awake and takes accelerator memory), or counted asleep if it already is."""
+        back = []
+        if cmd.epoch == self._epoch:
+            for addr, r in sorted((cmd.readings or {}).items()):
+                if r.unreachable or addr not in self.unreachable_engines:
+                    continue
+                if r.sleeping:
+                    self._returned_asleep(addr, "it reports itself asleep")
+                else:
+                    back.append(addr)
+        self._enter(P.HELD, C.PROBED)
+        if back and not self._returning:
+            samplers = [s for s in self.spec.samplers if s.address in back]
+            log.warning("group=%s samplers %s answer again while the group is held: putting them to sleep", self.group_id, back)
+            rec = SwitchRecord(self.group_id, SwitchKind.TO_JOB, self.holder or "", self._orch.clock.wall())
+            rec.sleep_level = self.spec.sleep_level_for(self.holder or "", (self.holder or "") in self.publishers)
+            self._returning = set(back)
+            spec = self.spec.copy(samplers=samplers)
+            self._spawn(self._step(self._orch.actions.suspend_samplers, spec, rec, C.RETURNED, C.RETURNED), "returned")
+
+    def _returned_asleep(self, addr: str, how: str) -> None:
+        self.unreachable_engines.discard(addr)
+        self.sampler_errors.pop(addr, None)
+        self._dirty = True
+        log.warning(
+            "group=%s sampler %s is back and asleep (%s); it serves again when the holder yields", self.group_id, addr, how
+        )
+
+    async def _on_returned(self, cmd: Command) -> None:
+        rec, addrs = cmd.record, self._returning
+        self._returning = set()
+        if cmd.error is not None:  # those that did fall asleep report it at the next probe, the others are tried again
+            log.error("group=%s putting returned samplers %s to sleep failed: %s", self.group_id, sorted(addrs), cmd.error)
+        elif rec is not None:
+            for addr in sorted(addrs - set(rec.unreachable)):
+                self._returned_asleep(addr, "put to sleep, verified")
+        self._enter(P.HELD, C.RETURNED)
 
     async def _on_repair_tick(self, cmd: Command) -> None:
         log.warning(
@@ -1276,6 +1365,7 @@ class Group:
         C.REPAIRED: _on_resumed,
         C.AUDITED: _on_audited,
         C.PROBED: _on_probed,
+        C.RETURNED: _on_returned,
         C.YIELD_REQUEST: _on_yield_request,
         C.YIELD_DEADLINE: _on_yield_deadline,
     }
@@ -1313,6 +1403,9 @@ class Orchestrator:
             self.groups[s.group_id] = Group(s, self)
         self._on_switch = on_switch
         self.on_transition: Callable[[Group, GroupPhase, GroupCommand, GroupPhase], None] | None = None
+        self.on_weights_final: Callable[[str, bool], None] | None = None
+        """Called with (pool, whether no newer weight version can come for it) after each command of a group serving
+        that pool (the gate hub sends the changes: issue 38 §5)."""
         """Called with (group, from, command, to) for every move, staying put included (tests, tracing)."""
         self.persister: Any = None  # a StatePersister (persistence.py) once the server wires one
         self.repair_first_s = 2.0
@@ -1498,6 +1591,19 @@ class Orchestrator:
                 g.post(Command(C.AUDIT_TICK))
                 found = True
         return found
+
+    def weights_final(self, pool: str) -> bool:
+        """True when no newer weight version can come for ``pool``: groups serve it and none of them can change
+        its weights now (:attr:`Group.weights_can_change`)."""
+        groups = [g for g in self.groups.values() if any(s.pool == pool for s in g.spec.samplers)]
+        return bool(groups) and not any(g.weights_can_change for g in groups)
+
+    def note_weights_final(self, g: Group) -> None:
+        """After a command of ``g``: tell :attr:`on_weights_final` about each pool ``g`` serves."""
+        if self.on_weights_final is None:
+            return
+        for pool in sorted({s.pool for s in g.spec.samplers}):
+            self.on_weights_final(pool, self.weights_final(pool))
 
     def _arm_audit(self) -> None:
         self._audit_timer = self.clock.call_at(self.clock.now() + self.audit_interval_s, self._audit)

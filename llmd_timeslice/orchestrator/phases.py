@@ -35,6 +35,9 @@ Legal sequences (the table below is the complete list):
 * repair: ``OUT_OF_SERVICE -repair tick | probed (engine back)-> REPAIRING -repaired-> SERVING |
   OUT_OF_SERVICE | DRAINING``; the engine audit: ``SERVING -audited (fault)-> REPAIRING``;
 * a group without samplers: ``FREE|DEFERRED -acquire-> HELD -yield-> HELD | DEFERRED``;
+* a sampler whose engine was down at the sleep (it holds no accelerator memory) is left out of it and the grant
+  goes on; while ``HELD`` the audit probes it (``-audit tick-> -probed->``) and puts it to sleep once it answers
+  (``-returned-> HELD``), so it never serves, nor keeps memory, while the job holds the accelerators;
 * discovery: ``-spec update->`` applies at once in ``FREE, SERVING, OUT_OF_SERVICE, HELD, DEFERRED``
   (new samplers of an idle group are woken: ``-> RESUMING``; a group left without samplers becomes
   ``FREE``) and waits for the next of those phases otherwise;
@@ -134,6 +137,9 @@ class GroupCommand(enum.Enum):
     AUDITED = "audited"
     PROBED = "probed"
     GRANT_NOT_SAVED = "grant_not_saved"
+    RETURNED = "returned"
+    """While a job holds the group: a sampler whose engine was down at the sleep answered again and was put to
+    sleep (or that sleep failed); issue 38 §5."""
     YIELD_REQUEST = "yield_request"
     """Ask the holder to yield at its next safe point (the gates' hold pressure, ``RequestYield``); taken in every
     phase (stays put): only ``HELD`` has a holder to ask, the others answer so."""
@@ -186,6 +192,10 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
             (P.HELD, C.SPEC_UPDATE): {P.HELD},
             (P.HELD, C.START): {P.HELD},
             (P.HELD, C.YIELD_DEADLINE): {P.HELD},
+            # a sampler left out of the sleep (engine down) is probed, and put to sleep once it answers again
+            (P.HELD, C.AUDIT_TICK): {P.HELD},
+            (P.HELD, C.PROBED): {P.HELD},
+            (P.HELD, C.RETURNED): {P.HELD},
             # deferred snapshot (no samplers)
             (P.DEFERRED, C.ACQUIRE): {P.HELD},
             (P.DEFERRED, C.SPEC_UPDATE): {P.DEFERRED, P.RESUMING},
@@ -222,7 +232,11 @@ TRANSITIONS: MappingProxyType[tuple[GroupPhase, GroupCommand], frozenset[GroupPh
 """(phase, command) -> the phases the command may lead to (the current one where it stays)."""
 
 IGNORED: frozenset[tuple[GroupPhase, GroupCommand]] = frozenset(
-    {(p, c) for p in GroupPhase for c in (C.AUDIT_TICK, C.REPAIR_TICK, C.AUDITED, C.PROBED, C.LEASE_EXPIRED, C.YIELD_DEADLINE)}
+    {
+        (p, c)
+        for p in GroupPhase
+        for c in (C.AUDIT_TICK, C.REPAIR_TICK, C.AUDITED, C.PROBED, C.LEASE_EXPIRED, C.YIELD_DEADLINE, C.RETURNED)
+    }
     - set(TRANSITIONS)
 )
 """Late timer ticks and stale advisory results: dropped without a transition (not an error)."""

@@ -27,6 +27,9 @@ from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, RestoreOutcome
 from llmd_timeslice.orchestrator.persistence import StatePersister, StateStore
 from llmd_timeslice.orchestrator.service import (
+    LEADER,
+    LEADER_TERM,
+    SAMPLERS_OUT_OF_SERVICE,
     LeaseServicer,
     OrchestratorInfo,
     OrchestratorService,
@@ -150,6 +153,7 @@ class OrchestratorServer:
         self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch, clock=clock)
         self.hub.on_endpoint_failure = self.orchestrator.audit_endpoint
         self.hub.on_hold_pressure = self.orchestrator.hold_pressure
+        self.orchestrator.on_weights_final = self.hub.set_weights_final
         self._reconcile = reconcile_on_start
         self.state_store = state_store
         self._server: aio.Server | None = None
@@ -200,6 +204,7 @@ class OrchestratorServer:
         await self._server.start()
         if self._upstream is not None:
             await self._upstream.start()
+        SAMPLERS_OUT_OF_SERVICE.orchestrators.append(self.orchestrator)
         await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         saved = None
         if self.election is not None:
@@ -220,6 +225,8 @@ class OrchestratorServer:
             return
         self.serving = True
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        LEADER.set(1)
+        LEADER_TERM.set(self.term)
         self.ready.set()
         log.info(
             "orchestrator %s:%d groups=%s%s",
@@ -310,6 +317,7 @@ class OrchestratorServer:
         if self.stepped_down.is_set() or self.election is None:
             return
         self.serving = False
+        LEADER.set(0)
         self.step_down_reason = reason
         self.stepped_down.set()
         log.error("orchestrator %s (term %d) steps down: %s", self.election.identity, self.term, reason)
@@ -329,6 +337,10 @@ class OrchestratorServer:
         return state
 
     async def stop(self) -> None:
+        if self.serving:
+            LEADER.set(0)
+        if self.orchestrator in SAMPLERS_OUT_OF_SERVICE.orchestrators:
+            SAMPLERS_OUT_OF_SERVICE.orchestrators.remove(self.orchestrator)
         await self.orchestrator.close()
         if self.orchestrator.persister is not None:
             await self.orchestrator.persister.close()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     lease_pb2,
@@ -22,7 +23,8 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.auth import JobAuthorizer
-from llmd_timeslice.domain.switches import JobState
+from llmd_timeslice.domain.group_settings import RELOAD_BASE_S, RELOAD_FLOOR_BYTES_PER_S
+from llmd_timeslice.domain.switches import JobState, SwitchKind
 from llmd_timeslice.orchestrator import groups as core
 from llmd_timeslice.orchestrator.phases import IllegalTransition
 from llmd_timeslice.orchestrator.switch import SwitchActions
@@ -82,6 +84,47 @@ WEIGHT_SYNC_FAILED = Gauge(
     "1 while a sampler is out of service because its weight load failed.",
     ["group_id", "address"],
 )
+WAKE_FAILURES = Counter(
+    "llmd_timeslice_orchestrator_wake_failures_total",
+    "Wakes of a sampler that failed (a switch back to the samplers, a repair, a reconcile); the sampler stays out of "
+    "service until a repair wakes it.",
+    ["group_id", "address"],
+)
+LEADER = Gauge(
+    "llmd_timeslice_orchestrator_leader",
+    "1 while this orchestrator replica serves as the leader (always, once started, without leader election).",
+)
+LEADER_TERM = Gauge(
+    "llmd_timeslice_orchestrator_leader_term",
+    "The leader term this replica serves with (the Lease's leaseTransitions + 1; 0 without leader election).",
+)
+
+
+class SamplersOutOfService:
+    """Scrape-time ``llmd_timeslice_orchestrator_sampler_out_of_service{group_id,address}``: 1 for each sampler a
+    fault keeps out of service (its group's ``sampler_errors``), 0 for the others; over every orchestrator in
+    ``orchestrators`` (the server adds its own while it runs)."""
+
+    def __init__(self) -> None:
+        self.orchestrators: list[core.Orchestrator] = []
+
+    def collect(self):
+        fam = GaugeMetricFamily(
+            "llmd_timeslice_orchestrator_sampler_out_of_service",
+            "1 while a fault keeps the sampler out of service (failed wake or sleep, engine dead or restarted, state "
+            "unknown); 0 otherwise. Asleep for a job is not out of service.",
+            labels=["group_id", "address"],
+        )
+        for orch in self.orchestrators:
+            for g in orch.groups.values():
+                for smp in g.spec.samplers:
+                    fam.add_metric([g.group_id, smp.address], float(smp.address in g.sampler_errors))
+        yield fam
+
+
+SAMPLERS_OUT_OF_SERVICE = SamplersOutOfService()
+REGISTRY.register(SAMPLERS_OUT_OF_SERVICE)
+
 ENGINE_FAULTS = Counter(
     "llmd_timeslice_orchestrator_engine_faults_total",
     "Serving samplers whose engine the audit found restarted (another weight version) or asleep; "
@@ -208,6 +251,9 @@ def export_switch(record: core.SwitchRecord) -> None:
         WEIGHT_SYNC_FAILED.labels(group_id=record.group_id, address=address).set(int(address in record.sampler_errors))
     for fault in record.engine_faults.values():
         ENGINE_FAULTS.labels(group_id=record.group_id, reason=fault.value).inc()
+    if record.kind is not SwitchKind.TO_JOB:  # a switch back to the samplers: each error is a failed wake
+        for address in record.sampler_errors:
+            WAKE_FAILURES.labels(group_id=record.group_id, address=address).inc()
 
 
 class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
@@ -331,6 +377,29 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
                     suppressed=g.yield_stats.suppressed,
                     holder=g.holder or "",
                     current=yield_requested(g.lease.yield_request if g.lease is not None else None, now),
+                )
+                for g in groups
+            ]
+        )
+
+    async def ListGroupDeadlines(self, request, context):  # noqa: N802
+        """Each group's sleep, wake and reload deadlines (docs/group-settings.md; reload 0: by the version's bytes)."""
+        if request.group_id:
+            try:
+                groups = [self._orch.group(request.group_id)]
+            except core.OrchestratorError as exc:
+                await _abort(context, exc)
+        else:
+            groups = [self._orch.groups[gid] for gid in sorted(self._orch.groups)]
+        rule = f"{RELOAD_BASE_S:g} s + the version's bytes at {RELOAD_FLOOR_BYTES_PER_S / 2**20:g} MiB/s"
+        return orchestrator_info_pb2.ListGroupDeadlinesResponse(
+            groups=[
+                orchestrator_info_pb2.GroupDeadlines(
+                    group_id=g.group_id,
+                    sleep_s=g.spec.sleep_deadline_s,
+                    wake_s=g.spec.wake_deadline_s,
+                    reload_s=g.spec.reload_deadline_s or 0.0,
+                    reload_rule=rule,
                 )
                 for g in groups
             ]

@@ -48,6 +48,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendMode,
     WeightVersionRejected,
 )
+from llmd_timeslice.snapshot.backends.deadlines import OperationClock, OperationDeadlines, operation_clock
 from llmd_timeslice.snapshot.backends.sleep_memory import MemoryNotFreed
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
@@ -189,13 +190,18 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
 
     Args:
         backends: job id -> default backend that suspends/resumes it.
-        operation_timeout_s: most seconds a backend call may take before the operation FAILS.
+        operation_timeout_s: most seconds a sleep or a wake may take before the operation FAILS, where the command
+            names no deadline of its own (``OperationCommand.deadlines``; a weight reload inside a wake has its own,
+            :mod:`~llmd_timeslice.snapshot.backends.deadlines`).
         annotations: the pod's annotations (see :mod:`llmd_timeslice.snapshot.resolve`).
         command_timeout_s: most seconds a registered workload may take to answer a command.
         backend_kwargs: extra arguments for vLLM/SGLang backends built on demand.
         max_identical_wake_failures: after this many wakes of a job failing the same way in a row (the error with its
             figures taken out), its engine is marked failed: later restores fail at once, naming the failure
             (fault ``ENGINE_FAILED``), until a snapshot of it succeeds; 0: never.
+        hung_after_s: an engine that does not answer ``GetServedWeightVersion``'s reads within this many seconds is
+            reported hung (``engine_unreachable``): the orchestrator's audit takes it out of service like a dead one
+            (issue 38 §5: a frozen engine was never noticed).
     """
 
     def __init__(
@@ -206,9 +212,11 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         command_timeout_s: float = 300.0,
         backend_kwargs: dict | None = None,
         max_identical_wake_failures: int = 3,
+        hung_after_s: float = 5.0,
     ) -> None:
         self.max_identical_wake_failures = max_identical_wake_failures
         self.wake_failures: defaultdict[str, WakeFailures] = defaultdict(WakeFailures)
+        self.hung_after_s = hung_after_s
         self.backends = backends
         self.workloads = WorkloadRegistry()
         self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
@@ -252,7 +260,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         if over:
             SLEEPS_OVER_BUDGET.labels(**labels).inc()
 
-    def _start(self, request, kind: str, weights: WeightUpdate | None = None) -> Operation:
+    def _start(
+        self, request, kind: str, weights: WeightUpdate | None = None, limits: OperationDeadlines | None = None
+    ) -> Operation:
         """Check and start one operation (in the background); returns it. Raises :class:`Refused`."""
         if not request.job_id:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
@@ -275,7 +285,9 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
         budget = request.device_residual_budget_bytes if kind == "snapshot" else 0
-        task = asyncio.get_running_loop().create_task(self._run(op, res.backend, res.mode, res.tags, weights, budget))
+        task = asyncio.get_running_loop().create_task(
+            self._run(op, res.backend, res.mode, res.tags, weights, limits or OperationDeadlines(), budget)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return op
@@ -314,6 +326,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         mode: SuspendMode,
         tags: list[str],
         weights: WeightUpdate | None = None,
+        limits: OperationDeadlines = OperationDeadlines(),
         residual_budget_bytes: int = 0,
     ) -> None:
         async with self._locks[op.job_id]:
@@ -322,33 +335,17 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 self._refuse_failed_engine(op, failures.failed)
                 return
             self.states[op.job_id] = "TRANSITIONING"
+            kind = "sleep" if op.kind == "snapshot" else "wake"
+            limit_s = (limits.sleep_s if kind == "sleep" else limits.wake_s) or self._timeout
+            clock: OperationClock | None = None
             try:
-                if op.kind == "snapshot":
-                    budget = {"residual_budget_bytes": residual_budget_bytes or None} if backend.checks_residual else {}
-                    res = await asyncio.wait_for(backend.suspend(mode, tags, **budget), self._timeout)
-                    if res is not None:
-                        self._record_residual(op.job_id, res.residual)
-                        op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
-                        if res.parked_requests:
-                            op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
-                            PARKED_REQUESTS.labels(job_id=op.job_id, action=res.parked_action).inc(res.parked_requests)
-                    self.states[op.job_id] = "SAVED"
-                elif weights is not None:
-                    await asyncio.wait_for(backend.resume_with_weights(tags, weights), self._timeout)
-                    op.storage_bytes = int(getattr(backend, "last_sync", {}).get("bytes", 0)) or None
-                    self.states[op.job_id] = "RUNNING"
-                else:
-                    await asyncio.wait_for(backend.resume(tags), self._timeout)
-                    self.states[op.job_id] = "RUNNING"
+                async with operation_clock(kind, limit_s, limits.reload_s) as clock:
+                    await self._run_backend(op, backend, mode, tags, weights, residual_budget_bytes)
                 op.status = pb.OPERATION_STATUS_COMPLETE
             except TimeoutError:
-                op.status, op.error = (
-                    pb.OPERATION_STATUS_FAILED,
-                    (
-                        f"{op.kind} of job {op.job_id!r} took more than {self._timeout:g} s; the engine is left out "
-                        "of service: check its logs, then retry the operation"
-                    ),
-                )
+                what = f"{op.kind} of job {op.job_id!r}"
+                op.status = pb.OPERATION_STATUS_FAILED
+                op.error = clock.expired_reason(what) if clock is not None else f"{what} ran past {limit_s:g} s"
                 self.states[op.job_id] = "FAULTED"
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
@@ -356,6 +353,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     self._record_residual(op.job_id, exc.residual, over=True)
                 if isinstance(exc, WeightVersionRejected):
                     op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
+                elif isinstance(exc, EngineUnreachable):
+                    op.fault = xpb.OPERATION_FAULT_ENGINE_UNREACHABLE
                 self.states[op.job_id] = "FAULTED"
             except asyncio.CancelledError:
                 op.status, op.error = (
@@ -414,6 +413,35 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
         op.finish()
 
+    async def _run_backend(
+        self,
+        op: Operation,
+        backend: SnapshotBackend,
+        mode: SuspendMode,
+        tags: list[str],
+        weights: WeightUpdate | None,
+        residual_budget_bytes: int = 0,
+    ) -> None:
+        """The backend's part of ``op`` (under the operation's deadline, set by :meth:`_run`); ``residual_budget_bytes``:
+        a sleep's device-memory budget (0: the backend's default)."""
+        if op.kind == "snapshot":
+            budget = {"residual_budget_bytes": residual_budget_bytes or None} if backend.checks_residual else {}
+            res = await backend.suspend(mode, tags, **budget)
+            if res is not None:
+                self._record_residual(op.job_id, res.residual)
+                op.storage_bytes, op.device_bytes = res.storage_bytes, res.device_bytes_freed
+                if res.parked_requests:
+                    op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
+                    PARKED_REQUESTS.labels(job_id=op.job_id, action=res.parked_action).inc(res.parked_requests)
+            self.states[op.job_id] = "SAVED"
+        elif weights is not None:
+            await backend.resume_with_weights(tags, weights)
+            op.storage_bytes = int(getattr(backend, "last_sync", {}).get("bytes", 0)) or None
+            self.states[op.job_id] = "RUNNING"
+        else:
+            await backend.resume(tags)
+            self.states[op.job_id] = "RUNNING"
+
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start_call(request, context, "snapshot"))
 
@@ -442,12 +470,14 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
     def _start_command(self, cmd: xpb.OperationCommand) -> Operation:
         """Start the operation an OperationCommand names. Raises :class:`Refused`."""
         which = cmd.WhichOneof("command")
+        limits = OperationDeadlines.from_pb(cmd.deadlines)
         if which == "snapshot":
-            return self._start(cmd.snapshot, "snapshot")
+            return self._start(cmd.snapshot, "snapshot", limits=limits)
         if which == "restore":
-            return self._start(cmd.restore, "restore")
+            return self._start(cmd.restore, "restore", limits=limits)
         if which == "restore_with_weights":
-            return self._start(cmd.restore_with_weights.restore, "restore", self._weights(cmd.restore_with_weights))
+            weights = self._weights(cmd.restore_with_weights)
+            return self._start(cmd.restore_with_weights.restore, "restore", weights, limits)
         raise Refused(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"command {cmd.command_id}: an OperationCommand must set snapshot, restore or restore_with_weights",
@@ -500,8 +530,16 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 grpc.StatusCode.FAILED_PRECONDITION, f"backend {backend.name!r} of job {request.job_id!r} has no weight version"
             )
         try:
-            label = await backend.served_weight_version()
-            sleeping = await backend.is_suspended()
+            async with asyncio.timeout(self.hung_after_s):
+                label = await backend.served_weight_version()
+                sleeping = await backend.is_suspended()
+        except TimeoutError:
+            why = (
+                f"engine of job {request.job_id!r} did not answer within {self.hung_after_s:g} s (hung: a frozen "
+                "process, a stuck engine core); out of service until it answers again"
+            )
+            log.error("%s", why)
+            return xpb.GetServedWeightVersionResponse(engine_unreachable=why)
         except EngineUnreachable as exc:
             return xpb.GetServedWeightVersionResponse(engine_unreachable=str(exc))
         except BackendError as exc:
@@ -606,9 +644,16 @@ class SidecarServer:
         backend_kwargs: dict | None = None,
         tls_files: tls.TlsFiles | None = None,
         max_identical_wake_failures: int = 3,
+        hung_after_s: float = 5.0,
     ) -> None:
         self.servicer = SnapshotSidecar(
-            backends, operation_timeout_s, annotations, command_timeout_s, backend_kwargs, max_identical_wake_failures
+            backends,
+            operation_timeout_s,
+            annotations,
+            command_timeout_s,
+            backend_kwargs,
+            max_identical_wake_failures,
+            hung_after_s,
         )
         self.host, self.port, self.token = host, port, token
         self.tls = tls_files

@@ -90,6 +90,7 @@ SOURCES: dict[str, Source] = {
         (
             "example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
             "example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml",
+            "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml",
         ),
     ),
 }
@@ -108,6 +109,7 @@ WANTED = {
     ("agentgateway.dev", "AgentgatewayPolicy", "v1alpha1"),
     ("monitoring.coreos.com", "ServiceMonitor", "v1"),
     ("monitoring.coreos.com", "PodMonitor", "v1"),
+    ("monitoring.coreos.com", "PrometheusRule", "v1"),
 }
 
 

@@ -50,6 +50,8 @@ async def stack(tmp_path):
                     {
                         "group_id": "g",
                         "drain_timeout_s": 5,
+                        "sleep_deadline_s": 10,
+                        "wake_deadline_s": 10,
                         "samplers": [
                             {"pool": "default", "address": a, "sidecar": f"127.0.0.1:{s.port}", "job_id": f"s{i}"}
                             for i, (a, s) in enumerate(zip(addrs, sidecars, strict=True))
@@ -59,7 +61,6 @@ async def stack(tmp_path):
             }
         )
         orch = st["orch"] = OrchestratorServer(inv, port=0, token=TOKEN)
-        orch.actions.operation_timeout_s = 10.0
         await orch.start()
         orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
         gate = st["gate"] = GateServer(
@@ -217,14 +218,16 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
 
 
 async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_acquire_then_comes_back(stack):
-    """A sidecar frozen (SIGSTOP) mid-sleep for longer than the orchestrator's operation deadline (set to 3 s here;
-    10 s in the stack's fixture): the acquire fails with the reason instead of hanging, no request reaches a sleeping
-    engine, and after SIGCONT the group serves on both samplers again by itself (repair) and the next acquire works."""
+    """A sidecar frozen (SIGSTOP) mid-sleep for longer than the group's sleep deadline (set to 3 s here; the
+    orchestrator waits that long plus its RPC margin for the answer): the acquire fails with the reason instead of
+    hanging, no request reaches a sleeping engine, and after SIGCONT the group serves on both samplers again by itself
+    (repair) and the next acquire works."""
     import os
     import signal
 
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
-    stack["orch"].actions.operation_timeout_s = 3.0
+    g = stack["orch"].orchestrator.groups["g"]
+    g.spec.sleep_deadline_s = 3.0  # the group's sleep deadline (issue 38 §2)
     for e in engines:
         e.sleep_delay_s = 0.5
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))
@@ -238,5 +241,30 @@ async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_ac
     await _until(lambda: set(pool.serving()) == set(addrs), 30, "both samplers serving again after SIGCONT")
     assert set(await _requests(pool, 4)) <= {(addrs[0],), (addrs[1],), tuple(addrs)}
     assert sum(e.completions_while_asleep for e in engines) == 0
-    stack["orch"].actions.operation_timeout_s = 10.0
+    g.spec.sleep_deadline_s = 10.0
     await asyncio.wait_for(client.acquire(timeout_sec=30), 30)
+
+
+async def test_an_acquire_while_one_engine_restarts_is_granted_on_the_live_one_and_the_returned_engine_sleeps(stack):
+    """Issue 38 §5: one of two engines is down (killed, restarting) when a trainer acquires. A dead engine holds no
+    accelerator memory: the grant goes on with the live one instead of failing the trainer (it failed with
+    ``LeaseError: ABORTED: ... sleep of <engine> failed: ... did not answer GET /metrics``); the dead one stays out of
+    service and, when it comes back (awake, from its restart) while the trainer holds the group, is put to sleep,
+    verified, before it serves again."""
+    engines, client, pool, addrs, ports = stack["engines"], stack["client"], stack["pool"], stack["addrs"], stack["ports"]
+    orch = stack["orch"]
+    orch.orchestrator.start_repair(first_s=0.5, max_s=2.0, audit_interval_s=0.3)
+    g = orch.orchestrator.groups["g"]
+    engines[1].kill()
+    await client.acquire(timeout_sec=30)
+    assert g.holder == "trainer" and engines[0].level == 1, "granted: the live engine asleep"
+    assert addrs[1] in g.sampler_errors and "its engine was down at the sleep" in g.sampler_errors[addrs[1]]
+    assert pool.serving() == ()
+    engines[1] = FakeVllm(port=ports[1]).start()  # back from its restart: awake, holding accelerator memory
+    await _until(lambda: engines[1].level == 1, timeout_s=20, what="the returned engine put to sleep")
+    await _until(lambda: addrs[1] not in g.sampler_errors, what="counted asleep")
+    assert g.holder == "trainer" and pool.serving() == (), "nothing serves while the trainer holds the group"
+    assert pool.endpoints[addrs[1]].state is EndpointState.ASLEEP
+    await client.release()
+    await _until(lambda: set(pool.serving()) == set(addrs), timeout_s=20, what="both serving after the yield")
+    assert sum(e.completions_while_asleep for e in engines) == 0

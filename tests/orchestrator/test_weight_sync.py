@@ -653,8 +653,10 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
             await _until(lambda: pool.serving(min_version=1) == (addr,) and not g.sampler_errors, timeout_s=20)
         assert engine.weight_version == "1" and engine.weights_path == str(tmp_path / "v1") and not g.sampler_errors
         assert "its engine answers again; repairing now" in caplog.text
-        # The publisher's next acquire tells what failed while the engine was down, and that it is repaired since.
-        res = await st.client.acquire(timeout_sec=30)
-        assert "weight version 1 did not load on 1 of 1 sampler(s) woken with it" in res.weight_sync_error
-        assert res.weight_sync_error.endswith("(since repaired: every sampler serves weight version 1 now)"), res
+        # The load failed while the engine was down, and the repair fixed it before the publisher's next acquire: that
+        # acquire warns about nothing (it printed a warning about the fault already repaired: issue 38 §5).
+        with caplog.at_level(logging.INFO, logger="llmd_timeslice.orchestrator.groups"):
+            res = await st.client.acquire(timeout_sec=30)
+        assert res.weight_sync_error == "", res
+        assert f"weight-version problems of job trainer on ['{addr}'] were repaired before its next acquire" in caplog.text
         await st.client.release()

@@ -157,6 +157,9 @@ class FakeVllm(_FakeEngine):
       after the next full wake every draft token is rejected (a draft model not restored: vllm#52479). The counters
       are shaped like vLLM 0.32's (``vllm/v1/spec_decode/metrics.py``: counters with ``engine`` and ``model_name``
       labels, ``_total`` samples and a ``_created`` gauge, as prometheus-client writes a counter).
+    * ``reload_delay_s``: seconds each ``collective_rpc reload_weights`` takes (a large model's shards, vllm#35547);
+      ``reloads`` counts them, ``max_reloads_in_flight`` the most that ran at once (vLLM would queue a second one
+      behind the first in its engine core).
     * ``lora_adapters``: LoRA adapter names served besides the base model (listed by ``/v1/models`` with ``parent``,
       each with its own greedy tokens); ``garble_adapter_next_wake``: that adapter answers other tokens after the
       next full wake until the weights are reloaded (``reload_weights`` resets vLLM 0.32's LoRA state,
@@ -204,6 +207,8 @@ class FakeVllm(_FakeEngine):
         self.transfer_updates: list = []  # update_info of each /update_weights
         self.spec_tokens, self.spec_acceptance, self.collapse_spec_next_wake = 0, 0.7, False
         self.draft_tokens = self.accepted_tokens = 0.0
+        self.reload_delay_s = 0.0
+        self.reloads = self.reloads_in_flight = self.max_reloads_in_flight = 0
 
     def _state(self) -> str:
         return {0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.level]
@@ -392,6 +397,15 @@ class FakeVllm(_FakeEngine):
             if (body or {}).get("method") == "reload_weights":
                 if "weights" in self.asleep_tags and self.level:
                     return 500, {"error": "weights are asleep"}, "application/json"
+                with self.lock:
+                    self.reloads += 1
+                    self.reloads_in_flight += 1
+                    self.max_reloads_in_flight = max(self.max_reloads_in_flight, self.reloads_in_flight)
+                try:
+                    time.sleep(self.reload_delay_s)
+                finally:
+                    with self.lock:
+                        self.reloads_in_flight -= 1
                 self.weights_path = ((body or {}).get("kwargs") or {}).get("weights_path", self.weights_path)
                 self.garbled, self.garbled_adapter = False, ""
             return 200, {"results": [None]}, "application/json"

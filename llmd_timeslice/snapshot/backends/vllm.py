@@ -128,6 +128,7 @@ with nothing scheduled to drop the aborted requests: not measured here, worth co
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 import time
@@ -138,6 +139,7 @@ from typing import TYPE_CHECKING
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmd_timeslice.snapshot.backends import deadlines
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
     EngineDead,
@@ -148,6 +150,7 @@ from llmd_timeslice.snapshot.backends.base import (
     SuspendResult,
     WeightVersionRejected,
 )
+from llmd_timeslice.snapshot.backends.deadlines import note_step
 from llmd_timeslice.snapshot.backends.device_memory import engine_memory
 from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
 from llmd_timeslice.snapshot.backends.sleep_memory import GIB, SleepMemoryCheck
@@ -259,6 +262,28 @@ class ProbeMismatch(BackendError):
     serve: it is awake but its weights are wrong (a bad reload, corrupted memory)."""
 
 
+@dataclass(eq=False)
+class _Reload:
+    """A ``reload_weights`` sent to the engine: its HTTP call (a task that outlives an operation that ran out of
+    time), the weights it loads (None: the model's own path), when it was sent, whether an operation took its result."""
+
+    task: asyncio.Future
+    path: str | None
+    started: float = field(default_factory=time.monotonic)
+    used: bool = False
+
+    def __post_init__(self) -> None:
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved"
+
+    def finished_unused(self, path: str | None) -> bool:
+        """Finished well, loading ``path``, and no operation counted it yet."""
+        t = self.task
+        return t.done() and not t.cancelled() and t.exception() is None and not self.used and self.path == path
+
+    def __str__(self) -> str:
+        return f"weights {self.path or '(the model path)'}"
+
+
 class VllmBackend(SnapshotBackend):
     """Sleep/wake one vLLM OpenAI server.
 
@@ -354,7 +379,9 @@ class VllmBackend(SnapshotBackend):
         self.idle_timeout_s = idle_timeout_s
         self.idle_poll_s = idle_poll_s
         self.probe = probe
+        self.request_timeout_s = request_timeout_s
         self._http = engine_http_client(self.base_url, request_timeout_s)
+        self._reload: _Reload | None = None  # the last weight reload sent to the engine (one in flight at most)
         if weight_loaders is None:
             weight_loaders = default_loaders()
         self.weight_loaders = weight_loaders
@@ -379,8 +406,14 @@ class VllmBackend(SnapshotBackend):
         return self._capabilities
 
     async def _get(self, path: str) -> httpx.Response:
+        note_step(f"GET {path}")
         try:
-            r = await self._http.get(path)
+            try:
+                r = await self._http.get(path)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection the engine closed without answering (it was killed, or restarted): a GET
+                # is idempotent, so once more on a new connection, which says whether anything listens there now.
+                r = await self._http.get(path)
         except httpx.HTTPError as exc:
             kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
             raise kind(
@@ -409,6 +442,7 @@ class VllmBackend(SnapshotBackend):
             )
 
     async def _post(self, path: str, **kw) -> httpx.Response:
+        note_step(f"POST {path}")
         try:
             r = await self._http.post(path, **kw)
         except httpx.HTTPError as exc:
@@ -429,12 +463,48 @@ class VllmBackend(SnapshotBackend):
         """``POST path`` that must answer 200 (else :class:`BackendError`)."""
         return await self._post(path, **kw)
 
-    async def reload_weights(self, weights_path: str | None = None) -> None:
-        """``POST /collective_rpc reload_weights`` (from ``weights_path``, or the model's own path)."""
+    async def reload_weights(self, weights_path: str | None = None, nbytes: int | None = None) -> None:
+        """``POST /collective_rpc reload_weights`` (from ``weights_path``, or the model's own path; ``nbytes``: the
+        weights' size where known), under the operation's reload deadline (:mod:`~llmd_timeslice.snapshot.backends.deadlines`),
+        not the per-call HTTP timeout.
+
+        One reload in flight per engine: a reload still running (its operation ran out of time) is waited for first,
+        and one of the same weights that finished after its operation gave up counts for this call instead of a
+        second reload. The HTTP call itself has no read timeout: it ends when the engine answers or its connection
+        drops (an engine restart), so the engine never gets a second reload while it is still busy with the first.
+        Raises BackendError; TimeoutError / cancellation at the operation's deadline leaves the reload running."""
+        await self.wait_reload_in_flight(nbytes)
+        prior = self._reload
+        if prior is not None and prior.finished_unused(weights_path):
+            prior.used = True
+            log.info("engine %s: the reload of %s outlived its operation and finished: not sent again", self.base_url, prior)
+            return
         body: dict = {"method": "reload_weights"}
         if weights_path is not None:
             body["kwargs"] = {"weights_path": weights_path}
-        await self._post("/collective_rpc", json=body)
+        timeout = httpx.Timeout(self.request_timeout_s, read=None)
+        # Its own (empty) context: the call outlives this operation and must not write steps into the next one's clock.
+        sent = asyncio.get_running_loop().create_task(
+            self._post("/collective_rpc", json=body, timeout=timeout), context=contextvars.Context()
+        )
+        reload = self._reload = _Reload(sent, weights_path)
+        with deadlines.current().reloading(nbytes, f"POST /collective_rpc reload_weights ({reload})"):
+            await asyncio.shield(reload.task)
+        reload.used = True
+
+    async def wait_reload_in_flight(self, nbytes: int | None = None) -> None:
+        """Wait (under the reload deadline) for a reload an earlier operation left running; its failure is logged,
+        not raised (the caller's own steps find out what state the engine is in)."""
+        reload = self._reload
+        if reload is None or reload.task.done():
+            return
+        step = f"waiting for the reload in flight ({reload}, sent {time.monotonic() - reload.started:.1f} s ago)"
+        log.warning("engine %s: %s before anything else", self.base_url, step)
+        with deadlines.current().reloading(nbytes, step):
+            try:
+                await asyncio.shield(reload.task)
+            except BackendError as exc:
+                log.warning("engine %s: the reload in flight failed: %s", self.base_url, exc)
 
     async def served_weight_version(self) -> str | None:
         """``GET /weight_info`` -> the engine's weight version label (None where the route is absent)."""
@@ -473,7 +543,10 @@ class VllmBackend(SnapshotBackend):
             await asyncio.sleep(self.idle_poll_s)
 
     async def sleep(self, level: int, mode: str | None = None) -> None:
-        """``POST /sleep?level=N&mode=M`` (no waiting for idle, no verification)."""
+        """``POST /sleep?level=N&mode=M`` (no waiting for idle, no verification); a finished reload no longer counts
+        for the next wake after it."""
+        await self.wait_reload_in_flight()
+        self._reload = None
         await self._post("/sleep", params={"level": level, "mode": mode or self.pause_mode})
 
     async def suspend(self, mode: SuspendMode, tags: list[str], residual_budget_bytes: int | None = None) -> SuspendResult:
@@ -632,6 +705,7 @@ class VllmBackend(SnapshotBackend):
         After a level-2 sleep, the weights step also reloads the weights and the kv_cache step resets
         the prefix cache (see the module doc).
         """
+        await self.wait_reload_in_flight()  # one reload in flight: the engine is busy with it until it ends
         tags = list(tags)
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
@@ -677,16 +751,17 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM {self.base_url}: {self.weights_unusable}; no earlier version can be reloaded "
                 "from files, so the engine stays out of service: publish a weight version again"
             )
+        nbytes = None
         if self.weights_location is not None:
             try:
-                await asyncio.to_thread(verify_weights, self.weights_location, self.weight_version or None)
+                nbytes = await asyncio.to_thread(verify_weights, self.weights_location, self.weight_version or None)
             except WeightManifestError as exc:
                 raise BackendError(
                     f"vLLM {self.base_url}: the last good weight version's files changed since it "
                     f"loaded ({exc}); not reloaded, the engine stays out of service: publish a weight "
                     "version again"
                 ) from None
-        await self.reload_weights(self.weights_location)
+        await self.reload_weights(self.weights_location, nbytes)
         self.weights_unusable = None
 
     async def resume_with_weights(self, tags: list[str], weights: WeightUpdate) -> None:
@@ -711,6 +786,7 @@ class VllmBackend(SnapshotBackend):
                 f"vLLM {self.base_url}: weight version {weights.version} refused: {caps.lora_reload_reason()}"
             )
         t0 = time.perf_counter()
+        await self.wait_reload_in_flight()
         if self.level is None:  # state unknown (a repair, a restarted sidecar): never lift another client's pause
             await self._refuse_another_clients_pause()
         if not await self.is_suspended():

@@ -49,7 +49,7 @@ class WeightEngine(Protocol):
 
     async def post_checked(self, path: str, **kw) -> httpx.Response: ...
 
-    async def reload_weights(self, weights_path: str | None = None) -> None: ...
+    async def reload_weights(self, weights_path: str | None = None, nbytes: int | None = None) -> None: ...
 
 
 class WeightLoader(Protocol):
@@ -72,7 +72,7 @@ class FilesWeightLoader:
             raise BackendError(f"weight version {update.version} not loaded: {exc}") from None
         hashing = asyncio.ensure_future(asyncio.to_thread(self._timed_check, checked))
         try:
-            await engine.reload_weights(update.location)
+            await engine.reload_weights(update.location, checked.bytes)
         finally:
             try:
                 nbytes = await hashing  # never left running: its outcome decides the load even when the reload failed

@@ -113,12 +113,14 @@ class KeepAlive(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolEndpoints(_message.Message):
-    __slots__ = ("pool", "endpoints")
+    __slots__ = ("pool", "endpoints", "weights_final")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINAL_FIELD_NUMBER: _ClassVar[int]
     pool: str
     endpoints: _containers.RepeatedCompositeFieldContainer[_gate_control_pb2.EndpointUpdate]
-    def __init__(self, pool: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[_gate_control_pb2.EndpointUpdate, _Mapping]]] = ...) -> None: ...
+    weights_final: bool
+    def __init__(self, pool: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[_gate_control_pb2.EndpointUpdate, _Mapping]]] = ..., weights_final: _Optional[bool] = ...) -> None: ...
 
 class StateUpdate(_message.Message):
     __slots__ = ("epoch", "full_snapshot", "pools")

@@ -88,3 +88,29 @@ class ListYieldRequestsResponse(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupYieldRequests]
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupYieldRequests, _Mapping]]] = ...) -> None: ...
+
+class ListGroupDeadlinesRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class GroupDeadlines(_message.Message):
+    __slots__ = ("group_id", "sleep_s", "wake_s", "reload_s", "reload_rule")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_S_FIELD_NUMBER: _ClassVar[int]
+    WAKE_S_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_S_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_RULE_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    sleep_s: float
+    wake_s: float
+    reload_s: float
+    reload_rule: str
+    def __init__(self, group_id: _Optional[str] = ..., sleep_s: _Optional[float] = ..., wake_s: _Optional[float] = ..., reload_s: _Optional[float] = ..., reload_rule: _Optional[str] = ...) -> None: ...
+
+class ListGroupDeadlinesResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupDeadlines]
+    def __init__(self, groups: _Optional[_Iterable[_Union[GroupDeadlines, _Mapping]]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class OrchestratorInfoServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsResponse.FromString,
                 _registered_method=True)
+        self.ListGroupDeadlines = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListGroupDeadlines',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorInfoServiceServicer:
@@ -62,6 +67,13 @@ class OrchestratorInfoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListGroupDeadlines(self, request, context):
+        """Each group's operation deadlines (issue 38; docs/group-settings.md), for `llmd-timeslice status`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorInfoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_OrchestratorInfoServiceServicer_to_server(servicer, server):
                     servicer.ListYieldRequests,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsResponse.SerializeToString,
+            ),
+            'ListGroupDeadlines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGroupDeadlines,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +147,33 @@ class OrchestratorInfoService:
             '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListYieldRequests',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListYieldRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGroupDeadlines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListGroupDeadlines',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,15 +26,15 @@ from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as llm
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2 as llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/snapshot_ext.proto\x12\x17llmd_timeslice.v1alpha1\x1a?llmd_timeslice/api/snapshot_agent/v1alpha1/snapshot_agent.proto\x1a\x38llmd_timeslice/api/llmd_timeslice/v1alpha1/weights.proto\"/\n\x1dGetServedWeightVersionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"u\n\x1eGetServedWeightVersionResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08sleeping\x18\x03 \x01(\x08\x12\x1a\n\x12\x65ngine_unreachable\x18\x04 \x01(\t\"\x8d\x01\n\x19RestoreWithWeightsRequest\x12\x38\n\x07restore\x18\x01 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreRequest\x12\x36\n\x07weights\x18\x02 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\"?\n\x14WaitOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x8b\x01\n\x0fOperationResult\x12@\n\toperation\x18\x01 \x01(\x0b\x32-.snapshot_agent.v1alpha1.GetOperationResponse\x12\x36\n\x05\x66\x61ult\x18\x02 \x01(\x0e\x32\'.llmd_timeslice.v1alpha1.OperationFault\"\xff\x01\n\x10OperationCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12<\n\x08snapshot\x18\x02 \x01(\x0b\x32(.snapshot_agent.v1alpha1.SnapshotRequestH\x00\x12:\n\x07restore\x18\x03 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreRequestH\x00\x12R\n\x14restore_with_weights\x18\x04 \x01(\x0b\x32\x32.llmd_timeslice.v1alpha1.RestoreWithWeightsRequestH\x00\x42\t\n\x07\x63ommand\"F\n\x10OperationRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x13\n\x0b\x66\x65nced_term\x18\x03 \x01(\x03\"\xa7\x01\n\x0eOperationEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12:\n\x06result\x18\x02 \x01(\x0b\x32(.llmd_timeslice.v1alpha1.OperationResultH\x00\x12<\n\x07refused\x18\x03 \x01(\x0b\x32).llmd_timeslice.v1alpha1.OperationRefusalH\x00\x42\x07\n\x05\x65vent*z\n\x0eOperationFault\x12\x1f\n\x1bOPERATION_FAULT_UNSPECIFIED\x10\x00\x12$\n OPERATION_FAULT_WEIGHTS_REJECTED\x10\x01\x12!\n\x1dOPERATION_FAULT_ENGINE_FAILED\x10\x02\x32\xe3\x04\n\x19SnapshotOperationsService\x12m\n\rWaitOperation\x12-.llmd_timeslice.v1alpha1.WaitOperationRequest\x1a-.snapshot_agent.v1alpha1.GetOperationResponse\x12n\n\x13WaitOperationResult\x12-.llmd_timeslice.v1alpha1.WaitOperationRequest\x1a(.llmd_timeslice.v1alpha1.OperationResult\x12r\n\x12RestoreWithWeights\x12\x32.llmd_timeslice.v1alpha1.RestoreWithWeightsRequest\x1a(.snapshot_agent.v1alpha1.RestoreResponse\x12\x89\x01\n\x16GetServedWeightVersion\x12\x36.llmd_timeslice.v1alpha1.GetServedWeightVersionRequest\x1a\x37.llmd_timeslice.v1alpha1.GetServedWeightVersionResponse\x12g\n\rRunOperations\x12).llmd_timeslice.v1alpha1.OperationCommand\x1a\'.llmd_timeslice.v1alpha1.OperationEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/snapshot_ext.proto\x12\x17llmd_timeslice.v1alpha1\x1a?llmd_timeslice/api/snapshot_agent/v1alpha1/snapshot_agent.proto\x1a\x38llmd_timeslice/api/llmd_timeslice/v1alpha1/weights.proto\"/\n\x1dGetServedWeightVersionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"u\n\x1eGetServedWeightVersionResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08sleeping\x18\x03 \x01(\x08\x12\x1a\n\x12\x65ngine_unreachable\x18\x04 \x01(\t\"\x8d\x01\n\x19RestoreWithWeightsRequest\x12\x38\n\x07restore\x18\x01 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreRequest\x12\x36\n\x07weights\x18\x02 \x01(\x0b\x32%.llmd_timeslice.v1alpha1.WeightUpdate\"?\n\x14WaitOperationRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x8b\x01\n\x0fOperationResult\x12@\n\toperation\x18\x01 \x01(\x0b\x32-.snapshot_agent.v1alpha1.GetOperationResponse\x12\x36\n\x05\x66\x61ult\x18\x02 \x01(\x0e\x32\'.llmd_timeslice.v1alpha1.OperationFault\"\xbf\x02\n\x10OperationCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12<\n\x08snapshot\x18\x02 \x01(\x0b\x32(.snapshot_agent.v1alpha1.SnapshotRequestH\x00\x12:\n\x07restore\x18\x03 \x01(\x0b\x32\'.snapshot_agent.v1alpha1.RestoreRequestH\x00\x12R\n\x14restore_with_weights\x18\x04 \x01(\x0b\x32\x32.llmd_timeslice.v1alpha1.RestoreWithWeightsRequestH\x00\x12>\n\tdeadlines\x18\x05 \x01(\x0b\x32+.llmd_timeslice.v1alpha1.OperationDeadlinesB\t\n\x07\x63ommand\"G\n\x12OperationDeadlines\x12\x0f\n\x07sleep_s\x18\x01 \x01(\x01\x12\x0e\n\x06wake_s\x18\x02 \x01(\x01\x12\x10\n\x08reload_s\x18\x03 \x01(\x01\"F\n\x10OperationRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x13\n\x0b\x66\x65nced_term\x18\x03 \x01(\x03\"\xa7\x01\n\x0eOperationEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12:\n\x06result\x18\x02 \x01(\x0b\x32(.llmd_timeslice.v1alpha1.OperationResultH\x00\x12<\n\x07refused\x18\x03 \x01(\x0b\x32).llmd_timeslice.v1alpha1.OperationRefusalH\x00\x42\x07\n\x05\x65vent*\xa2\x01\n\x0eOperationFault\x12\x1f\n\x1bOPERATION_FAULT_UNSPECIFIED\x10\x00\x12$\n OPERATION_FAULT_WEIGHTS_REJECTED\x10\x01\x12&\n\"OPERATION_FAULT_ENGINE_UNREACHABLE\x10\x02\x12!\n\x1dOPERATION_FAULT_ENGINE_FAILED\x10\x03\x32\xe3\x04\n\x19SnapshotOperationsService\x12m\n\rWaitOperation\x12-.llmd_timeslice.v1alpha1.WaitOperationRequest\x1a-.snapshot_agent.v1alpha1.GetOperationResponse\x12n\n\x13WaitOperationResult\x12-.llmd_timeslice.v1alpha1.WaitOperationRequest\x1a(.llmd_timeslice.v1alpha1.OperationResult\x12r\n\x12RestoreWithWeights\x12\x32.llmd_timeslice.v1alpha1.RestoreWithWeightsRequest\x1a(.snapshot_agent.v1alpha1.RestoreResponse\x12\x89\x01\n\x16GetServedWeightVersion\x12\x36.llmd_timeslice.v1alpha1.GetServedWeightVersionRequest\x1a\x37.llmd_timeslice.v1alpha1.GetServedWeightVersionResponse\x12g\n\rRunOperations\x12).llmd_timeslice.v1alpha1.OperationCommand\x1a\'.llmd_timeslice.v1alpha1.OperationEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmd_timeslice.api.llmd_timeslice.v1alpha1.snapshot_ext_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPERATIONFAULT']._serialized_start=1232
-  _globals['_OPERATIONFAULT']._serialized_end=1354
+  _globals['_OPERATIONFAULT']._serialized_start=1370
+  _globals['_OPERATIONFAULT']._serialized_end=1532
   _globals['_GETSERVEDWEIGHTVERSIONREQUEST']._serialized_start=213
   _globals['_GETSERVEDWEIGHTVERSIONREQUEST']._serialized_end=260
   _globals['_GETSERVEDWEIGHTVERSIONRESPONSE']._serialized_start=262
@@ -46,11 +46,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPERATIONRESULT']._serialized_start=591
   _globals['_OPERATIONRESULT']._serialized_end=730
   _globals['_OPERATIONCOMMAND']._serialized_start=733
-  _globals['_OPERATIONCOMMAND']._serialized_end=988
-  _globals['_OPERATIONREFUSAL']._serialized_start=990
-  _globals['_OPERATIONREFUSAL']._serialized_end=1060
-  _globals['_OPERATIONEVENT']._serialized_start=1063
-  _globals['_OPERATIONEVENT']._serialized_end=1230
-  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_start=1357
-  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_end=1968
+  _globals['_OPERATIONCOMMAND']._serialized_end=1052
+  _globals['_OPERATIONDEADLINES']._serialized_start=1054
+  _globals['_OPERATIONDEADLINES']._serialized_end=1125
+  _globals['_OPERATIONREFUSAL']._serialized_start=1127
+  _globals['_OPERATIONREFUSAL']._serialized_end=1197
+  _globals['_OPERATIONEVENT']._serialized_start=1200
+  _globals['_OPERATIONEVENT']._serialized_end=1367
+  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_start=1535
+  _globals['_SNAPSHOTOPERATIONSSERVICE']._serialized_end=2146
 # @@protoc_insertion_point(module_scope)

@@ -12,9 +12,11 @@ class OperationFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OPERATION_FAULT_UNSPECIFIED: _ClassVar[OperationFault]
     OPERATION_FAULT_WEIGHTS_REJECTED: _ClassVar[OperationFault]
+    OPERATION_FAULT_ENGINE_UNREACHABLE: _ClassVar[OperationFault]
     OPERATION_FAULT_ENGINE_FAILED: _ClassVar[OperationFault]
 OPERATION_FAULT_UNSPECIFIED: OperationFault
 OPERATION_FAULT_WEIGHTS_REJECTED: OperationFault
+OPERATION_FAULT_ENGINE_UNREACHABLE: OperationFault
 OPERATION_FAULT_ENGINE_FAILED: OperationFault
 
 class GetServedWeightVersionRequest(_message.Message):
@@ -60,16 +62,28 @@ class OperationResult(_message.Message):
     def __init__(self, operation: _Optional[_Union[_snapshot_agent_pb2.GetOperationResponse, _Mapping]] = ..., fault: _Optional[_Union[OperationFault, str]] = ...) -> None: ...
 
 class OperationCommand(_message.Message):
-    __slots__ = ("command_id", "snapshot", "restore", "restore_with_weights")
+    __slots__ = ("command_id", "snapshot", "restore", "restore_with_weights", "deadlines")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     RESTORE_WITH_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     snapshot: _snapshot_agent_pb2.SnapshotRequest
     restore: _snapshot_agent_pb2.RestoreRequest
     restore_with_weights: RestoreWithWeightsRequest
-    def __init__(self, command_id: _Optional[int] = ..., snapshot: _Optional[_Union[_snapshot_agent_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_agent_pb2.RestoreRequest, _Mapping]] = ..., restore_with_weights: _Optional[_Union[RestoreWithWeightsRequest, _Mapping]] = ...) -> None: ...
+    deadlines: OperationDeadlines
+    def __init__(self, command_id: _Optional[int] = ..., snapshot: _Optional[_Union[_snapshot_agent_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_agent_pb2.RestoreRequest, _Mapping]] = ..., restore_with_weights: _Optional[_Union[RestoreWithWeightsRequest, _Mapping]] = ..., deadlines: _Optional[_Union[OperationDeadlines, _Mapping]] = ...) -> None: ...
+
+class OperationDeadlines(_message.Message):
+    __slots__ = ("sleep_s", "wake_s", "reload_s")
+    SLEEP_S_FIELD_NUMBER: _ClassVar[int]
+    WAKE_S_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_S_FIELD_NUMBER: _ClassVar[int]
+    sleep_s: float
+    wake_s: float
+    reload_s: float
+    def __init__(self, sleep_s: _Optional[float] = ..., wake_s: _Optional[float] = ..., reload_s: _Optional[float] = ...) -> None: ...
 
 class OperationRefusal(_message.Message):
     __slots__ = ("code", "details", "fenced_term")

@@ -92,7 +92,8 @@ class SnapshotOperationsServiceServicer:
         """The weight version label the job's engine reports now (vLLM GET /weight_info), read from the
         engine itself: an engine that restarted on its own reports its initial label ("default") again.
         FAILED_PRECONDITION when the job's backend cannot tell; UNAVAILABLE when the engine does not answer
-        in time or answers nonsense (no verdict); engine_unreachable when it refuses connections.
+        or answers nonsense (no verdict); engine_unreachable when it refuses connections, or does not answer
+        within the sidecar's hung_after_s (a hung engine, issue 38 §5).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
