@@ -519,16 +519,26 @@ def values_flow_control(s: GuideSettings) -> str:
     )
 
 
-EPP_VERSION = "v0.9.0"
-"""The EPP the guide is written and checked for (llm-d-router v0.9.0, 5f4e762f341a; the chart of that release runs it)."""
+EPP_VERSION = "v0.10.0"
+"""The EPP the guide is written and checked for (llm-d-router v0.10.0, 71f4f0999f95: the chart version and EPP image the
+guide pins, router/values-pins.yaml)."""
 
 EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
-    # llm-d-router v0.9.0: each plugin's parameters struct (json tags). The EPP decodes them strictly
+    # llm-d-router v0.10.0 (71f4f0999f95; compared with v0.9.0, 5f4e762f341a, which lacks the parameters marked
+    # "v0.10.0"): each plugin's parameters struct (json tags). The EPP decodes them strictly
     # (pkg/epp/framework/interface/plugin/registry.go StrictDecoder: DisallowUnknownFields): an unknown one stops it.
     # pkg/epp/framework/plugins/scheduling/scorer/tokenload/token_load.go
     "token-load-scorer": frozenset({"queueThresholdTokens", "inFlightLoadProducerName"}),
     # pkg/epp/framework/plugins/requestcontrol/dataproducer/inflightload/producer.go
-    "inflight-load-producer": frozenset({"addEstimatedOutputTokens", "prefixMatchInfoProducerName"}),
+    "inflight-load-producer": frozenset(
+        {
+            "addEstimatedOutputTokens",
+            "prefixMatchInfoProducerName",
+            "outputRatio",  # v0.10.0
+            "maxEstimatedOutputTokens",  # v0.10.0
+            "syncCrossReplicaState",  # v0.10.0
+        }
+    ),
     # pkg/epp/framework/plugins/requestcontrol/dataproducer/approximateprefix/types.go
     "approx-prefix-cache-producer": frozenset(
         {"autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch", "lruCapacityPerServer"}
@@ -551,7 +561,9 @@ EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
     "queue-scorer": frozenset(),
     "kv-cache-utilization-scorer": frozenset(),
     # pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go
-    "prefix-cache-scorer": frozenset({"prefixMatchInfoProducerName"}),
+    "prefix-cache-scorer": frozenset(
+        {"prefixMatchInfoProducerName", "matchLengthWeight", "matchLengthScaleTokens"}  # the last two: v0.10.0
+    ),
 }
 """Plugin type -> the parameters the pinned EPP knows (tests/manifests/test_manifests.py checks every EPP config we render or
 cite against it)."""

@@ -18,12 +18,7 @@ RECORD = load_record()
 
 #: Differences known and tracked elsewhere: fact id -> why. Each must still differ (else remove it here), so the list
 #: never hides a fact that has come back into line, nor a new difference.
-KNOWN_DRIFT = {
-    "inferenceobjective.llm-d.group-version": (
-        "issue 37 §1: the gate reads only inference.networking.x-k8s.io so far; the branch that adds llm-d.ai/v1alpha2 "
-        "names its constant, and this fact's `ours` locator (tools/upstream_facts.py) points at it after the merge"
-    ),
-}
+KNOWN_DRIFT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("entry", RECORD, ids=[e["id"] for e in RECORD])

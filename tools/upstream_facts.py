@@ -83,7 +83,7 @@ FACTS: tuple[Fact, ...] = (
         "1e46715cf4e14ca7631f84a06c320ac21080008a",  # release-1.5: the API left main in #2973
         ("config/crd/bases/inference.networking.x-k8s.io_inferenceobjectives.yaml",),
         "crd",
-        ("constants", {"file": "llmd_timeslice/domain/objectives.py", "names": ["GROUP", "VERSION"]}),
+        ("constants", {"file": "llmd_timeslice/domain/objectives.py", "names": ["LEGACY_GROUP", "VERSION"]}),
     ),
     Fact(
         "inferenceobjective.llm-d.group-version",
@@ -91,13 +91,13 @@ FACTS: tuple[Fact, ...] = (
         "main",
         ("config/crd/bases/llm-d.ai_inferenceobjectives.yaml",),
         "crd",
-        ("constants", {"file": "llmd_timeslice/domain/objectives.py", "names": ["LLMD_GROUP", "LLMD_VERSION"]}),
-        note="the group the EPP prefers (llm-d-router #1169); point `ours` at the gate's constant for it",
+        ("constants", {"file": "llmd_timeslice/domain/objectives.py", "names": ["LLMD_GROUP", "VERSION"]}),
+        note="the group the EPP prefers (llm-d-router #1169), read first by the gate (epp_plugin/gate/objectives_discovery.py)",
     ),
     Fact(
         "router-chart.value-keys",
         ROUTER,
-        "v0.9.0",
+        "v0.10.0",
         ("config/charts",),
         "helm_value_keys",
         (
@@ -110,7 +110,7 @@ FACTS: tuple[Fact, ...] = (
     Fact(
         "epp.plugin-types",
         ROUTER,
-        "v0.9.0",
+        "v0.10.0",
         ("pkg",),
         "go_plugin_types",
         ("regex_all", {"file": "manifests/generate.py", "pattern": r'"type": "([a-z0-9-]+)"'}),
@@ -472,15 +472,28 @@ def record(
         list[str] | None, typer.Option(help="owner/name=PATH[@COMMIT]: one repository's snapshot (repeatable).")
     ] = None,
     out: Annotated[Path, typer.Option(help="The recorded file.")] = RECORD,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="Refresh only this fact id (repeatable); the others are kept as the recorded file has them."),
+    ] = None,
 ) -> None:
     """Extract every fact from the snapshots and write the recorded file (each fact with repo, commit, path)."""
+    unknown = sorted(set(only or []) - {f.id for f in FACTS})
+    if unknown:
+        typer.echo(f"no fact named {', '.join(unknown)} (`list` names them)", err=True)
+        raise typer.Exit(2)
+    kept = {e["id"]: e for e in load_record(out)} if only and out.exists() else {}
+    wanted = [f for f in FACTS if not only or f.id in only or f.id not in kept]
     snaps = _snapshots(mirror_root, snapshot or [])
-    missing = sorted({f.repo for f in FACTS} - set(snaps))
+    missing = sorted({f.repo for f in wanted} - set(snaps))
     if missing:
         typer.echo(f"no snapshot of {', '.join(missing)} (--mirror-root or --snapshot)", err=True)
         raise typer.Exit(2)
     entries = []
     for f in FACTS:
+        if only and f.id not in only and f.id in kept:
+            entries.append(kept[f.id])
+            continue
         snap = snaps[f.repo]
         try:
             commit = snap.resolve(f.ref)

@@ -1,4 +1,4 @@
-"""The label fallback's queue-wait budget follows the EPP it is written for: the pinned llm-d-router (v0.9.0) has one
+"""The label fallback's queue-wait budget follows the EPP it is written for: the pinned llm-d-router (v0.10.0, as v0.9.0) has one
 ``defaultRequestTTL`` for the empty and the saturated pool, so it must be ``max_hold_s``; an EPP with
 ``noEndpointRequestTTL`` (llm-d-router #2284, bba90136ff12, after v0.10.0) gets only that, and a saturated pool keeps
 the EPP's own ``defaultRequestTTL`` (shed early instead of queued for ``max_hold_s``)."""

@@ -1284,7 +1284,7 @@ def test_envoy_gateway_chains_gate_then_epp_over_tls_and_never_falls_back_to_a_s
 
 # ------------------------------------------------ EndpointPickerConfig (label fallback), defect 9
 
-# Fields of llm-d-router v0.9.0 apix/config/v1alpha1 EndpointPickerConfig and FlowControlConfig (the EPP's
+# Fields of llm-d-router v0.10.0 (and v0.9.0) apix/config/v1alpha1 EndpointPickerConfig and FlowControlConfig (the EPP's
 # loader is strict: serializer.EnableStrict in pkg/epp/config/loader/configloader.go).
 _EPC_TOP = {
     "apiVersion",
@@ -1360,7 +1360,7 @@ def test_every_epp_config_rendered_or_cited_has_only_parameters_the_pinned_epp_k
     cited = _fixture_values("optimized-baseline-0a3b0c939d50.values.yaml")
     (epc,) = _epcs_of(cited)
     errors = gen.epp_config_errors(epc)
-    assert len(errors) == 1 and "'maxTokensInFlightPenalty' is unknown to llm-d-router v0.9.0" in errors[0], errors
+    assert len(errors) == 1 and "'maxTokensInFlightPenalty' is unknown to llm-d-router v0.10.0" in errors[0], errors
     with pytest.raises(ValueError, match="maxTokensInFlightPenalty"):
         gen.flow_control_values(S, cited)
     assert gen.epp_config_errors({"plugins": [{"type": "made-up-scorer"}]}), "an unknown plugin type is not waved through"
