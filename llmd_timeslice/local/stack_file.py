@@ -203,7 +203,9 @@ class StackFile(_Strict):
         Not validated again: :meth:`problems` names a port the offset moves past 65535."""
         if offset == self.stack.port_offset == 0:
             return self
-        ports = self.stack.ports.model_copy(update={k: v + offset for k, v in self.stack.ports.model_dump().items()})
+        ports = self.stack.ports.model_copy(
+            update={k: v + offset for k, v in self.stack.ports.model_dump().items() if v is not None}
+        )
         engines = [
             e.model_copy(
                 update={

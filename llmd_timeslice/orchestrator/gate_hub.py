@@ -86,6 +86,10 @@ class _Contact:
     stale_after_s: float
 
 
+WEIGHTS_FINAL_FLUSH_S = 0.2
+"""Longest a change of a pool's ``weights_final`` waits for the pool's next state update before it is sent alone."""
+
+
 class GateHub(pb_grpc.GateStateServiceServicer):
     """Endpoint state per pool and the gates subscribed to it.
 
@@ -100,6 +104,8 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.keepalive_s = keepalive_s
         self.epoch = 0
         self.weights_final: dict[str, bool] = {}  # pool -> no newer weight version can come now (set_weights_final)
+        self.weights_final_flush_s = WEIGHTS_FINAL_FLUSH_S
+        self._final_flush: dict[str, asyncio.TimerHandle] = {}  # pool -> a flag-only update not yet sent
         self.state: dict[str, dict[str, tuple[gpb.EndpointState, int]]] = {}  # pool -> address -> (wire state, weight version)
         self._gates: dict[str, _GateConn] = {}
         self._ids = itertools.count()
@@ -333,13 +339,26 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         )
 
     def set_weights_final(self, pool: str, final: bool) -> None:
-        """Whether no newer weight version can come for ``pool`` (:meth:`Orchestrator.weights_final`); a change is
-        sent to every gate at once (a state update without endpoints; not waited for: the flag only lets a gate
-        refuse at once what it would otherwise hold, and the next update of the pool carries it again)."""
+        """Whether no newer weight version can come for ``pool`` (:meth:`Orchestrator.weights_final`). A change rides
+        on the pool's next state update (an acquire is followed by its drain, a release by its wakes, within
+        milliseconds); only when none goes out within :attr:`weights_final_flush_s` is it sent alone, as a state
+        update without endpoints (not waited for: the flag only lets a gate refuse at once what it would otherwise
+        hold). So the flag costs the gates no message per switch (benchmarks.scale, messages per gate per switch)."""
         if self.weights_final.get(pool, False) == final:
             return
         self.weights_final[pool] = final
+        if pool not in self._final_flush:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a unit test of the hub's state): the next update carries it
+                return
+            self._final_flush[pool] = loop.call_later(self.weights_final_flush_s, self._send_weights_final, pool)
+
+    def _send_weights_final(self, pool: str) -> None:
+        """The flag-only update of ``pool`` (:meth:`set_weights_final`)."""
+        self._final_flush.pop(pool, None)
         self.epoch += 1
+        final = self.weights_final.get(pool, False)
         cmd = pb.GateCommand(state=pb.StateUpdate(epoch=self.epoch, pools=[pb.PoolEndpoints(pool=pool, weights_final=final)]))
         conns = [c for c in self._gates.values() if not c.closed]
         for c in conns:
@@ -359,6 +378,9 @@ class GateHub(pb_grpc.GateStateServiceServicer):
         self.epoch += 1
         epoch = self.epoch
         final = self.weights_final.get(pool, False)
+        pending = self._final_flush.pop(pool, None)
+        if pending is not None:  # this update carries the flag's change
+            pending.cancel()
         cmd = pb.GateCommand(
             state=pb.StateUpdate(epoch=epoch, pools=[pb.PoolEndpoints(pool=pool, endpoints=wire, weights_final=final)])
         )

@@ -69,21 +69,19 @@ def _guard(handler: grpc.RpcMethodHandler, method: str, allow: PeerAllowList) ->
         return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer, handler.response_serializer)
     if handler.unary_stream is not None:
         inner_stream = handler.unary_stream
-        if inspect.isasyncgenfunction(inner_stream):
 
-            async def unary_stream(request, context):
-                if not allow.allows(context.peer()):
-                    await refuse(context)
-                async for item in inner_stream(request, context):
-                    yield item
+        async def stream_items(request, context):  # an async generator yielding the responses
+            if not allow.allows(context.peer()):
+                await refuse(context)
+            async for item in inner_stream(request, context):
+                yield item
 
-        else:
+        async def stream_writes(request, context):  # a coroutine writing with context.write
+            if not allow.allows(context.peer()):
+                await refuse(context)
+            return await inner_stream(request, context)
 
-            async def unary_stream(request, context):  # a coroutine writing with context.write
-                if not allow.allows(context.peer()):
-                    await refuse(context)
-                return await inner_stream(request, context)
-
+        unary_stream = stream_items if inspect.isasyncgenfunction(inner_stream) else stream_writes
         return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer, handler.response_serializer)
     raise TypeError(f"{method}: a client-streaming method has no place on the upstream-compatible listener")
 

@@ -454,7 +454,7 @@ SPEC = GroupSpec(
 )
 
 
-async def _no_sidecar(self, sampler, group, kind, config, weights=None, residual_budget_bytes=0):
+async def _no_sidecar(self, sampler, group, kind, config, weights=None, residual_budget_bytes=0, spec=None):
     from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 
     self.sampler_states[sampler.address] = "ok"

@@ -288,8 +288,8 @@ def test_no_guide_step_follows_a_moving_target():
         for helm in _helm_commands(code):
             verb = helm.split()[1]
             if verb in ("install", "upgrade", "template"):
-                assert re.search(r"--version v\d+\.\d+\.\d+\b", helm), f"{where}: unpinned chart: {helm}"
-            if verb == "upgrade":
+                assert re.search(r"--version v?\d+\.\d+\.\d+\b", helm), f"{where}: unpinned chart: {helm}"
+            if verb == "upgrade" and "llm-d-router" in helm:  # the router's charts (the DRA driver's has its own steps)
                 assert "--reset-then-reuse-values" in helm and "values-pins.yaml" in helm, helm
     values_used = {
         v for steps in gs.VARIANTS.values() for s in steps if isinstance(s.effect, gs.HelmUpgrade) for v in s.effect.values
