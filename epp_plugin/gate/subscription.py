@@ -395,12 +395,12 @@ class StateSubscription:
         for pe in update.pools:
             named.add(pe.pool)
             pool = self.pools.get(pe.pool)
-            if pool is None and self._factory is None:
-                if pe.pool not in self._ignored:
-                    self._ignored.add(pe.pool)
-                    log.warning("pool %r named by the orchestrator is not served here (accept_new_pools is off)", pe.pool)
-                continue
             if pool is None:
+                if self._factory is None:
+                    if pe.pool not in self._ignored:
+                        self._ignored.add(pe.pool)
+                        log.warning("pool %r named by the orchestrator is not served here (accept_new_pools is off)", pe.pool)
+                    continue
                 pool = self.pools[pe.pool] = self._factory(pe.pool)
                 pool.set_stale(self.stale)
                 self.watch_pool(pool)
