@@ -29,8 +29,8 @@ The answer, per :class:`~epp_plugin.gate.pool_state.PoolState`:
 
 Server stack: a plain asyncio protocol with the ``httptools`` parser (uvloop's loop in the gate process),
 chosen by measurement against uvicorn and aiohttp (the figures: docs/decisions/fast-path-http-server.md; the
-check's cost now: docs/gate.md, "Cost", ``benchmarks/gate_check_cost.py``). The common case (pool serving, nobody held) answers inside ``data_received``
-with a prebuilt answer and no task; a held check is one task.
+check's cost now: docs/gate.md, "Cost", ``benchmarks/gate_check_cost.py``). The common case (pool serving, nobody
+held) answers inside ``data_received`` with a prebuilt answer and no task; a held check is one task.
 """
 
 from __future__ import annotations
