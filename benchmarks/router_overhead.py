@@ -232,6 +232,7 @@ class Gate:
         self.grpc_port, self.authz_port, self.control_port, self.metrics_port = (port_for.select_random() for _ in range(4))
         (workdir / "token").write_text(TOKEN)
         self.publisher = StatePublisher()
+        self.published: dict[str, int] = {}  # address -> the last state published
         cmd = GateCommand(
             ext_proc_port=self.grpc_port,
             authz_port=self.authz_port,
@@ -252,8 +253,15 @@ class Gate:
         return t.user + t.system
 
     def set_states(self, states: dict[str, int]) -> None:
-        """Publish the states on the state stream; returns once the gate acked them (applied)."""
+        """Publish the states on the state stream; returns once the gate acked them (applied). An endpoint put into
+        service from another state than WAKING is published WAKING first, as the orchestrator's resume does (the
+        gate's endpoint table: epp_plugin/gate/endpoints.py)."""
+        serving, waking = gpb.ENDPOINT_STATE_SERVING, gpb.ENDPOINT_STATE_WAKING
+        wake = {a: waking for a, s in states.items() if s == serving and self.published.get(a, waking) not in (serving, waking)}
+        if wake:
+            self.publisher.publish("default", wake)
         self.publisher.publish("default", states)
+        self.published.update(states)
 
     def access_log_counts(self) -> tuple[float, float]:
         """(messages, entries) received on the access-log stream so far, from the gate's /metrics."""
@@ -307,6 +315,7 @@ def measure_holds(gate: Gate, url: str, fast: str) -> dict:
         while gate.held() < n:
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.3)
+        gate.set_states({fast: gpb.ENDPOINT_STATE_WAKING})  # the resume's first step, outside the timed release
         t0 = time.perf_counter()
         gate.set_states({fast: serving})
         while gate.held() > 0:
