@@ -23,12 +23,12 @@ against ``direct``) and at the top level for the default edge:
   (``gate_cpu_us_per_request_1c``: at one);
 * ``throughput_ratio``: requests per second at saturation (``wrk -c32``) against the baseline chain;
 * ``held_request_bytes``: gate resident memory per held request (2,000 held);
-* ``release_1000_ms``: from SetEndpointStates(SERVING) until the gate reports none of 1,000 held requests left
+* ``release_1000_ms``: from publishing SERVING on the state stream until the gate reports none of 1,000 held requests left
   in its queue (status polled every 2 ms); ``release_1000_all_responses_ms``: until the last response (the
   Python client, 1,000 connections in one process, dominates it);
 * ``access_log_entries_per_message`` (fast path, 8 connections): how well Envoy batched the access log;
 * ``drain_barrier_ms``: from the moment the client has the last byte of a streaming response to the moment the
-  gate's drain barrier (``WaitDrained`` on the control API) reports the endpoint drained; median of 10 (and max).
+  gate's drain barrier (a drain query on the state stream) reports the endpoint drained; median of 10 (and max).
 
     .venv/bin/python -m benchmarks.router_overhead --out /tmp/router/router_overhead.json
 
@@ -66,6 +66,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.local.commands import GateCommand, PickerCommand
 from tests.support.cli import CliProcess
+from tests.support.state_stream import StatePublisher
 
 DEFAULT_EDGE = "ext_authz"
 BASELINE = {
@@ -224,11 +225,14 @@ def _started(proc: CliProcess) -> CliProcess:
 
 
 class Gate:
-    """The gate process and a control-API stub."""
+    """The gate process, subscribed to the state stream of a :class:`StatePublisher` (the orchestrator's hub, the one
+    writer of its endpoint states), and a control-API stub for its read-only status."""
 
     def __init__(self, workdir: Path) -> None:
         self.grpc_port, self.authz_port, self.control_port, self.metrics_port = (port_for.select_random() for _ in range(4))
         (workdir / "token").write_text(TOKEN)
+        self.publisher = StatePublisher()
+        self.published: dict[str, int] = {}  # address -> the last state published
         cmd = GateCommand(
             ext_proc_port=self.grpc_port,
             authz_port=self.authz_port,
@@ -236,8 +240,10 @@ class Gate:
             metrics_port=self.metrics_port,
             token_file=workdir / "token",
             max_held=5000,
+            orchestrator=self.publisher.target,
         )
         self.proc = _started(CliProcess(cmd.args(), self.control_port, workdir / "gate.log"))
+        self.publisher.wait_gates(1)
         self.ps = psutil.Process(self.proc.proc.pid)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.control_port}")
         self.stub = gpb_grpc.GateControlServiceStub(self.channel)
@@ -247,13 +253,15 @@ class Gate:
         return t.user + t.system
 
     def set_states(self, states: dict[str, int]) -> None:
-        self.stub.SetEndpointStates(
-            gpb.SetEndpointStatesRequest(
-                pool="default", endpoints=[gpb.EndpointUpdate(address=a, state=s) for a, s in states.items()]
-            ),
-            timeout=5,
-            metadata=_MD,
-        )
+        """Publish the states on the state stream; returns once the gate acked them (applied). An endpoint put into
+        service from another state than WAKING is published WAKING first, as the orchestrator's resume does (the
+        gate's endpoint table: epp_plugin/gate/endpoints.py)."""
+        serving, waking = gpb.ENDPOINT_STATE_SERVING, gpb.ENDPOINT_STATE_WAKING
+        wake = {a: waking for a, s in states.items() if s == serving and self.published.get(a, waking) not in (serving, waking)}
+        if wake:
+            self.publisher.publish("default", wake)
+        self.publisher.publish("default", states)
+        self.published.update(states)
 
     def access_log_counts(self) -> tuple[float, float]:
         """(messages, entries) received on the access-log stream so far, from the gate's /metrics."""
@@ -269,13 +277,12 @@ class Gate:
         return self.stub.GetPoolStatus(gpb.GetPoolStatusRequest(pool="default"), timeout=5, metadata=_MD).held
 
     def wait_drained(self, address: str, timeout_s: float) -> bool:
-        return self.stub.WaitDrained(
-            gpb.WaitDrainedRequest(pool="default", addresses=[address], timeout_s=timeout_s), timeout=timeout_s + 5, metadata=_MD
-        ).drained
+        return self.publisher.wait_drained("default", [address], timeout_s)[0]
 
     def stop(self) -> None:
         self.channel.close()
         self.proc.stop()
+        self.publisher.stop()
 
 
 async def _hold(url: str, n: int, ready) -> list:
@@ -308,6 +315,7 @@ def measure_holds(gate: Gate, url: str, fast: str) -> dict:
         while gate.held() < n:
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.3)
+        gate.set_states({fast: gpb.ENDPOINT_STATE_WAKING})  # the resume's first step, outside the timed release
         t0 = time.perf_counter()
         gate.set_states({fast: serving})
         while gate.held() > 0:

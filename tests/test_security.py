@@ -139,8 +139,8 @@ async def test_gate_data_plane_ports_serve_only_ext_proc_access_log_health_and_e
             assert r.status == health_pb2.HealthCheckResponse.SERVING
             for call in (
                 gpb_grpc.GateControlServiceStub(ch).ListPools(gpb.ListPoolsRequest(), metadata=md, timeout=5),
-                gpb_grpc.GateControlServiceStub(ch).SetEndpointStates(
-                    gpb.SetEndpointStatesRequest(pool="default"), metadata=md, timeout=5
+                gpb_grpc.GateControlServiceStub(ch).GetPoolStatus(
+                    gpb.GetPoolStatusRequest(pool="default"), metadata=md, timeout=5
                 ),
                 ch.unary_unary("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(b"", timeout=5),
                 ch.unary_unary("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")(b"", timeout=5),

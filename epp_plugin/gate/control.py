@@ -1,13 +1,16 @@
-"""The gate's control servicer (project service ``llmd_timeslice.v1alpha1.GateControlService``).
+"""The gate's control servicer (project service ``llmd_timeslice.v1alpha1.GateControlService``): read-only.
 
-Served on the control port (authenticated), never on the ext_proc data-plane port. Turns the
-orchestrator's calls into :class:`~epp_plugin.gate.pool_state.PoolState` calls.
+Served on the control port (authenticated), never on the ext_proc data-plane port. It answers status calls (pool
+status, pool list, objectives source) from the :class:`~epp_plugin.gate.pool_state.PoolState` objects; it writes
+nothing. The pools' endpoint states have one writer, the orchestrator's state stream
+(:mod:`epp_plugin.gate.subscription`; docs/decisions/one-writer-of-gate-state.md). This module also holds the
+mapping between the wire ``EndpointState`` and the core's, which that stream uses.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -30,56 +33,26 @@ _SOURCE_TO_WIRE = {
     SourceState.UNREACHABLE: pb.OBJECTIVES_SOURCE_STATE_UNREACHABLE,
 }
 
-MAX_DRAIN_WAIT_S = 3600.0
-
 log = logging.getLogger(__name__)
 
 
 class GateControl(pb_grpc.GateControlServiceServicer):
-    """Control servicer; ``pool_factory(name)`` creates a pool on first mention when allowed; ``objectives_source()``
-    is the InferenceObjective source's status (None: objectives are not read from Kubernetes)."""
+    """Read-only control servicer over ``pools``; ``objectives_source()`` is the InferenceObjective source's status
+    (None: objectives are not read from Kubernetes)."""
 
     def __init__(
         self,
-        pools: MutableMapping[str, PoolState],
-        pool_factory: Callable[[str], PoolState] | None,
+        pools: Mapping[str, PoolState],
         objectives_source: Callable[[], SourceStatus | None] = lambda: None,
     ) -> None:
         self._pools = pools
-        self._factory = pool_factory
         self._objectives_source = objectives_source
 
-    async def _pool(self, name: str, context: grpc.aio.ServicerContext, create: bool = False) -> PoolState:
+    async def _pool(self, name: str, context: grpc.aio.ServicerContext) -> PoolState:
         pool = self._pools.get(name)
-        if pool is None and create and self._factory is not None and name:
-            pool = self._pools[name] = self._factory(name)
         if pool is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {name!r}; known: {sorted(self._pools)}")
         return pool
-
-    async def SetEndpointStates(self, request, context):  # noqa: N802
-        pool = await self._pool(request.pool, context, create=True)
-        updates = []
-        for ep in request.endpoints:
-            if ep.state not in TO_CORE:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"endpoint {ep.address!r}: state must be set (got {ep.state})"
-                )
-            if not ep.address or ":" not in ep.address:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"endpoint address must be ip:port, got {ep.address!r}")
-            updates.append((ep.address, TO_CORE[ep.state], ep.weight_version))
-        epoch = pool.set_states(updates)
-        export_pool(pool)
-        return pb.SetEndpointStatesResponse(epoch=epoch)
-
-    async def WaitDrained(self, request, context):  # noqa: N802
-        pool = await self._pool(request.pool, context)
-        if request.timeout_s < 0 or request.timeout_s > MAX_DRAIN_WAIT_S:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {MAX_DRAIN_WAIT_S:g}], got {request.timeout_s}"
-            )
-        drained, in_flight = await pool.wait_drained(request.addresses, request.timeout_s)
-        return pb.WaitDrainedResponse(drained=drained, in_flight=in_flight)
 
     async def GetPoolStatus(self, request, context):  # noqa: N802
         pool = await self._pool(request.pool, context)

@@ -28,9 +28,9 @@ The answer, per :class:`~epp_plugin.gate.pool_state.PoolState`:
   back into 503 (:func:`epp_plugin.envoy_config.refusal_local_reply`).
 
 Server stack: a plain asyncio protocol with the ``httptools`` parser (uvloop's loop in the gate process),
-chosen by measurement (docs/decisions/fast-path-http-server.md): 19 µs of CPU per check against 76 µs for uvicorn and 93 µs for
-aiohttp on the same machine. The common case (pool serving, nobody held) answers inside ``data_received``
-with a prebuilt answer and no task; a held check is one task.
+chosen by measurement against uvicorn and aiohttp (the figures: docs/decisions/fast-path-http-server.md; the
+check's cost now: docs/gate.md, "Cost", ``benchmarks/gate_check_cost.py``). The common case (pool serving, nobody
+held) answers inside ``data_received`` with a prebuilt answer and no task; a held check is one task.
 """
 
 from __future__ import annotations

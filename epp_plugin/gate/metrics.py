@@ -133,8 +133,16 @@ class PoolCollector(Collector):
             "Held requests of a band with a hold deadline released, or refused at their longest hold, after it.",
             labels=["pool", "band"],
         )
+        unexpected = CounterMetricFamily(
+            "llmd_timeslice_gate_endpoint_unexpected_transitions",
+            "Endpoint updates from the orchestrator that took an edge outside the gate's endpoint table (flagged and "
+            'applied; docs/gate.md, "Endpoint states").',
+            labels=["pool", "from_state", "to_state"],
+        )
         for name, pool in self._pools():
             held.add_metric([name], pool.held)
+            for (frm, to), n in list(pool.table.unexpected_transitions.items()):
+                unexpected.add_metric([name, frm.value, to.value], n)
             # Band 0 (requests without an objective) always, so every pool's series exist from the start; other
             # bands once they hold, declare a deadline or have counts.
             by_band = pool.held_by_band()
@@ -154,7 +162,19 @@ class PoolCollector(Collector):
                 in_flight.add_metric([name, ep.address], ep.in_flight)
                 for st in EndpointState:
                     state.add_metric([name, ep.address, st.value], 1 if ep.state is st else 0)
-        yield from (held, admitted, released, epoch, in_flight, state, band_held, band_released, band_refused, band_misses)
+        yield from (
+            held,
+            admitted,
+            released,
+            epoch,
+            in_flight,
+            state,
+            band_held,
+            band_released,
+            band_refused,
+            band_misses,
+            unexpected,
+        )
         if self.books:
             open_ = GaugeMetricFamily(
                 "llmd_timeslice_gate_open_admissions", "Fast-path admissions answered and not yet ended by an access-log entry."

@@ -1,9 +1,18 @@
-"""Core of the time-slice gate: per-InferencePool endpoint states, hold queue and drain barrier.
+"""Core of the time-slice gate: one InferencePool's admission, composed of three parts (no I/O in any of them):
 
-No I/O here. Two edges turn Envoy messages into calls on :class:`PoolState`: the fast path
-(``try_admit``/``admit`` on an ext_authz check, ``on_served`` and ``finish`` from access-log entries)
-and ext_proc (``admit`` on request headers, ``on_served`` on response headers, ``finish`` on stream
-end); the control servicer turns orchestrator calls into ``set_states`` and ``wait_drained``.
+* the endpoint table (:mod:`epp_plugin.gate.endpoints`): endpoint states and weight versions with their checked
+  transition table, failure marks, the view's freshness, the SERVING lookup;
+* the banded hold queue (:mod:`epp_plugin.gate.hold_queue`): requests waiting for a SERVING endpoint per priority
+  band, the bands' settings and counts, the hold pressure;
+* the drain accounting (:mod:`epp_plugin.gate.drain`): live admissions, their in-flight counts, the drain barrier
+  and its deadline.
+
+:class:`PoolState` holds the policy that spans them (admit or hold, release on a change, refuse) and is what the edges
+call. Two edges turn Envoy messages into calls on it: the fast path (``try_admit``/``admit`` on an ext_authz check,
+``on_served`` and ``finish`` from access-log entries) and ext_proc (``admit`` on request headers, ``on_served`` on
+response headers, ``finish`` on stream end); the state subscription, the one writer of its endpoint states
+(docs/decisions/one-writer-of-gate-state.md), turns the orchestrator's commands into ``set_states`` /
+``replace_states`` and ``drain``.
 
 Invariants held here (docs/architecture.md, "Invariants"):
 1. a request is admitted only with a non-empty list of SERVING endpoints (its *candidates*),
@@ -11,207 +20,57 @@ Invariants held here (docs/architecture.md, "Invariants"):
 3. held requests are released highest band first, FIFO within a band, only to SERVING endpoints at the
    required weight version;
 4. a held request that is cancelled leaves the queue at once;
-5. the queue length and hold time are bounded; beyond them admission raises a typed error.
+5. the queue length and hold time are bounded; beyond them admission raises a typed error
+   (:mod:`epp_plugin.gate.refusals`).
 
-Drain barrier: every live request counts against each endpoint it could still reach (its
-candidates until the served endpoint is learned on the response path, then that endpoint
-alone). An endpoint set DRAINING at epoch E is never a candidate of a request admitted at or
-after E, so "drained" is simply "no live request counts against it".
-
-Drain deadline (:meth:`PoolState.drain`): when the barrier has not held within the deadline, every
-live request that may still reach a draining endpoint and whose response has not started (it is
-still travelling: in the EPP, queued, connecting, or computing a non-streamed answer) is refused
-with :class:`DrainDeadline` (503, retryable) through its edge; a request whose response has started
-keeps counting and completes on the engine, which sleeps with ``mode=wait``. So after the deadline
-no request admitted before the drain can reach an engine that sleeps, and none is dropped silently.
-
-Priority bands (docs/gate.md, "Priority bands"; :mod:`llmd_timeslice.domain.objectives`): a request naming an
-InferenceObjective (:meth:`PoolState.objective`) is held in its objective's band, up to the objective's longest
-hold; a sheddable one (priority < 0) is refused at once (:class:`SheddableWhileAsleep`) while the pool has no
-SERVING endpoint. A request naming none is band 0 with the pool's ``max_hold_s`` (an undeclared band 0), exactly
-as before bands existed; the admission of a request that needs no wait does no band work at all.
+Priority bands (docs/gate.md, "Priority bands"): a request naming an InferenceObjective (:meth:`PoolState.objective`)
+is held in its objective's band, up to the objective's longest hold; a sheddable one (priority < 0) is refused at
+once (:class:`SheddableWhileAsleep`) while the pool has no SERVING endpoint. The admission of a request that needs no
+wait does no band work at all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
+from epp_plugin.gate.drain import Admission, DrainAccounting, DrainOutcome
+from epp_plugin.gate.endpoints import Endpoint, EndpointState, EndpointTable
+from epp_plugin.gate.hold_queue import BandPressure, BandStats, Held, HoldQueue
+from epp_plugin.gate.refusals import (
+    AdmissionRefused,
+    DrainDeadline,
+    GateShuttingDown,
+    HoldExpired,
+    QueueFull,
+    SheddableWhileAsleep,
+    UnknownObjective,
+    UnknownPool,
+    WeightVersionUnavailable,
+)
 from llmd_timeslice.domain.objectives import Band, ObjectiveClass, PoolPriorities
 from llmd_timeslice.protocol import MIN_WEIGHT_VERSION_HEADER
 
-log = logging.getLogger(__name__)
-
-_INF = math.inf  # a module global: no attribute lookup per admission
-_SERVING_CACHE_LIMIT = 64
-
-
-class EndpointState(enum.Enum):
-    """Gate view of one model-server endpoint (docs/architecture.md, "States and their vocabularies")."""
-
-    SERVING = "SERVING"
-    DRAINING = "DRAINING"
-    ASLEEP = "ASLEEP"
-    WAKING = "WAKING"
-
-
-class AdmissionRefused(Exception):
-    """Base of the typed refusals; ``http_status`` and ``reason`` go to the client."""
-
-    http_status = 503
-    reason = "refused"
-    retry_after_s: int | None = None
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class QueueFull(AdmissionRefused):
-    """The pool already holds ``max_held`` requests (HTTP 429)."""
-
-    http_status = 429
-    reason = "hold_queue_full"
-    retry_after_s = 1
-
-
-class HoldExpired(AdmissionRefused):
-    """The request waited ``max_hold_s`` without a SERVING endpoint (HTTP 503)."""
-
-    http_status = 503
-    reason = "hold_expired"
-    retry_after_s = 5
-
-
-class SheddableWhileAsleep(AdmissionRefused):
-    """A sheddable request (its objective's priority < 0) while the pool has no SERVING endpoint: refused at once
-    rather than held (HTTP 503, retryable once the pool serves again)."""
-
-    http_status = 503
-    reason = "sheddable_while_asleep"
-    retry_after_s = 5
-
-
-class UnknownObjective(AdmissionRefused):
-    """The request names an InferenceObjective this gate does not know for its pool (HTTP 400)."""
-
-    http_status = 400
-    reason = "unknown_objective"
-
-
-class UnknownPool(AdmissionRefused):
-    """The request names a pool this gate does not know (HTTP 503, a configuration error)."""
-
-    http_status = 503
-    reason = "unknown_pool"
-
-
-class DrainDeadline(AdmissionRefused):
-    """The drain deadline passed while the request could still reach a draining endpoint and its response had
-    not started (HTTP 503, retryable: a retry is admitted to a serving endpoint or held)."""
-
-    http_status = 503
-    reason = "drain_deadline"
-    retry_after_s = 1
-
-
-class WeightVersionUnavailable(AdmissionRefused):
-    """The request asks for a weight version above the newest the pool has, and none can come now: no job holds or
-    waits for the pool's group and none is pending (the orchestrator's ``weights_final``). HTTP 503, refused at once
-    rather than held to the longest hold (issue 38 §5)."""
-
-    http_status = 503
-    reason = "weight_version_unavailable"
-
-
-class GateShuttingDown(AdmissionRefused):
-    """The gate is stopping; held requests are refused rather than left hanging (HTTP 503)."""
-
-    http_status = 503
-    reason = "gate_shutting_down"
-    retry_after_s = 1
-
-
-@dataclass(slots=True)
-class Endpoint:
-    """One endpoint (``ip:port``) of a pool; ``in_flight`` counts live requests that may reach it."""
-
-    address: str
-    state: EndpointState
-    weight_version: int = 0
-    in_flight: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class Admission:
-    """One admitted request, from request headers to stream end.
-
-    ``candidates`` are the endpoints it may reach (the subset hint it was given, then the served
-    endpoint once known). ``hold_s`` is the time it waited in the queue, in seconds.
-    """
-
-    pool: str
-    candidates: tuple[str, ...]
-    epoch: int
-    hold_s: float
-    served: str | None = None
-    finished: bool = False
-    request_id: str = ""
-    """The request's id as the edge read it (Envoy's ``x-request-id``), to name it in drain reports."""
-    on_cut: Callable[[AdmissionRefused], None] | None = field(default=None, repr=False)
-    """Set by an edge that can still answer the request after admitting it (ext_proc: an ImmediateResponse
-    on the open stream); called once with the refusal when the drain deadline cuts the request."""
-    cut: bool = False
-    band: int = 0
-    """Priority band the request was held in (0: no objective, or an objective of priority 0)."""
-
-
-@dataclass
-class DrainOutcome:
-    """Result of :meth:`PoolState.drain`: ``drained`` when nothing can reach the addresses any more;
-    ``in_flight`` per address (requests whose response has started, or whose edge cannot cut them);
-    ``cut`` the requests refused with :class:`DrainDeadline` at the deadline."""
-
-    drained: bool
-    in_flight: dict[str, int]
-    cut: list[Admission] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Held:
-    min_version: int
-    enqueued_at: float
-    future: asyncio.Future = field(repr=False)
-    band: int = 0
-    objective: str = ""
-
-
-@dataclass
-class BandStats:
-    """Counts of one band of one pool (exported at scrape time): held requests released, refused by reason, and
-    deadline misses (released, or refused at their longest hold, after the band's hold deadline)."""
-
-    released_total: int = 0
-    refused_total: dict[str, int] = field(default_factory=dict)
-    deadline_misses_total: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class BandPressure:
-    """What a band with a hold deadline holds now (``GateMessage.hold_pressure``): ``oldest_held_s`` in seconds,
-    ``objective`` of the oldest held request ("" for none)."""
-
-    band: int
-    objective: str
-    oldest_held_s: float
-    hold_deadline_s: float
-    held: int
+__all__ = [
+    "Admission",
+    "AdmissionRefused",
+    "BandPressure",
+    "BandStats",
+    "DrainDeadline",
+    "DrainOutcome",
+    "Endpoint",
+    "EndpointState",
+    "GateShuttingDown",
+    "HoldExpired",
+    "PoolState",
+    "QueueFull",
+    "SheddableWhileAsleep",
+    "UnknownObjective",
+    "UnknownPool",
+    "WeightVersionUnavailable",
+]
 
 
 class PoolState:
@@ -244,80 +103,107 @@ class PoolState:
         self.release_rate_per_s = release_rate_per_s
         self.release_burst = max(1, release_burst)
         self._clock = clock
-        self.endpoints: dict[str, Endpoint] = {}
-        self.epoch = 0
+        self.table = EndpointTable(name, clock, on_unfailed=self._release_if_serving)
+        self.queue = HoldQueue(max_hold_s, priorities, clock)
+        self.drains = DrainAccounting(name, self.table)
+        # The parts' containers, by name here too (the same objects, never replaced): the data path reads them.
+        self.endpoints: dict[str, Endpoint] = self.table.endpoints
+        self.failed = self.table.failed
+        self.band_stats: dict[int, BandStats] = self.queue.band_stats
+        self._held = self.queue.bands
+        self._serving_of = self.table.serving
         self.last_changed: list[str] = []
         """Addresses the last :meth:`set_states` (or :meth:`replace_states`) changed, for its log line."""
-        self._held: dict[int, deque[_Held]] = {}
-        """Held requests per band; a band is a key only while it holds one (so ``if self._held`` is "anyone held")."""
-        self.priorities: PoolPriorities | None = None
-        self._band0 = Band(0, max_hold_s)
-        self.band_stats: dict[int, BandStats] = {}
-        self.on_pressure: Callable[[], None] | None = None
-        """Called when a band with a hold deadline starts or stops holding requests (the subscription sends
-        HoldPressure from it)."""
-        self.set_priorities(priorities)
-        self._live: set[Admission] = set()
-        self._changed = asyncio.Condition()
         self._releaser: asyncio.Task | None = None
-        self._drain_waiters = 0
-        self._tasks: set[asyncio.Task] = set()  # notifications in flight, kept: the loop holds tasks only weakly
         self.admitted_total = 0
-        self.forgotten_at_sleep_total = 0
-        """Admissions ended because their endpoint was verified asleep (see ``_forget_at``)."""
         self.released_total = 0
         self.refused_total = 0
         self.closed = False
         self.weights_final = False  # the orchestrator says no newer weight version can come now (set_weights_final)
         self.on_change: Callable[[], None] | None = None
         """Called after every change of the endpoint list or states (the EDS directory refreshes from it)."""
-        self.failed: dict[str, asyncio.TimerHandle | None] = {}
-        """Endpoints Envoy could not connect to (:meth:`mark_failed`): not steered to until their state changes or
-        their hold passes."""
-        self._serving: dict[int, tuple[str, ...]] = {}
-        """:meth:`serving`'s answer per ``min_version``, emptied by every change of an endpoint's state, version or
-        failure mark (:meth:`_states_changed`): the data path asks it once per request, the state changes per switch."""
-        self.stale = False
-        """True while the gate has lost the orchestrator's state stream for longer than its grace: no
-        endpoint is steerable (new requests are held) until the stream resyncs."""
-        self.fresh_until = math.inf
-        """Monotonic deadline (the pool's ``clock``) of the orchestrator view: past it the pool counts as stale at
-        once, in the data path, even before the subscription's watchdog runs (after a stall of this process the
-        first request must not be steered by a view the orchestrator may have acted past). ``inf``: no deadline."""
 
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ the parts' figures
+    @property
+    def epoch(self) -> int:
+        """The state epoch: one more at every update that changed something."""
+        return self.table.epoch
+
+    @property
+    def stale(self) -> bool:
+        """True while no endpoint is steerable because the orchestrator's view is lost (see ``EndpointTable.stale``)."""
+        return self.table.stale
+
+    @property
+    def fresh_until(self) -> float:
+        """Monotonic deadline of the orchestrator's view (see ``EndpointTable.fresh_until``)."""
+        return self.table.fresh_until
+
+    @property
+    def priorities(self) -> PoolPriorities | None:
+        return self.queue.priorities
+
+    @property
+    def on_pressure(self) -> Callable[[], None] | None:
+        """Called when a band with a hold deadline starts or stops holding requests (the subscription sends
+        HoldPressure from it)."""
+        return self.queue.on_pressure
+
+    @on_pressure.setter
+    def on_pressure(self, callback: Callable[[], None] | None) -> None:
+        self.queue.on_pressure = callback
+
+    @property
+    def forgotten_at_sleep_total(self) -> int:
+        """Admissions ended because their endpoint was verified asleep (``DrainAccounting.forget_at``)."""
+        return self.drains.forgotten_at_sleep_total
+
+    @property
+    def live(self) -> int:
+        """Admitted requests whose stream has not ended."""
+        return len(self.drains.live)
+
     @property
     def held(self) -> int:
         """Requests waiting in the hold queue now (every band)."""
-        return sum(len(q) for q in self._held.values())
+        return self.queue.held
 
     def held_by_band(self) -> dict[int, int]:
         """Requests held now per band, highest band first (bands holding none left out)."""
-        return {b: len(self._held[b]) for b in sorted(self._held, reverse=True)}
+        return self.queue.held_by_band()
 
     def oldest_held_by_band(self) -> dict[int, float]:
         """Seconds the oldest held request of each band has waited (bands holding none left out)."""
-        now = self._clock()
-        return {b: now - q[0].enqueued_at for b, q in self._held.items() if q}
+        return self.queue.oldest_held_by_band()
 
     def pressure(self) -> list[BandPressure]:
-        """Each band with a hold deadline that holds requests now, highest first (see :class:`BandPressure`)."""
-        out = []
-        now = self._clock()
-        for b in sorted(self._held, reverse=True):
-            band = self._band(b)
-            q = self._held[b]
-            if band.hold_deadline_s is None or not q:
-                continue
-            oldest = q[0]
-            out.append(BandPressure(b, oldest.objective, now - oldest.enqueued_at, band.hold_deadline_s, len(q)))
-        return out
+        """Each band with a hold deadline that holds requests now, highest first."""
+        return self.queue.pressure()
 
     def deadline_bands(self) -> list[Band]:
         """The declared bands with a hold deadline."""
-        if self.priorities is None:
-            return [self._band0] if self._band0.hold_deadline_s is not None else []
-        return [b for b in self.priorities.bands.values() if b.hold_deadline_s is not None]
+        return self.queue.deadline_bands()
+
+    def band(self, priority: int) -> Band:
+        """The settings of band ``priority`` (declared, else the pool's ``max_hold_s`` and no deadline)."""
+        return self.queue.band(priority)
+
+    def set_priorities(self, priorities: PoolPriorities | None) -> None:
+        """Replace the pool's objectives and bands (file reload, a change of the InferenceObjective objects). Held
+        requests keep their band and their longest hold."""
+        self.queue.set_priorities(priorities)
+
+    def serving(self, min_version: int = 0) -> tuple[str, ...]:
+        """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order (none while stale)."""
+        return self._serving_of(min_version)
+
+    def newest_version(self) -> int:
+        """The highest weight version any endpoint of the pool has (whatever its state; 0: the initial weights)."""
+        return self.table.newest_version()
+
+    def in_flight(self, addresses: Iterable[str]) -> dict[str, int]:
+        """Live requests that may still reach each address."""
+        return self.table.in_flight(addresses)
 
     def objective(self, name: str) -> ObjectiveClass | None:
         """The objective a request names (the ``x-gateway-inference-objective`` header's value); None when the pool
@@ -326,7 +212,7 @@ class PoolState:
         Raises:
             UnknownObjective: objectives are configured and none has this name (the message lists the known ones).
         """
-        pp = self.priorities
+        pp = self.queue.priorities
         if pp is None:
             return None
         obj = pp.objectives.get(name)
@@ -340,58 +226,10 @@ class PoolState:
             )
         return obj
 
-    def set_priorities(self, priorities: PoolPriorities | None) -> None:
-        """Replace the pool's objectives and bands (file reload, a change of the InferenceObjective objects). Held
-        requests keep their band and their longest hold."""
-        self.priorities = priorities
-        self._band0 = priorities.band(0) if priorities is not None else Band(0, self.max_hold_s)
-
-    def band(self, priority: int) -> Band:
-        """The settings of band ``priority`` (declared, else the pool's ``max_hold_s`` and no deadline)."""
-        return self._band(priority)
-
-    def _band(self, priority: int) -> Band:
-        if priority == 0:
-            return self._band0
-        return self.priorities.band(priority) if self.priorities is not None else Band(priority, self.max_hold_s)
-
-    def _stats(self, band: int) -> BandStats:
-        st = self.band_stats.get(band)
-        if st is None:
-            st = self.band_stats[band] = BandStats()
-        return st
-
     def _refused(self, band: int, reason: str) -> None:
         self.refused_total += 1
-        refused = self._stats(band).refused_total
+        refused = self.queue.stats(band).refused_total
         refused[reason] = refused.get(reason, 0) + 1
-
-    @property
-    def live(self) -> int:
-        """Admitted requests whose stream has not ended."""
-        return len(self._live)
-
-    def serving(self, min_version: int = 0) -> tuple[str, ...]:
-        """Addresses that are SERVING at ``weight_version >= min_version``, in insertion order (none while stale)."""
-        if self.stale or (self.fresh_until != _INF and self._clock() >= self.fresh_until):
-            return ()
-        found = self._serving.get(min_version)
-        if found is not None:
-            return found
-        failed = self.failed
-        found = tuple(
-            ep.address
-            for ep in self.endpoints.values()
-            if ep.state is EndpointState.SERVING and ep.weight_version >= min_version and ep.address not in failed
-        )
-        if len(self._serving) >= _SERVING_CACHE_LIMIT:  # min_version comes from clients: bounded
-            self._serving.clear()
-        self._serving[min_version] = found
-        return found
-
-    def _states_changed(self) -> None:
-        """An endpoint was added, removed, changed state or version, or was marked failed or unmarked."""
-        self._serving.clear()
 
     # ---------------------------------------------------------------- data path
     def try_admit(self, min_version: int = 0, objective: ObjectiveClass | None = None) -> Admission | None:
@@ -410,16 +248,12 @@ class PoolState:
         if min_version and self.weights_final:
             self._check_version_can_come(min_version, objective)
         if not self._held:
-            candidates = self.serving(min_version)
+            candidates = self._serving_of(min_version)
             if candidates:
                 return self._start(candidates, 0.0)
         if objective is not None:
             self._shed(objective)
         return None
-
-    def newest_version(self) -> int:
-        """The highest weight version any endpoint of the pool has (whatever its state; 0: the initial weights)."""
-        return max((ep.weight_version for ep in self.endpoints.values()), default=0)
 
     def _unavailable(self, min_version: int) -> WeightVersionUnavailable:
         return WeightVersionUnavailable(
@@ -442,10 +276,8 @@ class PoolState:
         if not final or was:
             return
         newest = self.newest_version()
-        for q in list(self._held.values()):
-            for entry in [e for e in q if e.min_version > newest and not e.future.done()]:
-                entry.future.set_exception(self._unavailable(entry.min_version))  # admit() counts the refusal
-                self._drop(entry)  # out of the queue now
+        # admit() counts each refusal; the entry leaves the queue now
+        self.queue.fail_where(lambda e: e.min_version > newest, lambda e: self._unavailable(e.min_version))
 
     def _shed(self, objective: ObjectiveClass | None) -> None:
         """The request must wait: refuse it now when it is sheddable and the pool has no SERVING endpoint."""
@@ -473,219 +305,90 @@ class PoolState:
         if adm is not None:
             return adm
         candidates = self.serving(min_version)
+        queue = self.queue
         if objective is None:  # band 0: the pool's max_hold_s unless band 0 is declared
-            band, name = self._band0, ""
-            hold_s = band.max_hold_s if self.priorities is not None and 0 in self.priorities.bands else self.max_hold_s
+            band, name = queue.band0, ""
+            hold_s = band.max_hold_s if queue.priorities is not None and 0 in queue.priorities.bands else self.max_hold_s
         else:
             band, hold_s, name = objective.band, objective.max_hold_s, objective.name
-        held = self.held
+        held = queue.held
         if held >= self.max_held:
             self._refused(band.priority, QueueFull.reason)
             raise QueueFull(f"pool {self.name!r} already holds {held} requests (max_held)")
-        loop = asyncio.get_running_loop()
-        entry = _Held(min_version, self._clock(), loop.create_future(), band.priority, name)
-        q = self._held.get(band.priority)
-        if q is None:
-            q = self._held[band.priority] = deque()
-        q.append(entry)
-        if len(q) == 1 and band.hold_deadline_s is not None and self.on_pressure is not None:
-            self.on_pressure()
+        entry = Held(min_version, self._clock(), asyncio.get_running_loop().create_future(), band.priority, name)
+        queue.push(entry, band)
         if candidates:
             self._kick_releaser()
         try:
             candidates = await asyncio.wait_for(entry.future, hold_s)
         except TimeoutError:
-            self._drop(entry)
+            queue.drop(entry)
             self._refused(band.priority, HoldExpired.reason)
             if band.hold_deadline_s is not None and hold_s > band.hold_deadline_s:
-                self._stats(band.priority).deadline_misses_total += 1
+                queue.stats(band.priority).deadline_misses_total += 1
             what = f"objective {name!r} (band {band.priority})" if name else f"band {band.priority}"
             raise HoldExpired(
                 f"no endpoint of pool {self.name!r} at weight version >= {min_version} "
                 f"turned SERVING within {hold_s:g} s, the longest hold of {what}"
             ) from None
         except asyncio.CancelledError:
-            self._drop(entry)
+            queue.drop(entry)
             raise
         except AdmissionRefused as err:
             self._refused(band.priority, err.reason)
             raise
         waited = self._clock() - entry.enqueued_at
         if band.hold_deadline_s is not None and waited > band.hold_deadline_s:
-            self._stats(band.priority).deadline_misses_total += 1
+            queue.stats(band.priority).deadline_misses_total += 1
         adm = self._start(candidates, waited)
         adm.band = band.priority
         return adm
 
-    def _drop(self, entry: _Held) -> None:
-        # A released-but-abandoned entry was never counted in flight (that happens in _start).
-        q = self._held.get(entry.band)
-        if q is not None:
-            try:
-                q.remove(entry)
-            except ValueError:
-                pass
-            if not q:
-                del self._held[entry.band]
-                self._band_emptied(entry.band)
-        if not entry.future.done():
-            entry.future.cancel()
-
-    def _band_emptied(self, band: int) -> None:
-        if self.on_pressure is not None and self._band(band).hold_deadline_s is not None:
-            self.on_pressure()
-
     def _start(self, candidates: tuple[str, ...], hold_s: float) -> Admission:
-        adm = Admission(self.name, candidates, self.epoch, hold_s)
-        for addr in candidates:
-            self.endpoints[addr].in_flight += 1
-        self._live.add(adm)
         self.admitted_total += 1
-        return adm
+        return self.drains.start(Admission(self.name, candidates, self.table.epoch, hold_s))
 
     def on_served(self, adm: Admission, address: str) -> int | None:
         """The response path names the endpoint that served ``adm``; it alone stays counted.
 
         Returns the served endpoint's weight version (None if the endpoint is unknown to the pool)."""
-        ep = self.endpoints.get(address)
-        version = ep.weight_version if ep is not None else None
-        if adm.finished or adm.served is not None:
-            return version
-        adm.served = address
-        dropped = adm.candidates
-        if address not in dropped:
-            # Served outside the hint (an EPP that ignored it): count it where it really went.
-            if ep is not None:
-                ep.in_flight += 1
-            adm.candidates = (address,) if ep is not None else ()
-            if not dropped:
-                return version
-        else:
-            adm.candidates = (address,)
-            if len(dropped) == 1:  # the hint was that endpoint alone: nothing stops counting
-                return version
-        for addr in dropped:
-            if addr != address:
-                self._uncount(addr)
-        self._notify()
-        return version
+        return self.drains.on_served(adm, address)
 
     def narrow(self, adm: Admission, addresses: tuple[str, ...]) -> None:
         """``adm`` may reach only ``addresses`` (a subset of its candidates) from now on: the others stop counting."""
-        if adm.finished or adm.served is not None or len(addresses) >= len(adm.candidates):
-            return
-        dropped = tuple(a for a in adm.candidates if a not in addresses)
-        adm.candidates = tuple(a for a in adm.candidates if a in addresses)
-        for addr in dropped:
-            self._uncount(addr)
-        if dropped:
-            self._notify()
+        self.drains.narrow(adm, addresses)
 
     def finish(self, adm: Admission) -> None:
         """The request's stream ended (complete, reset or client gone). Idempotent."""
-        if adm.finished:
-            return
-        adm.finished = True
-        self._live.discard(adm)
-        for addr in adm.candidates:
-            self._uncount(addr)
-        if adm.candidates:
-            self._notify()
-
-    def _uncount(self, addr: str) -> None:
-        ep = self.endpoints.get(addr)
-        if ep is not None and ep.in_flight > 0:
-            ep.in_flight -= 1
+        self.drains.finish(adm)
 
     # ------------------------------------------------------------- control path
-    def set_states(self, updates: Iterable[tuple[str, EndpointState, int | None]]) -> int:
+    def set_states(self, updates: Iterable[tuple[str, EndpointState, int | None]], resync: bool = False) -> int:
         """Apply ``(address, state, weight_version or None)`` updates; return the new epoch.
 
         Endpoints not named keep their state. A change that makes an endpoint SERVING starts the
-        release of held requests.
+        release of held requests. Each move is checked against the endpoint table's transitions unless ``resync``
+        (a full snapshot; :mod:`epp_plugin.gate.endpoints`). An endpoint verified ASLEEP stops counting the
+        admissions still counted against it (``DrainAccounting.forget_at``).
         """
+        table, endpoints = self.table, self.endpoints
         changed: list[str] = []
         for address, state, version in updates:
-            ep = self.endpoints.get(address)
-            if ep is None:
-                self.endpoints[address] = Endpoint(address, state, version or 0)
+            ep = endpoints.get(address)
+            if ep is not None and state is EndpointState.ASLEEP and ep.state is not EndpointState.ASLEEP and ep.in_flight > 0:
+                self.drains.forget_at(address)
+            if table.update(address, state, version, resync):
                 changed.append(address)
-                continue
-            if state is EndpointState.ASLEEP and ep.state is not EndpointState.ASLEEP and ep.in_flight > 0:
-                self._forget_at(address)
-            if ep.state is not state or (version is not None and version != ep.weight_version):
-                ep.state = state
-                if version is not None:
-                    ep.weight_version = version
-                changed.append(address)
-                self._clear_failed(address)  # the orchestrator said something new about it: that governs
         self.last_changed = changed
         if changed:
-            self._states_changed()
-            self.epoch += 1
+            table.states_changed()
+            table.epoch += 1
             if self._held and self.serving():
                 self._kick_releaser()
-            self._notify()
+            self.drains.notify()
             if self.on_change is not None:
                 self.on_change()
-        return self.epoch
-
-    def _forget_at(self, address: str) -> None:
-        """``address`` was verified asleep (the orchestrator publishes ASLEEP only after its sidecar saw the engine
-        idle, slept it with ``mode=wait`` and aborted what was parked inside): no admission still counted against it
-        can be at that engine. Such counts are lost completions (an access-log entry Envoy dropped while this gate
-        was slow or stalled): without this, each would keep every later drain of the endpoint waiting to its
-        deadline until the age rule (``--lost-completion-after-s``). An admission that may still reach another
-        candidate keeps that one."""
-        ended = narrowed = 0
-        for adm in list(self._live):
-            if address not in adm.candidates:
-                continue
-            if adm.served == address or adm.candidates == (address,):
-                self.finish(adm)
-                ended += 1
-            else:
-                adm.candidates = tuple(a for a in adm.candidates if a != address)
-                self._uncount(address)
-                narrowed += 1
-        self.forgotten_at_sleep_total += ended
-        if ended or narrowed:
-            log.warning(
-                "pool=%s endpoint=%s verified asleep with %d admission(s) still counted against it: ended %d, "
-                "narrowed %d to their other candidates (their completions never came: access-log entries lost)",
-                self.name,
-                address,
-                ended + narrowed,
-                ended,
-                narrowed,
-            )
-
-    def mark_failed(self, address: str, hold_s: float) -> bool:
-        """Envoy could not connect to ``address``: steer no new request to it until the orchestrator publishes a new
-        state for it, or for ``hold_s`` seconds (then it is tried again; 0: until a new state). Requests already
-        admitted keep counting. Returns whether it was a SERVING endpoint not marked yet (first failure)."""
-        ep = self.endpoints.get(address)
-        if ep is None or address in self.failed:
-            return False
-        timer = asyncio.get_running_loop().call_later(hold_s, self._failed_expired, address) if hold_s > 0 else None
-        self.failed[address] = timer
-        self._states_changed()
-        return ep.state is EndpointState.SERVING
-
-    def _failed_expired(self, address: str) -> None:
-        self.failed.pop(address, None)
-        self._states_changed()
-        if self._held and self.serving():
-            self._kick_releaser()
-
-    def _clear_failed(self, address: str) -> None:
-        """Unmark ``address`` (no-op when it is not marked failed)."""
-        if address not in self.failed:
-            return
-        timer = self.failed.pop(address)
-        self._states_changed()
-        if timer is not None:
-            timer.cancel()
+        return table.epoch
 
     def replace_states(self, items: Iterable[tuple[str, EndpointState, int | None]]) -> int:
         """Make ``items`` the whole endpoint list (a full snapshot); returns the new epoch.
@@ -697,18 +400,18 @@ class PoolState:
         listed = {a for a, _, _ in items}
         for addr in [a for a in self.endpoints if a not in listed]:
             if self.endpoints[addr].in_flight == 0:
-                del self.endpoints[addr]
-                self._states_changed()
-                self._clear_failed(addr)
+                self.table.remove(addr)
                 if self.on_change is not None:
                     self.on_change()
             else:
                 items.append((addr, EndpointState.DRAINING, None))
-        return self.set_states(items)
+        return self.set_states(items, resync=True)
 
-    def in_flight(self, addresses: Iterable[str]) -> dict[str, int]:
-        """Live requests that may still reach each address."""
-        return {a: (self.endpoints[a].in_flight if a in self.endpoints else 0) for a in addresses}
+    def mark_failed(self, address: str, hold_s: float) -> bool:
+        """Envoy could not connect to ``address``: steer no new request to it until the orchestrator publishes a new
+        state for it, or for ``hold_s`` seconds (then it is tried again; 0: until a new state). Requests already
+        admitted keep counting. Returns whether it was a SERVING endpoint not marked yet (first failure)."""
+        return self.table.mark_failed(address, hold_s)
 
     async def wait_drained(self, addresses: Iterable[str], timeout_s: float) -> tuple[bool, dict[str, int]]:
         """Wait until no live request may reach ``addresses`` (the drain barrier).
@@ -716,98 +419,63 @@ class PoolState:
         Returns ``(drained, in_flight per address)``; ``drained`` is False after ``timeout_s``
         seconds. Woken by request ends, not by polling.
         """
-        addrs = list(addresses)
+        return await self.drains.wait_drained(addresses, timeout_s)
 
-        def drained() -> bool:
-            return all(v == 0 for v in self.in_flight(addrs).values())
-
-        if drained():
-            return True, self.in_flight(addrs)
-        self._drain_waiters += 1
-        try:
-            async with self._changed:
-                await asyncio.wait_for(self._changed.wait_for(drained), max(0.0, timeout_s))
-            return True, self.in_flight(addrs)
-        except TimeoutError:
-            return False, self.in_flight(addrs)
-        finally:
-            self._drain_waiters -= 1
+    def _drain_deadline(self, hit: list[str]) -> DrainDeadline:
+        return DrainDeadline(
+            f"the drain deadline of pool {self.name!r} passed while this request could still reach draining "
+            f"endpoint(s) {hit} and no response had started; retry: it will be admitted to a serving endpoint "
+            "or held"
+        )
 
     def cut_unserved(self, addresses: Iterable[str]) -> list[Admission]:
         """Refuse, with :class:`DrainDeadline`, every live request that may still reach one of ``addresses`` and
         whose served endpoint is not known yet; returns them. Each is answered through its edge's ``on_cut``
         (requests without one stay counted) and stops counting when its stream ends."""
-        addrs = set(addresses)
-        cut = []
-        for adm in list(self._live):
-            if adm.served is not None or adm.cut or adm.on_cut is None or addrs.isdisjoint(adm.candidates):
-                continue
-            adm.cut = True
-            hit = sorted(addrs.intersection(adm.candidates))
-            adm.on_cut(
-                DrainDeadline(
-                    f"the drain deadline of pool {self.name!r} passed while this request could still reach draining "
-                    f"endpoint(s) {hit} and no response had started; retry: it will be admitted to a serving endpoint "
-                    "or held"
-                )
-            )
-            cut.append(adm)
+        cut = self.drains.cut_unserved(addresses, self._drain_deadline)
         self.refused_total += len(cut)
         return cut
 
     async def drain(self, addresses: Iterable[str], timeout_s: float, cut_grace_s: float = 2.0) -> DrainOutcome:
         """The drain barrier with its deadline: wait up to ``timeout_s`` seconds (:meth:`wait_drained`); if requests
-        still count against ``addresses`` then, cut those whose response has not started (:meth:`cut_unserved`)
-        and wait up to ``cut_grace_s`` seconds for their streams to end. Requests whose response has started
-        are left to complete (the engine sleeps with ``mode=wait``) and reported in ``in_flight``."""
-        addrs = list(addresses)
-        drained, in_flight = await self.wait_drained(addrs, timeout_s)
-        if drained:
-            return DrainOutcome(True, in_flight)
-        cut = self.cut_unserved(addrs)
-        if cut:
-            drained, in_flight = await self.wait_drained(addrs, cut_grace_s)
-        return DrainOutcome(drained, in_flight, cut)
+        still count against ``addresses`` then, cut those whose response has not started (:meth:`cut_unserved`,
+        :class:`DrainDeadline`) and wait up to ``cut_grace_s`` seconds for their streams to end. Requests whose
+        response has started are left to complete (the engine sleeps with ``mode=wait``) and reported in
+        ``in_flight``."""
+        outcome = await self.drains.drain(addresses, timeout_s, self._drain_deadline, cut_grace_s)
+        self.refused_total += len(outcome.cut)
+        return outcome
 
     def set_stale(self, stale: bool) -> None:
         """Enter or leave the stale state (see ``stale``); leaving it releases held requests."""
-        if stale == self.stale:
+        if stale == self.table.stale:
             return
-        self.stale = stale
+        self.table.stale = stale
         if not stale and self._held:
             self._kick_releaser()
 
     def set_fresh_until(self, deadline: float) -> None:
         """Move the view's deadline (see ``fresh_until``, monotonic seconds of ``clock``); moving it from the past
         into the future releases held requests, as leaving ``stale`` does."""
-        was_expired = self.fresh_until != math.inf and self._clock() >= self.fresh_until
-        self.fresh_until = deadline
-        if was_expired and self._held and not self.stale:
+        table = self.table
+        was_expired = table.fresh_until != math.inf and self._clock() >= table.fresh_until
+        table.fresh_until = deadline
+        if was_expired and self._held and not table.stale:
             self._kick_releaser()
 
     def close(self) -> None:
         """Refuse every held request with :class:`GateShuttingDown` and admit nothing more."""
         self.closed = True
-        for addr in list(self.failed):
-            self._clear_failed(addr)
-        queues, self._held = self._held, {}
-        for q in queues.values():
-            for entry in q:
-                if not entry.future.done():
-                    entry.future.set_exception(GateShuttingDown(f"gate stopped while pool {self.name!r} held the request"))
+        self.table.clear_all_failed()
+        self.queue.fail_all(lambda: GateShuttingDown(f"gate stopped while pool {self.name!r} held the request"))
         if self._releaser is not None:
             self._releaser.cancel()
 
-    # ---------------------------------------------------------------- internals
-    def _notify(self) -> None:
-        if self._drain_waiters:  # skip a task when nobody waits (hot path)
-            task = asyncio.get_running_loop().create_task(self._notify_all())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _notify_all(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    # ---------------------------------------------------------------- release
+    def _release_if_serving(self) -> None:
+        """A failure mark expired: release held requests if an endpoint serves now."""
+        if self._held and self.serving():
+            self._kick_releaser()
 
     def _kick_releaser(self) -> None:
         if self._releaser is None or self._releaser.done():
@@ -820,30 +488,7 @@ class PoolState:
         loop = asyncio.get_running_loop()
         due = loop.time()  # bursts on a schedule: the time spent releasing counts against the pause, not on top
         while self._held:
-            released = 0
-            for band in sorted(self._held, reverse=True):
-                q = self._held[band]
-                skipped: list[_Held] = []
-                from_band = 0
-                while q and released < self.release_burst:
-                    entry = q.popleft()
-                    if entry.future.done():
-                        continue
-                    candidates = self.serving(entry.min_version)
-                    if not candidates:
-                        skipped.append(entry)  # waits for a newer weight version; keeps its place
-                        continue
-                    entry.future.set_result(candidates)
-                    released += 1
-                    from_band += 1
-                q.extendleft(reversed(skipped))
-                if from_band:
-                    self._stats(band).released_total += from_band
-                if not q:
-                    del self._held[band]
-                    self._band_emptied(band)
-                if released >= self.release_burst:
-                    break
+            released = self.queue.release(self._serving_of, self.release_burst)
             self.released_total += released
             if released == 0:
                 return

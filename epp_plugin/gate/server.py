@@ -217,9 +217,8 @@ class GateServer:
         self.ext_proc_port = self._data.add_insecure_port(f"{cfg.host}:{cfg.ext_proc_port}")
 
         self._control = aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors(cfg.token))
-        factory = self._new_pool if cfg.accept_new_pools else None
         gate_control_pb2_grpc.add_GateControlServiceServicer_to_server(
-            GateControl(self.pools, factory, self.objectives_source), self._control
+            GateControl(self.pools, self.objectives_source), self._control
         )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._control)
         self.control_port = tls.add_port(self._control, f"{cfg.host}:{cfg.control_port}", self.tls)
@@ -240,7 +239,7 @@ class GateServer:
                 cfg.orchestrator,
                 self.gate_id,
                 self.pools,
-                self._new_pool,
+                self._new_pool if cfg.accept_new_pools else None,
                 cfg.token,
                 on_synced=self._synced,
                 stale_after_s=cfg.stale_after_s,

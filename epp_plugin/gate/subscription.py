@@ -102,7 +102,8 @@ class StateSubscription:
         target: orchestrator ``host:port``.
         gate_id: this replica's stable id (e.g. the pod name).
         pools: pool name -> state, shared with the ext_proc servicer.
-        pool_factory: creates a pool the orchestrator names that this gate does not have yet.
+        pool_factory: creates a pool the orchestrator names that this gate does not have yet (None: such a pool's
+            endpoints are ignored, logged once per pool; ``gate.accept_new_pools`` false).
         token: bearer token for the orchestrator.
         on_synced: called after the first full snapshot is applied (readiness).
         stale_after_s: seconds without a processed command before the pools go stale and the gate resubscribes
@@ -115,7 +116,7 @@ class StateSubscription:
         target: str,
         gate_id: str,
         pools: MutableMapping[str, PoolState],
-        pool_factory: Callable[[str], PoolState],
+        pool_factory: Callable[[str], PoolState] | None,
         token: str | None = None,
         on_synced: Callable[[], None] | None = None,
         stale_after_s: float = 5.0,
@@ -125,6 +126,7 @@ class StateSubscription:
         self._tls = tls_files
         self.target, self.gate_id, self.pools = target, gate_id, pools
         self._factory = pool_factory
+        self._ignored: set[str] = set()  # pools named by the orchestrator but not created (no pool_factory)
         self._token = token
         self._on_synced = on_synced
         self._clock = clock
@@ -394,6 +396,11 @@ class StateSubscription:
             named.add(pe.pool)
             pool = self.pools.get(pe.pool)
             if pool is None:
+                if self._factory is None:
+                    if pe.pool not in self._ignored:
+                        self._ignored.add(pe.pool)
+                        log.warning("pool %r named by the orchestrator is not served here (accept_new_pools is off)", pe.pool)
+                    continue
                 pool = self.pools[pe.pool] = self._factory(pe.pool)
                 pool.set_stale(self.stale)
                 self.watch_pool(pool)

@@ -8,7 +8,8 @@ as soon as the operation ends, so the orchestrator waits on an event instead of 
 stream: a command starts an operation, one event answers it when it ended (2 messages per
 operation instead of 2 unary calls: docs/decisions/sidecar-operation-stream.md).
 
-Job states follow the Snapshot Agent's vocabulary: RUNNING, TRANSITIONING, SAVED, FAULTED.
+Job states follow the Snapshot Agent's vocabulary: RUNNING, TRANSITIONING, SAVED, FAULTED; every change goes through
+the table of :mod:`llmd_timeslice.snapshot.job_states`.
 
 The backend of each operation is resolved per request (:mod:`llmd_timeslice.snapshot.resolve`):
 explicit request config, then a workload registered on ``WorkloadChannel``
@@ -51,6 +52,7 @@ from llmd_timeslice.snapshot.backends.base import (
 from llmd_timeslice.snapshot.backends.deadlines import OperationClock, OperationDeadlines, operation_clock
 from llmd_timeslice.snapshot.backends.sleep_memory import MemoryNotFreed
 from llmd_timeslice.snapshot.channel import WorkloadRegistry
+from llmd_timeslice.snapshot.job_states import JobState, move
 from llmd_timeslice.snapshot.resolve import BackendResolver, ResolveError
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
@@ -98,11 +100,11 @@ MAX_OPERATIONS_KEPT = 1000
 MAX_WAIT_S = 3600.0
 
 _JOB_STATE = {
-    "IDLE": pb.JOB_STATE_IDLE,
-    "RUNNING": pb.JOB_STATE_RUNNING,
-    "TRANSITIONING": pb.JOB_STATE_TRANSITIONING,
-    "SAVED": pb.JOB_STATE_SAVED,
-    "FAULTED": pb.JOB_STATE_FAULTED,
+    JobState.IDLE: pb.JOB_STATE_IDLE,
+    JobState.RUNNING: pb.JOB_STATE_RUNNING,
+    JobState.TRANSITIONING: pb.JOB_STATE_TRANSITIONING,
+    JobState.SAVED: pb.JOB_STATE_SAVED,
+    JobState.FAULTED: pb.JOB_STATE_FAULTED,
 }
 
 
@@ -220,7 +222,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self.backends = backends
         self.workloads = WorkloadRegistry()
         self.resolver = BackendResolver(backends, self.workloads, annotations, command_timeout_s, backend_kwargs)
-        self.states: dict[str, str] = {job: "RUNNING" for job in backends}
+        self.states: dict[str, JobState] = {job: JobState.RUNNING for job in backends}
         self.operations: dict[str, Operation] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._timeout = operation_timeout_s
@@ -280,7 +282,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 f"backend {res.backend.name!r} of job {request.job_id!r} cannot load weights "
                 "(weight sync needs the vllm backend)",
             )
-        self.states.setdefault(request.job_id, "RUNNING")
+        if request.job_id not in self.states:
+            move(self.states, request.job_id, JobState.RUNNING)
         self.last_resolution[request.job_id] = res.source
         op = Operation(uuid.uuid4().hex, request.job_id, kind)
         self._remember(op)
@@ -334,7 +337,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             if op.kind == "restore" and failures.failed is not None:
                 self._refuse_failed_engine(op, failures.failed)
                 return
-            self.states[op.job_id] = "TRANSITIONING"
+            move(self.states, op.job_id, JobState.TRANSITIONING)
             kind = "sleep" if op.kind == "snapshot" else "wake"
             limit_s = (limits.sleep_s if kind == "sleep" else limits.wake_s) or self._timeout
             clock: OperationClock | None = None
@@ -346,7 +349,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 what = f"{op.kind} of job {op.job_id!r}"
                 op.status = pb.OPERATION_STATUS_FAILED
                 op.error = clock.expired_reason(what) if clock is not None else f"{what} ran past {limit_s:g} s"
-                self.states[op.job_id] = "FAULTED"
+                move(self.states, op.job_id, JobState.FAULTED)
             except BackendError as exc:
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, str(exc)
                 if isinstance(exc, MemoryNotFreed):
@@ -355,18 +358,18 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     op.fault = xpb.OPERATION_FAULT_WEIGHTS_REJECTED
                 elif isinstance(exc, EngineUnreachable):
                     op.fault = xpb.OPERATION_FAULT_ENGINE_UNREACHABLE
-                self.states[op.job_id] = "FAULTED"
+                move(self.states, op.job_id, JobState.FAULTED)
             except asyncio.CancelledError:
                 op.status, op.error = (
                     pb.OPERATION_STATUS_FAILED,
                     (f"{op.kind} of job {op.job_id!r} was cancelled: the sidecar is stopping"),
                 )
-                self.states[op.job_id] = "FAULTED"
+                move(self.states, op.job_id, JobState.FAULTED)
                 raise
             except Exception as exc:
                 log.exception("operation %s crashed", op.id)
                 op.status, op.error = pb.OPERATION_STATUS_FAILED, f"internal error: {exc!r}"
-                self.states[op.job_id] = "FAULTED"
+                move(self.states, op.job_id, JobState.FAULTED)
             finally:
                 self._count_wake_failure(op)
                 op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
@@ -409,7 +412,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
     def _refuse_failed_engine(self, op: Operation, why: str) -> None:
         """End restore ``op`` at once: its engine is marked failed (``why``)."""
         op.status, op.error, op.fault = pb.OPERATION_STATUS_FAILED, why, xpb.OPERATION_FAULT_ENGINE_FAILED
-        self.states[op.job_id] = "FAULTED"
+        move(self.states, op.job_id, JobState.FAULTED)
         op.elapsed_ms = int((time.monotonic() - op.started) * 1000)
         op.finish()
 
@@ -433,14 +436,14 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 if res.parked_requests:
                     op.parked_requests, op.parked_action = res.parked_requests, res.parked_action
                     PARKED_REQUESTS.labels(job_id=op.job_id, action=res.parked_action).inc(res.parked_requests)
-            self.states[op.job_id] = "SAVED"
+            move(self.states, op.job_id, JobState.SAVED)
         elif weights is not None:
             await backend.resume_with_weights(tags, weights)
             op.storage_bytes = int(getattr(backend, "last_sync", {}).get("bytes", 0)) or None
-            self.states[op.job_id] = "RUNNING"
+            move(self.states, op.job_id, JobState.RUNNING)
         else:
             await backend.resume(tags)
-            self.states[op.job_id] = "RUNNING"
+            move(self.states, op.job_id, JobState.RUNNING)
 
     async def Snapshot(self, request, context):  # noqa: N802
         return pb.SnapshotResponse(operation_id=await self._start_call(request, context, "snapshot"))
@@ -600,8 +603,8 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                 grpc.StatusCode.INVALID_ARGUMENT, "the first WorkloadMessage must be RegisterWorkload with a job_id"
             )
         ch = self.workloads.register(first.register)
-        if self.states.get(ch.job_id) not in ("RUNNING", "SAVED"):
-            self.states[ch.job_id] = "RUNNING"
+        if self.states.get(ch.job_id, JobState.IDLE) in (JobState.IDLE, JobState.FAULTED):
+            move(self.states, ch.job_id, JobState.RUNNING)
 
         async def read_results() -> None:
             try:

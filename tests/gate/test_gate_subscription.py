@@ -117,3 +117,27 @@ async def test_gate_with_a_wrong_token_is_refused_and_never_synced(token):
     finally:
         await g.stop()
         await orch.stop()
+
+
+async def test_with_accept_new_pools_off_a_pool_the_orchestrator_names_is_not_created():
+    orch = await _orchestrator()
+    await orch.hub.publish("other", [(E1, SERVING, 1)])
+    g = GateServer(
+        GateConfig(
+            ext_proc_port=0,
+            control_port=0,
+            orchestrator=f"127.0.0.1:{orch.port}",
+            token="tok",
+            gate_id="gate-a",
+            accept_new_pools=False,
+        )
+    )
+    await g.start()
+    try:
+        await asyncio.wait_for(g.subscription.connected.wait(), 10)
+        epoch, laggards = await orch.hub.publish("other", [(E2, SERVING, 1)])
+        assert laggards == [] and g.subscription.synced_epoch == epoch, "an ignored pool's update is still acked"
+        assert "other" not in g.pools, f"the gate created pool 'other' (its pools: {sorted(g.pools)})"
+    finally:
+        await g.stop()
+        await orch.stop()

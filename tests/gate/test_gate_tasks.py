@@ -17,15 +17,15 @@ async def test_drain_notification_is_kept_by_the_pool_until_it_ran_and_survives_
     adm = await pool.admit()
     waiter = asyncio.create_task(pool.wait_drained(["e1:1"], 5))
     await asyncio.sleep(0.01)
-    async with pool._changed:  # the notification must wait for the condition's lock: it is in flight meanwhile
+    async with pool.drains._changed:  # the notification must wait for the condition's lock: it is in flight meanwhile
         pool.finish(adm)
-        assert len(pool._tasks) == 1, "the request's end must notify the drain waiter through a task the pool keeps"
-        ref = weakref.ref(next(iter(pool._tasks)))
+        assert len(pool.drains._tasks) == 1, "the request's end must notify the drain waiter through a task the pool keeps"
+        ref = weakref.ref(next(iter(pool.drains._tasks)))
         gc.collect()
         assert ref() is not None and not ref().done()
     drained, in_flight = await asyncio.wait_for(waiter, 5)
     assert drained and in_flight == {"e1:1": 0}
-    assert not pool._tasks, "a finished notification is dropped"
+    assert not pool.drains._tasks, "a finished notification is dropped"
 
 
 async def test_readiness_update_after_a_sync_is_kept_by_the_gate_until_it_ran():

@@ -24,51 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_control.proto\x12\x17llmd_timeslice.v1alpha1\"p\n\x0e\x45ndpointUpdate\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"d\n\x18SetEndpointStatesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\tendpoints\x18\x02 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointUpdate\"*\n\x19SetEndpointStatesResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"W\n\x12WaitDrainedRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xa6\x01\n\x13WaitDrainedResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12M\n\tin_flight\x18\x02 \x03(\x0b\x32:.llmd_timeslice.v1alpha1.WaitDrainedResponse.InFlightEntry\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"$\n\x14GetPoolStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"\x83\x01\n\x0e\x45ndpointStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\xee\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12:\n\tendpoints\x18\x03 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointStatus\x12\x0c\n\x04held\x18\x04 \x01(\x03\x12\x16\n\x0e\x61\x64mitted_total\x18\x05 \x01(\x03\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12\x15\n\rrefused_total\x18\x07 \x01(\x03\x12\x32\n\x05\x62\x61nds\x18\x08 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.BandStatus\"\xa6\x02\n\nBandStatus\x12\x0c\n\x04\x62\x61nd\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x03\x12\x12\n\nmax_hold_s\x18\x03 \x01(\x01\x12\x17\n\x0fhold_deadline_s\x18\x04 \x01(\x01\x12\x15\n\roldest_held_s\x18\x05 \x01(\x01\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12L\n\rrefused_total\x18\x07 \x03(\x0b\x32\x35.llmd_timeslice.v1alpha1.BandStatus.RefusedTotalEntry\x12\x1d\n\x15\x64\x65\x61\x64line_misses_total\x18\x08 \x01(\x03\x1a\x33\n\x11RefusedTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10ListPoolsRequest\"\"\n\x11ListPoolsResponse\x12\r\n\x05pools\x18\x01 \x03(\t\"\x1c\n\x1aGetObjectivesSourceRequest\"\xaf\x01\n\x10ObjectivesSource\x12=\n\x05state\x18\x01 \x01(\x0e\x32..llmd_timeslice.v1alpha1.ObjectivesSourceState\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x15\n\rgroup_version\x18\x03 \x01(\t\x12\x0e\n\x06served\x18\x04 \x03(\t\x12\x12\n\nobjectives\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t*\x9e\x01\n\rEndpointState\x12\x1e\n\x1a\x45NDPOINT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45NDPOINT_STATE_SERVING\x10\x01\x12\x1b\n\x17\x45NDPOINT_STATE_DRAINING\x10\x02\x12\x19\n\x15\x45NDPOINT_STATE_ASLEEP\x10\x03\x12\x19\n\x15\x45NDPOINT_STATE_WAKING\x10\x04*\x85\x02\n\x15ObjectivesSourceState\x12\'\n#OBJECTIVES_SOURCE_STATE_UNSPECIFIED\x10\x00\x12*\n&OBJECTIVES_SOURCE_STATE_NOT_KUBERNETES\x10\x01\x12#\n\x1fOBJECTIVES_SOURCE_STATE_READING\x10\x02\x12\"\n\x1eOBJECTIVES_SOURCE_STATE_NO_CRD\x10\x03\x12%\n!OBJECTIVES_SOURCE_STATE_FORBIDDEN\x10\x04\x12\'\n#OBJECTIVES_SOURCE_STATE_UNREACHABLE\x10\x05\x32\xba\x04\n\x12GateControlService\x12z\n\x11SetEndpointStates\x12\x31.llmd_timeslice.v1alpha1.SetEndpointStatesRequest\x1a\x32.llmd_timeslice.v1alpha1.SetEndpointStatesResponse\x12h\n\x0bWaitDrained\x12+.llmd_timeslice.v1alpha1.WaitDrainedRequest\x1a,.llmd_timeslice.v1alpha1.WaitDrainedResponse\x12\x63\n\rGetPoolStatus\x12-.llmd_timeslice.v1alpha1.GetPoolStatusRequest\x1a#.llmd_timeslice.v1alpha1.PoolStatus\x12\x62\n\tListPools\x12).llmd_timeslice.v1alpha1.ListPoolsRequest\x1a*.llmd_timeslice.v1alpha1.ListPoolsResponse\x12u\n\x13GetObjectivesSource\x12\x33.llmd_timeslice.v1alpha1.GetObjectivesSourceRequest\x1a).llmd_timeslice.v1alpha1.ObjectivesSourceb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n=llmd_timeslice/api/llmd_timeslice/v1alpha1/gate_control.proto\x12\x17llmd_timeslice.v1alpha1\"p\n\x0e\x45ndpointUpdate\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"$\n\x14GetPoolStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"\x83\x01\n\x0e\x45ndpointStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x05state\x18\x02 \x01(\x0e\x32&.llmd_timeslice.v1alpha1.EndpointState\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\xee\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12:\n\tendpoints\x18\x03 \x03(\x0b\x32\'.llmd_timeslice.v1alpha1.EndpointStatus\x12\x0c\n\x04held\x18\x04 \x01(\x03\x12\x16\n\x0e\x61\x64mitted_total\x18\x05 \x01(\x03\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12\x15\n\rrefused_total\x18\x07 \x01(\x03\x12\x32\n\x05\x62\x61nds\x18\x08 \x03(\x0b\x32#.llmd_timeslice.v1alpha1.BandStatus\"\xa6\x02\n\nBandStatus\x12\x0c\n\x04\x62\x61nd\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x03\x12\x12\n\nmax_hold_s\x18\x03 \x01(\x01\x12\x17\n\x0fhold_deadline_s\x18\x04 \x01(\x01\x12\x15\n\roldest_held_s\x18\x05 \x01(\x01\x12\x16\n\x0ereleased_total\x18\x06 \x01(\x03\x12L\n\rrefused_total\x18\x07 \x03(\x0b\x32\x35.llmd_timeslice.v1alpha1.BandStatus.RefusedTotalEntry\x12\x1d\n\x15\x64\x65\x61\x64line_misses_total\x18\x08 \x01(\x03\x1a\x33\n\x11RefusedTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10ListPoolsRequest\"\"\n\x11ListPoolsResponse\x12\r\n\x05pools\x18\x01 \x03(\t\"\x1c\n\x1aGetObjectivesSourceRequest\"\xaf\x01\n\x10ObjectivesSource\x12=\n\x05state\x18\x01 \x01(\x0e\x32..llmd_timeslice.v1alpha1.ObjectivesSourceState\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x15\n\rgroup_version\x18\x03 \x01(\t\x12\x0e\n\x06served\x18\x04 \x03(\t\x12\x12\n\nobjectives\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t*\x9e\x01\n\rEndpointState\x12\x1e\n\x1a\x45NDPOINT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45NDPOINT_STATE_SERVING\x10\x01\x12\x1b\n\x17\x45NDPOINT_STATE_DRAINING\x10\x02\x12\x19\n\x15\x45NDPOINT_STATE_ASLEEP\x10\x03\x12\x19\n\x15\x45NDPOINT_STATE_WAKING\x10\x04*\x85\x02\n\x15ObjectivesSourceState\x12\'\n#OBJECTIVES_SOURCE_STATE_UNSPECIFIED\x10\x00\x12*\n&OBJECTIVES_SOURCE_STATE_NOT_KUBERNETES\x10\x01\x12#\n\x1fOBJECTIVES_SOURCE_STATE_READING\x10\x02\x12\"\n\x1eOBJECTIVES_SOURCE_STATE_NO_CRD\x10\x03\x12%\n!OBJECTIVES_SOURCE_STATE_FORBIDDEN\x10\x04\x12\'\n#OBJECTIVES_SOURCE_STATE_UNREACHABLE\x10\x05\x32\xd4\x02\n\x12GateControlService\x12\x63\n\rGetPoolStatus\x12-.llmd_timeslice.v1alpha1.GetPoolStatusRequest\x1a#.llmd_timeslice.v1alpha1.PoolStatus\x12\x62\n\tListPools\x12).llmd_timeslice.v1alpha1.ListPoolsRequest\x1a*.llmd_timeslice.v1alpha1.ListPoolsResponse\x12u\n\x13GetObjectivesSource\x12\x33.llmd_timeslice.v1alpha1.GetObjectivesSourceRequest\x1a).llmd_timeslice.v1alpha1.ObjectivesSourceb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmd_timeslice.api.llmd_timeslice.v1alpha1.gate_control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WAITDRAINEDRESPONSE_INFLIGHTENTRY']._loaded_options = None
-  _globals['_WAITDRAINEDRESPONSE_INFLIGHTENTRY']._serialized_options = b'8\001'
   _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._loaded_options = None
   _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_options = b'8\001'
-  _globals['_ENDPOINTSTATE']._serialized_start=1583
-  _globals['_ENDPOINTSTATE']._serialized_end=1741
-  _globals['_OBJECTIVESSOURCESTATE']._serialized_start=1744
-  _globals['_OBJECTIVESSOURCESTATE']._serialized_end=2005
+  _globals['_ENDPOINTSTATE']._serialized_start=1179
+  _globals['_ENDPOINTSTATE']._serialized_end=1337
+  _globals['_OBJECTIVESSOURCESTATE']._serialized_start=1340
+  _globals['_OBJECTIVESSOURCESTATE']._serialized_end=1601
   _globals['_ENDPOINTUPDATE']._serialized_start=90
   _globals['_ENDPOINTUPDATE']._serialized_end=202
-  _globals['_SETENDPOINTSTATESREQUEST']._serialized_start=204
-  _globals['_SETENDPOINTSTATESREQUEST']._serialized_end=304
-  _globals['_SETENDPOINTSTATESRESPONSE']._serialized_start=306
-  _globals['_SETENDPOINTSTATESRESPONSE']._serialized_end=348
-  _globals['_WAITDRAINEDREQUEST']._serialized_start=350
-  _globals['_WAITDRAINEDREQUEST']._serialized_end=437
-  _globals['_WAITDRAINEDRESPONSE']._serialized_start=440
-  _globals['_WAITDRAINEDRESPONSE']._serialized_end=606
-  _globals['_WAITDRAINEDRESPONSE_INFLIGHTENTRY']._serialized_start=559
-  _globals['_WAITDRAINEDRESPONSE_INFLIGHTENTRY']._serialized_end=606
-  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=608
-  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=644
-  _globals['_ENDPOINTSTATUS']._serialized_start=647
-  _globals['_ENDPOINTSTATUS']._serialized_end=778
-  _globals['_POOLSTATUS']._serialized_start=781
-  _globals['_POOLSTATUS']._serialized_end=1019
-  _globals['_BANDSTATUS']._serialized_start=1022
-  _globals['_BANDSTATUS']._serialized_end=1316
-  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_start=1265
-  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_end=1316
-  _globals['_LISTPOOLSREQUEST']._serialized_start=1318
-  _globals['_LISTPOOLSREQUEST']._serialized_end=1336
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=1338
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=1372
-  _globals['_GETOBJECTIVESSOURCEREQUEST']._serialized_start=1374
-  _globals['_GETOBJECTIVESSOURCEREQUEST']._serialized_end=1402
-  _globals['_OBJECTIVESSOURCE']._serialized_start=1405
-  _globals['_OBJECTIVESSOURCE']._serialized_end=1580
-  _globals['_GATECONTROLSERVICE']._serialized_start=2008
-  _globals['_GATECONTROLSERVICE']._serialized_end=2578
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=204
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=240
+  _globals['_ENDPOINTSTATUS']._serialized_start=243
+  _globals['_ENDPOINTSTATUS']._serialized_end=374
+  _globals['_POOLSTATUS']._serialized_start=377
+  _globals['_POOLSTATUS']._serialized_end=615
+  _globals['_BANDSTATUS']._serialized_start=618
+  _globals['_BANDSTATUS']._serialized_end=912
+  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_start=861
+  _globals['_BANDSTATUS_REFUSEDTOTALENTRY']._serialized_end=912
+  _globals['_LISTPOOLSREQUEST']._serialized_start=914
+  _globals['_LISTPOOLSREQUEST']._serialized_end=932
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=934
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=968
+  _globals['_GETOBJECTIVESSOURCEREQUEST']._serialized_start=970
+  _globals['_GETOBJECTIVESSOURCEREQUEST']._serialized_end=998
+  _globals['_OBJECTIVESSOURCE']._serialized_start=1001
+  _globals['_OBJECTIVESSOURCE']._serialized_end=1176
+  _globals['_GATECONTROLSERVICE']._serialized_start=1604
+  _globals['_GATECONTROLSERVICE']._serialized_end=1944
 # @@protoc_insertion_point(module_scope)

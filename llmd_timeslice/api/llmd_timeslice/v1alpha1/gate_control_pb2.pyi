@@ -45,47 +45,6 @@ class EndpointUpdate(_message.Message):
     weight_version: int
     def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
-class SetEndpointStatesRequest(_message.Message):
-    __slots__ = ("pool", "endpoints")
-    POOL_FIELD_NUMBER: _ClassVar[int]
-    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
-    pool: str
-    endpoints: _containers.RepeatedCompositeFieldContainer[EndpointUpdate]
-    def __init__(self, pool: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[EndpointUpdate, _Mapping]]] = ...) -> None: ...
-
-class SetEndpointStatesResponse(_message.Message):
-    __slots__ = ("epoch",)
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
-
-class WaitDrainedRequest(_message.Message):
-    __slots__ = ("pool", "addresses", "epoch", "timeout_s")
-    POOL_FIELD_NUMBER: _ClassVar[int]
-    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    pool: str
-    addresses: _containers.RepeatedScalarFieldContainer[str]
-    epoch: int
-    timeout_s: float
-    def __init__(self, pool: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
-
-class WaitDrainedResponse(_message.Message):
-    __slots__ = ("drained", "in_flight")
-    class InFlightEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
-    DRAINED_FIELD_NUMBER: _ClassVar[int]
-    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
-    drained: bool
-    in_flight: _containers.ScalarMap[str, int]
-    def __init__(self, drained: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
-
 class GetPoolStatusRequest(_message.Message):
     __slots__ = ("pool",)
     POOL_FIELD_NUMBER: _ClassVar[int]

@@ -34,16 +34,6 @@ class GateControlServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.SetEndpointStates = channel.unary_unary(
-                '/llmd_timeslice.v1alpha1.GateControlService/SetEndpointStates',
-                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.SetEndpointStatesRequest.SerializeToString,
-                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.SetEndpointStatesResponse.FromString,
-                _registered_method=True)
-        self.WaitDrained = channel.unary_unary(
-                '/llmd_timeslice.v1alpha1.GateControlService/WaitDrained',
-                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.WaitDrainedRequest.SerializeToString,
-                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.WaitDrainedResponse.FromString,
-                _registered_method=True)
         self.GetPoolStatus = channel.unary_unary(
                 '/llmd_timeslice.v1alpha1.GateControlService/GetPoolStatus',
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.GetPoolStatusRequest.SerializeToString,
@@ -63,22 +53,6 @@ class GateControlServiceStub:
 
 class GateControlServiceServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def SetEndpointStates(self, request, context):
-        """Replace the state of the listed endpoints of a pool (others keep theirs).
-        Each call that changes anything starts a new state epoch.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WaitDrained(self, request, context):
-        """Block until no request admitted before `epoch` can still reach any of
-        `addresses`, or until `timeout_s` passes (drained = false then).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def GetPoolStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -103,16 +77,6 @@ class GateControlServiceServicer:
 
 def add_GateControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'SetEndpointStates': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetEndpointStates,
-                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.SetEndpointStatesRequest.FromString,
-                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.SetEndpointStatesResponse.SerializeToString,
-            ),
-            'WaitDrained': grpc.unary_unary_rpc_method_handler(
-                    servicer.WaitDrained,
-                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.WaitDrainedRequest.FromString,
-                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.WaitDrainedResponse.SerializeToString,
-            ),
             'GetPoolStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPoolStatus,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.GetPoolStatusRequest.FromString,
@@ -138,60 +102,6 @@ def add_GateControlServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class GateControlService:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def SetEndpointStates(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/llmd_timeslice.v1alpha1.GateControlService/SetEndpointStates',
-            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.SetEndpointStatesRequest.SerializeToString,
-            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.SetEndpointStatesResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WaitDrained(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/llmd_timeslice.v1alpha1.GateControlService/WaitDrained',
-            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.WaitDrainedRequest.SerializeToString,
-            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_gate__control__pb2.WaitDrainedResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def GetPoolStatus(request,
