@@ -309,7 +309,8 @@ class VllmBackend(SemanticProbe, SnapshotBackend):
 
     async def suspend(self, mode: SuspendMode, tags: list[str], residual_budget_bytes: int | None = None) -> SuspendResult:
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
-        found inside the sleeping engine (docs/snapshot.md, vLLM facts) and check the device memory it still holds against its budget
+        found inside the sleeping engine (docs/snapshot.md, vLLM facts) and check the device memory it still holds against its
+        budget
         (``residual_budget_bytes``: the group's for this level; None: the first verified sleep's + margin). Raises
         BackendError (the message says what to do), ``MemoryNotFreed`` over budget."""
         level = 2 if mode is SuspendMode.DISCARD else 1
@@ -380,7 +381,8 @@ class VllmBackend(SemanticProbe, SnapshotBackend):
 
     async def _handle_parked(self, m: EngineMetrics) -> tuple[int, str]:
         """Requests inside the engine right after its verified sleep (``m``: the metrics read then): ``(count,
-        "aborted" | "kept" | "")`` (docs/snapshot.md, vLLM facts). Raises BackendError when requests are inside and cannot be aborted
+        "aborted" | "kept" | "")`` (docs/snapshot.md, vLLM facts).
+        Raises BackendError when requests are inside and cannot be aborted
         (the engine is woken again so they finish)."""
         # The engine's last published counts: its queue is exact for requests that arrived before its last step
         # (queued requests are not scheduled while paused); its running count may still show the batch the sleep
@@ -595,7 +597,8 @@ class VllmBackend(SemanticProbe, SnapshotBackend):
             )
 
     async def _reset_prefix_cache(self) -> None:
-        """``POST /reset_prefix_cache``, verified by its answer (docs/snapshot.md, vLLM facts): refused -> reset with running requests
+        """``POST /reset_prefix_cache``, verified by its answer (docs/snapshot.md, vLLM facts):
+        refused -> reset with running requests
         preempted; refused again -> BackendError (the endpoint stays out of service)."""
         answers = []
         for params in ({}, {"reset_running_requests": "true"}):
@@ -621,7 +624,8 @@ class VllmBackend(SemanticProbe, SnapshotBackend):
         )
 
     async def _verify_awake(self) -> None:
-        """After a full wake: awake on every engine core, not paused (docs/snapshot.md, vLLM facts, "Paused after a wake"), probe."""
+        """After a full wake: awake on every engine core, not paused (docs/snapshot.md, vLLM facts,
+        "Paused after a wake"), probe."""
         sleeping = await self.is_suspended()
         m = await self.metrics()
         bad = m.engines_not_in("awake")
