@@ -8,8 +8,6 @@ from llmd_timeslice.config.schema import (
     ENV_DELIMITER,
     ENV_PREFIX,
     SECTIONS,
-    CliField,
-    ConfigError,
     Flag,
     GateSettings,
     KubernetesDiscoverySettings,
@@ -20,13 +18,17 @@ from llmd_timeslice.config.schema import (
     Seconds,
     SidecarSettings,
     TimesliceConfig,
+    json_schema,
+    parse_duration,
+    summary_lines,
+)
+from llmd_timeslice.config.sources import (
+    CliField,
+    ConfigError,
     cli_fields,
     component_settings,
     component_token_origin,
-    json_schema,
     load_config,
-    parse_duration,
-    summary_lines,
 )
 
 __all__ = [

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 import annotated_types
 from pydantic import BaseModel
 
-from llmd_timeslice.config.schema import ENV_DELIMITER, ENV_PREFIX, Seconds, TimesliceConfig, cli_fields
+from llmd_timeslice.config.schema import ENV_DELIMITER, ENV_PREFIX, Seconds, TimesliceConfig
+from llmd_timeslice.config.sources import cli_fields
 
 
 def _field_type(field) -> Any:
