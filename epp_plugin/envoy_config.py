@@ -93,8 +93,8 @@ ADMIN_PATHS_UNDER_API = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GATE_EDGES = ("ext_authz", "ext_proc")
 ACCESS_LOG_FLUSH_S = 0.02
 """Envoy's access-log batching interval: how late the drain barrier may see a request's end. Each batch is one
-gRPC message, which costs the gate about 0.2-0.4 ms of CPU on this machine whatever it holds (measured,
-docs/gate.md), so the interval, not the request rate, sets the access log's cost at moderate load."""
+gRPC message with a cost of its own whatever it holds (measured: docs/gate.md), so the interval, not the request
+rate, sets the access log's cost at moderate load."""
 ACCESS_LOG_BUFFER_BYTES = 65536
 """Envoy also sends a batch when it reaches this size (default 16 KiB, about 40 entries): larger batches at high
 request rates, fewer messages."""
