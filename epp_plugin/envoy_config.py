@@ -69,12 +69,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epp_plugin.envoy_clusters import authz_cluster, endpoints_cluster, gate_picks_cluster, grpc_cluster
+from epp_plugin.envoy_clusters import dur as _dur
 from llmd_timeslice import protocol
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 MAX_MESSAGE_TIMEOUT_S = 3600
 PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 AUTHZ_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
@@ -92,8 +93,8 @@ ADMIN_PATHS_UNDER_API = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GATE_EDGES = ("ext_authz", "ext_proc")
 ACCESS_LOG_FLUSH_S = 0.02
 """Envoy's access-log batching interval: how late the drain barrier may see a request's end. Each batch is one
-gRPC message, which costs the gate about 0.2-0.4 ms of CPU on this machine whatever it holds (measured,
-docs/gate.md), so the interval, not the request rate, sets the access log's cost at moderate load."""
+gRPC message with a cost of its own whatever it holds (measured: docs/gate.md), so the interval, not the request
+rate, sets the access log's cost at moderate load."""
 ACCESS_LOG_BUFFER_BYTES = 65536
 """Envoy also sends a batch when it reaches this size (default 16 KiB, about 40 entries): larger batches at high
 request rates, fewer messages."""
@@ -115,23 +116,6 @@ def lost_completion_after_s(route_timeout: float) -> float:
     it (the route timeout bounds every admitted request) by 300 s for the request body's upload, so the age rule
     never ends an admission Envoy may still be serving (:mod:`epp_plugin.gate.admissions`)."""
     return route_timeout + LOST_COMPLETION_MARGIN_S
-
-
-# Far above Envoy's default of 1024 concurrent requests per cluster: each held request is one
-# open ext_proc stream to the gate.
-_BIG_THRESHOLDS = {
-    "thresholds": [
-        {
-            "priority": "DEFAULT",
-            "max_connections": 100_000,
-            "max_pending_requests": 100_000,
-            "max_requests": 100_000,
-            # Each retried check (the gate restarting) and each retried connect (an engine dying) is one retry in
-            # flight: thousands at once when a whole hold queue rides out a gate restart.
-            "max_retries": 100_000,
-        }
-    ]
-}
 
 
 @dataclass
@@ -184,56 +168,6 @@ class EnvoyRouterConfig:
     @property
     def fast_path(self) -> bool:
         return self.gate_port is not None and self.gate_edge == "ext_authz"
-
-
-def _dur(seconds: float) -> str:
-    return f"{seconds:.3f}s"
-
-
-def grpc_http2_options() -> dict:
-    """HTTP/2 options of Envoy's connections to the gate and the EPP (``typed_extension_protocol_options``).
-
-    Each held request is one stream on one connection, so the stream limit is lifted, and so are Envoy's outbound
-    flood limits, which count frames queued for a peer that is not reading (envoy/config/core/v3/protocol.proto:
-    ``max_outbound_control_frames``, PING/SETTINGS/RST_STREAM, default 1,000; ``max_outbound_frames``, default
-    10,000; on upstream connections too). Every ext_proc stream Envoy ends is one RST_STREAM, so when a whole hold
-    queue (``max_held``, 10,000 per pool) is released, a busy peer can fall 1,000 frames behind: Envoy then closed
-    the connection and failed every request on it (a test's EPP, starved of CPU, at 2,000 released requests:
-    ``cluster.epp.http2.outbound_control_flood`` 1, hundreds of 500s; docs/decisions/envoy-http2-flood-limits.md).
-    These peers are the
-    router's own; the limits stay finite (memory) and cover five full hold queues.
-    """
-    return {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": HTTP_OPTIONS_TYPE,
-            "explicit_http_config": {
-                "http2_protocol_options": {
-                    "max_concurrent_streams": 2_147_483_647,
-                    "max_outbound_control_frames": 50_000,
-                    "max_outbound_frames": 200_000,
-                }
-            },
-        }
-    }
-
-
-def grpc_cluster(name: str, host: str, port: int) -> dict:
-    """A STATIC HTTP/2 cluster for a gRPC service at ``host:port`` (the gate's ext_proc and access-log service, the
-    EPP): unlimited streams per connection, circuit breakers and flood limits raised (each held request is one
-    stream; :func:`grpc_http2_options`)."""
-    return {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "typed_extension_protocol_options": grpc_http2_options(),
-        "circuit_breakers": _BIG_THRESHOLDS,
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}
-            ],
-        },
-    }
 
 
 def gate_filter(cluster: str, pool: str, max_hold_s: float, failure_mode_allow: bool = False) -> dict:
@@ -562,23 +496,6 @@ def refusal_local_reply() -> dict:
     }
 
 
-def authz_cluster(name: str, host: str, port: int) -> dict:
-    """Cluster of the gate's HTTP ext_authz port: HTTP/1.1, one connection per check in progress (a held
-    request keeps one), hence the raised circuit breakers."""
-    return {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "circuit_breakers": _BIG_THRESHOLDS,
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}
-            ],
-        },
-    }
-
-
 REQUEST_BODY_BUFFER_BYTES = 16 * 1024 * 1024
 """Default route ``request_body_buffer_limit`` (16 MiB, Envoy's default being the listener's 1 MiB connection buffer).
 Envoy retries only a request whose body it still holds: past the limit the router stops buffering and gives the
@@ -739,111 +656,6 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         },
     }
     return bootstrap
-
-
-OVERRIDE_HOST_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-SUBSET_LB_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset"
-ROUND_ROBIN_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-EDS_INITIAL_FETCH_TIMEOUT_S = 2.0
-
-
-def _upstream_http_options() -> dict:
-    # Below uvicorn's 5 s keep-alive (vLLM's server): Envoy must not reuse a connection the
-    # engine is closing (seen as 503 "connection termination" after idle training phases).
-    return {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": HTTP_OPTIONS_TYPE,
-            "common_http_protocol_options": {"idle_timeout": "3s"},
-            "explicit_http_config": {"http_protocol_options": {}},
-        }
-    }
-
-
-def endpoints_cluster() -> dict:
-    """The model-server cluster behind an EPP: ORIGINAL_DST, routed by the EPP's ``x-gateway-destination-endpoint``."""
-    return {
-        "name": "endpoints",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "5s",
-        "typed_extension_protocol_options": _upstream_http_options(),
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
-        "circuit_breakers": _BIG_THRESHOLDS,
-    }
-
-
-def gate_picks_cluster(gate_cluster: str) -> dict:
-    """The model-server cluster when the gate picks (no EPP): its endpoints come from the gate's EDS
-    (:mod:`epp_plugin.gate.endpoint_discovery`, over ``gate_cluster``), and the
-    ``envoy.load_balancing_policies.override_host`` policy routes to the first address of the gate's
-    ``x-gateway-destination-endpoint`` list, then to the next one on each retry (Envoy 1.40
-    ``api/envoy/extensions/load_balancing_policies/override_host/v3/override_host.proto``;
-    ``source/extensions/load_balancing_policies/override_host/load_balancer.cc``). Its fallback, used when no listed
-    address is a host of the cluster, is a subset policy whose one selector no endpoint matches, with
-    ``NO_FALLBACK``: it picks nothing and Envoy answers 503 (no healthy upstream) rather than send the request to an
-    endpoint the gate did not choose (a sleeping engine). ``initial_fetch_timeout`` keeps Envoy's start from waiting
-    15 s for a gate that is not up yet."""
-    no_endpoint = {
-        "typed_extension_config": {
-            "name": "envoy.load_balancing_policies.subset",
-            "typed_config": {
-                "@type": SUBSET_LB_TYPE,
-                "fallback_policy": "NO_FALLBACK",
-                "subset_selectors": [{"keys": ["llmd-timeslice-never"]}],
-                "subset_lb_policy": {
-                    "policies": [
-                        {
-                            "typed_extension_config": {
-                                "name": "envoy.load_balancing_policies.round_robin",
-                                "typed_config": {"@type": ROUND_ROBIN_TYPE},
-                            }
-                        }
-                    ]
-                },
-            },
-        }
-    }
-    return {
-        "name": "endpoints",
-        "type": "EDS",
-        "eds_cluster_config": {
-            "eds_config": {
-                "resource_api_version": "V3",
-                "initial_fetch_timeout": _dur(EDS_INITIAL_FETCH_TIMEOUT_S),
-                "api_config_source": {
-                    "api_type": "GRPC",
-                    "transport_api_version": "V3",
-                    # Reconnect to a restarted gate within a second, not Envoy's default 0.5 s doubling to 30 s
-                    # (``source/common/config/utility.h``, ``prepareJitteredExponentialBackOffStrategy``).
-                    "grpc_services": [
-                        {
-                            "envoy_grpc": {
-                                "cluster_name": gate_cluster,
-                                "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
-                            }
-                        }
-                    ],
-                },
-            }
-        },
-        "connect_timeout": "5s",
-        "typed_extension_protocol_options": _upstream_http_options(),
-        "load_balancing_policy": {
-            "policies": [
-                {
-                    "typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.override_host",
-                        "typed_config": {
-                            "@type": OVERRIDE_HOST_TYPE,
-                            "override_host_sources": [{"header": protocol.DESTINATION_HEADER}],
-                            "fallback_policy": {"policies": [no_endpoint]},
-                        },
-                    }
-                }
-            ]
-        },
-        "circuit_breakers": _BIG_THRESHOLDS,
-    }
 
 
 def write_bootstrap(cfg: EnvoyRouterConfig, path: Path) -> Path:

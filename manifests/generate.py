@@ -40,20 +40,17 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from epp_plugin import envoy_config  # noqa: E402
+from epp_plugin.envoy_clusters import _BIG_THRESHOLDS, authz_cluster, grpc_cluster, grpc_http2_options  # noqa: E402
 from epp_plugin.envoy_config import (  # noqa: E402
-    _BIG_THRESHOLDS,
     API_PREFIX,
     AUTHZ_FILTER_NAME,
     EXT_PROC_TYPE,
     HCM_TYPE,
     PER_ROUTE_TYPE,
-    authz_cluster,
     authz_filter,
     authz_per_route,
     gate_access_log,
     gate_filter,
-    grpc_cluster,
-    grpc_http2_options,
     lost_completion_after_s,
     refusal_local_reply,
     route_timeout_s,

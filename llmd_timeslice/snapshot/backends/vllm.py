@@ -1,128 +1,11 @@
 """vLLM backend (upstream ``APP_VLLM``): sleep / wake-up over vLLM's HTTP dev endpoints, verified.
 
-vLLM facts used here (vLLM 0.32, server started with ``VLLM_SERVER_DEV_MODE=1``; checked on the
-CPU build; docs/snapshot.md, "vLLM facts this relies on"): ``POST /sleep?level=N&mode=wait`` (level 1 offloads weights to host,
-level 2 discards them), ``POST /wake_up`` with optional ``?tags=weights`` / ``?tags=kv_cache``,
-``GET /is_sleeping`` -> ``{"is_sleeping": bool}``, and on ``GET /metrics`` the gauges
-``vllm:engine_sleep_state{sleep_state="awake"|"weights_offloaded"|"discard_all"}`` (1.0 on the
-current state's series), ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``. The
-default sleep mode is ``abort`` (requests in flight end with ``finish_reason: abort``), so this
-backend always sends ``mode=wait`` (vLLM finishes them first). On the CPU build sleep frees no
-memory (it pauses the scheduler), but the reported state and the hang of requests sent to a
-sleeping engine are real.
-
-Pause modes (``/sleep?mode=``): ``abort`` (vLLM's default) ends requests in flight with
-``finish_reason: abort``; ``wait`` blocks the sleep call until they finish; ``keep`` freezes them
-and resumes them on wake. The drain fallback picks one (``pause_mode``, default ``wait``).
-
-After a level-2 sleep (weights discarded) vLLM needs, before serving again: ``wake_up?tags=weights``
-(``/is_sleeping`` stays true: a partial wake), ``POST /collective_rpc {"method": "reload_weights"}``
-(reload from the model directory: the weight sync point), ``wake_up?tags=kv_cache``, then
-``POST /reset_prefix_cache`` (cached prefixes were computed with the old weights). All checked on
-vLLM 0.32 CPU.
-
-Weight sync (:meth:`VllmBackend.resume_with_weights`): wake weights -> load the new version with a
-loader of :mod:`llmd_timeslice.snapshot.backends.vllm_weights` -> ``POST /update_weight_version`` ->
-wake kv_cache -> ``POST /reset_prefix_cache`` -> verify awake, ``GET /weight_info`` reports the version,
-probe. A load that fails leaves the engine asleep and marks its weights unusable: a later plain wake
-reloads the last good version first (never serves a mix) or, without one, refuses.
-
-Engine versions (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`, probed once): checked on vLLM 0.32.0
-and 0.27.x (``make test-vllm-older``: 0.27.1). On a vLLM before 0.28 with LoRA enabled no weights can be loaded into the
-running engine (a reload there puts the model on meta tensors and the next request kills the engine core): a level-2
-sleep is made at level 1, every weight version is refused before the engine is touched, and an engine found at
-level 2 stays out of service with the reason; with LoRA and tensor parallelism there every sleep is refused (a level-1
-wake can corrupt the LoRA state, vLLM #53888).
-
-Where NVML answers (``nvidia-ml-py``) every sleep is verified by the device memory the engine still holds after it,
-polled until it settles and checked against a budget (:mod:`~llmd_timeslice.snapshot.backends.sleep_memory`); a
-``memory_reader`` callable (device bytes) or ``nvml`` (a module shaped like ``pynvml``) can stand in (tests).
-
-An HTTP 200 from ``/sleep`` proves nothing by itself, so every step is verified afterwards: the
-engine must report sleeping (``/is_sleeping``, and the sleep-state gauge of *every* engine core where
-exported: one series per ``engine`` label with data parallelism) after a sleep; after a wake it must
-report awake on every engine core and pass the semantic probe.
-
-Semantic probe: greedy tokens (``temperature 0``, ``ignore_eos``, ``return_token_ids``) of
-:data:`PROBE_PROMPTS` compared with a reference for the weight version the engine serves. The reference is
-recorded when that version first served through this backend: before the first sleep of the version
-when the engine is idle (it has been serving it) or else at its first verified wake (a freshly loaded
-version). A mismatch fails
-the wake with :class:`ProbeMismatch`, puts the engine back to sleep (level 2) and marks its weights unusable,
-so the endpoint stays out of service and the next restore reloads the weights. Greedy decoding in float32
-is deterministic on vLLM's CPU build; with bf16 kernels on GPUs a near-tie can flip one continuation, which
-``probe_max_mismatched_prompts`` tolerates.
-
-Speculative decoding: where the engine exports vLLM's ``spec_decode`` counters, the probe's draft acceptance is
-compared with the one its weight version had when it first served; a collapse (below
-``spec_decode_min_acceptance_ratio`` of it: vllm#52479, the draft model not restored by a level-2 wake) fails the wake
-with :class:`SpecDecodeCollapsed` (:mod:`~llmd_timeslice.snapshot.backends.vllm_spec_decode`).
-
-LoRA adapters: the probe runs for the base model and for every LoRA adapter ``GET /v1/models`` lists (an entry
-with ``parent``), each with a reference of its own per weight version; a mismatch through one adapter fails the wake
-the same way, naming it (the next restore reloads the weights, and vLLM 0.32's ``GPUModelRunner.reload_weights``
-resets the LoRA state, so adapters load again from their directories on first use). An adapter first listed at a
-wake is recorded then; one no longer listed is forgotten with a warning (its requests get vLLM's 404). Checked on
-vLLM 0.32 CPU with ``--enable-lora``: level-1 and level-2 wakes keep every adapter's greedy tokens. On a GPU the
-adapters' slots are allocated with the weights (``load_model`` under the ``weights`` memory pool,
-``vllm/v1/worker/gpu_worker.py``): offloaded and restored by level 1, discarded by level 2 and filled again after the
-reload's reset; not measured here.
-
-Paused after a wake: vLLM 0.32's ``/is_sleeping`` is true while the scheduler is paused (``EngineCore.is_sleeping``
-= scheduler paused or executor asleep, ``vllm/v1/engine/core.py``), and ``GET /is_paused`` (RL routes, dev mode)
-says which. A full ``/wake_up`` resumes the scheduler, lifting the pause the sleep made (``EngineCore.wake_up``), so
-an engine whose every core reports ``awake`` while ``/is_paused`` is true after the wake was paused by another
-client (a ``POST /pause`` without its ``POST /resume``: vLLM's pause exists for weight updates). The wake fails with
-:class:`~llmd_timeslice.snapshot.backends.base.EnginePaused` and the engine is not resumed: resuming another
-client's pause could serve weights in the middle of its update, and a probe passing at one instant says nothing
-about the next. The endpoint stays out of service; a later restore of an engine that reports awake checks
-``/is_paused`` before sending ``/wake_up`` (which would lift that pause) and serves it once the other client has
-resumed it.
-
-A dead engine core: ``/sleep`` can answer 200 and the engine core process die after it (OOM killer, a crash). Then
-(measured on vLLM 0.32 CPU, engine core SIGKILLed while asleep) every route that reaches the core answers 500
-``EngineCore encountered an issue``, ``GET /health`` answers 503, and ``/metrics`` keeps showing the last sleep
-state; without ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` the API server exits about a second later (connection
-refused). Any answer >= 500 is followed by ``GET /health``; a 503 there raises
-:class:`~llmd_timeslice.snapshot.backends.base.EngineDead` (an ``EngineUnreachable``), so the sleep's verification
-(``/is_sleeping``), the next wake, and the engine audit's ``GetServedWeightVersion`` (``engine_unreachable``) all
-read it as an engine that cannot serve: out of service, repaired once an engine listens there again.
-
-Prefix cache after a wake: every sleep frees the KV cache (level 1 included: only the weights are offloaded), so
-after any wake from a sleep (level 1 or 2, or one that reloaded weights) the backend resets the prefix cache where the
-engine's route table (:mod:`~llmd_timeslice.snapshot.backends.vllm_capabilities`) lists ``/reset_prefix_cache``:
-cached prefixes must not point at discarded blocks (vllm-project/vllm#17103). Without the route: one warning.
-Reset answers: vLLM 0.32's ``POST /reset_prefix_cache`` answers
-200 ``{"success": false}`` when blocks are still held, e.g. by running requests
-(``vllm/entrypoints/serve/dev/cache/api_router.py``; ``BlockPool.reset_prefix_cache`` in
-``vllm/v1/core/block_pool.py``). The backend then resets with ``?reset_running_requests=true`` (the scheduler
-preempts running requests, which recompute with the new weights: ``Scheduler.reset_prefix_cache`` in
-``vllm/v1/core/sched/scheduler.py``); if that is refused too, the wake fails and the endpoint stays out of
-service with the reason: never SERVING on stale KV.
-
-Requests parked in a sleeping engine: a request that reaches vLLM after the drain (sent straight to the
-engine, or queued when the sleep began) waits inside the sleeping engine until the next wake. vLLM 0.32
-queues requests added while paused without stepping, so ``vllm:num_requests_waiting`` does not count
-the late ones (``Scheduler.get_num_unfinished_requests`` with ``PAUSED_NEW``; the engine core publishes
-counts only when it steps). Rule, after every verified sleep: ``POST /pause?mode=abort&clear_cache=false``
-(``vllm/entrypoints/rl/online/api_router.py``, dev mode) makes the engine core abort every request still in
-its scheduler (``EngineCoreProc.pause_scheduler``): each ends at once with ``finish_reason: "abort"``. The
-engine is the judge, not the API server: ``/sleep`` returns before the API server has processed the final
-outputs of the batch it drained (``AsyncLLM.pause_generation`` says so), so aborting what the API server
-still tracks (``POST /abort_requests``) would abort completed requests (measured on vLLM 0.32 CPU: right
-after a ``mode=wait`` sleep it still tracked all 8 requests of the drained batch). The count reported
-(operation result, metric, log) is the rise of ``vllm:request_success_total{finished_reason="abort"}``, or,
-while that has not moved, the queue the engine last published (its running count is not used: it can
-still show the batch the sleep drained). In the usual switch (the engine idle before a ``mode=wait`` sleep,
-so the sleep aborted nothing) the counter read by the idle check is the baseline, and one metrics read after the
-abort both checks the sleep state of every engine core and gives the count: one engine call fewer per switch (the
-queue is then the one published after the abort; on a GPU build, where the abort makes the core step, it may read
-0 before the counter catches up, so the count could come out low there: not measured). With
-``pause_mode="keep"`` requests are frozen on purpose and resume on wake: they are counted from the metrics and
-reported as kept. An engine without the route and with requests queued
-inside is woken again and the sleep fails (they finish; the switch reports why). Checked on the CPU build,
-where the executor does not really sleep; on a GPU the abort makes the sleeping engine core take one step
-with nothing scheduled to drop the aborted requests: not measured here, worth confirming on a GPU build.
+The engine facts it relies on (routes, pause modes, level-2 wake sequence, weight sync, engine versions, device
+memory, verification, the semantic probe, LoRA adapters, a paused or dead engine core, the prefix cache after a
+wake, requests parked in a sleeping engine), each with its vLLM source or measurement, are in docs/snapshot.md,
+"vLLM facts the backend relies on". Its parts: :mod:`~llmd_timeslice.snapshot.backends.vllm_http` (HTTP calls and
+their errors), :mod:`~llmd_timeslice.snapshot.backends.vllm_metrics` (``/metrics`` parsing),
+:mod:`~llmd_timeslice.snapshot.backends.vllm_probe` (the semantic probe); this module keeps the sleep/wake procedure.
 """
 
 from __future__ import annotations
@@ -130,136 +13,69 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmd_timeslice.snapshot.backends import deadlines
 from llmd_timeslice.snapshot.backends.base import (
     BackendError,
-    EngineDead,
     EnginePaused,
-    EngineUnreachable,
     SnapshotBackend,
     SuspendMode,
     SuspendResult,
     WeightVersionRejected,
 )
-from llmd_timeslice.snapshot.backends.deadlines import note_step
 from llmd_timeslice.snapshot.backends.device_memory import engine_memory
 from llmd_timeslice.snapshot.backends.engine_http import engine_http_client
 from llmd_timeslice.snapshot.backends.sleep_memory import GIB, SleepMemoryCheck
 from llmd_timeslice.snapshot.backends.vllm_capabilities import VllmCapabilities
 from llmd_timeslice.snapshot.backends.vllm_capabilities import probe as probe_capabilities
-from llmd_timeslice.snapshot.backends.vllm_spec_decode import AcceptanceCheck, SpecDecodeCounters, parse_spec_decode
+from llmd_timeslice.snapshot.backends.vllm_metrics import (
+    SLEEP_STATE_FOR_LEVEL,
+    EngineMetrics,
+    describe_engines,
+    needed_metric_lines,
+    parse_engine_metrics,
+)
+from llmd_timeslice.snapshot.backends.vllm_probe import (
+    PROBE_PROMPTS,
+    PROBE_TOKENS,
+    ProbeMismatch,
+    SemanticProbe,
+    SpecDecodeCollapsed,
+)
+from llmd_timeslice.snapshot.backends.vllm_spec_decode import AcceptanceCheck
 from llmd_timeslice.snapshot.backends.vllm_weights import WeightLoader, default_loaders
 from llmd_timeslice.weights.manifest import WeightManifestError, verify_weights
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "PAUSE_MODES",
+    "PROBE_PROMPTS",
+    "PROBE_TOKENS",
+    "SLEEP_STATE_FOR_LEVEL",
+    "EngineMetrics",
+    "MemoryReader",
+    "ProbeMismatch",
+    "SpecDecodeCollapsed",
+    "VllmBackend",
+    "needed_metric_lines",
+    "parse_engine_metrics",
+]
+
 if TYPE_CHECKING:
     from llmd_timeslice.weights.update import WeightUpdate
 
 
-SLEEP_STATE_FOR_LEVEL = {1: "weights_offloaded", 2: "discard_all"}
 PAUSE_MODES = ("wait", "keep", "abort")
 
 MemoryReader = Callable[[], "int | None"]
 """Returns the device memory in use, in bytes (None: unknown)."""
-
-
-@dataclass
-class EngineMetrics:
-    """What the backend reads from vLLM's ``/metrics``: request counts (summed over engines) and the sleep
-    state of each engine core (``sleep_states``: the ``engine`` label -> the ``sleep_state`` label whose series is 1,
-    None for an engine with no series at 1; empty when the gauge is not exported).
-
-    vLLM 0.32 exports ``vllm:engine_sleep_state`` with labels ``model_name``, ``engine`` (the engine core index; one
-    per data-parallel rank behind the server) and ``sleep_state`` (``vllm/v1/metrics/loggers.py``,
-    ``PrometheusStatLogger``)."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    sleep_states: dict[str, str | None] = field(default_factory=dict)
-    aborted_total: float = 0.0
-    """``vllm:request_success_total{finished_reason="abort"}`` summed over engines (requests that ended aborted)."""
-
-    @property
-    def sleep_state(self) -> str | None:
-        """The state every engine reports (None: not exported, or the engines disagree)."""
-        states = set(self.sleep_states.values())
-        return states.pop() if len(states) == 1 else None
-
-    def engines_not_in(self, expected: str) -> dict[str, str | None]:
-        """Engine label -> its state, for every engine not in ``expected`` (empty: all are, or none is exported)."""
-        return {e: s for e, s in sorted(self.sleep_states.items()) if s != expected}
-
-
-_NEEDED_LINES = re.compile(
-    r"^(?:# (?:HELP|TYPE) )?vllm:(?:num_requests_running|num_requests_waiting|request_success(?:_total|_created)?"
-    r"|engine_sleep_state)[{ ].*$",
-    re.MULTILINE,
-)
-"""The lines of the four families :func:`parse_engine_metrics` reads (samples, ``# HELP`` and ``# TYPE``)."""
-
-
-def needed_metric_lines(text: str) -> str:
-    """Only the lines of ``text`` (Prometheus text exposition) that belong to the families the backend reads.
-
-    vLLM 0.32's page has some 40 families, most of them histograms with a dozen or more buckets
-    (``vllm/v1/metrics/loggers.py``), plus the process and Python collectors: tens of KiB for one engine core. Picking
-    the few lines out with one compiled regular expression costs a fraction of running prometheus-client's parser
-    over the whole page, which was most of a sidecar's CPU per switch (issue 29, ``benchmarks/scale.py``)."""
-    return "\n".join(m.group(0) for m in _NEEDED_LINES.finditer(text)) + "\n"
-
-
-def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Parse Prometheus text exposition from vLLM (prometheus-client's parser, on :func:`needed_metric_lines`)."""
-    m = EngineMetrics()
-    for fam in text_string_to_metric_families(needed_metric_lines(text)):
-        if fam.name == "vllm:num_requests_running":
-            m.running = sum(s.value for s in fam.samples if s.name == fam.name)
-        elif fam.name == "vllm:num_requests_waiting":
-            m.waiting = sum(s.value for s in fam.samples if s.name == fam.name)
-        elif fam.name.removesuffix("_total") == "vllm:request_success":  # the parser names counters either way
-            m.aborted_total += sum(
-                s.value
-                for s in fam.samples
-                if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort"
-            )
-        elif fam.name == "vllm:engine_sleep_state":
-            for s in fam.samples:
-                if "sleep_state" not in s.labels:
-                    continue
-                engine = s.labels.get("engine", "")
-                m.sleep_states.setdefault(engine, None)
-                if s.value >= 1:
-                    m.sleep_states[engine] = s.labels["sleep_state"]
-    return m
-
-
-def _describe_engines(bad: dict[str, str | None]) -> str:
-    return ", ".join(f"engine {e or '?'} is {s!r}" if s else f"engine {e or '?'} reports no sleep state" for e, s in bad.items())
-
-
-PROBE_PROMPTS = ("The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n):", "Once upon a time")
-"""Fixed prompts of the semantic probe (greedy tokens compared with a reference per weight version)."""
-PROBE_TOKENS = 8
-
-
-class SpecDecodeCollapsed(BackendError):
-    """The engine is awake and answers right, but its speculative decoding's draft acceptance collapsed after the
-    wake (:mod:`~llmd_timeslice.snapshot.backends.vllm_spec_decode`)."""
-
-
-class ProbeMismatch(BackendError):
-    """The engine's greedy tokens for the probe prompts differ from the reference of the weight version it should
-    serve: it is awake but its weights are wrong (a bad reload, corrupted memory)."""
 
 
 @dataclass(eq=False)
@@ -284,7 +100,7 @@ class _Reload:
         return f"weights {self.path or '(the model path)'}"
 
 
-class VllmBackend(SnapshotBackend):
+class VllmBackend(SemanticProbe, SnapshotBackend):
     """Sleep/wake one vLLM OpenAI server.
 
     Args:
@@ -292,7 +108,7 @@ class VllmBackend(SnapshotBackend):
         idle_timeout_s: most seconds to wait for running + waiting requests to reach 0 before
             sleeping (the drain's last step; then ``mode=wait`` lets vLLM finish the rest).
         idle_poll_s: period of that metric poll, in seconds (a poll: vLLM has no idle event).
-        probe: the semantic probe after each full wake (module doc); off: no check of what the engine answers.
+        probe: the semantic probe after each full wake (docs/snapshot.md, vLLM facts); off: no check of what the engine answers.
         request_timeout_s: timeout of each HTTP call, in seconds.
         pause_mode: ``/sleep?mode=`` (``wait``: finish requests in flight; ``keep``: freeze them
             until wake; ``abort``: end them with ``finish_reason: abort``).
@@ -313,7 +129,7 @@ class VllmBackend(SnapshotBackend):
             (default: the listener on ``base_url``'s port and its children, read at each sleep).
         weight_loaders: weight source name -> loader (default:
             :func:`~llmd_timeslice.snapshot.backends.vllm_weights.default_loaders`).
-        probe_prompts, probe_tokens: the semantic probe's prompts and greedy tokens per prompt (module doc).
+        probe_prompts, probe_tokens: the semantic probe's prompts and greedy tokens per prompt (docs/snapshot.md, vLLM facts).
         probe_max_mismatched_prompts: prompts whose tokens may differ from the reference before the probe fails
             (0: exact; raise it on GPUs where bf16 near-ties can flip a continuation).
 
@@ -405,64 +221,6 @@ class VllmBackend(SnapshotBackend):
                 log.warning("engine %s: %s", self.base_url, line)
         return self._capabilities
 
-    async def _get(self, path: str) -> httpx.Response:
-        note_step(f"GET {path}")
-        try:
-            try:
-                r = await self._http.get(path)
-            except httpx.RemoteProtocolError:
-                # A kept-alive connection the engine closed without answering (it was killed, or restarted): a GET
-                # is idempotent, so once more on a new connection, which says whether anything listens there now.
-                r = await self._http.get(path)
-        except httpx.HTTPError as exc:
-            kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
-            raise kind(
-                f"vLLM at {self.base_url} did not answer GET {path}: {exc!r}; is the engine up? "
-                "The endpoint stays out of service: restart the engine (or its pod), then restore"
-            ) from exc
-        await self._raise_if_core_dead("GET", path, r)
-        return r
-
-    async def _raise_if_core_dead(self, method: str, path: str, r: httpx.Response) -> None:
-        """After an answer >= 500: raise :class:`EngineDead` when ``GET /health`` answers 503 too (module doc,
-        "A dead engine core"); else return (the caller handles the answer)."""
-        if r.status_code < 500:
-            return
-        try:
-            health = (await self._http.get("/health")).status_code
-        except httpx.HTTPError:
-            return  # the caller reports the first answer; the next call finds the engine gone
-        if health == 503:
-            raise EngineDead(
-                f"vLLM {self.base_url}: {method} {path} answered {r.status_code} ({r.text[:120]!r}) and GET "
-                "/health answers 503: its engine core is dead behind a live API server "
-                "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up; without it the server exits within ~5 s). Its "
-                "/metrics still show the last sleep state. The endpoint stays out of service until the engine "
-                "(its pod) restarts"
-            )
-
-    async def _post(self, path: str, **kw) -> httpx.Response:
-        note_step(f"POST {path}")
-        try:
-            r = await self._http.post(path, **kw)
-        except httpx.HTTPError as exc:
-            kind = EngineUnreachable if isinstance(exc, httpx.ConnectError) else BackendError
-            raise kind(
-                f"vLLM at {self.base_url} did not answer POST {path}: {exc!r}; is the engine up? "
-                "The endpoint stays out of service: restart the engine (or its pod), then restore"
-            ) from exc
-        await self._raise_if_core_dead("POST", path, r)
-        if r.status_code != 200:
-            raise BackendError(
-                f"vLLM POST {path} answered {r.status_code}: {r.text[:300]}; "
-                "is the server started with VLLM_SERVER_DEV_MODE=1 (and sleep mode enabled on GPU)?"
-            )
-        return r
-
-    async def post_checked(self, path: str, **kw) -> httpx.Response:
-        """``POST path`` that must answer 200 (else :class:`BackendError`)."""
-        return await self._post(path, **kw)
-
     async def reload_weights(self, weights_path: str | None = None, nbytes: int | None = None) -> None:
         """``POST /collective_rpc reload_weights`` (from ``weights_path``, or the model's own path; ``nbytes``: the
         weights' size where known), under the operation's reload deadline (:mod:`~llmd_timeslice.snapshot.backends.deadlines`),
@@ -551,7 +309,8 @@ class VllmBackend(SnapshotBackend):
 
     async def suspend(self, mode: SuspendMode, tags: list[str], residual_budget_bytes: int | None = None) -> SuspendResult:
         """Sleep (level 1 for OFFLOAD, 2 for DISCARD) and verify it on every engine core; then handle the requests
-        found inside the sleeping engine (module doc) and check the device memory it still holds against its budget
+        found inside the sleeping engine (docs/snapshot.md, vLLM facts) and check the device memory it still holds against its
+        budget
         (``residual_budget_bytes``: the group's for this level; None: the first verified sleep's + margin). Raises
         BackendError (the message says what to do), ``MemoryNotFreed`` over budget."""
         level = 2 if mode is SuspendMode.DISCARD else 1
@@ -616,13 +375,14 @@ class VllmBackend(SnapshotBackend):
         if bad:
             raise BackendError(
                 f"vLLM {self.base_url}: vllm:engine_sleep_state after sleep level {level} (expected "
-                f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {_describe_engines(bad)}; the "
+                f"{SLEEP_STATE_FOR_LEVEL[level]!r} on every engine): {describe_engines(bad)}; the "
                 "engine is left out of service"
             )
 
     async def _handle_parked(self, m: EngineMetrics) -> tuple[int, str]:
         """Requests inside the engine right after its verified sleep (``m``: the metrics read then): ``(count,
-        "aborted" | "kept" | "")`` (module doc). Raises BackendError when requests are inside and cannot be aborted
+        "aborted" | "kept" | "")`` (docs/snapshot.md, vLLM facts).
+        Raises BackendError when requests are inside and cannot be aborted
         (the engine is woken again so they finish)."""
         # The engine's last published counts: its queue is exact for requests that arrived before its last step
         # (queued requests are not scheduled while paused); its running count may still show the batch the sleep
@@ -640,7 +400,7 @@ class VllmBackend(SnapshotBackend):
         return await self._count_parked(await self._abort_parked(), queued, m.aborted_total, None)
 
     async def _abort_parked(self) -> httpx.Response:
-        """``POST /pause?mode=abort&clear_cache=false`` on the sleeping engine (module doc); its answer."""
+        """``POST /pause?mode=abort&clear_cache=false`` on the sleeping engine (docs/snapshot.md, vLLM facts); its answer."""
         try:
             r = await self._http.post("/pause", params={"mode": "abort", "clear_cache": "false"})
         except httpx.HTTPError as exc:
@@ -703,7 +463,7 @@ class VllmBackend(SnapshotBackend):
         """Wake up. ``tags`` empty: the whole sequence; ``["weights"]`` then ``["kv_cache"]``: in two steps.
 
         After a level-2 sleep, the weights step also reloads the weights and the kv_cache step resets
-        the prefix cache (see the module doc).
+        the prefix cache (docs/snapshot.md, vLLM facts).
         """
         await self.wait_reload_in_flight()  # one reload in flight: the engine is busy with it until it ends
         tags = list(tags)
@@ -716,7 +476,7 @@ class VllmBackend(SnapshotBackend):
         if (level == 2 or self.weights_unusable is not None) and not tags:
             tags = ["weights", "kv_cache"]  # a discarded engine needs its weights reloaded in between
         reloaded = False
-        kv_discarded = level is not None  # asleep at level 1 or 2: its KV cache was freed (module doc)
+        kv_discarded = level is not None  # asleep at level 1 or 2: its KV cache was freed (docs/snapshot.md, vLLM facts)
         if not tags:
             await self._post("/wake_up")
         if "weights" in tags:
@@ -765,7 +525,7 @@ class VllmBackend(SnapshotBackend):
         self.weights_unusable = None
 
     async def resume_with_weights(self, tags: list[str], weights: WeightUpdate) -> None:
-        """Wake, loading weight version ``weights`` between the weights and kv_cache wake-ups (module doc).
+        """Wake, loading weight version ``weights`` between the weights and kv_cache wake-ups (docs/snapshot.md, vLLM facts).
 
         ``tags`` must be empty (the whole sequence). Raises :class:`WeightVersionRejected` when the version
         cannot be loaded (unknown source, its files fail verification, the load fails: the engine stays
@@ -826,7 +586,7 @@ class VllmBackend(SnapshotBackend):
 
     async def _reset_after_wake(self) -> None:
         """After a wake whose KV cache was discarded: ``POST /reset_prefix_cache`` where the engine's route table has
-        it (module doc, "Prefix cache after a wake"); without the route, one warning."""
+        it (docs/snapshot.md, vLLM facts, "Prefix cache after a wake"); without the route, one warning."""
         if (await self.capabilities()).has("/reset_prefix_cache"):
             await self._reset_prefix_cache()
         else:
@@ -837,7 +597,8 @@ class VllmBackend(SnapshotBackend):
             )
 
     async def _reset_prefix_cache(self) -> None:
-        """``POST /reset_prefix_cache``, verified by its answer (module doc): refused -> reset with running requests
+        """``POST /reset_prefix_cache``, verified by its answer (docs/snapshot.md, vLLM facts):
+        refused -> reset with running requests
         preempted; refused again -> BackendError (the endpoint stays out of service)."""
         answers = []
         for params in ({}, {"reset_running_requests": "true"}):
@@ -863,7 +624,8 @@ class VllmBackend(SnapshotBackend):
         )
 
     async def _verify_awake(self) -> None:
-        """After a full wake: awake on every engine core, not paused (module doc, "Paused after a wake"), probe."""
+        """After a full wake: awake on every engine core, not paused (docs/snapshot.md, vLLM facts,
+        "Paused after a wake"), probe."""
         sleeping = await self.is_suspended()
         m = await self.metrics()
         bad = m.engines_not_in("awake")
@@ -876,7 +638,7 @@ class VllmBackend(SnapshotBackend):
         if bad:
             raise BackendError(
                 f"vLLM {self.base_url}: vllm:engine_sleep_state after wake-up (expected 'awake' on every "
-                f"engine): {_describe_engines(bad)}; the endpoint stays out of service"
+                f"engine): {describe_engines(bad)}; the endpoint stays out of service"
             )
         self.level = None  # awake on every engine core
         if sleeping:  # ... yet /is_sleeping says asleep: a paused scheduler?
@@ -906,7 +668,7 @@ class VllmBackend(SnapshotBackend):
     async def _check_not_paused(self) -> None:
         """Every engine core reports awake but ``/is_sleeping`` says asleep: on vLLM 0.32 a paused scheduler
         (``EngineCore.is_sleeping`` = scheduler paused or executor asleep, ``vllm/v1/engine/core.py``). Raises
-        :class:`EnginePaused` when ``GET /is_paused`` confirms it, else BackendError (module doc)."""
+        :class:`EnginePaused` when ``GET /is_paused`` confirms it, else BackendError (docs/snapshot.md, vLLM facts)."""
         paused = await self._is_paused()
         if paused:
             raise self._paused()
@@ -922,110 +684,3 @@ class VllmBackend(SnapshotBackend):
         (:class:`EnginePaused`) rather than resumed behind that client's back."""
         if (await self.metrics()).sleep_state == "awake" and await self._is_paused():
             raise self._paused()
-
-    async def _served_models(self) -> list[str]:
-        """``GET /v1/models``: the base model's name, then each LoRA adapter's (vLLM lists an adapter with its base
-        model in ``parent``: ``vllm/entrypoints/openai/models/serving.py`` in vLLM 0.32)."""
-        r = await self._get("/v1/models")
-        try:
-            cards = r.json()["data"]
-            base = [c["id"] for c in cards if not c.get("parent")]
-            adapters = sorted(c["id"] for c in cards if c.get("parent"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BackendError(f"vLLM {self.base_url} /v1/models gave no model: {r.text[:200]}") from exc
-        if not base:
-            raise BackendError(f"vLLM {self.base_url} /v1/models lists no base model: {r.text[:200]}")
-        return base[:1] + adapters
-
-    async def _greedy_tokens(self, model: str) -> list[list[int]]:
-        """Greedy token ids of each probe prompt through ``model`` (text where the engine returns no token ids)."""
-        r = await self._post(
-            "/v1/completions",
-            json={
-                "model": model,
-                "prompt": list(self.probe_prompts),
-                "max_tokens": self.probe_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
-        )
-        try:
-            choices = sorted(r.json()["choices"], key=lambda c: c.get("index", 0))
-            out = [list(c["token_ids"]) if c.get("token_ids") is not None else [c["text"]] for c in choices]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BackendError(f"vLLM {self.base_url} probe completion is malformed: {r.text[:200]}") from exc
-        if len(out) != len(self.probe_prompts):
-            raise BackendError(
-                f"vLLM {self.base_url} probe completion returned {len(out)} choices for "
-                f"{len(self.probe_prompts)} prompts: {r.text[:200]}"
-            )
-        return out
-
-    async def _probe_tokens(self) -> dict[str, list[list[int]]]:
-        """Served model name -> greedy token ids of each probe prompt: the base model and every LoRA adapter."""
-        return {m: await self._greedy_tokens(m) for m in await self._served_models()}
-
-    async def _spec_counters(self) -> SpecDecodeCounters | None:
-        """The engine's speculative-decoding counters (None: it exports none, i.e. runs without
-        ``--speculative-config``; asked once, then never again)."""
-        if self._spec_decode_off:
-            return None
-        counters = parse_spec_decode((await self._get("/metrics")).text)
-        self._spec_decode_off = counters is None
-        return counters
-
-    async def _probe_tokens_measured(self) -> tuple[dict[str, list[list[int]]], float | None]:
-        """:meth:`_probe_tokens` and the draft acceptance over those requests (None: no speculative decoding)."""
-        before = await self._spec_counters()
-        got = await self._probe_tokens()
-        after = await self._spec_counters() if before is not None else None
-        return got, (after.acceptance_since(before) if before is not None and after is not None else None)
-
-    async def _probe(self) -> None:
-        """The semantic probe (module doc): compare with the reference of the version served, or record it. An
-        adapter first seen now is recorded; one no longer served is forgotten (a warning: its requests get vLLM's 404)."""
-        got, acceptance = await self._probe_tokens_measured()
-        ref = self.probe_references.get(self.weight_version)
-        if ref is None:
-            self.probe_references[self.weight_version] = got
-            self.spec_decode.observe(self.weight_version, acceptance)
-            return
-        for model, tokens in got.items():
-            ref.setdefault(model, tokens)
-        for model in sorted(set(ref) - set(got)):  # unloaded, or lost with a restart: its requests get vLLM's 404
-            log.warning(
-                "engine %s no longer serves LoRA adapter %r (GET /v1/models); forgetting its probe reference",
-                self.base_url,
-                model,
-            )
-            del ref[model]
-        wrong = [(m, i) for m in ref for i, (a, b) in enumerate(zip(ref[m], got[m], strict=True)) if a != b]
-        if len(wrong) <= self.probe_max_mismatched_prompts:
-            if collapsed := self.spec_decode.observe(self.weight_version, acceptance):
-                raise SpecDecodeCollapsed(
-                    f"vLLM {self.base_url}: {collapsed}; the endpoint stays out of service: restart the engine (or "
-                    "its pod) to load the draft model again"
-                )
-            return
-        base = next(iter(got))
-        m, i = wrong[0]
-        of = "" if m == base else f" through LoRA adapter {m!r}"
-        adapters = [a for a in ref if a != base]
-        why = (
-            f"vLLM {self.base_url} is awake but answers the probe prompts differently from weight version "
-            f"{self.weight_version}'s reference (recorded when that version first served"
-            f"{', base model and LoRA adapters ' + ', '.join(map(repr, adapters)) if adapters else ''}): "
-            f"{len(wrong)} of {len(ref) * len(self.probe_prompts)} prompts differ, e.g. {self.probe_prompts[i]!r}{of} "
-            f"-> {got[m][i]} instead of {ref[m][i]}"
-        )
-        self.weights_unusable = why
-        try:  # out of service and back to a state the next restore repairs: weights discarded, reloaded on wake
-            await self.sleep(2, "abort")
-            self.level = 2
-        except BackendError as exc:
-            log.error("engine %s could not be put back to sleep after the failed probe: %s", self.base_url, exc)
-        raise ProbeMismatch(
-            f"{why}; its weights are wrong (a bad reload?): the engine was put back to sleep and stays "
-            "out of service; the next restore reloads its weights"
-        )
