@@ -40,7 +40,7 @@ from typing import Protocol
 
 import grpc
 
-from llmd_timeslice import auth, tls
+from llmd_timeslice import auth, error_info, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
@@ -86,6 +86,35 @@ class AuthError(LeaseError):
 class LeaseLost(LeaseError):
     """This job's lease was reclaimed (heartbeats stopped or a newer grant exists): stop using the
     accelerators, restart from the last checkpoint and acquire again."""
+
+
+class UnknownGroup(LeaseError):
+    """The group id is not in the orchestrator's inventory (reason ``UNKNOWN_GROUP``, NOT_FOUND)."""
+
+
+class InvalidArgument(LeaseError):
+    """A request field is missing or malformed (reason ``INVALID_ARGUMENT``)."""
+
+
+class NotHolder(LeaseError):
+    """This job yields a group it does not hold, or acquires one it already holds (reason ``NOT_HOLDER``)."""
+
+
+class SwitchFailed(LeaseError):
+    """A phase switch step failed (reasons ``SWITCH_FAILED``, ``STATE_NOT_SAVED``, ``GROUP_FAULT``; ABORTED)."""
+
+
+class LockOrderViolation(LeaseError, RuntimeError):
+    """A job holding (or waiting for) a sampler group asks for a trainer group: refused by the orchestrator
+    (reason ``LOCK_ORDER_VIOLATION``) or, before any call, by the role locks (``integrations.phase_callback``)."""
+
+
+class StaleFencingToken(LeaseError):
+    """The call's fencing token is not the group's current one (reason ``STALE_FENCING_TOKEN``)."""
+
+
+class StaleWeightVersion(LeaseError):
+    """A published weight version is not newer than the group's latest (reason ``STALE_WEIGHT_VERSION``)."""
 
 
 @dataclass
@@ -177,15 +206,39 @@ def _token_with_source(
     )
 
 
+_BY_REASON: dict[str, type[LeaseError]] = {
+    "UNKNOWN_GROUP": UnknownGroup,
+    "INVALID_ARGUMENT": InvalidArgument,
+    "NOT_HOLDER": NotHolder,
+    "SWITCH_FAILED": SwitchFailed,
+    "STATE_NOT_SAVED": SwitchFailed,
+    "GROUP_FAULT": SwitchFailed,
+    "LOCK_ORDER_VIOLATION": LockOrderViolation,
+    "STALE_FENCING_TOKEN": StaleFencingToken,
+    "STALE_WEIGHT_VERSION": StaleWeightVersion,
+}
+"""``google.rpc.ErrorInfo.reason`` (orchestrator ``errors.py`` class names, ``llmd_timeslice/error_info.py``) ->
+client exception; an unknown reason is a plain :class:`LeaseError`."""
+
+
 def _translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSliceError:
+    """The client exception for a failed call, chosen by status code and the orchestrator's ``ErrorInfo`` reason
+    (never by message text): UNAUTHENTICATED/PERMISSION_DENIED -> :class:`AuthError`; DEADLINE_EXCEEDED ->
+    :class:`AcquireTimeout`; a reason -> its exception of the same name; UNAVAILABLE with no reason (the call
+    never reached an orchestrator that answered) -> :class:`OrchestratorUnavailable`; else :class:`LeaseError`."""
     code = exc.code()
+    text = exc.details()
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return AuthError(f"{what}: {code.name}: {exc.details()}" + (f"; {token_source}" if token_source else ""), token_source)
+        return AuthError(f"{what}: {code.name}: {text}" + (f"; {token_source}" if token_source else ""), token_source)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return AcquireTimeout(f"{what}: timed out waiting ({exc.details()})")
-    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
-        return OrchestratorUnavailable(f"{what}: orchestrator unreachable: {exc.details()}")
-    return LeaseError(f"{what}: {code.name}: {exc.details()}")
+        return AcquireTimeout(f"{what}: timed out waiting ({text})")
+    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
+    info = error_info.error_info(trailing)  # type: ignore[arg-type]
+    if info is not None:
+        return _BY_REASON.get(info.reason, LeaseError)(f"{what}: {code.name}: {text}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return OrchestratorUnavailable(f"{what}: orchestrator unreachable: {text}")
+    return LeaseError(f"{what}: {code.name}: {text}")
 
 
 # Retries on the upstream service name (transient UNAVAILABLE: orchestrator restarting, connection reset).

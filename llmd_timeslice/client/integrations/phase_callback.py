@@ -59,6 +59,7 @@ from llmd_timeslice.addresses import check_host_port
 from llmd_timeslice.client import (
     AsyncTimeSliceOrchestratorClient,
     LeaseLost,
+    LockOrderViolation,
     TimeSliceError,
     TimeSliceOrchestratorClient,
     YieldRequested,
@@ -98,8 +99,15 @@ DEFAULT_ACQUIRE_TIMEOUT_S = 600.0
 ``DEFAULT_ACQUIRE_TIMEOUT_SEC``)."""
 
 
-class TimesliceConfigError(TimeSliceError):
+class TimeSliceConfigError(TimeSliceError):
     """The time-slicing environment is incomplete or names groups the orchestrator does not know."""
+
+
+TimesliceConfigError = TimeSliceConfigError
+"""Deprecated alias of :class:`TimeSliceConfigError` (its old spelling, public in ``integrations``)."""
+LockOrderError = LockOrderViolation
+"""Deprecated alias of :class:`~llmd_timeslice.client.LockOrderViolation` (the role locks' old name for it; the
+trainer group was asked for while only the sampler group is held: the global order is trainer first)."""
 
 
 class UnknownPhase(TimeSliceError, ValueError):
@@ -108,10 +116,6 @@ class UnknownPhase(TimeSliceError, ValueError):
 
 class UnknownRole(TimeSliceError, ValueError):
     """A role outside :data:`ROLES`."""
-
-
-class LockOrderError(TimeSliceError, RuntimeError):
-    """The trainer group was requested while only the sampler group is held (the global order is trainer first)."""
 
 
 class PhaseCallback:
@@ -159,10 +163,10 @@ class _LockPlan:
         return role in self.held.get(self.groups[role], set())
 
     def before_acquire(self, role: str) -> str | None:
-        """The group to acquire for ``role`` (None: already held by this job). Raises LockOrderError."""
+        """The group to acquire for ``role`` (None: already held by this job). Raises LockOrderViolation."""
         group = self.groups[role]
         if role == TRAINER and not self.role_held(TRAINER) and self.role_held(SAMPLER) and self.groups[SAMPLER] != group:
-            raise LockOrderError(
+            raise LockOrderViolation(
                 f"lock order: the trainer group {group!r} was requested while the sampler group "
                 f"{self.groups[SAMPLER]!r} is held; the global order is trainer first, then sampler "
                 "(end the sampler phase first)"
@@ -207,7 +211,7 @@ class _Config:
             if not value
         ]
         if missing:
-            raise TimesliceConfigError(
+            raise TimeSliceConfigError(
                 f"{ENV_JOB_ID}={self.job_id!r} turns time-slicing on, but {', '.join(missing)} "
                 f"{'is' if len(missing) == 1 else 'are'} not set: set {' and '.join(missing)} "
                 f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing"
@@ -215,12 +219,12 @@ class _Config:
         try:
             check_host_port(self.orch_addr or "", f"{ENV_ORCH_ADDR} as host:port")
         except ValueError as exc:
-            raise TimesliceConfigError(str(exc)) from None
+            raise TimeSliceConfigError(str(exc)) from None
 
     def groups(self) -> dict[str, str]:
         """Role -> group; both are set whenever time-slicing is on (checked above)."""
         if self.trainer_group is None or self.sampler_group is None:
-            raise TimesliceConfigError(f"time-slicing is off ({ENV_JOB_ID} unset): no groups")
+            raise TimeSliceConfigError(f"time-slicing is off ({ENV_JOB_ID} unset): no groups")
         return {TRAINER: self.trainer_group, SAMPLER: self.sampler_group}
 
     @classmethod
@@ -248,7 +252,7 @@ def _served(status) -> bool:
 
 def _check_groups(cfg: _Config, served_sampler: bool) -> None:
     if cfg.trainer_group == cfg.sampler_group and not served_sampler:
-        raise TimesliceConfigError(
+        raise TimeSliceConfigError(
             f"{ENV_TRAINER_GROUP} and {ENV_SAMPLER_GROUP} are both {cfg.trainer_group!r}, a group without samplers: "
             "the trainer and sampler pools must be distinct groups (equal groups are allowed only for a served "
             "sampler group, i.e. a trainer co-located on the samplers' accelerators)"
@@ -285,7 +289,7 @@ class _WeightPublisher:
             return WeightUpdate(version, SOURCE_FILES, str(path.resolve()))
         root = context.get("weights_dir") or self.weights_dir
         if not root:
-            raise TimesliceConfigError(
+            raise TimeSliceConfigError(
                 f"context['model'] hands over weights but there is no weights directory: set {ENV_WEIGHTS_DIR} "
                 "(a directory the samplers can read), pass weights_dir=, or context['weights_dir']"
             )
@@ -382,7 +386,7 @@ class RoleLocks(_Locks):
         timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
 
     Raises:
-        TimesliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
+        TimeSliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
         OrchestratorUnavailable: the orchestrator did not answer the start-up check.
     """
 
@@ -417,7 +421,7 @@ class RoleLocks(_Locks):
         except TimeSliceError as exc:
             self._close_client()
             if "NOT_FOUND" in str(exc):
-                raise TimesliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
+                raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
             if "UNIMPLEMENTED" in str(exc):  # an upstream orchestrator: no served groups there
                 status = None
             else:
@@ -429,9 +433,9 @@ class RoleLocks(_Locks):
                 self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
         except TimeSliceError as exc:
             self._close_client()
-            if isinstance(exc, TimesliceConfigError):
+            if isinstance(exc, TimeSliceConfigError):
                 raise
-            raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+            raise TimeSliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
         self.plan = _LockPlan(cfg.groups(), served_sampler=served)
         if status is not None:
             self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
@@ -463,7 +467,7 @@ class RoleLocks(_Locks):
         return self._client
 
     def acquire(self, role: str, timeout_sec: float | None = None) -> None:
-        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderError, UnknownRole,
+        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderViolation, UnknownRole,
         AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
         if role not in (TRAINER, SAMPLER):
             raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
@@ -655,7 +659,7 @@ class AsyncRoleLocks(_Locks):
                 status = await self._client.weight_status(cfg.sampler_group)
             except TimeSliceError as exc:
                 if "NOT_FOUND" in str(exc):
-                    raise TimesliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
+                    raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
                 if "UNIMPLEMENTED" not in str(exc):
                     raise
                 status = None
@@ -665,7 +669,7 @@ class AsyncRoleLocks(_Locks):
                 try:
                     await self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
                 except TimeSliceError as exc:
-                    raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+                    raise TimeSliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
         except BaseException:
             if self._own_client:
                 await self._client.close()
