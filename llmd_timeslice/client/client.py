@@ -462,6 +462,13 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
 
         self._core = loop_thread.run(build())
 
+    @classmethod
+    def _over(cls, core: AsyncTimeSliceOrchestratorClient) -> TimeSliceOrchestratorClient:
+        """The blocking face of an asyncio client already built on the client loop (the role locks' own)."""
+        face = cls.__new__(cls)
+        object.__setattr__(face, "_core", core)
+        return face
+
     _SHARED = frozenset({"target", "job_id", "group_id", "sampler_group_id", "heartbeats"})
 
     def __getattr__(self, name: str):

@@ -10,7 +10,12 @@ from llmd_timeslice import error_info
 
 
 class TimeSliceError(Exception):
-    """Base of the client's errors."""
+    """Base of the client's errors. ``code``: the gRPC status code name of the failed call (e.g.
+    ``"UNIMPLEMENTED"``; empty for a local error); ``reason``: the orchestrator's ``ErrorInfo`` reason (empty
+    when it sent none)."""
+
+    code: str = ""
+    reason: str = ""
 
 
 class AcquireTimeout(TimeSliceError):
@@ -93,14 +98,25 @@ def translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSlic
     (never by message text): UNAUTHENTICATED/PERMISSION_DENIED -> :class:`AuthError`; DEADLINE_EXCEEDED ->
     :class:`AcquireTimeout`; a reason -> its exception of the same name; UNAVAILABLE with no reason (the call
     never reached an orchestrator that answered) -> :class:`OrchestratorUnavailable`; else :class:`LeaseError`."""
+    err = _choose(exc, what, token_source)
+    err.code = exc.code().name
+    info = error_info.error_info(_trailing(exc))
+    err.reason = info.reason if info is not None else ""
+    return err
+
+
+def _trailing(exc: grpc.RpcError):
+    return exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None  # type: ignore[attr-defined]
+
+
+def _choose(exc: grpc.RpcError, what: str, token_source: str) -> TimeSliceError:
     code = exc.code()
     text = exc.details()
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return AuthError(f"{what}: {code.name}: {text}" + (f"; {token_source}" if token_source else ""), token_source)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return AcquireTimeout(f"{what}: timed out waiting ({text})")
-    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
-    info = error_info.error_info(trailing)  # type: ignore[arg-type]
+    info = error_info.error_info(_trailing(exc))
     if info is not None:
         return _BY_REASON.get(info.reason, LeaseError)(f"{what}: {code.name}: {text}")
     if code == grpc.StatusCode.UNAVAILABLE:

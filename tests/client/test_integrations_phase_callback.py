@@ -51,21 +51,26 @@ INVENTORY = Inventory.model_validate(
 
 
 class RecordingClient(TimeSliceOrchestratorClient):
-    """The real client, recording each acquire/release that reaches the orchestrator."""
+    """The real client, recording each acquire/release that reaches the orchestrator (at its asyncio core, which
+    the sync face and the role locks both call)."""
 
     def __init__(self, *a, events: list, **kw) -> None:
         super().__init__(*a, **kw)
         self.events = events
+        core = self._core
+        acquire, release = core.acquire, core.release
 
-    def acquire(self, job_id=None, group_id=None, timeout_sec=None):
-        r = super().acquire(job_id, group_id, timeout_sec)
-        self.events.append(("acquire", group_id))
-        return r
+        async def recorded_acquire(job_id=None, group_id=None, timeout_sec=None):
+            r = await acquire(job_id, group_id, timeout_sec)
+            events.append(("acquire", group_id))
+            return r
 
-    def release(self, job_id=None, group_id=None, weights=None):
-        r = super().release(job_id, group_id, weights)
-        self.events.append(("release", group_id))
-        return r
+        async def recorded_release(job_id=None, group_id=None, weights=None):
+            r = await release(job_id, group_id, weights)
+            events.append(("release", group_id))
+            return r
+
+        core.acquire, core.release = recorded_acquire, recorded_release
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,9 @@ from llmd_timeslice.client import (
     LockOrderViolation,
     TimeSliceError,
     TimeSliceOrchestratorClient,
+    UnknownGroup,
     YieldRequested,
+    loop_thread,
 )
 from llmd_timeslice.weights.update import SOURCE_FILES, WeightUpdate
 
@@ -237,7 +239,7 @@ def _yield_failed(job_id: str | None, role: str, group: str, exc: TimeSliceError
     """A yield that failed: when the orchestrator says this job no longer holds the group (its lease expired or
     was reclaimed), the phase ran without the lock, so raise :class:`LeaseLost`; otherwise (orchestrator
     unreachable) log, as upstream does: the lease expires on the orchestrator's side."""
-    if isinstance(exc, LeaseLost) or "FAILED_PRECONDITION" in str(exc):
+    if isinstance(exc, LeaseLost) or exc.code == "FAILED_PRECONDITION":
         raise LeaseLost(f"job {job_id!r} no longer held {group!r} ({role}) when the phase ended: {exc}") from None
     log.error("job=%s RELEASE role=%s group=%s FAILED: %s", job_id, role, group, exc)
 
@@ -302,8 +304,8 @@ class _WeightPublisher:
 
 
 class _Locks:
-    """What :class:`RoleLocks` and :class:`AsyncRoleLocks` share: the configuration, the lock plan, the weight
-    publisher and the client's lease state."""
+    """The role locks' local state and checks: the configuration, the lock plan, the weight publisher and the
+    client's lease state (the core, :class:`AsyncRoleLocks`; :class:`RoleLocks` is its blocking face)."""
 
     config: _Config
     job_id: str | None
@@ -372,206 +374,6 @@ class _Locks:
                 "published (the framework syncs them itself)",
                 group,
             )
-
-
-class RoleLocks(_Locks):
-    """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
-    :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient` (bearer token and TLS from the environment, lease
-    heartbeats, fencing tokens).
-
-    Args:
-        job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
-        weights_dir: where ``context["model"]`` weight versions are written (default ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
-        client: a client to use (default: one built for ``orch_addr``; closed by :meth:`close` only if built here).
-        timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
-
-    Raises:
-        TimeSliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
-        OrchestratorUnavailable: the orchestrator did not answer the start-up check.
-    """
-
-    DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
-
-    def __init__(
-        self,
-        job_id: str | None,
-        orch_addr: str | None,
-        trainer_group: str | None,
-        sampler_group: str | None,
-        *,
-        weights_dir: str | os.PathLike | None = None,
-        client: TimeSliceOrchestratorClient | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
-        self.config = _Config(job_id, orch_addr, trainer_group, sampler_group)
-        self.job_id = self.config.job_id
-        self.enabled = self.config.enabled
-        self._weights = _WeightPublisher(weights_dir)
-        self._closed = False
-        self._client: TimeSliceOrchestratorClient | None = None
-        self._own_client = client is None
-        if not self.enabled:
-            log.warning("time-slicing off (%s unset): phase callbacks are no-ops", ENV_JOB_ID)
-            self.plan = _LockPlan({TRAINER: "", SAMPLER: ""}, served_sampler=False)
-            return
-        cfg = self.config
-        self._client = client or TimeSliceOrchestratorClient(cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group)
-        try:
-            status = self._client.weight_status(cfg.sampler_group)
-        except TimeSliceError as exc:
-            self._close_client()
-            if "NOT_FOUND" in str(exc):
-                raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
-            if "UNIMPLEMENTED" in str(exc):  # an upstream orchestrator: no served groups there
-                status = None
-            else:
-                raise
-        served = status is not None and _served(status)
-        try:
-            _check_groups(cfg, served)
-            if cfg.trainer_group != cfg.sampler_group:
-                self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
-        except TimeSliceError as exc:
-            self._close_client()
-            if isinstance(exc, TimeSliceConfigError):
-                raise
-            raise TimeSliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
-        self.plan = _LockPlan(cfg.groups(), served_sampler=served)
-        if status is not None:
-            self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
-        log.info(
-            "job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s",
-            cfg.job_id,
-            cfg.orch_addr,
-            cfg.trainer_group,
-            cfg.sampler_group,
-            " (served: router mode)" if served else "",
-        )
-        atexit.register(self._atexit_cleanup)
-
-    @classmethod
-    def from_env(cls, **kw) -> RoleLocks:
-        """From ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``."""
-        c = _Config.from_env()
-        return cls(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
-
-    _client: TimeSliceOrchestratorClient | None
-
-    @property
-    def client(self) -> TimeSliceOrchestratorClient | None:
-        return self._client
-
-    def _live(self) -> TimeSliceOrchestratorClient:
-        if self._client is None:
-            raise TimeSliceError("the phase locks are closed")
-        return self._client
-
-    def acquire(self, role: str, timeout_sec: float | None = None) -> None:
-        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderViolation, UnknownRole,
-        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
-        if role not in (TRAINER, SAMPLER):
-            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
-        if not self.enabled:
-            return
-        group = self.plan.before_acquire(role)
-        if group is None:
-            self._check_lease(role)
-            self.plan.acquired(role)
-            return
-        r = self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
-        self.plan.acquired(role)
-        log.info(
-            "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",
-            self.job_id,
-            role,
-            group,
-            r.waited_ms,
-            r.context_restored,
-        )
-
-    def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
-        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
-        a served sampler group first publishes the weights ``context`` hands over.
-
-        Raises:
-            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
-            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
-        """
-        if role not in (TRAINER, SAMPLER):
-            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
-        if not self.enabled:
-            return
-        group = self.plan.before_release(role)
-        if group is None:
-            return
-        update = self._weights.update_from(context) if self._publishes_on(group) else None
-        self._warn_unpublished(group, update, context)
-        publish_error: Exception | None = None
-        if update is not None:
-            try:
-                self._live().publish_weights(update, self.job_id, group)
-                self._weights.published(update)
-            except TimeSliceError as exc:
-                publish_error = exc
-        try:
-            r = self._live().release(self.job_id, group)
-            log.info(
-                "job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s",
-                self.job_id,
-                role,
-                group,
-                r.pending_waiters,
-                r.snapshot_deferred,
-                f" weight_version={update.version}" if update is not None and publish_error is None else "",
-            )
-        except TimeSliceError as exc:
-            _yield_failed(self.job_id, role, group, exc)
-        if publish_error is not None:
-            raise publish_error
-
-    def release_all(self) -> None:
-        """Release everything, sampler role first."""
-        for role in (SAMPLER, TRAINER):
-            self.release(role)
-
-    def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
-        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
-        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
-        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
-        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
-        req = self.yield_requested(role)
-        if req is None:
-            return False
-        self._log_yield(role, req)
-        roles = self._held_roles(role)
-        for r in reversed(roles):
-            self.release(r)
-        for r in roles:
-            self.acquire(r, timeout_sec)
-        return True
-
-    def _close_client(self) -> None:
-        if self._client is not None and self._own_client:
-            self._client.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self.enabled:
-                self.release_all()
-        finally:
-            self._close_client()
-
-    def _atexit_cleanup(self) -> None:
-        if self._closed or not self.plan.held:
-            return
-        log.warning("job=%s atexit: releasing held groups %s", self.job_id, sorted(self.plan.held))
-        try:
-            self.close()
-        except Exception as exc:  # the process is exiting: say so, do not raise
-            log.error("job=%s atexit cleanup failed: %s", self.job_id, exc)
 
 
 class TimesliceCallback(PhaseCallback):
@@ -657,10 +459,10 @@ class AsyncRoleLocks(_Locks):
         try:
             try:
                 status = await self._client.weight_status(cfg.sampler_group)
+            except UnknownGroup as exc:
+                raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
             except TimeSliceError as exc:
-                if "NOT_FOUND" in str(exc):
-                    raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
-                if "UNIMPLEMENTED" not in str(exc):
+                if exc.code != "UNIMPLEMENTED":  # an upstream orchestrator: no served groups there
                     raise
                 status = None
             served = status is not None and _served(status)
@@ -677,6 +479,14 @@ class AsyncRoleLocks(_Locks):
         self.plan = _LockPlan(cfg.groups(), served_sampler=served)
         if status is not None:
             self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
+        log.info(
+            "job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s",
+            cfg.job_id,
+            cfg.orch_addr,
+            cfg.trainer_group,
+            cfg.sampler_group,
+            " (served: router mode)" if served else "",
+        )
         return self
 
     @classmethod
@@ -740,8 +550,16 @@ class AsyncRoleLocks(_Locks):
             except TimeSliceError as exc:
                 publish_error = exc
         try:
-            await self._live().release(self.job_id, group)
-            log.info("job=%s RELEASE role=%s group=%s", self.job_id, role, group)
+            r = await self._live().release(self.job_id, group)
+            log.info(
+                "job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s",
+                self.job_id,
+                role,
+                group,
+                r.pending_waiters,
+                r.snapshot_deferred,
+                f" weight_version={update.version}" if update is not None and publish_error is None else "",
+            )
         except TimeSliceError as exc:
             _yield_failed(self.job_id, role, group, exc)
         if publish_error is not None:
@@ -775,6 +593,130 @@ class AsyncRoleLocks(_Locks):
         finally:
             if self._client is not None and self._own_client:
                 await self._client.close()
+
+
+class RoleLocks:
+    """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
+    :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient`; a blocking face over :class:`AsyncRoleLocks`, run on
+    the client loop (:mod:`~llmd_timeslice.client.loop_thread`) (bearer token and TLS from the environment, lease
+    heartbeats, fencing tokens).
+
+    Args:
+        job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
+        weights_dir: where ``context["model"]`` weight versions are written (default ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
+        client: a client to use (default: one built for ``orch_addr``; closed by :meth:`close` only if built here).
+        timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
+
+    Raises:
+        TimeSliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
+        OrchestratorUnavailable: the orchestrator did not answer the start-up check.
+    """
+
+    DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
+
+    def __init__(
+        self,
+        job_id: str | None,
+        orch_addr: str | None,
+        trainer_group: str | None,
+        sampler_group: str | None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        client: TimeSliceOrchestratorClient | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._core = loop_thread.run(
+            AsyncRoleLocks.create(
+                job_id,
+                orch_addr,
+                trainer_group,
+                sampler_group,
+                weights_dir=weights_dir,
+                client=client._core if client is not None else None,
+            )
+        )
+        core_client = self._core.client
+        self._client = client if client is not None or core_client is None else TimeSliceOrchestratorClient._over(core_client)
+        if self._core.enabled:
+            atexit.register(self._atexit_cleanup)
+
+    def __getattr__(self, name: str):
+        """The plan, configuration and state live on the core (one copy): ``plan``, ``config``, ``job_id``,
+        ``enabled``."""
+        if name == "_core":
+            raise AttributeError(name)
+        return getattr(self._core, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "DEFAULT_ACQUIRE_TIMEOUT_SEC":  # a per-instance setting: the core is what acquires
+            setattr(self._core, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @classmethod
+    def from_env(cls, **kw) -> RoleLocks:
+        """From ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``."""
+        c = _Config.from_env()
+        return cls(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
+
+    @property
+    def client(self) -> TimeSliceOrchestratorClient | None:
+        return self._client
+
+    @property
+    def router_mode(self) -> bool:
+        """True when the sampler group is served behind the gate (sampler-only phases take no lock)."""
+        return self._core.router_mode
+
+    @property
+    def weight_version(self) -> int:
+        """See :attr:`AsyncRoleLocks.weight_version`."""
+        return self._core.weight_version
+
+    def held(self, role: str) -> bool:
+        return self._core.held(role)
+
+    def yield_requested(self, role: str) -> YieldRequested | None:
+        """See :meth:`AsyncRoleLocks.yield_requested` (local state: no call)."""
+        return self._core.yield_requested(role)
+
+    def acquire(self, role: str, timeout_sec: float | None = None) -> None:
+        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderViolation, UnknownRole,
+        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
+        return loop_thread.run(self._core.acquire(role, timeout_sec))
+
+    def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
+        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
+        a served sampler group first publishes the weights ``context`` hands over.
+
+        Raises:
+            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
+            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
+        """
+        return loop_thread.run(self._core.release(role, context))
+
+    def release_all(self) -> None:
+        """Release everything, sampler role first."""
+        return loop_thread.run(self._core.release_all())
+
+    def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
+        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
+        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
+        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
+        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
+        return loop_thread.run(self._core.step_boundary(role, timeout_sec))
+
+    def close(self) -> None:
+        loop_thread.run(self._core.close())
+
+    def _atexit_cleanup(self) -> None:
+        if self._core._closed or not self._core.plan.held:
+            return
+        log.warning("job=%s atexit: releasing held groups %s", self._core.job_id, sorted(self._core.plan.held))
+        try:
+            self.close()
+        except Exception as exc:  # the process is exiting: say so, do not raise
+            log.error("job=%s atexit cleanup failed: %s", self._core.job_id, exc)
 
 
 class AsyncTimesliceCallback:
