@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 DOMAIN = "llmd-timeslice.io"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"

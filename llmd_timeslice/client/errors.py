@@ -106,7 +106,7 @@ def translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSlic
 
 
 def _trailing(exc: grpc.RpcError):
-    return exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None  # type: ignore[attr-defined]
+    return exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
 
 
 def _choose(exc: grpc.RpcError, what: str, token_source: str) -> TimeSliceError:
