@@ -201,14 +201,10 @@ class TimesliceCallback(PhaseCallback):
         return self.locks.weight_version
 
     def on_phase_begin(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
-        check_phase(phase, role)
-        for r in self.locks.plan.roles_for(role) if self.locks.enabled else ():
-            self.locks.acquire(r)
+        loop_thread.run(AsyncTimesliceCallback(self.locks._core).on_phase_begin(phase, role, context))
 
     def on_phase_end(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
-        check_phase(phase, role)
-        for r in reversed(self.locks.plan.roles_for(role)) if self.locks.enabled else ():
-            self.locks.release(r, context)
+        loop_thread.run(AsyncTimesliceCallback(self.locks._core).on_phase_end(phase, role, context))
 
     def at_step_boundary(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> bool:
         """Between two steps of ``phase`` (e.g. each optimizer step of ``train``): honour a yield request for a
