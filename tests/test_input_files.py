@@ -403,9 +403,9 @@ def test_every_istio_parameters_apply_in_the_docs_names_the_namespace():
 
 
 def test_the_phase_callbacks_orchestrator_variable_goes_through_the_same_parser():
-    from llmd_timeslice.client.integrations.phase_callback import TimesliceConfigError, _Config
+    from llmd_timeslice.client.integrations.phase_callback import TimeSliceConfigError, _Config
 
-    with pytest.raises(TimesliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port, got '[^']+': port 99999 is out"):
+    with pytest.raises(TimeSliceConfigError, match=r"expected TIMESLICE_ORCH_ADDR as host:port, got '[^']+': port 99999 is out"):
         _Config("job-a", "127.0.0.1:99999", "g", "g")
     assert _Config("job-a", "[::1]:50051", "g", "g").orch_addr == "[::1]:50051"
 

@@ -32,9 +32,7 @@ import functools
 import json
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +42,30 @@ from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc, weights_pb2, weights_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+from llmd_timeslice.client import loop_thread
+from llmd_timeslice.client.errors import (  # noqa: F401 - re-exported: the client's public names
+    AcquireTimeout,
+    AuthError,
+    InvalidArgument,
+    LeaseError,
+    LeaseLost,
+    LockOrderViolation,
+    NotHolder,
+    OrchestratorUnavailable,
+    StaleFencingToken,
+    StaleWeightVersion,
+    SwitchFailed,
+    TimeSliceError,
+    UnknownGroup,
+)
+from llmd_timeslice.client.errors import translate as _translate
+from llmd_timeslice.client.lease_renewal import (  # noqa: F401 - YieldRequested, YIELD_POLL_S: public here
+    YIELD_POLL_S,
+    YieldCallback,
+    YieldRequested,
+    _AsyncHeartbeat,
+    _LeaseRenewal,
+)
 from llmd_timeslice.weights.update import WeightUpdate
 
 _log = logging.getLogger(__name__)
@@ -51,41 +73,6 @@ _log = logging.getLogger(__name__)
 DEFAULT_TARGET = "127.0.0.1:50051"
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"  # same as llmd_timeslice.orchestrator.service
 WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"  # same as llmd_timeslice.orchestrator.service
-
-
-class TimeSliceError(Exception):
-    """Base of the client's errors."""
-
-
-class AcquireTimeout(TimeSliceError):
-    """Timed out waiting for the group (the lock was not granted)."""
-
-
-class OrchestratorUnavailable(TimeSliceError):
-    """The orchestrator could not be reached (address, network, or it is down)."""
-
-
-class LeaseError(TimeSliceError):
-    """The orchestrator refused the call (unknown group, not the holder, failed switch...)."""
-
-
-class AuthError(LeaseError):
-    """The orchestrator refused the client's credentials: no bearer token or a wrong one (gRPC
-    UNAUTHENTICATED), or a token that may not act for this job (PERMISSION_DENIED, with per-job tokens).
-
-    ``token_source`` (also in the message) says where the client took its token from: the ``token=`` or
-    ``token_file=`` argument, ``$LLMD_TIMESLICE_TOKEN_FILE`` (and which file) or ``$LLMD_TIMESLICE_TOKEN``;
-    or, when it sent none, everywhere it looked. A subclass of :class:`LeaseError`, which it was before.
-    """
-
-    def __init__(self, message: str, token_source: str = "") -> None:
-        super().__init__(message)
-        self.token_source = token_source
-
-
-class LeaseLost(LeaseError):
-    """This job's lease was reclaimed (heartbeats stopped or a newer grant exists): stop using the
-    accelerators, restart from the last checkpoint and acquire again."""
 
 
 @dataclass
@@ -111,36 +98,6 @@ class YieldResult:
     success: bool
     pending_waiters: int
     snapshot_deferred: bool
-
-
-@dataclass(frozen=True)
-class YieldRequested:
-    """The orchestrator asks this job to yield ``group_id`` at its next safe point (``Lease.yield_requested``,
-    lease.proto): ``band`` (InferenceObjective ``spec.priority``) and ``objective`` of the held requests that ask,
-    their ``pool``, the band's ``hold_deadline_s``, and ``requested_ago_s`` as of the heartbeat answer that
-    carried it."""
-
-    job_id: str
-    group_id: str
-    reason: str
-    band: int
-    objective: str
-    hold_deadline_s: float
-    requested_ago_s: float
-    pool: str
-
-    @classmethod
-    def from_lease(cls, lease: lease_pb2.Lease) -> YieldRequested | None:
-        if not lease.HasField("yield_requested"):
-            return None
-        y = lease.yield_requested
-        return cls(lease.job_id, lease.group_id, y.reason, y.band, y.objective, y.hold_deadline_s, y.requested_ago_s, y.pool)
-
-
-YieldCallback = Callable[[YieldRequested], object]
-YIELD_POLL_S = 1.0
-"""Longest heartbeat period (seconds): a yield request is learned within about this long (lease TTL / 3 when
-shorter)."""
 
 
 class StateOffloader(Protocol):
@@ -175,17 +132,6 @@ def _token_with_source(
         f"the client sent no token: it looked at the token= and token_file= arguments, "
         f"${auth.TOKEN_FILE_ENV} and ${auth.TOKEN_ENV} (none set)"
     )
-
-
-def _translate(exc: grpc.RpcError, what: str, token_source: str = "") -> TimeSliceError:
-    code = exc.code()
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return AuthError(f"{what}: {code.name}: {exc.details()}" + (f"; {token_source}" if token_source else ""), token_source)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return AcquireTimeout(f"{what}: timed out waiting ({exc.details()})")
-    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
-        return OrchestratorUnavailable(f"{what}: orchestrator unreachable: {exc.details()}")
-    return LeaseError(f"{what}: {code.name}: {exc.details()}")
 
 
 # Retries on the upstream service name (transient UNAVAILABLE: orchestrator restarting, connection reset).
@@ -259,212 +205,6 @@ class _JobAndGroup:
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         self._yield_callbacks.append(callback)
-
-
-class TimeSliceOrchestratorClient(_JobAndGroup):
-    """Synchronous client.
-
-    Args:
-        target: orchestrator ``host:port`` (default ``$TIMESLICE_ORCH_ADDR`` or 127.0.0.1:50051).
-        job_id: this job's id (default ``$TIMESLICE_JOB_ID``).
-        group_id: default group (default ``$TIMESLICE_TRAINER_GROUP``).
-        channel_options: extra gRPC channel options.
-        token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``): the control token, or this job's own
-            token where the orchestrator has per-job tokens.
-        tls_files: mutual TLS (default: from ``LLMD_TIMESLICE_TLS_*_FILE``, see :mod:`llmd_timeslice.tls`).
-        token_file: file holding the bearer token (when ``token`` is not given).
-        token_file_source: where ``token_file`` came from, named in an authentication error (e.g.
-            ``$LLMD_TIMESLICE_TOKEN_FILE`` when a script read it from there); default: the ``token_file=`` argument.
-
-    Raises:
-        FileNotFoundError, ValueError: the token file is missing or empty.
-    """
-
-    def __init__(
-        self,
-        target: str | None = None,
-        job_id: str | None = None,
-        group_id: str | None = None,
-        channel_options: list | None = None,
-        token: str | None = None,
-        heartbeats: bool = True,
-        sampler_group_id: str | None = None,
-        tls_files: tls.TlsFiles | None = None,
-        token_file: str | os.PathLike | None = None,
-        token_file_source: str | None = None,
-    ) -> None:
-        self.target, self.job_id, self.group_id = _defaults(target, job_id, group_id)
-        self.sampler_group_id = sampler_group_id or os.environ.get("TIMESLICE_SAMPLER_GROUP")
-        token, self._token_source = _token_with_source(token, token_file, token_file_source)
-        self._md = auth.call_metadata(token)
-        self._channel = tls.channel(self.target, tls_files or tls.from_env(), options=_channel_options(channel_options))
-        self._stub = pb_grpc.TimeSliceOrchestratorServiceStub(self._channel)
-        self._leases_stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
-        self._weights_stub = weights_pb2_grpc.WeightVersionServiceStub(self._channel)
-        self.heartbeats = heartbeats
-        self._beats: dict[tuple[str, str], _Heartbeat] = {}
-        self._yield_callbacks: list[YieldCallback] = []
-
-    def acquire(self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None) -> AcquireResult:
-        """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
-        job, group = self._ids(job_id, group_id)
-        try:
-            r, call = self._stub.Acquire.with_call(
-                pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec, metadata=self._md
-            )
-        except grpc.RpcError as exc:
-            raise _translate(exc, f"acquire {group!r} as {job!r}", self._token_source) from None
-        if self.heartbeats:
-            self._start_heartbeats(job, group)
-        return AcquireResult(r.success, r.waited_ms, r.context_restored, _weight_sync_error(call.trailing_metadata()))
-
-    def _start_heartbeats(self, job: str, group: str) -> None:
-        try:
-            lease = self._leases_stub.GetLease(
-                lease_pb2.GetLeaseRequest(job_id=job, group_id=group), timeout=10, metadata=self._md
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return  # an orchestrator without the lease extension (upstream): nothing to renew
-            raise _translate(exc, f"lease of {group!r} as {job!r}", self._token_source) from None
-        beat = _Heartbeat(self._leases_stub, self._md, job, group, lease.fencing_token, lease.ttl_s, self._yield_callbacks)
-        old = self._beats.pop((job, group), None)
-        if old is not None:
-            old.stop()
-        self._beats[(job, group)] = beat
-        beat.observe(lease)
-        beat.start()
-
-    def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
-        """The fencing token of this job's current grant (None without heartbeats)."""
-        beat = self._beats.get(self._ids(job_id, group_id))
-        return beat.token if beat else None
-
-    def wait_yield_requested(
-        self, timeout_s: float | None = None, job_id: str | None = None, group_id: str | None = None
-    ) -> YieldRequested | None:
-        """Block until a lease answer for this job's grant of the group carries a yield request (returned at once
-        if one is set), or ``timeout_s`` passes (None), or the group is not held with heartbeats (None at once)."""
-        beat = self._beats.get(self._ids(job_id, group_id))
-        if beat is None:
-            return None
-        beat.asked.wait(timeout_s)
-        return beat.yield_request
-
-    def publish_weights(
-        self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
-    ) -> weights_pb2.WeightVersionStatus:
-        """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
-        the group is yielded (wake weights -> load -> wake kv_cache -> reset prefix cache -> verify).
-
-        Raises:
-            LeaseError: not the holder, a version not newer than the group's, a malformed update, a
-                group without samplers (the message says which); LeaseLost; OrchestratorUnavailable.
-        """
-        job, group = self._ids(job_id, group_id)
-        beat = self._beats.get((job, group))
-        req = weights_pb2.PublishWeightVersionRequest(
-            job_id=job, group_id=group, weights=weights.to_pb(), fencing_token=beat.token if beat else 0
-        )
-        try:
-            return self._weights_stub.PublishWeightVersion(req, timeout=30, metadata=self._md)
-        except grpc.RpcError as exc:
-            if beat is not None and beat.lost is not None:
-                raise LeaseLost(f"publish weights on {group!r} as {job!r}: the lease was lost: {beat.lost}") from None
-            raise _translate(
-                exc, f"publish weight version {weights.version} on {group!r} as {job!r}", self._token_source
-            ) from None
-
-    def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
-        """Weight versions of the group's samplers (serving, pending, failures)."""
-        try:
-            return self._weights_stub.GetWeightVersion(
-                weights_pb2.GetWeightVersionRequest(group_id=group_id or self.sampler_group_id or self.group_id or ""),
-                timeout=10,
-                metadata=self._md,
-            )
-        except grpc.RpcError as exc:
-            raise _translate(exc, "weight status", self._token_source) from None
-
-    def release(self, job_id: str | None = None, group_id: str | None = None, weights: WeightUpdate | None = None) -> YieldResult:
-        """Yield the group (returns at once); with ``weights``, publish that weight version first
-        (see :meth:`publish_weights`), so the samplers wake with it.
-
-        Raises:
-            LeaseLost: the lease was reclaimed before this call (heartbeats failed or stopped).
-            LeaseError: not the holder; OrchestratorUnavailable.
-        """
-        job, group = self._ids(job_id, group_id)
-        if weights is not None:
-            self.publish_weights(weights, job, group)
-        beat = self._beats.pop((job, group), None)
-        md = self._md
-        if beat is not None:
-            beat.stop()
-            md = (*md, (FENCING_TOKEN_METADATA, str(beat.token)))
-        try:
-            r = self._stub.Yield(pb.YieldRequest(job_id=job, group_id=group), timeout=30, metadata=md)
-        except grpc.RpcError as exc:
-            err = _translate(exc, f"yield {group!r} as {job!r}", self._token_source)
-            if beat is not None and (beat.lost is not None or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
-                raise LeaseLost(f"yield {group!r} as {job!r}: the lease was lost: {beat.lost or exc.details()}") from None
-            raise err from None
-        return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
-
-    yield_ = release
-
-    def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
-        """Raw ``GetGroupStatusResponse`` of the group."""
-        try:
-            return self._stub.GetGroupStatus(
-                pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""), timeout=10, metadata=self._md
-            )
-        except grpc.RpcError as exc:
-            raise _translate(exc, "group status", self._token_source) from None
-
-    def list_groups(self) -> list[str]:
-        try:
-            return list(self._stub.ListGroups(pb.ListGroupsRequest(), timeout=10, metadata=self._md).group_ids)
-        except grpc.RpcError as exc:
-            raise _translate(exc, "list groups", self._token_source) from None
-
-    def on_accelerators(
-        self,
-        job_id: str | None = None,
-        group_id: str | None = None,
-        timeout_sec: float | None = None,
-        state: StateOffloader | None = None,
-    ) -> _Held:
-        """Hold the group for a block or a function: ``with c.on_accelerators(...):`` or ``@c.on_accelerators(...)``.
-
-        With ``state``, trainer state is restored after the grant and offloaded before the yield.
-        """
-        return _Held(self, job_id, group_id, timeout_sec, state)
-
-    @contextlib.contextmanager
-    def on_both_groups(self, job_id: str | None = None, timeout_sec: float | None = None):
-        """Hold the trainer group, then the sampler group (the lock order), e.g. for a weight sync;
-        yields in reverse order. Groups from the client (``group_id``, ``sampler_group_id`` /
-        ``$TIMESLICE_SAMPLER_GROUP``). Raises TimeSliceError when no sampler group is configured."""
-        if not self.sampler_group_id:
-            raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
-        with (
-            self.on_accelerators(job_id, self.group_id, timeout_sec),
-            self.on_accelerators(job_id, self.sampler_group_id, timeout_sec),
-        ):
-            yield self
-
-    def close(self) -> None:
-        for beat in self._beats.values():
-            beat.stop()
-        self._beats.clear()
-        self._channel.close()
-
-    def __enter__(self) -> TimeSliceOrchestratorClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
@@ -648,6 +388,166 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         await self.close()
 
 
+class TimeSliceOrchestratorClient(_JobAndGroup):
+    """Synchronous client: a blocking face over :class:`AsyncTimeSliceOrchestratorClient`, which it runs on the
+    process's client event loop (:mod:`~llmd_timeslice.client.loop_thread`); every call blocks the calling thread
+    until the orchestrator answers, the lease is renewed by the core's heartbeat task on that loop.
+
+    Args:
+        target: orchestrator ``host:port`` (default ``$TIMESLICE_ORCH_ADDR`` or 127.0.0.1:50051).
+        job_id: this job's id (default ``$TIMESLICE_JOB_ID``).
+        group_id: default group (default ``$TIMESLICE_TRAINER_GROUP``).
+        channel_options: extra gRPC channel options.
+        token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``): the control token, or this job's own
+            token where the orchestrator has per-job tokens.
+        tls_files: mutual TLS (default: from ``LLMD_TIMESLICE_TLS_*_FILE``, see :mod:`llmd_timeslice.tls`).
+        token_file: file holding the bearer token (when ``token`` is not given).
+        token_file_source: where ``token_file`` came from, named in an authentication error (e.g.
+            ``$LLMD_TIMESLICE_TOKEN_FILE`` when a script read it from there); default: the ``token_file=`` argument.
+
+    Raises:
+        FileNotFoundError, ValueError: the token file is missing or empty.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        channel_options: list | None = None,
+        token: str | None = None,
+        heartbeats: bool = True,
+        sampler_group_id: str | None = None,
+        tls_files: tls.TlsFiles | None = None,
+        token_file: str | os.PathLike | None = None,
+        token_file_source: str | None = None,
+    ) -> None:
+        async def build() -> AsyncTimeSliceOrchestratorClient:  # the grpc.aio channel belongs to the core loop
+            return AsyncTimeSliceOrchestratorClient(
+                target,
+                job_id,
+                group_id,
+                channel_options,
+                token,
+                heartbeats,
+                sampler_group_id,
+                tls_files,
+                token_file,
+                token_file_source,
+            )
+
+        self._core = loop_thread.run(build())
+
+    @classmethod
+    def _over(cls, core: AsyncTimeSliceOrchestratorClient) -> TimeSliceOrchestratorClient:
+        """The blocking face of an asyncio client already built on the client loop (the role locks' own)."""
+        face = cls.__new__(cls)
+        object.__setattr__(face, "_core", core)
+        return face
+
+    _SHARED = frozenset({"target", "job_id", "group_id", "sampler_group_id", "heartbeats"})
+
+    def __getattr__(self, name: str):
+        """The identity, settings and lease state live on the core (one copy): ``job_id``, ``group_id``,
+        ``sampler_group_id``, ``target``, ``heartbeats`` (settable) and the core's lease renewals."""
+        if name == "_core":
+            raise AttributeError(name)
+        return getattr(self._core, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._SHARED:
+            setattr(self._core, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def acquire(self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None) -> AcquireResult:
+        """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
+        return loop_thread.run(self._core.acquire(job_id, group_id, timeout_sec))
+
+    def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
+        """The fencing token of this job's current grant (None without heartbeats)."""
+        return self._core.fencing_token(job_id, group_id)
+
+    def wait_yield_requested(
+        self, timeout_s: float | None = None, job_id: str | None = None, group_id: str | None = None
+    ) -> YieldRequested | None:
+        """Block until a lease answer for this job's grant of the group carries a yield request (returned at once
+        if one is set), or ``timeout_s`` passes (None), or the group is not held with heartbeats (None at once)."""
+        return loop_thread.run(self._core.wait_yield_requested(timeout_s, job_id, group_id))
+
+    def publish_weights(
+        self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
+    ) -> weights_pb2.WeightVersionStatus:
+        """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
+        the group is yielded (wake weights -> load -> wake kv_cache -> reset prefix cache -> verify).
+
+        Raises:
+            LeaseError: not the holder, a version not newer than the group's, a malformed update, a
+                group without samplers (the message says which); LeaseLost; OrchestratorUnavailable.
+        """
+        return loop_thread.run(self._core.publish_weights(weights, job_id, group_id))
+
+    def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
+        """Weight versions of the group's samplers (serving, pending, failures)."""
+        return loop_thread.run(self._core.weight_status(group_id))
+
+    def release(self, job_id: str | None = None, group_id: str | None = None, weights: WeightUpdate | None = None) -> YieldResult:
+        """Yield the group (returns at once); with ``weights``, publish that weight version first
+        (see :meth:`publish_weights`), so the samplers wake with it.
+
+        Raises:
+            LeaseLost: the lease was reclaimed before this call (heartbeats failed or stopped).
+            LeaseError: not the holder; OrchestratorUnavailable.
+        """
+        return loop_thread.run(self._core.release(job_id, group_id, weights))
+
+    yield_ = release
+
+    def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
+        """Raw ``GetGroupStatusResponse`` of the group."""
+        return loop_thread.run(self._core.group_status(group_id))
+
+    def list_groups(self) -> list[str]:
+        """The orchestrator's group ids."""
+        return loop_thread.run(self._core.list_groups())
+
+    def on_accelerators(
+        self,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        timeout_sec: float | None = None,
+        state: StateOffloader | None = None,
+    ) -> _Held:
+        """Hold the group for a block or a function: ``with c.on_accelerators(...):`` or ``@c.on_accelerators(...)``.
+
+        With ``state``, trainer state is restored after the grant and offloaded before the yield (in the calling
+        thread: the core loop keeps renewing the lease meanwhile).
+        """
+        return _Held(self, job_id, group_id, timeout_sec, state)
+
+    @contextlib.contextmanager
+    def on_both_groups(self, job_id: str | None = None, timeout_sec: float | None = None):
+        """Hold the trainer group, then the sampler group (the lock order), e.g. for a weight sync;
+        yields in reverse order. Groups from the client (``group_id``, ``sampler_group_id`` /
+        ``$TIMESLICE_SAMPLER_GROUP``). Raises TimeSliceError when no sampler group is configured."""
+        if not self.sampler_group_id:
+            raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
+        with (
+            self.on_accelerators(job_id, self.group_id, timeout_sec),
+            self.on_accelerators(job_id, self.sampler_group_id, timeout_sec),
+        ):
+            yield self
+
+    def close(self) -> None:
+        loop_thread.run(self._core.close())
+
+    def __enter__(self) -> TimeSliceOrchestratorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class _Held(contextlib.ContextDecorator):
     """Context manager and decorator of :meth:`TimeSliceOrchestratorClient.on_accelerators`."""
 
@@ -702,157 +602,3 @@ class _AsyncHeld:
                 return await fn(*a, **kw)
 
         return wrapper
-
-
-class _LeaseRenewal:
-    """What the sync and async heartbeat loops share: the request, the period (ttl/3) and the rule
-    for giving up. Only the orchestrator's refusal (its lease expired, a stale token, not the holder) records
-    ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`. No heartbeat answered for longer
-    than the TTL (the orchestrator unreachable or stalled, or this process paused: SIGSTOP, a debugger) records
-    ``unconfirmed`` and renewing goes on: the next answer says whether the lease was kept (an orchestrator that
-    could not run does not count that time against the holder) or reclaimed (then ``lost``)."""
-
-    def __init__(self, job: str, group: str, token: int, ttl_s: float, callbacks: list[YieldCallback] | None = None) -> None:
-        self.job, self.group, self.token, self.ttl_s = job, group, token, ttl_s
-        self.period = max(0.05, min(ttl_s / 3, YIELD_POLL_S))
-        self.rpc_timeout = max(0.5, self.period)
-        self.lost: str | None = None
-        self.unconfirmed: str | None = None
-        self.last_ok = time.monotonic()
-        self.yield_request: YieldRequested | None = None
-        self._callbacks = callbacks if callbacks is not None else []
-
-    def observe(self, lease: lease_pb2.Lease) -> None:
-        """Take a lease answer's yield request: set, cleared, or a new one (callbacks run once per request)."""
-        req = YieldRequested.from_lease(lease)
-        first = req is not None and self.yield_request is None
-        self.yield_request = req
-        if req is None:
-            self._clear_asked()
-            return
-        if not first:
-            return
-        _log.warning(
-            "job=%s group=%s the orchestrator asks to yield at the next safe point: %s", self.job, self.group, req.reason
-        )
-        self._set_asked()
-        for cb in list(self._callbacks):
-            try:
-                cb(req)
-            except Exception as exc:
-                _log.error("job=%s group=%s on_yield_requested callback %r raised: %r", self.job, self.group, cb, exc)
-
-    def _set_asked(self) -> None:
-        raise NotImplementedError
-
-    def _clear_asked(self) -> None:
-        raise NotImplementedError
-
-    def request(self) -> lease_pb2.HeartbeatRequest:
-        return lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group, fencing_token=self.token)
-
-    def renewed(self) -> None:
-        """Record an answered heartbeat: the lease is held (again)."""
-        now = time.monotonic()
-        if self.unconfirmed is not None:
-            _log.warning(
-                "job=%s group=%s lease confirmed by the orchestrator again after %.1f s without an answer",
-                self.job,
-                self.group,
-                now - self.last_ok,
-            )
-            self.unconfirmed = None
-        self.last_ok = now
-
-    def failed(self, exc: grpc.RpcError) -> bool:
-        """Record a failed renewal; True when the lease is lost and renewing must stop."""
-        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            self.lost = exc.details()
-            _log.error("job=%s group=%s lease lost: %s", self.job, self.group, self.lost)
-            return True
-        silent_s = time.monotonic() - self.last_ok
-        if silent_s > self.ttl_s and self.unconfirmed is None:
-            self.unconfirmed = (
-                f"no heartbeat answered for {silent_s:.1f} s, longer than the lease TTL ({self.ttl_s:g} s; last error "
-                f"{exc.code().name}): the group may have been reclaimed; renewing until the orchestrator answers"
-            )
-            _log.error("job=%s group=%s lease not confirmed: %s", self.job, self.group, self.unconfirmed)
-        return False
-
-    def why_not_held(self) -> str | None:
-        """Why the lease is lost, or not confirmed now (see the class), or None while it is held."""
-        if self.lost is not None:
-            return self.lost
-        silent_s = time.monotonic() - self.last_ok
-        if self.unconfirmed is None and silent_s > self.ttl_s:  # this process was paused: not renewed since
-            return f"no heartbeat answered for {silent_s:.1f} s, longer than the lease TTL ({self.ttl_s:g} s)"
-        return self.unconfirmed
-
-
-class _Heartbeat(_LeaseRenewal):
-    """Background thread renewing one lease every ttl/3 seconds (see :class:`_LeaseRenewal`)."""
-
-    def __init__(self, stub, md, job: str, group: str, token: int, ttl_s: float, callbacks=None) -> None:
-        self.asked = threading.Event()
-        super().__init__(job, group, token, ttl_s, callbacks)
-        self._stub, self._md = stub, md
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{group}", daemon=True)
-
-    def start(self) -> None:
-        if self.ttl_s > 0:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _set_asked(self) -> None:
-        self.asked.set()
-
-    def _clear_asked(self) -> None:
-        self.asked.clear()
-
-    def _run(self) -> None:
-        self.last_ok = time.monotonic()
-        while True:
-            try:
-                lease = self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout, metadata=self._md)
-                self.renewed()
-                self.observe(lease)
-            except grpc.RpcError as exc:
-                if self.failed(exc):
-                    return
-            if self._stop.wait(self.period):
-                return
-
-
-class _AsyncHeartbeat(_LeaseRenewal):
-    """An asyncio task renewing one lease every ttl/3 seconds (see :class:`_LeaseRenewal`)."""
-
-    def __init__(self, stub, job: str, group: str, token: int, ttl_s: float, callbacks=None) -> None:
-        self.asked = asyncio.Event()
-        super().__init__(job, group, token, ttl_s, callbacks)
-        self._stub = stub
-        self._task = asyncio.get_running_loop().create_task(self._run()) if ttl_s > 0 else None
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def _set_asked(self) -> None:
-        self.asked.set()
-
-    def _clear_asked(self) -> None:
-        self.asked.clear()
-
-    async def _run(self) -> None:
-        self.last_ok = time.monotonic()
-        while True:
-            try:
-                lease = await self._stub.Heartbeat(self.request(), timeout=self.rpc_timeout)
-                self.renewed()
-                self.observe(lease)
-            except grpc.RpcError as exc:
-                if self.failed(exc):
-                    return
-            await asyncio.sleep(self.period)

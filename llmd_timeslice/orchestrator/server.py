@@ -10,7 +10,7 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmd_timeslice import auth, tls
+from llmd_timeslice import auth, error_info, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     gate_state_pb2_grpc,
     lease_pb2_grpc,
@@ -56,7 +56,8 @@ follower with nothing of the old term left in memory (as client-go controllers e
 
 def _unavailable_handler(why: str) -> grpc.RpcMethodHandler:
     async def refuse(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+        code = grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, why, error_info.trailing_metadata(code.value[0], why, "NOT_LEADER"))
 
     return grpc.unary_unary_rpc_method_handler(refuse)  # aborting before reading works for every shape
 

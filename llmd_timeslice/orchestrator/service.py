@@ -12,6 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from llmd_timeslice import error_info
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     lease_pb2,
     lease_pb2_grpc,
@@ -155,7 +156,9 @@ def status_code(exc: core.OrchestratorError) -> grpc.StatusCode:
 
 
 async def _abort(context, exc: core.OrchestratorError):
-    await context.abort(status_code(exc), str(exc))
+    """Refuse with the error's status code and its reason as a ``google.rpc.ErrorInfo`` (``error_info.py``)."""
+    code = status_code(exc)
+    await context.abort(code, str(exc), error_info.trailing_metadata(code.value[0], str(exc), error_info.reason_of(type(exc))))
 
 
 _ALLOW_ALL = JobAuthorizer()

@@ -18,10 +18,10 @@ from llmd_timeslice.client import AcquireTimeout, AsyncTimeSliceOrchestratorClie
 from llmd_timeslice.client.integrations import (
     AsyncRoleLocks,
     AsyncTimesliceCallback,
-    LockOrderError,
+    LockOrderViolation,
     RoleLocks,
     TimesliceCallback,
-    TimesliceConfigError,
+    TimeSliceConfigError,
     UnknownPhase,
     UnknownRole,
     phase,
@@ -51,21 +51,26 @@ INVENTORY = Inventory.model_validate(
 
 
 class RecordingClient(TimeSliceOrchestratorClient):
-    """The real client, recording each acquire/release that reaches the orchestrator."""
+    """The real client, recording each acquire/release that reaches the orchestrator (at its asyncio core, which
+    the sync face and the role locks both call)."""
 
     def __init__(self, *a, events: list, **kw) -> None:
         super().__init__(*a, **kw)
         self.events = events
+        core = self._core
+        acquire, release = core.acquire, core.release
 
-    def acquire(self, job_id=None, group_id=None, timeout_sec=None):
-        r = super().acquire(job_id, group_id, timeout_sec)
-        self.events.append(("acquire", group_id))
-        return r
+        async def recorded_acquire(job_id=None, group_id=None, timeout_sec=None):
+            r = await acquire(job_id, group_id, timeout_sec)
+            events.append(("acquire", group_id))
+            return r
 
-    def release(self, job_id=None, group_id=None, weights=None):
-        r = super().release(job_id, group_id, weights)
-        self.events.append(("release", group_id))
-        return r
+        async def recorded_release(job_id=None, group_id=None, weights=None):
+            r = await release(job_id, group_id, weights)
+            events.append(("release", group_id))
+            return r
+
+        core.acquire, core.release = recorded_acquire, recorded_release
 
 
 @pytest.fixture(scope="module")
@@ -270,27 +275,27 @@ def test_job_id_without_orchestrator_address_fails_at_start(env):
     env.setenv("TIMESLICE_JOB_ID", "job-a")
     env.setenv("TIMESLICE_TRAINER_GROUP", "trainers")
     env.setenv("TIMESLICE_SAMPLER_GROUP", "samplers")
-    with pytest.raises(TimesliceConfigError, match=r"TIMESLICE_JOB_ID='job-a' .* TIMESLICE_ORCH_ADDR is not set"):
+    with pytest.raises(TimeSliceConfigError, match=r"TIMESLICE_JOB_ID='job-a' .* TIMESLICE_ORCH_ADDR is not set"):
         TimesliceCallback()
     env.setenv("TIMESLICE_ORCH_ADDR", "127.0.0.1:1")
     env.delenv("TIMESLICE_SAMPLER_GROUP")
-    with pytest.raises(TimesliceConfigError, match="TIMESLICE_SAMPLER_GROUP is not set"):
+    with pytest.raises(TimeSliceConfigError, match="TIMESLICE_SAMPLER_GROUP is not set"):
         TimesliceCallback()
 
 
 def test_unknown_or_equal_groups_fail_at_start(env, orch):
-    with pytest.raises(TimesliceConfigError, match=r"TIMESLICE_SAMPLER_GROUP='nope'.*NOT_FOUND"):
+    with pytest.raises(TimeSliceConfigError, match=r"TIMESLICE_SAMPLER_GROUP='nope'.*NOT_FOUND"):
         _locks(orch, [], sampler="nope")
-    with pytest.raises(TimesliceConfigError, match=r"TIMESLICE_TRAINER_GROUP='nope'.*NOT_FOUND"):
+    with pytest.raises(TimeSliceConfigError, match=r"TIMESLICE_TRAINER_GROUP='nope'.*NOT_FOUND"):
         _locks(orch, [], trainer="nope")
-    with pytest.raises(TimesliceConfigError, match="must be distinct groups"):
+    with pytest.raises(TimeSliceConfigError, match="must be distinct groups"):
         _locks(orch, [], trainer="samplers", sampler="samplers")
 
 
 def test_trainer_requested_while_only_the_sampler_is_held_is_a_lock_order_error(env, orch):
     cb = TimesliceCallback(_locks(orch, []))
     cb.on_phase_begin("generate", "sampler")
-    with pytest.raises(LockOrderError, match="trainer first"):
+    with pytest.raises(LockOrderViolation, match="trainer first"):
         cb.on_phase_begin("train", "trainer")
     cb.close()
     assert _holder(orch, "samplers") is None
@@ -387,7 +392,7 @@ def test_asyncio_callback_follows_the_same_sequence(env, orch):
         await cb.close()
         assert _holder(orch, "trainers") is None and _holder(orch, "samplers") is None
         env.delenv("TIMESLICE_ORCH_ADDR")
-        with pytest.raises(TimesliceConfigError, match="TIMESLICE_ORCH_ADDR is not set"):
+        with pytest.raises(TimeSliceConfigError, match="TIMESLICE_ORCH_ADDR is not set"):
             await AsyncRoleLocks.from_env()
 
     orch.loop_thread.run(main())

@@ -52,66 +52,47 @@ import atexit
 import logging
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from llmd_timeslice.addresses import check_host_port
 from llmd_timeslice.client import (
     AsyncTimeSliceOrchestratorClient,
     LeaseLost,
     TimeSliceError,
     TimeSliceOrchestratorClient,
+    UnknownGroup,
     YieldRequested,
+    loop_thread,
 )
-from llmd_timeslice.weights.update import SOURCE_FILES, WeightUpdate
+from llmd_timeslice.client.integrations.lock_plan import (  # noqa: F401 - re-exported: public here
+    BOTH,
+    DEFAULT_ACQUIRE_TIMEOUT_S,
+    ENV_JOB_ID,
+    ENV_ORCH_ADDR,
+    ENV_SAMPLER_GROUP,
+    ENV_TRAINER_GROUP,
+    ENV_WEIGHTS_DIR,
+    PHASES,
+    ROLES,
+    SAMPLER,
+    TRAINER,
+    LockOrderError,
+    LockOrderViolation,
+    TimeSliceConfigError,
+    TimesliceConfigError,
+    UnknownPhase,
+    UnknownRole,
+    _check_groups,
+    _Config,
+    _hands_weights,
+    _LockPlan,
+    _served,
+    _WeightPublisher,
+    _yield_failed,
+    check_phase,
+)
+from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
-
-ENV_JOB_ID = "TIMESLICE_JOB_ID"
-ENV_ORCH_ADDR = "TIMESLICE_ORCH_ADDR"
-ENV_TRAINER_GROUP = "TIMESLICE_TRAINER_GROUP"
-ENV_SAMPLER_GROUP = "TIMESLICE_SAMPLER_GROUP"
-ENV_WEIGHTS_DIR = "LLMD_TIMESLICE_WEIGHTS_DIR"
-"""Project variable: where ``context["model"]`` weight versions are written (``<dir>/v<N>``)."""
-
-TRAINER = "trainer"
-SAMPLER = "sampler"
-BOTH = "both"
-ROLES = (TRAINER, SAMPLER, BOTH)
-
-PHASES: dict[str, str] = {
-    "init": BOTH,
-    "generate": SAMPLER,
-    "train": TRAINER,
-    "weight_sync": BOTH,
-    "save": TRAINER,
-    "offload": SAMPLER,
-    "onload": SAMPLER,
-    "eval": SAMPLER,
-    "create": TRAINER,
-}
-"""Phase -> the role upstream's drivers pass with it (guide table + slime callback docstring). Any role may be
-passed with any known phase, as upstream allows; the phase name is checked, the role decides the locks."""
-
-DEFAULT_ACQUIRE_TIMEOUT_S = 600.0
-"""Seconds an acquire may wait for its group before :class:`~llmd_timeslice.client.AcquireTimeout` (upstream's
-``DEFAULT_ACQUIRE_TIMEOUT_SEC``)."""
-
-
-class TimesliceConfigError(TimeSliceError):
-    """The time-slicing environment is incomplete or names groups the orchestrator does not know."""
-
-
-class UnknownPhase(TimeSliceError, ValueError):
-    """A phase name outside :data:`PHASES`."""
-
-
-class UnknownRole(TimeSliceError, ValueError):
-    """A role outside :data:`ROLES`."""
-
-
-class LockOrderError(TimeSliceError, RuntimeError):
-    """The trainer group was requested while only the sampler group is held (the global order is trainer first)."""
 
 
 class PhaseCallback:
@@ -127,179 +108,9 @@ class PhaseCallback:
         pass
 
 
-def check_phase(phase: str, role: str) -> None:
-    """Raise :class:`UnknownPhase` / :class:`UnknownRole` naming the known ones."""
-    if phase not in PHASES:
-        raise UnknownPhase(f"unknown phase {phase!r}; known phases: {', '.join(PHASES)}")
-    if role not in ROLES:
-        raise UnknownRole(f"unknown role {role!r} (phase {phase!r}); known roles: {', '.join(ROLES)}")
-
-
-class _LockPlan:
-    """Which groups a role takes and gives back: no I/O, shared by the sync and asyncio lock helpers.
-
-    ``groups``: role -> group id; ``served_sampler``: the sampler group has samplers behind the gate (router mode).
-    A group is yielded when the last role holding it gives it back (trainer and sampler may name one group).
-    """
-
-    def __init__(self, groups: dict[str, str], served_sampler: bool) -> None:
-        self.groups = groups
-        self.served_sampler = served_sampler
-        self.held: dict[str, set[str]] = {}  # group -> roles holding it
-
-    def roles_for(self, role: str) -> list[str]:
-        """Lock roles a phase role takes, in acquire order (release goes in reverse)."""
-        if role == TRAINER:
-            return [TRAINER]
-        if role == SAMPLER:
-            return [] if self.served_sampler else [SAMPLER]
-        return [TRAINER, SAMPLER]
-
-    def role_held(self, role: str) -> bool:
-        return role in self.held.get(self.groups[role], set())
-
-    def before_acquire(self, role: str) -> str | None:
-        """The group to acquire for ``role`` (None: already held by this job). Raises LockOrderError."""
-        group = self.groups[role]
-        if role == TRAINER and not self.role_held(TRAINER) and self.role_held(SAMPLER) and self.groups[SAMPLER] != group:
-            raise LockOrderError(
-                f"lock order: the trainer group {group!r} was requested while the sampler group "
-                f"{self.groups[SAMPLER]!r} is held; the global order is trainer first, then sampler "
-                "(end the sampler phase first)"
-            )
-        return None if group in self.held else group
-
-    def acquired(self, role: str) -> None:
-        self.held.setdefault(self.groups[role], set()).add(role)
-
-    def before_release(self, role: str) -> str | None:
-        """The group to yield when ``role`` gives it back (None: not held, or another role still holds it)."""
-        group = self.groups[role]
-        roles = self.held.get(group)
-        if not roles or role not in roles:
-            return None
-        roles.discard(role)
-        if roles:
-            return None
-        del self.held[group]
-        return group
-
-    def held_groups(self) -> list[str]:
-        return list(self.held)
-
-
-class _Config:
-    """What :meth:`RoleLocks.from_env` reads, checked: the job id switches time-slicing on."""
-
-    def __init__(self, job_id: str | None, orch_addr: str | None, trainer_group: str | None, sampler_group: str | None) -> None:
-        self.job_id, self.orch_addr = job_id or None, orch_addr or None
-        self.trainer_group, self.sampler_group = trainer_group or None, sampler_group or None
-        self.enabled = self.job_id is not None
-        if not self.enabled:
-            return
-        missing = [
-            name
-            for name, value in (
-                (ENV_ORCH_ADDR, self.orch_addr),
-                (ENV_TRAINER_GROUP, self.trainer_group),
-                (ENV_SAMPLER_GROUP, self.sampler_group),
-            )
-            if not value
-        ]
-        if missing:
-            raise TimesliceConfigError(
-                f"{ENV_JOB_ID}={self.job_id!r} turns time-slicing on, but {', '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not set: set {' and '.join(missing)} "
-                f"(e.g. {ENV_ORCH_ADDR}=orchestrator:50051), or unset {ENV_JOB_ID} to run without time-slicing"
-            )
-        try:
-            check_host_port(self.orch_addr or "", f"{ENV_ORCH_ADDR} as host:port")
-        except ValueError as exc:
-            raise TimesliceConfigError(str(exc)) from None
-
-    def groups(self) -> dict[str, str]:
-        """Role -> group; both are set whenever time-slicing is on (checked above)."""
-        if self.trainer_group is None or self.sampler_group is None:
-            raise TimesliceConfigError(f"time-slicing is off ({ENV_JOB_ID} unset): no groups")
-        return {TRAINER: self.trainer_group, SAMPLER: self.sampler_group}
-
-    @classmethod
-    def from_env(cls) -> _Config:
-        e = os.environ
-        return cls(e.get(ENV_JOB_ID), e.get(ENV_ORCH_ADDR), e.get(ENV_TRAINER_GROUP), e.get(ENV_SAMPLER_GROUP))
-
-
-def _yield_failed(job_id: str | None, role: str, group: str, exc: TimeSliceError) -> None:
-    """A yield that failed: when the orchestrator says this job no longer holds the group (its lease expired or
-    was reclaimed), the phase ran without the lock, so raise :class:`LeaseLost`; otherwise (orchestrator
-    unreachable) log, as upstream does: the lease expires on the orchestrator's side."""
-    if isinstance(exc, LeaseLost) or "FAILED_PRECONDITION" in str(exc):
-        raise LeaseLost(f"job {job_id!r} no longer held {group!r} ({role}) when the phase ended: {exc}") from None
-    log.error("job=%s RELEASE role=%s group=%s FAILED: %s", job_id, role, group, exc)
-
-
-def _hands_weights(context: Mapping[str, Any] | None) -> bool:
-    return context is not None and any(context.get(k) is not None for k in ("model", "checkpoint_dir", "weights"))
-
-
-def _served(status) -> bool:
-    return len(status.samplers) > 0
-
-
-def _check_groups(cfg: _Config, served_sampler: bool) -> None:
-    if cfg.trainer_group == cfg.sampler_group and not served_sampler:
-        raise TimesliceConfigError(
-            f"{ENV_TRAINER_GROUP} and {ENV_SAMPLER_GROUP} are both {cfg.trainer_group!r}, a group without samplers: "
-            "the trainer and sampler pools must be distinct groups (equal groups are allowed only for a served "
-            "sampler group, i.e. a trainer co-located on the samplers' accelerators)"
-        )
-
-
-class _WeightPublisher:
-    """Turns a phase ``context`` into the next :class:`WeightUpdate` (None when it hands over no weights)."""
-
-    def __init__(self, weights_dir: str | os.PathLike | None) -> None:
-        self.weights_dir = weights_dir or os.environ.get(ENV_WEIGHTS_DIR) or None
-        self.version = 0
-
-    def update_from(self, context: Mapping[str, Any] | None) -> WeightUpdate | None:
-        if not context:
-            return None
-        if context.get("weights") is not None:
-            weights = context["weights"]
-            if not isinstance(weights, WeightUpdate):
-                raise TypeError(f"context['weights'] must be a WeightUpdate, got {type(weights).__name__}")
-            return weights
-        has_model, ckpt = context.get("model") is not None, context.get("checkpoint_dir")
-        if not has_model and not ckpt:
-            return None
-        version = int(context.get("weight_version") or self.version + 1)
-        if ckpt:
-            from llmd_timeslice.weights.manifest import MANIFEST_NAME, write_manifest
-
-            path = Path(ckpt)
-            if not path.is_dir():
-                raise FileNotFoundError(f"context['checkpoint_dir'] {str(path)!r} is not a directory")
-            if not (path / MANIFEST_NAME).is_file():
-                write_manifest(path, version)
-            return WeightUpdate(version, SOURCE_FILES, str(path.resolve()))
-        root = context.get("weights_dir") or self.weights_dir
-        if not root:
-            raise TimesliceConfigError(
-                f"context['model'] hands over weights but there is no weights directory: set {ENV_WEIGHTS_DIR} "
-                "(a directory the samplers can read), pass weights_dir=, or context['weights_dir']"
-            )
-        from llmd_timeslice.weights.manifest import save_weight_version
-
-        return save_weight_version(context["model"], root, version)
-
-    def published(self, update: WeightUpdate) -> None:
-        self.version = max(self.version, update.version)
-
-
 class _Locks:
-    """What :class:`RoleLocks` and :class:`AsyncRoleLocks` share: the configuration, the lock plan, the weight
-    publisher and the client's lease state."""
+    """The role locks' local state and checks: the configuration, the lock plan, the weight publisher and the
+    client's lease state (the core, :class:`AsyncRoleLocks`; :class:`RoleLocks` is its blocking face)."""
 
     config: _Config
     job_id: str | None
@@ -370,206 +181,6 @@ class _Locks:
             )
 
 
-class RoleLocks(_Locks):
-    """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
-    :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient` (bearer token and TLS from the environment, lease
-    heartbeats, fencing tokens).
-
-    Args:
-        job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
-        weights_dir: where ``context["model"]`` weight versions are written (default ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
-        client: a client to use (default: one built for ``orch_addr``; closed by :meth:`close` only if built here).
-        timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
-
-    Raises:
-        TimesliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
-        OrchestratorUnavailable: the orchestrator did not answer the start-up check.
-    """
-
-    DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
-
-    def __init__(
-        self,
-        job_id: str | None,
-        orch_addr: str | None,
-        trainer_group: str | None,
-        sampler_group: str | None,
-        *,
-        weights_dir: str | os.PathLike | None = None,
-        client: TimeSliceOrchestratorClient | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
-        self.config = _Config(job_id, orch_addr, trainer_group, sampler_group)
-        self.job_id = self.config.job_id
-        self.enabled = self.config.enabled
-        self._weights = _WeightPublisher(weights_dir)
-        self._closed = False
-        self._client: TimeSliceOrchestratorClient | None = None
-        self._own_client = client is None
-        if not self.enabled:
-            log.warning("time-slicing off (%s unset): phase callbacks are no-ops", ENV_JOB_ID)
-            self.plan = _LockPlan({TRAINER: "", SAMPLER: ""}, served_sampler=False)
-            return
-        cfg = self.config
-        self._client = client or TimeSliceOrchestratorClient(cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group)
-        try:
-            status = self._client.weight_status(cfg.sampler_group)
-        except TimeSliceError as exc:
-            self._close_client()
-            if "NOT_FOUND" in str(exc):
-                raise TimesliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
-            if "UNIMPLEMENTED" in str(exc):  # an upstream orchestrator: no served groups there
-                status = None
-            else:
-                raise
-        served = status is not None and _served(status)
-        try:
-            _check_groups(cfg, served)
-            if cfg.trainer_group != cfg.sampler_group:
-                self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
-        except TimeSliceError as exc:
-            self._close_client()
-            if isinstance(exc, TimesliceConfigError):
-                raise
-            raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
-        self.plan = _LockPlan(cfg.groups(), served_sampler=served)
-        if status is not None:
-            self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
-        log.info(
-            "job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s",
-            cfg.job_id,
-            cfg.orch_addr,
-            cfg.trainer_group,
-            cfg.sampler_group,
-            " (served: router mode)" if served else "",
-        )
-        atexit.register(self._atexit_cleanup)
-
-    @classmethod
-    def from_env(cls, **kw) -> RoleLocks:
-        """From ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``."""
-        c = _Config.from_env()
-        return cls(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
-
-    _client: TimeSliceOrchestratorClient | None
-
-    @property
-    def client(self) -> TimeSliceOrchestratorClient | None:
-        return self._client
-
-    def _live(self) -> TimeSliceOrchestratorClient:
-        if self._client is None:
-            raise TimeSliceError("the phase locks are closed")
-        return self._client
-
-    def acquire(self, role: str, timeout_sec: float | None = None) -> None:
-        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderError, UnknownRole,
-        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
-        if role not in (TRAINER, SAMPLER):
-            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
-        if not self.enabled:
-            return
-        group = self.plan.before_acquire(role)
-        if group is None:
-            self._check_lease(role)
-            self.plan.acquired(role)
-            return
-        r = self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
-        self.plan.acquired(role)
-        log.info(
-            "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",
-            self.job_id,
-            role,
-            group,
-            r.waited_ms,
-            r.context_restored,
-        )
-
-    def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
-        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
-        a served sampler group first publishes the weights ``context`` hands over.
-
-        Raises:
-            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
-            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
-        """
-        if role not in (TRAINER, SAMPLER):
-            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
-        if not self.enabled:
-            return
-        group = self.plan.before_release(role)
-        if group is None:
-            return
-        update = self._weights.update_from(context) if self._publishes_on(group) else None
-        self._warn_unpublished(group, update, context)
-        publish_error: Exception | None = None
-        if update is not None:
-            try:
-                self._live().publish_weights(update, self.job_id, group)
-                self._weights.published(update)
-            except TimeSliceError as exc:
-                publish_error = exc
-        try:
-            r = self._live().release(self.job_id, group)
-            log.info(
-                "job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s",
-                self.job_id,
-                role,
-                group,
-                r.pending_waiters,
-                r.snapshot_deferred,
-                f" weight_version={update.version}" if update is not None and publish_error is None else "",
-            )
-        except TimeSliceError as exc:
-            _yield_failed(self.job_id, role, group, exc)
-        if publish_error is not None:
-            raise publish_error
-
-    def release_all(self) -> None:
-        """Release everything, sampler role first."""
-        for role in (SAMPLER, TRAINER):
-            self.release(role)
-
-    def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
-        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
-        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
-        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
-        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
-        req = self.yield_requested(role)
-        if req is None:
-            return False
-        self._log_yield(role, req)
-        roles = self._held_roles(role)
-        for r in reversed(roles):
-            self.release(r)
-        for r in roles:
-            self.acquire(r, timeout_sec)
-        return True
-
-    def _close_client(self) -> None:
-        if self._client is not None and self._own_client:
-            self._client.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self.enabled:
-                self.release_all()
-        finally:
-            self._close_client()
-
-    def _atexit_cleanup(self) -> None:
-        if self._closed or not self.plan.held:
-            return
-        log.warning("job=%s atexit: releasing held groups %s", self.job_id, sorted(self.plan.held))
-        try:
-            self.close()
-        except Exception as exc:  # the process is exiting: say so, do not raise
-            log.error("job=%s atexit cleanup failed: %s", self.job_id, exc)
-
-
 class TimesliceCallback(PhaseCallback):
     """Upstream-compatible phase callback (same name, methods, phases, roles, env contract and lock order).
 
@@ -590,14 +201,10 @@ class TimesliceCallback(PhaseCallback):
         return self.locks.weight_version
 
     def on_phase_begin(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
-        check_phase(phase, role)
-        for r in self.locks.plan.roles_for(role) if self.locks.enabled else ():
-            self.locks.acquire(r)
+        loop_thread.run(AsyncTimesliceCallback(self.locks._core).on_phase_begin(phase, role, context))
 
     def on_phase_end(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> None:
-        check_phase(phase, role)
-        for r in reversed(self.locks.plan.roles_for(role)) if self.locks.enabled else ():
-            self.locks.release(r, context)
+        loop_thread.run(AsyncTimesliceCallback(self.locks._core).on_phase_end(phase, role, context))
 
     def at_step_boundary(self, phase: str, role: str, context: Mapping[str, Any] | None = None) -> bool:
         """Between two steps of ``phase`` (e.g. each optimizer step of ``train``): honour a yield request for a
@@ -653,10 +260,10 @@ class AsyncRoleLocks(_Locks):
         try:
             try:
                 status = await self._client.weight_status(cfg.sampler_group)
+            except UnknownGroup as exc:
+                raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
             except TimeSliceError as exc:
-                if "NOT_FOUND" in str(exc):
-                    raise TimesliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
-                if "UNIMPLEMENTED" not in str(exc):
+                if exc.code != "UNIMPLEMENTED":  # an upstream orchestrator: no served groups there
                     raise
                 status = None
             served = status is not None and _served(status)
@@ -665,7 +272,7 @@ class AsyncRoleLocks(_Locks):
                 try:
                     await self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
                 except TimeSliceError as exc:
-                    raise TimesliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+                    raise TimeSliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
         except BaseException:
             if self._own_client:
                 await self._client.close()
@@ -673,6 +280,14 @@ class AsyncRoleLocks(_Locks):
         self.plan = _LockPlan(cfg.groups(), served_sampler=served)
         if status is not None:
             self._weights.version = max(status.serving_version, status.pending.version if status.HasField("pending") else 0)
+        log.info(
+            "job=%s orchestrator=%s trainer_group=%s sampler_group=%s%s",
+            cfg.job_id,
+            cfg.orch_addr,
+            cfg.trainer_group,
+            cfg.sampler_group,
+            " (served: router mode)" if served else "",
+        )
         return self
 
     @classmethod
@@ -736,8 +351,16 @@ class AsyncRoleLocks(_Locks):
             except TimeSliceError as exc:
                 publish_error = exc
         try:
-            await self._live().release(self.job_id, group)
-            log.info("job=%s RELEASE role=%s group=%s", self.job_id, role, group)
+            r = await self._live().release(self.job_id, group)
+            log.info(
+                "job=%s RELEASE role=%s group=%s pending_waiters=%d snapshot_deferred=%s%s",
+                self.job_id,
+                role,
+                group,
+                r.pending_waiters,
+                r.snapshot_deferred,
+                f" weight_version={update.version}" if update is not None and publish_error is None else "",
+            )
         except TimeSliceError as exc:
             _yield_failed(self.job_id, role, group, exc)
         if publish_error is not None:
@@ -771,6 +394,130 @@ class AsyncRoleLocks(_Locks):
         finally:
             if self._client is not None and self._own_client:
                 await self._client.close()
+
+
+class RoleLocks:
+    """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
+    :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient`; a blocking face over :class:`AsyncRoleLocks`, run on
+    the client loop (:mod:`~llmd_timeslice.client.loop_thread`) (bearer token and TLS from the environment, lease
+    heartbeats, fencing tokens).
+
+    Args:
+        job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
+        weights_dir: where ``context["model"]`` weight versions are written (default ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
+        client: a client to use (default: one built for ``orch_addr``; closed by :meth:`close` only if built here).
+        timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
+
+    Raises:
+        TimeSliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
+        OrchestratorUnavailable: the orchestrator did not answer the start-up check.
+    """
+
+    DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
+
+    def __init__(
+        self,
+        job_id: str | None,
+        orch_addr: str | None,
+        trainer_group: str | None,
+        sampler_group: str | None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        client: TimeSliceOrchestratorClient | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._core = loop_thread.run(
+            AsyncRoleLocks.create(
+                job_id,
+                orch_addr,
+                trainer_group,
+                sampler_group,
+                weights_dir=weights_dir,
+                client=client._core if client is not None else None,
+            )
+        )
+        core_client = self._core.client
+        self._client = client if client is not None or core_client is None else TimeSliceOrchestratorClient._over(core_client)
+        if self._core.enabled:
+            atexit.register(self._atexit_cleanup)
+
+    def __getattr__(self, name: str):
+        """The plan, configuration and state live on the core (one copy): ``plan``, ``config``, ``job_id``,
+        ``enabled``."""
+        if name == "_core":
+            raise AttributeError(name)
+        return getattr(self._core, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "DEFAULT_ACQUIRE_TIMEOUT_SEC":  # a per-instance setting: the core is what acquires
+            setattr(self._core, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @classmethod
+    def from_env(cls, **kw) -> RoleLocks:
+        """From ``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``, ``TIMESLICE_SAMPLER_GROUP``."""
+        c = _Config.from_env()
+        return cls(c.job_id, c.orch_addr, c.trainer_group, c.sampler_group, **kw)
+
+    @property
+    def client(self) -> TimeSliceOrchestratorClient | None:
+        return self._client
+
+    @property
+    def router_mode(self) -> bool:
+        """True when the sampler group is served behind the gate (sampler-only phases take no lock)."""
+        return self._core.router_mode
+
+    @property
+    def weight_version(self) -> int:
+        """See :attr:`AsyncRoleLocks.weight_version`."""
+        return self._core.weight_version
+
+    def held(self, role: str) -> bool:
+        return self._core.held(role)
+
+    def yield_requested(self, role: str) -> YieldRequested | None:
+        """See :meth:`AsyncRoleLocks.yield_requested` (local state: no call)."""
+        return self._core.yield_requested(role)
+
+    def acquire(self, role: str, timeout_sec: float | None = None) -> None:
+        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderViolation, UnknownRole,
+        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
+        return loop_thread.run(self._core.acquire(role, timeout_sec))
+
+    def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
+        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
+        a served sampler group first publishes the weights ``context`` hands over.
+
+        Raises:
+            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
+            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
+        """
+        return loop_thread.run(self._core.release(role, context))
+
+    def release_all(self) -> None:
+        """Release everything, sampler role first."""
+        return loop_thread.run(self._core.release_all())
+
+    def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
+        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
+        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
+        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
+        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
+        return loop_thread.run(self._core.step_boundary(role, timeout_sec))
+
+    def close(self) -> None:
+        loop_thread.run(self._core.close())
+
+    def _atexit_cleanup(self) -> None:
+        if self._core._closed or not self._core.plan.held:
+            return
+        log.warning("job=%s atexit: releasing held groups %s", self._core.job_id, sorted(self._core.plan.held))
+        try:
+            self.close()
+        except Exception as exc:  # the process is exiting: say so, do not raise
+            log.error("job=%s atexit cleanup failed: %s", self._core.job_id, exc)
 
 
 class AsyncTimesliceCallback:
