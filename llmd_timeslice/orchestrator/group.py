@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -72,14 +71,11 @@ from llmd_timeslice.orchestrator.phases import (
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.waiter_policy import waiter_policy
 from llmd_timeslice.orchestrator.weight_ledger import RejectedWeights, SyncProblem
+from llmd_timeslice.orchestrator.yield_desk import YieldDesk
 from llmd_timeslice.orchestrator.yield_requests import (
-    YIELD_REQUEST_SECONDS,
-    YIELD_REQUESTS,
     YieldAnswer,
     YieldAsk,
-    YieldRequest,
     YieldStats,
-    refusal,
 )
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
@@ -229,10 +225,7 @@ class Group:
         self.sampler_errors: dict[str, str] = {}  # out-of-service samplers -> why
         self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
         self.weight_sync_errors: dict[str, list[SyncProblem]] = {}  # job -> its version's problems (next acquire)
-        self.yield_stats = YieldStats()
-        self.last_honoured: dict[str, float] = {}  # job -> clock reading of its last yield after a yield request
-        self._suppressed: set[tuple[int, int, str]] = set()  # (lease token, band, knob) counted for the gates' asks
-        self._yield_timer: TimerHandle | None = None
+        self.yield_desk = YieldDesk(spec.group_id, ctx.clock)
         self._waiters: deque[Waiter] = deque()
         self._epoch = 0
         self._switch: _Switch | None = None
@@ -260,6 +253,11 @@ class Group:
     def state(self) -> GroupState:
         """The wire projection of :attr:`phase` (IDLE, IDLE_YIELDED, LOCKED, SWITCHING)."""
         return WIRE_STATE[self.phase]
+
+    @property
+    def yield_stats(self) -> YieldStats:
+        """Counts of yield requests since the orchestrator started (:attr:`yield_desk`)."""
+        return self.yield_desk.stats
 
     @property
     def waiters(self) -> tuple[Waiter, ...]:
@@ -515,7 +513,7 @@ class Group:
         self.expired_jobs.pop(job, None)
         self.published_in_grant = False
         self.deferred_job = None
-        self._suppressed.clear()
+        self.yield_desk.new_grant()
         self._dirty = True
         try:
             await self._save(strict=True)
@@ -585,26 +583,8 @@ class Group:
         return YieldResult(0, True)
 
     # ------------------------------------------------------------------ yield requests
-    def _count(self, band: int, outcome: str) -> None:
-        setattr(self.yield_stats, outcome, getattr(self.yield_stats, outcome) + 1)
-        YIELD_REQUESTS.labels(group=self.group_id, band=str(band), outcome=outcome).inc()
-
     def _end_yield_request(self, job: str, honoured: bool) -> None:
-        """The holder gives the group up (yield, lease expired, grant taken back): a request it carried ends; a
-        yield counts ``honoured`` and its delay goes into the histogram."""
-        if self._yield_timer is not None:
-            self._yield_timer.cancel()
-            self._yield_timer = None
-        req = self.lease.yield_request if self.lease is not None else None
-        if req is None or not honoured:
-            return
-        now = self._ctx.clock.now()
-        self._count(req.band, "honoured")
-        YIELD_REQUEST_SECONDS.labels(group=self.group_id).observe(now - req.requested_at)
-        self.last_honoured[job] = now
-        log.info(
-            "group=%s job=%s yielded %.2f s after a yield request (%s)", self.group_id, job, now - req.requested_at, req.reason
-        )
+        self.yield_desk.end(self.lease, job, honoured)
 
     async def _on_yield_request(self, cmd: Command) -> YieldAnswer:
         ask = cmd.ask
@@ -618,73 +598,11 @@ class Group:
                 f"group {self.group_id!r} is not held (phase {self.phase.name}): nobody to ask; "
                 + ("its samplers serve" if self.loaded_job == SAMPLERS else "no job holds its lease"),
             )
-        now = self._ctx.clock.now()
-        req = lease.yield_request
-        if ask.source == "gate" and ask.held <= 0:  # the band holds nothing any more: nothing to yield for
-            if req is not None and req.source == "gate" and (req.pool, req.band) == (ask.pool, ask.band) and not req.ignored:
-                lease.yield_request = None
-                if self._yield_timer is not None:
-                    self._yield_timer.cancel()
-                    self._yield_timer = None
-                log.info(
-                    "group=%s job=%s yield request withdrawn: band %d of pool %s holds nothing now",
-                    self.group_id,
-                    job,
-                    ask.band,
-                    ask.pool,
-                )
-            return YieldAnswer(False, job, f"band {ask.band} of pool {ask.pool} holds no request")
-        if req is not None:
-            return YieldAnswer(True, job, f"already requested {now - req.requested_at:.1f} s ago: {req.reason}")
-        spec = self.spec
-        if not ask.due(spec.yield_request_fraction):
-            return YieldAnswer(
-                False,
-                job,
-                f"not yet: the oldest held request waited {ask.oldest_held_s:.2f} s, below yield_request_fraction "
-                f"{spec.yield_request_fraction:g} of the {ask.hold_deadline_s:g} s hold deadline",
-            )
-        trained_s = now - max(lease.granted_at, self.last_honoured.get(job, -math.inf))
-        why = refusal(spec, ask, job, trained_s)
-        if why is not None:
-            knob, detail = why
-            key = (lease.token, ask.band, knob)
-            if ask.source == "operator" or key not in self._suppressed:
-                self._suppressed.add(key)
-                self._count(ask.band, "suppressed")
-                log.info("group=%s job=%s yield request suppressed: %s", self.group_id, job, detail)
-            return YieldAnswer(False, job, f"policy: {detail}")
-        deadline_in = ask.deadline_in_s()
-        lease.yield_request = YieldRequest(
-            ask.reason, ask.band, ask.objective, ask.hold_deadline_s, ask.pool, ask.source, now,
-            None if deadline_in is None else now + deadline_in,
-        )  # fmt: skip
-        self._count(ask.band, "sent")
-        log.warning("group=%s job=%s asked to yield at its next safe point: %s", self.group_id, job, ask.reason)
-        if deadline_in is not None:
-            token = lease.token
-            self._yield_timer = self._ctx.clock.call_at(
-                now + deadline_in, lambda: self.post(Command(C.YIELD_DEADLINE, token=token))
-            )
-        return YieldAnswer(True, job)
+        return self.yield_desk.ask(lease, job, self.spec, ask, lambda token: self.post(Command(C.YIELD_DEADLINE, token=token)))
 
     async def _on_yield_deadline(self, cmd: Command) -> None:
         self._enter(P.HELD, C.YIELD_DEADLINE)
-        self._yield_timer = None
-        lease = self.lease
-        req = lease.yield_request if lease is not None and lease.token == cmd.token else None
-        if req is None or req.ignored:
-            return  # withdrawn, or another grant meanwhile
-        req.ignored = True
-        self._count(req.band, "ignored")
-        log.warning(
-            "group=%s job=%s kept the group past band %d's %g s hold deadline after a yield request (%s)",
-            self.group_id,
-            self.holder,
-            req.band,
-            req.hold_deadline_s,
-            req.reason,
-        )
+        self.yield_desk.deadline(self.lease, cmd.token, self.holder)
 
     # ------------------------------------------------------------------ handlers
     async def _on_acquire(self, cmd: Command) -> object:
@@ -1269,9 +1187,10 @@ class Group:
     async def close(self) -> None:
         """Stop the task and its steps; every pending acquire and command fails with SwitchFailed."""
         self._closed = True
-        for timer in (self._lease_timer, self._repair_timer, self._yield_timer):
+        for timer in (self._lease_timer, self._repair_timer):
             if timer is not None:
                 timer.cancel()
+        self.yield_desk.cancel_timer()
         tasks = [t for t in (self._task, *self._effects) if t is not None]
         for t in tasks:
             t.cancel()
