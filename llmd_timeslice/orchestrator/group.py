@@ -68,6 +68,8 @@ from llmd_timeslice.orchestrator.phases import (
     accepts,
     check,
 )
+from llmd_timeslice.orchestrator.sampler_fleet import SamplerFleet
+from llmd_timeslice.orchestrator.sampler_fleet import judge_engines as judge_fleet
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.waiter_policy import waiter_policy
 from llmd_timeslice.orchestrator.weight_ledger import RejectedWeights, SyncProblem
@@ -173,28 +175,9 @@ def pick_waiter(g: Group) -> Waiter:
 
 
 def judge_engines(g: Group, readings: dict[str, EngineReading]) -> dict[str, tuple[EngineFault, str]]:
-    """Sampler address -> (fault, why) for each serving sampler whose engine cannot be serving what the group
-    records. Only samplers in service are judged; an engine without a weight version label by sleep only."""
-    faults: dict[str, tuple[EngineFault, str]] = {}
-    for smp in g.spec.samplers:
-        r = readings.get(smp.address)
-        if r is None or smp.address in g.sampler_errors:
-            continue
-        want = g.sampler_versions.get(smp.address, 0)
-        if r.unreachable:
-            faults[smp.address] = (
-                EngineFault.UNREACHABLE,
-                f"its engine refuses connections or does not answer (down, restarting or hung): {r.unreachable}",
-            )
-        elif r.sleeping:
-            faults[smp.address] = (EngineFault.ASLEEP, "its engine sleeps while it should serve")
-        elif want > 0 and r.weight_version is not None and r.weight_version != str(want):
-            faults[smp.address] = (
-                EngineFault.RESTARTED,
-                f"its engine reports weight version {r.weight_version!r}, not {want} (it restarted "
-                "on its own and serves its initial weights)",
-            )
-    return faults
+    """Sampler address -> (fault, why) for each serving sampler of ``g`` whose engine cannot be serving what the
+    group records (:func:`~llmd_timeslice.orchestrator.sampler_fleet.judge_engines`)."""
+    return judge_fleet(g.spec.samplers, g.fleet, readings)
 
 
 class Group:
@@ -221,9 +204,7 @@ class Group:
         self.published_in_grant = False
         self.last_good: WeightUpdate | None = None  # the latest version that loaded and nobody rejected
         self.rejected: RejectedWeights | None = None
-        self.sampler_versions: dict[str, int] = {s.address: 0 for s in spec.samplers}
-        self.sampler_errors: dict[str, str] = {}  # out-of-service samplers -> why
-        self.unreachable_engines: set[str] = set()  # out-of-service samplers whose engine refused connections
+        self.fleet = SamplerFleet((s.address for s in spec.samplers), ctx.clock)
         self.weight_sync_errors: dict[str, list[SyncProblem]] = {}  # job -> its version's problems (next acquire)
         self.yield_desk = YieldDesk(spec.group_id, ctx.clock)
         self._waiters: deque[Waiter] = deque()
@@ -233,10 +214,7 @@ class Group:
         self._pending_replies: list[asyncio.Future[Any]] = []
         self._pending_settings: GroupSpec | None = None
         self._reading = False
-        self._returning: set[str] = set()  # samplers back from being down, being put to sleep while HELD
         self._lease_timer: TimerHandle | None = None
-        self._repair_timer: TimerHandle | None = None
-        self._repair_delay: float | None = None
         self._dirty = False
         self._queue: asyncio.Queue[Command] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -253,6 +231,21 @@ class Group:
     def state(self) -> GroupState:
         """The wire projection of :attr:`phase` (IDLE, IDLE_YIELDED, LOCKED, SWITCHING)."""
         return WIRE_STATE[self.phase]
+
+    @property
+    def sampler_versions(self) -> dict[str, int]:
+        """Address -> the weight version it serves (:attr:`fleet`)."""
+        return self.fleet.versions
+
+    @property
+    def sampler_errors(self) -> dict[str, str]:
+        """Out-of-service samplers -> why (:attr:`fleet`)."""
+        return self.fleet.errors
+
+    @property
+    def unreachable_engines(self) -> set[str]:
+        """Out-of-service samplers whose engine refused connections (:attr:`fleet`)."""
+        return self.fleet.unreachable
 
     @property
     def yield_stats(self) -> YieldStats:
@@ -390,7 +383,7 @@ class Group:
                     self.sampler_errors.setdefault(smp.address, f"state unknown after an {why}")
             self.last_error = why + ("" if to is phase else f"; the group went to {to.name}")
             self._enter(to, C.INTERNAL_ERROR)
-            if to is P.OUT_OF_SERVICE and self._repair_timer is None:
+            if to is P.OUT_OF_SERVICE and not self.fleet.repair_armed:
                 self._schedule_repair()  # it was OUT_OF_SERVICE already, with its timer just fired or cancelled
             self._dirty = True
             await self._save(strict=False)
@@ -1073,12 +1066,12 @@ class Group:
                 else:
                     back.append(addr)
         self._enter(P.HELD, C.PROBED)
-        if back and not self._returning:
+        if back and not self.fleet.returning:
             samplers = [s for s in self.spec.samplers if s.address in back]
             log.warning("group=%s samplers %s answer again while the group is held: putting them to sleep", self.group_id, back)
             rec = SwitchRecord(self.group_id, SwitchKind.TO_JOB, self.holder or "", self._ctx.clock.wall())
             rec.sleep_level = self.spec.sleep_level_for(self.holder or "", (self.holder or "") in self.publishers)
-            self._returning = set(back)
+            self.fleet.returning = set(back)
             spec = self.spec.copy(samplers=samplers)
             self._spawn(self._step(self._ctx.actions.suspend_samplers, spec, rec, C.RETURNED, C.RETURNED), "returned")
 
@@ -1091,8 +1084,8 @@ class Group:
         )
 
     async def _on_returned(self, cmd: Command) -> None:
-        rec, addrs = cmd.record, self._returning
-        self._returning = set()
+        rec, addrs = cmd.record, self.fleet.returning
+        self.fleet.returning = set()
         if cmd.error is not None:  # those that did fall asleep report it at the next probe, the others are tried again
             log.error("group=%s putting returned samplers %s to sleep failed: %s", self.group_id, sorted(addrs), cmd.error)
         elif rec is not None:
@@ -1113,19 +1106,10 @@ class Group:
         self._start_resume(SwitchKind.REPAIR, kind, samplers=bad)
 
     def _schedule_repair(self) -> None:
-        orch = self._ctx
-        delay = orch.repair_first_s if self._repair_delay is None else min(self._repair_delay * 2, orch.repair_max_s)
-        self._repair_delay = delay
-        if self._repair_timer is not None:
-            self._repair_timer.cancel()
-        self._repair_timer = orch.clock.call_at(orch.clock.now() + delay, lambda: self.post(Command(C.REPAIR_TICK)))
+        self.fleet.schedule_repair(self._ctx.repair_first_s, self._ctx.repair_max_s, lambda: self.post(Command(C.REPAIR_TICK)))
 
     def _cancel_repair(self, reset: bool) -> None:
-        if self._repair_timer is not None:
-            self._repair_timer.cancel()
-            self._repair_timer = None
-        if reset:
-            self._repair_delay = None
+        self.fleet.cancel_repair(reset)
 
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
@@ -1187,9 +1171,9 @@ class Group:
     async def close(self) -> None:
         """Stop the task and its steps; every pending acquire and command fails with SwitchFailed."""
         self._closed = True
-        for timer in (self._lease_timer, self._repair_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        self.fleet.cancel_repair(reset=False)
         self.yield_desk.cancel_timer()
         tasks = [t for t in (self._task, *self._effects) if t is not None]
         for t in tasks:
