@@ -115,6 +115,11 @@ class Orchestrator:
     async def acquire(self, job_id: str, group_id: str, timeout_s: float | None = None) -> AcquireResult:
         """Block until ``job_id`` holds ``group_id`` (by the group's scheduling policy), or raise.
 
+        The group's actor takes the ``ACQUIRE`` command in :meth:`Group._on_acquire
+        <llmd_timeslice.orchestrator.group.Group._on_acquire>`: it queues the waiter (:class:`~llmd_timeslice.
+        orchestrator.lease.Waiter`), then grants at once (``Group._grant``) or starts the drain
+        (``Group._start_drain``); the switch's steps post ``DRAINED``, ``SUSPENDED`` back to the same actor.
+
         Raises:
             InvalidArgument, UnknownGroup, NotHolder (already holds it or waits for it), LockOrderViolation,
             AcquireTimedOut, SwitchFailed (the switch to this job failed; the samplers were woken again),
