@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlparse
@@ -41,6 +42,7 @@ from llmd_timeslice.addresses import check_network
 from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.domain.objectives import ObjectiveEntry, Objectives, PriorityBandEntry
+from llmd_timeslice.local.nodes import NodeError, Placement, allocation_nodes, place, port_clashes, resolve_node
 
 BUILTIN_TINY = "builtin:tiny-llama"
 
@@ -109,6 +111,14 @@ class StackSettings(_Strict):
         "not a running engine's url), so a second stack runs beside the first; `up --port-offset N` overrides it.",
     )
     ports: StackPorts = Field(default_factory=StackPorts)
+    nodes: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="The nodes of a stack across nodes, by hostname (default: the Slurm allocation's, from "
+        "SLURM_JOB_NODELIST); engines and head_node name one of them or an index into this list.",
+    )
+    head_node: str | int = Field(
+        0, description="Node of the control plane (orchestrator, gate, Envoy): a hostname or an index (default: the first)."
+    )
     upstream_compat_allowed_peers: list[Annotated[str, AfterValidator(check_network)]] = Field(
         ["127.0.0.1", "::1"],
         description="Source addresses or CIDRs admitted on `ports.orchestrator_upstream` (default: this machine only).",
@@ -160,6 +170,10 @@ class EngineEntry(_Strict):
     sidecar_port: int = Field(ge=1, le=65535)
     url: str | None = Field(None, description="An engine already running (http://host:port); not started or stopped.")
     vllm: VllmLaunch | None = None
+    node: str | int | None = Field(
+        None,
+        description="Node of this engine and its sidecar (hostname or index into the node list; default: the head node).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> EngineEntry:
@@ -203,7 +217,9 @@ class StackFile(_Strict):
         Not validated again: :meth:`problems` names a port the offset moves past 65535."""
         if offset == self.stack.port_offset == 0:
             return self
-        ports = self.stack.ports.model_copy(update={k: v + offset for k, v in self.stack.ports.model_dump().items()})
+        ports = self.stack.ports.model_copy(
+            update={k: None if v is None else v + offset for k, v in self.stack.ports.model_dump().items()}
+        )
         engines = [
             e.model_copy(
                 update={
@@ -252,22 +268,21 @@ class StackFile(_Strict):
             for g in job.groups:
                 if g not in groups:
                     out.append(f"jobs[{j}] ({job.job_id}).groups: unknown group {g!r}; declared: {sorted(groups)}")
-        used: dict[int, str] = {}
         local = {"127.0.0.1", "localhost", "0.0.0.0", self.stack.host}
-        ports = [(f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v is not None]
+        head = self._node_key(self.stack.head_node, "stack.head_node", out)
+        ports = [(head, f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v is not None]
         for i, e in enumerate(self.engines):
-            ports.append((f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
+            node = head if e.node is None else self._node_key(e.node, f"engines[{i}] ({e.name}).node", out)
+            ports.append((node, f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
             if e.vllm is not None:
-                ports.append((f"engines[{i}] ({e.name}).vllm.port", e.vllm.port))
+                ports.append((node, f"engines[{i}] ({e.name}).vllm.port", e.vllm.port))
             elif urlparse(e.url).hostname in local:
-                ports.append((f"engines[{i}] ({e.name}).url", urlparse(e.url).port))
-        for where, port in ports:
+                ports.append((node, f"engines[{i}] ({e.name}).url", urlparse(e.url).port))
+        for _, where, port in ports:
             if port > 65535:
                 out.append(f"{where}: port {port} is above 65535 with stack.port_offset {self.stack.port_offset}")
-            elif port in used:
-                out.append(f"{where}: port {port} is also {used[port]}")
-            else:
-                used[port] = where
+        clashes = port_clashes([p for p in ports if p[2] <= 65535])
+        out += [c.replace(" on node '-'", "") for c in clashes]
         prefixes = [p.path_prefix for p in self.pools[1:]]
         for i, p in enumerate(self.pools[1:], 1):
             if not p.path_prefix or not p.path_prefix.startswith("/") or not p.path_prefix.strip("/"):
@@ -290,6 +305,50 @@ class StackFile(_Strict):
                     for line in objectives.check(self.stack.max_hold_s, self.pools[0].name)
                 ]
         return out
+
+    def across_nodes(self) -> bool:
+        """Whether the stack places components on nodes (``stack.nodes`` or an engine's ``node``)."""
+        return bool(self.stack.nodes) or any(e.node is not None for e in self.engines)
+
+    def placement(self, env: Mapping[str, str] | None = None) -> Placement:
+        """Where each engine and the control plane run (:func:`~llmd_timeslice.local.nodes.place`) on the node list
+        of ``stack.nodes`` or the Slurm allocation; one machine (neither): everything on ``stack.host``.
+
+        Raises:
+            NodeError: a node not in the allocation, or none named in a stack that places engines on nodes.
+        """
+        nodes = allocation_nodes(self.stack.nodes, env)
+        if nodes is None:
+            if any(e.node is not None for e in self.engines):
+                raise NodeError(["engines: they name nodes, but there is no node list (stack.nodes or a Slurm allocation)"])
+            nodes = [self.stack.host]
+        placement = place(nodes, self.stack.head_node, [(e.name, e.node) for e in self.engines])
+        clashes = port_clashes(
+            [
+                (placement.engines[e.name], f"engines[{i}] ({e.name}).{k}", v)
+                for i, e in enumerate(self.engines)
+                for k, v in (("sidecar_port", e.sidecar_port), ("vllm.port", e.vllm.port if e.vllm else None))
+                if v
+            ]
+            + [(placement.head, f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v]
+        )
+        if clashes:
+            raise NodeError(clashes)
+        return placement
+
+    def _node_key(self, ref: str | int, where: str, out: list[str]) -> str:
+        """The node ``ref`` names, for the per-node port check: resolved in ``stack.nodes`` when declared (a name not
+        in it appended to ``out``), else as written (the Slurm allocation is resolved at ``up``); ``-`` on one
+        machine."""
+        if not self.across_nodes():
+            return "-"
+        if not self.stack.nodes:
+            return str(ref)
+        try:
+            return resolve_node(ref, self.stack.nodes, where)
+        except NodeError as exc:
+            out += exc.errors
+            return str(ref)
 
     @staticmethod
     def resolve(base_dir: Path, path: str | os.PathLike) -> Path:

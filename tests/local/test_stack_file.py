@@ -417,7 +417,7 @@ def test_port_offset_moves_every_port_the_stack_binds_and_its_workdir(tmp_path):
     f = _write(tmp_path, _base())
     base = load_stack_file(f)
     moved = load_stack_file(f, port_offset=100)
-    assert {k: v + 100 for k, v in base.stack.ports.model_dump().items()} == moved.stack.ports.model_dump()
+    assert {k: None if v is None else v + 100 for k, v in base.stack.ports.model_dump().items()} == moved.stack.ports.model_dump()
     assert [(e.sidecar_port + 100, e.vllm.port + 100) for e in base.engines] == [
         (e.sidecar_port, e.vllm.port) for e in moved.engines
     ]
