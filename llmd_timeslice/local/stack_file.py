@@ -35,7 +35,7 @@ from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from llmd_timeslice import yaml_files
 from llmd_timeslice.addresses import check_network
@@ -175,6 +175,9 @@ class EngineEntry(_Strict):
         description="Node of this engine and its sidecar (hostname or index into the node list; default: the head node).",
     )
 
+    _node_host: str | None = PrivateAttr(None)
+    """Across nodes: the address of this engine's node (:meth:`StackFile.for_node`); None on one machine."""
+
     @model_validator(mode="after")
     def _one_source(self) -> EngineEntry:
         if (self.url is None) == (self.vllm is None):
@@ -191,7 +194,7 @@ class EngineEntry(_Strict):
         if self.url is not None:
             u = urlparse(self.url)
             return f"{u.hostname}:{u.port}"
-        return f"127.0.0.1:{self.vllm.port}"  # type: ignore[union-attr]
+        return f"{self._node_host or '127.0.0.1'}:{self.vllm.port}"  # type: ignore[union-attr]
 
     @property
     def base_url(self) -> str:
@@ -310,6 +313,17 @@ class StackFile(_Strict):
         """Whether the stack places components on nodes (``stack.nodes`` or an engine's ``node``)."""
         return bool(self.stack.nodes) or any(e.node is not None for e in self.engines)
 
+    def for_node(self, host: str, engine_hosts: Mapping[str, str]) -> StackFile:
+        """This stack as the node at ``host`` runs it: every component here binds to ``host`` (``stack.host``), and
+        each engine is reached at its node's address (``engine_hosts``: engine name -> address), which the head's
+        inventory and routes name."""
+        engines = []
+        for e in self.engines:
+            e = e.model_copy()
+            e._node_host = engine_hosts.get(e.name)
+            engines.append(e)
+        return self.model_copy(update={"stack": self.stack.model_copy(update={"host": host}), "engines": engines})
+
     def placement(self, env: Mapping[str, str] | None = None) -> Placement:
         """Where each engine and the control plane run (:func:`~llmd_timeslice.local.nodes.place`) on the node list
         of ``stack.nodes`` or the Slurm allocation; one machine (neither): everything on ``stack.host``.
@@ -409,7 +423,12 @@ class StackFile(_Strict):
                     },
                     "job_yield_opt_out": sorted({*g.job_yield_opt_out, *(j.job_id for j in jobs if j.yield_opt_out)}),
                     "samplers": [
-                        {"pool": e.pool, "address": e.address, "sidecar": f"{sidecar_host}:{e.sidecar_port}", "job_id": e.name}
+                        {
+                            "pool": e.pool,
+                            "address": e.address,
+                            "sidecar": f"{e._node_host or sidecar_host}:{e.sidecar_port}",
+                            "job_id": e.name,
+                        }
                         for e in self.engines
                         if e.group == g.group_id
                     ],

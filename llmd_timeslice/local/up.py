@@ -37,7 +37,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmd_timeslice.http_tls import verify_for
+from llmd_timeslice.local.across import NodePart, node_part, read_nodes_file, write_nodes_file
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
+from llmd_timeslice.local.nodes import NodeError, check_same_file, this_node
 from llmd_timeslice.local.ports import host_problem, port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
@@ -83,12 +85,26 @@ def grpc_health_probe(target: str) -> Callable[[], Awaitable[bool]]:
 class Stack:
     """The children of one stack file and the files they need, under ``workdir``."""
 
-    def __init__(self, sf: StackFile, base_dir: Path, workdir: Path | None = None) -> None:
+    def __init__(self, sf: StackFile, base_dir: Path, workdir: Path | None = None, part: NodePart | None = None) -> None:
         self.sf = sf
         self.base_dir = base_dir
-        self.workdir = (workdir or sf.workdir(base_dir)).resolve()
+        self.shared_workdir = (workdir or sf.workdir(base_dir)).resolve()
+        self.part = part
+        """Across nodes: this node's part (:mod:`llmd_timeslice.local.across`); None: the whole stack here."""
+        self.workdir = part.node_workdir(self.shared_workdir) if part else self.shared_workdir
         self.logdir = self.workdir / "logs"
-        self.token_file = sf.resolve(base_dir, sf.stack.token_file) if sf.stack.token_file else self.workdir / "control-token"
+        self.token_file = (
+            sf.resolve(base_dir, sf.stack.token_file) if sf.stack.token_file else self.shared_workdir / "control-token"
+        )
+
+    @property
+    def head(self) -> bool:
+        """Whether this node runs the control plane (always, on one machine)."""
+        return self.part is None or self.part.head
+
+    def local_engines(self) -> list:
+        """The engine entries this node starts (with their sidecars): all of them on one machine."""
+        return [e for e in self.sf.engines if self.part is None or e.name in self.part.local_engines]
 
     # ------------------------------------------------------------------ endpoints
     @property
@@ -118,13 +134,18 @@ class Stack:
         """``(where in the stack file, bind host, port)`` of every port the stack's components bind."""
         h = self.host
         unused = {"picker"} if self.sf.stack.gate_edge == "ext_authz" else set()  # the gate picks: no picker process
-        out = [
-            (f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused and v is not None
-        ]
+        out = (
+            [(f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused and v is not None]
+            if self.head
+            else []
+        )
+        local = {e.name for e in self.local_engines()}
         for i, e in enumerate(self.sf.engines):
+            if e.name not in local:
+                continue
             out.append((f"engines[{i}] ({e.name}).sidecar_port", h, e.sidecar_port))
-            if e.vllm is not None:
-                out.append((f"engines[{i}] ({e.name}).vllm.port", "127.0.0.1", e.vllm.port))  # VllmServer's bind address
+            if e.vllm is not None:  # VllmServer's bind address
+                out.append((f"engines[{i}] ({e.name}).vllm.port", e._node_host or "127.0.0.1", e.vllm.port))
         return out
 
     def port_problems(self) -> list[str]:
@@ -143,15 +164,20 @@ class Stack:
         from llmd_timeslice.protocol import ENVOY_ID_ENV
 
         self.logdir.mkdir(parents=True, exist_ok=True)
-        if not self.token_file.exists():
+        if self.head and not self.token_file.exists():
             self.token_file.parent.mkdir(parents=True, exist_ok=True)
-            self.token_file.write_text(secrets.token_urlsafe(24))
-            os.chmod(self.token_file, 0o600)
+            # created 0600 (never a moment readable by others), never printed; across nodes the other nodes read it
+            # from the allocation's shared filesystem
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(24))
+        elif not self.head:
+            wait_for_token(self.token_file, progress)
         cmds = self.commands()
         p, h = self.sf.stack.ports, self.host
 
         engines: list[ChildSpec] = []
-        for e in self.sf.engines:
+        for e in self.local_engines():
             if e.vllm is None:
                 continue
             v = e.vllm
@@ -186,8 +212,10 @@ class Stack:
                 probe=grpc_health_probe(f"{h}:{e.sidecar_port}"),
                 listen=(e.sidecar_port,),
             )
-            for e in self.sf.engines
+            for e in self.local_engines()
         ]
+        if not self.head:  # an engine node: its engines and sidecars; the head's inventory names them
+            return [st for st in (engines, sidecars) if st]
         # Orchestrator state lives as long as one `up`: it carries the orchestrator over its own restarts (the
         # supervisor restarts it), but a new `up` starts new engines, so holders and versions start over too.
         cmds.state_file.unlink(missing_ok=True)
@@ -456,7 +484,63 @@ class StackRunner:
         await self.stop()
 
 
-def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None, port_offset: int | None = None) -> int:
+def node_stack(file: Path, sf: StackFile, workdir: Path | None = None, node: str | None = None) -> Stack:
+    """The part of the stack of ``file`` this node runs: the whole stack on one machine; across nodes (the file
+    places engines on nodes) the components placed on this node (``node``: ``up --node``, else Slurm's
+    environment), bound to its address. The head writes ``nodes.json`` (placement, the file's hash) into the shared
+    workdir; another node refuses a file whose hash differs from the head's.
+
+    Raises:
+        NodeError: ``--node`` on a one-machine stack, a node not in the allocation, a name that does not resolve,
+            two engines on one port of one node, a stack file that differs from the head's.
+    """
+    base = file.resolve().parent
+    if not sf.across_nodes():
+        if node is not None:
+            raise NodeError(["--node: this stack file places nothing on nodes (no stack.nodes, no engines[].node)"])
+        return Stack(sf, base, workdir)
+    placement = sf.placement()
+    part = node_part(placement, this_node(placement.nodes, node))
+    stack = Stack(sf.for_node(part.address, part.engine_hosts), base, workdir, part)
+    stack.shared_workdir.mkdir(parents=True, exist_ok=True)
+    if part.head:
+        write_nodes_file(stack.shared_workdir, placement, part, file)
+    else:
+        record = read_nodes_file(stack.shared_workdir)
+        if record is not None:
+            check_same_file(file, record["stack_sha256"], record["head"])
+    return stack
+
+
+TOKEN_WAIT_S = 300.0
+"""How long an engine node waits for the head's token on the shared filesystem (seconds)."""
+
+
+def wait_for_token(token_file: Path, progress=lambda msg: None, timeout_s: float = TOKEN_WAIT_S) -> None:
+    """Wait until the head has written the control-plane token (across nodes).
+
+    Raises:
+        StartFailed: no token after ``timeout_s`` (the head did not start, or the workdir is not shared).
+    """
+    deadline = time.monotonic() + timeout_s
+    if not token_file.exists():
+        progress(f"waiting for the head node's token at {token_file} (the allocation's shared filesystem)")
+    while not token_file.exists():
+        if time.monotonic() > deadline:
+            raise StartFailed(
+                f"no control-plane token at {token_file} after {timeout_s:g} s: the head node did not start, "
+                "or the workdir is not on a filesystem every node shares"
+            )
+        time.sleep(0.2)
+
+
+def run_up(
+    file: Path,
+    workdir: Path | None = None,
+    live_table: bool | None = None,
+    port_offset: int | None = None,
+    node: str | None = None,
+) -> int:
     """``llmd-timeslice up``; returns the exit code: 0 after a clean stop of a running stack, 128 + the signal
     (130 for Ctrl-C, 143 for SIGTERM) when stopped while starting, 1 if the stack did not start or a
     component failed for good, 2 if a stack already runs from the workdir, another ``up`` of the workdir is starting
@@ -467,8 +551,14 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
     from llmd_timeslice.local.stack_file import load_stack_file
 
     sf = load_stack_file(file, port_offset)
-    stack = Stack(sf, file.resolve().parent, workdir)
     console = output_console()
+    try:
+        stack = node_stack(file, sf, workdir, node)
+    except NodeError as exc:
+        err = output_console(stderr=True)
+        for line in exc.errors:
+            err.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     stack.workdir.mkdir(parents=True, exist_ok=True)
     # Held for the life of this `up`, taken before anything is built or started: a second `up` of the same workdir
     # during the first one's start-up (before stack.json or any port shows it) is refused here. The kernel drops

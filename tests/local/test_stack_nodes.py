@@ -99,3 +99,50 @@ def _write(tmp_path: Path, data: dict) -> Path:
     p = tmp_path / "stack.yaml"
     p.write_text(yaml.safe_dump(data))
     return p
+
+
+def _loopback_nodes(tmp_path: Path) -> Path:
+    """Two nodes on this machine's loopback (127.0.0.1 and 127.0.0.2: Linux routes 127/8 to lo)."""
+    data = yaml.safe_load((REPO / "examples" / "two-node-stack.yaml").read_text())
+    data["stack"]["nodes"] = ["127.0.0.1", "127.0.0.2"]
+    return _write(tmp_path, data)
+
+
+def test_each_node_starts_its_own_part_and_the_heads_inventory_names_the_other_nodes_sidecars(tmp_path):
+    from llmd_timeslice.local.up import node_stack
+
+    p = _loopback_nodes(tmp_path)
+    sf = load_stack_file(p)
+    head = node_stack(p, sf, node="0")
+    worker = node_stack(p, sf, node="127.0.0.2")
+    assert head.head and not worker.head
+    assert [e.name for e in head.local_engines()] == ["sampler-0"] and [e.name for e in worker.local_engines()] == ["sampler-1"]
+    # the engine node binds its engine and sidecar to its own address, and none of the control plane's ports
+    assert worker.ports_to_bind() == [
+        ("engines[1] (sampler-1).sidecar_port", "127.0.0.2", 9100),
+        ("engines[1] (sampler-1).vllm.port", "127.0.0.2", 8001),
+    ]
+    assert {w for w, _, _ in head.ports_to_bind()} >= {"stack.ports.orchestrator", "engines[0] (sampler-0).sidecar_port"}
+    samplers = {s.job_id: s for s in head.sf.inventory().groups[0].samplers}
+    assert samplers["sampler-1"].sidecar == "127.0.0.2:9100" and samplers["sampler-1"].address == "127.0.0.2:8001"
+    assert samplers["sampler-0"].sidecar == "127.0.0.1:9100"
+    # shared: token and nodes.json; per node: state, logs, lock
+    assert head.token_file == worker.token_file and head.workdir != worker.workdir
+    assert (head.shared_workdir / "nodes.json").is_file()
+
+
+def test_an_engine_node_refuses_a_stack_file_that_differs_from_the_heads(tmp_path):
+    from llmd_timeslice.local.up import node_stack
+
+    p = _loopback_nodes(tmp_path)
+    node_stack(p, load_stack_file(p), node="0")  # the head records the file's hash
+    p.write_text(p.read_text() + "# edited\n")
+    with pytest.raises(NodeError, match=r"differs from the one the head node '127\.0\.0\.1' runs"):
+        node_stack(p, load_stack_file(p), node="1")
+
+
+def test_node_on_a_one_machine_stack_is_one_line(tmp_path):
+    from llmd_timeslice.local.up import node_stack
+
+    with pytest.raises(NodeError, match=r"^--node: this stack file places nothing on nodes"):
+        node_stack(REPO / "examples" / "cpu-stack.yaml", load_stack_file(REPO / "examples" / "cpu-stack.yaml"), node="a")

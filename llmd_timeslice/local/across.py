@@ -1,0 +1,101 @@
+"""One node's part of a stack across nodes: what ``up`` on this node starts, where it binds, what the head writes.
+
+Given the placement (:meth:`~llmd_timeslice.local.stack_file.StackFile.placement`) and this node
+(:func:`~llmd_timeslice.local.nodes.this_node`), :func:`node_part` answers:
+
+* ``address`` -- this node's own address (its hostname resolved; an IP address as written): every component here
+  binds to it and is advertised at it (``stack.host`` of the node's view);
+* ``local_engines`` -- the engines (and sidecars) this node starts;
+* ``head`` -- whether it also starts the control plane (orchestrator, gate, Envoy);
+* ``engine_hosts`` -- each engine's node address: the head's inventory names the sidecars and engines on other nodes
+  there, so the orchestrator and the gate reach them;
+* ``workdir`` -- shared files (token, inventory, ``nodes.json``) in the stack's workdir on the allocation's shared
+  filesystem, this node's own (logs, ``stack.json``, ``up.lock``) under ``WORKDIR/nodes/<node>``.
+
+Design: docs/decisions/stack-across-nodes.md.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmd_timeslice.local.nodes import NodeError, Placement, file_hash
+
+NODES_FILE = "nodes.json"
+"""Written by the head into the shared workdir: ``{"head", "nodes", "addresses", "stack_sha256"}``."""
+
+
+def node_address(node: str) -> str:
+    """The address of ``node``: an IP address as given, a hostname resolved (IPv4 first).
+
+    Raises:
+        NodeError: the name does not resolve.
+    """
+    try:
+        infos = socket.getaddrinfo(node, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise NodeError([f"node {node!r}: does not resolve to an address ({exc.strerror})"]) from None
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    return str(infos[0][4][0])
+
+
+@dataclass(frozen=True)
+class NodePart:
+    node: str
+    address: str
+    head: bool
+    local_engines: tuple[str, ...]
+    engine_hosts: dict[str, str]
+    head_address: str
+
+    def node_workdir(self, workdir: Path) -> Path:
+        """This node's own files (logs, state, lock): ``WORKDIR/nodes/<node>``."""
+        return workdir / "nodes" / self.node
+
+
+def node_part(placement: Placement, me: str) -> NodePart:
+    """This node's part of ``placement``.
+
+    Raises:
+        NodeError: a node that does not resolve.
+    """
+    addresses = {n: node_address(n) for n in sorted(set(placement.engines.values()) | {placement.head, me})}
+    return NodePart(
+        node=me,
+        address=addresses[me],
+        head=me == placement.head,
+        local_engines=tuple(placement.on(me)),
+        engine_hosts={name: addresses[n] for name, n in placement.engines.items()},
+        head_address=addresses[placement.head],
+    )
+
+
+def write_nodes_file(workdir: Path, placement: Placement, part: NodePart, stack_file: Path) -> Path:
+    """The head's record of the placement and the stack file's hash, for the other nodes and ``status``/``down``."""
+    path = workdir / NODES_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps(
+            {
+                "head": placement.head,
+                "head_address": part.head_address,
+                "nodes": list(placement.nodes),
+                "engines": placement.engines,
+                "stack_sha256": file_hash(stack_file),
+            },
+            indent=1,
+        )
+    )
+    tmp.replace(path)
+    return path
+
+
+def read_nodes_file(workdir: Path) -> dict | None:
+    """The head's ``nodes.json``, or None before the head wrote it."""
+    try:
+        return json.loads((workdir / NODES_FILE).read_text())
+    except (OSError, ValueError):
+        return None
