@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmd_timeslice.local.nodes import NodeError, Placement, file_hash
+from llmd_timeslice.local.nodes import NodeError, Placement, check_same_file, file_hash, this_node
+from llmd_timeslice.local.stack_file import StackFile
+from llmd_timeslice.local.supervisor import StartFailed
 
 NODES_FILE = "nodes.json"
 """Written by the head into the shared workdir: ``{"head", "nodes", "addresses", "stack_sha256"}``."""
@@ -99,3 +102,53 @@ def read_nodes_file(workdir: Path) -> dict | None:
         return json.loads((workdir / NODES_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def this_nodes_part(
+    file: Path, sf: StackFile, shared_workdir: Path, node: str | None = None
+) -> tuple[StackFile, NodePart] | None:
+    """(the stack as this node runs it, this node's part); None on one machine (the file places nothing on nodes).
+
+    ``node``: ``up --node``, else Slurm's environment. The head writes ``nodes.json`` (placement, the file's hash)
+    into ``shared_workdir``; another node refuses a file whose hash differs from the head's.
+
+    Raises:
+        NodeError: ``--node`` on a one-machine stack, a node not in the allocation, a name that does not resolve,
+            two engines on one port of one node, a stack file that differs from the head's.
+    """
+    if not sf.across_nodes():
+        if node is not None:
+            raise NodeError(["--node: this stack file places nothing on nodes (no stack.nodes, no engines[].node)"])
+        return None
+    placement = sf.placement()
+    part = node_part(placement, this_node(placement.nodes, node))
+    shared_workdir.mkdir(parents=True, exist_ok=True)
+    if part.head:
+        write_nodes_file(shared_workdir, placement, part, file)
+    else:
+        record = read_nodes_file(shared_workdir)
+        if record is not None:
+            check_same_file(file, record["stack_sha256"], record["head"])
+    return sf.for_node(part.address, part.engine_hosts), part
+
+
+TOKEN_WAIT_S = 300.0
+"""How long an engine node waits for the head's token on the shared filesystem (seconds)."""
+
+
+def wait_for_token(token_file: Path, progress=lambda msg: None, timeout_s: float = TOKEN_WAIT_S) -> None:
+    """Wait until the head has written the control-plane token (across nodes).
+
+    Raises:
+        StartFailed: no token after ``timeout_s`` (the head did not start, or the workdir is not shared).
+    """
+    deadline = time.monotonic() + timeout_s
+    if not token_file.exists():
+        progress(f"waiting for the head node's token at {token_file} (the allocation's shared filesystem)")
+    while not token_file.exists():
+        if time.monotonic() > deadline:
+            raise StartFailed(
+                f"no control-plane token at {token_file} after {timeout_s:g} s: the head node did not start, "
+                "or the workdir is not on a filesystem every node shares"
+            )
+        time.sleep(0.2)

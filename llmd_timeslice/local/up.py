@@ -37,9 +37,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmd_timeslice.http_tls import verify_for
-from llmd_timeslice.local.across import NodePart, node_part, read_nodes_file, write_nodes_file
+from llmd_timeslice.local.across import NodePart, this_nodes_part, wait_for_token
+from llmd_timeslice.local.across_control import down_requested, print_nodes_status, request_down
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
-from llmd_timeslice.local.nodes import NodeError, check_same_file, this_node
+from llmd_timeslice.local.nodes import NodeError
 from llmd_timeslice.local.ports import host_problem, port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
@@ -282,6 +283,7 @@ class Stack:
             "endpoints": self.endpoints(),
             "workdir": str(self.workdir),
             "components": sup.snapshot() if sup else [],
+            **({"node": self.part.node, "address": self.part.address} if self.part else {}),
         }
         tmp = self.workdir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -395,18 +397,23 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
         return 1
     _print_endpoints(console, stack)
     stack.write_state(sup, "running")
+    started = time.time()
     try:
         if live_table:
             with Live(_table(stack, sup), console=console, refresh_per_second=2, transient=False) as live:
                 while not stop.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), 1.0)
+                    if stack.part and down_requested(stack.shared_workdir, started):
+                        stop.set()  # `down -f` on some node: every node stops its part
                     live.update(_table(stack, sup))
                     stack.write_state(sup, "running")
         else:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
+                if stack.part and down_requested(stack.shared_workdir, started):
+                    stop.set()
                 stack.write_state(sup, "running")
     finally:
         if sup.fatal is not None:
@@ -485,53 +492,15 @@ class StackRunner:
 
 
 def node_stack(file: Path, sf: StackFile, workdir: Path | None = None, node: str | None = None) -> Stack:
-    """The part of the stack of ``file`` this node runs: the whole stack on one machine; across nodes (the file
-    places engines on nodes) the components placed on this node (``node``: ``up --node``, else Slurm's
-    environment), bound to its address. The head writes ``nodes.json`` (placement, the file's hash) into the shared
-    workdir; another node refuses a file whose hash differs from the head's.
+    """The part of the stack of ``file`` this node runs (:func:`~llmd_timeslice.local.across.this_nodes_part`):
+    the whole stack on one machine.
 
     Raises:
-        NodeError: ``--node`` on a one-machine stack, a node not in the allocation, a name that does not resolve,
-            two engines on one port of one node, a stack file that differs from the head's.
+        NodeError: as :func:`~llmd_timeslice.local.across.this_nodes_part`.
     """
     base = file.resolve().parent
-    if not sf.across_nodes():
-        if node is not None:
-            raise NodeError(["--node: this stack file places nothing on nodes (no stack.nodes, no engines[].node)"])
-        return Stack(sf, base, workdir)
-    placement = sf.placement()
-    part = node_part(placement, this_node(placement.nodes, node))
-    stack = Stack(sf.for_node(part.address, part.engine_hosts), base, workdir, part)
-    stack.shared_workdir.mkdir(parents=True, exist_ok=True)
-    if part.head:
-        write_nodes_file(stack.shared_workdir, placement, part, file)
-    else:
-        record = read_nodes_file(stack.shared_workdir)
-        if record is not None:
-            check_same_file(file, record["stack_sha256"], record["head"])
-    return stack
-
-
-TOKEN_WAIT_S = 300.0
-"""How long an engine node waits for the head's token on the shared filesystem (seconds)."""
-
-
-def wait_for_token(token_file: Path, progress=lambda msg: None, timeout_s: float = TOKEN_WAIT_S) -> None:
-    """Wait until the head has written the control-plane token (across nodes).
-
-    Raises:
-        StartFailed: no token after ``timeout_s`` (the head did not start, or the workdir is not shared).
-    """
-    deadline = time.monotonic() + timeout_s
-    if not token_file.exists():
-        progress(f"waiting for the head node's token at {token_file} (the allocation's shared filesystem)")
-    while not token_file.exists():
-        if time.monotonic() > deadline:
-            raise StartFailed(
-                f"no control-plane token at {token_file} after {timeout_s:g} s: the head node did not start, "
-                "or the workdir is not on a filesystem every node shares"
-            )
-        time.sleep(0.2)
+    part = this_nodes_part(file, sf, (workdir or sf.workdir(base)).resolve(), node)
+    return Stack(sf, base, workdir) if part is None else Stack(part[0], base, workdir, part[1])
 
 
 def run_up(
@@ -641,11 +610,22 @@ def read_state(file: Path, workdir: Path | None = None, port_offset: int | None 
         return wd, None
 
 
+def _across_workdir(file: Path, workdir: Path | None, port_offset: int | None) -> Path | None:
+    """The shared workdir of a stack across nodes (None: a one-machine stack)."""
+    from llmd_timeslice.local.stack_file import load_stack_file
+
+    sf = load_stack_file(file, port_offset)
+    return (workdir or sf.workdir(file.resolve().parent)).resolve() if sf.across_nodes() else None
+
+
 def run_down(
     file: Path, workdir: Path | None = None, timeout_s: float = STOP_BOUND_S + 15, port_offset: int | None = None
 ) -> int:
     """Stop a stack started by ``up`` from another shell: SIGTERM to ``up``, wait, then check nothing is left."""
     console = Console()
+    across = _across_workdir(file, workdir, port_offset)
+    if across is not None:
+        return request_down(across, console, timeout_s)
     wd, state = read_state(file, workdir, port_offset)
     if state is None or not alive(state.get("pid")):
         console.print(f"no running stack in {wd}")
@@ -680,6 +660,14 @@ def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int
     from llmd_timeslice.status import print_status
 
     console = output_console()
+    across = _across_workdir(file, workdir, port_offset)
+    if across is not None:
+        code, head = print_nodes_status(across, console)
+        if head is None or (code and head.get("phase") != "running"):
+            return code or 1
+        e = head["endpoints"]
+        console.print(f"router {e['router']}  orchestrator {e['orchestrator']}")
+        return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console) or code
     wd, state = read_state(file, workdir, port_offset)
     if state is None:
         console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")

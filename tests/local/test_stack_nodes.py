@@ -146,3 +146,26 @@ def test_node_on_a_one_machine_stack_is_one_line(tmp_path):
 
     with pytest.raises(NodeError, match=r"^--node: this stack file places nothing on nodes"):
         node_stack(REPO / "examples" / "cpu-stack.yaml", load_stack_file(REPO / "examples" / "cpu-stack.yaml"), node="a")
+
+
+def test_down_from_any_node_waits_for_every_node_and_names_one_it_cannot_confirm(tmp_path):
+    import json
+    import time
+
+    from rich.console import Console
+
+    from llmd_timeslice.local.across_control import down_requested, print_nodes_status, request_down
+
+    started = time.time() - 1
+    for node, phase, age in (("a", "stopped", 0), ("b", "running", 60)):
+        d = tmp_path / "nodes" / node
+        d.mkdir(parents=True)
+        state = {"pid": 1, "phase": phase, "updated_unix_s": time.time() - age, "components": []}
+        (d / "stack.json").write_text(json.dumps(state))
+    console = Console(record=True, width=200)
+    assert not down_requested(tmp_path, started)
+    assert request_down(tmp_path, console, timeout_s=5) == 1  # node b stopped refreshing: not confirmed
+    assert down_requested(tmp_path, started)
+    assert "not confirmed stopped: b (unreachable (no update for 60 s))" in console.export_text()
+    code, head = print_nodes_status(tmp_path, console)
+    assert code == 1 and head is None
