@@ -330,6 +330,14 @@ def _table(stack: Stack, sup: Supervisor) -> Table:
 
 
 def _print_endpoints(console: Console, stack: Stack) -> None:
+    if not stack.head:
+        p = stack.part
+        console.print(
+            f"node {p.node} ({p.address}) up: engines {', '.join(p.local_engines) or 'none'} with their sidecars; the "
+            f"router and orchestrator run on the head node ({p.head_address}); logs: {stack.logdir}/",
+            highlight=False,
+        )
+        return
     e = stack.endpoints()
     lines = [
         f"[bold green]stack up[/]: router (OpenAI API) [bold]{e['router']}[/]  orchestrator [bold]{e['orchestrator']}[/]"
@@ -430,10 +438,10 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
 
 async def _stop(stack: Stack, sup: Supervisor) -> None:
     sup.stopping = True
-    with contextlib.suppress(KeyError, StopIteration):
+    if stack.head:  # an engine node across nodes runs no gate
         await sup.stop_child("gate")
     await stack.wake_external_engines()
-    await sup.stop(order=["orchestrator"])
+    await sup.stop(order=["orchestrator"] if stack.head else [])
 
 
 async def stop_stack(stack: Stack, sup: Supervisor, bound_s: float = STOP_BOUND_S) -> bool:

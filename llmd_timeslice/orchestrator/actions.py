@@ -393,7 +393,7 @@ class GrpcSwitchActions(SwitchActions):
         loaded = weights is not None
         try:
             try:
-                await self._operation(sampler, spec.group_id, "wake", config, weights, spec)
+                await self._operation(sampler, spec.group_id, "wake", config, weights, spec=spec)
             except SamplerStepFailed as exc:
                 if weights is None or exc.fault is not StepFault.WEIGHTS_REJECTED:
                     raise
