@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -207,6 +208,66 @@ def test_a_node_cut_off_leaves_service_and_rejoins_by_itself_when_its_link_is_ba
         assert _completions(ns0, router, 3) == 3
         assert _run_in(ns0, [*CLI, "down", "-f", str(f)], timeout=120).returncode == 0
     finally:
+        for p in [*ups, *engines]:
+            if p.poll() is None:
+                p.kill()
+        for lg in logs:
+            lg.close()
+
+
+def test_a_frozen_node_shows_unreachable_and_is_back_in_service_once_continued(tmp_path, two_nodes):
+    (ns0, a0), (ns1, a1) = two_nodes
+    workdir = tmp_path / "wd"
+    stack = {
+        "stack": {"name": "two", "workdir": str(workdir), "max_hold_s": 20, "nodes": [a0, a1]},
+        "groups": [{"group_id": "g", "drain_timeout_s": 5}],
+        "engines": [
+            {"name": "s0", "group": "g", "node": 0, "sidecar_port": 9100, "url": f"http://{a0}:8001"},
+            {"name": "s1", "group": "g", "node": 1, "sidecar_port": 9100, "url": f"http://{a1}:8001"},
+        ],
+    }
+    f = tmp_path / "stack.yaml"
+    f.write_text(yaml.safe_dump(stack))
+    engines = [_in(ns, [sys.executable, "-m", "tests.support.fake_engine_process", "8001", "0", a]) for ns, a in two_nodes]
+    logs = [open(tmp_path / f"up-{i}.log", "w") for i in range(2)]  # noqa: SIM115
+    ups = [
+        _in(ns, [*CLI, "up", "-f", str(f), "--node", str(i), "--no-live"], stdout=logs[i], stderr=subprocess.STDOUT)
+        for i, (ns, _) in enumerate(two_nodes)
+    ]
+    router = f"http://{a0}:8080"
+    frozen: list[str] = []
+    try:
+        _wait(
+            lambda: (
+                (_node_phase(workdir, a0) == "running" and _node_phase(workdir, a1) == "running")
+                or any(u.poll() is not None for u in ups)
+            ),
+            150,
+            "both nodes running",
+        )
+        assert _completions(ns0, router, 2) == 2
+        frozen = subprocess.run(["ip", "netns", "pids", ns1], capture_output=True, text=True, check=True).stdout.split()
+        for pid in frozen:  # every process of the engine node stops, as a node that hangs
+            os.kill(int(pid), 19)  # SIGSTOP
+        time.sleep(12)  # longer than the state refresh bound (10 s) the other nodes judge it by
+        st = _run_in(ns0, [*CLI, "status", "-f", str(f)])
+        assert f"node {a1}: unreachable" in st.stdout and f"node {a0} (head): running" in st.stdout, st.stdout
+        for pid in frozen:
+            os.kill(int(pid), 18)  # SIGCONT
+        frozen = []
+        _wait(lambda: _node_phase(workdir, a1) == "running" and _run_in(ns0, [*CLI, "status", "-f", str(f)]).returncode == 0,
+              30, "the engine node back in status")  # fmt: skip
+        engines[0].kill()  # only the engine node can serve now
+        engines[0].wait(10)
+        deadline = time.monotonic() + 60
+        while _completions(ns0, router, 1) != 1:
+            assert time.monotonic() < deadline, "the engine node did not serve again after it was continued"
+            time.sleep(1)
+        assert _run_in(ns1, [*CLI, "down", "-f", str(f)], timeout=120).returncode == 0
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 18)
         for p in [*ups, *engines]:
             if p.poll() is None:
                 p.kill()
