@@ -169,3 +169,22 @@ def test_down_from_any_node_waits_for_every_node_and_names_one_it_cannot_confirm
     assert "not confirmed stopped: b (unreachable (no update for 60 s))" in console.export_text()
     code, head = print_nodes_status(tmp_path, console)
     assert code == 1 and head is None
+
+
+def test_a_head_node_whose_control_plane_port_is_taken_is_refused_naming_the_port(tmp_path):
+    import socket
+
+    from llmd_timeslice.local.up import node_stack
+
+    data = yaml.safe_load((REPO / "examples" / "two-node-stack.yaml").read_text())
+    data["stack"]["nodes"] = ["127.0.0.1", "127.0.0.2"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        data["stack"]["ports"] = {"orchestrator": held.getsockname()[1]}
+        p = _write(tmp_path, data)
+        head = node_stack(p, load_stack_file(p), node="0")
+        worker = node_stack(p, load_stack_file(p), node="1")
+        taken = head.port_problems()
+        assert len(taken) == 1 and "(stack.ports.orchestrator) on 127.0.0.1 is in use" in taken[0]
+        assert worker.port_problems() == []  # the engine node binds none of the control plane's ports
