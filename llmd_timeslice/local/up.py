@@ -330,7 +330,7 @@ def _table(stack: Stack, sup: Supervisor) -> Table:
 
 
 def _print_endpoints(console: Console, stack: Stack) -> None:
-    if not stack.head:
+    if stack.part is not None and not stack.part.head:
         p = stack.part
         console.print(
             f"node {p.node} ({p.address}) up: engines {', '.join(p.local_engines) or 'none'} with their sidecars; the "
