@@ -417,6 +417,13 @@ def up(
     ] = None,
     log_level: LogLevelOpt = LogLevel.warning,
     port_offset: PortOffsetOpt = None,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            help="Across nodes without Slurm: which node of stack.nodes this is (name or index); under srun, "
+            "SLURMD_NODENAME / SLURM_NODEID say it. docs/local-stack.md, 'Across nodes'."
+        ),
+    ] = None,
 ) -> None:
     """Start the whole stack of a stack file and supervise it until Ctrl-C / SIGTERM / `down`.
 
@@ -433,7 +440,7 @@ def up(
     from llmd_timeslice.local.up import run_up
 
     _setup_logging(log_level)
-    raise typer.Exit(run_up(file, workdir, live, port_offset))
+    raise typer.Exit(run_up(file, workdir, live, port_offset, node))
 
 
 @app.command(short_help="Stop a stack started with `up`; check nothing is left.")

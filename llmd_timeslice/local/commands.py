@@ -335,5 +335,11 @@ class StackCommands:
         if v is None:
             raise ValueError(f"engine {e.name!r} runs already at {e.url}: the stack starts no vLLM for it")
         return VllmServer(
-            model_dir, v.port, self.logdir / f"vllm-{e.name}.log", python=v.python, extra_args=v.args, default_args=v.cpu_defaults
+            model_dir,
+            v.port,
+            self.logdir / f"vllm-{e.name}.log",
+            python=v.python,
+            extra_args=v.args,
+            default_args=v.cpu_defaults,
+            host=e._node_host or "127.0.0.1",
         )
