@@ -17,11 +17,13 @@ Design: docs/decisions/stack-across-nodes.md.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from llmd_timeslice.local.nodes import NodeError, Placement, check_same_file, file_hash, this_node
 from llmd_timeslice.local.stack_file import StackFile
@@ -129,7 +131,33 @@ def this_nodes_part(
         record = read_nodes_file(shared_workdir)
         if record is not None:
             check_same_file(file, record["stack_sha256"], record["head"])
-    return sf.for_node(part.address, part.engine_hosts), part
+    return sf.for_node(part.address, part.engine_hosts, url_addresses(sf)), part
+
+
+def url_addresses(sf: StackFile) -> dict[str, str]:
+    """Engine name -> the address its ``url``'s hostname resolves to, for each engine given by a url that names a
+    host (``http://gpu02:8001``): Envoy routes only to addresses (an endpoint named by a hostname is refused).
+
+    Raises:
+        NodeError: a hostname that does not resolve (one line per engine).
+    """
+    out, errors = {}, []
+    for i, e in enumerate(sf.engines):
+        host = urlparse(e.url).hostname if e.url else None
+        if not host:
+            continue
+        try:
+            ipaddress.ip_address(host)
+            continue
+        except ValueError:
+            pass
+        try:
+            out[e.name] = node_address(host)
+        except NodeError:
+            errors.append(f"engines[{i}] ({e.name}).url: host {host!r} does not resolve to an address")
+    if errors:
+        raise NodeError(errors)
+    return out
 
 
 TOKEN_WAIT_S = 300.0

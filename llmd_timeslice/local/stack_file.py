@@ -177,6 +177,9 @@ class EngineEntry(_Strict):
 
     _node_host: str | None = PrivateAttr(None)
     """Across nodes: the address of this engine's node (:meth:`StackFile.for_node`); None on one machine."""
+    _url_address: str | None = PrivateAttr(None)
+    """Across nodes: the address ``url``'s hostname resolves to (:meth:`StackFile.for_node`): the gate and Envoy
+    route to addresses, not names. None: the url's host as written."""
 
     @model_validator(mode="after")
     def _one_source(self) -> EngineEntry:
@@ -193,7 +196,7 @@ class EngineEntry(_Strict):
         """``ip:port`` the picker routes to."""
         if self.url is not None:
             u = urlparse(self.url)
-            return f"{u.hostname}:{u.port}"
+            return f"{self._url_address or u.hostname}:{u.port}"
         return f"{self._node_host or '127.0.0.1'}:{self.vllm.port}"  # type: ignore[union-attr]
 
     @property
@@ -313,14 +316,16 @@ class StackFile(_Strict):
         """Whether the stack places components on nodes (``stack.nodes`` or an engine's ``node``)."""
         return bool(self.stack.nodes) or any(e.node is not None for e in self.engines)
 
-    def for_node(self, host: str, engine_hosts: Mapping[str, str]) -> StackFile:
+    def for_node(self, host: str, engine_hosts: Mapping[str, str], url_addresses: Mapping[str, str] | None = None) -> StackFile:
         """This stack as the node at ``host`` runs it: every component here binds to ``host`` (``stack.host``), and
         each engine is reached at its node's address (``engine_hosts``: engine name -> address), which the head's
-        inventory and routes name."""
+        inventory and routes name; an engine given by ``url`` is routed to at ``url_addresses[name]`` (its url's
+        hostname resolved) when given."""
         engines = []
         for e in self.engines:
             e = e.model_copy()
             e._node_host = engine_hosts.get(e.name)
+            e._url_address = (url_addresses or {}).get(e.name)
             engines.append(e)
         return self.model_copy(update={"stack": self.stack.model_copy(update={"host": host}), "engines": engines})
 
