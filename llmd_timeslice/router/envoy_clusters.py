@@ -5,6 +5,8 @@ assembles the bootstrap from both."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llmd_timeslice import protocol
 
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -100,32 +102,75 @@ ROUND_ROBIN_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies
 EDS_INITIAL_FETCH_TIMEOUT_S = 2.0
 
 
-def _upstream_http_options() -> dict:
+@dataclass(frozen=True)
+class EngineConnections:
+    """How Envoy connects to the engines (the model-server cluster).
+
+    The default suits engines on the router's machine or a network that refuses rather than loses: a connection
+    kept alive between requests (up to 3 s idle), 5 s to connect. Across nodes (:data:`ACROSS_NODES`), where a node
+    can be cut off and its packets lost rather than refused:
+
+    * ``one_request_per_connection``: a request never rides on a connection opened before it (Envoy's
+      ``max_requests_per_connection: 1``). On a kept-alive connection to a node cut off since its last request, the
+      request is written into the kernel's buffer, counts as sent, and is never retried (Envoy retries a reset only
+      before any byte went upstream, ``connect-failure`` only a connection that never opened): it hung until its
+      timeout although it never reached the node. On a new connection the node's silence is a connect timeout,
+      which the route retries on the next endpoint the gate listed (docs/decisions/stack-across-nodes.md).
+    * ``connect_timeout_s``: how long that costs the request before its retry, and the gate's first sign of the
+      loss (the failed connection takes the endpoint out of its picks).
+    * ``keepalive``: (idle seconds, interval seconds, probes) of TCP keepalive on each engine connection: a request
+      that had reached a node before it was cut off ends within about idle + interval x probes seconds (503)
+      instead of waiting for the route timeout; a busy but live node's kernel answers the probes.
+    """
+
+    connect_timeout_s: float = 5.0
+    one_request_per_connection: bool = False
+    keepalive: tuple[int, int, int] | None = None
+
+
+ACROSS_NODES = EngineConnections(connect_timeout_s=1.0, one_request_per_connection=True, keepalive=(2, 1, 3))
+"""The engine connections of a stack across nodes (:class:`EngineConnections`)."""
+
+
+def _upstream_http_options(conn: EngineConnections) -> dict:
     # Below uvicorn's 5 s keep-alive (vLLM's server): Envoy must not reuse a connection the
     # engine is closing (seen as 503 "connection termination" after idle training phases).
+    common: dict = {"idle_timeout": "3s"}
+    if conn.one_request_per_connection:
+        common["max_requests_per_connection"] = 1
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": HTTP_OPTIONS_TYPE,
-            "common_http_protocol_options": {"idle_timeout": "3s"},
+            "common_http_protocol_options": common,
             "explicit_http_config": {"http_protocol_options": {}},
         }
     }
 
 
-def endpoints_cluster() -> dict:
+def _engine_connection_fields(conn: EngineConnections) -> dict:
+    """The model-server cluster's connection settings (:class:`EngineConnections`)."""
+    out: dict = {"connect_timeout": dur(conn.connect_timeout_s), "typed_extension_protocol_options": _upstream_http_options(conn)}
+    if conn.keepalive is not None:
+        idle, interval, probes = conn.keepalive
+        out["upstream_connection_options"] = {
+            "tcp_keepalive": {"keepalive_time": idle, "keepalive_interval": interval, "keepalive_probes": probes}
+        }
+    return out
+
+
+def endpoints_cluster(conn: EngineConnections = EngineConnections()) -> dict:
     """The model-server cluster behind an EPP: ORIGINAL_DST, routed by the EPP's ``x-gateway-destination-endpoint``."""
     return {
         "name": "endpoints",
         "type": "ORIGINAL_DST",
         "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "5s",
-        "typed_extension_protocol_options": _upstream_http_options(),
+        **_engine_connection_fields(conn),
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": protocol.DESTINATION_HEADER},
         "circuit_breakers": _BIG_THRESHOLDS,
     }
 
 
-def gate_picks_cluster(gate_cluster: str) -> dict:
+def gate_picks_cluster(gate_cluster: str, conn: EngineConnections = EngineConnections()) -> dict:
     """The model-server cluster when the gate picks (no EPP): its endpoints come from the gate's EDS
     (:mod:`epp_plugin.gate.endpoint_discovery`, over ``gate_cluster``), and the
     ``envoy.load_balancing_policies.override_host`` policy routes to the first address of the gate's
@@ -179,8 +224,7 @@ def gate_picks_cluster(gate_cluster: str) -> dict:
                 },
             }
         },
-        "connect_timeout": "5s",
-        "typed_extension_protocol_options": _upstream_http_options(),
+        **_engine_connection_fields(conn),
         "load_balancing_policy": {
             "policies": [
                 {

@@ -70,7 +70,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmd_timeslice import protocol
-from llmd_timeslice.router.envoy_clusters import authz_cluster, endpoints_cluster, gate_picks_cluster, grpc_cluster
+from llmd_timeslice.router.envoy_clusters import (
+    EngineConnections,
+    authz_cluster,
+    endpoints_cluster,
+    gate_picks_cluster,
+    grpc_cluster,
+)
 from llmd_timeslice.router.envoy_clusters import dur as _dur
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -156,6 +162,8 @@ class EnvoyRouterConfig:
     connection can send it again (:data:`REQUEST_BODY_BUFFER_BYTES`)."""
     gate_check_retries: int = 10
     """Fast path: how often Envoy sends a check again when the gate could not answer it (:func:`authz_retry_policy`)."""
+    engine_connections: EngineConnections = field(default_factory=EngineConnections)
+    """How Envoy connects to the engines; across nodes :data:`~epp_plugin.envoy_clusters.ACROSS_NODES`."""
 
     def __post_init__(self) -> None:
         if self.gate_edge not in GATE_EDGES:
@@ -628,7 +636,8 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
     elif cfg.gate_port is not None:
         hcm["local_reply_config"] = gate_error_local_reply_ext_proc()
     gate_picks = cfg.fast_path and cfg.epp_port is None
-    clusters = [gate_picks_cluster("timeslice_gate") if gate_picks else endpoints_cluster()]
+    conn = cfg.engine_connections
+    clusters = [gate_picks_cluster("timeslice_gate", conn) if gate_picks else endpoints_cluster(conn)]
     if cfg.epp_port is not None:
         clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
