@@ -188,3 +188,45 @@ def test_a_head_node_whose_control_plane_port_is_taken_is_refused_naming_the_por
         taken = head.port_problems()
         assert len(taken) == 1 and "(stack.ports.orchestrator) on 127.0.0.1 is in use" in taken[0]
         assert worker.port_problems() == []  # the engine node binds none of the control plane's ports
+
+
+def test_an_engine_url_naming_a_host_is_routed_to_its_address_and_one_that_does_not_resolve_is_one_line(tmp_path):
+    from llmd_timeslice.local.up import node_stack
+
+    data = yaml.safe_load((REPO / "examples" / "two-node-stack.yaml").read_text())
+    data["stack"]["nodes"] = ["127.0.0.1", "127.0.0.2"]
+    data["engines"][1] = {"name": "sampler-1", "group": "rollout-group", "node": 1, "sidecar_port": 9100,
+                          "url": "http://localhost:8002"}  # fmt: skip
+    p = _write(tmp_path, data)
+    head = node_stack(p, load_stack_file(p), node="0")
+    # Envoy routes to addresses only: an endpoint named by a hostname was refused ("malformed IP address")
+    samplers = {s.job_id: s for s in head.sf.inventory().groups[0].samplers}
+    assert samplers["sampler-1"].address == "127.0.0.1:8002"
+    data["engines"][1]["url"] = "http://no-such-host.invalid:8001"
+    p = _write(tmp_path, data)
+    with pytest.raises(NodeError) as ei:
+        node_stack(p, load_stack_file(p), node="0")
+    assert ei.value.errors == ["engines[1] (sampler-1).url: host 'no-such-host.invalid' does not resolve to an address"]
+
+
+def test_across_nodes_envoy_opens_a_connection_per_request_to_the_engines_with_keepalive(tmp_path):
+    """A node cut off loses packets: a request must never ride on a connection opened before the cut (it would count
+    as sent and never be retried), and one that reached the node must not wait for the route timeout."""
+    from epp_plugin.envoy_config import render_bootstrap
+    from llmd_timeslice.local.up import node_stack
+
+    head = node_stack(_loopback_nodes(tmp_path), load_stack_file(_loopback_nodes(tmp_path)), node="0")
+    cluster = next(
+        c for c in render_bootstrap(head.commands().router())["static_resources"]["clusters"] if c["name"] == "endpoints"
+    )
+    http = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert http["common_http_protocol_options"]["max_requests_per_connection"] == 1
+    assert cluster["connect_timeout"] == "1.000s"
+    assert cluster["upstream_connection_options"]["tcp_keepalive"] == {
+        "keepalive_time": 2,
+        "keepalive_interval": 1,
+        "keepalive_probes": 3,
+    }
+    one = node_stack(REPO / "examples" / "cpu-stack.yaml", load_stack_file(REPO / "examples" / "cpu-stack.yaml"))
+    local = next(c for c in render_bootstrap(one.commands().router())["static_resources"]["clusters"] if c["name"] == "endpoints")
+    assert "upstream_connection_options" not in local and local["connect_timeout"] == "5.000s"
