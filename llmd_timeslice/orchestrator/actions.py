@@ -39,6 +39,7 @@ from typing import ClassVar, Protocol
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmd_timeslice import auth, tls
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
@@ -52,6 +53,7 @@ from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.sidecar_stream import (
     OperationRefused,
     OperationStream,
+    Probe,
     StreamBroken,
     StreamUnsupported,
 )
@@ -166,6 +168,30 @@ class GrpcSwitchActions(SwitchActions):
             ch = self._channels[target] = tls.aio_channel(target, self._tls)
         return ch
 
+    def _operation_stream(self, sampler: SamplerEndpoint) -> OperationStream:
+        """The operation stream to ``sampler``'s sidecar (made on first use), with the current start deadline."""
+        stream = self._streams.get(sampler.sidecar)
+        if stream is None:
+            stream = self._streams[sampler.sidecar] = OperationStream(
+                self._stubs(sampler.sidecar)[1], self._md, self.start_rpc_timeout_s, probe=self._reachable(sampler.sidecar)
+            )
+        stream.open_timeout_s = self.start_rpc_timeout_s
+        return stream
+
+    def _reachable(self, target: str) -> Probe:
+        """The operation stream's reachability probe of the sidecar at ``target``: a gRPC health check on its channel;
+        any answer, an error status included, means it is reachable (sidecar_stream.py)."""
+        stub = health_pb2_grpc.HealthStub(self._channel(target))
+
+        async def probe(timeout_s: float) -> bool:
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=self._md)
+            except aio.AioRpcError as exc:
+                return exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+            return True
+
+        return probe
+
     async def close(self) -> None:
         for stream in self._streams.values():
             stream.close()
@@ -233,12 +259,7 @@ class GrpcSwitchActions(SwitchActions):
         a sleep's device-memory budget (the group's for its level; 0: the sidecar's default). The command carries
         ``spec``'s deadlines (:func:`operation_deadlines`), and the wait for its answer outlasts them. Raises
         :class:`SamplerStepFailed`."""
-        stream = self._streams.get(sampler.sidecar)
-        if stream is None:
-            stream = self._streams[sampler.sidecar] = OperationStream(
-                self._stubs(sampler.sidecar)[1], self._md, self.start_rpc_timeout_s
-            )
-        stream.open_timeout_s = self.start_rpc_timeout_s
+        stream = self._operation_stream(sampler)
         snapshot = spb.SnapshotRequest(
             job_id=sampler.job_id,
             group=group,

@@ -12,9 +12,13 @@ a dead sidecar fails the command after ``open_timeout_s``, as the unary start ca
 breaks (the sidecar stopped or restarted) fails every command waiting on it with :class:`StreamBroken`. No keepalive
 pings: with them (5 s) a sidecar's server answered GOAWAY ``too_many_pings`` under load (seen once in
 tests/faults/test_orchestrator_failover.py), failing a switch; so a sidecar that goes silent without closing its
-connection is caught by each command's own timeout, as a ``WaitOperationResult`` to it was. A sidecar without the method
-(an older release: UNIMPLEMENTED) raises :class:`StreamUnsupported` and is not asked again; the caller uses the
-unary calls.
+connection (its node cut off, or frozen) is caught instead by a reachability probe: a command with no answer after
+``probe_after_s`` gets a probe (a unary call on the same channel, :class:`OperationStream`'s ``probe``) every
+``probe_after_s`` while it waits, and one the sidecar does not answer within ``open_timeout_s`` fails the command with
+:class:`StreamBroken` (UNAVAILABLE), long before the command's own timeout (the operation's deadline, minutes).
+Unary calls, not transport pings: no ping policy to trip. A command answered within ``probe_after_s`` (most sleeps and
+wakes) costs no probe. A sidecar without the method (an older release: UNIMPLEMENTED) raises
+:class:`StreamUnsupported` and is not asked again; the caller uses the unary calls.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
 import grpc
@@ -59,6 +63,29 @@ class OperationRefused(Exception):
 def _expire(fut: asyncio.Future, timeout_s: float) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError(f"no answer from the sidecar within {timeout_s:g} s"))
+
+
+Probe = Callable[[float], Awaitable[bool]]
+"""Whether the sidecar answers a call within the given seconds (any answer counts, an error status included)."""
+
+PROBE_AFTER_S = 2.0
+"""A command without an answer after this long gets a reachability probe, and again this often while it waits."""
+
+
+async def _watch(fut: asyncio.Future, probe: Probe, timeout_s: float, every_s: float) -> None:
+    """Fail ``fut`` when the sidecar stops answering probes (module docstring); ends when ``fut`` does."""
+    while not fut.done():
+        if not await probe(timeout_s):
+            if not fut.done():
+                fut.set_exception(
+                    StreamBroken(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the sidecar did not answer a call within {timeout_s:g} s while the operation ran: "
+                        "unreachable (its node cut off, down or frozen)",
+                    )
+                )
+            return
+        await asyncio.sleep(every_s)
 
 
 class _Open:
@@ -105,15 +132,25 @@ class OperationStream:
     Args:
         stub: the sidecar's ``SnapshotOperationsService`` stub.
         metadata: call metadata of the stream (the bearer token).
-        open_timeout_s: most seconds to wait for a stream to open (channel ready and the sidecar's answer).
+        open_timeout_s: most seconds to wait for a stream to open (channel ready and the sidecar's answer), and for
+            the sidecar to answer a reachability probe.
+        probe: the reachability probe of a command waiting for its answer (module docstring); None: none.
+        probe_after_s: when a waiting command is first probed, and how often again.
     """
 
     def __init__(
-        self, stub: xpb_grpc.SnapshotOperationsServiceStub, metadata: Sequence[tuple[str, str]], open_timeout_s: float
+        self,
+        stub: xpb_grpc.SnapshotOperationsServiceStub,
+        metadata: Sequence[tuple[str, str]],
+        open_timeout_s: float,
+        probe: Probe | None = None,
+        probe_after_s: float = PROBE_AFTER_S,
     ) -> None:
         self._stub = stub
         self._md = tuple(metadata)
         self.open_timeout_s = open_timeout_s
+        self._probe = probe
+        self.probe_after_s = probe_after_s
         self.unsupported = False
         """True once the sidecar answered UNIMPLEMENTED: it is not asked again."""
         self._open: _Open | None = None
@@ -197,11 +234,25 @@ class OperationStream:
                 raise why
         assert cur is not None
         # One timer rather than asyncio.wait_for (a waiter future and callbacks more, per command).
-        timer = asyncio.get_running_loop().call_later(timeout_s, _expire, fut, timeout_s)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(timeout_s, _expire, fut, timeout_s)
+        watch: list[asyncio.Task] = []
+        if self._probe is not None:
+            probe = self._probe
+
+            def start_watch() -> None:
+                if not fut.done():
+                    watch.append(loop.create_task(_watch(fut, probe, self.open_timeout_s, self.probe_after_s)))
+
+            probe_timer = loop.call_later(self.probe_after_s, start_watch)
         try:
             event = await fut
         finally:
             timer.cancel()
+            if self._probe is not None:
+                probe_timer.cancel()
+            for task in watch:
+                task.cancel()
             cur.pending.pop(cid, None)
         if event.WhichOneof("event") == "refused":
             raise OperationRefused(event.refused)

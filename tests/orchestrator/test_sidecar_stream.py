@@ -211,3 +211,34 @@ async def _unimplemented(request_iterator, context):
 
 def test_stream_broken_names_its_code():
     assert str(StreamBroken(grpc.StatusCode.UNAVAILABLE, "gone")) == "UNAVAILABLE: gone"
+
+
+async def test_a_sidecar_black_holed_after_its_stream_opened_fails_the_command_within_the_probe_bound():
+    """A node cut off: the stream's connection stays open but nothing comes back. The command fails after the
+    reachability probe (its first after ``probe_after_s``, unanswered within the open timeout), not after the
+    operation's own timeout; a sidecar answering slowly but reachable is probed and waited for."""
+    from tests.support.tcp_proxy import TcpProxy
+
+    engine = FakeVllm().start()
+    srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await srv.start()
+    proxy = await TcpProxy("127.0.0.1", srv.port).start()
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN, start_rpc_timeout_s=1.0)
+    sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), proxy.address, "s")
+    try:
+        cfg = acts._config(1)
+        acts._operation_stream(sampler).probe_after_s = 0.3
+        engine.sleep_delay_s = 1.0  # longer than probe_after_s: probed, answered, waited for
+        op = await acts._operation(sampler, "g", "sleep", cfg)
+        assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
+        proxy.blackhole()
+        t0 = time.monotonic()
+        with pytest.raises(SamplerStepFailed, match="did not answer a call within 1 s while the operation ran") as err:
+            await acts._operation(sampler, "g", "wake", cfg)
+        assert err.value.fault is StepFault.SIDECAR
+        assert time.monotonic() - t0 < 5, "failed by the probe (0.3 s + 1 s), not the operation timeout (300 s)"
+    finally:
+        await acts.close()
+        await proxy.stop()
+        await srv.stop()
+        engine.stop()
