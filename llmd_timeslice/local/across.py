@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -30,7 +32,11 @@ from llmd_timeslice.local.stack_file import StackFile
 from llmd_timeslice.local.supervisor import StartFailed
 
 NODES_FILE = "nodes.json"
-"""Written by the head into the shared workdir: ``{"head", "nodes", "addresses", "stack_sha256"}``."""
+"""Written by the head into the shared workdir: ``{"head", "head_address", "nodes", "engines", "stack_sha256", "run"}``."""
+STATE_FILE = "stack.json"
+"""Each node's state in ``WORKDIR/nodes/<node>/``, refreshed every second while its ``up`` runs."""
+STALE_AFTER_S = 10.0
+"""A running node refreshes its state every second; older than this it is shown as unreachable."""
 
 
 def node_address(node: str) -> str:
@@ -90,6 +96,7 @@ def write_nodes_file(workdir: Path, placement: Placement, part: NodePart, stack_
                 "nodes": list(placement.nodes),
                 "engines": placement.engines,
                 "stack_sha256": file_hash(stack_file),
+                "run": run_id(),
             },
             indent=1,
         )
@@ -104,6 +111,60 @@ def read_nodes_file(workdir: Path) -> dict | None:
         return json.loads((workdir / NODES_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def run_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The Slurm job step this task belongs to (``SLURM_JOB_ID.SLURM_STEP_ID``), the same for every task of one
+    ``srun``; None outside Slurm."""
+    env = os.environ if env is None else env
+    job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+    return f"{job}.{step}" if job and step else None
+
+
+def current_record(workdir: Path, env: Mapping[str, str] | None = None) -> dict | None:
+    """The head's ``nodes.json`` if it is this run's, else None (not written yet, or left by an earlier run in the
+    same workdir, whose stack file may have been another): written by a task of this ``srun`` step, or by a head
+    whose ``up`` is starting or running now (its state refreshed within :data:`STALE_AFTER_S`)."""
+    record = read_nodes_file(workdir)
+    if record is None:
+        return None
+    run = run_id(env)
+    if run is not None and record.get("run") == run:
+        return record
+    try:
+        state = json.loads((workdir / "nodes" / record["head"] / STATE_FILE).read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+    fresh = time.time() - float(state.get("updated_unix_s", 0)) <= STALE_AFTER_S
+    return record if fresh and state.get("phase") in ("starting", "running") else None
+
+
+def check_against_head(
+    file: Path, workdir: Path, progress=lambda msg: None, timeout_s: float | None = None, env: Mapping[str, str] | None = None
+) -> None:
+    """An engine node, before it starts anything: wait for the head's record of this run (:func:`current_record`),
+    then refuse a stack file whose hash differs from the one the head runs.
+
+    Raises:
+        NodeError: the file differs (one line), or no record of this run within ``timeout_s`` (default
+            :data:`TOKEN_WAIT_S`): the head did not start, or the workdir is not shared.
+    """
+    wait_s = TOKEN_WAIT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + wait_s
+    record = current_record(workdir, env)
+    if record is None:
+        progress(f"waiting for the head node to start (its record {workdir / NODES_FILE}, the allocation's shared filesystem)")
+    while record is None:
+        if time.monotonic() > deadline:
+            raise NodeError(
+                [
+                    f"{workdir / NODES_FILE}: the head node did not start within {wait_s:g} s, "
+                    "or the workdir is not on a filesystem every node shares"
+                ]
+            )
+        time.sleep(0.2)
+        record = current_record(workdir, env)
+    check_same_file(file, record["stack_sha256"], record["head"])
 
 
 def this_nodes_part(
@@ -127,8 +188,8 @@ def this_nodes_part(
     shared_workdir.mkdir(parents=True, exist_ok=True)
     if part.head:
         write_nodes_file(shared_workdir, placement, part, file)
-    else:
-        record = read_nodes_file(shared_workdir)
+    else:  # checked here when the head already runs; `up` waits for it first (check_against_head)
+        record = current_record(shared_workdir)
         if record is not None:
             check_same_file(file, record["stack_sha256"], record["head"])
     return sf.for_node(part.address, part.engine_hosts, url_addresses(sf)), part

@@ -16,13 +16,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmd_timeslice.local.across import read_nodes_file
+from llmd_timeslice.local.across import STALE_AFTER_S, STATE_FILE, read_nodes_file
 from llmd_timeslice.status import table
 
 DOWN_FILE = "down-requested"
-STALE_AFTER_S = 10.0
-"""A running node refreshes its state every second; older than this it is shown as unreachable."""
-STATE_FILE = "stack.json"
 
 
 def down_requested(shared_workdir: Path, started_unix_s: float) -> bool:

@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmd_timeslice.http_tls import verify_for
-from llmd_timeslice.local.across import NodePart, this_nodes_part, wait_for_token
+from llmd_timeslice.local.across import NodePart, check_against_head, this_nodes_part, wait_for_token
 from llmd_timeslice.local.across_control import down_requested, print_nodes_status, request_down
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
 from llmd_timeslice.local.nodes import NodeError
@@ -531,6 +531,8 @@ def run_up(
     console = output_console()
     try:
         stack = node_stack(file, sf, workdir, node)
+        if stack.part is not None and not stack.part.head:  # the head's file of this run, before anything starts
+            check_against_head(file, stack.shared_workdir, console.print)
     except NodeError as exc:
         err = output_console(stderr=True)
         for line in exc.errors:

@@ -131,14 +131,54 @@ def test_each_node_starts_its_own_part_and_the_heads_inventory_names_the_other_n
     assert (head.shared_workdir / "nodes.json").is_file()
 
 
+def _head_runs(head) -> None:
+    """The head's `up` as it is while starting: its state refreshed now."""
+    import json
+    import time
+
+    head.workdir.mkdir(parents=True, exist_ok=True)
+    (head.workdir / "stack.json").write_text(json.dumps({"phase": "starting", "updated_unix_s": time.time()}))
+
+
 def test_an_engine_node_refuses_a_stack_file_that_differs_from_the_heads(tmp_path):
     from llmd_timeslice.local.up import node_stack
 
     p = _loopback_nodes(tmp_path)
-    node_stack(p, load_stack_file(p), node="0")  # the head records the file's hash
+    _head_runs(node_stack(p, load_stack_file(p), node="0"))  # the head records the file's hash
     p.write_text(p.read_text() + "# edited\n")
     with pytest.raises(NodeError, match=r"differs from the one the head node '127\.0\.0\.1' runs"):
         node_stack(p, load_stack_file(p), node="1")
+
+
+def test_an_engine_node_waits_for_this_runs_head_not_the_record_an_earlier_run_left(tmp_path):
+    """The same workdir, the file edited between two runs: an engine node that starts before the new head must not
+    compare its file with the old run's record (under srun every task starts at once)."""
+    import json
+    import threading
+    import time
+
+    from llmd_timeslice.local import across
+    from llmd_timeslice.local.across import check_against_head
+    from llmd_timeslice.local.up import node_stack
+
+    p = _loopback_nodes(tmp_path)
+    old_head = node_stack(p, load_stack_file(p), node="0")  # an earlier run's record, its head long stopped
+    p.write_text(p.read_text() + "# edited for this run\n")
+    node_stack(p, load_stack_file(p), node="1")  # not refused: that record is not this run's
+    later = threading.Timer(0.5, lambda: _head_runs(node_stack(p, load_stack_file(p), node="0")))
+    later.start()
+    t0 = time.monotonic()
+    check_against_head(p, old_head.shared_workdir, timeout_s=10)  # waits for this run's head, then agrees
+    assert time.monotonic() - t0 >= 0.4
+    with pytest.raises(NodeError, match=r"the head node did not start within 0\.3 s"):
+        check_against_head(p, tmp_path / "elsewhere", timeout_s=0.3)
+    # under Slurm the record names its job step: a task of the same srun agrees at once, before the head runs
+    rec = tmp_path / "slurm"
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    rec.mkdir()
+    (rec / across.NODES_FILE).write_text(json.dumps({"head": "h", "stack_sha256": "0" * 64, "run": "7.0"}))
+    with pytest.raises(NodeError, match="differs from the one the head node 'h' runs"):
+        check_against_head(p, rec, timeout_s=0, env=env)
 
 
 def test_node_on_a_one_machine_stack_is_one_line(tmp_path):
@@ -230,3 +270,55 @@ def test_across_nodes_envoy_opens_a_connection_per_request_to_the_engines_with_k
     one = node_stack(REPO / "examples" / "cpu-stack.yaml", load_stack_file(REPO / "examples" / "cpu-stack.yaml"))
     local = next(c for c in render_bootstrap(one.commands().router())["static_resources"]["clusters"] if c["name"] == "endpoints")
     assert "upstream_connection_options" not in local and local["connect_timeout"] == "5.000s"
+
+
+def _bad_input(tmp_path: Path, case: str, held_port: int) -> tuple[Path, list[str]]:
+    """A stack across nodes that is wrong in one way (``case``) and the `up` arguments of the node it is tried on."""
+    data = yaml.safe_load((REPO / "examples" / "two-node-stack.yaml").read_text())
+    data["stack"].update(nodes=["127.0.0.1", "127.0.0.2"], workdir=str(tmp_path / "wd"))
+    node = "0"
+    if case == "node not in the allocation":
+        data["engines"][1]["node"] = "127.0.0.9"
+    elif case == "two engines on one port of one node":
+        data["engines"][1]["node"] = 0
+    elif case == "head with its control-plane ports taken":
+        data["stack"]["ports"] = {"orchestrator": held_port}
+    elif case == "stack file differing from the head's":
+        node = "1"
+    p = _write(tmp_path, data)
+    if case == "stack file differing from the head's":
+        from llmd_timeslice.local.up import node_stack
+
+        _head_runs(node_stack(p, load_stack_file(p), node="0"))  # the head runs this file ...
+        p.write_text(p.read_text() + "# edited on the engine node\n")  # ... the engine node an edited copy
+    return p, ["up", "-f", str(p), "--node", node, "--no-live"]
+
+
+@pytest.mark.parametrize(
+    ("case", "line"),
+    [
+        ("node not in the allocation", "engines[1] (sampler-1).node: node '127.0.0.9' is not in the allocation"),
+        (
+            "two engines on one port of one node",
+            "engines[1] (sampler-1).sidecar_port: port 9100 on node '127.0.0.1' is also engines[0] (sampler-0).sidecar_port",
+        ),
+        ("head with its control-plane ports taken", "(stack.ports.orchestrator) on 127.0.0.1 is in use by pid"),
+        ("stack file differing from the head's", "this stack file differs from the one the head node '127.0.0.1' runs"),
+    ],
+)
+def test_bad_input_across_nodes_is_one_line_before_anything_starts(tmp_path, case, line):
+    import socket
+
+    from tests.support.cli import run_cli
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        _, args = _bad_input(tmp_path, case, held.getsockname()[1])
+        r = run_cli(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    refusals = [x for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+    assert line in refusals[0], refusals
+    assert len([x for x in refusals if line.split(":")[0] in x]) == 1, f"one line for {case}: {refusals}"
+    assert not list((tmp_path / "wd").glob("nodes/*/stack.json"))[1:], "nothing started"
+    assert not list((tmp_path / "wd").glob("nodes/*/logs/*.log")), "nothing started"
