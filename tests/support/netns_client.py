@@ -12,12 +12,15 @@ reachable only from inside the nodes' network, so the test starts these as proce
     group is held), yield, wait until every engine is awake, read the held completion's answer; prints the record.
 ``python -m tests.support.netns_client acquire ORCH TOKEN_FILE GROUP TIMEOUT_S``
     One acquire with a deadline; prints ``{"granted", "error", "took_s"}`` (and releases if granted).
+
+Completions name the model ``NETNS_CLIENT_MODEL`` (default ``fake``, the fake engine's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -25,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+COMPLETION = {"model": os.environ.get("NETNS_CLIENT_MODEL", "fake"), "prompt": "hi", "max_tokens": 2}
+"""The completion every command sends (``NETNS_CLIENT_MODEL``: the served model's name; default the fake engine's)."""
 
 
 def _answer(r: httpx.Response) -> dict:
