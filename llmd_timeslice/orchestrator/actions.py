@@ -181,11 +181,11 @@ class GrpcSwitchActions(SwitchActions):
     def _reachable(self, target: str) -> Probe:
         """The operation stream's reachability probe of the sidecar at ``target``: a gRPC health check on its channel;
         any answer, an error status included, means it is reachable (sidecar_stream.py)."""
-        stub = health_pb2_grpc.HealthStub(self._channel(target))
+        stub = health_pb2_grpc.HealthStub(self._channel(target))  # its stubs (types-grpcio-health-checking) declare no methods
 
         async def probe(timeout_s: float) -> bool:
             try:
-                await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=self._md)
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=self._md)  # type: ignore[attr-defined]
             except aio.AioRpcError as exc:
                 return exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
             return True

@@ -163,7 +163,7 @@ class EnvoyRouterConfig:
     gate_check_retries: int = 10
     """Fast path: how often Envoy sends a check again when the gate could not answer it (:func:`authz_retry_policy`)."""
     engine_connections: EngineConnections = field(default_factory=EngineConnections)
-    """How Envoy connects to the engines; across nodes :data:`~epp_plugin.envoy_clusters.ACROSS_NODES`."""
+    """How Envoy connects to the engines; across nodes :data:`~llmd_timeslice.router.envoy_clusters.ACROSS_NODES`."""
 
     def __post_init__(self) -> None:
         if self.gate_edge not in GATE_EDGES:

@@ -252,8 +252,8 @@ def test_an_engine_url_naming_a_host_is_routed_to_its_address_and_one_that_does_
 def test_across_nodes_envoy_opens_a_connection_per_request_to_the_engines_with_keepalive(tmp_path):
     """A node cut off loses packets: a request must never ride on a connection opened before the cut (it would count
     as sent and never be retried), and one that reached the node must not wait for the route timeout."""
-    from epp_plugin.envoy_config import render_bootstrap
     from llmd_timeslice.local.up import node_stack
+    from llmd_timeslice.router.envoy_config import render_bootstrap
 
     head = node_stack(_loopback_nodes(tmp_path), load_stack_file(_loopback_nodes(tmp_path)), node="0")
     cluster = next(

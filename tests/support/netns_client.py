@@ -13,7 +13,8 @@ reachable only from inside the nodes' network, so the test starts these as proce
 ``python -m tests.support.netns_client acquire ORCH TOKEN_FILE GROUP TIMEOUT_S``
     One acquire with a deadline; prints ``{"granted", "error", "took_s"}`` (and releases if granted).
 
-Completions name the model ``NETNS_CLIENT_MODEL`` (default ``fake``, the fake engine's).
+Completions name the model ``NETNS_CLIENT_MODEL`` (default ``fake``, the fake engine's); ``serve`` waits
+``NETNS_CLIENT_TIMEOUT_S`` (default 10) for each.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _answer(r: httpx.Response) -> dict:
 
 def serve(router: str, n: int) -> dict:
     answers = []
-    with httpx.Client(timeout=10) as c:
+    with httpx.Client(timeout=float(os.environ.get("NETNS_CLIENT_TIMEOUT_S", "10"))) as c:
         for _ in range(n):
             try:
                 answers.append(_answer(c.post(f"{router}/v1/completions", json=COMPLETION)))
