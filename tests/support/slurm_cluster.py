@@ -183,12 +183,14 @@ class SlurmCluster:
         return pids
 
     def close(self) -> None:
+        """SIGTERM to every daemon, SIGKILL to any still there after 2 s (slurmctld saves its state first: seconds)."""
         for d in self.daemons:
             if d.poll() is None:
                 d.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
         for d in self.daemons:
             try:
-                d.wait(10)
+                d.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 d.kill()
                 d.wait(5)
