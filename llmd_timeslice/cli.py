@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from llmd_timeslice.cli_config import config_app
+from llmd_timeslice.cli_plan import plan
 from llmd_timeslice.config import GateSettings, LogLevel, OrchestratorSettings, PickerSettings, SidecarSettings
 from llmd_timeslice.settings_cli import settings_command
 
@@ -577,6 +578,7 @@ def render_envoy(
 
 
 app.add_typer(config_app, name="config", short_help="Check a configuration or stack file; schema; reference.")
+app.command("plan", short_help="Propose which RL jobs share accelerators (placement planner).")(plan)
 
 
 k8s_app = typer.Typer(
