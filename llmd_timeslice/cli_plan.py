@@ -37,6 +37,7 @@ def plan(
         typer.Option(
             "--profiles",
             "-p",
+            metavar="FILE",
             help="Profiles file (YAML or JSON; repeatable): hand entries {job_id, rollout_s, train_s, cpu_gap_s, "
             "weight_sync_s, accelerators, state_bytes, slowdown_budget} or profiles saved by `status --profiles "
             "--json`. A job also measured live: the file's accelerators, state bytes, budget and priority win.",
@@ -65,7 +66,10 @@ def plan(
     ] = None,
     offer: Annotated[
         str | None,
-        typer.Option(help="Accelerators on offer: COUNTxACCELERATORS[:HOST_MEMORY] per node pool, comma separated (64x8:2TiB)."),
+        typer.Option(
+            metavar="SPEC",
+            help="Accelerators on offer: COUNTxACCELERATORS[:HOST_MEMORY] per node pool, comma separated (64x8:2TiB).",
+        ),
     ] = None,
     offer_file: Annotated[
         Path | None,
@@ -74,8 +78,8 @@ def plan(
     switch_costs: Annotated[
         Path | None,
         typer.Option(
-            help="Switch costs as YAML {sleep_s, wake_s, grant_s, served} (default: measured by the live orchestrator; "
-            "without one, docs/placement.md's defaults).",
+            help="Switch costs as YAML {grant_s, rollout_switch_s, train_switch_s, served, sleep_s, wake_s} (default: "
+            "measured by the live orchestrator; without one, docs/placement.md's defaults).",
             exists=True,
             dir_okay=False,
         ),
@@ -89,7 +93,7 @@ def plan(
         int, typer.Option(min=1, help="Heuristic: open groups a job is simulated in before it opens its own.")
     ] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the durations drawn from each profile.")] = 0,
-    group_prefix: Annotated[str, typer.Option(help="Group ids are PREFIX-0, PREFIX-1, ...")] = "ts",
+    group_prefix: Annotated[str, typer.Option(help="Group ids are PREFIX-0, PREFIX-1 and so on.")] = "ts",
     out: Annotated[Path, typer.Option(help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")] = Path("plan"),
     apply: Annotated[
         bool, typer.Option("--apply", help="Also write OUT/stack.yaml, OUT/k8s-patch.sh and OUT/job-groups.json.")

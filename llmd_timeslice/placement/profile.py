@@ -227,6 +227,14 @@ class HandProfile(BaseModel):
     slowdown_budget: float = Field(DEFAULT_SLOWDOWN_BUDGET, ge=0, le=100)
     priority: int = 0
 
+    @field_validator("rollout_s", "train_s", "cpu_gap_s", "weight_sync_s")
+    @classmethod
+    def _durations(cls, v: float | list[float]) -> float | list[float]:
+        xs = v if isinstance(v, list) else [v]
+        if not xs or any(not (x >= 0 and math.isfinite(x)) for x in xs):
+            raise ValueError(f"durations must be finite and >= 0 seconds (one number or a non-empty list), got {v}")
+        return v
+
     def profile(self) -> JobProfile:
         def stats(v: float | list[float]) -> PhaseStats:
             return PhaseStats.of(v if isinstance(v, list) else [v])
