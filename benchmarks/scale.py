@@ -234,12 +234,13 @@ class _Child:
     def __init__(self, name: str, args: list[str], port: int, logdir: Path, profile: Path | None = None) -> None:
         from mirakuru import TCPExecutor
 
+        from llmd_timeslice.local.commands import cli_argv
+
         self.name = name
         self._log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115
-        if profile is not None:  # cProfile on CPU time (its default clock is wall time, which counts waiting for a core)
-            cmd = [sys.executable, "-c", _PROFILED_CLI.format(out=str(profile)), *args]
-        else:
-            cmd = [sys.executable, "-m", "llmd_timeslice.cli", *args]
+        # cProfile on CPU time (its default clock is wall time, which counts waiting for a core)
+        profiled = [sys.executable, "-c", _PROFILED_CLI.format(out=str(profile)), *args] if profile is not None else None
+        cmd = profiled or cli_argv(args)
         self._exec = TCPExecutor(cmd, host="127.0.0.1", port=port, timeout=120, stdout=self._log, stderr=subprocess.STDOUT)
 
     def start(self) -> _Child:
@@ -320,24 +321,20 @@ async def _one_run(
     inv_path = work / f"inventory-{n}.yaml"
     inv_path.write_text(yaml.safe_dump(inv, sort_keys=False))
     logdir = work / "logs"
-    tok = ["--token-file", str(token_file)]
+    from llmd_timeslice.local.commands import GateCommand, OrchestratorCommand
+
     # Distinct ports for every child of the run (chosen one by one, two could collide).
     orch_port, orch_metrics, *gate_ports = free_ports(2 + 3 * m)
     profile = profile_dir / f"orchestrator-N{n}-M{m}.prof" if profile_dir is not None else None
     orch = _Child(
         f"orchestrator-N{n}-M{m}",
-        [
-            "orchestrator",
-            "--inventory",
-            str(inv_path),
-            "--port",
-            str(orch_port),
-            "--metrics-port",
-            str(orch_metrics),
-            "--engine-audit-interval-s",
-            "3600",  # the audit reads every engine each interval: not part of a switch
-            *tok,
-        ],
+        OrchestratorCommand(
+            inventory=inv_path,
+            port=orch_port,
+            metrics_port=orch_metrics,
+            engine_audit_interval_s=3600,  # the audit reads every engine each interval: not part of a switch
+            token_file=token_file,
+        ).args(),
         orch_port,
         logdir,
         profile,
@@ -352,20 +349,14 @@ async def _one_run(
             gates.append(
                 _Child(
                     f"gate-{i}-N{n}-M{m}",
-                    [
-                        "gate",
-                        "--ext-proc-port",
-                        str(p[0]),
-                        "--authz-port",
-                        str(p[1]),
-                        "--control-port",
-                        str(p[2]),
-                        "--orchestrator",
-                        f"127.0.0.1:{orch_port}",
-                        "--gate-id",
-                        f"gate-{i}",
-                        *tok,
-                    ],
+                    GateCommand(
+                        ext_proc_port=p[0],
+                        authz_port=p[1],
+                        control_port=p[2],
+                        orchestrator=f"127.0.0.1:{orch_port}",
+                        gate_id=f"gate-{i}",
+                        token_file=token_file,
+                    ).args(),
                     p[2],
                     logdir,
                 )

@@ -26,7 +26,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, TimeSliceError
+from llmd_timeslice.local.commands import OrchestratorCommand
 
 SETTINGS = [(2, 1.5, 1.0), (5, 3.0, 1.0), (15, 10.0, 2.0)]  # the last: Kubernetes controllers' defaults
 TOKEN = "bench"
@@ -57,11 +57,13 @@ async def _serving(port: int) -> bool:
 
 def _spawn(name: str, port: int, inventory: Path, kubeconfig: str, token_file: Path, setting, log: Path) -> subprocess.Popen:
     lease, renew, retry = setting
-    args = [sys.executable, "-m", "llmd_timeslice.cli", "orchestrator", "--inventory", str(inventory), "--port", str(port)]
-    args += ["--metrics-port", "0", "--state-configmap", "orch-state", "--leader-election", "--kubeconfig", kubeconfig]
-    args += ["--namespace", "ml", "--lease-duration-s", str(lease), "--renew-deadline-s", str(renew)]
-    args += ["--retry-period-s", str(retry), "--engine-audit-interval-s", "0", "--token-file", str(token_file)]
-    args += ["--log-level", "info"]  # the takeover steps are read from its log
+    cmd = OrchestratorCommand(
+        inventory=inventory, port=port, metrics_port=0, state_configmap="orch-state", leader_election=True,
+        kubeconfig=kubeconfig, namespace="ml", lease_duration_s=lease, renew_deadline_s=renew, retry_period_s=retry,
+        engine_audit_interval_s=0, token_file=token_file,
+        log_level="info",  # the takeover steps are read from its log
+    )  # fmt: skip
+    args = cmd.argv()
     return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "POD_NAME": name})
 
 

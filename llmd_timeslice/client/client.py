@@ -272,6 +272,9 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
                 beat = _AsyncHeartbeat(self._leases_stub, job, group, lease.fencing_token, lease.ttl_s, self._yield_callbacks)
                 beat.observe(lease)
                 self._beats[(job, group)] = beat
+                if beat._task is not None:  # the lease's expiry is armed by its first heartbeat
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(beat.first_answered.wait(), beat.rpc_timeout)
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
 
     def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:

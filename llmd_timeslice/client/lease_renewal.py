@@ -138,6 +138,10 @@ class _AsyncHeartbeat(_LeaseRenewal):
 
     def __init__(self, stub, job: str, group: str, token: int, ttl_s: float, callbacks=None) -> None:
         self.asked = asyncio.Event()
+        self.first_answered = asyncio.Event()
+        """Set once the first heartbeat has been answered (or refused): the orchestrator arms a lease's expiry at
+        its first heartbeat, so an acquire waits for it before returning (a holder that hangs right after the
+        acquire still loses the lease after its TTL)."""
         super().__init__(job, group, token, ttl_s, callbacks)
         self._stub = stub
         self._task = asyncio.get_running_loop().create_task(self._run()) if ttl_s > 0 else None
@@ -176,5 +180,7 @@ class _AsyncHeartbeat(_LeaseRenewal):
                 self.observe(lease)
             except grpc.RpcError as exc:
                 if self.failed(exc):
+                    self.first_answered.set()
                     return
+            self.first_answered.set()
             await asyncio.sleep(self.period)

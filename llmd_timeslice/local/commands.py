@@ -134,6 +134,14 @@ class OrchestratorCommand(_Command):
     token_file: Path | None = None
     upstream_compat_port: int | None = None
     upstream_compat_allowed_peers: tuple[str, ...] = ()
+    engine_audit_interval_s: float | None = None
+    state_configmap: str | None = None
+    leader_election: bool = False
+    kubeconfig: str | None = None
+    namespace: str | None = None
+    lease_duration_s: float | None = None
+    renew_deadline_s: float | None = None
+    retry_period_s: float | None = None
 
     def flags(self) -> list[str]:
         return [
@@ -144,6 +152,14 @@ class OrchestratorCommand(_Command):
             *(a for peer in self.upstream_compat_allowed_peers for a in ("--upstream-compat-allowed-peer", peer)),
             *_flag("--metrics-port", self.metrics_port),
             *_flag("--state-file", self.state_file),
+            *_flag("--state-configmap", self.state_configmap),
+            *(["--leader-election"] if self.leader_election else []),
+            *_flag("--kubeconfig", self.kubeconfig),
+            *_flag("--namespace", self.namespace),
+            *_flag("--lease-duration-s", self.lease_duration_s),
+            *_flag("--renew-deadline-s", self.renew_deadline_s),
+            *_flag("--retry-period-s", self.retry_period_s),
+            *_flag("--engine-audit-interval-s", self.engine_audit_interval_s),
             *_flag("--token-file", self.token_file),
         ]
 

@@ -1,6 +1,6 @@
 """The phases of one accelerator group and the table of legal moves between them (pure; no I/O).
 
-Each group is run by one task (:class:`~llmd_timeslice.orchestrator.groups.Group`) that takes
+Each group is run by one task (:class:`~llmd_timeslice.orchestrator.group.Group`) that takes
 commands from a queue, one at a time; every change of phase is checked against
 :data:`TRANSITIONS` and an illegal one raises :class:`IllegalTransition`, naming the phase and the
 command. A reader answers "what can happen next" from that table; ``tests/orchestrator/test_group_machine.py``

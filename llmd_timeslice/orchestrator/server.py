@@ -40,7 +40,7 @@ from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.upstream_listener import PeerAllowList, describe
 from llmd_timeslice.orchestrator.upstream_listener import interceptors as peer_interceptors
 
-if TYPE_CHECKING:  # election imports the kubernetes client (~0.35 s per process start); only the CLI builds one
+if TYPE_CHECKING:  # election imports the kubernetes client (a slow import at every process start); only the CLI builds one
     from llmd_timeslice.orchestrator.election import LeaderElector
 
 log = logging.getLogger(__name__)

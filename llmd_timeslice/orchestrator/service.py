@@ -25,9 +25,10 @@ from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.auth import JobAuthorizer
 from llmd_timeslice.domain.group_settings import RELOAD_BASE_S, RELOAD_FLOOR_BYTES_PER_S
-from llmd_timeslice.domain.switches import JobState, SwitchKind
+from llmd_timeslice.domain.switches import JobState, SwitchKind, SwitchRecord
+from llmd_timeslice.orchestrator import errors
 from llmd_timeslice.orchestrator import groups as core
-from llmd_timeslice.orchestrator.phases import IllegalTransition
+from llmd_timeslice.orchestrator.phases import GroupState, IllegalTransition
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
@@ -48,10 +49,10 @@ SWITCH_PHASE = Histogram(
 )
 
 _STATE = {
-    core.GroupState.IDLE: pb.GroupStatus.STATE_IDLE,
-    core.GroupState.IDLE_YIELDED: pb.GroupStatus.STATE_IDLE_YIELDED,
-    core.GroupState.LOCKED: pb.GroupStatus.STATE_LOCKED,
-    core.GroupState.SWITCHING: pb.GroupStatus.STATE_SWITCHING,
+    GroupState.IDLE: pb.GroupStatus.STATE_IDLE,
+    GroupState.IDLE_YIELDED: pb.GroupStatus.STATE_IDLE_YIELDED,
+    GroupState.LOCKED: pb.GroupStatus.STATE_LOCKED,
+    GroupState.SWITCHING: pb.GroupStatus.STATE_SWITCHING,
 }
 _JOB_STATE = {
     JobState.IDLE: pb.SnapshotAgentJobState.STATE_IDLE,
@@ -60,17 +61,17 @@ _JOB_STATE = {
     JobState.SAVED: pb.SnapshotAgentJobState.STATE_SAVED,
     JobState.FAULTED: pb.SnapshotAgentJobState.STATE_FAULTED,
 }
-_CODES: dict[type[core.OrchestratorError], grpc.StatusCode] = {
-    core.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    core.UnknownGroup: grpc.StatusCode.NOT_FOUND,
-    core.NotHolder: grpc.StatusCode.FAILED_PRECONDITION,
-    core.AcquireTimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
+_CODES: dict[type[errors.OrchestratorError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnknownGroup: grpc.StatusCode.NOT_FOUND,
+    errors.NotHolder: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.AcquireTimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
     # ABORTED, not UNAVAILABLE: clients retry UNAVAILABLE automatically, and a failed switch is not transient
     # (a retry would drain and sleep every engine again only to fail the same way).
-    core.SwitchFailed: grpc.StatusCode.ABORTED,
-    core.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
-    core.LockOrderViolation: grpc.StatusCode.FAILED_PRECONDITION,
-    core.StaleWeightVersion: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SwitchFailed: grpc.StatusCode.ABORTED,
+    errors.StaleFencingToken: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.LockOrderViolation: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.StaleWeightVersion: grpc.StatusCode.FAILED_PRECONDITION,
     IllegalTransition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"
@@ -147,7 +148,7 @@ def _token_from(context) -> int | None:
     return None
 
 
-def status_code(exc: core.OrchestratorError) -> grpc.StatusCode:
+def status_code(exc: errors.OrchestratorError) -> grpc.StatusCode:
     """The status code of a typed core error (its nearest mapped class; StateNotSaved is a SwitchFailed)."""
     for cls in type(exc).__mro__:
         if cls in _CODES:
@@ -155,7 +156,7 @@ def status_code(exc: core.OrchestratorError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context, exc: core.OrchestratorError):
+async def _abort(context, exc: errors.OrchestratorError):
     """Refuse with the error's status code and its reason as a ``google.rpc.ErrorInfo`` (``error_info.py``)."""
     code = status_code(exc)
     await context.abort(code, str(exc), error_info.trailing_metadata(code.value[0], str(exc), error_info.reason_of(type(exc))))
@@ -187,7 +188,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
             if g in self._orch.groups:
                 QUEUE_DEPTH.labels(group_id=g).set(len(self._orch.groups[g].waiters) + 1)
             res = await self._orch.acquire(request.job_id, g, timeout)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         finally:
             if g in self._orch.groups:
@@ -204,7 +205,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{FENCING_TOKEN_METADATA} must be a positive integer")
         try:
             res = await self._orch.yield_(request.job_id, request.group_id, token)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         if res.snapshot_deferred:
             DEFERRED.labels(group_id=request.group_id).inc()
@@ -216,7 +217,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
     async def GetGroupStatus(self, request, context):  # noqa: N802
         try:
             g = self._orch.group(request.group_id)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         ts = Timestamp()
         ts.FromNanoseconds(int(g.state_since * 1e9))
@@ -244,7 +245,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
         return pb.GetGroupStatusResponse(group=status, agent_job_states=agents)
 
 
-def export_switch(record: core.SwitchRecord) -> None:
+def export_switch(record: SwitchRecord) -> None:
     """``on_switch`` hook of the core: phase durations into the histogram."""
     for phase, secs in record.phases.items():
         if phase != "drained_in_time":
@@ -282,7 +283,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         await _authorize(self._jobs, context, request.job_id)
         try:
             lease = self._orch.lease(request.job_id, request.group_id)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         return self._wire(lease, request.group_id, self._orch.clock.now())
 
@@ -290,7 +291,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         await _authorize(self._jobs, context, request.job_id)
         try:
             lease = await self._orch.heartbeat(request.job_id, request.group_id, request.fencing_token)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         return self._wire(lease, request.group_id, self._orch.clock.now())
 
@@ -306,7 +307,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             )
         try:
             answer = await self._orch.request_yield(request.group_id, request.reason, request.band, request.hold_deadline_s)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         return lease_pb2.RequestYieldResponse(requested=answer.requested, holder=answer.holder, detail=answer.detail)
 
@@ -337,7 +338,7 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
         if request.group_id:
             try:
                 groups = [self._orch.group(request.group_id)]
-            except core.OrchestratorError as exc:
+            except errors.OrchestratorError as exc:
                 await _abort(context, exc)
         else:
             groups = list(self._orch.groups.values())
@@ -365,7 +366,7 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
         if request.group_id:
             try:
                 groups = [self._orch.group(request.group_id)]
-            except core.OrchestratorError as exc:
+            except errors.OrchestratorError as exc:
                 await _abort(context, exc)
         else:
             groups = [self._orch.groups[gid] for gid in sorted(self._orch.groups)]
@@ -390,7 +391,7 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
         if request.group_id:
             try:
                 groups = [self._orch.group(request.group_id)]
-            except core.OrchestratorError as exc:
+            except errors.OrchestratorError as exc:
                 await _abort(context, exc)
         else:
             groups = [self._orch.groups[gid] for gid in sorted(self._orch.groups)]
@@ -453,13 +454,13 @@ class WeightVersionServicer(weights_pb2_grpc.WeightVersionServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             g = await self._orch.publish_weights(request.job_id, request.group_id, update, request.fencing_token or None)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         return weight_status(g)
 
     async def GetWeightVersion(self, request, context):  # noqa: N802
         try:
             g = self._orch.group(request.group_id)
-        except core.OrchestratorError as exc:
+        except errors.OrchestratorError as exc:
             await _abort(context, exc)
         return weight_status(g)

@@ -1,7 +1,7 @@
 """What a phase switch does to the outside world, as the core sees it: the :class:`SwitchActions` ABC (no I/O
 here; the record of a switch and the outcomes of its steps are :mod:`llmd_timeslice.domain.switches`).
 
-The group machine (:mod:`llmd_timeslice.orchestrator.groups`) calls, per switch:
+The group machine (:mod:`llmd_timeslice.orchestrator.group`) calls, per switch:
 
 * to a job: :meth:`SwitchActions.drain_samplers` (phase DRAINING), then
   :meth:`SwitchActions.suspend_samplers` (SUSPENDING);

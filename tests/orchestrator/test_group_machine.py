@@ -891,7 +891,7 @@ async def test_an_internal_error_is_logged_at_error_naming_group_command_and_pha
     try:
         await e.held()
         e.boom[("s", P.HELD, C.YIELD, P.RESUMING)] = Bug("boom")
-        with caplog.at_level(logging.ERROR, logger="llmd_timeslice.orchestrator.groups"), pytest.raises(GroupFault):
+        with caplog.at_level(logging.ERROR, logger="llmd_timeslice.orchestrator.group"), pytest.raises(GroupFault):
             await e.orch.yield_("A", "s")
         rec = next(r for r in caplog.records if "internal error" in r.getMessage())
         assert rec.levelno == logging.ERROR and rec.exc_info is not None

@@ -647,7 +647,7 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
         await _until(lambda: pool.serving() == (), timeout_s=5)
         await _until(lambda: unreachable._value.get() == before + 1 and addr in g.sampler_errors, timeout_s=5)
         await asyncio.sleep(3)  # the repair's back-off grows (2 s, 4 s, ...) while the engine stays down
-        with caplog.at_level(logging.WARNING, logger="llmd_timeslice.orchestrator.groups"):
+        with caplog.at_level(logging.WARNING, logger="llmd_timeslice.orchestrator.group"):
             engine = st.engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
             # the gate serves the engine as soon as it is verified; the group records the repair's outcome after
             await _until(lambda: pool.serving(min_version=1) == (addr,) and not g.sampler_errors, timeout_s=20)
@@ -655,7 +655,7 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
         assert "its engine answers again; repairing now" in caplog.text
         # The load failed while the engine was down, and the repair fixed it before the publisher's next acquire: that
         # acquire warns about nothing (it printed a warning about the fault already repaired: issue 38 §5).
-        with caplog.at_level(logging.INFO, logger="llmd_timeslice.orchestrator.groups"):
+        with caplog.at_level(logging.INFO, logger="llmd_timeslice.orchestrator.group"):
             res = await st.client.acquire(timeout_sec=30)
         assert res.weight_sync_error == "", res
         assert f"weight-version problems of job trainer on ['{addr}'] were repaired before its next acquire" in caplog.text
