@@ -133,6 +133,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_job_tokens, load_token
     from llmd_timeslice.orchestrator.persistence import FileStateStore
+    from llmd_timeslice.orchestrator.placement_watch import CheckSettings
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
     s = settings
@@ -153,6 +154,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
             engine_audit_interval_s=s.engine_audit_interval_s,
             upstream_compat_port=s.upstream_compat_port,
             upstream_compat_allowed_peers=tuple(s.upstream_compat_allowed_peers),
+            placement=CheckSettings(s.placement_plan, s.placement_check_interval_s, s.replan_gap, s.replan_gain),
             **kwargs,
         )
 

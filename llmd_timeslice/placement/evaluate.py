@@ -83,7 +83,7 @@ class Candidate:
 
     jobs: tuple[str, ...]
     layout: Layout
-    policy: str = "fifo"
+    policy: str = sim.DEFAULT_POLICY
 
 
 @dataclass(frozen=True)

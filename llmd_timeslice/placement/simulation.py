@@ -34,7 +34,11 @@ from typing import Any
 
 import simpy
 
+from llmd_timeslice.domain.group_settings import GroupSettings
 from llmd_timeslice.domain.waiter_policy import waiter_policy
+
+DEFAULT_POLICY = str(GroupSettings.model_fields["policy"].default)
+"""A group's waiter policy unless said otherwise: the group settings' default."""
 
 Worker = tuple[str, str]
 """``(job_id, role)``: the part of a job that holds a group for some of its phases (``sampler``, ``trainer``)."""
@@ -75,7 +79,7 @@ class GroupSim:
 
     name: str
     accelerators: int
-    policy: str = "fifo"
+    policy: str = DEFAULT_POLICY
     priorities: Mapping[str, int] = field(default_factory=dict)
     idle_holder: Worker | None = None
 
