@@ -400,8 +400,32 @@ def status(
     ] = None,
     workdir: WorkdirOpt = None,
     port_offset: PortOffsetOpt = None,
+    profiles: Annotated[
+        bool,
+        typer.Option(
+            "--profiles",
+            help="Show each job's recorded phase profile, the measured switch costs and the last placement check "
+            "instead (docs/placement.md).",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="With --profiles: the profiles as JSON (`plan --profiles` reads it).")
+    ] = False,
 ) -> None:
     """Show groups (holder, waiters, state, weight versions) and, per gate, endpoint states and held requests."""
+    if profiles:
+        from llmd_timeslice.placement.profiles_view import print_profiles
+        from llmd_timeslice.status import output_console
+
+        if file is not None:
+            from llmd_timeslice.local.find_stack import running_stack_endpoints
+
+            eps = running_stack_endpoints(file)
+            if not eps:
+                typer.echo(f"no stack runs from {file}: start it with `llmd-timeslice up -f {file}`", err=True)
+                raise typer.Exit(1)
+            orchestrator_addr, token_file = eps["orchestrator"], Path(eps["token_file"])
+        raise typer.Exit(print_profiles(orchestrator_addr, token_file, as_json, output_console()))
     if file is not None:
         from llmd_timeslice.local.up import print_stack_status
 
