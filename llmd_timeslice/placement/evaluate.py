@@ -7,6 +7,8 @@ A :class:`Candidate` is a set of jobs that take turns on accelerators, with a *l
   time-sliced with itself.
 * ``disaggregated``: two lease groups, one for the jobs' rollouts and one for their training (RollMux's
   co-execution group). One job alone this way is *dedicated*: nothing ever switches.
+* ``one_lease``: every job keeps its own accelerators but all take turns under one lease (the ``naive``
+  alternative: one group named for every job; never chosen by the search).
 
 :func:`evaluate` runs :func:`~llmd_timeslice.placement.simulation.simulate_schedule` for a candidate: every job's
 iterations drawn from its profile's samples (the same draws for a job in every candidate, so candidates compare on
@@ -45,6 +47,9 @@ class Layout(enum.StrEnum):
 
     COLOCATED = "colocated"
     DISAGGREGATED = "disaggregated"
+    ONE_LEASE = "one_lease"
+    """Every job keeps its own accelerators (rollout and training on them) but all take turns under one lease: what
+    naming one group for every job amounts to (the alternative ``naive``; never chosen by the search)."""
 
 
 POLICIES = ("fifo", "priority", "round_robin")
@@ -163,7 +168,7 @@ def priorities_for(profiles: Sequence[JobProfile]) -> dict[str, int]:
 
 def group_parts(layout: Layout) -> dict[PhaseKind, str]:
     """Accelerator phase -> the lease group part it holds in ``layout``."""
-    if layout is Layout.COLOCATED:
+    if layout is not Layout.DISAGGREGATED:
         return {PhaseKind.ROLLOUT: "all", PhaseKind.TRAIN: "all"}
     return {PhaseKind.ROLLOUT: "rollout", PhaseKind.TRAIN: "train"}
 
@@ -221,6 +226,8 @@ def evaluate(
             accel[part] = max(accel.get(part, 0), p.accelerators_of(k))
             host[part] = host.get(part, 0) + p.state_bytes_of(k)
             workers.setdefault(part, set()).add((p.job_id, k))
+    if cand.layout is Layout.ONE_LEASE:  # each job brings its own accelerators
+        accel = {"all": sum(max(p.accelerators_of(k) for k in ACCELERATOR_PHASES) for p in members)}
     idle = SAMPLERS if costs.served else None
     groups = [sim.GroupSim(part, accel[part], cand.policy, prio, idle) for part in accel]
     placement = {(p.job_id, ROLE_OF[k]): parts[k] for p in members for k in ACCELERATOR_PHASES}

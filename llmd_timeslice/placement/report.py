@@ -14,7 +14,7 @@ ALTERNATIVE_TEXT = {
     "plan": "this plan",
     "dedicated": "dedicated (each job alone, rollout and training on their own accelerators)",
     "colocated_alone": "each job alone, rollout and training on the same accelerators",
-    "naive": "every job in one group, FIFO",
+    "naive": "every job in one group, FIFO (each on its own accelerators, one lease)",
 }
 
 

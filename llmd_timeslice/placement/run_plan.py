@@ -231,6 +231,7 @@ def _apply(args: PlanArgs, plan: Plan, holders: dict[str, str], res: Outcome) ->
         try:
             data = _absolute_paths(yaml_files.load(args.apply_stack.read_text()), args.apply_stack.resolve().parent)
             new, changes = apply_to_stack(data, plan, holders, args.move_holders, args.engine_map)
+            new.setdefault("stack", {})["placement_plan"] = str((args.out / "plan.json").resolve())
         except ApplyRefused as exc:
             res.errors.extend(exc.lines)
             return 2

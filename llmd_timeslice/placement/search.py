@@ -350,13 +350,13 @@ class Planner:
     # ------------------------------------------------------------------ alternatives
     def alternatives(self, naive_max_jobs: int = 64) -> dict[str, list[CandidateResult]]:
         """The placements a plan is compared with, same inputs: ``dedicated`` (every job alone, disaggregated),
-        ``colocated_alone`` (every job alone on one group) and ``naive`` (every job in one colocated group, FIFO;
-        only up to ``naive_max_jobs`` jobs)."""
+        ``colocated_alone`` (every job alone on one group) and ``naive`` (every job in one group, FIFO: each keeps its
+        own accelerators, all under one lease; only up to ``naive_max_jobs`` jobs)."""
         jobs = sorted(self.profiles)
         out = {
             "dedicated": [self.evaluate(Candidate((j,), Layout.DISAGGREGATED)) for j in jobs],
             "colocated_alone": [self.evaluate(Candidate((j,), Layout.COLOCATED)) for j in jobs],
         }
         if len(jobs) <= naive_max_jobs:
-            out["naive"] = [self.evaluate(Candidate(tuple(jobs), Layout.COLOCATED))]
+            out["naive"] = [self.evaluate(Candidate(tuple(jobs), Layout.ONE_LEASE))]
         return out
