@@ -57,9 +57,9 @@ def hints_from_metadata(metadata: Any) -> Hints:
         except (TypeError, ValueError):
             return None
 
-    phase = md.get(PHASE_METADATA)
+    phase = str(md.get(PHASE_METADATA))
     return Hints(
-        phase=PhaseKind(phase) if phase in (str(k) for k in ACCELERATOR_PHASES) else None,
+        phase=PhaseKind(phase) if phase in {str(k) for k in ACCELERATOR_PHASES} else None,
         accelerators=num(ACCELERATORS_METADATA, int),
         state_bytes=num(STATE_BYTES_METADATA, int),
         slowdown_budget=num(BUDGET_METADATA, float),

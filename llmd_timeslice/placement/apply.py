@@ -98,7 +98,8 @@ def apply_to_stack(
     new_groups = []
     for g in plan.groups:
         sources = [str(e.get("group")) for e in engines if engine_group[str(e["name"])] == g.group_id]
-        base = next((old_groups[s] for s in sources if s in old_groups), None) or next(iter(old_groups.values()), {})
+        known = [old_groups[s] for s in sources if s in old_groups] or list(old_groups.values())
+        base: Mapping[str, Any] = known[0] if known else {}
         entry = {k: copy.deepcopy(v) for k, v in base.items() if k != "group_id"}
         entry = {"group_id": g.group_id, **entry, "policy": g.policy, "job_priorities": dict(g.job_priorities)}
         new_groups.append(entry)

@@ -218,7 +218,7 @@ class ProfileRecorder:
             self._profiles[p.job_id] = p
         for job, raw in (data.get("live") or {}).items():
             if job in self._profiles and isinstance(raw, Mapping):
-                kind = raw.get("last_kind")
+                kind = str(raw.get("last_kind"))
                 self._live[job] = _Live(
                     released_at=raw.get("released_at"),
                     last_kind=PhaseKind(kind) if kind in PhaseKind._value2member_map_ else None,

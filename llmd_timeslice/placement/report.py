@@ -109,10 +109,9 @@ def write_picture(plan: Plan, traces: dict[str, tuple[Trace, tuple[float, float]
     names = [a.name for a in plan.alternatives]
     vals = [a.duty_cycle for a in plan.alternatives]
     bars = bx.bar(range(len(vals)), vals, color=["#2b8cbe" if n == "plan" else "#bdbdbd" for n in names])
-    for b, a in zip(bars, plan.alternatives, strict=True):
-        note = f"{a.duty_cycle:.2f}\n{a.accelerators} acc" + (
-            f"\n{len(a.jobs_over_budget)} over budget" if a.jobs_over_budget else ""
-        )
+    for b, alt in zip(bars, plan.alternatives, strict=True):
+        over = f"\n{len(alt.jobs_over_budget)} over budget" if alt.jobs_over_budget else ""
+        note = f"{alt.duty_cycle:.2f}\n{alt.accelerators} acc{over}"
         bx.text(b.get_x() + b.get_width() / 2, b.get_height(), note, ha="center", va="bottom", fontsize=8)
     bx.set_xticks(range(len(vals)), names)
     bx.set_ylim(0, 1.25)

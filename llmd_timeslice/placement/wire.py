@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pydantic import ByteSize
+
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
 from llmd_timeslice.placement.evaluate import SwitchCosts
 from llmd_timeslice.placement.profile import DEFAULT_SLOWDOWN_BUDGET, JobProfile, PhaseKind, PhaseStats
@@ -38,7 +40,7 @@ def profile_of(msg: info_pb.JobPhaseProfile) -> JobProfile:
         phases={PhaseKind(d.kind): stats_of(d) for d in msg.phases if d.kind in kinds},
         periods=stats_of(msg.periods),
         accelerators={PhaseKind(k): v for k, v in msg.accelerators.items() if k in kinds},
-        state_bytes={PhaseKind(k): v for k, v in msg.state_bytes.items() if k in kinds},  # type: ignore[misc]
+        state_bytes={PhaseKind(k): ByteSize(v) for k, v in msg.state_bytes.items() if k in kinds},
         slowdown_budget=msg.slowdown_budget or DEFAULT_SLOWDOWN_BUDGET,
         source="measured",
         groups=list(msg.groups),
