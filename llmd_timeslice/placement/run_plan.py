@@ -29,10 +29,9 @@ from llmd_timeslice.placement.profile import JobProfile, ProfileError, load_prof
 from llmd_timeslice.placement.search import BudgetsUnmet, Planner, PlanningError, SearchOptions, SearchResult
 
 DEFAULT_SWITCH_COSTS = SwitchCosts(grant_s=0.073, rollout_switch_s=1.74, train_switch_s=1.53)
-"""Without a measurement: the handovers docs/benchmarks.md models for this project at 7B on an accelerator node:
-samplers aside and back 1.74 s (gate drain barrier + verified level-1 sleep 1.28 s, wake + verification 0.46 s),
-trainer state aside and back 1.53 s (on-device checksum + offload over PCIe 0.73 s, restore + checksum 0.80 s),
-release + grant 0.073 s (measured here)."""
+"""Without a measurement: this project's handovers at 7B on an accelerator node as the RL model composes them
+(samplers: drain barrier, verified level-1 sleep and wake; trainer: offload and restore with the device checksum;
+release + grant), the figures and their sources in docs/benchmarks.md and docs/placement.md."""
 
 HAND_FIELDS = ("accelerators", "state_bytes", "slowdown_budget", "priority", "switch_s")
 """What a profiles file adds to a job the orchestrator measured."""
