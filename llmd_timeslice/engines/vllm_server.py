@@ -194,7 +194,7 @@ def _tail(path: Path, max_bytes: int = 8000) -> str:
 
 
 class VllmServer:
-    """One vLLM OpenAI-compatible server bound to ``127.0.0.1:port``.
+    """One vLLM OpenAI-compatible server bound to ``host:port`` (default ``127.0.0.1``).
 
     Args:
         model_dir: Hugging Face model directory (e.g. from ``build_tiny_llama``).
@@ -205,6 +205,7 @@ class VllmServer:
             flags win in argparse, so they can override the defaults).
         default_args: False: only ``--served-model-name`` before ``extra_args`` (e.g. on a GPU, where
             the CPU-sized defaults do not fit).
+        host: bind address (a stack across nodes binds each engine to its node's own address).
 
     Usable as a context manager: ``with VllmServer(...) as s:`` starts the
     server (default timeout) and always stops it on exit.
@@ -218,7 +219,9 @@ class VllmServer:
         python: str | None = None,
         extra_args: Sequence[str] = (),
         default_args: bool = True,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self.model_dir = Path(model_dir)
         self.port = int(port)
         self.log_path = Path(log_path)
@@ -234,7 +237,7 @@ class VllmServer:
     @property
     def url(self) -> str:
         """Base URL without trailing slash, e.g. ``http://127.0.0.1:8000``."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -250,7 +253,7 @@ class VllmServer:
             "--model",
             str(self.model_dir),
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             *(DEFAULT_ARGS if self.default_args else ("--served-model-name", SERVED_MODEL_NAME)),

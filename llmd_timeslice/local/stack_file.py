@@ -30,18 +30,20 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from llmd_timeslice import yaml_files
 from llmd_timeslice.addresses import check_network
 from llmd_timeslice.domain.group_settings import GroupSettings, SleepLevel
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.domain.objectives import ObjectiveEntry, Objectives, PriorityBandEntry
+from llmd_timeslice.local.nodes import NodeError, Placement, allocation_nodes, place, port_clashes, resolve_node
 
 BUILTIN_TINY = "builtin:tiny-llama"
 
@@ -110,6 +112,14 @@ class StackSettings(_Strict):
         "not a running engine's url), so a second stack runs beside the first; `up --port-offset N` overrides it.",
     )
     ports: StackPorts = Field(default_factory=StackPorts)
+    nodes: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="The nodes of a stack across nodes, by hostname (default: the Slurm allocation's, from "
+        "SLURM_JOB_NODELIST); engines and head_node name one of them or an index into this list.",
+    )
+    head_node: str | int = Field(
+        0, description="Node of the control plane (orchestrator, gate, Envoy): a hostname or an index (default: the first)."
+    )
     upstream_compat_allowed_peers: list[Annotated[str, AfterValidator(check_network)]] = Field(
         ["127.0.0.1", "::1"],
         description="Source addresses or CIDRs admitted on `ports.orchestrator_upstream` (default: this machine only).",
@@ -166,6 +176,13 @@ class EngineEntry(_Strict):
     sidecar_port: int = Field(ge=1, le=65535)
     url: str | None = Field(None, description="An engine already running (http://host:port); not started or stopped.")
     vllm: VllmLaunch | None = None
+    node: str | int | None = Field(
+        None,
+        description="Node of this engine and its sidecar (hostname or index into the node list; default: the head node).",
+    )
+
+    _node_host: str | None = PrivateAttr(None)
+    """Across nodes: the address of this engine's node (:meth:`StackFile.for_node`); None on one machine."""
 
     @model_validator(mode="after")
     def _one_source(self) -> EngineEntry:
@@ -183,7 +200,7 @@ class EngineEntry(_Strict):
         if self.url is not None:
             u = urlparse(self.url)
             return f"{u.hostname}:{u.port}"
-        return f"127.0.0.1:{self.vllm.port}"  # type: ignore[union-attr]
+        return f"{self._node_host or '127.0.0.1'}:{self.vllm.port}"  # type: ignore[union-attr]
 
     @property
     def base_url(self) -> str:
@@ -260,22 +277,21 @@ class StackFile(_Strict):
             for g in job.groups:
                 if g not in groups:
                     out.append(f"jobs[{j}] ({job.job_id}).groups: unknown group {g!r}; declared: {sorted(groups)}")
-        used: dict[int, str] = {}
         local = {"127.0.0.1", "localhost", "0.0.0.0", self.stack.host}
-        ports = [(f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v is not None]
+        head = self._node_key(self.stack.head_node, "stack.head_node", out)
+        ports = [(head, f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v is not None]
         for i, e in enumerate(self.engines):
-            ports.append((f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
+            node = head if e.node is None else self._node_key(e.node, f"engines[{i}] ({e.name}).node", out)
+            ports.append((node, f"engines[{i}] ({e.name}).sidecar_port", e.sidecar_port))
             if e.vllm is not None:
-                ports.append((f"engines[{i}] ({e.name}).vllm.port", e.vllm.port))
+                ports.append((node, f"engines[{i}] ({e.name}).vllm.port", e.vllm.port))
             elif urlparse(e.url).hostname in local:
-                ports.append((f"engines[{i}] ({e.name}).url", urlparse(e.url).port))
-        for where, port in ports:
+                ports.append((node, f"engines[{i}] ({e.name}).url", urlparse(e.url).port))
+        for _, where, port in ports:
             if port > 65535:
                 out.append(f"{where}: port {port} is above 65535 with stack.port_offset {self.stack.port_offset}")
-            elif port in used:
-                out.append(f"{where}: port {port} is also {used[port]}")
-            else:
-                used[port] = where
+        clashes = port_clashes([p for p in ports if p[2] <= 65535])
+        out += [c.replace(" on node '-'", "") for c in clashes]
         prefixes = [p.path_prefix for p in self.pools[1:]]
         for i, p in enumerate(self.pools[1:], 1):
             if not p.path_prefix or not p.path_prefix.startswith("/") or not p.path_prefix.strip("/"):
@@ -298,6 +314,61 @@ class StackFile(_Strict):
                     for line in objectives.check(self.stack.max_hold_s, self.pools[0].name)
                 ]
         return out
+
+    def across_nodes(self) -> bool:
+        """Whether the stack places components on nodes (``stack.nodes`` or an engine's ``node``)."""
+        return bool(self.stack.nodes) or any(e.node is not None for e in self.engines)
+
+    def for_node(self, host: str, engine_hosts: Mapping[str, str]) -> StackFile:
+        """This stack as the node at ``host`` runs it: every component here binds to ``host`` (``stack.host``), and
+        each engine is reached at its node's address (``engine_hosts``: engine name -> address), which the head's
+        inventory and routes name."""
+        engines = []
+        for e in self.engines:
+            e = e.model_copy()
+            e._node_host = engine_hosts.get(e.name)
+            engines.append(e)
+        return self.model_copy(update={"stack": self.stack.model_copy(update={"host": host}), "engines": engines})
+
+    def placement(self, env: Mapping[str, str] | None = None) -> Placement:
+        """Where each engine and the control plane run (:func:`~llmd_timeslice.local.nodes.place`) on the node list
+        of ``stack.nodes`` or the Slurm allocation; one machine (neither): everything on ``stack.host``.
+
+        Raises:
+            NodeError: a node not in the allocation, or none named in a stack that places engines on nodes.
+        """
+        nodes = allocation_nodes(self.stack.nodes, env)
+        if nodes is None:
+            if any(e.node is not None for e in self.engines):
+                raise NodeError(["engines: they name nodes, but there is no node list (stack.nodes or a Slurm allocation)"])
+            nodes = [self.stack.host]
+        placement = place(nodes, self.stack.head_node, [(e.name, e.node) for e in self.engines])
+        clashes = port_clashes(
+            [
+                (placement.engines[e.name], f"engines[{i}] ({e.name}).{k}", v)
+                for i, e in enumerate(self.engines)
+                for k, v in (("sidecar_port", e.sidecar_port), ("vllm.port", e.vllm.port if e.vllm else None))
+                if v
+            ]
+            + [(placement.head, f"stack.ports.{k}", v) for k, v in self.stack.ports.model_dump().items() if v]
+        )
+        if clashes:
+            raise NodeError(clashes)
+        return placement
+
+    def _node_key(self, ref: str | int, where: str, out: list[str]) -> str:
+        """The node ``ref`` names, for the per-node port check: resolved in ``stack.nodes`` when declared (a name not
+        in it appended to ``out``), else as written (the Slurm allocation is resolved at ``up``); ``-`` on one
+        machine."""
+        if not self.across_nodes():
+            return "-"
+        if not self.stack.nodes:
+            return str(ref)
+        try:
+            return resolve_node(ref, self.stack.nodes, where)
+        except NodeError as exc:
+            out += exc.errors
+            return str(ref)
 
     @staticmethod
     def resolve(base_dir: Path, path: str | os.PathLike) -> Path:
@@ -358,7 +429,12 @@ class StackFile(_Strict):
                     },
                     "job_yield_opt_out": sorted({*g.job_yield_opt_out, *(j.job_id for j in jobs if j.yield_opt_out)}),
                     "samplers": [
-                        {"pool": e.pool, "address": e.address, "sidecar": f"{sidecar_host}:{e.sidecar_port}", "job_id": e.name}
+                        {
+                            "pool": e.pool,
+                            "address": e.address,
+                            "sidecar": f"{e._node_host or sidecar_host}:{e.sidecar_port}",
+                            "job_id": e.name,
+                        }
                         for e in self.engines
                         if e.group == g.group_id
                     ],

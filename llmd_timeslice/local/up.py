@@ -37,7 +37,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmd_timeslice.http_tls import verify_for
+from llmd_timeslice.local.across import NodePart, this_nodes_part, wait_for_token
+from llmd_timeslice.local.across_control import down_requested, print_nodes_status, request_down
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
+from llmd_timeslice.local.nodes import NodeError
 from llmd_timeslice.local.ports import host_problem, port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
@@ -83,12 +86,26 @@ def grpc_health_probe(target: str) -> Callable[[], Awaitable[bool]]:
 class Stack:
     """The children of one stack file and the files they need, under ``workdir``."""
 
-    def __init__(self, sf: StackFile, base_dir: Path, workdir: Path | None = None) -> None:
+    def __init__(self, sf: StackFile, base_dir: Path, workdir: Path | None = None, part: NodePart | None = None) -> None:
         self.sf = sf
         self.base_dir = base_dir
-        self.workdir = (workdir or sf.workdir(base_dir)).resolve()
+        self.shared_workdir = (workdir or sf.workdir(base_dir)).resolve()
+        self.part = part
+        """Across nodes: this node's part (:mod:`llmd_timeslice.local.across`); None: the whole stack here."""
+        self.workdir = part.node_workdir(self.shared_workdir) if part else self.shared_workdir
         self.logdir = self.workdir / "logs"
-        self.token_file = sf.resolve(base_dir, sf.stack.token_file) if sf.stack.token_file else self.workdir / "control-token"
+        self.token_file = (
+            sf.resolve(base_dir, sf.stack.token_file) if sf.stack.token_file else self.shared_workdir / "control-token"
+        )
+
+    @property
+    def head(self) -> bool:
+        """Whether this node runs the control plane (always, on one machine)."""
+        return self.part is None or self.part.head
+
+    def local_engines(self) -> list:
+        """The engine entries this node starts (with their sidecars): all of them on one machine."""
+        return [e for e in self.sf.engines if self.part is None or e.name in self.part.local_engines]
 
     # ------------------------------------------------------------------ endpoints
     @property
@@ -118,13 +135,18 @@ class Stack:
         """``(where in the stack file, bind host, port)`` of every port the stack's components bind."""
         h = self.host
         unused = {"picker"} if self.sf.stack.gate_edge == "ext_authz" else set()  # the gate picks: no picker process
-        out = [
-            (f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused and v is not None
-        ]
+        out = (
+            [(f"stack.ports.{k}", h, v) for k, v in self.sf.stack.ports.model_dump().items() if k not in unused and v is not None]
+            if self.head
+            else []
+        )
+        local = {e.name for e in self.local_engines()}
         for i, e in enumerate(self.sf.engines):
+            if e.name not in local:
+                continue
             out.append((f"engines[{i}] ({e.name}).sidecar_port", h, e.sidecar_port))
-            if e.vllm is not None:
-                out.append((f"engines[{i}] ({e.name}).vllm.port", "127.0.0.1", e.vllm.port))  # VllmServer's bind address
+            if e.vllm is not None:  # VllmServer's bind address
+                out.append((f"engines[{i}] ({e.name}).vllm.port", e._node_host or "127.0.0.1", e.vllm.port))
         return out
 
     def port_problems(self) -> list[str]:
@@ -138,20 +160,25 @@ class Stack:
 
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
-        from epp_plugin.envoy_config import write_bootstrap
-        from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
         from llmd_timeslice.protocol import ENVOY_ID_ENV
+        from llmd_timeslice.router.envoy_config import write_bootstrap
+        from llmd_timeslice.router.envoy_launcher import envoy_binary, fresh_envoy_id
 
         self.logdir.mkdir(parents=True, exist_ok=True)
-        if not self.token_file.exists():
+        if self.head and not self.token_file.exists():
             self.token_file.parent.mkdir(parents=True, exist_ok=True)
-            self.token_file.write_text(secrets.token_urlsafe(24))
-            os.chmod(self.token_file, 0o600)
+            # created 0600 (never a moment readable by others), never printed; across nodes the other nodes read it
+            # from the allocation's shared filesystem
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(24))
+        elif not self.head:
+            wait_for_token(self.token_file, progress)
         cmds = self.commands()
         p, h = self.sf.stack.ports, self.host
 
         engines: list[ChildSpec] = []
-        for e in self.sf.engines:
+        for e in self.local_engines():
             if e.vllm is None:
                 continue
             v = e.vllm
@@ -186,8 +213,10 @@ class Stack:
                 probe=grpc_health_probe(f"{h}:{e.sidecar_port}"),
                 listen=(e.sidecar_port,),
             )
-            for e in self.sf.engines
+            for e in self.local_engines()
         ]
+        if not self.head:  # an engine node: its engines and sidecars; the head's inventory names them
+            return [st for st in (engines, sidecars) if st]
         # Orchestrator state lives as long as one `up`: it carries the orchestrator over its own restarts (the
         # supervisor restarts it), but a new `up` starts new engines, so holders and versions start over too.
         cmds.state_file.unlink(missing_ok=True)
@@ -254,6 +283,7 @@ class Stack:
             "endpoints": self.endpoints(),
             "workdir": str(self.workdir),
             "components": sup.snapshot() if sup else [],
+            **({"node": self.part.node, "address": self.part.address} if self.part else {}),
         }
         tmp = self.workdir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -300,6 +330,14 @@ def _table(stack: Stack, sup: Supervisor) -> Table:
 
 
 def _print_endpoints(console: Console, stack: Stack) -> None:
+    if stack.part is not None and not stack.part.head:
+        p = stack.part
+        console.print(
+            f"node {p.node} ({p.address}) up: engines {', '.join(p.local_engines) or 'none'} with their sidecars; the "
+            f"router and orchestrator run on the head node ({p.head_address}); logs: {stack.logdir}/",
+            highlight=False,
+        )
+        return
     e = stack.endpoints()
     lines = [
         f"[bold green]stack up[/]: router (OpenAI API) [bold]{e['router']}[/]  orchestrator [bold]{e['orchestrator']}[/]"
@@ -367,18 +405,23 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
         return 1
     _print_endpoints(console, stack)
     stack.write_state(sup, "running")
+    started = time.time()
     try:
         if live_table:
             with Live(_table(stack, sup), console=console, refresh_per_second=2, transient=False) as live:
                 while not stop.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), 1.0)
+                    if stack.part and down_requested(stack.shared_workdir, started):
+                        stop.set()  # `down -f` on some node: every node stops its part
                     live.update(_table(stack, sup))
                     stack.write_state(sup, "running")
         else:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
+                if stack.part and down_requested(stack.shared_workdir, started):
+                    stop.set()
                 stack.write_state(sup, "running")
     finally:
         if sup.fatal is not None:
@@ -395,10 +438,10 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
 
 async def _stop(stack: Stack, sup: Supervisor) -> None:
     sup.stopping = True
-    with contextlib.suppress(KeyError, StopIteration):
+    if stack.head:  # an engine node across nodes runs no gate
         await sup.stop_child("gate")
     await stack.wake_external_engines()
-    await sup.stop(order=["orchestrator"])
+    await sup.stop(order=["orchestrator"] if stack.head else [])
 
 
 async def stop_stack(stack: Stack, sup: Supervisor, bound_s: float = STOP_BOUND_S) -> bool:
@@ -456,7 +499,25 @@ class StackRunner:
         await self.stop()
 
 
-def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = None, port_offset: int | None = None) -> int:
+def node_stack(file: Path, sf: StackFile, workdir: Path | None = None, node: str | None = None) -> Stack:
+    """The part of the stack of ``file`` this node runs (:func:`~llmd_timeslice.local.across.this_nodes_part`):
+    the whole stack on one machine.
+
+    Raises:
+        NodeError: as :func:`~llmd_timeslice.local.across.this_nodes_part`.
+    """
+    base = file.resolve().parent
+    part = this_nodes_part(file, sf, (workdir or sf.workdir(base)).resolve(), node)
+    return Stack(sf, base, workdir) if part is None else Stack(part[0], base, workdir, part[1])
+
+
+def run_up(
+    file: Path,
+    workdir: Path | None = None,
+    live_table: bool | None = None,
+    port_offset: int | None = None,
+    node: str | None = None,
+) -> int:
     """``llmd-timeslice up``; returns the exit code: 0 after a clean stop of a running stack, 128 + the signal
     (130 for Ctrl-C, 143 for SIGTERM) when stopped while starting, 1 if the stack did not start or a
     component failed for good, 2 if a stack already runs from the workdir, another ``up`` of the workdir is starting
@@ -467,8 +528,14 @@ def run_up(file: Path, workdir: Path | None = None, live_table: bool | None = No
     from llmd_timeslice.local.stack_file import load_stack_file
 
     sf = load_stack_file(file, port_offset)
-    stack = Stack(sf, file.resolve().parent, workdir)
     console = output_console()
+    try:
+        stack = node_stack(file, sf, workdir, node)
+    except NodeError as exc:
+        err = output_console(stderr=True)
+        for line in exc.errors:
+            err.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     stack.workdir.mkdir(parents=True, exist_ok=True)
     # Held for the life of this `up`, taken before anything is built or started: a second `up` of the same workdir
     # during the first one's start-up (before stack.json or any port shows it) is refused here. The kernel drops
@@ -551,11 +618,22 @@ def read_state(file: Path, workdir: Path | None = None, port_offset: int | None 
         return wd, None
 
 
+def _across_workdir(file: Path, workdir: Path | None, port_offset: int | None) -> Path | None:
+    """The shared workdir of a stack across nodes (None: a one-machine stack)."""
+    from llmd_timeslice.local.stack_file import load_stack_file
+
+    sf = load_stack_file(file, port_offset)
+    return (workdir or sf.workdir(file.resolve().parent)).resolve() if sf.across_nodes() else None
+
+
 def run_down(
     file: Path, workdir: Path | None = None, timeout_s: float = STOP_BOUND_S + 15, port_offset: int | None = None
 ) -> int:
     """Stop a stack started by ``up`` from another shell: SIGTERM to ``up``, wait, then check nothing is left."""
     console = Console()
+    across = _across_workdir(file, workdir, port_offset)
+    if across is not None:
+        return request_down(across, console, timeout_s)
     wd, state = read_state(file, workdir, port_offset)
     if state is None or not alive(state.get("pid")):
         console.print(f"no running stack in {wd}")
@@ -590,6 +668,14 @@ def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int
     from llmd_timeslice.status import print_status
 
     console = output_console()
+    across = _across_workdir(file, workdir, port_offset)
+    if across is not None:
+        code, head = print_nodes_status(across, console)
+        if head is None or (code and head.get("phase") != "running"):
+            return code or 1
+        e = head["endpoints"]
+        console.print(f"router {e['router']}  orchestrator {e['orchestrator']}")
+        return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console) or code
     wd, state = read_state(file, workdir, port_offset)
     if state is None:
         console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")

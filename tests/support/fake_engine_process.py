@@ -1,7 +1,7 @@
 """A :class:`~tests.support.fake_engines.FakeVllm` in a process of its own, so a test can kill it with SIGKILL as a
 dying engine is killed (the kernel then refuses new connections and resets the open ones).
 
-``python -m tests.support.fake_engine_process PORT [COMPLETION_DELAY_S]`` serves until killed; :class:`FakeVllmProcess`
+``python -m tests.support.fake_engine_process PORT [COMPLETION_DELAY_S [HOST]]`` serves until killed; :class:`FakeVllmProcess`
 starts it on a free loopback port and waits until it answers.
 """
 
@@ -68,7 +68,7 @@ class FakeVllmProcess:
 def main(argv: list[str]) -> None:
     from tests.support.fake_engines import FakeVllm
 
-    engine = FakeVllm(port=int(argv[0]))
+    engine = FakeVllm(port=int(argv[0]), host=argv[2] if len(argv) > 2 else "127.0.0.1")
     if len(argv) > 1:
         engine.completion_delay_s = float(argv[1])
     engine.start()

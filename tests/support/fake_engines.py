@@ -86,11 +86,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _FakeEngine(abc.ABC):
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
         self.calls: list[tuple[str, str, object]] = []
         self.lock = threading.Lock()
         self.dead = False
-        self._srv = QuietHTTPServer(("127.0.0.1", port), _Handler)
+        self.host = host
+        self._srv = QuietHTTPServer((host, port), _Handler)
         self._srv.owner = self  # type: ignore[attr-defined]
         self._srv.daemon_threads = True
         # shutdown() returns at the serve loop's next poll (0.5 s by default, paid by every test's teardown)
@@ -98,7 +99,7 @@ class _FakeEngine(abc.ABC):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._srv.server_address[1]}"
+        return f"http://{self.host}:{self._srv.server_address[1]}"
 
     def start(self):
         self._t.start()
@@ -174,8 +175,9 @@ class FakeVllm(_FakeEngine):
         port: int = 0,
         sleep_delay_s: float = 0.0,
         wake_delay_s: float = 0.0,
+        host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(port)
+        super().__init__(port, host)
         self.sleep_delay_s, self.wake_delay_s = sleep_delay_s, wake_delay_s
         self.completions_while_asleep = 0
         self.engines = 1
