@@ -405,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--out {a.out} is a file; give a folder")
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    load_before = os.getloadavg()
     res = asyncio.run(run_stack_benchmark(a.out, a.run_s, a.seed))
+    # the jobs' own clocks count every stall of this shared machine as slowdown: say how busy it was
+    res["load_average_1_5_15"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     res["targets"] = targets(res)
     if not a.no_scale:
         from benchmarks.placement_scale import run_scale
@@ -417,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     res["wall_s"] = round(time.monotonic() - t0, 1)
     (a.out / "placement.json").write_text(json.dumps(res, indent=1) + "\n")
     plot(a.out / "placement.png", res)
-    lines = [*summary_lines(res), f"wall time {res['wall_s']} s"]
+    load = res["load_average_1_5_15"]
+    lines = [
+        *summary_lines(res),
+        f"wall time {res['wall_s']} s; load average (1 min) {load['before'][0]} before, {load['after'][0]} after",
+    ]
     (a.out / "placement.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {a.out / 'placement.json'}, {a.out / 'placement.png'}, {a.out / 'placement.txt'}")
