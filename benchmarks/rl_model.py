@@ -49,6 +49,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import simpy
 
+from llmd_timeslice.placement import simulation as sim
+
 # --------------------------------------------------------------------------- sources
 SOURCES = {
     "llmd_blog": (
@@ -499,7 +501,7 @@ VARIANTS = ("llmd_timeslice_host_blake2b", "reference_vllm_sleep", "ceiling")
 class _Group:
     name: str
     n_acc: int
-    res: simpy.Resource
+    res: simpy.Resource | None
     resident: tuple[int, str] | None = None
     busy: list[tuple[float, float, str, int]] = field(default_factory=list)
     switches: list[tuple[float, float, list[Component], str]] = field(default_factory=list)
@@ -525,8 +527,7 @@ def _placement(wl: Workload, dedicated: bool) -> tuple[dict[tuple[int, str], int
     return place, n_groups, wl.node_accelerators
 
 
-def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
+_overlap = sim.overlap
 
 
 def _request_fractions(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -541,55 +542,52 @@ def _request_fractions(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def simulate(strategy: Strategy, wl: Workload, seed: int = 0, warmup: int = 3, keep_trace: bool = False) -> dict:
-    """Run the DES for one strategy and workload; returns the figures (and, optionally, the trace)."""
-    env = simpy.Environment()
+    """Run the DES for one strategy and workload; returns the figures (and, optionally, the trace).
+
+    The schedule itself is :func:`llmd_timeslice.placement.simulation.simulate_schedule` (FIFO groups, the
+    resident worker suspended only when another one arrives); this function builds the placement and the
+    iterations of the workload and turns the trace into the model's figures."""
     place, n_groups, total_acc = _placement(wl, strategy.dedicated)
-    groups = [_Group(f"g{i}", wl.group_size, simpy.Resource(env, capacity=1)) for i in range(n_groups)]
     rng = np.random.default_rng(seed)
     fracs = {(j, i): _request_fractions(rng, wl.requests_per_rollout) for j in range(wl.jobs) for i in range(wl.iterations)}
-    iter_start: dict[int, list[float]] = {j: [] for j in range(wl.jobs)}
+    job_ids = [str(j) for j in range(wl.jobs)]
+    steps = (
+        sim.Use("sampler", wl.rollout_s, "rollout"),
+        sim.Idle(wl.cpu_gap_s, "cpu_gap"),
+        sim.Use("trainer", wl.train_s, "train"),
+        sim.Idle(wl.weight_sync_s, "weight_sync"),
+    )
+
+    def switch(group: str, resident: sim.Worker | None, incoming: sim.Worker) -> tuple[float, list[Component]]:
+        comps = (strategy.suspend(resident[1]) if resident is not None else []) + strategy.resume(incoming[1])
+        return sum(c.seconds for c in comps), comps
+
+    trace = sim.simulate_schedule(
+        job_ids,
+        {(str(j), r): f"g{gi}" for (j, r), gi in place.items()},
+        [sim.GroupSim(f"g{i}", wl.group_size) for i in range(n_groups)],
+        lambda job, it: steps,
+        switch,
+        iterations=wl.iterations,
+    )
+    iter_start = {j: trace.iteration_starts[str(j)] for j in range(wl.jobs)}
     lat: dict[int, list[np.ndarray]] = {j: [] for j in range(wl.jobs)}
     done_at: dict[int, list[np.ndarray]] = {j: [] for j in range(wl.jobs)}
     train_step: dict[int, list[float]] = {j: [] for j in range(wl.jobs)}
     waits: dict[int, list[float]] = {j: [] for j in range(wl.jobs)}
-
-    def use(job: int, role: str, duration: float, kind: str):
-        g = groups[place[(job, role)]]
-        t_req = env.now
-        with g.res.request() as req:
-            yield req
-            if g.resident != (job, role):
-                comps: list[Component] = []
-                if g.resident is not None:
-                    comps += strategy.suspend(g.resident[1])
-                comps += strategy.resume(role)
-                sw = sum(c.seconds for c in comps)
-                g.switches.append((env.now, env.now + sw, comps, role))
-                if sw > 0:
-                    yield env.timeout(sw)
-                g.resident = (job, role)
-            start = env.now
-            yield env.timeout(duration)
-            g.busy.append((start, env.now, kind, job))
-        return t_req, start
-
-    def job(j: int):
-        for it in range(wl.iterations):
-            iter_start[j].append(env.now)
-            t_req, start = yield env.process(use(j, "sampler", wl.rollout_s, "rollout"))
-            waits[j].append(start - t_req)
-            finish = start + wl.rollout_s * fracs[(j, it)]
-            lat[j].append(finish - t_req)
-            done_at[j].append(finish)
-            yield env.timeout(wl.cpu_gap_s)
-            t_req, _ = yield env.process(use(j, "trainer", wl.train_s, "train"))
-            train_step[j].append(env.now - t_req)
-            yield env.timeout(wl.weight_sync_s)
-        iter_start[j].append(env.now)
-
     for j in range(wl.jobs):
-        env.process(job(j))
-    env.run()
+        for u in trace.uses[str(j)]:
+            if u.kind == "rollout":
+                waits[j].append(u.start_s - u.asked_s)
+                finish = u.start_s + wl.rollout_s * fracs[(j, u.iteration)]
+                lat[j].append(finish - u.asked_s)
+                done_at[j].append(finish)
+            else:
+                train_step[j].append(u.end_s - u.asked_s)
+    groups = [
+        _Group(g.name, g.accelerators, None, busy=[(s, e, k, int(job)) for s, e, k, job, _ in g.busy], switches=g.switches)
+        for g in trace.groups.values()
+    ]
 
     # Steady-state window: whole iterations of job 0 after the warm-up, excluding the last one.
     last = wl.iterations - 1

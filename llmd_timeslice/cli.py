@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from llmd_timeslice.cli_config import config_app
+from llmd_timeslice.cli_plan import plan
 from llmd_timeslice.component_process import run_until_signal, serve_metrics, setup_logging
 from llmd_timeslice.config import LogLevel, OrchestratorSettings, SidecarSettings
 from llmd_timeslice.settings_cli import settings_command
@@ -61,6 +62,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     from llmd_timeslice import tls
     from llmd_timeslice.auth import load_job_tokens, load_token
     from llmd_timeslice.orchestrator.persistence import FileStateStore
+    from llmd_timeslice.orchestrator.placement_watch import CheckSettings
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
     s = settings
@@ -81,6 +83,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
             engine_audit_interval_s=s.engine_audit_interval_s,
             upstream_compat_port=s.upstream_compat_port,
             upstream_compat_allowed_peers=tuple(s.upstream_compat_allowed_peers),
+            placement=CheckSettings(s.placement_plan, s.placement_check_interval_s, s.replan_gap, s.replan_gain),
             **kwargs,
         )
 
@@ -326,8 +329,32 @@ def status(
     ] = None,
     workdir: WorkdirOpt = None,
     port_offset: PortOffsetOpt = None,
+    profiles: Annotated[
+        bool,
+        typer.Option(
+            "--profiles",
+            help="Show each job's recorded phase profile, the measured switch costs and the last placement check "
+            "instead (docs/placement.md).",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="With --profiles: the profiles as JSON (`plan --profiles` reads it).")
+    ] = False,
 ) -> None:
     """Show groups (holder, waiters, state, weight versions) and, per gate, endpoint states and held requests."""
+    if profiles:
+        from llmd_timeslice.placement.profiles_view import print_profiles
+        from llmd_timeslice.status import output_console
+
+        if file is not None:
+            from llmd_timeslice.local.find_stack import running_stack_endpoints
+
+            eps = running_stack_endpoints(file)
+            if not eps:
+                typer.echo(f"no stack runs from {file}: start it with `llmd-timeslice up -f {file}`", err=True)
+                raise typer.Exit(1)
+            orchestrator_addr, token_file = eps["orchestrator"], Path(eps["token_file"])
+        raise typer.Exit(print_profiles(orchestrator_addr, token_file, as_json, output_console()))
     if file is not None:
         from llmd_timeslice.local.up import print_stack_status
 
@@ -513,6 +540,7 @@ def render_envoy(
 
 
 app.add_typer(config_app, name="config", short_help="Check a configuration or stack file; schema; reference.")
+app.command("plan", short_help="Propose which RL jobs share accelerators (placement planner).")(plan)
 
 
 k8s_app = typer.Typer(

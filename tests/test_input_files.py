@@ -364,11 +364,32 @@ def _metric_labels() -> dict[str, set[str]]:
     pool.set_states([("10.0.0.2:8000", EndpointState.SERVING, None)])  # off the table: its counter has a series
     collector = PoolCollector()
     collector.pool_maps.append({"p": pool})
-    for family in collector.collect():
+    placement = _placement_collector()
+    for family in [*collector.collect(), *placement.collect()]:
         for sample in family.samples:
             out.setdefault(sample.name, set()).update(sample.labels)
             out.setdefault(family.name, set()).update(sample.labels)
     return out
+
+
+def _placement_collector():
+    """The orchestrator's placement families (orchestrator/placement_watch.py, scrape-time) over one watch that saw a
+    job's whole iteration and made one check."""
+    from llmd_timeslice.orchestrator.placement_watch import PlacementWatch, _Metrics
+    from llmd_timeslice.placement.profile import PhaseKind
+    from llmd_timeslice.placement.recorder import Hints
+    from llmd_timeslice.placement.replan import Check
+
+    watch = PlacementWatch()
+    r = watch.recorder
+    for t, kind in ((0.0, PhaseKind.ROLLOUT), (2.0, PhaseKind.TRAIN), (4.0, PhaseKind.ROLLOUT)):
+        r.acquired("job", "g", Hints(kind), at=t)
+        r.granted("job", "g", at=t)
+        r.released("job", "g", waiters=False, at=t + 1)
+    watch.last = Check("plan.json", 0.0, 0.5, 0.4, -0.2, 0.6, 0.2, True, measured_slowdowns={"job": 0.1})
+    metrics = _Metrics()
+    metrics.watches.append(watch)
+    return metrics
 
 
 def test_every_metric_the_docs_name_exists_with_the_labels_they_name():

@@ -15,9 +15,9 @@ from epp_plugin.endpoint_pick import ENDPOINT_PICKS, LeastInFlight, RoundRobin
 from epp_plugin.picker.server import EndpointPicker, PickerConfig
 from llmd_timeslice.config import SidecarSettings
 from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint, SchedulingPolicy
+from llmd_timeslice.domain.waiter_policy import WAITER_POLICIES, waiter_policy
 from llmd_timeslice.orchestrator.groups import Orchestrator
 from llmd_timeslice.orchestrator.switch import SwitchActions
-from llmd_timeslice.orchestrator.waiter_policy import WAITER_POLICIES, waiter_policy
 from llmd_timeslice.plugins import Registry, UnknownPlugin
 from llmd_timeslice.snapshot.backends.cuda import CudaCheckpointBackend
 from llmd_timeslice.snapshot.backends.registry import SNAPSHOT_BACKENDS, backend_class, job_default_backend

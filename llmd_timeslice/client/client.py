@@ -73,6 +73,20 @@ _log = logging.getLogger(__name__)
 DEFAULT_TARGET = "127.0.0.1:50051"
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"  # same as llmd_timeslice.orchestrator.service
 WEIGHT_SYNC_ERROR_METADATA = "x-llmd-timeslice-weight-sync-error"  # same as llmd_timeslice.orchestrator.service
+# An acquire's phase-profile hints (same as llmd_timeslice.orchestrator.placement_watch; docs/placement.md)
+PHASE_METADATA = "x-llmd-timeslice-phase"
+ACCELERATORS_METADATA = "x-llmd-timeslice-accelerators"
+STATE_BYTES_METADATA = "x-llmd-timeslice-state-bytes"
+PHASES = ("rollout", "train")
+"""The phases an acquire may name (the accelerator phases of a job's phase profile)."""
+
+
+def _hints(phase: str | None, accelerators: int | None, state_bytes: int | None) -> tuple[tuple[str, str], ...]:
+    """An acquire's metadata: what the job says of the phase it acquires for (raises ValueError for a bad phase)."""
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    pairs = ((PHASE_METADATA, phase), (ACCELERATORS_METADATA, accelerators), (STATE_BYTES_METADATA, state_bytes))
+    return tuple((k, str(v)) for k, v in pairs if v is not None)
 
 
 @dataclass
@@ -249,12 +263,19 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         self._yield_callbacks: list[YieldCallback] = []
 
     async def acquire(
-        self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
+        self,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        timeout_sec: float | None = None,
+        phase: str | None = None,
+        accelerators: int | None = None,
+        state_bytes: int | None = None,
     ) -> AcquireResult:
         """See :meth:`TimeSliceOrchestratorClient.acquire`."""
         job, group = self._ids(job_id, group_id)
+        md = _hints(phase, accelerators, state_bytes)
         try:
-            call = self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec)
+            call = self._stub.Acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=timeout_sec, metadata=md or None)
             r = await call
             sync_error = _weight_sync_error(await call.trailing_metadata())
         except grpc.RpcError as exc:
@@ -463,9 +484,20 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         else:
             super().__setattr__(name, value)
 
-    def acquire(self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None) -> AcquireResult:
-        """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable."""
-        return loop_thread.run(self._core.acquire(job_id, group_id, timeout_sec))
+    def acquire(
+        self,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        timeout_sec: float | None = None,
+        phase: str | None = None,
+        accelerators: int | None = None,
+        state_bytes: int | None = None,
+    ) -> AcquireResult:
+        """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable.
+
+        ``phase`` (``rollout`` or ``train``), ``accelerators`` and ``state_bytes`` (host bytes of that phase's worker
+        while put aside) feed the job's phase profile (docs/placement.md); None: not said."""
+        return loop_thread.run(self._core.acquire(job_id, group_id, timeout_sec, phase, accelerators, state_bytes))
 
     def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
         """The fencing token of this job's current grant (None without heartbeats)."""

@@ -409,6 +409,28 @@ class OrchestratorSettings(_Section):
         "every this many seconds; one that restarted on its own (initial weights again) or sleeps while serving is "
         "taken out of service and woken again at the group's weight version. 0: off.",
     )
+    placement_plan: Path | None = Field(
+        None,
+        description="A plan written by `llmd-timeslice plan` (plan.json): its predicted duty cycle and slowdowns are "
+        "checked against the measured ones every `placement_check_interval_s` (docs/placement.md). Unset: profiles "
+        "are recorded and served, nothing is checked.",
+    )
+    placement_check_interval_s: Duration = Field(
+        300.0, ge=1, le=86400, description="Seconds between two checks of `placement_plan` (each measures over its interval)."
+    )
+    replan_gap: float = Field(
+        0.10,
+        gt=0,
+        le=10,
+        description="Re-plan when the measured duty cycle is this far from the plan's prediction (relative), or a job "
+        "runs over its slowdown budget.",
+    )
+    replan_gain: float = Field(
+        0.10,
+        ge=0,
+        le=10,
+        description="Advise the re-plan when its predicted duty cycle beats the current groups' by more than this (relative).",
+    )
     metrics_port: int = _metrics_port()
     log_level: LogLevel = _log_level()
 

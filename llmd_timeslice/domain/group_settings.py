@@ -152,6 +152,13 @@ class GroupSettings(BaseModel):
         json_schema_extra=_k8s("timeslice.io/yield-opt-out", "job"),
     )
 
+    replan_apply: bool = Field(
+        False,
+        description="Let the orchestrator apply a re-plan's policy and job priorities to this group itself when its "
+        "placement check advises one (docs/placement.md); moving jobs between groups always stays `plan --apply`.",
+        json_schema_extra=_k8s("timeslice.io/replan-apply"),
+    )
+
     residual_budget_bytes: dict[SleepLevel, ByteSize] = Field(
         default_factory=dict,
         description="Per sleep level, the most device memory a sampler's engine may still hold once a sleep settled "

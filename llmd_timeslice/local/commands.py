@@ -143,10 +143,12 @@ class OrchestratorCommand(_Command):
     lease_duration_s: float | None = None
     renew_deadline_s: float | None = None
     retry_period_s: float | None = None
+    placement_plan: Path | None = None
 
     def flags(self) -> list[str]:
         return [
             *_flag("--inventory", self.inventory),
+            *_flag("--placement-plan", self.placement_plan),
             *_flag("--host", self.host),
             *_flag("--port", self.port),
             *_flag("--upstream-compat-port", self.upstream_compat_port),
@@ -265,6 +267,7 @@ class StackCommands:
             else (),
             state_file=self.state_file,
             token_file=self.token_file,
+            placement_plan=self.sf.stack.placement_plan,
             log_level=self.sf.stack.log_level,
         )
 

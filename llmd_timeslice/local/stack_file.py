@@ -3,6 +3,7 @@
 Shape (every key documented in ``examples/cpu-stack.yaml``; unknown keys are refused)::
 
     stack:   {name, host, workdir, token_file, max_hold_s, generation_timeout_s, log_level, gate_edge, port_offset,
+              placement_plan,
               ports: {router, router_admin, gate_ext_proc, gate_authz, gate_control, gate_metrics, picker,
                       orchestrator, orchestrator_metrics, orchestrator_upstream}, upstream_compat_allowed_peers}
     pools:   [{name, path_prefix}]                    # /v1/... -> the first pool; <path_prefix>v1/... -> that
@@ -122,6 +123,11 @@ class StackSettings(_Strict):
     upstream_compat_allowed_peers: list[Annotated[str, AfterValidator(check_network)]] = Field(
         ["127.0.0.1", "::1"],
         description="Source addresses or CIDRs admitted on `ports.orchestrator_upstream` (default: this machine only).",
+    )
+    placement_plan: Path | None = Field(
+        None,
+        description="A plan of `llmd-timeslice plan` (plan.json) the orchestrator checks against what it measures "
+        "(`orchestrator --placement-plan`; `plan --apply` sets it; docs/placement.md).",
     )
 
 

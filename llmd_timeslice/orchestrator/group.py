@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
 from llmd_timeslice.domain.switches import EngineFault, EngineReading, SwitchKind, SwitchRecord
+from llmd_timeslice.domain.waiter_policy import waiter_policy
 from llmd_timeslice.orchestrator.clock import Clock, TimerHandle
 from llmd_timeslice.orchestrator.errors import (
     GroupFault,
@@ -71,7 +72,6 @@ from llmd_timeslice.orchestrator.phases import (
 from llmd_timeslice.orchestrator.sampler_fleet import SamplerFleet
 from llmd_timeslice.orchestrator.sampler_fleet import judge_engines as judge_fleet
 from llmd_timeslice.orchestrator.switch import SwitchActions
-from llmd_timeslice.orchestrator.waiter_policy import waiter_policy
 from llmd_timeslice.orchestrator.weight_ledger import RejectedWeights, SyncProblem
 from llmd_timeslice.orchestrator.yield_desk import YieldDesk
 from llmd_timeslice.orchestrator.yield_requests import (
@@ -127,6 +127,9 @@ class GroupContext(Protocol):
     """Called with (group, from, command, to) for every move, staying put included (tests, tracing)."""
     repair_first_s: float
     repair_max_s: float
+    lease_events: Any
+    """Told of every acquire, grant, release and abandon (``acquired``, ``granted``, ``released``, ``abandoned``: the
+    phase profiles of :class:`~llmd_timeslice.orchestrator.placement_watch.PlacementWatch`), or None."""
 
     def record(self, g: Group, record: SwitchRecord) -> None:
         """Keep a finished switch (history, metrics)."""
@@ -522,6 +525,8 @@ class Group:
             w.future.set_result(
                 AcquireResult(int((self._ctx.clock.now() - w.enqueued_at) * 1000), False, self._weight_sync_error_for(job))
             )
+        if self._ctx.lease_events is not None:
+            self._ctx.lease_events.granted(job, self.group_id)
         self._dequeue(w)  # only now: until it knows, an internal error still finds it in the queue and fails it
 
     def _dequeue(self, w: Waiter) -> None:
@@ -556,6 +561,8 @@ class Group:
         if not self.published_in_grant:
             self.publishers.discard(job)  # the auto sleep policy keeps level 2 for jobs that keep publishing
         self._end_yield_request(job, honoured=kind is C.YIELD)
+        if self._ctx.lease_events is not None:
+            self._ctx.lease_events.released(job, self.group_id, bool(self.waiters))
         self.holder, self.lease = None, None
         if self._lease_timer is not None:
             self._lease_timer.cancel()
@@ -617,6 +624,8 @@ class Group:
                     "both), so that no two jobs can deadlock"
                 )
         self._waiters.append(w)
+        if self._ctx.lease_events is not None:
+            self._ctx.lease_events.acquired(job, self.group_id, w.hints)
         if self.phase in (P.FREE, P.DEFERRED):
             await self._grant(w, C.ACQUIRE)  # nothing to switch: no samplers
         elif self.phase in (P.SERVING, P.OUT_OF_SERVICE):
@@ -633,6 +642,8 @@ class Group:
             return False  # granted (or failed) before it gave up
         if w in self._waiters:
             self._waiters.remove(w)
+            if self._ctx.lease_events is not None:
+                self._ctx.lease_events.abandoned(w.job_id, self.group_id)
         w.future.cancel()
         return True
 

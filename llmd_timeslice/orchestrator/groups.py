@@ -83,11 +83,17 @@ class Orchestrator:
         self.repair_max_s = 60.0
         self.audit_interval_s = 0.0
         self._audit_timer: TimerHandle | None = None
+        self.lease_events: Any = None
+        """A :class:`~llmd_timeslice.orchestrator.placement_watch.PlacementWatch` once the server wires one: told of
+        every acquire, grant, release, abandon and switch (the jobs' phase profiles)."""
 
     def record(self, g: Group, record: SwitchRecord) -> None:
         g.history.append(record)
         if self._on_switch is not None:
             self._on_switch(record)
+        if self.lease_events is not None and record.ok:
+            steps = ("publish_draining", "drain", "sleep") if record.kind == "to_job" else ("wake",)
+            self.lease_events.switched(str(record.kind), sum(record.phases.get(s, 0.0) for s in steps), bool(g.spec.samplers))
 
     def sampler_groups_held(self, job_id: str) -> list[str]:
         """Ids of the groups with samplers that ``job_id`` holds or waits for (the lock-order check)."""
@@ -112,7 +118,7 @@ class Orchestrator:
             raise UnknownGroup(f"unknown group {group_id!r}; known groups: {sorted(self.groups)}") from None
 
     # ------------------------------------------------------------------ jobs
-    async def acquire(self, job_id: str, group_id: str, timeout_s: float | None = None) -> AcquireResult:
+    async def acquire(self, job_id: str, group_id: str, timeout_s: float | None = None, hints: Any = None) -> AcquireResult:
         """Block until ``job_id`` holds ``group_id`` (by the group's scheduling policy), or raise.
 
         The group's actor takes the ``ACQUIRE`` command in :meth:`Group._on_acquire
@@ -124,13 +130,15 @@ class Orchestrator:
             InvalidArgument, UnknownGroup, NotHolder (already holds it or waits for it), LockOrderViolation,
             AcquireTimedOut, SwitchFailed (the switch to this job failed; the samplers were woken again),
             StateNotSaved (the grant could not be saved).
+
+        ``hints``: what the client said of itself (its phase profile's phase, accelerators, state bytes).
         """
         if not job_id:
             raise InvalidArgument("job_id is required")
         if timeout_s is not None and timeout_s < 0:
             raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout_s}")
         g = self.group(group_id)
-        w = Waiter(job_id, self.clock.now(), asyncio.get_running_loop().create_future())
+        w = Waiter(job_id, self.clock.now(), asyncio.get_running_loop().create_future(), hints)
         g.post(Command(C.ACQUIRE, job_id=job_id, waiter=w, reply=w.future))
         try:
             return await asyncio.wait_for(asyncio.shield(w.future), timeout_s)

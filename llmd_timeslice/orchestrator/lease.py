@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from llmd_timeslice.orchestrator.yield_requests import YieldRequest
 
@@ -61,3 +62,6 @@ class Waiter:
     job_id: str
     enqueued_at: float
     future: asyncio.Future[AcquireResult]
+    hints: Any = None
+    """What the client said of itself on its acquire (:class:`~llmd_timeslice.placement.recorder.Hints`), for its
+    phase profile."""

@@ -18,6 +18,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import (
     weights_pb2_grpc,
 )
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
+from llmd_timeslice.domain.group_settings import SchedulingPolicy
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
 from llmd_timeslice.orchestrator.actions import GrpcSwitchActions, ServingLabeler
@@ -26,6 +27,8 @@ from llmd_timeslice.orchestrator.errors import StateConflict
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.groups import Orchestrator, RestoreOutcome
 from llmd_timeslice.orchestrator.persistence import StatePersister, StateStore
+from llmd_timeslice.orchestrator.placement_watch import METRICS as PLACEMENT_METRICS
+from llmd_timeslice.orchestrator.placement_watch import CheckSettings, PlacementWatch
 from llmd_timeslice.orchestrator.service import (
     LEADER,
     LEADER_TERM,
@@ -113,6 +116,8 @@ class OrchestratorServer:
             sidecars and wake again any that restarted on their own or sleep while serving (0: off).
         labeler: serving-label hook of the default actions (Kubernetes label fallback; None: gates only).
         clock: time for leases, repair and audit (default: the event loop's).
+        placement: the placement plan to check against the measured profiles, and how often (None: profiles are
+            recorded and served, no plan is checked; docs/placement.md).
         election: leader election of the replicas (None: this replica always serves, commands carry no term).
             With it, ``start()`` serves the health check (NOT_SERVING) and refuses every other call with
             UNAVAILABLE until this replica leads, then restores the state from ``state_store`` and serves;
@@ -138,6 +143,7 @@ class OrchestratorServer:
         election: LeaderElector | None = None,
         upstream_compat_port: int | None = None,
         upstream_compat_allowed_peers: tuple[str, ...] = (),
+        placement: CheckSettings | None = None,
     ) -> None:
         self.inventory = inventory
         self.upstream_compat_port = upstream_compat_port
@@ -155,6 +161,8 @@ class OrchestratorServer:
         self.hub.on_endpoint_failure = self.orchestrator.audit_endpoint
         self.hub.on_hold_pressure = self.orchestrator.hold_pressure
         self.orchestrator.on_weights_final = self.hub.set_weights_final
+        self.placement = PlacementWatch(placement, apply_settings=self._apply_replan)
+        self.orchestrator.lease_events = self.placement
         self._reconcile = reconcile_on_start
         self.state_store = state_store
         self._server: aio.Server | None = None
@@ -167,6 +175,7 @@ class OrchestratorServer:
         self.step_down_reason = ""
         self._health: health.aio.HealthServicer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def not_leader_message(self) -> str:
         e = self.election
@@ -257,6 +266,7 @@ class OrchestratorServer:
         if self.state_store is not None:
             if saved:
                 todo = self.orchestrator.restore(saved)
+                self.placement.restore(saved.get("profiles"))
                 self.hub.assume_recent(saved.get("gates") or {})
                 log.info(
                     "restored state: %s; gates known before the restart: %s",
@@ -273,6 +283,9 @@ class OrchestratorServer:
         # Held groups publish their samplers ASLEEP; free groups' samplers are woken and verified (reconcile).
         await self.orchestrator.start(reconcile=self._reconcile)
         self.orchestrator.start_repair(audit_interval_s=self.engine_audit_interval_s)
+        self._loop = asyncio.get_running_loop()
+        PLACEMENT_METRICS.watches.append(self.placement)
+        self._spawn(self.placement.run())
 
     async def _take_over(self) -> None:
         """Campaign; return once this replica leads (its fencing hooks armed, the Lease watched)."""
@@ -331,8 +344,19 @@ class OrchestratorServer:
 
         self._spawn(quiesce())
 
+    def _apply_replan(self, group_id: str, policy: str, job_priorities: dict[str, int]) -> bool:
+        """A re-plan's policy and job priorities for a group whose ``replan_apply`` setting is on (called from the
+        placement check's worker thread); False: not allowed, or the group is unknown."""
+        g = self.orchestrator.groups.get(group_id)
+        if g is None or not g.spec.replan_apply or self._loop is None:
+            return False
+        spec = g.spec.copy()
+        spec.policy, spec.job_priorities = SchedulingPolicy(policy), dict(job_priorities)
+        asyncio.run_coroutine_threadsafe(self.orchestrator.update_spec(spec), self._loop)
+        return True
+
     def _snapshot(self) -> dict:
-        state = {**self.orchestrator.snapshot(), "gates": self.hub.known_gates()}
+        state = {**self.orchestrator.snapshot(), "gates": self.hub.known_gates(), "profiles": self.placement.snapshot()}
         if self.term:
             state["term"] = self.term
         return state
@@ -340,6 +364,8 @@ class OrchestratorServer:
     async def stop(self) -> None:
         if self.serving:
             LEADER.set(0)
+        if self.placement in PLACEMENT_METRICS.watches:
+            PLACEMENT_METRICS.watches.remove(self.placement)
         if self.orchestrator in SAMPLERS_OUT_OF_SERVICE.orchestrators:
             SAMPLERS_OUT_OF_SERVICE.orchestrators.remove(self.orchestrator)
         await self.orchestrator.close()

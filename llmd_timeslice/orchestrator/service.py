@@ -29,6 +29,7 @@ from llmd_timeslice.domain.switches import JobState, SwitchKind, SwitchRecord
 from llmd_timeslice.orchestrator import errors
 from llmd_timeslice.orchestrator import groups as core
 from llmd_timeslice.orchestrator.phases import GroupState, IllegalTransition
+from llmd_timeslice.orchestrator.placement_watch import hints_from_metadata
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.weights.update import InvalidWeightUpdate, WeightUpdate
 
@@ -187,7 +188,7 @@ class OrchestratorService(pb_grpc.TimeSliceOrchestratorServiceServicer):
         try:
             if g in self._orch.groups:
                 QUEUE_DEPTH.labels(group_id=g).set(len(self._orch.groups[g].waiters) + 1)
-            res = await self._orch.acquire(request.job_id, g, timeout)
+            res = await self._orch.acquire(request.job_id, g, timeout, hints_from_metadata(context.invocation_metadata()))
         except errors.OrchestratorError as exc:
             await _abort(context, exc)
         finally:
@@ -408,6 +409,13 @@ class OrchestratorInfo(orchestrator_info_pb2_grpc.OrchestratorInfoServiceService
                 for g in groups
             ]
         )
+
+    async def ListProfiles(self, request, context):  # noqa: N802
+        """Per-job phase profiles, measured switch costs and the last placement check (docs/placement.md)."""
+        watch = self._orch.lease_events
+        if watch is None:
+            return orchestrator_info_pb2.ListProfilesResponse()
+        return watch.list_profiles(request.job_id)
 
 
 def weight_status(g: core.Group) -> weights_pb2.WeightVersionStatus:

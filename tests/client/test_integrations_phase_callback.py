@@ -60,8 +60,8 @@ class RecordingClient(TimeSliceOrchestratorClient):
         core = self._core
         acquire, release = core.acquire, core.release
 
-        async def recorded_acquire(job_id=None, group_id=None, timeout_sec=None):
-            r = await acquire(job_id, group_id, timeout_sec)
+        async def recorded_acquire(job_id=None, group_id=None, timeout_sec=None, **hints):
+            r = await acquire(job_id, group_id, timeout_sec, **hints)
             events.append(("acquire", group_id))
             return r
 

@@ -317,7 +317,8 @@ class AsyncRoleLocks(_Locks):
             self._check_lease(role)
             self.plan.acquired(role)
             return
-        r = await self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC)
+        phase = "rollout" if role == SAMPLER else "train"  # the job's phase profile (docs/placement.md)
+        r = await self._live().acquire(self.job_id, group, timeout_sec or self.DEFAULT_ACQUIRE_TIMEOUT_SEC, phase=phase)
         self.plan.acquired(role)
         log.info(
             "job=%s ACQUIRE role=%s group=%s waited=%dms context_restored=%s",

@@ -114,3 +114,119 @@ class ListGroupDeadlinesResponse(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupDeadlines]
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupDeadlines, _Mapping]]] = ...) -> None: ...
+
+class ListProfilesRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class PhaseDurations(_message.Message):
+    __slots__ = ("kind", "count", "samples_s")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_S_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    count: int
+    samples_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ..., samples_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class JobPhaseProfile(_message.Message):
+    __slots__ = ("job_id", "phases", "periods", "accelerators", "state_bytes", "slowdown_budget", "groups", "updated_unix_s")
+    class AcceleratorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class StateBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    PERIODS_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATORS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    phases: _containers.RepeatedCompositeFieldContainer[PhaseDurations]
+    periods: PhaseDurations
+    accelerators: _containers.ScalarMap[str, int]
+    state_bytes: _containers.ScalarMap[str, int]
+    slowdown_budget: float
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    updated_unix_s: float
+    def __init__(self, job_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[PhaseDurations, _Mapping]]] = ..., periods: _Optional[_Union[PhaseDurations, _Mapping]] = ..., accelerators: _Optional[_Mapping[str, int]] = ..., state_bytes: _Optional[_Mapping[str, int]] = ..., slowdown_budget: _Optional[float] = ..., groups: _Optional[_Iterable[str]] = ..., updated_unix_s: _Optional[float] = ...) -> None: ...
+
+class SwitchCosts(_message.Message):
+    __slots__ = ("sleep", "wake", "handover", "served")
+    SLEEP_FIELD_NUMBER: _ClassVar[int]
+    WAKE_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    sleep: PhaseDurations
+    wake: PhaseDurations
+    handover: PhaseDurations
+    served: bool
+    def __init__(self, sleep: _Optional[_Union[PhaseDurations, _Mapping]] = ..., wake: _Optional[_Union[PhaseDurations, _Mapping]] = ..., handover: _Optional[_Union[PhaseDurations, _Mapping]] = ..., served: _Optional[bool] = ...) -> None: ...
+
+class PlacementCheck(_message.Message):
+    __slots__ = ("plan", "checked_unix_s", "predicted_duty_cycle", "measured_duty_cycle", "duty_cycle_gap", "replan_duty_cycle", "replan_gain", "replan_advised", "changes", "detail", "measured_slowdowns", "predicted_slowdowns", "applied")
+    class MeasuredSlowdownsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PredictedSlowdownsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    DUTY_CYCLE_GAP_FIELD_NUMBER: _ClassVar[int]
+    REPLAN_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    REPLAN_GAIN_FIELD_NUMBER: _ClassVar[int]
+    REPLAN_ADVISED_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SLOWDOWNS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SLOWDOWNS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    checked_unix_s: float
+    predicted_duty_cycle: float
+    measured_duty_cycle: float
+    duty_cycle_gap: float
+    replan_duty_cycle: float
+    replan_gain: float
+    replan_advised: bool
+    changes: _containers.RepeatedScalarFieldContainer[str]
+    detail: str
+    measured_slowdowns: _containers.ScalarMap[str, float]
+    predicted_slowdowns: _containers.ScalarMap[str, float]
+    applied: bool
+    def __init__(self, plan: _Optional[str] = ..., checked_unix_s: _Optional[float] = ..., predicted_duty_cycle: _Optional[float] = ..., measured_duty_cycle: _Optional[float] = ..., duty_cycle_gap: _Optional[float] = ..., replan_duty_cycle: _Optional[float] = ..., replan_gain: _Optional[float] = ..., replan_advised: _Optional[bool] = ..., changes: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ..., measured_slowdowns: _Optional[_Mapping[str, float]] = ..., predicted_slowdowns: _Optional[_Mapping[str, float]] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class ListProfilesResponse(_message.Message):
+    __slots__ = ("profiles", "switch_costs", "placement")
+    PROFILES_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_COSTS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    profiles: _containers.RepeatedCompositeFieldContainer[JobPhaseProfile]
+    switch_costs: SwitchCosts
+    placement: PlacementCheck
+    def __init__(self, profiles: _Optional[_Iterable[_Union[JobPhaseProfile, _Mapping]]] = ..., switch_costs: _Optional[_Union[SwitchCosts, _Mapping]] = ..., placement: _Optional[_Union[PlacementCheck, _Mapping]] = ...) -> None: ...

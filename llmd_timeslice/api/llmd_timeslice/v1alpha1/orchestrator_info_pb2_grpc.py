@@ -49,6 +49,11 @@ class OrchestratorInfoServiceStub:
                 request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesRequest.SerializeToString,
                 response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesResponse.FromString,
                 _registered_method=True)
+        self.ListProfiles = channel.unary_unary(
+                '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListProfiles',
+                request_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListProfilesRequest.SerializeToString,
+                response_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListProfilesResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorInfoServiceServicer:
@@ -74,6 +79,14 @@ class OrchestratorInfoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListProfiles(self, request, context):
+        """Per-job phase profiles recorded from acquires, holds and yields, the switch costs measured, and the last check
+        of the placement plan against them (issue 40; docs/placement.md), for `status --profiles` and `plan`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorInfoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +104,11 @@ def add_OrchestratorInfoServiceServicer_to_server(servicer, server):
                     servicer.ListGroupDeadlines,
                     request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesRequest.FromString,
                     response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesResponse.SerializeToString,
+            ),
+            'ListProfiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProfiles,
+                    request_deserializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListProfilesRequest.FromString,
+                    response_serializer=llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListProfilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +192,33 @@ class OrchestratorInfoService:
             '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListGroupDeadlines',
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesRequest.SerializeToString,
             llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListGroupDeadlinesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProfiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmd_timeslice.v1alpha1.OrchestratorInfoService/ListProfiles',
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListProfilesRequest.SerializeToString,
+            llmd__timeslice_dot_api_dot_llmd__timeslice_dot_v1alpha1_dot_orchestrator__info__pb2.ListProfilesResponse.FromString,
             options,
             channel_credentials,
             insecure,
