@@ -60,11 +60,11 @@ import httpx
 import port_for
 import psutil
 
-from epp_plugin.envoy_config import EnvoyRouterConfig
-from epp_plugin.envoy_launcher import EnvoyProcess, envoy_binary
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
 from llmd_timeslice.local.commands import GateCommand, PickerCommand
+from llmd_timeslice.router.envoy_config import EnvoyRouterConfig
+from llmd_timeslice.router.envoy_launcher import EnvoyProcess, envoy_binary
 from tests.support.cli import CliProcess
 from tests.support.state_stream import StatePublisher
 

@@ -6,7 +6,6 @@ import asyncio
 import enum
 import logging
 import math
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +13,8 @@ from typing import Annotated
 import typer
 
 from llmd_timeslice.cli_config import config_app
-from llmd_timeslice.config import GateSettings, LogLevel, OrchestratorSettings, PickerSettings, SidecarSettings
+from llmd_timeslice.component_process import run_until_signal, serve_metrics, setup_logging
+from llmd_timeslice.config import LogLevel, OrchestratorSettings, SidecarSettings
 from llmd_timeslice.settings_cli import settings_command
 
 app = typer.Typer(
@@ -38,92 +38,21 @@ TokenFile = Annotated[
 ]
 
 
-def _setup_logging(level: LogLevel | str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(level, "value", level)).upper(), logging.WARNING),
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _register_command_plugins(app: typer.Typer) -> None:
+    """Add the commands other packages of this distribution contribute through the entry point group
+    ``llmd_timeslice.commands`` (pyproject.toml): the gate and the picker (``epp_plugin/commands.py``). The router
+    side imports the library, never the reverse (docs/decisions/process-code-layout.md). A plugin that cannot be
+    loaded leaves its commands out with one line on stderr; the other commands still run."""
+    from importlib.metadata import entry_points
 
-
-def _metrics(port: int, host: str) -> None:
-    """Serve Prometheus /metrics on ``host:port`` (the component's own bind address) unless port is 0."""
-    if port:
-        from prometheus_client import start_http_server
-
-        start_http_server(port, addr=host)
-
-
-def _run(coro_factory) -> None:
-    """Run an async server until SIGINT/SIGTERM, then let it stop cleanly."""
-
-    async def main() -> None:
-        task = asyncio.current_task()
-        assert task is not None  # main() runs as asyncio.run's task
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+    for ep in entry_points(group="llmd_timeslice.commands"):
         try:
-            await coro_factory()
-        except asyncio.CancelledError:
-            pass
-
-    asyncio.run(main())
+            ep.load()(app)
+        except Exception as exc:  # an optional part missing: its commands are off, said once
+            typer.echo(f"llmd-timeslice: the commands of {ep.value} are unavailable: {exc!r}", err=True)
 
 
-def _run_uvloop(coro_factory) -> None:
-    """``_run`` on uvloop's event loop (the gate's HTTP ext_authz edge is measured on it:
-    docs/decisions/fast-path-http-server.md)."""
-    import uvloop
-
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    try:
-        _run(coro_factory)
-    finally:
-        asyncio.set_event_loop_policy(None)
-
-
-def _raise_open_file_limit() -> None:
-    """Each held request is one open connection from Envoy: lift the soft descriptor limit to the hard one."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
-@settings_command(app, "gate", short_help="Run the time-slice gate (hold / drain / steer / release).")
-def gate(settings: GateSettings, token_file: Path | None) -> None:
-    """Run the time-slice gate in front of the EPP (hold / drain / steer / release): Envoy ext_authz + access log
-    (the fast path) or ext_proc. Mutual TLS of the control port: LLMD_TIMESLICE_TLS_*_FILE."""
-    from epp_plugin.gate.server import GateConfig, serve
-    from llmd_timeslice import tls
-    from llmd_timeslice.auth import load_token
-
-    _setup_logging(settings.log_level)
-    _metrics(settings.metrics_port, settings.host)
-    _raise_open_file_limit()
-    cfg = GateConfig.from_settings(settings, token=load_token(token_file))
-    from llmd_timeslice.discovery.kubernetes import KubernetesError
-
-    try:
-        _run_uvloop(lambda: serve(cfg, tls.from_env()))
-    except KubernetesError as exc:  # --kubeconfig names a file that cannot be loaded (bad input). The cluster's state
-        # (no InferenceObjective CRD, RBAC, API server down) never ends the gate: bands off (docs/gate.md).
-        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-@settings_command(app, "picker", short_help="Run the EPP-protocol endpoint picker.")
-def picker(settings: PickerSettings, token_file: Path | None) -> None:
-    """Run the EPP-protocol endpoint picker (honours the gate's subset hint)."""
-    from epp_plugin.picker.server import PickerConfig, serve
-
-    _setup_logging(settings.log_level)
-    _metrics(settings.metrics_port, settings.host)
-    _run(lambda: serve(PickerConfig.model_validate(settings.model_dump())))
+_register_command_plugins(app)
 
 
 @settings_command(app, "orchestrator", short_help="Run the orchestrator (acquire / yield, phase switches).")
@@ -135,7 +64,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
     from llmd_timeslice.orchestrator.server import OrchestratorServer
 
     s = settings
-    _setup_logging(s.log_level)
+    setup_logging(s.log_level)
     token = load_token(token_file)
     job_tokens = load_job_tokens(s.job_tokens_file) if s.job_tokens_file else None
     store = FileStateStore(s.state_file) if s.state_file is not None else None
@@ -156,7 +85,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
         )
 
     if s.discovery == "kubernetes":
-        _metrics(s.metrics_port, s.host)
+        serve_metrics(s.metrics_port, s.host)
         _orchestrator_kubernetes(s, server, store)
         return
     from llmd_timeslice.discovery import kubernetes as k8s
@@ -164,7 +93,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
 
     assert s.inventory is not None  # OrchestratorSettings requires it with static discovery
     inv = load_inventory(s.inventory)
-    _metrics(s.metrics_port, s.host)
+    serve_metrics(s.metrics_port, s.host)
 
     async def main() -> None:
         api = k8s.make_api_client(s.kubernetes.kubeconfig) if s.state_configmap else None
@@ -180,7 +109,7 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
                 api.close()
 
     try:
-        _run(main)
+        run_until_signal(main)
     except k8s.KubernetesError as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -281,7 +210,7 @@ def _orchestrator_kubernetes(s: OrchestratorSettings, server, store) -> None:
             api.close()
 
     try:
-        _run(main)
+        run_until_signal(main)
     except k8s.KubernetesError as exc:
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -297,8 +226,8 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
     from llmd_timeslice.snapshot.server import SidecarServer
 
     s = settings
-    _setup_logging(s.log_level)
-    _metrics(s.metrics_port, s.host)
+    setup_logging(s.log_level)
+    serve_metrics(s.metrics_port, s.host)
     token = load_token(token_file)
     engine_kwargs = {
         "min_freed_fraction": s.min_freed_fraction,
@@ -341,7 +270,7 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
         finally:
             await srv.stop()
 
-    _run(main)
+    run_until_signal(main)
 
 
 StackFileOpt = Annotated[
@@ -439,7 +368,7 @@ def up(
     error, 5 failed starts in a row) stops the stack (exit 1)."""
     from llmd_timeslice.local.up import run_up
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     raise typer.Exit(run_up(file, workdir, live, port_offset, node))
 
 
@@ -474,7 +403,7 @@ def demo(
     and an RL loop with background load; writes OUT/summary.json and OUT/timeline.png."""
     from llmd_timeslice.demo.run import run_demo
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     code = run_demo(out, iterations, load_rps, train_s, eval_rps=eval_rps, eval_deadline_s=eval_deadline_s)
     raise typer.Exit(code)
 
@@ -532,8 +461,8 @@ def render_envoy(
     """Render the local Envoy bootstrap (gate -> EPP -> ORIGINAL_DST). With the ext_authz edge, start Envoy with
     LLMD_TIMESLICE_ENVOY_ID set to a fresh id per process. The route timeout fits a full hold plus the longest
     generation (as ``llmd-timeslice up`` sizes it); the gate's matching ``--lost-completion-after-s`` is printed."""
-    from epp_plugin import envoy_launcher
-    from epp_plugin.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s, write_bootstrap
+    from llmd_timeslice.router import envoy_launcher
+    from llmd_timeslice.router.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s, write_bootstrap
 
     if picker is _Picker.gate and gate_edge is not _GateEdge.ext_authz:
         raise typer.BadParameter("the gate picks the endpoint only on the ext_authz edge", param_hint="--picker")

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import yaml
 
-from epp_plugin.envoy_config import (
+from llmd_timeslice import protocol, yaml_files
+from llmd_timeslice.router.envoy_config import (
     ADMIN_PATHS_UNDER_API,
     API_PREFIX,
     GATE_FILTER_NAME,
     NOT_ROUTED_BODY,
     PER_ROUTE_TYPE,
 )
-from llmd_timeslice import protocol, yaml_files
 
 CHART = "llm-d-router-standalone"
 CHART_VERSION = "v0.10.0"

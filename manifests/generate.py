@@ -4,7 +4,7 @@ The ONE place to set the guide name, namespace, Gateway name, pool (InferencePoo
 group, image and limits is ``manifests/guides/time-slicing/settings.yaml``. This script writes every
 file that depends on them (the kustomizations that put names on the static manifests, the Envoy
 configurations, the gateway policies, the HTTPRoutes, the Helm values), so no file can disagree with
-another. The gate's ext_proc filter itself is defined once, in ``epp_plugin.envoy_config.gate_filter()``,
+another. The gate's ext_proc filter itself is defined once, in ``llmd_timeslice.router.envoy_config.gate_filter()``,
 and embedded here, so the Kubernetes variants cannot drift from what the tests run against a real Envoy.
 
 Usage::
@@ -39,9 +39,10 @@ REPO = ROOT.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from epp_plugin import envoy_config  # noqa: E402
-from epp_plugin.envoy_clusters import _BIG_THRESHOLDS, authz_cluster, grpc_cluster, grpc_http2_options  # noqa: E402
-from epp_plugin.envoy_config import (  # noqa: E402
+from llmd_timeslice import k8s_modelserver, protocol, yaml_files  # noqa: E402
+from llmd_timeslice.router import envoy_config  # noqa: E402
+from llmd_timeslice.router.envoy_clusters import _BIG_THRESHOLDS, authz_cluster, grpc_cluster, grpc_http2_options  # noqa: E402
+from llmd_timeslice.router.envoy_config import (  # noqa: E402
     API_PREFIX,
     AUTHZ_FILTER_NAME,
     EXT_PROC_TYPE,
@@ -57,7 +58,6 @@ from epp_plugin.envoy_config import (  # noqa: E402
     router_filter,
     subset_hint_filter,
 )
-from llmd_timeslice import k8s_modelserver, protocol, yaml_files  # noqa: E402
 from manifests import chart_envoy, guide_steps  # noqa: E402
 
 GUIDE = ROOT / "guides" / "time-slicing"
@@ -116,7 +116,7 @@ def gate_error_mappers(edge: str, envoy_version: str) -> list[dict]:
       such a failure: 503.
 
     Each such 503 is the retryable refusal ``gate_unavailable`` (``x-llmd-timeslice-reason``, ``retry-after: 1``:
-    epp_plugin/envoy_config.py, which also maps the ext_proc edge's ``status_on_error`` 503), so clients that follow
+    llmd_timeslice/router/envoy_config.py, which also maps the ext_proc edge's ``status_on_error`` 503), so clients that follow
     the gate's retry contract (``TimeSliceRollouts``) retry it."""
     unavailable = {"headers_to_add": envoy_config.gate_unavailable_headers()}
     if edge == "ext_proc":
@@ -954,7 +954,7 @@ def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | 
     (:func:`istio_gateway_parameters`). ``extra_pools``: pool -> its HTTPRoute, for more InferencePools behind the
     same Gateway (each route names its pool in its ext_authz check; a route without one checks as ``pool``).
 
-    The Envoy configuration it produces is the one ``epp_plugin.envoy_config`` renders for the local router, filter
+    The Envoy configuration it produces is the one ``llmd_timeslice.router.envoy_config`` renders for the local router, filter
     for filter: ext_authz to the gate, header_to_metadata (the subset hint), Istio's EPP ext_proc (forwarding the
     hint), the router logging each upstream start; the HTTP connection manager logging each request's end and
     mapping the gate's 503 refusals."""

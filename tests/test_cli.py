@@ -247,7 +247,7 @@ def test_running_gate_holds_for_the_max_hold_its_environment_sets(tmp_path):
 
 def test_render_envoy_removes_a_bootstrap_envoy_rejects(tmp_path, monkeypatch):
     """Should Envoy refuse what was rendered (another Envoy version), the file is not left for Envoy to be pointed at."""
-    from epp_plugin import envoy_launcher
+    from llmd_timeslice.router import envoy_launcher
 
     def reject(path):
         assert path.exists()
@@ -259,3 +259,30 @@ def test_render_envoy_removes_a_bootstrap_envoy_rejects(tmp_path, monkeypatch):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == f"llmd-timeslice: error: envoy rejected {out}: error initializing configuration (test)"
     assert not out.exists()
+
+
+def test_a_command_plugin_that_cannot_load_is_named_in_one_line_and_the_rest_still_run(monkeypatch, capsys):
+    """The entry point group ``llmd_timeslice.commands`` (the gate's and picker's commands): one that names a missing
+    module leaves its commands out with one line; the installed one adds ``gate`` and ``picker``."""
+    import importlib.metadata
+
+    import typer
+    from typer.testing import CliRunner
+
+    from llmd_timeslice import cli
+
+    broken = importlib.metadata.EntryPoint("broken", "no_such_package.commands:register", "llmd_timeslice.commands")
+    real = [ep for ep in importlib.metadata.entry_points(group="llmd_timeslice.commands")]
+    assert [ep.value for ep in real] == ["epp_plugin.commands:register"], "pyproject.toml's entry point is installed"
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [broken, *real])
+    app = typer.Typer(rich_markup_mode=None)
+
+    @app.command()
+    def other() -> None:
+        """Another command."""
+
+    cli._register_command_plugins(app)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no_such_package.commands:register" in err[0] and "unavailable" in err[0], err
+    out = CliRunner().invoke(app, ["--help"]).output
+    assert all(name in out for name in ("gate", "picker", "other")), out

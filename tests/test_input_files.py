@@ -360,6 +360,8 @@ def _metric_labels() -> dict[str, set[str]]:
         out[name] = set(getattr(collector, "_labelnames", ()))
     pool = PoolState("p")
     pool.set_states([("10.0.0.1:8000", EndpointState.SERVING, None)])
+    pool.set_states([("10.0.0.2:8000", EndpointState.ASLEEP, None)])
+    pool.set_states([("10.0.0.2:8000", EndpointState.SERVING, None)])  # off the table: its counter has a series
     collector = PoolCollector()
     collector.pool_maps.append({"p": pool})
     for family in collector.collect():

@@ -1,7 +1,7 @@
 """The gate's fast-path completion edge: Envoy's gRPC access-log service (``AccessLogService``).
 
-Envoy (configured by :func:`epp_plugin.envoy_config.gate_access_log` and
-:func:`~epp_plugin.envoy_config.gate_upstream_log`, which share one log configuration) keeps one client stream
+Envoy (configured by :func:`llmd_timeslice.router.envoy_config.gate_access_log` and
+:func:`~llmd_timeslice.router.envoy_config.gate_upstream_log`, which share one log configuration) keeps one client stream
 per worker open to the gate's gRPC data-plane port and sends its entries in batches (every
 ``buffer_flush_interval``, 20 ms as rendered, or 64 KiB). Each entry logs the request header
 ``x-llmd-timeslice-admission`` that the ext_authz answer put on the request, which names the admission. By

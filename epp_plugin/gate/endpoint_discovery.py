@@ -41,7 +41,7 @@ from llmd_timeslice.addresses import parse_host_port
 log = logging.getLogger(__name__)
 
 CLUSTER_NAME = "endpoints"
-"""The model-server cluster of the rendered Envoy configuration (:func:`epp_plugin.envoy_config.render_bootstrap`)."""
+"""The model-server cluster of the rendered Envoy configuration (:func:`llmd_timeslice.router.envoy_config.render_bootstrap`)."""
 TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 ACK_WAIT_S = 2.0
 """Most seconds an admission waits for Envoy to ack an assignment holding its endpoint (then it is answered

@@ -1,6 +1,6 @@
 """The gate's fast-path admission edge: an Envoy ext_authz **HTTP** service.
 
-Envoy's ext_authz filter (rendered by :func:`epp_plugin.envoy_config.authz_filter`) sends each request's
+Envoy's ext_authz filter (rendered by :func:`llmd_timeslice.router.envoy_config.authz_filter`) sends each request's
 headers as an HTTP/1.1 check (no body) on a pooled connection and waits up to ``max_hold_s`` + 10 s for
 the answer. A check carries (``headers_to_add``, overwriting any client header of the same name)
 ``x-llmd-timeslice-pool``, ``x-llmd-timeslice-envoy`` and, when no EPP follows, ``x-llmd-timeslice-pick``;
@@ -25,7 +25,7 @@ The answer, per :class:`~epp_plugin.gate.pool_state.PoolState`:
 * **refused**: the refusal's status, ``x-llmd-timeslice-reason``, ``retry-after`` and JSON body. A 5xx
   refusal is sent as 429 with ``x-llmd-timeslice-status: 503``: Envoy treats any 5xx ext_authz answer as an
   error (``status_on_error``, body and headers dropped), and the rendered ``local_reply_config`` turns it
-  back into 503 (:func:`epp_plugin.envoy_config.refusal_local_reply`).
+  back into 503 (:func:`llmd_timeslice.router.envoy_config.refusal_local_reply`).
 
 Server stack: a plain asyncio protocol with the ``httptools`` parser (uvloop's loop in the gate process),
 chosen by measurement against uvicorn and aiohttp (the figures: docs/decisions/fast-path-http-server.md; the
@@ -70,7 +70,7 @@ _HOLD_MS = f"{protocol.HOLD_MS_HEADER}: ".encode()
 _CACHE_LIMIT = 4096
 PICK_RETRY_ENDPOINTS = 2
 """Endpoints the gate lists after its pick, for Envoy's retries of a refused connection (the rendered route retries
-twice: :func:`epp_plugin.envoy_config.route_retry_policy`)."""
+twice: :func:`llmd_timeslice.router.envoy_config.route_retry_policy`)."""
 UNREAD_WINDOW_S = 1.0
 """A connection Envoy closes within this many seconds of an admission answer, before sending another check, lost
 that answer: Envoy reset the check (its client went away just then), so the request never carries the admission

@@ -5,7 +5,7 @@ and :mod:`epp_plugin.gate.access_log`), which answers a request in one HTTP roun
 stream per request (docs/gate.md has both side by side).
 
 Per HTTP request Envoy opens one gRPC stream and sends, with the processing mode rendered by
-:mod:`epp_plugin.envoy_config`: ``request_headers`` (answered once the request is admitted, i.e.
+:mod:`llmd_timeslice.router.envoy_config`: ``request_headers`` (answered once the request is admitted, i.e.
 possibly after a hold) and ``response_headers`` (carrying the ``upstream.address`` attribute,
 which names the endpoint that served it; the answer sets ``x-llmd-timeslice-weight-version``, the
 weight version of that endpoint, and after a hold ``x-llmd-timeslice-hold-ms``). The stream's end, whatever the reason, ends the

@@ -9,7 +9,7 @@ Two layers:
   that start one component alone build it with these;
 * :class:`StackCommands`: every command line of one stack file (:class:`~llmd_timeslice.local.stack_file.StackFile`)
   from its settings: the gate, the picker, the orchestrator, one sidecar and one vLLM server per engine, the Envoy
-  bootstrap (:class:`~epp_plugin.envoy_config.EnvoyRouterConfig`) and Envoy's own command line.
+  bootstrap (:class:`~llmd_timeslice.router.envoy_config.EnvoyRouterConfig`) and Envoy's own command line.
   ``llmd-timeslice up``, the demo and the benchmarks start a stack through it (:mod:`llmd_timeslice.local.up`), so
   the sizes that belong together, the route timeout (hold + longest generation + 60 s), the gate's
   lost-completion age above it and the default pool, are computed once (docs/decisions/one-stack-launcher.md).
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from epp_plugin.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s
 from llmd_timeslice.engines.vllm_server import VllmServer
 from llmd_timeslice.local.stack_file import EngineEntry, StackFile
+from llmd_timeslice.router.envoy_config import EnvoyRouterConfig, lost_completion_after_s, route_timeout_s
 
 CLI_MODULE = "llmd_timeslice.cli"
 """The module every component runs from (``python -m llmd_timeslice.cli <component> ...``)."""

@@ -58,7 +58,7 @@ def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
             raise NodeError([f"SLURM_JOB_NODELIST: scontrol show hostnames {nodelist!r} failed: {proc.stderr.strip()}"])
         return proc.stdout.split()
     try:
-        import hostlist  # type: ignore[import-not-found]  # python-hostlist (no type stubs)
+        import hostlist  # type: ignore[import-untyped]  # python-hostlist (no type stubs)
     except ImportError:
         raise NodeError(
             [

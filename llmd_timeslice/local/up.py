@@ -175,9 +175,9 @@ class Stack:
 
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
-        from epp_plugin.envoy_config import write_bootstrap
-        from epp_plugin.envoy_launcher import envoy_binary, fresh_envoy_id
         from llmd_timeslice.protocol import ENVOY_ID_ENV
+        from llmd_timeslice.router.envoy_config import write_bootstrap
+        from llmd_timeslice.router.envoy_launcher import envoy_binary, fresh_envoy_id
 
         self.logdir.mkdir(parents=True, exist_ok=True)
         if self.head and not self.token_file.exists():

@@ -16,11 +16,11 @@ import httpx
 import port_for
 import pytest
 
-from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.router.envoy_launcher import EnvoyProcess
 from tests.support.cli import CliProcess
 from tests.support.fake_engine_process import FakeVllmProcess
 from tests.support.router import envoy_config

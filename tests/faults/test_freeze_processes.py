@@ -23,11 +23,11 @@ import port_for
 import pytest
 import yaml
 
-from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.router.envoy_launcher import EnvoyProcess
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.cli import CliProcess

@@ -37,7 +37,7 @@ import port_for
 import pytest
 import yaml
 
-from epp_plugin.envoy_config import AUTHZ_FILTER_NAME
+from llmd_timeslice.router.envoy_config import AUTHZ_FILTER_NAME
 from tests.manifests.test_manifests import (
     GUIDE,
     S,

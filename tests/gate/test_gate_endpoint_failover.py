@@ -12,7 +12,6 @@ import httpx
 import port_for
 import pytest
 
-from epp_plugin.envoy_config import EnvoyRouterConfig, render_bootstrap
 from epp_plugin.gate.pool_state import EndpointState as S
 from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.server import GateConfig, GateServer
@@ -20,6 +19,7 @@ from llmd_timeslice import protocol
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2 as pb
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as pb_grpc
 from llmd_timeslice.orchestrator.gate_hub import GateHub
+from llmd_timeslice.router.envoy_config import EnvoyRouterConfig, render_bootstrap
 from tests.support.router import start_router
 from tests.support.upstream import UpstreamServer
 from tests.support.waits import until

@@ -16,8 +16,6 @@ import port_for
 import pytest
 from google.protobuf import struct_pb2
 
-from epp_plugin.envoy_config import EnvoyRouterConfig, render_bootstrap
-from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.admissions import AdmissionBook
 from epp_plugin.gate.ext_authz import refusal_answer, subset_hint_value
 from epp_plugin.gate.pool_state import EndpointState, HoldExpired, PoolState
@@ -25,6 +23,8 @@ from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice import protocol
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.router.envoy_config import EnvoyRouterConfig, render_bootstrap
+from llmd_timeslice.router.envoy_launcher import EnvoyProcess
 from tests.support.one_sampler import one_sampler
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waits import until as _until

@@ -25,8 +25,6 @@ import httpx
 import port_for
 import pytest
 
-from epp_plugin.envoy_config import GATE_UNAVAILABLE
-from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import READINESS_SERVICE, GateConfig, GateServer
 from epp_plugin.picker.server import PickerConfig, PickerServer
@@ -35,6 +33,8 @@ from llmd_timeslice.client.integrations.rollouts import GateRetryPolicy, TimeSli
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.local.commands import GateCommand
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.router.envoy_config import GATE_UNAVAILABLE
+from llmd_timeslice.router.envoy_launcher import EnvoyProcess
 from tests.support.cli import CliProcess
 from tests.support.router import EDGES, envoy_config
 from tests.support.upstream import UpstreamServer

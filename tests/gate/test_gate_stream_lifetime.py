@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from epp_plugin.envoy_config import gate_filter
 from epp_plugin.gate.pool_state import EndpointState
+from llmd_timeslice.router.envoy_config import gate_filter
 from tests.support.router import EDGES, start_router
 from tests.support.upstream import UpstreamServer
 
@@ -64,7 +64,7 @@ def test_gate_filter_keeps_the_settings_the_stream_lifetime_depends_on():
 
 async def test_with_response_trailers_skipped_envoy_ends_the_stream_at_the_response_headers(artifacts, upstream, monkeypatch):
     """Why the gate sends trailers: the same late body with SKIP leaves the count while the body is on its way."""
-    import epp_plugin.envoy_config as ec
+    import llmd_timeslice.router.envoy_config as ec
 
     shipped = ec.gate_filter
 

@@ -1,4 +1,4 @@
-"""What the local router (``epp_plugin.envoy_config.render_bootstrap``, real Envoy, real gate and picker) lets
+"""What the local router (``llmd_timeslice.router.envoy_config.render_bootstrap``, real Envoy, real gate and picker) lets
 through to an engine: the OpenAI API only.
 
 The engine here is :class:`FakeVllm`, which records every request it receives, so "never reached" is a
@@ -16,9 +16,9 @@ import httpx
 import port_for
 import pytest
 
-from epp_plugin.envoy_config import ADMIN_PATHS_UNDER_API, API_PREFIX, EnvoyRouterConfig, render_bootstrap
-from epp_plugin.envoy_launcher import envoy_binary
 from epp_plugin.gate.pool_state import EndpointState
+from llmd_timeslice.router.envoy_config import ADMIN_PATHS_UNDER_API, API_PREFIX, EnvoyRouterConfig, render_bootstrap
+from llmd_timeslice.router.envoy_launcher import envoy_binary
 from tests.support.fake_engines import FakeVllm
 from tests.support.router import start_router
 
@@ -173,8 +173,8 @@ def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its
 
 def test_envoy_validate_reports_envoys_reason_in_one_line(tmp_path):
     """Envoy prints its log prefix, the reason, then the whole bootstrap: the error keeps the reason only."""
-    from epp_plugin.envoy_config import write_bootstrap
-    from epp_plugin.envoy_launcher import validate
+    from llmd_timeslice.router.envoy_config import write_bootstrap
+    from llmd_timeslice.router.envoy_launcher import validate
 
     cfg = EnvoyRouterConfig(8080, 9901, 9002, 9004, max_hold_s=float("nan"), gate_edge="ext_proc")
     bad = write_bootstrap(cfg, tmp_path / "bad.json")

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epp_plugin.envoy_config import lost_completion_after_s, route_timeout_s
 from llmd_timeslice.demo.stack import demo_stack_file
 from llmd_timeslice.local.commands import GateCommand, OrchestratorCommand, PickerCommand, SidecarCommand, StackCommands
 from llmd_timeslice.local.stack_file import load_stack_file
 from llmd_timeslice.local.up import Stack
+from llmd_timeslice.router.envoy_config import lost_completion_after_s, route_timeout_s
 from tests.support.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]

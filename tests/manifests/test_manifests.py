@@ -32,7 +32,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from epp_plugin.envoy_config import (
+from llmd_timeslice import protocol
+from llmd_timeslice.router.envoy_config import (
     EXT_PROC_TYPE,
     HCM_TYPE,
     PER_ROUTE_TYPE,
@@ -46,7 +47,6 @@ from epp_plugin.envoy_config import (
     render_bootstrap,
     subset_hint_filter,
 )
-from llmd_timeslice import protocol
 from tests.support.envoy_versions import envoy_binary_of, makefile_extra_versions, wheel_version
 
 REPO = Path(__file__).resolve().parents[2]

@@ -48,6 +48,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     The process's ``LLMD_TIMESLICE_*`` variables are hidden and ``env`` is added, for the call only. A command that
     would serve (reach the CLI's event-loop runner) raises AssertionError instead of blocking the test.
     """
+    import epp_plugin.commands as router_side_commands
     import llmd_timeslice.cli as cli
 
     def refuse(*_a, **_k):
@@ -61,8 +62,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
             del os.environ[k]
         os.environ.update(env or {})
         stack.enter_context(mock.patch.object(sys, "argv", ["llmd-timeslice", *args]))
-        stack.enter_context(mock.patch.object(cli, "_run", refuse))
-        stack.enter_context(mock.patch.object(cli, "_run_uvloop", refuse))
+        for module, runner in (
+            (cli, "run_until_signal"),
+            (router_side_commands, "run_until_signal"),
+            (router_side_commands, "run_on_uvloop"),
+        ):
+            stack.enter_context(mock.patch.object(module, runner, refuse))
         stack.enter_context(contextlib.redirect_stdout(_ThisThread(out, sys.stdout)))
         stack.enter_context(contextlib.redirect_stderr(_ThisThread(err, sys.stderr)))
         try:

@@ -13,7 +13,7 @@ from functools import cache
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from epp_plugin.envoy_launcher import envoy_binary
+from llmd_timeslice.router.envoy_launcher import envoy_binary
 
 REPO = Path(__file__).resolve().parents[2]
 ENVOY_DIR = REPO / ".envoy"

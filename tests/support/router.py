@@ -16,11 +16,11 @@ from pathlib import Path
 
 import port_for
 
-from epp_plugin.envoy_config import EnvoyRouterConfig
-from epp_plugin.envoy_launcher import EnvoyProcess
 from epp_plugin.gate.server import GateConfig, GateServer
 from epp_plugin.picker.server import PickerConfig, PickerServer
 from llmd_timeslice.local.commands import PickerCommand
+from llmd_timeslice.router.envoy_config import EnvoyRouterConfig
+from llmd_timeslice.router.envoy_launcher import EnvoyProcess
 from tests.support.cli import CliProcess
 from tests.support.tcp_proxy import TcpProxy
 
@@ -105,7 +105,7 @@ async def start_router(
     ``extra_pools``: pool -> (path prefix, endpoints), routed per prefix (per-route pool override).
     ``picker_delay_s`` > 0: Envoy reaches the picker through a :class:`TcpProxy` that holds its answers back that long
     (a slow EPP). ``picker_process``: the picker runs in its own process (:class:`PickerProcess`). ``envoy_kw``: more
-    :class:`~epp_plugin.envoy_config.EnvoyRouterConfig` fields.
+    :class:`~llmd_timeslice.router.envoy_config.EnvoyRouterConfig` fields.
     """
     extra_pools = extra_pools or {}
     gate = GateServer(

@@ -69,9 +69,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epp_plugin.envoy_clusters import authz_cluster, endpoints_cluster, gate_picks_cluster, grpc_cluster
-from epp_plugin.envoy_clusters import dur as _dur
 from llmd_timeslice import protocol
+from llmd_timeslice.router.envoy_clusters import authz_cluster, endpoints_cluster, gate_picks_cluster, grpc_cluster
+from llmd_timeslice.router.envoy_clusters import dur as _dur
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -587,7 +587,7 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
 
     With ``cfg.gate_port`` None the chain is picker-only (the baseline of the router benchmark). With the
     ext_authz edge, whoever starts Envoy sets ``LLMD_TIMESLICE_ENVOY_ID`` to a fresh id per process
-    (:class:`~epp_plugin.envoy_launcher.EnvoyProcess` does).
+    (:class:`~llmd_timeslice.router.envoy_launcher.EnvoyProcess` does).
     """
     filters = []
     if cfg.fast_path:

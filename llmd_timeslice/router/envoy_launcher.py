@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 from mirakuru import HTTPExecutor
 
-from epp_plugin.envoy_config import EnvoyRouterConfig, write_bootstrap
 from llmd_timeslice import protocol
+from llmd_timeslice.router.envoy_config import EnvoyRouterConfig, write_bootstrap
 
 
 def fresh_envoy_id() -> str:

@@ -1,6 +1,6 @@
 """The clusters of the router's Envoy configuration: the gate's and the EPP's gRPC clusters (HTTP/2, flood limits
 raised), the gate's ext_authz cluster, the model-server cluster behind an EPP (ORIGINAL_DST) and the one behind the
-gate's own picks (EDS subsets). The listener, its filters and routes are in :mod:`epp_plugin.envoy_config`, which
+gate's own picks (EDS subsets). The listener, its filters and routes are in :mod:`llmd_timeslice.router.envoy_config`, which
 assembles the bootstrap from both."""
 
 from __future__ import annotations
