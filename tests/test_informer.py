@@ -6,6 +6,7 @@ through the real ``kubernetes`` client; the round loop on its own at the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -20,19 +21,21 @@ from tests.support.waits import until
 
 @pytest.fixture
 def kube():
-    fake = FakeKube()
-    fake.start()
-    yield fake
-    fake.stop()
+    """The fake pod API server, serving while the test runs."""
+    with contextlib.ExitStack() as stack:
+        fake = FakeKube()
+        fake.start()
+        stack.callback(fake.stop)
+        yield fake
 
 
 @pytest.fixture
 def pods(kube):
+    """The pods with a group label, as a resource to inform on (through the real client)."""
     from kubernetes import client
 
-    api = make_api_client(host=kube.url)
-    yield Resource(client.CoreV1Api(api).list_namespaced_pod, (NS,), {"label_selector": "timeslice.io/group"})
-    api.close()
+    with contextlib.closing(make_api_client(host=kube.url)) as api:
+        yield Resource(client.CoreV1Api(api).list_namespaced_pod, (NS,), {"label_selector": "timeslice.io/group"})
 
 
 class Seen:
