@@ -356,7 +356,7 @@ def status(
             orchestrator_addr, token_file = eps["orchestrator"], Path(eps["token_file"])
         raise typer.Exit(print_profiles(orchestrator_addr, token_file, as_json, output_console()))
     if file is not None:
-        from llmd_timeslice.local.up import print_stack_status
+        from llmd_timeslice.local.stack_state import print_stack_status
 
         raise typer.Exit(print_stack_status(file, workdir, port_offset))
     from llmd_timeslice.status import print_status
@@ -402,7 +402,7 @@ def up(
 @app.command(short_help="Stop a stack started with `up`; check nothing is left.")
 def down(file: StackFileOpt, workdir: WorkdirOpt = None, port_offset: PortOffsetOpt = None) -> None:
     """Stop a stack started with `up` (from another shell) and check that none of its processes is left."""
-    from llmd_timeslice.local.up import run_down
+    from llmd_timeslice.local.stack_state import run_down
 
     raise typer.Exit(run_down(file, workdir, port_offset=port_offset))
 

@@ -8,7 +8,8 @@
    :mod:`llmd_timeslice.domain.objectives`). With both served the legacy objects are ignored, as the EPP ignores them,
    and one warning says so.
 2. **List, then watch** the chosen group's ``inferenceobjectives`` in the namespace, from the list's
-   ``resourceVersion``, in a thread. One watch request lasts at most ``recheck_s``; before the next, discovery is
+   ``resourceVersion``: an :class:`~llmd_timeslice.informer.Informer` (the list-watch shared with the orchestrator's
+   pod discovery), in a thread of its own. One watch request lasts at most ``recheck_s``; before the next, discovery is
    asked again, so a CRD installed after the gate started turns the bands on, a newly served preferred group is
    switched to (with a warning naming both), and a removed CRD (the watch or list answers 404) turns them off.
 3. **Never take the data path down.** Neither group served, a 401/403, or an unreachable API server: the gate keeps
@@ -33,10 +34,8 @@ import asyncio
 import enum
 import json
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from epp_plugin.gate import metrics
 from epp_plugin.gate.objectives_discovery import DiscoveryError, served_group_versions
@@ -50,7 +49,7 @@ from llmd_timeslice.domain.objectives import (
     ObjectivesError,
     objective_from_k8s,
 )
-from llmd_timeslice.watch_rounds import run_rounds, stop_watch_thread
+from llmd_timeslice.informer import Informer, Resource
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ _CANDIDATES = " nor ".join(f"{g}/{v}" for g, v in GROUP_VERSIONS)
 
 class ObjectivesApiError(KubernetesError):
     """A Kubernetes API call on the InferenceObjectives failed in an unexpected way (not 401/403/404, not
-    unreachable); the message says which call and why. Raised inside the watch thread only, where it is retried."""
+    unreachable); the message says which call and why. Raised inside the informer's thread only, where it is retried."""
 
 
 class SourceState(enum.StrEnum):
@@ -140,10 +139,20 @@ class ObjectiveWatch:
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self._api_client = api_client
         self._api = client.CustomObjectsApi(api_client)
-        self._gv: str | None = None  # the group version whose objects are held (owned by the watch thread)
-        self._objects: dict[str, dict] = {}  # name -> object of _gv
-        self._rv: str | None = None
-        self._reading = False  # _objects is a complete list of _gv
+        # Owned by the informer's thread (and by start() before the thread exists).
+        self._gv: str | None = None  # the group version whose objects are held
+        self._objectives = Informer(
+            "InferenceObjectives",
+            None,  # named once discovery chose a group version
+            on_change=self._changed,
+            before_round=self._discover,
+            on_error=self._read_failed,
+            after_watch=lambda: self._set(SourceState.READING),  # the objects' count after the watch's changes
+            watch_timeout_s=recheck_s,
+            backoff_s=backoff_s,
+            backoff_max_s=backoff_max_s,
+            log=log,
+        )
         self._served: tuple[str, ...] = ()
         self._failures = 0
         self._last: list[ObjectiveEntry] | None = None
@@ -152,16 +161,15 @@ class ObjectiveWatch:
         self.rejected: dict[str, str] = {}
         """Objects left out, by name: why (one line)."""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._watch: Any = None
+        self._watching = False
 
     def entries(self) -> list[ObjectiveEntry]:
         """The usable objectives of the objects held now (sorted by name)."""
         out = []
         rejected = {}
-        for name in sorted(self._objects):
-            obj = self._objects[name]
+        objects = self._objectives.objects
+        for name in sorted(objects):
+            obj = objects[name]
             try:
                 group, entry = objective_from_k8s(obj)
             except ObjectivesError as exc:
@@ -177,21 +185,21 @@ class ObjectiveWatch:
 
     def current(self) -> list[ObjectiveEntry] | None:
         """The objectives to apply now: None while none were read (bands off)."""
-        return self.entries() if self._reading else None
+        return self.entries() if self._objectives.synced else None
 
     async def start(self) -> list[ObjectiveEntry] | None:
-        """Discover and list once, then keep them current in a thread. Never raises: without the CRD, the RBAC or
-        an API server that answers, the bands are off (:attr:`status` says why) and the thread keeps checking.
-        Returns :meth:`current`."""
+        """Discover and list once, then keep them current in the informer's thread. Never raises: without the CRD,
+        the RBAC or an API server that answers, the bands are off (:attr:`status` says why) and the informer keeps
+        checking. Returns :meth:`current`."""
         self._loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(self._sync)
-        except ObjectivesApiError as exc:  # e.g. a 5xx: the watch thread retries it; the gate starts all the same
+            await asyncio.to_thread(self._objectives.sync)
+        except ObjectivesApiError as exc:  # e.g. a 5xx: the informer retries it; the gate starts all the same
             self._set(SourceState.UNREACHABLE, str(exc))
+        self._failures = 0  # the start's check does not lengthen the first wait
         self._last = self.current()
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name=f"objectives-watch-{self.namespace}", daemon=True)
-        self._thread.start()
+        self._watching = True
+        self._objectives.start()
         if self._last is not None:
             log.info(
                 "InferenceObjectives (%s) in %s: %s",
@@ -203,16 +211,14 @@ class ObjectiveWatch:
 
     async def stop(self) -> None:
         """Stop the watch (closes its connection) and withdraw this source's gauge series."""
-        self._stopping.set()
-        if self._thread is not None:
-            await stop_watch_thread(self._thread, self._stopping, lambda: self._watch)
-            self._thread = None
+        await self._objectives.stop()
+        self._watching = False
         metrics.set_objectives_source(self.namespace, None, None)
 
     # ------------------------------------------------------------ state
     def _set(self, state: SourceState, detail: str = "") -> None:
         """Record the state; one log line when the state or the group version read changes."""
-        gv = self._gv if self._reading else None
+        gv = self._gv if self._objectives.synced else None
         self.status = SourceStatus(state, self.namespace, gv, self._served, len(self.entries()) if gv else 0, detail)
         metrics.set_objectives_source(self.namespace, state.value, gv)
         key = (state, gv)
@@ -224,7 +230,8 @@ class ObjectiveWatch:
         elif gv is None:
             log.warning("InferenceObjectives: %s; priority bands off (the objective header is ignored)", detail)
         else:
-            log.warning("InferenceObjectives: %s; keeping the %d objects of %s last read", detail, len(self._objects), gv)
+            n = len(self._objectives.objects)
+            log.warning("InferenceObjectives: %s; keeping the %d objects of %s last read", detail, n, gv)
 
     def _fail(self, exc: Exception, verb: str) -> SourceState:
         """A refused or unreachable call: the state and its one line."""
@@ -242,10 +249,25 @@ class ObjectiveWatch:
         return SourceState.UNREACHABLE
 
     def _drop(self) -> None:
-        self._gv, self._rv, self._objects, self._reading = None, None, {}, False
+        """No group version is read: its objects are forgotten (bands off)."""
+        self._gv = None
+        self._objectives.reset()
 
-    def _sync(self) -> bool:
-        """Discovery, then a list when needed; records the state. True when the chosen group is being read."""
+    def _use(self, gv: str) -> None:
+        """Read ``gv`` from now on: its objects are listed afresh at the next round."""
+        self._gv = gv
+        group, version = gv.split("/")
+        self._objectives.reset(Resource(self._api.list_namespaced_custom_object, (group, version, self.namespace, PLURAL)))
+
+    def _not_read(self) -> float:
+        """The objects could not be read this round (the state says why): publish, then wait before the next."""
+        self._publish()
+        return self._wait_s()
+
+    # ------------------------------------------------------------ the informer's hooks (its thread)
+    def _discover(self) -> float | None:
+        """Before each round: which group version to read (discovery). None to list (when needed) and watch it;
+        seconds to wait otherwise (none served, discovery refused or unreachable: the state says so)."""
         try:
             served = tuple(served_group_versions(self._api_client))
         except DiscoveryError as exc:
@@ -259,7 +281,7 @@ class ObjectiveWatch:
                 self._set(SourceState.UNREACHABLE, f"kubernetes API unreachable for discovery: {exc}")
             else:
                 raise ObjectivesApiError(f"kubernetes discovery API failed: {exc}", exc.status) from exc
-            return False
+            return self._not_read()
         if served and len(served) > 1 and served != self._served:
             log.warning(
                 "InferenceObjectives: the API server serves %s; reading %s and ignoring the others' objects, as the EPP does",
@@ -274,7 +296,7 @@ class ObjectiveWatch:
                 f"the API server serves neither {_CANDIDATES} (no InferenceObjective CRD); checking again every "
                 f"{self.recheck_s:g} s",
             )
-            return False
+            return self._not_read()
         if served[0] != self._gv:
             if self._gv is not None:
                 log.warning(
@@ -284,88 +306,42 @@ class ObjectiveWatch:
                     self._gv,
                     self._gv,
                 )
-            self._drop()
-            self._gv = served[0]
-        if self._rv is None:
-            try:
-                self._relist()
-            except Exception as exc:
-                status = _status_of(exc)
-                if status == 404:  # the CRD went between discovery and list
-                    self._drop()
-                    self._set(SourceState.NO_CRD, f"{_CANDIDATES} went away while listing; checking again")
-                    return False
-                if status in (None, 401, 403):
-                    self._fail(exc, "list")
-                    return False
-                raise ObjectivesApiError(
-                    f"kubernetes API: list {PLURAL} ({self._gv}) in namespace {self.namespace!r} failed: {status} "
-                    f"{_api_detail(exc)}",
-                    status,
-                ) from exc
-            self._reading = True
-        self._failures = 0
-        self._set(SourceState.READING)
-        return True
+            self._use(served[0])
+        if self._objectives.resource_version is not None:  # no list needed: reading already
+            self._failures = 0
+            self._set(SourceState.READING)
+            self._publish()
+        return None
 
-    # ------------------------------------------------------------ watch thread
-    def _group_version(self) -> tuple[str, str]:
-        assert self._gv is not None
-        group, version = self._gv.split("/")
-        return group, version
+    def _changed(self, relisted: bool) -> None:
+        if relisted:
+            self._failures = 0
+            self._set(SourceState.READING)
+        self._publish()
 
-    def _relist(self) -> None:
-        group, version = self._group_version()
-        resp: Any = self._api.list_namespaced_custom_object(
-            group, version, self.namespace, PLURAL, _preload_content=False, _request_timeout=(10, 60)
-        )
-        try:
-            body = json.loads(resp.data)
-        finally:
-            resp.release_conn()
-        self._objects = {(o.get("metadata") or {}).get("name", ""): o for o in body.get("items") or []}
-        self._rv = (body.get("metadata") or {}).get("resourceVersion")
-
-    def _watch_once(self) -> None:
-        from kubernetes import watch
-
-        group, version = self._group_version()
-        w = watch.Watch()
-        self._watch = w
-        if self._stopping.is_set():
-            return
-        try:
-            for ev in w.stream(
-                self._api.list_namespaced_custom_object,
-                group,
-                version,
-                self.namespace,
-                PLURAL,
-                resource_version=self._rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=max(1, int(self.recheck_s)),
-                _request_timeout=(10, self.recheck_s + 30),
-            ):
-                if self._stopping.is_set():
-                    return
-                kind, obj = ev.get("type"), ev.get("raw_object") or ev.get("object") or {}
-                meta = obj.get("metadata") or {}
-                if kind == "BOOKMARK":
-                    self._rv = meta.get("resourceVersion") or self._rv
-                    continue
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        self._rv = None
-                        return
-                    continue
-                if kind in ("ADDED", "MODIFIED"):
-                    self._objects[meta.get("name", "")] = obj
-                elif kind == "DELETED":
-                    self._objects.pop(meta.get("name", ""), None)
-                self._rv = meta.get("resourceVersion") or self._rv
-                self._publish()
-        finally:
-            self._watch = None
+    def _read_failed(self, exc: Exception, verb: str) -> float:
+        """A list or watch of the objects failed (not 410 Gone: the informer lists again): a CRD that went, a refusal
+        or an unreachable API server is recorded and waited out; anything else is raised to the informer's back-off."""
+        status = _status_of(exc)
+        if verb == "list":
+            if status == 404:  # the CRD went between discovery and list
+                self._drop()
+                self._set(SourceState.NO_CRD, f"{_CANDIDATES} went away while listing; checking again")
+                return self._not_read()
+            if status in (None, 401, 403):
+                self._fail(exc, "list")
+                return self._not_read()
+        else:
+            if status == 404:  # the CRD went: discovery says so next round
+                self._objectives.relist_next()
+                return 0.0
+            if status in (None, 401, 403):
+                self._fail(exc, "watch")
+                return self._not_read()
+        raise ObjectivesApiError(
+            f"kubernetes API: {verb} {PLURAL} ({self._gv}) in namespace {self.namespace!r} failed: {status} {_api_detail(exc)}",
+            status,
+        ) from exc
 
     def _wait_s(self) -> float:
         """The pause before the next check: a doubling wait while unreachable, else ``recheck_s``."""
@@ -374,41 +350,9 @@ class ObjectiveWatch:
             return min(self.backoff_max_s, self.backoff_s * 2 ** (self._failures - 1))
         return self.recheck_s
 
-    def _round(self) -> None:
-        """Discovery (and a list when needed), then one watch request; a standing condition (no CRD, refused,
-        unreachable) is recorded and waited out here; anything else is raised to :func:`run_rounds`."""
-        if self._stopping.is_set():
-            return
-        ok = self._sync()
-        self._publish()
-        if not ok:
-            self._stopping.wait(self._wait_s())
-            return
-        try:
-            self._watch_once()
-        except Exception as exc:
-            if self._stopping.is_set():
-                return
-            status = _status_of(exc)
-            if status in (404, 410):  # 404: the CRD went (discovery says so next); 410: too old, list again
-                self._rv = None
-                return
-            if status in (None, 401, 403):
-                self._fail(exc, "watch")
-                self._publish()
-                self._stopping.wait(self._wait_s())
-                return
-            raise ObjectivesApiError(
-                f"kubernetes API: watch {PLURAL} ({self._gv}) in namespace {self.namespace!r} failed: {status} "
-                f"{_api_detail(exc)}",
-                status,
-            ) from exc
-        self._set(SourceState.READING)  # the objects' count after the watch's changes
-
-    def _run(self) -> None:
-        run_rounds(self._round, self._stopping, self.backoff_s, self.backoff_max_s, log)
-
     def _publish(self) -> None:
+        if not self._watching:
+            return  # start(): the caller gets the objectives as the return value
         entries = self.current()
         if entries == self._last:
             return

@@ -6,44 +6,5 @@ This package is the TimeSlice client of the orchestrator (``acquire`` / ``releas
 and the RL-framework integrations (:mod:`~llmd_timeslice.client.integrations`).
 """
 
-from llmd_timeslice.client.client import (
-    AcquireResult,
-    AcquireTimeout,
-    AsyncTimeSliceOrchestratorClient,
-    AuthError,
-    InvalidArgument,
-    LeaseError,
-    LeaseLost,
-    LockOrderViolation,
-    NotHolder,
-    OrchestratorUnavailable,
-    StaleFencingToken,
-    StaleWeightVersion,
-    SwitchFailed,
-    TimeSliceError,
-    TimeSliceOrchestratorClient,
-    UnknownGroup,
-    YieldRequested,
-    YieldResult,
-)
-
-__all__ = [
-    "AcquireResult",
-    "AcquireTimeout",
-    "AsyncTimeSliceOrchestratorClient",
-    "AuthError",
-    "InvalidArgument",
-    "LeaseError",
-    "LeaseLost",
-    "LockOrderViolation",
-    "NotHolder",
-    "OrchestratorUnavailable",
-    "StaleFencingToken",
-    "StaleWeightVersion",
-    "SwitchFailed",
-    "TimeSliceError",
-    "TimeSliceOrchestratorClient",
-    "UnknownGroup",
-    "YieldRequested",
-    "YieldResult",
-]
+from llmd_timeslice.client.client import *  # noqa: F403 - the client's public names (client.__all__)
+from llmd_timeslice.client.client import __all__ as __all__

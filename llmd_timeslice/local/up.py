@@ -7,6 +7,8 @@ restarts children that die.
 It keeps ``WORKDIR/stack.json`` current (pids, states, endpoints) for ``status`` and ``down`` from another
 shell, and writes each component's log to ``WORKDIR/logs/<name>.log``.
 
+``down`` and ``status`` read that file from another shell: :mod:`~llmd_timeslice.local.stack_state`.
+
 Stop (Ctrl-C, SIGTERM or ``down``), bounded by ``STOP_BOUND_S``: the gate first (held requests get 503
 ``gate_shutting_down`` through Envoy, which is still up), then engines the stack did not start are woken
 if asleep (they keep serving after the stack is gone), then the orchestrator, sidecars, picker, Envoy, and
@@ -38,17 +40,32 @@ from rich.table import Table
 
 from llmd_timeslice.http_tls import verify_for
 from llmd_timeslice.local.across import NodePart, check_against_head, this_nodes_part, wait_for_token
-from llmd_timeslice.local.across_control import down_requested, print_nodes_status, request_down
+from llmd_timeslice.local.across_control import down_requested
 from llmd_timeslice.local.commands import StackCommands, envoy_argv
 from llmd_timeslice.local.nodes import NodeError
 from llmd_timeslice.local.ports import host_problem, port_problems
 from llmd_timeslice.local.stack_file import BUILTIN_TINY, StackFile
+from llmd_timeslice.local.stack_state import STATE_FILE, STOP_BOUND_S, alive, print_stack_status, read_state, run_down
 from llmd_timeslice.local.supervisor import ChildSpec, StartFailed, Supervisor
 from llmd_timeslice.status import output_console, table
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "stack.json"
+__all__ = [  # down and status moved to stack_state.py; their names are still imported from here
+    "ROUTER_URL_ENV",
+    "STATE_FILE",
+    "STOP_BOUND_S",
+    "Stack",
+    "StackRunner",
+    "alive",
+    "node_stack",
+    "print_stack_status",
+    "read_state",
+    "run_down",
+    "run_up",
+    "stop_stack",
+]
+
 UP_LOCK_FILE = "up.lock"
 """Locked (``flock``) by the ``up`` that runs the workdir's stack, from before its start-up until it exits."""
 ROUTER_URL_ENV = "LLMD_TIMESLICE_ROUTER_URL"
@@ -56,8 +73,6 @@ ROUTER_URL_ENV = "LLMD_TIMESLICE_ROUTER_URL"
 next to ``TIMESLICE_ORCH_ADDR`` and ``LLMD_TIMESLICE_TOKEN_FILE``, and ``examples/rl_loop.py`` reads it."""
 TINY_MODEL_DIR = "tiny-llama"
 """Folder under the workdir where ``builtin:tiny-llama`` is built (a Hugging Face model directory)."""
-STOP_BOUND_S = 60.0
-"""Most seconds a stop takes: gate, engine wake-ups, then every process group (SIGKILL after its grace)."""
 
 
 def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
@@ -588,119 +603,3 @@ def _run_up_locked(file: Path, stack: Stack, console, live_table: bool | None) -
         )
         return 2
     return asyncio.run(_up(stack, console, sys.stdout.isatty() if live_table is None else live_table))
-
-
-# ---------------------------------------------------------------------- down / status
-def alive(pid) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    if not pid:
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:  # no /proc (not Linux): kill(0) is all we know
-        return True
-
-
-def read_state(file: Path, workdir: Path | None = None, port_offset: int | None = None) -> tuple[Path, dict | None]:
-    """(the workdir of the stack of ``file``, its ``stack.json`` or None); ``port_offset`` as given to ``up``."""
-    from llmd_timeslice.local.stack_file import load_stack_file
-
-    sf = load_stack_file(file, port_offset)
-    wd = (workdir or sf.workdir(file.resolve().parent)).resolve()
-    try:
-        return wd, json.loads((wd / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return wd, None
-
-
-def _across_workdir(file: Path, workdir: Path | None, port_offset: int | None) -> Path | None:
-    """The shared workdir of a stack across nodes (None: a one-machine stack)."""
-    from llmd_timeslice.local.stack_file import load_stack_file
-
-    sf = load_stack_file(file, port_offset)
-    return (workdir or sf.workdir(file.resolve().parent)).resolve() if sf.across_nodes() else None
-
-
-def run_down(
-    file: Path, workdir: Path | None = None, timeout_s: float = STOP_BOUND_S + 15, port_offset: int | None = None
-) -> int:
-    """Stop a stack started by ``up`` from another shell: SIGTERM to ``up``, wait, then check nothing is left."""
-    console = Console()
-    across = _across_workdir(file, workdir, port_offset)
-    if across is not None:
-        return request_down(across, console, timeout_s)
-    wd, state = read_state(file, workdir, port_offset)
-    if state is None or not alive(state.get("pid")):
-        console.print(f"no running stack in {wd}")
-        return 0 if state is None or state.get("phase") == "stopped" else _reap(console, state)
-    pid = int(state["pid"])
-    os.kill(pid, signal.SIGTERM)
-    with console.status(f"stopping the stack (pid {pid}) ..."):
-        deadline = time.monotonic() + timeout_s
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    if alive(pid):
-        console.print(f"[red]the stack (pid {pid}) did not stop within {timeout_s:g} s; killing it and its children[/red]")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        return _reap(console, state) or 1
-    console.print("stack stopped")
-    return _reap(console, state)
-
-
-def _reap(console: Console, state: dict) -> int:
-    """Kill the process group of any component still alive (an ``up`` that was SIGKILLed); 0 if none was."""
-    left = [c for c in state.get("components", []) if alive(c.get("pid"))]
-    for c in left:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(int(c["pid"]), signal.SIGKILL)
-        console.print(f"[yellow]killed {c['name']} (pid {c['pid']}), left behind[/yellow]")
-    return 0
-
-
-def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int | None = None) -> int:
-    """Components from the state file, then groups and gate tables from the running stack."""
-    from llmd_timeslice.status import print_status
-
-    console = output_console()
-    across = _across_workdir(file, workdir, port_offset)
-    if across is not None:
-        code, head = print_nodes_status(across, console)
-        if head is None or (code and head.get("phase") != "running"):
-            return code or 1
-        e = head["endpoints"]
-        console.print(f"router {e['router']}  orchestrator {e['orchestrator']}")
-        return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console) or code
-    wd, state = read_state(file, workdir, port_offset)
-    if state is None:
-        console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
-        return 1
-    running = alive(state.get("pid")) and state.get("phase") in ("starting", "running")
-    t = table(
-        f"stack {state['name']!r}: {state['phase'] if running else 'not running'} (pid {state['pid']})",
-        ("component", "state", "pid", "port", "restarts", "last exit"),
-    )
-    for c in state.get("components", []):
-        is_alive = alive(c.get("pid"))
-        t.add_row(
-            c["name"],
-            c["state"] if running else ("orphan!" if is_alive else "stopped"),
-            str(c["pid"] or "-"),
-            str(c["port"] or "-"),
-            str(c["restarts"]),
-            c["last_exit"] or "-",
-        )
-    console.print(t)
-    console.print(f"logs: {Path(state['workdir']) / 'logs'}/<component>.log")
-    if not running:
-        return 1
-    e = state["endpoints"]
-    console.print(f"router {e['router']}  orchestrator {e['orchestrator']}")
-    return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console)

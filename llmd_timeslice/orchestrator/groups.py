@@ -1,9 +1,11 @@
 """The orchestrator: leases and phase switches over a set of accelerator groups, one actor each
 (:class:`~llmd_timeslice.orchestrator.group.Group`). Its calls (:meth:`Orchestrator.acquire`, ``yield_``,
 ``publish_weights``, ``heartbeat``, ``request_yield``, ``update_spec``) check their arguments and post a command to the
-group's actor; the group's parts live in their own modules: :mod:`~llmd_timeslice.orchestrator.group` (the actor),
-:mod:`~llmd_timeslice.orchestrator.lease`, :mod:`~llmd_timeslice.orchestrator.weight_ledger`,
-:mod:`~llmd_timeslice.orchestrator.yield_requests`, :mod:`~llmd_timeslice.orchestrator.phases` (the table).
+group's actor; the group's parts live in their own modules: :mod:`~llmd_timeslice.orchestrator.group` (the actor,
+with the table of its parts), :mod:`~llmd_timeslice.orchestrator.lease_queue`, :mod:`~llmd_timeslice.orchestrator.
+weight_ledger`, :mod:`~llmd_timeslice.orchestrator.sampler_fleet`, :mod:`~llmd_timeslice.orchestrator.yield_desk`,
+:mod:`~llmd_timeslice.orchestrator.phase_switch`, :mod:`~llmd_timeslice.orchestrator.repair`,
+:mod:`~llmd_timeslice.orchestrator.spec_updates`, :mod:`~llmd_timeslice.orchestrator.phases` (the table).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 from llmd_timeslice.domain.group_settings import GroupSpec
 from llmd_timeslice.domain.switches import EngineReading, SwitchRecord
 from llmd_timeslice.orchestrator.clock import Clock, LoopClock, TimerHandle
+from llmd_timeslice.orchestrator.commands import Command
 from llmd_timeslice.orchestrator.errors import AcquireTimedOut, InvalidArgument, NotHolder, UnknownGroup
-from llmd_timeslice.orchestrator.group import SAMPLERS, Command, Group, RestoreOutcome, judge_engines
+from llmd_timeslice.orchestrator.group import SAMPLERS, Group, RestoreOutcome
 from llmd_timeslice.orchestrator.lease import AcquireResult, Lease, Waiter, YieldResult
 from llmd_timeslice.orchestrator.phases import GroupCommand, GroupPhase
+from llmd_timeslice.orchestrator.sampler_fleet import judge_engines
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.weight_ledger import RejectedWeights
 from llmd_timeslice.orchestrator.yield_requests import HoldPressure, YieldAnswer, YieldAsk, YieldRequest, check_ask
@@ -106,7 +110,7 @@ class Orchestrator:
     @staticmethod
     def engine_faults(g: Group, readings: dict[str, EngineReading]) -> dict[str, str]:
         """Sampler address -> why its engine cannot be serving what ``g`` records (see :func:`judge_engines`)."""
-        return {a: why for a, (_, why) in judge_engines(g, readings).items()}
+        return {a: why for a, (_, why) in judge_engines(g.spec.samplers, g.fleet, readings).items()}
 
     def group(self, group_id: str) -> Group:
         """Raises :class:`InvalidArgument` (empty id) or :class:`UnknownGroup` with the known ids."""
@@ -121,10 +125,12 @@ class Orchestrator:
     async def acquire(self, job_id: str, group_id: str, timeout_s: float | None = None, hints: Any = None) -> AcquireResult:
         """Block until ``job_id`` holds ``group_id`` (by the group's scheduling policy), or raise.
 
-        The group's actor takes the ``ACQUIRE`` command in :meth:`Group._on_acquire
-        <llmd_timeslice.orchestrator.group.Group._on_acquire>`: it queues the waiter (:class:`~llmd_timeslice.
-        orchestrator.lease.Waiter`), then grants at once (``Group._grant``) or starts the drain
-        (``Group._start_drain``); the switch's steps post ``DRAINED``, ``SUSPENDED`` back to the same actor.
+        The group's actor takes the ``ACQUIRE`` command (:meth:`Group._on_acquire
+        <llmd_timeslice.orchestrator.group.Group._on_acquire>`); the waiter (:class:`~llmd_timeslice.orchestrator.lease.
+        Waiter`) is admitted and queued by the group's lease queue (:class:`~llmd_timeslice.orchestrator.lease_queue.
+        LeaseQueue`), then granted at once (``Group.grant``, :meth:`LeaseQueue.grant`) or the phase switch drains the
+        samplers for it (:meth:`PhaseSwitch.start_drain <llmd_timeslice.orchestrator.phase_switch.PhaseSwitch.
+        start_drain>`); the switch's steps post ``DRAINED``, ``SUSPENDED`` back to the same actor.
 
         Raises:
             InvalidArgument, UnknownGroup, NotHolder (already holds it or waits for it), LockOrderViolation,
@@ -272,8 +278,9 @@ class Orchestrator:
 
     def audit_endpoint(self, address: str, why: str = "") -> bool:
         """Audit now (instead of at the next tick) every group with a sampler at ``address`` (``ip:port``): a gate
-        saw Envoy fail to connect to it (``why``). The audit reads the engines and repairs a dead one as at a
-        tick (:meth:`Group._on_audit_tick`). Returns whether a group serves that address and engines can be read."""
+        saw Envoy fail to connect to it (``why``). The audit reads the engines and repairs a dead one as at a tick
+        (:meth:`RepairPath.on_audit_tick <llmd_timeslice.orchestrator.repair.RepairPath.on_audit_tick>`). Returns
+        whether a group serves that address and engines can be read."""
         if not self.actions.can_read_engines:
             return False
         found = False

@@ -1,8 +1,9 @@
 """The lease of a group and the jobs queued for it: what a grant is (:class:`Lease`), a job waiting for one
 (:class:`Waiter`), and what ``Acquire``/``Yield`` answer (:class:`AcquireResult`, :class:`YieldResult`).
 
-The group's actor (:class:`~llmd_timeslice.orchestrator.group.Group`) grants and reclaims leases; the waiter order
-is the group's waiter policy (:mod:`llmd_timeslice.orchestrator.waiter_policy`).
+The rules over these records (admission, grants, fencing checks, expiry) are the group's lease queue
+(:mod:`~llmd_timeslice.orchestrator.lease_queue`); the waiter order is the group's waiter policy
+(:mod:`llmd_timeslice.orchestrator.waiter_policy`).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ The group's actor (:class:`~llmd_timeslice.orchestrator.group.Group`) changes th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from llmd_timeslice.domain.group_settings import SamplerEndpoint
-from llmd_timeslice.domain.switches import EngineFault, EngineReading
+from llmd_timeslice.domain.switches import EngineFault, EngineReading, SwitchRecord
 from llmd_timeslice.orchestrator.clock import Clock, TimerHandle
 
 __all__ = ["SamplerFleet", "judge_engines"]
@@ -32,6 +32,87 @@ class SamplerFleet:
         self._repair_timer: TimerHandle | None = None
         self._repair_delay: float | None = None
 
+    @property
+    def serving_version(self) -> int:
+        """Highest weight version any in-service sampler serves (0: the initial weights)."""
+        return max((v for a, v in self.versions.items() if a not in self.errors), default=0)
+
+    # ------------------------------------------------------------------ membership
+    def add(self, address: str) -> None:
+        """A sampler joins (discovery): it serves its initial weights until a wake loads the group's version."""
+        self.versions[address] = 0
+
+    def remove(self, address: str) -> None:
+        """A sampler leaves (discovery): forgotten."""
+        self.versions.pop(address, None)
+        self.errors.pop(address, None)
+        self.unreachable.discard(address)
+
+    # ------------------------------------------------------------------ outcomes
+    def take_wake(self, rec: SwitchRecord, known: Collection[str]) -> None:
+        """The outcome of a wake of samplers at ``known`` addresses (others left the group meanwhile): the versions
+        they loaded; one woken without an error is back in service, one with an error is out of service (why)."""
+        for address, version in rec.sampler_versions.items():
+            if address in known:
+                self.versions[address] = version
+                if address not in rec.sampler_errors:
+                    self.errors.pop(address, None)
+                    self.unreachable.discard(address)
+        self.errors.update({a: e for a, e in rec.sampler_errors.items() if a in known})
+
+    def down_at_sleep(self, unreachable: Mapping[str, str]) -> bool:
+        """Samplers whose engine was down at a sleep (address -> why): out of service (they hold no accelerator
+        memory) until they answer again, then put to sleep. Returns whether there were any."""
+        for addr, why in unreachable.items():
+            self.errors[addr] = f"its engine was down at the sleep ({why}); out of service, put to sleep when it answers again"
+            self.unreachable.add(addr)
+        return bool(unreachable)
+
+    def take_faults(self, faults: Mapping[str, tuple[EngineFault, str]]) -> None:
+        """Engines the audit judged (:func:`judge_engines`) go out of service; a restarted one serves its initial
+        weights, an unreachable one is repaired as soon as it answers again."""
+        for addr, (fault, why) in faults.items():
+            self.errors[addr] = why
+            if fault is EngineFault.RESTARTED:
+                self.versions[addr] = 0
+            elif fault is EngineFault.UNREACHABLE:
+                self.unreachable.add(addr)
+
+    def answering_again(self, readings: Mapping[str, EngineReading]) -> list[str]:
+        """Readings of out-of-service engines: the unreachable ones are recorded; returns those that were unreachable
+        and answer now (no longer recorded unreachable)."""
+        back = []
+        for addr, r in readings.items():
+            if r.unreachable:
+                self.unreachable.add(addr)
+            elif addr in self.unreachable:
+                self.unreachable.discard(addr)
+                back.append(addr)
+        return back
+
+    def returned(self, readings: Mapping[str, EngineReading]) -> tuple[list[str], list[str]]:
+        """Readings while a job holds the group: of the engines that were down at the sleep and answer now, those
+        asleep and those awake (to be put to sleep), by address."""
+        asleep: list[str] = []
+        awake: list[str] = []
+        for addr, r in sorted(readings.items()):
+            if r.unreachable or addr not in self.unreachable:
+                continue
+            (asleep if r.sleeping else awake).append(addr)
+        return asleep, awake
+
+    def back_asleep(self, address: str) -> None:
+        """A sampler down at the sleep is back and asleep: counted in again (it serves after the holder yields)."""
+        self.unreachable.discard(address)
+        self.errors.pop(address, None)
+
+    def mark_unknown(self, addresses: Iterable[str], why: str) -> None:
+        """Samplers whose state is unknown (``why``) go out of service, unless they are already, so that a repair
+        wakes and verifies them."""
+        for addr in addresses:
+            self.errors.setdefault(addr, why)
+
+    # ------------------------------------------------------------------ repair back-off
     @property
     def repair_armed(self) -> bool:
         """Whether the repair timer is armed."""

@@ -11,10 +11,9 @@ Layout of one version (``save_weight_version(model, root, 7)`` -> ``root/v7/``):
 The directory is written under a temporary name and renamed into place, so a sampler never sees a
 half-written version. The checksum is XXH3-128 (``xxhash``): what it guards against is accidental damage
 (a partial copy, a flipped bit, a file rewritten in place), not an adversary who can write the volume, and
-it hashes at memory speed where SHA-256 ran at 0.3-1.8 GB/s per core (docs/decisions/weight-versions-check.md).
-Manifests that name
-``sha256`` still verify. Files are hashed on a thread pool, one file per thread; the sidecar runs the
-hashing while vLLM reads the same files (:func:`check_weight_files` first, then
+it hashes at memory speed, several times faster than SHA-256 per core (docs/decisions/weight-versions-check.md; the
+figures: docs/weights.md). Manifests that name ``sha256`` still verify. Files are hashed on a thread pool, one file
+per thread; the sidecar runs the hashing while vLLM reads the same files (:func:`check_weight_files` first, then
 :meth:`CheckedWeights.verify_contents` alongside the reload: docs/weights.md).
 """
 

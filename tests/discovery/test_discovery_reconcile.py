@@ -16,8 +16,8 @@ from llmd_timeslice.discovery import reconcile
 from llmd_timeslice.discovery.kubernetes import DiscoveryDefaults, KubernetesDiscovery, make_api_client
 from llmd_timeslice.discovery.reconcile import Reconciler
 from llmd_timeslice.domain.group_settings import GroupSpec, SamplerEndpoint
-from llmd_timeslice.orchestrator import groups
 from llmd_timeslice.orchestrator.groups import Orchestrator
+from llmd_timeslice.orchestrator.spec_updates import SpecUpdates
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from tests.support.kube_pods import NS, FakeKube, make_pod
 
@@ -143,15 +143,15 @@ async def test_an_apply_failing_for_one_group_leaves_the_others_applied_and_is_r
     kube.add(make_pod("a0", "g0", ip="10.0.0.1"))
     kube.add(make_pod("b0", "g1", ip="10.0.1.1"))
     attempts: list[float] = []
-    real = groups.Group._apply_spec
+    real = SpecUpdates._apply
 
     async def failing_for_g1(self, spec, replies):
-        if self.group_id == "g1" and len(attempts) < 2:
+        if self._g.group_id == "g1" and len(attempts) < 2:
             attempts.append(time.monotonic())
             raise RuntimeError("injected fault applying g1")  # a bug in the group: GroupFault to the caller
         await real(self, spec, replies)
 
-    monkeypatch.setattr(groups.Group, "_apply_spec", failing_for_g1)
+    monkeypatch.setattr(SpecUpdates, "_apply", failing_for_g1)
     errors_before = reconcile.APPLIES.labels(result="error")._value.get()
     loop = await Loop(api, backoff_s=0.1).start()
     caplog.set_level(logging.WARNING, logger=reconcile.__name__)
@@ -180,7 +180,7 @@ async def test_an_apply_failing_for_one_group_leaves_the_others_applied_and_is_r
 async def test_a_failure_is_retried_with_the_latest_spec_of_its_group(kube, api, monkeypatch):
     kube.add(make_pod("b0", "g1", ip="10.0.1.1"))
     sent: list[list[str]] = []
-    real = groups.Group._apply_spec
+    real = SpecUpdates._apply
 
     async def first_fails(self, spec, replies):
         sent.append([s.address for s in spec.samplers])
@@ -188,7 +188,7 @@ async def test_a_failure_is_retried_with_the_latest_spec_of_its_group(kube, api,
             raise RuntimeError("injected fault")
         await real(self, spec, replies)
 
-    monkeypatch.setattr(groups.Group, "_apply_spec", first_fails)
+    monkeypatch.setattr(SpecUpdates, "_apply", first_fails)
     loop = await Loop(api, backoff_s=5.0).start()  # a long back-off: the newer spec must cut it short
     try:
         await _watching(kube)

@@ -256,7 +256,7 @@ async def _serving_audit(e: Env):
     e.clock.advance(10)
     await e.g().wait_until(lambda g: ("read", "s", [S1.address, S2.address]) in e.acts.calls, 5)
     await asyncio.sleep(0)
-    await e.wait(P.SERVING, pred=lambda g: not g._reading)
+    await e.wait(P.SERVING, pred=lambda g: not g.repair.reading)
     assert not e.g().sampler_errors
 
 
@@ -824,7 +824,7 @@ async def _held_with_an_engine_down_at_the_sleep_put_to_sleep_once_it_answers(e:
     assert S2.address in g.sampler_errors and S2.address in g.unreachable_engines
     e.acts.readings = {S2.address: EngineReading(None, False, "connection refused")}
     g.post(Command(C.AUDIT_TICK))  # still down: nothing to do
-    await g.wait_until(lambda g: ("read", "s", [S2.address]) in e.acts.calls and not g._reading, 5)
+    await g.wait_until(lambda g: ("read", "s", [S2.address]) in e.acts.calls and not g.repair.reading, 5)
     assert S2.address in g.sampler_errors
     e.acts.down = set()
     e.acts.readings = {S2.address: EngineReading("default", False)}  # back from its restart, awake

