@@ -160,62 +160,6 @@ def _completions(ns: str, router: str, n: int, timeout_s: float = 5) -> int:
     return int(r.stdout.strip() or 0)
 
 
-def test_a_node_cut_off_leaves_service_and_rejoins_by_itself_when_its_link_is_back(tmp_path, two_nodes):
-    (ns0, a0), (_ns1, a1) = two_nodes
-    workdir = tmp_path / "wd"
-    stack = {
-        "stack": {"name": "two", "workdir": str(workdir), "max_hold_s": 20, "nodes": [a0, a1]},
-        "groups": [{"group_id": "g", "drain_timeout_s": 5}],
-        "engines": [
-            {"name": "s0", "group": "g", "node": 0, "sidecar_port": 9100, "url": f"http://{a0}:8001"},
-            {"name": "s1", "group": "g", "node": 1, "sidecar_port": 9100, "url": f"http://{a1}:8001"},
-        ],
-    }
-    f = tmp_path / "stack.yaml"
-    f.write_text(yaml.safe_dump(stack))
-    engines = [_in(ns, [sys.executable, "-m", "tests.support.fake_engine_process", "8001", "0", a]) for ns, a in two_nodes]
-    logs = [open(tmp_path / f"up-{i}.log", "w") for i in range(2)]  # noqa: SIM115
-    ups = [
-        _in(ns, [*CLI, "up", "-f", str(f), "--node", str(i), "--no-live"], stdout=logs[i], stderr=subprocess.STDOUT)
-        for i, (ns, _) in enumerate(two_nodes)
-    ]
-    router = f"http://{a0}:8080"
-    veth0 = next(n for n in subprocess.run(["ip", "-n", ns0, "-o", "link"], capture_output=True, text=True).stdout.split()
-                 if n.startswith("h11v"))  # fmt: skip
-    veth0 = veth0.split("@")[0].rstrip(":")
-    try:
-        _wait(
-            lambda: (
-                (_node_phase(workdir, a0) == "running" and _node_phase(workdir, a1) == "running")
-                or any(u.poll() is not None for u in ups)
-            ),
-            150,
-            "both nodes running",
-        )
-        assert _completions(ns0, router, 4) == 4
-        _ip("-n", ns0, "link", "set", veth0, "down")  # the engine node is cut off: connections to it fail at once
-        # the group serves on the head's engine; the gate stops steering to the cut-off node at the first failed
-        # connection, and no request fails: each rides a connection of its own, so one that found the node cut off
-        # is retried on the head's engine (docs/local-stack.md, "Across nodes")
-        assert _completions(ns0, router, 6) == 6
-        assert _completions(ns0, router, 4) == 4
-        _ip("-n", ns0, "link", "set", veth0, "up")
-        engines[0].kill()  # now only the engine node can serve: it must have rejoined by itself
-        engines[0].wait(10)
-        deadline = time.monotonic() + 60
-        while _completions(ns0, router, 1) != 1:
-            assert time.monotonic() < deadline, "the engine node did not rejoin after its link came back"
-            time.sleep(1)
-        assert _completions(ns0, router, 3) == 3
-        assert _run_in(ns0, [*CLI, "down", "-f", str(f)], timeout=120).returncode == 0
-    finally:
-        for p in [*ups, *engines]:
-            if p.poll() is None:
-                p.kill()
-        for lg in logs:
-            lg.close()
-
-
 def test_a_frozen_node_shows_unreachable_and_is_back_in_service_once_continued(tmp_path, two_nodes):
     (ns0, a0), (ns1, a1) = two_nodes
     workdir = tmp_path / "wd"
