@@ -38,6 +38,15 @@ def skip_reason() -> str | None:
         return "network namespaces need root: not root here"
     if shutil.which("ip") is None:
         return "network namespaces need iproute2's `ip`: not installed here"
+    probe = f"ltsprobe{os.getpid()}"
+    try:  # root without CAP_NET_ADMIN (a container), or no veth/bridge support: say so instead of failing
+        _ip("netns", "add", probe)
+        _ip("-n", probe, "link", "add", "br0", "type", "bridge")
+        _ip("-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+    except (subprocess.CalledProcessError, OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot create network namespaces with a bridge and veth pairs here: {getattr(exc, 'stderr', b'') or exc}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
 
 
