@@ -48,9 +48,9 @@ shorter)."""
 
 
 class _LeaseRenewal:
-    """What the sync and async heartbeat loops share: the request, the period (ttl/3) and the rule
-    for giving up. Only the orchestrator's refusal (its lease expired, a stale token, not the holder) records
-    ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`. No heartbeat answered for longer
+    """A held lease's renewal state (the heartbeat task, :class:`_AsyncHeartbeat`, runs it):
+    the request, the period (ttl/3) and the rule for giving up. Only the orchestrator's refusal (its lease expired,
+    a stale token, not the holder) records ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`. No heartbeat answered for longer
     than the TTL (the orchestrator unreachable or stalled, or this process paused: SIGSTOP, a debugger) records
     ``unconfirmed`` and renewing goes on: the next answer says whether the lease was kept (an orchestrator that
     could not run does not count that time against the holder) or reclaimed (then ``lost``)."""
@@ -64,6 +64,8 @@ class _LeaseRenewal:
         self.last_ok = time.monotonic()
         self.yield_request: YieldRequested | None = None
         self._callbacks = callbacks if callbacks is not None else []
+        self.asked = asyncio.Event()
+        """Set while the orchestrator asks this job to yield (``wait_yield_requested`` waits on it)."""
 
     def observe(self, lease: lease_pb2.Lease) -> None:
         """Take a lease answer's yield request: set, cleared, or a new one (callbacks run once per request)."""
@@ -71,25 +73,19 @@ class _LeaseRenewal:
         first = req is not None and self.yield_request is None
         self.yield_request = req
         if req is None:
-            self._clear_asked()
+            self.asked.clear()
             return
         if not first:
             return
         _log.warning(
             "job=%s group=%s the orchestrator asks to yield at the next safe point: %s", self.job, self.group, req.reason
         )
-        self._set_asked()
+        self.asked.set()
         for cb in list(self._callbacks):
             try:
                 cb(req)
             except Exception as exc:
                 _log.error("job=%s group=%s on_yield_requested callback %r raised: %r", self.job, self.group, cb, exc)
-
-    def _set_asked(self) -> None:
-        raise NotImplementedError
-
-    def _clear_asked(self) -> None:
-        raise NotImplementedError
 
     def request(self) -> lease_pb2.HeartbeatRequest:
         return lease_pb2.HeartbeatRequest(job_id=self.job, group_id=self.group, fencing_token=self.token)
@@ -137,7 +133,6 @@ class _AsyncHeartbeat(_LeaseRenewal):
     heartbeats too (its core runs on the client loop)."""
 
     def __init__(self, stub, job: str, group: str, token: int, ttl_s: float, callbacks=None) -> None:
-        self.asked = asyncio.Event()
         self.first_answered = asyncio.Event()
         """Set once the first heartbeat has been answered (or refused): the orchestrator arms a lease's expiry at
         its first heartbeat, so an acquire waits for it before returning (a holder that hangs right after the
@@ -164,12 +159,6 @@ class _AsyncHeartbeat(_LeaseRenewal):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-
-    def _set_asked(self) -> None:
-        self.asked.set()
-
-    def _clear_asked(self) -> None:
-        self.asked.clear()
 
     async def _run(self) -> None:
         self.last_ok = time.monotonic()
