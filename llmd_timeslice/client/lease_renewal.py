@@ -48,12 +48,12 @@ shorter)."""
 
 
 class _LeaseRenewal:
-    """A held lease's renewal state (the heartbeat task, :class:`_AsyncHeartbeat`, runs it):
-    the request, the period (ttl/3) and the rule for giving up. Only the orchestrator's refusal (its lease expired,
-    a stale token, not the holder) records ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`. No heartbeat answered for longer
-    than the TTL (the orchestrator unreachable or stalled, or this process paused: SIGSTOP, a debugger) records
-    ``unconfirmed`` and renewing goes on: the next answer says whether the lease was kept (an orchestrator that
-    could not run does not count that time against the holder) or reclaimed (then ``lost``)."""
+    """A held lease's renewal state (the heartbeat task, :class:`_AsyncHeartbeat`, runs it): the request, the period
+    (ttl/3) and the rule for giving up. Only the orchestrator's refusal (its lease expired, a stale token, not the
+    holder) records ``lost`` and stops renewing; ``release()`` then reports :class:`LeaseLost`. No heartbeat answered
+    for longer than the TTL (the orchestrator unreachable or stalled, or this process paused: SIGSTOP, a debugger)
+    records ``unconfirmed`` and renewing goes on: the next answer says whether the lease was kept (an orchestrator
+    that could not run does not count that time against the holder) or reclaimed (then ``lost``)."""
 
     def __init__(self, job: str, group: str, token: int, ttl_s: float, callbacks: list[YieldCallback] | None = None) -> None:
         self.job, self.group, self.token, self.ttl_s = job, group, token, ttl_s
