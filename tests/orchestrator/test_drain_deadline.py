@@ -21,7 +21,7 @@ from tests.support.router import start_router
 
 pytestmark = pytest.mark.envoy
 
-PICKER_DELAY_S = 3.0
+PICKER_DELAY_S = 2.0  # twice the drain deadline: the picker answers well after it passed
 DRAIN_TIMEOUT_S = 1.0
 
 
@@ -99,7 +99,7 @@ async def test_response_already_flowing_at_the_drain_deadline_completes_on_the_e
     """The other half of the rule: a request whose response has started is not cut; the sleep (mode=wait) lets it end."""
     engine, _addr, orch, router, client = slow_picker_stack
     pool = router.pool()
-    engine.completion_delay_s = 2.5  # the stream's headers are out at once, its last event 2.5 s later
+    engine.completion_delay_s = 2.0  # the stream's headers are out at once, its last event 2 s later (past the deadline)
     async with httpx.AsyncClient(timeout=30) as c:
         async with c.stream(
             "POST", router.url + "/v1/completions", json={"stream": True}, headers={"x-request-id": "flowing-1"}
