@@ -30,7 +30,7 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
     pidfile = tmp_path / "grandchild.pid"
     family = ChildSpec("family", ["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"], tmp_path / "family.log", stop_grace_s=2)
     events: list[tuple[str, str]] = []
-    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)))
+    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)), backoff_s=0.25)
     await sup.start()
     try:
         first = sup.child("web").pid
@@ -38,10 +38,10 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
         await _until(lambda: sup.child("web").restarts == 1 and sup.child("web").state == "ready")
         assert sup.child("web").pid != first
         assert sup.child("web").last_exit == "signal SIGKILL"
-        assert any(n == "web" and "restarting in 1 s" in m for n, m in events)
+        assert any(n == "web" and "restarting in 0.25 s" in m for n, m in events)
         os.kill(sup.child("web").pid, signal.SIGKILL)  # dies again at once: the delay doubles
         await _until(lambda: sup.child("web").restarts == 2 and sup.child("web").state == "ready")
-        assert any(n == "web" and "restarting in 2 s" in m for n, m in events)
+        assert any(n == "web" and "restarting in 0.5 s" in m for n, m in events)
         await _until(pidfile.exists)
         grandchild = int(pidfile.read_text())
         assert alive(grandchild)
@@ -169,7 +169,7 @@ async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_p
             assert f"port {port} is held by pid {os.getpid()}" in msg, msg
         else:
             assert "exited with code 2 while starting (a usage error" in msg and "No such option: --colour" in msg, msg
-        await asyncio.sleep(1.5)  # more than the next back-off: nothing restarts it
+        await asyncio.sleep(1.5)  # more than the next back-off (1 s): nothing restarts it
         assert sup.child("web").restarts == 1 and len(fatal) == 1
     finally:
         await sup.stop()
