@@ -1,6 +1,6 @@
 """A dead or stalled gate gives clients a retryable status, on each shipped variant's own Envoy version.
 
-Each Envoy-based variant runs its own Envoy (``manifests/generate.py`` ``ENVOY_VERSIONS``: standalone 1.40.0 pinned by
+Each Envoy-based variant runs its own Envoy (``manifests/families/envoy.py`` ``ENVOY_VERSIONS``: standalone 1.40.0 pinned by
 our values, Istio 1.29 on the 1.37 line, Envoy Gateway v1.9 on 1.39.0). HTTP ext_authz on Envoy 1.37.0 answers 403
 instead of the configured ``status_on_error`` when its server fails or times out (envoyproxy/envoy #42099 brought
 it, #43257 fixed it; changelogs/1.37.1.yaml), and a 403 is no reason for any client to retry. So every variant's

@@ -1707,7 +1707,7 @@ CONFIG_ENVOY_VERSIONS = {
 
 def test_each_variant_is_validated_with_the_envoy_it_runs_and_make_setup_installs_it():
     """Issue 25 defect 1: one Envoy (the wheel's) validated every variant, while each gateway runs its own. Every
-    Envoy-based variant has its version (cited in generate.py), the Makefile installs each one the venv's wheel is
+    Envoy-based variant has its version (cited in manifests/families/envoy.py), the Makefile installs each one the venv's wheel is
     not, and the standalone values pin the proxy image to the version the bootstrap is validated with (the chart's
     default, distroless-v1.33.2, refuses ``status_on_error``)."""
     assert set(gen.ENVOY_VERSIONS) == {"standalone", "istio", "istio-ext-proc", "envoy-gateway"}
