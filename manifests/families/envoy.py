@@ -25,7 +25,7 @@ ENVOY_VERSIONS: dict[str, str] = {
     "envoy-gateway": "1.39.0",
 }
 """The Envoy version each shipped Envoy-based variant runs (agentgateway is not Envoy; the label fallback adds no Envoy
-configuration). tests/manifests/test_manifests.py validates every rendered configuration with that version's binary, and
+configuration). tests/manifests/test_envoy_configs.py validates every rendered configuration with that version's binary, and
 tests/gate/test_envoy_versions.py starts it against a dead and a stalled gate (the Makefile installs each version)."""
 
 STANDALONE_PROXY_IMAGE = f"docker.io/envoyproxy/envoy:distroless-v{ENVOY_VERSIONS['standalone']}"

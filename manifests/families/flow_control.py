@@ -126,7 +126,7 @@ EPP_PLUGIN_PARAMETERS: dict[str, frozenset[str]] = {
         {"prefixMatchInfoProducerName", "matchLengthWeight", "matchLengthScaleTokens"}  # the last two: v0.10.0
     ),
 }
-"""Plugin type -> the parameters the pinned EPP knows (tests/manifests/test_manifests.py checks every EPP config we render or
+"""Plugin type -> the parameters the pinned EPP knows (tests/manifests/test_gateway_routes.py checks every EPP config we render or
 cite against it)."""
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.manifests.test_manifests import S, gen, values
+from tests.manifests.support import S, gen, values
 
 
 def _layered(text: str) -> dict:
