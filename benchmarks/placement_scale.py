@@ -10,7 +10,7 @@ placed four ways and judged by the same simulation (:mod:`llmd_timeslice.placeme
   round-robin inside (RollMux, arXiv 2512.11306, as its abstract describes it; not its code);
 * ``plan``: :class:`~llmd_timeslice.placement.search.Planner` (the heuristic: 64 jobs is beyond the exact search).
 
-Switch costs per job are this project's, from the RL model (``benchmarks/rl_model.py``, strategy ``llmd_timeslice``
+Switch costs per job are this project's, from the RL model (``benchmarks/rl_model/``, strategy ``llmd_timeslice``
 at the job's model size: verified level-1 sleep and wake of the samplers, trainer state offload and restore over
 PCIe with the device checksum). The planner's run time on 1,000 jobs of the same mix is measured too (process CPU
 seconds, one core).
@@ -268,6 +268,6 @@ def run_scale(jobs: int = 64, seed: int = 0, timing_jobs: int = 1000, log=print)
         "classes": [c.__dict__ for c in CLASSES],
         "jitter": {"job": JOB_JITTER, "iteration": ITERATION_JITTER},
         "sources": SOURCES,
-        "switch_costs": "per job: benchmarks/rl_model.py strategy llmd_timeslice at the job's model size; group grant: "
+        "switch_costs": "per job: benchmarks/rl_model/ strategy llmd_timeslice at the job's model size; group grant: "
         f"{COSTS.grant_s:.4f} s (measured here)",
     }

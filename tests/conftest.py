@@ -17,6 +17,16 @@ import pytest
 
 from tests.support.artifacts import ARTIFACTS
 
+# Helper modules whose own assertions check what the tests prove (the manifest helpers, the group machine's harness and
+# scenarios): pytest rewrites them like test files, so a failing assert there reports its values (before any import).
+pytest.register_assert_rewrite(
+    "tests.manifests.support",
+    "tests.orchestrator.group_machine_support",
+    "tests.orchestrator.group_edges",
+    "tests.orchestrator.group_fault_edges",
+    "tests.orchestrator.group_yield_edges",
+)
+
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before any grpc import (see llmd_timeslice/__init__.py)
 # One OpenMP thread per test process (torch, and every child process: trainers, offload checks): 4 pytest workers
 # on 2 cores plus their children already use every core, and torch's own pool of one thread per core spins while it

@@ -49,7 +49,7 @@ def test_a_difference_is_one_line_naming_the_fact_and_both_values():
     assert "llmd_timeslice/domain/objectives.py" in line
     (types,) = [e for e in RECORD if e["id"] == "epp.plugin-types"]
     gone = dict(types, value=[t for t in types["value"] if t != "queue-scorer"])
-    assert difference(gone).endswith('lacks ["queue-scorer"], which ours (manifests/generate.py) uses')
+    assert difference(gone).endswith('lacks ["queue-scorer"], which ours (manifests/families/flow_control.py) uses')
 
 
 def test_a_proto_whose_upstream_moved_a_field_differs_on_that_field():

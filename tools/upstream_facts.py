@@ -113,7 +113,7 @@ FACTS: tuple[Fact, ...] = (
         "v0.10.0",
         ("pkg",),
         "go_plugin_types",
-        ("regex_all", {"file": "manifests/generate.py", "pattern": r'"type": "([a-z0-9-]+)"'}),
+        ("regex_all", {"file": "manifests/families/flow_control.py", "pattern": r'"type": "([a-z0-9-]+)"'}),
         compare="subset",
         note="every EPP plugin type our EndpointPickerConfigs name is registered by that EPP",
     ),

@@ -1,5 +1,5 @@
 """Discrete-event simulation (simpy) of RL jobs taking turns on lease groups: the core of the duty-cycle model of
-``benchmarks/rl_model.py`` and of the placement planner's predictions (no I/O).
+``benchmarks/rl_model/`` and of the placement planner's predictions (no I/O).
 
 The model
     A *job* repeats iterations; each iteration is a list of steps (:data:`Script`): a :class:`Use` holds one lease

@@ -1,4 +1,4 @@
-"""Fast unit tests of the RL rollout duty-cycle model (benchmarks/rl_model.py) and the real run's helpers."""
+"""Fast unit tests of the RL rollout duty-cycle model (benchmarks/rl_model/) and the real run's helpers."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """A dead or stalled gate gives clients a retryable status, on each shipped variant's own Envoy version.
 
-Each Envoy-based variant runs its own Envoy (``manifests/generate.py`` ``ENVOY_VERSIONS``: standalone 1.40.0 pinned by
+Each Envoy-based variant runs its own Envoy (``manifests/families/envoy.py`` ``ENVOY_VERSIONS``: standalone 1.40.0 pinned by
 our values, Istio 1.29 on the 1.37 line, Envoy Gateway v1.9 on 1.39.0). HTTP ext_authz on Envoy 1.37.0 answers 403
 instead of the configured ``status_on_error`` when its server fails or times out (envoyproxy/envoy #42099 brought
 it, #43257 fixed it; changelogs/1.37.1.yaml), and a 403 is no reason for any client to retry. So every variant's
-configuration, as the tests of tests/manifests/test_manifests.py build it, is started with the Envoy binary of its version,
+configuration, as the tests under tests/manifests/ build it, is started with the Envoy binary of its version,
 its gate cluster pointed at (a) a port nobody listens on and (b) a socket that accepts and never answers (a gate
 frozen by SIGSTOP: the kernel still accepts), and a request must get 503 (what each filter's ``status_on_error``
 or our ``local_reply_config`` maps) within the gate timeout plus a margin.
@@ -16,7 +16,7 @@ turn any answer into its own 500, which is not the case under test.
 What is rewritten for the run, and only that: listener and admin ports (free loopback ones), the gate clusters'
 endpoints, the EPP clusters' endpoints (the picker, plaintext: the chart's EPP serves TLS), and the gate filter's
 timeout (1 s instead of the hold limit, so a stall costs a second, not ten minutes: the timeout's own value is
-checked in tests/manifests/test_manifests.py).
+checked in tests/manifests/test_gateway_routes.py and test_istio_fast_path.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 import yaml
 
 from llmd_timeslice.router.envoy_config import AUTHZ_FILTER_NAME
-from tests.manifests.test_manifests import (
+from tests.manifests.support import (
     GUIDE,
     S,
     built,
@@ -59,7 +59,7 @@ RETRYABLE = {503}
 
 
 def variant_bootstraps() -> dict[str, dict]:
-    """Variant -> the Envoy bootstrap it runs (the same builders as the validation in tests/manifests/test_manifests.py)."""
+    """Variant -> the Envoy bootstrap it runs (the same builders as the validation in tests/manifests/test_envoy_configs.py)."""
     return {
         "standalone": gen.render_chart_envoy_yaml((GUIDE / "router" / "values-standalone.yaml").read_text(), S.pool, S.namespace),
         "istio": istio_effective_config(find(built("gateways/istio"), "EnvoyFilter")),
@@ -266,7 +266,7 @@ def test_envoy_1_37_0_really_answers_403_for_a_failed_http_ext_authz_check(tmp_p
 
 
 def test_the_bootstraps_run_here_are_the_validated_ones():
-    """Only ports, gate endpoints and the gate timeout differ from what tests/manifests/test_manifests.py validates."""
+    """Only ports, gate endpoints and the gate timeout differ from what tests/manifests/test_envoy_configs.py validates."""
     for variant, boot in variant_bootstraps().items():
         run, _, _ = for_run(boot, 1)
         a, b = yaml.safe_dump(boot), yaml.safe_dump(run)

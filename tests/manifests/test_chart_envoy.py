@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from manifests import chart_envoy
-from tests.manifests.test_manifests import GUIDE, REPO, S, envoy_validate_all, gen
+from tests.manifests.support import GUIDE, REPO, S, envoy_validate_all, gen
 
 FLAGS = {"secure": True, "plaintext": False}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.manifests.test_manifests import S, gen, values
+from tests.manifests.support import S, gen, values
 
 
 def _layered(text: str) -> dict:
@@ -33,7 +33,7 @@ def test_the_pinned_epp_has_one_ttl_so_the_empty_pool_hold_is_default_request_tt
 def test_an_epp_with_no_endpoint_request_ttl_holds_only_the_empty_pool_for_max_hold(monkeypatch):
     monkeypatch.setitem(gen.EPP_HAS_NO_ENDPOINT_REQUEST_TTL, "vX-with-2284", True)
     assert gen.flow_control_ttl(S, "vX-with-2284") == {"noEndpointRequestTTL": f"{S.max_hold_s:g}s"}
-    monkeypatch.setattr(gen, "EPP_VERSION", "vX-with-2284")
+    monkeypatch.setattr(gen.flow_control, "EPP_VERSION", "vX-with-2284")
     layered = _layered(gen.flow_control_values(S, _release({"defaultRequestTTL": "30s", "maxRequests": "100"})))
     assert layered["flowControl"] == {
         "defaultRequestTTL": "30s",  # the release's own budget for a saturated pool, kept

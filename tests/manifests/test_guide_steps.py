@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from manifests import guide_steps as gs
-from tests.manifests.test_manifests import FIXTURE, GUIDE, S, _fixture_values, built, gen, helm_coalesce
+from tests.manifests.support import FIXTURE, GUIDE, S, _fixture_values, built, gen, helm_coalesce
 
 GATE = "llmd-timeslice-gate"
 ORCHESTRATOR = "llmd-timeslice-orchestrator"

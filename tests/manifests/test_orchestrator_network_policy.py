@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.manifests.test_manifests import GATEWAYS, built, find
+from tests.manifests.support import GATEWAYS, built, find
 
 ORCHESTRATOR = "llmd-timeslice-orchestrator"
 

@@ -37,7 +37,7 @@ from llmd_timeslice.orchestrator.groups import Orchestrator
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.orchestrator.yield_requests import HoldPressure
 from llmd_timeslice.status import print_status
-from tests.orchestrator.test_group_machine import ScriptedActions
+from tests.orchestrator.group_machine_support import ScriptedActions
 from tests.orchestrator.test_orchestrator import RecordingActions
 
 TOKEN = "yield-token"
