@@ -17,9 +17,10 @@ connection (its node cut off, or frozen) is caught instead by a reachability pro
 ``probe_after_s`` while it waits, and one the sidecar does not answer within ``open_timeout_s`` fails the command with
 :class:`StreamBroken` (UNAVAILABLE), long before the command's own timeout (the operation's deadline, minutes), with
 every other command on that stream; the owner then drops the connection (``on_unreachable``), which may stay dead
-long after the network is back, so the next command connects anew. Unary calls, not transport pings: no ping policy to trip. A command answered within ``probe_after_s`` (most sleeps and
-wakes) costs no probe. A sidecar without the method (an older release: UNIMPLEMENTED) raises
-:class:`StreamUnsupported` and is not asked again; the caller uses the unary calls.
+long after the network is back, so the next command connects anew. Unary calls, not transport pings: no ping
+policy to trip. A command answered within ``probe_after_s`` (most sleeps and wakes) costs no probe. A sidecar
+without the method (an older release: UNIMPLEMENTED) raises :class:`StreamUnsupported` and is not asked again; the
+caller uses the unary calls.
 """
 
 from __future__ import annotations
