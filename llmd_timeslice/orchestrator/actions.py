@@ -136,6 +136,8 @@ class GrpcSwitchActions(SwitchActions):
         self.operation_timeout_s = operation_timeout_s
         self.start_rpc_timeout_s = start_rpc_timeout_s
         self._channels: dict[str, aio.Channel] = {}
+        self._retired: set[aio.Channel] = set()
+        """Channels dropped after an unanswered probe, closing (:meth:`_retire_channel`)."""
         self._stub_cache: dict[str, tuple[spb_grpc.SnapshotAgentServiceStub, xpb_grpc.SnapshotOperationsServiceStub]] = {}
         self._streams: dict[str, OperationStream] = {}
         self._md = auth.call_metadata(token)
@@ -165,15 +167,22 @@ class GrpcSwitchActions(SwitchActions):
             # The token goes as call metadata (self._md), not through an interceptor: grpc.aio runs an intercepted
             # call as an extra task, a measurable share of a switch's CPU per sampler
             # (docs/decisions/sidecar-operation-stream.md).
-            ch = self._channels[target] = tls.aio_channel(target, self._tls)
+            # Its own subchannel pool: by default channels to one target with the same settings share a connection,
+            # and a channel made anew after a probe went unanswered (_retire_channel) would get the dead one again.
+            ch = self._channels[target] = tls.aio_channel(target, self._tls, options=[("grpc.use_local_subchannel_pool", 1)])
         return ch
 
     def _operation_stream(self, sampler: SamplerEndpoint) -> OperationStream:
         """The operation stream to ``sampler``'s sidecar (made on first use), with the current start deadline."""
         stream = self._streams.get(sampler.sidecar)
         if stream is None:
-            stream = self._streams[sampler.sidecar] = OperationStream(
-                self._stubs(sampler.sidecar)[1], self._md, self.start_rpc_timeout_s, probe=self._reachable(sampler.sidecar)
+            target = sampler.sidecar
+            stream = self._streams[target] = OperationStream(
+                self._stubs(target)[1],
+                self._md,
+                self.start_rpc_timeout_s,
+                probe=self._reachable(target),
+                on_unreachable=lambda: self._retire_channel(target),
             )
         stream.open_timeout_s = self.start_rpc_timeout_s
         return stream
@@ -192,7 +201,25 @@ class GrpcSwitchActions(SwitchActions):
 
         return probe
 
+    def _retire_channel(self, target: str) -> None:
+        """The sidecar at ``target`` left a probe unanswered: its channel (and the connection under it, which may stay
+        dead for tens of seconds after the network is back: TCP's retransmissions back off) is dropped, so the next
+        call to it connects anew and reaches it as soon as it is reachable. Calls still on the old channel get
+        ``RPC_TIMEOUT_S`` to end before it is closed."""
+        ch = self._channels.pop(target, None)
+        self._stub_cache.pop(target, None)
+        self._streams.pop(target, None)
+        if ch is None:
+            return
+        log.warning("sidecar %s did not answer a probe: its connection is dropped, the next call connects anew", target)
+        self._retired.add(ch)
+        task = asyncio.get_running_loop().create_task(ch.close(grace=RPC_TIMEOUT_S))
+        task.add_done_callback(lambda _t: self._retired.discard(ch))
+
     async def close(self) -> None:
+        for ch in list(self._retired):
+            await ch.close()
+        self._retired.clear()
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()

@@ -23,17 +23,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
-from llmd_timeslice.placement import replan
-from llmd_timeslice.placement.plan_file import Plan, PlanFileError, load_plan
-from llmd_timeslice.placement.profile import ACCELERATOR_PHASES, PhaseKind
+from llmd_timeslice.placement.profile import ACCELERATOR_PHASES, DEFAULT_GAIN, DEFAULT_GAP, PhaseKind
 from llmd_timeslice.placement.recorder import Hints, ProfileRecorder
 from llmd_timeslice.placement.wire import costs_to_proto, profile_to_proto
+
+if TYPE_CHECKING:  # the planner (numpy, its search) is imported by the first check of a plan: most stacks have none
+    from llmd_timeslice.placement import replan
+    from llmd_timeslice.placement.plan_file import Plan
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,8 @@ class CheckSettings:
 
     plan_file: Path | None = None
     interval_s: float = 300.0
-    gap: float = replan.DEFAULT_GAP
-    gain: float = replan.DEFAULT_GAIN
+    gap: float = DEFAULT_GAP
+    gain: float = DEFAULT_GAIN
 
 
 class PlacementWatch:
@@ -130,6 +132,8 @@ class PlacementWatch:
         path = self.settings.plan_file
         if path is None:
             return None
+        from llmd_timeslice.placement.plan_file import PlanFileError, load_plan
+
         try:
             stamp = path.stat().st_mtime
             if self._plan is None or getattr(self, "_stamp", None) != stamp:
@@ -161,6 +165,8 @@ class PlacementWatch:
         measured = self.measured_duty_cycle(plan)
         if measured is None:
             return None
+        from llmd_timeslice.placement import replan
+
         res = replan.check(
             plan, str(self.settings.plan_file), self.recorder.profiles(), measured, self.settings.gap, self.settings.gain
         )

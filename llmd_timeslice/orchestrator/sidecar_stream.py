@@ -15,10 +15,12 @@ tests/faults/test_orchestrator_failover.py), failing a switch; so a sidecar that
 connection (its node cut off, or frozen) is caught instead by a reachability probe: a command with no answer after
 ``probe_after_s`` gets a probe (a unary call on the same channel, :class:`OperationStream`'s ``probe``) every
 ``probe_after_s`` while it waits, and one the sidecar does not answer within ``open_timeout_s`` fails the command with
-:class:`StreamBroken` (UNAVAILABLE), long before the command's own timeout (the operation's deadline, minutes).
-Unary calls, not transport pings: no ping policy to trip. A command answered within ``probe_after_s`` (most sleeps and
-wakes) costs no probe. A sidecar without the method (an older release: UNIMPLEMENTED) raises
-:class:`StreamUnsupported` and is not asked again; the caller uses the unary calls.
+:class:`StreamBroken` (UNAVAILABLE), long before the command's own timeout (the operation's deadline, minutes), with
+every other command on that stream; the owner then drops the connection (``on_unreachable``), which may stay dead
+long after the network is back, so the next command connects anew. Unary calls, not transport pings: no ping
+policy to trip. A command answered within ``probe_after_s`` (most sleeps and wakes) costs no probe. A sidecar
+without the method (an older release: UNIMPLEMENTED) raises :class:`StreamUnsupported` and is not asked again; the
+caller uses the unary calls.
 """
 
 from __future__ import annotations
@@ -72,12 +74,15 @@ PROBE_AFTER_S = 2.0
 """A command without an answer after this long gets a reachability probe, and again this often while it waits."""
 
 
-async def _watch(fut: asyncio.Future, probe: Probe, timeout_s: float, every_s: float) -> None:
-    """Fail ``fut`` when the sidecar stops answering probes (module docstring); ends when ``fut`` does."""
+async def _watch(
+    fut: asyncio.Future, probe: Probe, timeout_s: float, every_s: float, lost: Callable[[StreamBroken], None]
+) -> None:
+    """Call ``lost`` with the reason when the sidecar stops answering probes while ``fut`` waits (module docstring);
+    ends when ``fut`` does."""
     while not fut.done():
         if not await probe(timeout_s):
             if not fut.done():
-                fut.set_exception(
+                lost(
                     StreamBroken(
                         grpc.StatusCode.UNAVAILABLE,
                         f"the sidecar did not answer a call within {timeout_s:g} s while the operation ran: "
@@ -115,11 +120,22 @@ class _Open:
             why = StreamBroken(grpc.StatusCode.CANCELLED, "the orchestrator closed its operation stream")
             raise
         finally:
-            self.broken = why
+            if self.broken is None:  # else failed first (:meth:`fail`): that reason stands
+                self.broken = why
             pending, self.pending = self.pending, {}
             for fut in pending.values():
                 if not fut.done():
                     fut.set_exception(why)
+
+    def fail(self, why: StreamBroken) -> None:
+        """Fail every command waiting on this stream with ``why`` and end it."""
+        if self.broken is None:
+            self.broken = why
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(why)
+        self.close()
 
     def close(self) -> None:
         self.call.cancel()
@@ -136,6 +152,8 @@ class OperationStream:
             the sidecar to answer a reachability probe.
         probe: the reachability probe of a command waiting for its answer (module docstring); None: none.
         probe_after_s: when a waiting command is first probed, and how often again.
+        on_unreachable: called when a probe went unanswered (after the stream was ended and every command waiting on
+            it failed): the connection under it is dead, so the caller replaces it (a new channel, a new connection).
     """
 
     def __init__(
@@ -145,8 +163,10 @@ class OperationStream:
         open_timeout_s: float,
         probe: Probe | None = None,
         probe_after_s: float = PROBE_AFTER_S,
+        on_unreachable: Callable[[], None] | None = None,
     ) -> None:
         self._stub = stub
+        self._on_unreachable = on_unreachable
         self._md = tuple(metadata)
         self.open_timeout_s = open_timeout_s
         self._probe = probe
@@ -238,11 +258,14 @@ class OperationStream:
         timer = loop.call_later(timeout_s, _expire, fut, timeout_s)
         watch: list[asyncio.Task] = []
         if self._probe is not None:
-            probe = self._probe
+            probe, stream = self._probe, cur
+
+            def lost(why: StreamBroken) -> None:
+                self._lost(stream, why)
 
             def start_watch() -> None:
                 if not fut.done():
-                    watch.append(loop.create_task(_watch(fut, probe, self.open_timeout_s, self.probe_after_s)))
+                    watch.append(loop.create_task(_watch(fut, probe, self.open_timeout_s, self.probe_after_s, lost)))
 
             probe_timer = loop.call_later(self.probe_after_s, start_watch)
         try:
@@ -257,6 +280,17 @@ class OperationStream:
         if event.WhichOneof("event") == "refused":
             raise OperationRefused(event.refused)
         return event.result
+
+    def _lost(self, cur: _Open, why: StreamBroken) -> None:
+        """The sidecar did not answer a probe: every command on the stream ``cur`` fails with ``why`` (they wait on
+        the same dead connection), the stream ends, and the owner hears of it (``on_unreachable``). A black-holed
+        connection (a node cut off) may stay dead long after the network is back (TCP's retransmissions back off to
+        tens of seconds), so the next command must not go over it."""
+        if self._open is cur:
+            self._open = None
+        cur.fail(why)
+        if self._on_unreachable is not None:
+            self._on_unreachable()
 
     def close(self) -> None:
         """End the stream (commands waiting on it fail with :class:`StreamBroken`)."""

@@ -37,6 +37,10 @@ orchestrator's state (a ConfigMap holds 1 MiB)."""
 
 DEFAULT_SLOWDOWN_BUDGET = 0.05
 """A job's default slowdown budget: its period may be at most 5 % longer than alone."""
+DEFAULT_GAP = 0.10
+"""Re-plan when the measured duty cycle is this much off the prediction (relative), or a job is over budget."""
+DEFAULT_GAIN = 0.10
+"""Advise a re-plan when it would raise the predicted duty cycle by more than this (relative)."""
 
 
 class PhaseKind(enum.StrEnum):

@@ -23,13 +23,8 @@ from dataclasses import dataclass, field
 
 from llmd_timeslice.placement.evaluate import Candidate, Layout
 from llmd_timeslice.placement.plan_file import Plan, build_plan
-from llmd_timeslice.placement.profile import IncompleteProfile, JobProfile
+from llmd_timeslice.placement.profile import DEFAULT_GAIN, DEFAULT_GAP, IncompleteProfile, JobProfile
 from llmd_timeslice.placement.search import BudgetsUnmet, Planner, PlanningError, SearchOptions
-
-DEFAULT_GAP = 0.10
-"""Re-plan when the measured duty cycle is this much off the prediction (relative), or a job is over budget."""
-DEFAULT_GAIN = 0.10
-"""Advise a re-plan when it would raise the predicted duty cycle by more than this (relative)."""
 
 
 @dataclass

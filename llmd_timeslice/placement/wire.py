@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import ByteSize
 
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import orchestrator_info_pb2 as info_pb
-from llmd_timeslice.placement.evaluate import SwitchCosts
 from llmd_timeslice.placement.profile import DEFAULT_SLOWDOWN_BUDGET, JobProfile, PhaseKind, PhaseStats
 from llmd_timeslice.placement.recorder import SwitchCostStats
+
+if TYPE_CHECKING:  # the planner (numpy) is imported where it is used: not by the orchestrator, which only serves
+    from llmd_timeslice.placement.evaluate import SwitchCosts
 
 
 def durations(kind: str, stats: PhaseStats) -> info_pb.PhaseDurations:
@@ -62,6 +66,8 @@ def switch_costs_of(msg: info_pb.SwitchCosts) -> SwitchCosts | None:
     sleep, wake, handover = stats_of(msg.sleep), stats_of(msg.wake), stats_of(msg.handover)
     if not (sleep.samples_s or wake.samples_s or handover.samples_s):
         return None
+    from llmd_timeslice.placement.evaluate import SwitchCosts
+
     return SwitchCosts(
         grant_s=handover.quantile_s(0.5),
         served=msg.served,

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmd_timeslice.local.across import STALE_AFTER_S
+
 pytestmark = [pytest.mark.nodes, pytest.mark.envoy, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +73,14 @@ def _node_phase(workdir: Path, node: str) -> str | None:
         return json.loads((workdir / "nodes" / node / "stack.json").read_text()).get("phase")
     except (OSError, ValueError):
         return None
+
+
+def _node_updated(workdir: Path, node: str) -> float:
+    """When ``node``'s ``up`` last refreshed its record (unix seconds; now, if it cannot be read this moment)."""
+    try:
+        return float(json.loads((workdir / "nodes" / node / "stack.json").read_text())["updated_unix_s"])
+    except (OSError, ValueError, KeyError):
+        return time.time()
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:
@@ -194,7 +204,8 @@ def test_a_frozen_node_shows_unreachable_and_is_back_in_service_once_continued(t
         frozen = subprocess.run(["ip", "netns", "pids", ns1], capture_output=True, text=True, check=True).stdout.split()
         for pid in frozen:  # every process of the engine node stops, as a node that hangs
             os.kill(int(pid), 19)  # SIGSTOP
-        time.sleep(12)  # longer than the state refresh bound (10 s) the other nodes judge it by
+        # until its record is older than the state refresh bound (10 s) the other nodes judge it by
+        _wait(lambda: time.time() - _node_updated(workdir, a1) > STALE_AFTER_S + 0.3, 30, "the frozen node's record stale")
         st = _run_in(ns0, [*CLI, "status", "-f", str(f)])
         assert f"node {a1}: unreachable" in st.stdout and f"node {a0} (head): running" in st.stdout, st.stdout
         for pid in frozen:

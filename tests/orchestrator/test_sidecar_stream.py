@@ -242,3 +242,34 @@ async def test_a_sidecar_black_holed_after_its_stream_opened_fails_the_command_w
         await proxy.stop()
         await srv.stop()
         engine.stop()
+
+
+async def test_a_sidecar_reachable_again_after_a_cut_is_reached_at_once_not_over_the_dead_connection():
+    """The cable back after a cut: the connection that was black-holed may stay dead long after (TCP's retransmissions
+    back off to tens of seconds; nothing resets it). The probe that found the sidecar unreachable dropped that
+    connection, so the next command connects anew and is answered at once, instead of failing the probe again on the
+    old connection."""
+    from tests.support.tcp_proxy import TcpProxy
+
+    engine = FakeVllm().start()
+    srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await srv.start()
+    proxy = await TcpProxy("127.0.0.1", srv.port).start()
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN, start_rpc_timeout_s=1.0)
+    sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), proxy.address, "s")
+    try:
+        cfg = acts._config(1)
+        acts._operation_stream(sampler).probe_after_s = 0.3
+        await acts._operation(sampler, "g", "sleep", cfg)
+        proxy.blackhole()
+        with pytest.raises(SamplerStepFailed, match="did not answer a call within 1 s while the operation ran"):
+            await acts._operation(sampler, "g", "wake", cfg)
+        proxy.heal(keep_dead=True)  # the old connection stays silent; a new one passes
+        acts.start_rpc_timeout_s = 5.0
+        op = await acts._operation(sampler, "g", "wake", cfg)
+        assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 0
+    finally:
+        await acts.close()
+        await proxy.stop()
+        await srv.stop()
+        engine.stop()

@@ -16,6 +16,7 @@ class TcpProxy:
         self.mode = "pass"  # pass | blackhole | refuse
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._dead: set[asyncio.StreamWriter] = set()  # connections left black-holed by heal(keep_dead=True)
 
     async def start(self) -> TcpProxy:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -32,7 +33,7 @@ class TcpProxy:
             return
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
-                if self.mode == "pass":
+                if self.mode == "pass" and writer not in self._dead:
                     writer.write(data)
                     await writer.drain()
         with contextlib.suppress(Exception):
@@ -47,7 +48,7 @@ class TcpProxy:
             while (item := await queue.get()) is not None:
                 due, data = item
                 await asyncio.sleep(max(0.0, due - loop.time()))
-                if self.mode == "pass":
+                if self.mode == "pass" and writer not in self._dead:
                     writer.write(data)
                     await writer.drain()
 
@@ -73,6 +74,7 @@ class TcpProxy:
         self._writers |= {writer, uw}
         await asyncio.gather(self._pipe(reader, uw), self._pipe(ur, writer, delayed=True))
         self._writers -= {writer, uw}
+        self._dead -= {writer, uw}
 
     def blackhole(self) -> None:
         """Drop every byte from now on (both ways) while keeping connections open; refuse new ones."""
@@ -85,11 +87,16 @@ class TcpProxy:
             with contextlib.suppress(Exception):
                 w.transport.abort()
 
-    def heal(self) -> None:
-        """Let bytes through again; black-holed connections stay dead (the peers must reconnect)."""
-        for w in list(self._writers):
-            with contextlib.suppress(Exception):
-                w.transport.abort()
+    def heal(self, keep_dead: bool = False) -> None:
+        """Let bytes through again; black-holed connections stay dead (the peers must reconnect): reset, or with
+        ``keep_dead`` kept open and silent, as a connection whose retransmissions backed off far past the cable's
+        return (nothing tells its peer to reconnect)."""
+        if keep_dead:
+            self._dead |= self._writers
+        else:
+            for w in list(self._writers):
+                with contextlib.suppress(Exception):
+                    w.transport.abort()
         self.mode = "pass"
 
     async def stop(self) -> None:
