@@ -277,16 +277,18 @@ async def test_leader_frozen_past_its_lease_is_fenced_after_the_takeover_and_ste
         svc.pin(a)
         svc.proxy.cut()
         svc.proxy.heal()
+    # A steps down on the refusal (the event waited for here). The Service stops sending to it at once: a gate kept
+    # on a deposed A until A exits backs off its reconnects (gRPC's back-off grew to 6 s once), so it reached B late.
+    await until(lambda: "steps down" in a.log(), what="A steps down")
+    svc.pin(None)
     assert await asyncio.to_thread(a.proc.wait, 30) == 3, "A stepped down and exited with code 3"
     log = a.log()
-    assert "steps down" in log
     if refused_by == "sidecar":
         assert "refused a command of leader term 1: it has seen term 2" in log
         assert "from orchestrator leader term 1 refused, this sidecar has seen term 2" in caplog.text
     else:
         assert "gate gate-0 refused a command of leader term 1: it has seen term 2" in log
         assert "a command of orchestrator leader term 1 refused: this gate has seen term 2" in caplog.text
-        svc.pin(None)
     # Nothing of A's late commands took effect: B's state stands, the gate steers by B's.
     await until(lambda: gate.subscription.connected.is_set() and set(pool.serving()) == set(addrs), what="the gate on B")
     assert all(e.level == 0 for e in engines)
