@@ -23,6 +23,7 @@ import port_for
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epp_plugin.gate import subscription
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceError
@@ -118,8 +119,11 @@ def lease() -> dict:
 
 
 @pytest.fixture
-async def pair(tmp_path, lease):
+async def pair(tmp_path, lease, monkeypatch):
     st: dict = {"lease": lease}
+    # The gate's reconnect back-off cap, scaled down like the Lease timings: its tries at the frozen or killed A fail
+    # (no snapshot within stale_after_s) and back off, so with the 5 s cap it reached B up to 5 s after B served.
+    monkeypatch.setattr(subscription, "RECONNECT_MAX_S", 1.0)
     api = st["api"] = FakeKubeApi()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
