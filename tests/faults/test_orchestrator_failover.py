@@ -130,7 +130,10 @@ async def pair(tmp_path, lease, monkeypatch):
     # A's way to the API server goes through a proxy the test can black-hole (a partitioned node).
     api_path_a = st["api_path_a"] = await TcpProxy("127.0.0.1", int(api.url.rsplit(":", 1)[1])).start()
     kc_a = write_kubeconfig(tmp_path / "kubeconfig-a", f"http://{api_path_a.address}", NS)
-    kc_b = write_kubeconfig(tmp_path / "kubeconfig-b", api.url, NS)
+    # B's way there is refused until A leads, so that both processes start at once (a Python start each) and A leads.
+    api_path_b = st["api_path_b"] = await TcpProxy("127.0.0.1", int(api.url.rsplit(":", 1)[1])).start()
+    api_path_b.cut()
+    kc_b = write_kubeconfig(tmp_path / "kubeconfig-b", f"http://{api_path_b.address}", NS)
     engines = st["engines"] = [FakeVllm().start() for _ in range(2)]
     sidecars = st["sidecars"] = [
         SidecarServer({f"s{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token=TOKEN) for i, e in enumerate(engines)
@@ -147,9 +150,10 @@ async def pair(tmp_path, lease, monkeypatch):
         inv.write_text(json.dumps({"groups": [{"group_id": "g", "drain_timeout_s": 5, "lease_ttl_s": 1, "samplers": samplers}]}))
         a = st["a"] = Orchestrator("orch-a", str(inv), kc_a, str(token_file), tmp_path, lease)
         b = st["b"] = Orchestrator("orch-b", str(inv), kc_b, str(token_file), tmp_path, lease)
-        await a.start()
+        await asyncio.gather(a.start(), b.start())
         await until(lambda: _holder(api).startswith("orch-a"), what="A leads")
-        await b.start()
+        api_path_b.heal()
+        await until(lambda: "lease held by orch-a" in b.log(), what="B follows A")
         svc = st["svc"] = await Service([a, b]).start()
         await until(lambda: svc.proxy.target[1] == a.port, what="the Service routes to A")
         gate = st["gate"] = GateServer(
@@ -169,12 +173,13 @@ async def pair(tmp_path, lease, monkeypatch):
             if k in st:
                 with contextlib.suppress(ProcessLookupError):
                     st[k].signal(signal.SIGCONT)
-                st[k].stop()
+                await asyncio.to_thread(st[k].stop)  # the loop keeps serving B's API path (its release)
         for s in sidecars:
             await s.stop()
         for e in engines:
             e.stop()
         await api_path_a.stop()
+        await api_path_b.stop()
         api.stop()
 
 
