@@ -157,7 +157,7 @@ async def pair(tmp_path, lease, monkeypatch):
         svc = st["svc"] = await Service([a, b]).start()
         await until(lambda: svc.proxy.target[1] == a.port, what="the Service routes to A")
         gate = st["gate"] = GateServer(
-            GateConfig(ext_proc_port=0, control_port=0, orchestrator=svc.address, token=TOKEN, stale_after_s=2, gate_id="gate-0")
+            GateConfig(ext_proc_port=0, control_port=0, orchestrator=svc.address, token=TOKEN, stale_after_s=1, gate_id="gate-0")
         )
         await gate.start()
         await asyncio.wait_for(gate.subscription.connected.wait(), 30)
