@@ -277,8 +277,15 @@ class LeaderElector:
 
     async def stop(self, release: bool = False) -> None:
         """Stop campaigning or leading; with ``release`` (and leading), then hand the Lease back (after the election
-        thread ended, so that no renewal in flight writes it again: at most a retry period later)."""
+        thread ended, so that no renewal in flight writes it again: at most a retry period later).
+
+        Without ``release`` nothing waits for the election thread: it ends at its next call of the lock
+        (:class:`ElectionStopped`) or when the call in flight returns. A deposed leader cut off from the API server
+        thus exits at once instead of waiting out its hung Lease call (``renew_deadline_s``)."""
         self.lock.stopped.set()
+        if not release:
+            self._api.close()  # idle connections only: a call in flight ends by itself
+            return
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, self.retry_period_s + self.renew_deadline_s + 1.0)
         alive = self._thread is not None and self._thread.is_alive()

@@ -369,7 +369,9 @@ class OrchestratorServer:
         if self.orchestrator in SAMPLERS_OUT_OF_SERVICE.orchestrators:
             SAMPLERS_OUT_OF_SERVICE.orchestrators.remove(self.orchestrator)
         await self.orchestrator.close()
-        if self.orchestrator.persister is not None:
+        if self.orchestrator.persister is not None and not self.stepped_down.is_set():
+            # A deposed leader does not wait for its write in flight: that write is refused or moot (a newer
+            # leader owns the state), and on a node cut off from the API server it hangs its request timeout.
             await self.orchestrator.persister.close()
         self.hub.close_all()
         await asyncio.sleep(0)

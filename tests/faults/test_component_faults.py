@@ -96,7 +96,7 @@ async def _requests(pool, n: int) -> list:
 
 async def test_sidecar_killed_mid_sleep_fails_the_acquire_then_the_group_repairs_itself(stack):
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
-    stack["orch"].actions.start_rpc_timeout_s = 2.0  # how long a call to the dead sidecar waits (6 s by default)
+    stack["orch"].actions.start_rpc_timeout_s = 1.5  # how long a call to the dead sidecar waits (6 s by default)
     for e in engines:
         e.sleep_delay_s = 1.0
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))
@@ -152,10 +152,10 @@ async def test_engine_killed_stays_out_of_service_and_comes_back_when_restarted(
 async def test_slow_control_plane_delays_the_switch_but_loses_nothing(stack):
     engines, client, pool, addrs = stack["engines"], stack["client"], stack["pool"], stack["addrs"]
     for e in engines:
-        e.sleep_delay_s = e.wake_delay_s = 2.0
+        e.sleep_delay_s = e.wake_delay_s = 1.0
     t = asyncio.get_running_loop().time()
     await client.acquire(timeout_sec=60)
-    assert asyncio.get_running_loop().time() - t >= 2.0
+    assert asyncio.get_running_loop().time() - t >= 1.0
     waiting = [asyncio.create_task(pool.admit()) for _ in range(20)]
     await asyncio.sleep(0.2)
     assert not any(w.done() for w in waiting)
@@ -208,7 +208,9 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
     )
     core.start_repair(first_s=0.5, max_s=2.0, audit_interval_s=0.2)
     sidecars[0].kill()
-    await asyncio.sleep(6)  # ~30 audit probes of the dead sidecar: no verdict on its engine, nothing changes
+    # ~15 audit probes of the dead sidecar: no verdict on its engine, nothing changes; the channel's reconnect back-off
+    # (0.5 s, x1.6 per failed attempt) has grown to ~2 s, about as long as the sidecar's restart below takes.
+    await asyncio.sleep(3)
     assert set(pool.serving()) == set(addrs) and not core.groups["g"].sampler_errors
     await sidecars[0].start()
     await client.acquire(timeout_sec=30)
@@ -218,16 +220,18 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
 
 
 async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_acquire_then_comes_back(stack):
-    """A sidecar frozen (SIGSTOP) mid-sleep for longer than the group's sleep deadline (set to 3 s here; the
-    orchestrator waits that long plus its RPC margin for the answer): the acquire fails with the reason instead of
-    hanging, no request reaches a sleeping engine, and after SIGCONT the group serves on both samplers again by itself
-    (repair) and the next acquire works."""
+    """A sidecar frozen (SIGSTOP) mid-sleep for longer than the group's sleep deadline (set to 3 s here): the
+    orchestrator's reachability probe (sidecar_stream.py: after 2 s without an answer, a call the frozen sidecar does
+    not answer within ``start_rpc_timeout_s``, 2 s here) fails the acquire with the reason instead of hanging until the
+    sleep deadline plus its RPC margin; no request reaches a sleeping engine, and after SIGCONT the group serves on
+    both samplers again by itself (repair) and the next acquire works."""
     import os
     import signal
 
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
     g = stack["orch"].orchestrator.groups["g"]
     g.spec.sleep_deadline_s = 3.0  # the group's sleep deadline (issue 38 §2)
+    stack["orch"].actions.start_rpc_timeout_s = 2.0  # the probe's deadline (6 s by default)
     for e in engines:
         e.sleep_delay_s = 0.5
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))

@@ -6,8 +6,9 @@ Before: a gate frozen for more than its ``stale_after_s`` (or an orchestrator fr
 through the router timing out for good, because the gate healed its stale view only on a reconnect and the stream
 stayed up. The bound asserted here: requests are served again within ``stale_after_s`` + 4 s of the resume
 (the gate resubscribes at once; 4 s is slack for a loaded 2-core machine), none fails, and none reaches an engine
-while it sleeps. Deadlines are scaled down (``stale_after_s`` 1.5 s, freezes of 4 s) to keep the test short;
-benchmarks/soak.py runs the full-size freezes.
+while it sleeps. Deadlines are scaled down (``stale_after_s`` 1.5 s, a lease TTL of 1.5 s, freezes of 2.5 s; a freeze
+while a trainer acquires lasts until the grant, which the orchestrator gives only after the frozen gate's
+``stale_after_s``) to keep the test short; benchmarks/soak.py runs the full-size freezes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import yaml
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.domain.inventory import Inventory
+from llmd_timeslice.orchestrator.gate_hub import GATE_COMMANDS
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.router.envoy_launcher import EnvoyProcess
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
@@ -38,7 +40,8 @@ from tests.support.waits import until
 pytestmark = pytest.mark.timeout(180)
 TOKEN = "t"
 STALE_AFTER_S = 1.5
-FREEZE_S = 4.0
+FREEZE_S = 2.5
+LEASE_TTL_S = 1.5
 SERVED_WITHIN_S = STALE_AFTER_S + 4.0
 
 
@@ -142,14 +145,20 @@ async def test_gate_process_frozen_past_its_deadlines_while_a_trainer_acquires_s
         first = min(r[1] for r in load.served_after(resumed))
         print(f"served again {first - resumed:.2f} s after SIGCONT of the gate")
         assert first - resumed <= SERVED_WITHIN_S
-        # 2. Frozen while a trainer acquires: the orchestrator waits until the silent gate holds by
+        # 2. Frozen while a trainer acquires, until the grant: the orchestrator waits until the silent gate holds by
         # itself (stale_after_s), then puts both engines to sleep.
-        freeze = asyncio.create_task(asyncio.to_thread(_freeze, gate.proc.pid, FREEZE_S))
-        await asyncio.sleep(0.3)
-        await asyncio.wait_for(client.acquire(timeout_sec=60), 30)
-        assert all(e.level != 0 for e in engines), "granted: both engines asleep"
-        resumed = await freeze
-        await asyncio.sleep(1.0)  # the thawed gate must hold, not steer to the sleeping engines
+        os.kill(gate.proc.pid, signal.SIGSTOP)
+        try:
+            await asyncio.wait_for(client.acquire(timeout_sec=60), 30)
+            assert all(e.level != 0 for e in engines), "granted: both engines asleep"
+            snapshots = GATE_COMMANDS.labels("snapshot")._value.get()
+        finally:
+            os.kill(gate.proc.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        # The thawed gate must hold, not steer to the sleeping engines, from its thaw until it resubscribed (its
+        # stream was closed when it did not ack the drain) and took the fresh snapshot (both engines asleep).
+        await until(lambda: GATE_COMMANDS.labels("snapshot")._value.get() > snapshots, 20, what="the gate's resync")
+        await asyncio.sleep(0.2)  # requests sent after the resync are held too
         await client.release()
         released = time.monotonic()
         await until(lambda: len(load.served_after(released)) >= 10, SERVED_WITHIN_S + 20, what="service after the release")
@@ -175,7 +184,7 @@ async def test_gate_process_frozen_past_its_deadlines_while_a_trainer_acquires_s
 async def test_orchestrator_process_frozen_past_the_gates_deadline_and_the_lease_ttl_comes_back_by_itself(tmp_path: Path):
     engines, sidecars = await _engines_and_sidecars()
     inv_file = tmp_path / "inventory.yaml"
-    inv_file.write_text(yaml.safe_dump(_inventory(engines, sidecars, lease_ttl_s=3.0)))
+    inv_file.write_text(yaml.safe_dump(_inventory(engines, sidecars, lease_ttl_s=LEASE_TTL_S)))
     (tmp_path / "token").write_text(TOKEN)
     port = port_for.select_random()
     orch = CliProcess(
@@ -215,12 +224,14 @@ async def test_orchestrator_process_frozen_past_the_gates_deadline_and_the_lease
         first = min(r[1] for r in load.served_after(resumed))
         print(f"served again {first - resumed:.2f} s after SIGCONT of the orchestrator")
         assert first - resumed <= SERVED_WITHIN_S
-        # 2. Frozen past the holder's lease TTL (3 s) while the holder heartbeats: its heartbeats waited in a
-        # socket, so the lease is kept (the orchestrator does not count the time it could not run).
-        await asyncio.wait_for(client.acquire(timeout_sec=60), 30)
-        await asyncio.sleep(1.2)  # the client heartbeats every ttl/3: the lease is armed
+        # 2. Frozen past the holder's lease TTL while the holder heartbeats: its heartbeats waited in a socket, so
+        # the lease is kept (the orchestrator does not count the time it could not run).
+        await asyncio.wait_for(client.acquire(timeout_sec=60), 30)  # returns once a heartbeat armed the lease
         await asyncio.to_thread(_freeze, orch.proc.pid, FREEZE_S)
-        await asyncio.sleep(2.0)  # two more heartbeats after the resume
+        # Unconfirmed during the freeze ("no heartbeat answered"); a heartbeat answered after the resume confirms it,
+        # one refused (the lease expired) would say so for good.
+        await until(lambda: not (client.lease_lost() or "").startswith("no heartbeat answered"), 20, what="a heartbeat")
+        await asyncio.sleep(LEASE_TTL_S)  # held for a whole TTL after the resume: a late reclaim would show by now
         assert client.lease_lost() is None
         await client.release()  # raises LeaseLost if the lease was reclaimed
         released = time.monotonic()

@@ -23,6 +23,7 @@ import port_for
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epp_plugin.gate import subscription
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceError
@@ -118,15 +119,21 @@ def lease() -> dict:
 
 
 @pytest.fixture
-async def pair(tmp_path, lease):
+async def pair(tmp_path, lease, monkeypatch):
     st: dict = {"lease": lease}
+    # The gate's reconnect back-off cap, scaled down like the Lease timings: its tries at the frozen or killed A fail
+    # (no snapshot within stale_after_s) and back off, so with the 5 s cap it reached B up to 5 s after B served.
+    monkeypatch.setattr(subscription, "RECONNECT_MAX_S", 1.0)
     api = st["api"] = FakeKubeApi()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     # A's way to the API server goes through a proxy the test can black-hole (a partitioned node).
     api_path_a = st["api_path_a"] = await TcpProxy("127.0.0.1", int(api.url.rsplit(":", 1)[1])).start()
     kc_a = write_kubeconfig(tmp_path / "kubeconfig-a", f"http://{api_path_a.address}", NS)
-    kc_b = write_kubeconfig(tmp_path / "kubeconfig-b", api.url, NS)
+    # B's way there is refused until A leads, so that both processes start at once (a Python start each) and A leads.
+    api_path_b = st["api_path_b"] = await TcpProxy("127.0.0.1", int(api.url.rsplit(":", 1)[1])).start()
+    api_path_b.cut()
+    kc_b = write_kubeconfig(tmp_path / "kubeconfig-b", f"http://{api_path_b.address}", NS)
     engines = st["engines"] = [FakeVllm().start() for _ in range(2)]
     sidecars = st["sidecars"] = [
         SidecarServer({f"s{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token=TOKEN) for i, e in enumerate(engines)
@@ -143,13 +150,14 @@ async def pair(tmp_path, lease):
         inv.write_text(json.dumps({"groups": [{"group_id": "g", "drain_timeout_s": 5, "lease_ttl_s": 1, "samplers": samplers}]}))
         a = st["a"] = Orchestrator("orch-a", str(inv), kc_a, str(token_file), tmp_path, lease)
         b = st["b"] = Orchestrator("orch-b", str(inv), kc_b, str(token_file), tmp_path, lease)
-        await a.start()
+        await asyncio.gather(a.start(), b.start())
         await until(lambda: _holder(api).startswith("orch-a"), what="A leads")
-        await b.start()
+        api_path_b.heal()
+        await until(lambda: "lease held by orch-a" in b.log(), what="B follows A")
         svc = st["svc"] = await Service([a, b]).start()
         await until(lambda: svc.proxy.target[1] == a.port, what="the Service routes to A")
         gate = st["gate"] = GateServer(
-            GateConfig(ext_proc_port=0, control_port=0, orchestrator=svc.address, token=TOKEN, stale_after_s=2, gate_id="gate-0")
+            GateConfig(ext_proc_port=0, control_port=0, orchestrator=svc.address, token=TOKEN, stale_after_s=1, gate_id="gate-0")
         )
         await gate.start()
         await asyncio.wait_for(gate.subscription.connected.wait(), 30)
@@ -165,12 +173,13 @@ async def pair(tmp_path, lease):
             if k in st:
                 with contextlib.suppress(ProcessLookupError):
                     st[k].signal(signal.SIGCONT)
-                st[k].stop()
+                await asyncio.to_thread(st[k].stop)  # the loop keeps serving B's API path (its release)
         for s in sidecars:
             await s.stop()
         for e in engines:
             e.stop()
         await api_path_a.stop()
+        await api_path_b.stop()
         api.stop()
 
 
@@ -241,6 +250,7 @@ async def test_leader_killed_mid_switch_the_new_leader_grants_the_waiting_acquir
 # Longer than the trainer's lease (1 s): a thawed A, cut off from the API server, believes it leads until one Lease
 # call times out (renew_deadline_s), long enough to send its late commands: 5 s, for the gate's case on a loaded
 # machine (its reconnect to the thawed A, A's snapshot, the refusal and A's log of it took longer than 3 s once).
+# A bound, not a wait: A steps down at the refusal (about a second after the thaw) and the test goes on from there.
 FROZEN_LEASE = {"lease_duration_s": 6, "renew_deadline_s": 5, "retry_period_s": 1}
 
 
@@ -254,8 +264,7 @@ async def test_leader_frozen_past_its_lease_is_fenced_after_the_takeover_and_ste
     if refused_by == "sidecar":
         # A grants and arms the trainer's lease (heartbeats): A's lease timer will fire when A thaws.
         client = AsyncTimeSliceOrchestratorClient(svc.address, job_id="trainer", group_id="g", token=TOKEN)
-        await client.acquire(timeout_sec=30)
-        await asyncio.sleep(0.5)  # a heartbeat arms the trainer's 1 s lease
+        await client.acquire(timeout_sec=30)  # returns once a heartbeat armed the trainer's 1 s lease
         assert all(e.level == 1 for e in engines)
     a.signal(signal.SIGSTOP)
     if refused_by == "sidecar":
@@ -277,16 +286,18 @@ async def test_leader_frozen_past_its_lease_is_fenced_after_the_takeover_and_ste
         svc.pin(a)
         svc.proxy.cut()
         svc.proxy.heal()
+    # A steps down on the refusal (the event waited for here). The Service stops sending to it at once: a gate kept
+    # on a deposed A until A exits backs off its reconnects (gRPC's back-off grew to 6 s once), so it reached B late.
+    await until(lambda: "steps down" in a.log(), what="A steps down")
+    svc.pin(None)
     assert await asyncio.to_thread(a.proc.wait, 30) == 3, "A stepped down and exited with code 3"
     log = a.log()
-    assert "steps down" in log
     if refused_by == "sidecar":
         assert "refused a command of leader term 1: it has seen term 2" in log
         assert "from orchestrator leader term 1 refused, this sidecar has seen term 2" in caplog.text
     else:
         assert "gate gate-0 refused a command of leader term 1: it has seen term 2" in log
         assert "a command of orchestrator leader term 1 refused: this gate has seen term 2" in caplog.text
-        svc.pin(None)
     # Nothing of A's late commands took effect: B's state stands, the gate steers by B's.
     await until(lambda: gate.subscription.connected.is_set() and set(pool.serving()) == set(addrs), what="the gate on B")
     assert all(e.level == 0 for e in engines)

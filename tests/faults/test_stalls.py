@@ -14,6 +14,7 @@ stayed up, and steers again from a fresh snapshot within a second.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from epp_plugin.gate.server import GateConfig, GateServer
@@ -63,17 +64,21 @@ async def test_gate_loop_stalled_past_stale_after_holds_first_then_resubscribes_
     try:
         assert await _in_gate(lt, pool.serving) == (E1, E2)
         resubscribes, resyncs = gate.subscription.resubscribes, gate.subscription.resyncs
-        # Freeze the gate's loop for 3x its stale_after_s. Meanwhile the orchestrator drains E1 (no ack: the gate is
+        # Block the gate's loop until the test lets it go. Meanwhile the orchestrator drains E1 (no ack: the gate is
         # stuck; it waits until the gate has been silent for stale_after_s) and puts it to sleep.
-        lt.loop.call_soon_threadsafe(time.sleep, 3 * STALE_AFTER_S)
+        stall = threading.Event()
+        lt.loop.call_soon_threadsafe(stall.wait, 30)
         await asyncio.sleep(0.2)
         t0 = time.monotonic()
         _, laggards = await orch.hub.publish("default", [(E1, DRAINING, None)])
         assert laggards == [gate.subscription.gate_id]
         assert time.monotonic() - t0 >= STALE_AFTER_S * 0.9, "the orchestrator waits for the lost gate to hold by itself"
         await orch.hub.publish("default", [(E1, ASLEEP, None)])
-        # The loop runs again: the first thing the data path does must not steer to E1 (asleep by now).
-        first = await asyncio.wait_for(_in_gate(lt, pool.serving), 10)
+        # Let go once the data path's next call waits behind the stall (longer than stale_after_s: the drain waited
+        # that long): the first thing the data path does must not steer to E1 (asleep by now).
+        first_call = _in_gate(lt, pool.serving)
+        stall.set()
+        first = await asyncio.wait_for(first_call, 10)
         assert E1 not in first, f"the first request after the stall was steered by the old view: {first}"
         # It comes back by itself, from a fresh snapshot: E1 asleep, E2 serving.
         t_resume = time.monotonic()
@@ -82,6 +87,7 @@ async def test_gate_loop_stalled_past_stale_after_holds_first_then_resubscribes_
         assert gate.subscription.resubscribes > resubscribes, "the gate dropped its own stream to get a current view"
         print(f"steering again {time.monotonic() - t_resume:.2f} s after the loop ran again")
     finally:
+        stall.set()
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(gate.stop(), lt.loop))
         lt.close()
         await orch.stop()
@@ -97,7 +103,7 @@ async def test_gate_loop_stalled_on_an_idle_stream_comes_back_and_releases_what_
     gate = await _gate_in_thread(lt, orch.port)
     pool = gate.pools["default"]
     try:
-        lt.loop.call_soon_threadsafe(time.sleep, 2.5 * STALE_AFTER_S)
+        lt.loop.call_soon_threadsafe(time.sleep, 1.5 * STALE_AFTER_S)
         await asyncio.sleep(0.2)
         held = asyncio.run_coroutine_threadsafe(pool.admit(), lt.loop)  # runs once the loop is let go
         adm = await asyncio.wait_for(asyncio.wrap_future(held), 10)
@@ -120,7 +126,7 @@ async def test_a_3000_request_hold_built_after_a_stall_is_released():
     gate = await _gate_in_thread(lt, orch.port)
     pool = gate.pools["default"]
     try:
-        lt.loop.call_soon_threadsafe(time.sleep, 2.5 * STALE_AFTER_S)
+        lt.loop.call_soon_threadsafe(time.sleep, 1.5 * STALE_AFTER_S)
         await asyncio.sleep(0.2)
         await orch.hub.publish("default", [(E1, DRAINING, None), (E2, DRAINING, None)])
         await orch.hub.publish("default", [(E1, ASLEEP, None), (E2, ASLEEP, None)])
@@ -172,8 +178,7 @@ async def test_a_trainer_paused_past_its_lease_learns_it_lost_the_group_at_once_
     )
     try:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
-        assert line.strip() == "held", line
-        await asyncio.sleep(0.8)  # heartbeats arm the 1 s lease
+        assert line.strip() == "held", line  # acquire() returned once a heartbeat armed the 1 s lease
         proc.send_signal(signal.SIGSTOP)
         await until(lambda: orch.orchestrator.groups["g"].holder is None, 10, what="the orchestrator reclaims the group")
         await asyncio.sleep(0.5)

@@ -6,13 +6,18 @@ release that hands over at once, and the library's timing rules as one-line erro
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from kubernetes.leaderelection.leaderelectionrecord import LeaderElectionRecord
 
 from llmd_timeslice.discovery.kubernetes import make_api_client
+from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.election import LeaderElector, TermLeaseLock, check_timings
+from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.kube_api import FakeKubeApi
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(60)
 FAST = {"lease_duration_s": 2, "renew_deadline_s": 1.5, "retry_period_s": 1}
@@ -86,6 +91,80 @@ async def test_a_leader_whose_lease_is_taken_loses_it(apiserver):
         assert "intruder" in a.lost_reason
     finally:
         await a.stop()
+
+
+async def test_a_deposed_leader_cut_off_from_the_api_server_stops_without_waiting_for_its_hung_lease_call(apiserver):
+    """A leader that steps down (a fenced refusal) exits at once: ``stop()`` without release does not wait for the
+    Lease call hanging on an unreachable API server (before: the process waited its renew deadline, 5 s, to exit)."""
+    proxy = await TcpProxy("127.0.0.1", int(apiserver.url.rsplit(":", 1)[1])).start()
+    timings = {"lease_duration_s": 6, "renew_deadline_s": 5, "retry_period_s": 1}
+    a = LeaderElector(make_api_client(host=f"http://{proxy.address}"), "ml", "orch", "a", **timings)
+    api = a.lock.api_instance
+    calls = {"done": 0, "started": 0}
+
+    def counted(call):
+        def run(*args, **kwargs):
+            calls["started"] += 1
+            try:
+                return call(*args, **kwargs)
+            finally:
+                calls["done"] += 1
+
+        return run
+
+    api.read_namespaced_lease = counted(api.read_namespaced_lease)
+    api.replace_namespaced_lease = counted(api.replace_namespaced_lease)
+    a.start()
+    try:
+        await asyncio.wait_for(a.wait_leading(), 10)
+        done = calls["done"]
+        await until(lambda: calls["done"] > done, 10, what="a renewal call answered")
+        proxy.blackhole()  # the node is cut off: every Lease call from now on hangs until renew_deadline_s
+        started = calls["started"]
+        await until(lambda: calls["started"] > started, 10, what="a Lease call after the cut")
+        await a.stop()
+        assert a._thread is not None and a._thread.is_alive(), "stop() returned while the Lease call still hangs"
+    finally:
+        await proxy.stop()  # the hung call fails now: the thread ends
+    await until(lambda: not a._thread.is_alive(), 10, what="the election thread ends")
+
+
+class _HangingStore:
+    """A state store whose saves hang until ``go`` is set once ``hang`` is (a ConfigMap write to an API server the
+    node is cut off from)."""
+
+    def __init__(self) -> None:
+        self.hang, self.go, self.hanging = threading.Event(), threading.Event(), threading.Event()
+
+    def load(self) -> dict | None:
+        return None
+
+    def save(self, state: dict) -> None:
+        if self.hang.is_set():
+            self.hanging.set()
+            self.go.wait(30)
+
+
+async def test_a_leader_that_stepped_down_stops_without_waiting_for_its_state_write_in_flight(apiserver):
+    """A deposed leader's write in flight is refused or moot (a newer leader owns the state): its stop does not wait
+    for it (before: a thawed leader cut off from the API server waited that write's request timeout to exit)."""
+    inv = Inventory.model_validate({"groups": [{"group_id": "g"}]})
+    store = _HangingStore()
+    srv = OrchestratorServer(
+        inv, port=0, token="t", reconcile_on_start=False, state_store=store, election=_candidate(apiserver, "a")
+    )
+    await srv.start()
+    try:
+        await asyncio.wait_for(srv.election.wait_leading(), 10)
+        await until(lambda: srv.serving, 10, what="serving as the leader")
+        store.hang.set()
+        write = srv.orchestrator.persister.request()
+        await asyncio.wait_for(asyncio.to_thread(store.hanging.wait), 10)
+        srv.step_down("a test")
+        await srv.stop()
+        assert not write.done(), "stop() returned while the write still hangs"
+    finally:
+        store.go.set()
 
 
 @pytest.mark.parametrize(
