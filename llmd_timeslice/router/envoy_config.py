@@ -643,7 +643,8 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         hcm["local_reply_config"] = gate_error_local_reply_ext_proc()
     gate_picks = cfg.fast_path and cfg.epp_port is None
     conn = cfg.engine_connections
-    clusters = [gate_picks_cluster("timeslice_gate", conn, cfg.eds_initial_fetch_timeout_s) if gate_picks else endpoints_cluster(conn)]
+    picked = gate_picks_cluster("timeslice_gate", conn, cfg.eds_initial_fetch_timeout_s) if gate_picks else None
+    clusters = [picked or endpoints_cluster(conn)]
     if cfg.epp_port is not None:
         clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:
