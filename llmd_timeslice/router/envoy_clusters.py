@@ -170,7 +170,9 @@ def endpoints_cluster(conn: EngineConnections = EngineConnections()) -> dict:
     }
 
 
-def gate_picks_cluster(gate_cluster: str, conn: EngineConnections = EngineConnections()) -> dict:
+def gate_picks_cluster(
+    gate_cluster: str, conn: EngineConnections = EngineConnections(), initial_fetch_timeout_s: float = EDS_INITIAL_FETCH_TIMEOUT_S
+) -> dict:
     """The model-server cluster when the gate picks (no EPP): its endpoints come from the gate's EDS
     (:mod:`epp_plugin.gate.endpoint_discovery`, over ``gate_cluster``), and the
     ``envoy.load_balancing_policies.override_host`` policy routes to the first address of the gate's
@@ -179,8 +181,8 @@ def gate_picks_cluster(gate_cluster: str, conn: EngineConnections = EngineConnec
     ``source/extensions/load_balancing_policies/override_host/load_balancer.cc``). Its fallback, used when no listed
     address is a host of the cluster, is a subset policy whose one selector no endpoint matches, with
     ``NO_FALLBACK``: it picks nothing and Envoy answers 503 (no healthy upstream) rather than send the request to an
-    endpoint the gate did not choose (a sleeping engine). ``initial_fetch_timeout`` keeps Envoy's start from waiting
-    15 s for a gate that is not up yet."""
+    endpoint the gate did not choose (a sleeping engine). ``initial_fetch_timeout`` (``initial_fetch_timeout_s``) keeps Envoy's
+    start from waiting 15 s for a gate that is not up yet, or knows no endpoint yet."""
     no_endpoint = {
         "typed_extension_config": {
             "name": "envoy.load_balancing_policies.subset",
@@ -207,7 +209,7 @@ def gate_picks_cluster(gate_cluster: str, conn: EngineConnections = EngineConnec
         "eds_cluster_config": {
             "eds_config": {
                 "resource_api_version": "V3",
-                "initial_fetch_timeout": dur(EDS_INITIAL_FETCH_TIMEOUT_S),
+                "initial_fetch_timeout": dur(initial_fetch_timeout_s),
                 "api_config_source": {
                     "api_type": "GRPC",
                     "transport_api_version": "V3",

@@ -71,6 +71,7 @@ from pathlib import Path
 
 from llmd_timeslice import protocol
 from llmd_timeslice.router.envoy_clusters import (
+    EDS_INITIAL_FETCH_TIMEOUT_S,
     EngineConnections,
     authz_cluster,
     endpoints_cluster,
@@ -164,6 +165,9 @@ class EnvoyRouterConfig:
     """Fast path: how often Envoy sends a check again when the gate could not answer it (:func:`authz_retry_policy`)."""
     engine_connections: EngineConnections = field(default_factory=EngineConnections)
     """How Envoy connects to the engines; across nodes :data:`~llmd_timeslice.router.envoy_clusters.ACROSS_NODES`."""
+    eds_initial_fetch_timeout_s: float = EDS_INITIAL_FETCH_TIMEOUT_S
+    """Gate picking (no EPP): seconds Envoy's start waits for the gate's first endpoint assignment, which a gate that
+    knows no endpoint yet does not send (> 0; the endpoints join the cluster whenever it comes)."""
 
     def __post_init__(self) -> None:
         if self.gate_edge not in GATE_EDGES:
@@ -172,6 +176,8 @@ class EnvoyRouterConfig:
             raise ValueError("gate_edge 'ext_authz' needs the gate's authz_port (its HTTP ext_authz port)")
         if self.epp_port is None and (self.gate_port is None or self.gate_edge != "ext_authz"):
             raise ValueError("without an EPP (epp_port None) only the ext_authz edge can route: the gate picks")
+        if not self.eds_initial_fetch_timeout_s > 0:  # Envoy reads 0 as "wait for ever"
+            raise ValueError(f"eds_initial_fetch_timeout_s must be > 0 seconds, got {self.eds_initial_fetch_timeout_s}")
 
     @property
     def fast_path(self) -> bool:
@@ -637,7 +643,8 @@ def render_bootstrap(cfg: EnvoyRouterConfig) -> dict:
         hcm["local_reply_config"] = gate_error_local_reply_ext_proc()
     gate_picks = cfg.fast_path and cfg.epp_port is None
     conn = cfg.engine_connections
-    clusters = [gate_picks_cluster("timeslice_gate", conn) if gate_picks else endpoints_cluster(conn)]
+    picked = gate_picks_cluster("timeslice_gate", conn, cfg.eds_initial_fetch_timeout_s) if gate_picks else None
+    clusters = [picked or endpoints_cluster(conn)]
     if cfg.epp_port is not None:
         clusters.insert(0, grpc_cluster("epp", cfg.host, cfg.epp_port))
     if cfg.gate_port is not None:

@@ -12,11 +12,14 @@ from benchmarks import priorities
 
 
 def test_priorities_benchmark_tiny_run_writes_json_png_and_summary(tmp_path):
-    args = ["--out", str(tmp_path), "--iterations", "1", "--batch", "2", "--train-s", "2.5", "--step-s", "0.25"]
-    args += ["--eval-rps", "2", "--deadline-s", "2", "--min-training-s", "0.5", "--lease-ttl-s", "0.6"]
+    # The machinery end to end, not its figures: each training phase still spans the eval band's deadline (0.8 s),
+    # so the held eval requests ask the trainer to yield; rollouts and evals are served in 0.05 s.
+    args = ["--out", str(tmp_path), "--iterations", "1", "--batch", "2", "--train-s", "1.5", "--step-s", "0.1"]
+    args += ["--eval-rps", "4", "--deadline-s", "0.8", "--min-training-s", "0.2", "--lease-ttl-s", "0.6"]
+    args += ["--rollout-service-s", "0.05", "--eval-service-s", "0.05"]
     assert priorities.main(args) == 0
     res = json.loads((tmp_path / "priorities.json").read_text())
-    assert res["deadline_s"] == 2.0 and set(res["runs"]) == set(priorities.RUNS)
+    assert res["deadline_s"] == 0.8 and set(res["runs"]) == set(priorities.RUNS)
     assert 0 < res["runs"]["no_eval"]["duty_cycle"] < 1
     for name in ("yield_off", "yield_on"):
         r = res["runs"][name]

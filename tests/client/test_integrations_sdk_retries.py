@@ -4,7 +4,9 @@ Real Envoy + gate + picker; the endpoint behind them only answers ``/v1/completi
 gate, so no engine is involved until the request is admitted). Measured here and written in docs/integrations.md:
 
 * ``hold_expired`` (503, ``retry-after: 5``): the SDK alone retries twice, 5 s apart, then raises
-  ``InternalServerError`` (3 attempts); the helper repeats it within its budget until the pool serves again.
+  ``InternalServerError`` (3 attempts); the helper repeats it within its budget until the pool serves again. The
+  test makes the gate's ``retry-after`` 1 s (the refusal's class attribute, which both edges send): the SDK and the
+  helper wait whatever the gate sends, so the attempts are the same and the test runs 10 s shorter.
 * ``hold_queue_full`` (429, ``retry-after: 1``): the SDK alone retries twice, 1 s apart, then raises
   ``RateLimitError``; the helper waits the ``retry-after`` and completes.
 * the helper's final answer to a gate refusal carries ``x-should-retry: false``: the SDK adds no retry on top.
@@ -54,14 +56,21 @@ def _engine_answer(engine: FakeVllm, prompt: str, max_tokens: int) -> str:
     ][0]["text"]
 
 
-async def _flip_after(pool, address: str, after_s: float, version: int = 0) -> None:
-    await asyncio.sleep(after_s)
+async def _serve_once_refused(pool, address: str, refused: int, version: int = 0) -> None:
+    """Turn ``address`` SERVING as soon as the pool refused more than ``refused`` requests (read before the helper's
+    request: its first attempt was refused, and it now waits the gate's ``retry-after``, so its next attempt finds
+    the pool serving)."""
+    while pool.refused_total == refused:
+        await asyncio.sleep(0.02)
     pool.set_states([(address, EndpointState.SERVING, version)])
 
 
-async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_completes(artifacts, engine):
+async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_completes(artifacts, engine, monkeypatch):
     import openai
 
+    from epp_plugin.gate.refusals import HoldExpired
+
+    monkeypatch.setattr(HoldExpired, "retry_after_s", 1)  # the gate's 5 s: the same attempts, 10 s longer
     addr = engine.url.removeprefix("http://")
     stack = await start_router(artifacts, [addr], max_hold_s=0.5)
     try:
@@ -76,11 +85,13 @@ async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_
         sdk_s = time.monotonic() - t0
         assert statuses == [503, 503, 503], "the SDK's default: 1 attempt + 2 retries"
         assert exc.value.response.headers[protocol.REASON_HEADER] == "hold_expired"
+        assert exc.value.response.headers["retry-after"] == "1"
+        assert sdk_s >= 2.0, "the SDK waited the gate's retry-after before each of its two retries"
         print(f"\nhold_expired, SDK alone: {len(statuses)} attempts, gave up after {sdk_s:.1f} s")
 
         rollouts = TimeSliceRollouts(stack.url, min_weight_version=2)
         client = rollouts.async_openai()
-        flip = asyncio.create_task(_flip_after(stack.pool(), addr, 2.0, version=2))
+        flip = asyncio.create_task(_serve_once_refused(stack.pool(), addr, stack.pool().refused_total, version=2))
         with rollouts.rollout("r0") as r:
             t0 = time.monotonic()
             out = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -90,7 +101,7 @@ async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_
         (rec,) = r.records
         assert rec.refusals == ["hold_expired"] and rec.attempts == 2 and rec.status == 200
         assert rec.min_weight_version == 2 and r.served_weight_version == 2
-        assert rec.retry_wait_s == 5.0, "waited exactly the gate's retry-after"
+        assert rec.retry_wait_s == 1.0, "waited exactly the gate's retry-after"
         print(f"hold_expired, with the helper: completed after {helper_s:.1f} s, {rec.attempts} attempts")
         await plain.close()
         await client.close()
@@ -121,12 +132,13 @@ def test_hold_queue_full_the_sdk_alone_raises_rate_limit_the_helper_completes(ar
 
         rollouts = TimeSliceRollouts(stack.url)
         client = rollouts.openai()
-        timer = threading.Timer(2.5, lambda: loop_thread.run(_set(stack.pool(), addr, EndpointState.SERVING)))
-        timer.start()
+        flip = asyncio.run_coroutine_threadsafe(
+            _serve_once_refused(stack.pool(), addr, stack.pool().refused_total), loop_thread.loop
+        )
         t0 = time.monotonic()
         out = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
         helper_s = time.monotonic() - t0
-        timer.join()
+        flip.result(10)
         occupant.join(30)
         assert out.choices[0].text == _engine_answer(engine, "hi", 2)
         (rec,) = rollouts.records

@@ -126,7 +126,10 @@ async def test_a_ttl_eviction_past_the_callers_budget_is_returned_typed_and_the_
     import openai
 
     router = router_factory(TTL_EXPIRED_V010)
-    rollouts = TimeSliceRollouts(router.url, retry=GateRetryPolicy(budget_s=0.05, **FAST), max_retries=2)
+    # Waits of 0.1 and 0.2 s fit a 0.6 s budget with 0.3 s to spare for the three requests themselves (under load each
+    # took more than the 10 ms a 0.05 s budget left them); the next wait, 0.4 s, cannot fit (0.3 + 0.4 > 0.6).
+    policy = GateRetryPolicy(budget_s=0.6, default_delay_s=0.1, backoff_multiplier=2.0, max_delay_s=1.0)
+    rollouts = TimeSliceRollouts(router.url, retry=policy, max_retries=2)
     client = rollouts.async_openai()
     with pytest.raises(openai.RateLimitError) as err:
         await client.completions.create(model="m", prompt="x", max_tokens=1)
@@ -137,7 +140,7 @@ async def test_a_ttl_eviction_past_the_callers_budget_is_returned_typed_and_the_
     assert rec.refusal == Refusal(
         "router", "rejected-ttl-expired", 429, "inference error: ResourceExhausted - request timed out in queue: ttl expired"
     )
-    # Within 0.05 s: waits of 0.01 and 0.02 fit, the next 0.04 does not: 3 attempts, then one SDK call only.
+    # Within 0.6 s: waits of 0.1 and 0.2 fit, the next 0.4 does not: 3 attempts, then one SDK call only.
     assert rec.attempts == 3 and router.requests == 3, (rec.attempts, router.requests)
 
 

@@ -183,3 +183,19 @@ def test_envoy_validate_reports_envoys_reason_in_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "{" not in msg and "duration must start with an integer" in msg, msg
     assert msg.startswith(f"envoy rejected {bad}: error initializing configuration"), msg
+
+
+def test_gate_picking_envoy_waits_its_eds_initial_fetch_timeout_for_the_first_assignment_and_refuses_0():
+    from llmd_timeslice.router.envoy_clusters import EDS_INITIAL_FETCH_TIMEOUT_S
+    from llmd_timeslice.router.envoy_config import render_bootstrap
+
+    def fetch_timeout(cfg: EnvoyRouterConfig) -> str:
+        (cluster,) = [c for c in render_bootstrap(cfg)["static_resources"]["clusters"] if c["name"] == "endpoints"]
+        return cluster["eds_cluster_config"]["eds_config"]["initial_fetch_timeout"]
+
+    picks = {"listen_port": 8080, "admin_port": 9901, "gate_port": 9002, "epp_port": None, "authz_port": 9003}
+    assert fetch_timeout(EnvoyRouterConfig(**picks)) == f"{EDS_INITIAL_FETCH_TIMEOUT_S:.3f}s" == "2.000s"
+    assert fetch_timeout(EnvoyRouterConfig(**picks, eds_initial_fetch_timeout_s=0.1)) == "0.100s"
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=rf"eds_initial_fetch_timeout_s must be > 0 seconds, got {bad}"):
+            EnvoyRouterConfig(**picks, eds_initial_fetch_timeout_s=bad)

@@ -53,27 +53,29 @@ async def test_upstream_port_serves_the_timeslice_service_and_health_and_nothing
         assert list((await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)).group_ids) == ["g0", "trainers-only"]
         h = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert h.status == health_pb2.HealthCheckResponse.SERVING
+        # Each RPC starts when it is awaited (its deadline too): started together, under load the later ones spent
+        # their deadline waiting behind the earlier ones.
         not_here = {
-            "GateStateService.ReportEndpointFailure": gate_state_pb2_grpc.GateStateServiceStub(ch).ReportEndpointFailure(
+            "GateStateService.ReportEndpointFailure": lambda: gate_state_pb2_grpc.GateStateServiceStub(ch).ReportEndpointFailure(
                 gate_state_pb2.EndpointFailure(gate_id="g", pool="default", address="127.0.0.1:8001"), metadata=MD, timeout=5
             ),
-            "LeaseService.GetLease": lease_pb2_grpc.LeaseServiceStub(ch).GetLease(
+            "LeaseService.GetLease": lambda: lease_pb2_grpc.LeaseServiceStub(ch).GetLease(
                 lease_pb2.GetLeaseRequest(job_id="t", group_id="g0"), metadata=MD, timeout=5
             ),
-            "WeightVersionService.GetWeightVersion": weights_pb2_grpc.WeightVersionServiceStub(ch).GetWeightVersion(
+            "WeightVersionService.GetWeightVersion": lambda: weights_pb2_grpc.WeightVersionServiceStub(ch).GetWeightVersion(
                 weights_pb2.GetWeightVersionRequest(group_id="g0"), metadata=MD, timeout=5
             ),
-            "OrchestratorInfoService.ListSwitches": orchestrator_info_pb2_grpc.OrchestratorInfoServiceStub(ch).ListSwitches(
-                orchestrator_info_pb2.ListSwitchesRequest(), metadata=MD, timeout=5
-            ),
-            "reflection": ch.unary_unary("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")(b"", timeout=5),
+            "OrchestratorInfoService.ListSwitches": lambda: orchestrator_info_pb2_grpc.OrchestratorInfoServiceStub(
+                ch
+            ).ListSwitches(orchestrator_info_pb2.ListSwitchesRequest(), metadata=MD, timeout=5),
+            "reflection": lambda: ch.unary_unary("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")(b"", timeout=5),
         }
-        seen = {name: await _code(call) for name, call in not_here.items()}
+        seen = {name: await _code(call()) for name, call in not_here.items()}
         assert seen == dict.fromkeys(not_here, grpc.StatusCode.UNIMPLEMENTED), seen
         # The gates' state stream is not there either.
         call = gate_state_pb2_grpc.GateStateServiceStub(ch).Connect(metadata=MD, timeout=5)
-        await call.write(gate_state_pb2.GateMessage())
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # at the write when the refusal came first (seen under load)
+            await call.write(gate_state_pb2.GateMessage())
             await call.read()
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as ch:  # the main port still wants the token

@@ -29,9 +29,16 @@ EDGES = ["ext_authz", "ext_proc"]
 ALL_CHAINS = ["ext_authz", "ext_authz-pick", "ext_proc"]
 
 
+EDS_INITIAL_FETCH_TIMEOUT_S = 0.1
+"""``ext_authz-pick``: the tests' gates know no endpoint until the test publishes one, so Envoy's start would wait the
+product's 2 s for a first assignment that does not come; the endpoints join Envoy's cluster when they are published
+(the gate names an endpoint only once Envoy acked it), as with the product's wait spent."""
+
+
 def envoy_config(edge: str, *, gate_port: int | None, authz_port: int | None, epp_port: int | None, **kw) -> EnvoyRouterConfig:
     """Router config for ``edge`` (one of ``ALL_CHAINS``) on free loopback ports."""
     gate_edge = "ext_proc" if edge == "ext_proc" else "ext_authz"
+    kw.setdefault("eds_initial_fetch_timeout_s", EDS_INITIAL_FETCH_TIMEOUT_S)
     return EnvoyRouterConfig(
         listen_port=port_for.select_random(),
         admin_port=port_for.select_random(),
