@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from llmd_timeslice.cli_config import config_app
+from llmd_timeslice.cli_files import InputFileError, existing_file
 from llmd_timeslice.cli_plan import plan
 from llmd_timeslice.component_process import run_until_signal, serve_metrics, setup_logging
 from llmd_timeslice.config import LogLevel, OrchestratorSettings, SidecarSettings
@@ -277,7 +278,10 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
 
 
 StackFileOpt = Annotated[
-    Path, typer.Option("--file", "-f", help="Stack file (see examples/cpu-stack.yaml).", exists=True, dir_okay=False)
+    Path,
+    typer.Option(
+        "--file", "-f", metavar="FILE", help="Stack file (see examples/cpu-stack.yaml).", callback=existing_file("stack file")
+    ),
 ]
 WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
 PortOffsetOpt = Annotated[
@@ -323,8 +327,8 @@ def status(
             "-f",
             help="Stack file of a stack run by `up`: its components, then its groups and gate "
             "(addresses and token from the stack; the other options are ignored).",
-            exists=True,
-            dir_okay=False,
+            metavar="FILE",
+            callback=existing_file("stack file"),
         ),
     ] = None,
     workdir: WorkdirOpt = None,
@@ -620,6 +624,9 @@ def main() -> None:
 
     try:
         app()
+    except InputFileError as exc:
+        typer.echo(str(exc), err=True)
+        raise SystemExit(2) from None
     except StackError as exc:
         for line in exc.errors:
             typer.echo(f"{exc.path or 'stack file'}: {line}", err=True)
@@ -629,6 +636,8 @@ def main() -> None:
             typer.echo(f"llmd-timeslice: error: inventory {exc.path}: {line}", err=True)
         raise SystemExit(2) from None
     except (pydantic.ValidationError, yaml.YAMLError, OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.filename and str(exc).startswith("[Errno"):  # not "[Errno 2] ...: 'f'"
+            exc = f"{exc.filename}: {exc.strerror}"
         typer.echo(f"llmd-timeslice: error: {exc}", err=True)
         raise SystemExit(2) from None
     except RuntimeError as exc:

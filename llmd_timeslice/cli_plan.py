@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from llmd_timeslice.cli_files import existing_file
+
 PLAN_HELP = """Propose which RL jobs share accelerators, in which groups, under which policy.
 
 Reads each job's phase profile (rollout, CPU gap, train, weight sync: durations, accelerators, host-memory state),
@@ -41,8 +43,7 @@ def plan(
             help="Profiles file (YAML or JSON; repeatable): hand entries {job_id, rollout_s, train_s, cpu_gap_s, "
             "weight_sync_s, accelerators, state_bytes, slowdown_budget} or profiles saved by `status --profiles "
             "--json`. A job also measured live: the file's accelerators, state bytes, budget and priority win.",
-            exists=True,
-            dir_okay=False,
+            callback=existing_file("profiles file"),
         ),
     ] = [],  # noqa: B006
     orchestrator: Annotated[
@@ -59,9 +60,9 @@ def plan(
         typer.Option(
             "--file",
             "-f",
+            metavar="FILE",
             help="Stack file of `up`: its running orchestrator and token (like --orchestrator), and the file --apply rewrites.",
-            exists=True,
-            dir_okay=False,
+            callback=existing_file("stack file"),
         ),
     ] = None,
     offer: Annotated[
@@ -73,15 +74,19 @@ def plan(
     ] = None,
     offer_file: Annotated[
         Path | None,
-        typer.Option(help="Offer as YAML: {nodes: [{name, count, accelerators, host_memory}]}.", exists=True, dir_okay=False),
+        typer.Option(
+            metavar="FILE",
+            help="Offer as YAML: {nodes: [{name, count, accelerators, host_memory}]}.",
+            callback=existing_file("offer file"),
+        ),
     ] = None,
     switch_costs: Annotated[
         Path | None,
         typer.Option(
             help="Switch costs as YAML {grant_s, rollout_switch_s, train_switch_s, served, sleep_s, wake_s} (default: "
             "measured by the live orchestrator; without one, docs/placement.md's defaults).",
-            exists=True,
-            dir_okay=False,
+            metavar="FILE",
+            callback=existing_file("switch costs file"),
         ),
     ] = None,
     budget: Annotated[
@@ -100,7 +105,9 @@ def plan(
     ] = False,
     stack: Annotated[
         Path | None,
-        typer.Option(help="With --apply: the stack file to rewrite (default: -f's).", exists=True, dir_okay=False),
+        typer.Option(
+            metavar="FILE", help="With --apply: the stack file to rewrite (default: -f's).", callback=existing_file("stack file")
+        ),
     ] = None,
     engine: Annotated[
         list[str],

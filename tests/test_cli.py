@@ -286,3 +286,33 @@ def test_a_command_plugin_that_cannot_load_is_named_in_one_line_and_the_rest_sti
     assert len(err) == 1 and "no_such_package.commands:register" in err[0] and "unavailable" in err[0], err
     out = CliRunner().invoke(app, ["--help"]).output
     assert all(name in out for name in ("gate", "picker", "other")), out
+
+
+_NO_SUCH = "no such file"
+
+
+@pytest.mark.parametrize(
+    "args,what,problem",
+    [
+        (("up", "-f"), "llmd-timeslice up: stack file", _NO_SUCH),
+        (("down", "-f"), "llmd-timeslice down: stack file", _NO_SUCH),
+        (("status", "-f"), "llmd-timeslice status: stack file", _NO_SUCH),
+        (("plan", "-p"), "llmd-timeslice plan: profiles file", _NO_SUCH),
+        (("plan", "-f"), "llmd-timeslice plan: stack file", _NO_SUCH),
+        (("plan", "--offer-file"), "llmd-timeslice plan: offer file", _NO_SUCH),
+        (("plan", "--switch-costs"), "llmd-timeslice plan: switch costs file", _NO_SUCH),
+        (("plan", "--apply", "--stack"), "llmd-timeslice plan: stack file", _NO_SUCH),
+        (("orchestrator", "--inventory"), "llmd-timeslice: error:", "No such file or directory"),  # read, not checked
+        (("k8s", "restore"), "llmd-timeslice: error:", "No such file or directory"),
+    ],
+)
+def test_a_file_that_is_not_there_is_one_line_naming_it_exit_2(tmp_path, args, what, problem):
+    """The fresh-clone trial: `up -f missing.yaml` and `plan -p missing.yaml` printed click's four lines of usage.
+    One line naming the file, exit 2 (a usage error), for every option that reads a file; a folder given as the
+    file is named too."""
+    missing = tmp_path / "missing.yaml"
+    r = run(*args, str(missing))
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"{what} {missing}: {problem}"], r.stderr
+    if problem == _NO_SUCH:
+        r = run(*args, str(tmp_path))
+        assert r.returncode == 2 and r.stderr.splitlines() == [f"{what} {tmp_path}: is a directory, not a file"], r.stderr
