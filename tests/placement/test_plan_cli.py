@@ -110,6 +110,23 @@ def test_the_labels_the_patch_sets_are_the_ones_discovery_reads():
             3,
             "llmd-timeslice plan: no plan meets every slowdown budget on this offer; best found: duty cycle",
         ),
+        (
+            "host memory too small for a job's states",
+            "- {job_id: a, rollout_s: 30, train_s: 10, accelerators: 8, state_bytes: 100GiB}\n",
+            "1x8:10GiB",
+            2,
+            "llmd-timeslice plan: the offer (1 node x 8 accelerators, 10.0GiB host memory each) is too small for these "
+            "jobs even with every one in one group; job a, colocated (all): its states need 100.0GiB of host memory "
+            "per node, pool pool0's nodes have 10.0GiB",
+        ),
+        (
+            "host memory too small for two jobs' states",
+            "".join(f"- {{job_id: {j}, rollout_s: 30, train_s: 10, accelerators: 8, state_bytes: 5GiB}}\n" for j in "ab"),
+            "1x8:6GiB",
+            2,
+            "is too small for these jobs even with every one in one group; jobs a, b, colocated (all): its states "
+            "need 10.0GiB of host memory per node, pool pool0's nodes have 6.0GiB",
+        ),
         ("unreadable profiles", "profiles: [\n", "1x8", 2, "llmd-timeslice plan: "),
         ("bad offer", "- {job_id: a, rollout_s: 1, train_s: 1}\n", "eight", 2, "expected COUNTxACCELERATORS"),
     ],
