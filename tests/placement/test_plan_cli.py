@@ -147,3 +147,26 @@ def test_help_names_every_option():
                 "--max-group-jobs", "--exact-max-jobs", "--tries-per-job", "--seed", "--out", "--apply", "--stack",
                 "--engine", "--namespace", "--move-holders", "Exit codes"):  # fmt: skip
         assert opt in r.stdout, opt
+
+
+def test_one_job_summary_is_singular_and_the_picture_has_a_legend(tmp_path, monkeypatch):
+    """The fresh-clone trial: `1 jobs in 1 co-execution groups`, and a plan.png whose colours and hatching were
+    explained nowhere in it. The summary counts in the singular; each panel has a legend naming its marks."""
+    import matplotlib.figure
+
+    saved: list = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), save(fig, *a, **k))[1])
+    f = tmp_path / "p.yaml"
+    f.write_text("- {job_id: solo, rollout_s: 30, train_s: 10, cpu_gap_s: 1, accelerators: 8, state_bytes: 1GiB}\n")
+    r = run("plan", "-p", str(f), "--offer", "1x8:1TiB", "--out", str(tmp_path / "out"))
+    assert r.returncode in (0, 3), r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("plan: 1 job in 1 co-execution group (1 lease group) on 8 of 8 accelerators;"), first
+    assert "1 jobs" not in r.stdout and "1 accelerators" not in r.stdout and " 1 candidate groups" not in r.stdout
+    (fig,) = saved
+    timeline, bars = fig.axes
+    assert [t.get_text() for t in timeline.get_legend().get_texts()] == [
+        "job solo", "rollout (plain)", "train (hatched)", "handover (switch)",
+    ]  # fmt: skip
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == ["this plan", "an alternative"]
