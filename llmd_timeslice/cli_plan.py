@@ -99,7 +99,7 @@ def plan(
     ] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the durations drawn from each profile.")] = 0,
     group_prefix: Annotated[str, typer.Option(help="Group ids are PREFIX-0, PREFIX-1 and so on.")] = "ts",
-    out: Annotated[Path, typer.Option(help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")] = Path("plan"),
+    out: Annotated[Path, typer.Option(help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")] = Path("plan-out"),
     apply: Annotated[
         bool, typer.Option("--apply", help="Also write OUT/stack.yaml, OUT/k8s-patch.sh and OUT/job-groups.json.")
     ] = False,

@@ -170,3 +170,43 @@ def test_one_job_summary_is_singular_and_the_picture_has_a_legend(tmp_path, monk
         "job solo", "rollout (plain)", "train (hatched)", "handover (switch)",
     ]  # fmt: skip
     assert [t.get_text() for t in bars.get_legend().get_texts()] == ["this plan", "an alternative"]
+
+
+def _doc_plan_commands() -> list[list[str]]:
+    """The `llmd-timeslice plan` commands of docs/placement.md's first code block, continuation lines joined."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "placement.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "docs/placement.md opens with a bash block of the commands"
+    lines = block.group(1).replace("\\\n", " ").splitlines()
+    return [shlex.split(ln.split("#")[0])[1:] for ln in lines if ln.startswith("llmd-timeslice plan ")]
+
+
+def test_the_docs_plan_commands_work_from_a_fresh_clone(tmp_path, monkeypatch):
+    """The fresh-clone trial: docs/placement.md's `plan -p jobs.yaml` named a file the repo does not ship, and its
+    `plan -f examples/cpu-stack.yaml --apply` wrote no stack.yaml (the example's engines `sampler-N` are no job's
+    name). The commands from profiles run as written, from the repository root (only --out moved to a temporary
+    folder), and write the stack file `up` reads; the live one maps every engine of the example stack with --engine."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    commands = _doc_plan_commands()
+    from_profiles = [c for c in commands if "-p" in c]
+    live = [c for c in commands if "-f" in c]
+    assert from_profiles and live, commands
+    monkeypatch.chdir(repo)
+    for i, args in enumerate(from_profiles):
+        out = tmp_path / f"out-{i}"
+        r = run(*args, "--out", str(out))
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+        assert (out / "plan.json").exists() and (out / "plan.png").exists()
+        if "--apply" in args:
+            stack = load_stack_file(out / "stack.yaml")  # what `up -f plan-out/stack.yaml` reads
+            assert {e.group for e in stack.engines} <= {g.group_id for g in stack.groups}
+    engines = {e.name for e in load_stack_file(repo / "examples" / "cpu-stack.yaml").engines}
+    for args in live:
+        mapped = {args[i + 1].split("=")[0] for i, a in enumerate(args) if a == "--engine"}
+        assert "--apply" not in args or mapped == engines, (args, engines)
