@@ -352,10 +352,11 @@ def status(
 
         if file is not None:
             from llmd_timeslice.local.find_stack import running_stack_endpoints
+            from llmd_timeslice.local.stack_state import up_command
 
-            eps = running_stack_endpoints(file)
+            eps = running_stack_endpoints(file, workdir, port_offset)
             if not eps:
-                typer.echo(f"no stack runs from {file}: start it with `llmd-timeslice up -f {file}`", err=True)
+                typer.echo(f"no stack runs from {file}: start it with `{up_command(file, workdir, port_offset)}`", err=True)
                 raise typer.Exit(1)
             orchestrator_addr, token_file = eps["orchestrator"], Path(eps["token_file"])
         raise typer.Exit(print_profiles(orchestrator_addr, token_file, as_json, output_console()))

@@ -316,3 +316,24 @@ def test_a_file_that_is_not_there_is_one_line_naming_it_exit_2(tmp_path, args, w
     if problem == _NO_SUCH:
         r = run(*args, str(tmp_path))
         assert r.returncode == 2 and r.stderr.splitlines() == [f"{what} {tmp_path}: is a directory, not a file"], r.stderr
+
+
+@pytest.mark.parametrize("profiles", [False, True], ids=["status", "status-profiles"])
+def test_status_hint_names_the_port_offset_it_was_given(tmp_path, profiles):
+    """The fresh-clone trial: `status -f STACK --port-offset 200` of a stack not running said `start one with
+    llmd-timeslice up -f STACK`, which starts the stack without the offset. The hint repeats the offset (and a
+    --workdir given); `status --profiles` looks for the stack at that offset too."""
+    from pathlib import Path
+
+    f = tmp_path / "stack.yaml"
+    f.write_text((Path(__file__).resolve().parents[1] / "examples" / "cpu-stack.yaml").read_text())
+    hint = f"start one with `llmd-timeslice up -f {f} --port-offset 200`"
+    r = run("status", "-f", str(f), "--port-offset", "200", *(["--profiles"] if profiles else []))
+    assert r.returncode == 1, r.stdout + r.stderr
+    if profiles:
+        assert r.stderr.splitlines() == [f"no stack runs from {f}: {hint.replace('start one', 'start it')}"], r.stderr
+    else:
+        assert r.stdout.splitlines() == [f"no stack state in {tmp_path}/.llmd-timeslice/cpu+200: {hint}"], r.stdout
+    wd = tmp_path / "wd"
+    r = run("status", "-f", str(f), "--workdir", str(wd), "--port-offset", "7")
+    assert f"`llmd-timeslice up -f {f} --workdir {wd} --port-offset 7`" in r.stdout, r.stdout
