@@ -22,9 +22,10 @@ def config_check(
     file: Annotated[
         Path,
         typer.Argument(
+            metavar="FILE",
             help="YAML (or JSON) configuration file (LLMD_TIMESLICE_* variables apply "
             "on top), or a stack file of `up` (recognised by its `stack` or "
-            "`engines` key)."
+            "`engines` key).",
         ),
     ],
     env: Annotated[bool, typer.Option(help="Apply LLMD_TIMESLICE_<SECTION>__<FIELD> environment variables.")] = True,

@@ -53,7 +53,8 @@ def plan(
         ),
     ] = None,
     token_file: Annotated[
-        Path | None, typer.Option("--token-file", help="Control-plane token file (default: $LLMD_TIMESLICE_TOKEN_FILE).")
+        Path | None,
+        typer.Option("--token-file", metavar="FILE", help="Control-plane token file (default: $LLMD_TIMESLICE_TOKEN_FILE)."),
     ] = None,
     file: Annotated[
         Path | None,
@@ -90,16 +91,25 @@ def plan(
         ),
     ] = None,
     budget: Annotated[
-        float | None, typer.Option(min=0, help="Every job's slowdown budget, relative (0.05 = 5 %), instead of the profiles'.")
+        float | None,
+        typer.Option(
+            min=0, metavar="NUMBER", help="Every job's slowdown budget, relative (0.05 = 5 %), instead of the profiles'."
+        ),
     ] = None,
-    max_group_jobs: Annotated[int, typer.Option(min=1, max=16, help="Most jobs in one co-execution group.")] = 4,
-    exact_max_jobs: Annotated[int, typer.Option(min=0, max=10, help="Exact search up to this many jobs; heuristic beyond.")] = 8,
-    tries_per_job: Annotated[
-        int, typer.Option(min=1, help="Heuristic: open groups a job is simulated in before it opens its own.")
+    max_group_jobs: Annotated[
+        int, typer.Option(min=1, max=16, metavar="INTEGER", help="Most jobs in one co-execution group.")
     ] = 4,
-    seed: Annotated[int, typer.Option(help="Seed of the durations drawn from each profile.")] = 0,
-    group_prefix: Annotated[str, typer.Option(help="Group ids are PREFIX-0, PREFIX-1 and so on.")] = "ts",
-    out: Annotated[Path, typer.Option(help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")] = Path("plan-out"),
+    exact_max_jobs: Annotated[
+        int, typer.Option(min=0, max=10, metavar="INTEGER", help="Exact search up to this many jobs; heuristic beyond.")
+    ] = 8,
+    tries_per_job: Annotated[
+        int, typer.Option(min=1, metavar="INTEGER", help="Heuristic: open groups a job is simulated in before it opens its own.")
+    ] = 4,
+    seed: Annotated[int, typer.Option(metavar="INTEGER", help="Seed of the durations drawn from each profile.")] = 0,
+    group_prefix: Annotated[str, typer.Option(metavar="PREFIX", help="Group ids are PREFIX-0, PREFIX-1 and so on.")] = "ts",
+    out: Annotated[
+        Path, typer.Option(metavar="DIR", help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")
+    ] = Path("plan-out"),
     apply: Annotated[
         bool, typer.Option("--apply", help="Also write OUT/stack.yaml, OUT/k8s-patch.sh and OUT/job-groups.json.")
     ] = False,
@@ -113,7 +123,9 @@ def plan(
         list[str],
         typer.Option(metavar="ENGINE=JOB", help="With --apply: engine ENGINE serves job JOB (default: by name, JOB or JOB-...)."),
     ] = [],  # noqa: B006
-    namespace: Annotated[str | None, typer.Option(help="With --apply: namespace of the kubectl commands.")] = None,
+    namespace: Annotated[
+        str | None, typer.Option(metavar="TEXT", help="With --apply: namespace of the kubectl commands.")
+    ] = None,
     move_holders: Annotated[bool, typer.Option(help="With --apply: allow moving jobs that hold accelerators now.")] = False,
     picture: Annotated[bool, typer.Option(help="Write OUT/plan.png (needs matplotlib).")] = True,
 ) -> None:

@@ -337,3 +337,21 @@ def test_status_hint_names_the_port_offset_it_was_given(tmp_path, profiles):
     wd = tmp_path / "wd"
     r = run("status", "-f", str(f), "--workdir", str(wd), "--port-offset", "7")
     assert f"`llmd-timeslice up -f {f} --workdir {wd} --port-offset 7`" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _commands()], ids=lambda p: " ".join(p) or "(top)")
+def test_every_option_names_its_value_in_one_placeholder_style(path):
+    """The fresh-clone trial: `up --help` said `--file <file>`, `plan --help` `--profiles FILE`, the components
+    `--token-file PATH`. Every option's value and every argument reads as click's own (FILE, DIR, TEXT, INTEGER,
+    SECONDS, HOST:PORT, [a|b], ...), never typer's `<file>` / `<int range>`, and a file is FILE, not PATH."""
+    import re
+
+    cmd = dict(_commands())[path]
+    bad = []
+    for p in cmd.params:
+        if p.param_type_name == "option" and (p.is_flag or p.is_bool_flag or p.hidden):  # typer's own click
+            continue
+        shown = p.metavar or ""
+        if not re.fullmatch(r"[A-Z][A-Z0-9_:=.]*|\[[a-z0-9_|]+\]", shown) or shown == "PATH":
+            bad.append((p.name, shown))
+    assert not bad, bad
