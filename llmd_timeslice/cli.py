@@ -663,9 +663,10 @@ def main() -> None:
             typer.echo(f"llmd-timeslice: error: inventory {exc.path}: {line}", err=True)
         raise SystemExit(2) from None
     except (pydantic.ValidationError, yaml.YAMLError, OSError, ValueError) as exc:
-        if isinstance(exc, OSError) and exc.filename and str(exc).startswith("[Errno"):  # not "[Errno 2] ...: 'f'"
-            exc = f"{exc.filename}: {exc.strerror}"
-        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        text = str(exc)
+        if isinstance(exc, OSError) and exc.filename and text.startswith("[Errno"):  # not "[Errno 2] ...: 'f'"
+            text = f"{exc.filename}: {exc.strerror}"
+        typer.echo(f"llmd-timeslice: error: {text}", err=True)
         raise SystemExit(2) from None
     except RuntimeError as exc:
         if "bind" not in str(exc).lower():
