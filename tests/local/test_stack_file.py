@@ -527,19 +527,29 @@ def test_config_check_refuses_what_up_refuses_before_starting_anything_every_err
     assert not (tmp_path / "work").exists(), "nothing was started or written"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
-def test_an_unreadable_token_file_is_refused_before_anything_starts(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("secret\n")
-    token.chmod(0)
+@pytest.mark.parametrize(
+    "make,problem",
+    [
+        (
+            lambda t: t.parent.write_text("a file"),
+            "cannot read it (Not a directory); make it readable by this user",
+        ),
+        (
+            lambda t: t.parent.mkdir() or t.write_bytes(b"\xff\xfe"),
+            "is not text; write the token into it as one line",
+        ),
+    ],
+    ids=["folder-is-a-file", "not-text"],
+)
+def test_a_token_file_that_cannot_be_read_is_refused_before_anything_starts(tmp_path, make, problem):
+    """A token file whose folder is a file, or that is not text (mode 000 cannot be tested as root, who reads it)."""
+    token = tmp_path / "secrets" / "token"
+    make(token)
     d = _base()
     d["stack"]["token_file"] = str(token)
     f = _write(tmp_path, d)
     r = _config_check(f)
-    assert r.returncode == 2
-    assert r.stderr.splitlines() == [
-        f"{f}: stack.token_file {token}: cannot read it (Permission denied); make it readable by this user"
-    ]
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"{f}: stack.token_file {token}: {problem}"], r.stderr
 
 
 def test_a_token_file_that_does_not_exist_is_created_0600_and_said_so(tmp_path):
