@@ -127,7 +127,8 @@ def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int
         return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console) or code
     wd, state = read_state(file, workdir, port_offset)
     if state is None:
-        console.print(f"no stack state in {wd}: start one with `{up_command(file, workdir, port_offset)}`")
+        hint = f"no stack state in {wd}: start one with `{up_command(file, workdir, port_offset)}`"
+        console.print(hint, soft_wrap=True, markup=False, highlight=False)  # never folded: the command is copied
         return 1
     running = alive(state.get("pid")) and state.get("phase") in ("starting", "running")
     t = table(
