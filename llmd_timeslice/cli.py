@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from llmd_timeslice.cli_config import config_app
+from llmd_timeslice.cli_files import InputFileError, existing_file
 from llmd_timeslice.cli_plan import plan
 from llmd_timeslice.component_process import run_until_signal, serve_metrics, setup_logging
 from llmd_timeslice.config import LogLevel, OrchestratorSettings, SidecarSettings
@@ -28,11 +29,15 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (logs go to stderr, key=value).")]
+LogLevelOpt = Annotated[
+    LogLevel,
+    typer.Option("--log-level", metavar="[" + "|".join(LogLevel) + "]", help="Log level (logs go to stderr, key=value)."),
+]
 TokenFile = Annotated[
     Path | None,
     typer.Option(
         "--token-file",
+        metavar="FILE",
         help="File holding the control-plane bearer token "
         "(default: $LLMD_TIMESLICE_TOKEN_FILE; else the token in $LLMD_TIMESLICE_TOKEN).",
     ),
@@ -277,9 +282,12 @@ def sidecar(settings: SidecarSettings, token_file: Path | None) -> None:
 
 
 StackFileOpt = Annotated[
-    Path, typer.Option("--file", "-f", help="Stack file (see examples/cpu-stack.yaml).", exists=True, dir_okay=False)
+    Path,
+    typer.Option(
+        "--file", "-f", metavar="FILE", help="Stack file (see examples/cpu-stack.yaml).", callback=existing_file("stack file")
+    ),
 ]
-WorkdirOpt = Annotated[Path | None, typer.Option(help="Stack working folder (default: from the stack file).")]
+WorkdirOpt = Annotated[Path | None, typer.Option(metavar="DIR", help="Stack working folder (default: from the stack file).")]
 PortOffsetOpt = Annotated[
     int | None,
     typer.Option(
@@ -323,8 +331,8 @@ def status(
             "-f",
             help="Stack file of a stack run by `up`: its components, then its groups and gate "
             "(addresses and token from the stack; the other options are ignored).",
-            exists=True,
-            dir_okay=False,
+            metavar="FILE",
+            callback=existing_file("stack file"),
         ),
     ] = None,
     workdir: WorkdirOpt = None,
@@ -348,10 +356,11 @@ def status(
 
         if file is not None:
             from llmd_timeslice.local.find_stack import running_stack_endpoints
+            from llmd_timeslice.local.stack_state import up_command
 
-            eps = running_stack_endpoints(file)
+            eps = running_stack_endpoints(file, workdir, port_offset)
             if not eps:
-                typer.echo(f"no stack runs from {file}: start it with `llmd-timeslice up -f {file}`", err=True)
+                typer.echo(f"no stack runs from {file}: start it with `{up_command(file, workdir, port_offset)}`", err=True)
                 raise typer.Exit(1)
             orchestrator_addr, token_file = eps["orchestrator"], Path(eps["token_file"])
         raise typer.Exit(print_profiles(orchestrator_addr, token_file, as_json, output_console()))
@@ -376,8 +385,9 @@ def up(
     node: Annotated[
         str | None,
         typer.Option(
+            metavar="NODE",
             help="Across nodes without Slurm: which node of stack.nodes this is (name or index); under srun, "
-            "SLURMD_NODENAME / SLURM_NODEID say it. docs/local-stack.md, 'Across nodes'."
+            "SLURMD_NODENAME / SLURM_NODEID say it. docs/local-stack.md, 'Across nodes'.",
         ),
     ] = None,
 ) -> None:
@@ -409,20 +419,26 @@ def down(file: StackFileOpt, workdir: WorkdirOpt = None, port_offset: PortOffset
 
 @app.command(short_help="Run the whole stack and an RL loop on this machine.")
 def demo(
-    out: Annotated[Path, typer.Option(help="Folder for summary.json, timeline.png and logs.")] = Path("demo-out"),
-    iterations: Annotated[int, typer.Option(help="RL iterations (each a switch to the trainer and back).", min=1)] = 5,
-    load_rps: Annotated[float, typer.Option(help="Background load: requests per second through Envoy.", min=0.1)] = 6.0,
-    train_s: Annotated[float, typer.Option(help="Least seconds of training per iteration.", min=0)] = 4.0,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for summary.json, timeline.png and logs.")] = Path("demo-out"),
+    iterations: Annotated[
+        int, typer.Option(metavar="INTEGER", help="RL iterations (each a switch to the trainer and back).", min=1)
+    ] = 5,
+    load_rps: Annotated[
+        float, typer.Option(metavar="NUMBER", help="Background load: requests per second through Envoy.", min=0.1)
+    ] = 6.0,
+    train_s: Annotated[float, typer.Option(metavar="SECONDS", help="Least seconds of training per iteration.", min=0)] = 4.0,
     eval_rps: Annotated[
         float,
         typer.Option(
+            metavar="NUMBER",
             help="A second traffic class: eval requests per second (InferenceObjective 'eval', priority 10, with a hold "
             "deadline); the trainer honours yield requests at its step boundaries. 0: none.",
             min=0,
         ),
     ] = 0.0,
     eval_deadline_s: Annotated[
-        float, typer.Option(help="The eval band's hold deadline, seconds (with --eval-rps).", min=0.1, max=120)
+        float,
+        typer.Option(metavar="SECONDS", help="The eval band's hold deadline, seconds (with --eval-rps).", min=0.1, max=120),
     ] = 5.0,
     log_level: LogLevelOpt = LogLevel.warning,
 ) -> None:
@@ -447,29 +463,36 @@ class _Picker(enum.StrEnum):
 
 @app.command("render-envoy", short_help="Render the local Envoy bootstrap.")
 def render_envoy(
-    out: Annotated[Path, typer.Option(help="Where to write the bootstrap JSON.")],
-    listen_port: Annotated[int, typer.Option(help="Inference listener port.", min=1, max=65535)] = 8080,
-    admin_port: Annotated[int, typer.Option(help="Envoy admin port.", min=1, max=65535)] = 9901,
+    out: Annotated[Path, typer.Option(metavar="FILE", help="Where to write the bootstrap JSON.")],
+    listen_port: Annotated[int, typer.Option(metavar="PORT", help="Inference listener port.", min=1, max=65535)] = 8080,
+    admin_port: Annotated[int, typer.Option(metavar="PORT", help="Envoy admin port.", min=1, max=65535)] = 9901,
     gate_edge: Annotated[
         _GateEdge,
-        typer.Option(help="How Envoy calls the gate: ext_authz (the fast path: HTTP ext_authz + gRPC access log) or ext_proc."),
+        typer.Option(
+            metavar="[ext_authz|ext_proc]",
+            help="How Envoy calls the gate: ext_authz (the fast path: HTTP ext_authz + gRPC access log) or ext_proc.",
+        ),
     ] = _GateEdge.ext_authz,
     gate_port: Annotated[
-        int, typer.Option(help="Gate gRPC data-plane port (ext_proc, access-log service).", min=1, max=65535)
+        int, typer.Option(metavar="PORT", help="Gate gRPC data-plane port (ext_proc, access-log service).", min=1, max=65535)
     ] = 9002,
-    authz_port: Annotated[int, typer.Option(help="Gate HTTP ext_authz port (ext_authz edge).", min=1, max=65535)] = 9005,
+    authz_port: Annotated[
+        int, typer.Option(metavar="PORT", help="Gate HTTP ext_authz port (ext_authz edge).", min=1, max=65535)
+    ] = 9005,
     picker: Annotated[
         _Picker,
         typer.Option(
+            metavar="[epp|gate]",
             help="Who picks the endpoint: the EPP (ext_proc filter after the gate) or, with the ext_authz edge only, "
-            "the gate itself (least in flight; no EPP)."
+            "the gate itself (least in flight; no EPP).",
         ),
     ] = _Picker.epp,
-    epp_port: Annotated[int, typer.Option(help="EPP (picker) ext_proc port.", min=1, max=65535)] = 9004,
-    pool: Annotated[str, typer.Option(help="Pool name sent to the gate and the EPP.")] = "default",
+    epp_port: Annotated[int, typer.Option(metavar="PORT", help="EPP (picker) ext_proc port.", min=1, max=65535)] = 9004,
+    pool: Annotated[str, typer.Option(metavar="TEXT", help="Pool name sent to the gate and the EPP.")] = "default",
     max_hold_s: Annotated[
         float,
         typer.Option(
+            metavar="SECONDS",
             help="Gate hold limit (seconds, above 0, at most 3600 as the gate's); Envoy timeouts are sized above it.",
             max=3600.0,
         ),
@@ -477,6 +500,7 @@ def render_envoy(
     generation_timeout_s: Annotated[
         float,
         typer.Option(
+            metavar="SECONDS",
             help="Longest generation once a request is admitted (seconds). The route timeout is max hold + this + 60 s; "
             "start the gate with the --lost-completion-after-s this command prints. At most 7 days.",
             min=1.0,
@@ -556,21 +580,28 @@ def k8s_modelserver(
     file: Annotated[
         str,
         typer.Argument(
+            metavar="FILE",
             help="Manifests of your model server (kubectl get -o yaml, or a guide's "
-            "rendered manifests; multi-document YAML); - for stdin."
+            "rendered manifests; multi-document YAML); - for stdin.",
         ),
     ],
     settings: Annotated[
         Path | None,
-        typer.Option("--settings", help="The guide's settings.yaml (image, group, pool, device_class)."),
+        typer.Option("--settings", metavar="FILE", help="The guide's settings.yaml (image, group, pool, device_class)."),
     ] = None,
-    image: Annotated[str | None, typer.Option("--image", help="This project's image (overrides --settings).")] = None,
-    group: Annotated[str | None, typer.Option("--group", help="Accelerator group (timeslice.io/group).")] = None,
-    pool: Annotated[str | None, typer.Option("--pool", help="InferencePool of the model server.")] = None,
-    device_class: Annotated[str | None, typer.Option("--device-class", help="DRA DeviceClass of the claim.")] = None,
-    name: Annotated[str | None, typer.Option("--name", help="The Deployment, when there are several.")] = None,
-    container: Annotated[str, typer.Option("--container", help="The vLLM container.")] = "modelserver",
-    replicas: Annotated[int | None, typer.Option("--replicas", help="Scale the Deployment to this (1).")] = None,
+    image: Annotated[
+        str | None, typer.Option("--image", metavar="TEXT", help="This project's image (overrides --settings).")
+    ] = None,
+    group: Annotated[str | None, typer.Option("--group", metavar="TEXT", help="Accelerator group (timeslice.io/group).")] = None,
+    pool: Annotated[str | None, typer.Option("--pool", metavar="TEXT", help="InferencePool of the model server.")] = None,
+    device_class: Annotated[
+        str | None, typer.Option("--device-class", metavar="TEXT", help="DRA DeviceClass of the claim.")
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", metavar="TEXT", help="The Deployment, when there are several.")] = None,
+    container: Annotated[str, typer.Option("--container", metavar="TEXT", help="The vLLM container.")] = "modelserver",
+    replicas: Annotated[
+        int | None, typer.Option("--replicas", metavar="INTEGER", help="Scale the Deployment to this (1).")
+    ] = None,
     no_claim: Annotated[
         bool, typer.Option("--no-claim", help="No DRA: keep the nvidia.com/gpu request, print no ResourceClaim.")
     ] = False,
@@ -600,7 +631,7 @@ def k8s_modelserver(
 
 @k8s_app.command("restore", short_help="Print a kubectl-get backup ready for `kubectl replace -f -`.")
 def k8s_restore(
-    file: Annotated[str, typer.Argument(help="The backup (kubectl get -o yaml); - for stdin.")],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="The backup (kubectl get -o yaml); - for stdin.")],
 ) -> None:
     """Print the objects of FILE less their server-set metadata and status: `kubectl replace -f -` then puts back
     exactly what the backup held (the guide's clean-up of the model server and the Istio Gateway parameters)."""
@@ -620,6 +651,9 @@ def main() -> None:
 
     try:
         app()
+    except InputFileError as exc:
+        typer.echo(str(exc), err=True)
+        raise SystemExit(2) from None
     except StackError as exc:
         for line in exc.errors:
             typer.echo(f"{exc.path or 'stack file'}: {line}", err=True)
@@ -629,7 +663,10 @@ def main() -> None:
             typer.echo(f"llmd-timeslice: error: inventory {exc.path}: {line}", err=True)
         raise SystemExit(2) from None
     except (pydantic.ValidationError, yaml.YAMLError, OSError, ValueError) as exc:
-        typer.echo(f"llmd-timeslice: error: {exc}", err=True)
+        text = str(exc)
+        if isinstance(exc, OSError) and exc.filename and text.startswith("[Errno"):  # not "[Errno 2] ...: 'f'"
+            text = f"{exc.filename}: {exc.strerror}"
+        typer.echo(f"llmd-timeslice: error: {text}", err=True)
         raise SystemExit(2) from None
     except RuntimeError as exc:
         if "bind" not in str(exc).lower():

@@ -22,17 +22,18 @@ def config_check(
     file: Annotated[
         Path,
         typer.Argument(
+            metavar="FILE",
             help="YAML (or JSON) configuration file (LLMD_TIMESLICE_* variables apply "
             "on top), or a stack file of `up` (recognised by its `stack` or "
-            "`engines` key)."
+            "`engines` key).",
         ),
     ],
     env: Annotated[bool, typer.Option(help="Apply LLMD_TIMESLICE_<SECTION>__<FIELD> environment variables.")] = True,
 ) -> None:
     """Validate FILE: prints OK and a summary, or one line per error (exit 2).
 
-    A stack file is checked as `up` checks it, without starting anything; ports that are in use now are
-    listed as notes (`up` would refuse them)."""
+    A stack file is checked as `up` checks it before it starts anything (its nodes, host and token file
+    included), without starting anything; ports that are in use now are listed as notes (`up` would refuse them)."""
     from llmd_timeslice.config import ConfigError, load_config, summary_lines
 
     data = _parsed(file)
@@ -99,13 +100,21 @@ def _check_stack_file(file: Path, data: object) -> bool:
         for line in exc.errors:
             typer.echo(f"{file}: {line}", err=True)
         raise typer.Exit(2) from None
+    from llmd_timeslice.local.preflight import start_check
     from llmd_timeslice.local.up import Stack
 
     base = file.resolve().parent
+    check = start_check(sf, base)  # what `up` refuses before it starts anything
+    for line in check.errors:
+        typer.echo(f"{file}: {line}", err=True)
+    if check.errors:
+        raise typer.Exit(2)
     counts = f"{_count(len(sf.engines), 'engine')}, {_count(len(sf.groups), 'group')}, {_count(len(sf.pools), 'pool')}"
     typer.echo(f"OK {file}: stack file ({counts})")
     for line in sf.summary_lines(base):
         typer.echo(f"  {line}")
+    for line in check.notes:
+        typer.echo(f"  note: {line}")
     for line in Stack(sf, base).port_problems():
         typer.echo(f"  note: {line}; `up` would refuse it now")
     return True

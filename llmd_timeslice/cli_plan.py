@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from llmd_timeslice.cli_files import existing_file
+
 PLAN_HELP = """Propose which RL jobs share accelerators, in which groups, under which policy.
 
 Reads each job's phase profile (rollout, CPU gap, train, weight sync: durations, accelerators, host-memory state),
@@ -41,8 +43,7 @@ def plan(
             help="Profiles file (YAML or JSON; repeatable): hand entries {job_id, rollout_s, train_s, cpu_gap_s, "
             "weight_sync_s, accelerators, state_bytes, slowdown_budget} or profiles saved by `status --profiles "
             "--json`. A job also measured live: the file's accelerators, state bytes, budget and priority win.",
-            exists=True,
-            dir_okay=False,
+            callback=existing_file("profiles file"),
         ),
     ] = [],  # noqa: B006
     orchestrator: Annotated[
@@ -52,16 +53,17 @@ def plan(
         ),
     ] = None,
     token_file: Annotated[
-        Path | None, typer.Option("--token-file", help="Control-plane token file (default: $LLMD_TIMESLICE_TOKEN_FILE).")
+        Path | None,
+        typer.Option("--token-file", metavar="FILE", help="Control-plane token file (default: $LLMD_TIMESLICE_TOKEN_FILE)."),
     ] = None,
     file: Annotated[
         Path | None,
         typer.Option(
             "--file",
             "-f",
+            metavar="FILE",
             help="Stack file of `up`: its running orchestrator and token (like --orchestrator), and the file --apply rewrites.",
-            exists=True,
-            dir_okay=False,
+            callback=existing_file("stack file"),
         ),
     ] = None,
     offer: Annotated[
@@ -73,40 +75,57 @@ def plan(
     ] = None,
     offer_file: Annotated[
         Path | None,
-        typer.Option(help="Offer as YAML: {nodes: [{name, count, accelerators, host_memory}]}.", exists=True, dir_okay=False),
+        typer.Option(
+            metavar="FILE",
+            help="Offer as YAML: {nodes: [{name, count, accelerators, host_memory}]}.",
+            callback=existing_file("offer file"),
+        ),
     ] = None,
     switch_costs: Annotated[
         Path | None,
         typer.Option(
             help="Switch costs as YAML {grant_s, rollout_switch_s, train_switch_s, served, sleep_s, wake_s} (default: "
             "measured by the live orchestrator; without one, docs/placement.md's defaults).",
-            exists=True,
-            dir_okay=False,
+            metavar="FILE",
+            callback=existing_file("switch costs file"),
         ),
     ] = None,
     budget: Annotated[
-        float | None, typer.Option(min=0, help="Every job's slowdown budget, relative (0.05 = 5 %), instead of the profiles'.")
+        float | None,
+        typer.Option(
+            min=0, metavar="NUMBER", help="Every job's slowdown budget, relative (0.05 = 5 %), instead of the profiles'."
+        ),
     ] = None,
-    max_group_jobs: Annotated[int, typer.Option(min=1, max=16, help="Most jobs in one co-execution group.")] = 4,
-    exact_max_jobs: Annotated[int, typer.Option(min=0, max=10, help="Exact search up to this many jobs; heuristic beyond.")] = 8,
-    tries_per_job: Annotated[
-        int, typer.Option(min=1, help="Heuristic: open groups a job is simulated in before it opens its own.")
+    max_group_jobs: Annotated[
+        int, typer.Option(min=1, max=16, metavar="INTEGER", help="Most jobs in one co-execution group.")
     ] = 4,
-    seed: Annotated[int, typer.Option(help="Seed of the durations drawn from each profile.")] = 0,
-    group_prefix: Annotated[str, typer.Option(help="Group ids are PREFIX-0, PREFIX-1 and so on.")] = "ts",
-    out: Annotated[Path, typer.Option(help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")] = Path("plan"),
+    exact_max_jobs: Annotated[
+        int, typer.Option(min=0, max=10, metavar="INTEGER", help="Exact search up to this many jobs; heuristic beyond.")
+    ] = 8,
+    tries_per_job: Annotated[
+        int, typer.Option(min=1, metavar="INTEGER", help="Heuristic: open groups a job is simulated in before it opens its own.")
+    ] = 4,
+    seed: Annotated[int, typer.Option(metavar="INTEGER", help="Seed of the durations drawn from each profile.")] = 0,
+    group_prefix: Annotated[str, typer.Option(metavar="PREFIX", help="Group ids are PREFIX-0, PREFIX-1 and so on.")] = "ts",
+    out: Annotated[
+        Path, typer.Option(metavar="DIR", help="Folder for plan.json, plan.txt, plan.png (and --apply's files).")
+    ] = Path("plan-out"),
     apply: Annotated[
         bool, typer.Option("--apply", help="Also write OUT/stack.yaml, OUT/k8s-patch.sh and OUT/job-groups.json.")
     ] = False,
     stack: Annotated[
         Path | None,
-        typer.Option(help="With --apply: the stack file to rewrite (default: -f's).", exists=True, dir_okay=False),
+        typer.Option(
+            metavar="FILE", help="With --apply: the stack file to rewrite (default: -f's).", callback=existing_file("stack file")
+        ),
     ] = None,
     engine: Annotated[
         list[str],
         typer.Option(metavar="ENGINE=JOB", help="With --apply: engine ENGINE serves job JOB (default: by name, JOB or JOB-...)."),
     ] = [],  # noqa: B006
-    namespace: Annotated[str | None, typer.Option(help="With --apply: namespace of the kubectl commands.")] = None,
+    namespace: Annotated[
+        str | None, typer.Option(metavar="TEXT", help="With --apply: namespace of the kubectl commands.")
+    ] = None,
     move_holders: Annotated[bool, typer.Option(help="With --apply: allow moving jobs that hold accelerators now.")] = False,
     picture: Annotated[bool, typer.Option(help="Write OUT/plan.png (needs matplotlib).")] = True,
 ) -> None:

@@ -71,7 +71,7 @@ def _metavar(f: CliField) -> str | None:
         return "[" + "|".join(str(a) for a in typing.get_args(base)) + "]"
     if isinstance(base, type) and issubclass(base, enum.Enum):
         return "[" + "|".join(str(m.value) for m in base) + "]"
-    return {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "PATH"}.get(base)
+    return {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "FILE"}.get(base)
 
 
 def _checker(annotation: Any) -> Callable[[str], Any]:

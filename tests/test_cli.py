@@ -286,3 +286,72 @@ def test_a_command_plugin_that_cannot_load_is_named_in_one_line_and_the_rest_sti
     assert len(err) == 1 and "no_such_package.commands:register" in err[0] and "unavailable" in err[0], err
     out = CliRunner().invoke(app, ["--help"]).output
     assert all(name in out for name in ("gate", "picker", "other")), out
+
+
+_NO_SUCH = "no such file"
+
+
+@pytest.mark.parametrize(
+    "args,what,problem",
+    [
+        (("up", "-f"), "llmd-timeslice up: stack file", _NO_SUCH),
+        (("down", "-f"), "llmd-timeslice down: stack file", _NO_SUCH),
+        (("status", "-f"), "llmd-timeslice status: stack file", _NO_SUCH),
+        (("plan", "-p"), "llmd-timeslice plan: profiles file", _NO_SUCH),
+        (("plan", "-f"), "llmd-timeslice plan: stack file", _NO_SUCH),
+        (("plan", "--offer-file"), "llmd-timeslice plan: offer file", _NO_SUCH),
+        (("plan", "--switch-costs"), "llmd-timeslice plan: switch costs file", _NO_SUCH),
+        (("plan", "--apply", "--stack"), "llmd-timeslice plan: stack file", _NO_SUCH),
+        (("orchestrator", "--inventory"), "llmd-timeslice: error:", "No such file or directory"),  # read, not checked
+        (("k8s", "restore"), "llmd-timeslice: error:", "No such file or directory"),
+    ],
+)
+def test_a_file_that_is_not_there_is_one_line_naming_it_exit_2(tmp_path, args, what, problem):
+    """The fresh-clone trial: `up -f missing.yaml` and `plan -p missing.yaml` printed click's four lines of usage.
+    One line naming the file, exit 2 (a usage error), for every option that reads a file; a folder given as the
+    file is named too."""
+    missing = tmp_path / "missing.yaml"
+    r = run(*args, str(missing))
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"{what} {missing}: {problem}"], r.stderr
+    if problem == _NO_SUCH:
+        r = run(*args, str(tmp_path))
+        assert r.returncode == 2 and r.stderr.splitlines() == [f"{what} {tmp_path}: is a directory, not a file"], r.stderr
+
+
+@pytest.mark.parametrize("profiles", [False, True], ids=["status", "status-profiles"])
+def test_status_hint_names_the_port_offset_it_was_given(tmp_path, profiles):
+    """The fresh-clone trial: `status -f STACK --port-offset 200` of a stack not running said `start one with
+    llmd-timeslice up -f STACK`, which starts the stack without the offset. The hint repeats the offset (and a
+    --workdir given); `status --profiles` looks for the stack at that offset too."""
+    from pathlib import Path
+
+    f = tmp_path / "stack.yaml"
+    f.write_text((Path(__file__).resolve().parents[1] / "examples" / "cpu-stack.yaml").read_text())
+    hint = f"start one with `llmd-timeslice up -f {f} --port-offset 200`"
+    r = run("status", "-f", str(f), "--port-offset", "200", *(["--profiles"] if profiles else []))
+    assert r.returncode == 1, r.stdout + r.stderr
+    if profiles:
+        assert r.stderr.splitlines() == [f"no stack runs from {f}: {hint.replace('start one', 'start it')}"], r.stderr
+    else:
+        assert r.stdout.splitlines() == [f"no stack state in {tmp_path}/.llmd-timeslice/cpu+200: {hint}"], r.stdout
+    wd = tmp_path / "wd"
+    r = run("status", "-f", str(f), "--workdir", str(wd), "--port-offset", "7")
+    assert f"`llmd-timeslice up -f {f} --workdir {wd} --port-offset 7`" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _commands()], ids=lambda p: " ".join(p) or "(top)")
+def test_every_option_names_its_value_in_one_placeholder_style(path):
+    """The fresh-clone trial: `up --help` said `--file <file>`, `plan --help` `--profiles FILE`, the components
+    `--token-file PATH`. Every option's value and every argument reads as click's own (FILE, DIR, TEXT, INTEGER,
+    SECONDS, HOST:PORT, [a|b], ...), never typer's `<file>` / `<int range>`, and a file is FILE, not PATH."""
+    import re
+
+    cmd = dict(_commands())[path]
+    bad = []
+    for p in cmd.params:
+        if p.param_type_name == "option" and (p.is_flag or p.is_bool_flag or p.hidden):  # typer's own click
+            continue
+        shown = p.metavar or ""
+        if not re.fullmatch(r"[A-Z][A-Z0-9_:=.]*|\[[a-z0-9_|]+\]", shown) or shown == "PATH":
+            bad.append((p.name, shown))
+    assert not bad, bad

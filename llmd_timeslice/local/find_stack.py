@@ -68,13 +68,13 @@ def from_args(a: argparse.Namespace) -> StackEndpoints:
     return find_stack(a.stack, router=a.router, orchestrator=a.orchestrator, token_file=a.token_file)
 
 
-def running_stack_endpoints(stack: Path) -> dict:
+def running_stack_endpoints(stack: Path, workdir: Path | None = None, port_offset: int | None = None) -> dict:
     """The ``endpoints`` of the stack running from stack file ``stack`` (``{}`` when none runs, the file is missing
-    or not a stack file)."""
+    or not a stack file); ``workdir`` and ``port_offset`` as given to ``up``."""
     if not stack.exists():
         return {}
     try:
-        _, state = read_state(stack)
+        _, state = read_state(stack, workdir, port_offset)
     except (StackError, OSError, ValueError):
         return {}
     if state and state.get("phase") == "running" and alive(state.get("pid")):

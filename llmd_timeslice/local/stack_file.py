@@ -88,7 +88,11 @@ class StackSettings(_Strict):
     workdir: Path | None = Field(
         None, description="Logs, state, token, rendered configs (default: <stack file folder>/.llmd-timeslice/<name>)."
     )
-    token_file: Path | None = Field(None, description="Control-plane bearer token file (default: generated in workdir).")
+    token_file: Path | None = Field(
+        None,
+        description="Control-plane bearer token file (default: generated in workdir); one that does not exist is "
+        "created, mode 0600, with a new token.",
+    )
     max_hold_s: float = Field(600.0, gt=0, le=3600, description="Most seconds the gate holds a request.")
     generation_timeout_s: float = Field(
         3600.0,

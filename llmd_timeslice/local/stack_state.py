@@ -103,6 +103,15 @@ def _reap(console: Console, state: dict) -> int:
     return 0
 
 
+def up_command(file: Path, workdir: Path | None = None, port_offset: int | None = None) -> str:
+    """``llmd-timeslice up -f FILE`` with the ``--workdir`` and ``--port-offset`` given (for a hint: the stack
+    those options name, not the one without them)."""
+    extra = (f" --workdir {workdir}" if workdir is not None else "") + (
+        f" --port-offset {port_offset}" if port_offset is not None else ""
+    )
+    return f"llmd-timeslice up -f {file}{extra}"
+
+
 def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int | None = None) -> int:
     """Components from the state file, then groups and gate tables from the running stack."""
     from llmd_timeslice.status import print_status
@@ -118,7 +127,8 @@ def print_stack_status(file: Path, workdir: Path | None = None, port_offset: int
         return print_status(e["orchestrator"], [e["gate_control"]], Path(e["token_file"]), console) or code
     wd, state = read_state(file, workdir, port_offset)
     if state is None:
-        console.print(f"no stack state in {wd}: start one with `llmd-timeslice up -f {file}`")
+        hint = f"no stack state in {wd}: start one with `{up_command(file, workdir, port_offset)}`"
+        console.print(hint, soft_wrap=True, markup=False, highlight=False)  # never folded: the command is copied
         return 1
     running = alive(state.get("pid")) and state.get("phase") in ("starting", "running")
     t = table(

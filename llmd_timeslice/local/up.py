@@ -184,9 +184,15 @@ class Stack:
             self.token_file.parent.mkdir(parents=True, exist_ok=True)
             # created 0600 (never a moment readable by others), never printed; across nodes the other nodes read it
             # from the allocation's shared filesystem
-            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            # written whole under another name, then linked: another node never reads it empty
+            tmp = self.token_file.with_name(f".{self.token_file.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_urlsafe(24))
+            try:
+                os.link(tmp, self.token_file)  # fails if it exists, as O_EXCL would
+            finally:
+                tmp.unlink()
         elif not self.head:
             wait_for_token(self.token_file, progress)
         cmds = self.commands()
@@ -540,10 +546,17 @@ def run_up(
     that holds it; nothing is started)."""
     from filelock import FileLock, Timeout
 
+    from llmd_timeslice.local.preflight import start_check
     from llmd_timeslice.local.stack_file import load_stack_file
 
     sf = load_stack_file(file, port_offset)
     console = output_console()
+    check = start_check(sf, file.resolve().parent)  # what `config check` reports too
+    if check.errors:
+        err = output_console(stderr=True)
+        for line in check.errors:
+            err.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     try:
         stack = node_stack(file, sf, workdir, node)
         if stack.part is not None and not stack.part.head:  # the head's file of this run, before anything starts
@@ -553,6 +566,9 @@ def run_up(
         for line in exc.errors:
             err.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
         return 2
+    if stack.head:
+        for line in check.notes:
+            console.print(f"llmd-timeslice up: {line}", markup=False, highlight=False, soft_wrap=True)
     stack.workdir.mkdir(parents=True, exist_ok=True)
     # Held for the life of this `up`, taken before anything is built or started: a second `up` of the same workdir
     # during the first one's start-up (before stack.json or any port shows it) is refused here. The kernel drops
@@ -586,7 +602,8 @@ def _run_up_locked(file: Path, stack: Stack, console, live_table: bool | None) -
                     "`llmd-timeslice down -f FILE` first[/red]"
                 )
                 return 2
-    bad_host = host_problem(stack.host)
+    # across nodes: this node's own address (on one machine stack.host was checked by start_check)
+    bad_host = host_problem(stack.host) if stack.part is not None else None
     if bad_host:
         output_console(stderr=True).print(f"llmd-timeslice up: {bad_host}", markup=False, highlight=False, soft_wrap=True)
         return 2

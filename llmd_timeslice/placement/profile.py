@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from llmd_timeslice import yaml_files
 
@@ -231,6 +231,30 @@ class HandProfile(BaseModel):
     slowdown_budget: float = Field(DEFAULT_SLOWDOWN_BUDGET, ge=0, le=100)
     priority: int = 0
 
+    # One line per bad value: without these, pydantic answers a value of a union type once per member it tried
+    # (`rollout_s.float: ...` and `rollout_s.list[float]: ...`).
+    @field_validator("rollout_s", "train_s", "cpu_gap_s", "weight_sync_s", mode="before")
+    @classmethod
+    def _duration_shape(cls, v: Any) -> Any:
+        if _fits(_FLOAT, v) or (isinstance(v, list) and v and all(_fits(_FLOAT, x) for x in v)):
+            return v
+        raise ValueError(f"expected seconds: a number or a non-empty list of numbers, got {v!r}")
+
+    @field_validator("accelerators", mode="before")
+    @classmethod
+    def _accelerators_shape(cls, v: Any) -> Any:
+        return _one_or_per_phase(v, _INT, "a whole number of accelerators")
+
+    @field_validator("state_bytes", mode="before")
+    @classmethod
+    def _state_bytes_shape(cls, v: Any) -> Any:
+        return _one_or_per_phase(v, _BYTES, "a size (bytes, or 80GiB)")
+
+    @field_validator("switch_s", mode="before")
+    @classmethod
+    def _switch_shape(cls, v: Any) -> Any:
+        return v if v is None else _one_or_per_phase(v, _FLOAT, "seconds")
+
     @field_validator("rollout_s", "train_s", "cpu_gap_s", "weight_sync_s")
     @classmethod
     def _durations(cls, v: float | list[float]) -> float | list[float]:
@@ -265,6 +289,39 @@ class HandProfile(BaseModel):
         )
 
 
+_FLOAT: TypeAdapter = TypeAdapter(float)
+_INT: TypeAdapter = TypeAdapter(int)
+_BYTES: TypeAdapter = TypeAdapter(ByteSize)
+
+
+def _fits(adapter: TypeAdapter, v: Any) -> bool:
+    """Whether ``v`` validates as ``adapter``'s type (pydantic's own rules), booleans refused."""
+    if isinstance(v, bool):
+        return False
+    try:
+        adapter.validate_python(v)
+    except ValidationError:
+        return False
+    return True
+
+
+def _one_or_per_phase(v: Any, adapter: TypeAdapter, what: str) -> Any:
+    """``v`` when it is one value of ``adapter``'s type or a mapping of phase name to one; else ValueError, one
+    line saying ``what`` was expected."""
+    if isinstance(v, Mapping):
+        unknown = [k for k in v if k not in set(PhaseKind)]
+        if unknown:
+            raise ValueError(f"unknown phase {unknown[0]!r}; phases: {', '.join(PhaseKind)}")
+        bad = {k: x for k, x in v.items() if not _fits(adapter, x)}
+        if bad:
+            k, x = next(iter(bad.items()))
+            raise ValueError(f"phase {k}: expected {what}, got {x!r}")
+        return v
+    if _fits(adapter, v):
+        return v
+    raise ValueError(f"expected {what}, or a mapping of phase to it, got {v!r}")
+
+
 def hand_profile(**entry: Any) -> JobProfile:
     """A :class:`JobProfile` from one hand entry, e.g. ``hand_profile(job_id="grpo-7b", rollout_s=60, train_s=60,
     cpu_gap_s=3, weight_sync_s=2.8, accelerators=4, state_bytes="28GiB")``.
@@ -292,7 +349,8 @@ def profiles_from_data(data: Any, where: str = "profiles") -> list[JobProfile]:
     out: list[JobProfile] = []
     errors: list[str] = []
     for i, entry in enumerate(data):
-        at = f"{where}[{i}]"
+        job = entry.get("job_id") if isinstance(entry, Mapping) else None
+        at = f"{where}[{i}]" + (f" (job {job})" if isinstance(job, str) and job else "")
         if not isinstance(entry, Mapping):
             errors.append(f"{at}: expected a mapping with job_id and phase durations")
             continue

@@ -126,6 +126,12 @@ def _needs(results: Sequence[CandidateResult]) -> list[GroupNeed]:
     return [GroupNeed(f"{i}:{g.part}", g.accelerators, g.host_bytes) for i, r in enumerate(results) for g in r.groups]
 
 
+def _jobs_text(r: CandidateResult) -> str:
+    """``job a, colocated`` / ``jobs a, b, disaggregated``: a candidate, for a message."""
+    jobs = r.candidate.jobs
+    return f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}, {r.candidate.layout}"
+
+
 def _rank(r: CandidateResult) -> tuple[float, int, int]:
     return (-r.busy_rate, r.accelerators, PREFERENCE.get((str(r.candidate.layout), r.candidate.policy), 3))
 
@@ -157,6 +163,7 @@ class Planner:
         self.evaluated = 0
         self._cache: dict[Candidate, CandidateResult] = {}
         self._budget_scale = 1.0
+        self._misfit: str | None = None
 
     # ------------------------------------------------------------------ checks
     def problems(self) -> list[str]:
@@ -196,9 +203,14 @@ class Planner:
             within = True
         else:
             within = all(j.slowdown <= self._budget_scale * j.slowdown_budget + 1e-9 for j in r.jobs.values())
-        return within and all(
-            fits_anywhere(GroupNeed(g.part, g.accelerators, g.host_bytes), self.offer) is None for g in r.groups
-        )
+        if not within:
+            return False
+        for g in r.groups:
+            why = fits_anywhere(GroupNeed(g.part, g.accelerators, g.host_bytes), self.offer)
+            if why is not None:
+                self._misfit = self._misfit or f"{_jobs_text(r)} ({g.part}): {why}"
+                return False
+        return True
 
     def _max_budget(self, jobs: Sequence[str]) -> float:
         return max(self.profiles[j].slowdown_budget for j in jobs) * self._budget_scale
@@ -235,12 +247,18 @@ class Planner:
         exact = len(jobs) <= self.options.exact_max_jobs
         for scale in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, math.inf):
             self._budget_scale = scale
+            self._misfit = None
             chosen = self._exact(jobs) if exact else self._heuristic(jobs)
             placed = self._place(chosen) if chosen is not None else None
             if chosen is not None and placed is not None:
                 break
         else:  # pragma: no cover - the last scale accepts any schedule; only an offer smaller than one job is left
-            raise PlanningError(["the offer is too small for these jobs even with every one in one group"])
+            raise PlanningError(
+                [
+                    f"the offer ({self.offer.describe()}) is too small for these jobs even with every one in one "
+                    f"group; {self._misfit or 'no candidate fits'}"
+                ]
+            )
         res = SearchResult(
             chosen,
             "exact" if exact else "heuristic",
@@ -254,11 +272,17 @@ class Planner:
         return res
 
     def _place(self, chosen: Sequence[CandidateResult]) -> dict[str, list[str]] | None:
-        if sum(r.accelerators for r in chosen) > self.offer.accelerators:
+        """The groups of ``chosen`` on the offer's nodes; None when they do not fit (the first reason at this budget
+        scale is kept in ``_misfit``, for the message when no scale fits)."""
+        need = sum(r.accelerators for r in chosen)
+        if need > self.offer.accelerators:
+            self._misfit = self._misfit or f"needs {need} accelerators, the offer has {self.offer.accelerators}"
             return None
         try:
             return place_groups(_needs(chosen), self.offer)
-        except DoesNotFit:
+        except DoesNotFit as exc:
+            i, _, part = exc.group.partition(":")  # _needs' names: index in chosen, part
+            self._misfit = self._misfit or f"{_jobs_text(chosen[int(i)])} ({part}): {exc.why}"
             return None
 
     def _exact(self, jobs: list[str]) -> list[CandidateResult] | None:

@@ -450,3 +450,122 @@ def test_up_with_a_host_that_is_not_an_address_of_this_machine_is_one_line_and_e
         "address); every component binds it: use 127.0.0.1, 0.0.0.0 or an address of this machine's interfaces"
     ], r.stderr
     assert not (tmp_path / "work" / "stack.json").exists() and not (tmp_path / "work" / "logs").exists()
+
+
+def _across_without_node_list(d: dict, tmp_path: Path) -> list[str]:
+    d["engines"][1]["node"] = 1
+    return ["engines: they name nodes, but there is no node list (stack.nodes or a Slurm allocation)"]
+
+
+def _host_not_here(d: dict, tmp_path: Path) -> list[str]:
+    d["stack"]["host"] = "10.255.255.1"
+    return [
+        "stack.host: 10.255.255.1 is not an address of this machine (Cannot assign requested address); every "
+        "component binds it: use 127.0.0.1, 0.0.0.0 or an address of this machine's interfaces"
+    ]
+
+
+def _token_dir(d: dict, tmp_path: Path) -> list[str]:
+    (tmp_path / "tokens").mkdir()
+    d["stack"]["token_file"] = "tokens"
+    return [
+        f"stack.token_file {tmp_path / 'tokens'}: is a directory; name a file holding the token, or leave "
+        "stack.token_file out (`up` generates one)"
+    ]
+
+
+def _token_empty(d: dict, tmp_path: Path) -> list[str]:
+    (tmp_path / "token").write_text("\n")
+    d["stack"]["token_file"] = str(tmp_path / "token")
+    return [
+        f"stack.token_file {tmp_path / 'token'}: the file is empty; write the token into it, or delete it and `up` creates one"
+    ]
+
+
+def _both(*cases):
+    def mutate(d: dict, tmp_path: Path) -> list[str]:
+        return [line for case in cases for line in case(d, tmp_path)]
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        _across_without_node_list,
+        _host_not_here,
+        _token_dir,
+        _token_empty,
+        _both(_host_not_here, _token_dir),
+        _both(_across_without_node_list, _token_empty),
+    ],
+    ids=[
+        "engines-node-without-node-list",
+        "host-not-here",
+        "token-file-directory",
+        "token-file-empty",
+        "host-and-token-directory",
+        "nodes-and-token-empty",
+    ],
+)
+def test_config_check_refuses_what_up_refuses_before_starting_anything_every_error_at_once(tmp_path, monkeypatch, mutate):
+    """The fresh-clone trial: `config check` said OK for files `up` then refused (engines naming nodes without a node
+    list, a host not of this machine) or that failed after the engines started (a token file that is a directory or
+    empty). One check (llmd_timeslice/local/preflight.py) answers for both: the same lines, all of them, exit 2,
+    nothing written."""
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    d = _base()
+    d["stack"]["workdir"] = str(tmp_path / "work")
+    expected = mutate(d, tmp_path)
+    f = _write(tmp_path, d)
+    check = _config_check(f)
+    assert check.returncode == 2 and check.stderr.splitlines() == [f"{f}: {line}" for line in expected], check.stderr
+    assert "OK" not in check.stdout
+    up = run_cli("up", "-f", str(f), "--no-live")
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert [ln for ln in up.stderr.splitlines() if ln.strip()] == [f"llmd-timeslice up: {line}" for line in expected]
+    assert not (tmp_path / "work").exists(), "nothing was started or written"
+
+
+@pytest.mark.parametrize(
+    "make,problem",
+    [
+        (
+            lambda t: t.parent.write_text("a file"),
+            "cannot read it (Not a directory); make it readable by this user",
+        ),
+        (
+            lambda t: t.parent.mkdir() or t.write_bytes(b"\xff\xfe"),
+            "is not text; write the token into it as one line",
+        ),
+    ],
+    ids=["folder-is-a-file", "not-text"],
+)
+def test_a_token_file_that_cannot_be_read_is_refused_before_anything_starts(tmp_path, make, problem):
+    """A token file whose folder is a file, or that is not text (mode 000 cannot be tested as root, who reads it)."""
+    token = tmp_path / "secrets" / "token"
+    make(token)
+    d = _base()
+    d["stack"]["token_file"] = str(token)
+    f = _write(tmp_path, d)
+    r = _config_check(f)
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"{f}: stack.token_file {token}: {problem}"], r.stderr
+
+
+def test_a_token_file_that_does_not_exist_is_created_0600_and_said_so(tmp_path):
+    """A stack.token_file named on purpose that is not there yet: `config check` notes that `up` creates it; `up`
+    (its preparation, what it writes before it starts a component) creates it, mode 0600, with a token."""
+    from llmd_timeslice.local.up import Stack
+
+    d = _base()
+    d["stack"]["token_file"] = "secrets/token"
+    d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": "http://127.0.0.1:7001"}]
+    f = _write(tmp_path, d)
+    token = tmp_path / "secrets" / "token"
+    r = _config_check(f)
+    assert r.returncode == 0, r.stderr
+    assert f"  note: stack.token_file {token}: no such file; `up` creates it with a new token (mode 0600)" in r.stdout
+    assert not token.exists(), "config check writes nothing"
+    Stack(load_stack_file(f), tmp_path, workdir=tmp_path / "work").prepare()
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 24
+    assert [p.name for p in token.parent.iterdir()] == ["token"], "no temporary file is left beside it"

@@ -110,6 +110,23 @@ def test_the_labels_the_patch_sets_are_the_ones_discovery_reads():
             3,
             "llmd-timeslice plan: no plan meets every slowdown budget on this offer; best found: duty cycle",
         ),
+        (
+            "host memory too small for a job's states",
+            "- {job_id: a, rollout_s: 30, train_s: 10, accelerators: 8, state_bytes: 100GiB}\n",
+            "1x8:10GiB",
+            2,
+            "llmd-timeslice plan: the offer (1 node x 8 accelerators, 10.0GiB host memory each) is too small for these "
+            "jobs even with every one in one group; job a, colocated (all): its states need 100.0GiB of host memory "
+            "per node, pool pool0's nodes have 10.0GiB",
+        ),
+        (
+            "host memory too small for two jobs' states",
+            "".join(f"- {{job_id: {j}, rollout_s: 30, train_s: 10, accelerators: 8, state_bytes: 5GiB}}\n" for j in "ab"),
+            "1x8:6GiB",
+            2,
+            "is too small for these jobs even with every one in one group; jobs a, b, colocated (all): its states "
+            "need 10.0GiB of host memory per node, pool pool0's nodes have 6.0GiB",
+        ),
         ("unreadable profiles", "profiles: [\n", "1x8", 2, "llmd-timeslice plan: "),
         ("bad offer", "- {job_id: a, rollout_s: 1, train_s: 1}\n", "eight", 2, "expected COUNTxACCELERATORS"),
     ],
@@ -130,3 +147,66 @@ def test_help_names_every_option():
                 "--max-group-jobs", "--exact-max-jobs", "--tries-per-job", "--seed", "--out", "--apply", "--stack",
                 "--engine", "--namespace", "--move-holders", "Exit codes"):  # fmt: skip
         assert opt in r.stdout, opt
+
+
+def test_one_job_summary_is_singular_and_the_picture_has_a_legend(tmp_path, monkeypatch):
+    """The fresh-clone trial: `1 jobs in 1 co-execution groups`, and a plan.png whose colours and hatching were
+    explained nowhere in it. The summary counts in the singular; each panel has a legend naming its marks."""
+    import matplotlib.figure
+
+    saved: list = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), save(fig, *a, **k))[1])
+    f = tmp_path / "p.yaml"
+    f.write_text("- {job_id: solo, rollout_s: 30, train_s: 10, cpu_gap_s: 1, accelerators: 8, state_bytes: 1GiB}\n")
+    r = run("plan", "-p", str(f), "--offer", "1x8:1TiB", "--out", str(tmp_path / "out"))
+    assert r.returncode in (0, 3), r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("plan: 1 job in 1 co-execution group (1 lease group) on 8 of 8 accelerators;"), first
+    assert "1 jobs" not in r.stdout and "1 accelerators" not in r.stdout and " 1 candidate groups" not in r.stdout
+    (fig,) = saved
+    timeline, bars = fig.axes
+    assert [t.get_text() for t in timeline.get_legend().get_texts()] == [
+        "job solo", "rollout (plain)", "train (hatched)", "handover (switch)",
+    ]  # fmt: skip
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == ["this plan", "an alternative"]
+
+
+def _doc_plan_commands() -> list[list[str]]:
+    """The `llmd-timeslice plan` commands of docs/placement.md's first code block, continuation lines joined."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "placement.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "docs/placement.md opens with a bash block of the commands"
+    lines = block.group(1).replace("\\\n", " ").splitlines()
+    return [shlex.split(ln.split("#")[0])[1:] for ln in lines if ln.startswith("llmd-timeslice plan ")]
+
+
+def test_the_docs_plan_commands_work_from_a_fresh_clone(tmp_path, monkeypatch):
+    """The fresh-clone trial: docs/placement.md's `plan -p jobs.yaml` named a file the repo does not ship, and its
+    `plan -f examples/cpu-stack.yaml --apply` wrote no stack.yaml (the example's engines `sampler-N` are no job's
+    name). The commands from profiles run as written, from the repository root (only --out moved to a temporary
+    folder), and write the stack file `up` reads; the live one maps every engine of the example stack with --engine."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    commands = _doc_plan_commands()
+    from_profiles = [c for c in commands if "-p" in c]
+    live = [c for c in commands if "-f" in c]
+    assert from_profiles and live, commands
+    monkeypatch.chdir(repo)
+    for i, args in enumerate(from_profiles):
+        out = tmp_path / f"out-{i}"
+        r = run(*args, "--out", str(out))
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+        assert (out / "plan.json").exists() and (out / "plan.png").exists()
+        if "--apply" in args:
+            stack = load_stack_file(out / "stack.yaml")  # what `up -f plan-out/stack.yaml` reads
+            assert {e.group for e in stack.engines} <= {g.group_id for g in stack.groups}
+    engines = {e.name for e in load_stack_file(repo / "examples" / "cpu-stack.yaml").engines}
+    for args in live:
+        mapped = {args[i + 1].split("=")[0] for i, a in enumerate(args) if a == "--engine"}
+        assert "--apply" not in args or mapped == engines, (args, engines)

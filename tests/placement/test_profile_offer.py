@@ -56,10 +56,44 @@ def test_profiles_file_errors_are_one_line_each(tmp_path):
     with pytest.raises(ProfileError) as exc:
         load_profiles([f])
     assert any("rolout_s: unknown key (did you mean" in e for e in exc.value.errors)
-    assert any(e.startswith(f"{f}[1].rollout_s") for e in exc.value.errors)
+    assert any(e.startswith(f"{f}[1] (job b).rollout_s") for e in exc.value.errors)
     f.write_text("- {job_id: a, rollout_s: 1, train_s: 1}\n- {job_id: a, rollout_s: 1, train_s: 1}\n")
     with pytest.raises(ProfileError, match="job a given twice"):
         load_profiles([f])
+
+
+@pytest.mark.parametrize(
+    "entry,line",
+    [
+        ("rollout_s: abc, train_s: 1", "rollout_s: expected seconds: a number or a non-empty list of numbers, got 'abc'"),
+        ("rollout_s: 1, train_s: [1, x]", "train_s: expected seconds: a number or a non-empty list of numbers, got [1, 'x']"),
+        (
+            "rollout_s: 1, train_s: 1, accelerators: many",
+            "accelerators: expected a whole number of accelerators, or a mapping of phase to it, got 'many'",
+        ),
+        (
+            "rollout_s: 1, train_s: 1, accelerators: {train: 1.5}",
+            "accelerators: phase train: expected a whole number of accelerators, got 1.5",
+        ),
+        (
+            "rollout_s: 1, train_s: 1, state_bytes: {train: lots}",
+            "state_bytes: phase train: expected a size (bytes, or 80GiB), got 'lots'",
+        ),
+        (
+            "rollout_s: 1, train_s: 1, switch_s: {rolout: 1}",
+            "switch_s: unknown phase 'rolout'; phases: rollout, cpu_gap, train, weight_sync",
+        ),
+    ],
+    ids=["rollout_s-text", "train_s-list-item", "accelerators-text", "accelerators-per-phase", "state_bytes", "switch_s-phase"],
+)
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_job_and_field(tmp_path, entry, line):
+    """The fresh-clone trial: `rollout_s: abc` printed two pydantic lines (`rollout_s.float: ...`, `rollout_s.list[float]:
+    ...`), one per member of the field's union type. One line, naming the entry, its job and the field."""
+    f = tmp_path / "p.yaml"
+    f.write_text(f"- {{job_id: a, rollout_s: 1, train_s: 1}}\n- {{job_id: b, {entry}}}\n")
+    with pytest.raises(ProfileError) as exc:
+        load_profiles([f])
+    assert exc.value.errors == [f"{f}[1] (job b).{line}"]
 
 
 def test_a_saved_profile_reads_back_equal(tmp_path):
