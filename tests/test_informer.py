@@ -91,8 +91,9 @@ async def test_410_gone_as_an_event_or_as_the_watch_answer_lists_again(kube, pod
         kube.add(make_pod("s1", "g0"), record=False)  # no event: only a list sees it
         kube.expire_history()
         await until(lambda: "s1" in _names(inf), 10, "a list after the ERROR 410 event")
-        kube.fail_next_watch = [410]
+        # s2 exists before the 410 is armed: whichever watch gets the 410 answer, its list sees s2
         kube.add(make_pod("s2", "g0"), record=False)
+        kube.fail_next_watch = [410]
         kube.end_watches()
         await until(lambda: "s2" in _names(inf), 10, "a list after a 410 answer")
         assert inf.relists == 3 and seen.gone == 2 and seen.changes.count(True) == 3

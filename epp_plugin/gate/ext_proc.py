@@ -246,6 +246,18 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._pools = pools
         self._default_pool = default_pool
         self._hints = _HintCache()
+        self.open_streams = 0
+        self._none_open = asyncio.Event()
+        self._none_open.set()
+
+    async def wait_streams_done(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for every open ext_proc stream (one per HTTP request, see the module
+        docstring) to end. Returns whether none is open."""
+        try:
+            await asyncio.wait_for(self._none_open.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return self.open_streams == 0
 
     def _pool_name(self, context) -> str:
         for key, value in context.invocation_metadata() or ():
@@ -257,6 +269,8 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
         pool_name = self._pool_name(context)
         pool = self._pools.get(pool_name)
         st = _Stream(context, pool_name)
+        self.open_streams += 1
+        self._none_open.clear()
         try:
             async for req in request_iterator:
                 which = req.WhichOneof("request") or "none"
@@ -296,6 +310,9 @@ class GateExternalProcessor(pb_grpc.ExternalProcessorServicer):
             log.warning("pool=%s ext_proc stream refused: %s", pool_name, err)
             await context.abort(err.code, str(err))
         finally:
+            self.open_streams -= 1
+            if self.open_streams == 0:
+                self._none_open.set()
             if st.adm is not None and pool is not None:  # an admission implies its pool
                 pool.finish(st.adm)
 

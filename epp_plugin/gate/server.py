@@ -115,6 +115,7 @@ class GateServer:
         for name in {*config.pools, config.default_pool}:
             self.pools[name] = self._new_pool(name)
         self._data: aio.Server | None = None
+        self._ext_proc: GateExternalProcessor | None = None
         self.book = AdmissionBook(
             config.lost_completion_after_s, on_lost=lambda reason, n: metrics.LOST_COMPLETIONS.labels(reason=reason).inc(n)
         )
@@ -208,7 +209,8 @@ class GateServer:
         if cfg.objectives_from_kubernetes:
             await self._start_objective_watch()
         self._data = aio.server(options=SERVER_OPTIONS)
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(GateExternalProcessor(self.pools, cfg.default_pool), self._data)
+        self._ext_proc = GateExternalProcessor(self.pools, cfg.default_pool)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(self._ext_proc, self._data)
         self.access_log = GateAccessLogService(self.book, on_failed=self._endpoint_failed)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._data)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.directory, self._data)
@@ -303,7 +305,11 @@ class GateServer:
             task.add_done_callback(self._tasks.discard)
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Refuse held requests (503 gate_shutting_down), then stop both servers."""
+        """Refuse held requests (503 gate_shutting_down), then stop both servers.
+
+        ``grace_s`` (seconds) bounds the wait for the ext_proc streams of requests already on an engine (their
+        response phase); Envoy's long-lived streams (EDS, access logs, health) do not count, so an idle gate stops at
+        once instead of waiting out the grace."""
         if self._sub_task is not None:
             self._sub_task.cancel()
         for task in list(self._tasks):
@@ -331,7 +337,9 @@ class GateServer:
         if self._report_channel is not None:
             await self._report_channel.close()
         if self._data is not None:
-            await self._data.stop(grace_s)
+            if self._ext_proc is not None and not await self._ext_proc.wait_streams_done(grace_s):
+                log.info("gate stopping with %d ext_proc streams still open after %g s", self._ext_proc.open_streams, grace_s)
+            await self._data.stop(0)
         if self._control is not None:
             await self._control.stop(0)
 

@@ -3,7 +3,8 @@
 Runs a stdlib ``ThreadingHTTPServer`` in a background thread. ``GET/POST /`` returns JSON
 ``{"served_by": "ip:port", "body_bytes": n, "body_sha256": ...}``; ``[/v1]/stream?chunks=N&gap_ms=M``
 sends N SSE events M ms apart; ``[/v1]/late_json?delay_ms=M`` sends its headers at once and a chunked JSON
-body M ms later (a non-streamed answer still being computed); ``[/v1]/no_content`` answers 204.
+body M ms later (a non-streamed answer still being computed); ``[/v1]/late_headers?delay_ms=M`` answers after M ms,
+headers included; ``[/v1]/no_content`` answers 204.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path.endswith("/no_content"):
             self.send_response(204)
             self.end_headers()
+            return
+        if url.path.endswith("/late_headers"):  # the whole answer after delay_ms: headers not yet sent meanwhile
+            time.sleep(int(parse_qs(url.query).get("delay_ms", ["2000"])[0]) / 1000)
+            payload = json.dumps({"served_by": server.address}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
             return
         if url.path.endswith("/late_json"):
             delay = int(parse_qs(url.query).get("delay_ms", ["2000"])[0]) / 1000
