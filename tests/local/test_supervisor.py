@@ -48,7 +48,9 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
     finally:
         await sup.stop()
     pids = [c.proc.pid for c in sup.children]
-    assert not [p for p in [*pids, grandchild] if alive(p)], "no child nor grandchild is left"
+    assert not [p for p in pids if alive(p)], "no child is left"
+    # the grandchild got its group's SIGKILL; on a loaded machine it may take a moment to be scheduled and exit
+    await _until(lambda: not alive(grandchild), 5, "the grandchild gone")
     assert {c.state for c in sup.children} == {"stopped"}
 
 
