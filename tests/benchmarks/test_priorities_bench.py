@@ -12,14 +12,16 @@ from benchmarks import priorities
 
 
 def test_priorities_benchmark_tiny_run_writes_json_png_and_summary(tmp_path):
-    # The machinery end to end, not its figures: each training phase still spans the eval band's deadline (0.8 s),
-    # so the held eval requests ask the trainer to yield; rollouts and evals are served in 0.05 s.
-    args = ["--out", str(tmp_path), "--iterations", "1", "--batch", "2", "--train-s", "1.5", "--step-s", "0.1"]
-    args += ["--eval-rps", "4", "--deadline-s", "0.8", "--min-training-s", "0.2", "--lease-ttl-s", "0.6"]
+    # The machinery end to end, not its figures: each training phase (1 s) still spans the eval band's deadline
+    # (0.6 s), so a held eval request reaches half of it (the yield-request fraction, 0.3 s) early in the phase and
+    # asks the trainer to yield (heard on its heartbeat, every 0.2 s; honoured at a 0.1 s step boundary); rollouts
+    # and evals are served in 0.05 s.
+    args = ["--out", str(tmp_path), "--iterations", "1", "--batch", "2", "--train-s", "1.0", "--step-s", "0.1"]
+    args += ["--eval-rps", "6", "--deadline-s", "0.6", "--min-training-s", "0.2", "--lease-ttl-s", "0.6"]
     args += ["--rollout-service-s", "0.05", "--eval-service-s", "0.05"]
     assert priorities.main(args) == 0
     res = json.loads((tmp_path / "priorities.json").read_text())
-    assert res["deadline_s"] == 0.8 and set(res["runs"]) == set(priorities.RUNS)
+    assert res["deadline_s"] == 0.6 and set(res["runs"]) == set(priorities.RUNS)
     assert 0 < res["runs"]["no_eval"]["duty_cycle"] < 1
     for name in ("yield_off", "yield_on"):
         r = res["runs"][name]
