@@ -80,7 +80,9 @@ for cycle in range(50):
         first_allocations = off.allocations
     if cycle in (5, 49):
         rss.append(proc.memory_info().rss)
-print(json.dumps({"exact": exact, "rss": rss, "allocations": [first_allocations, off.allocations]}))
+print(json.dumps({"exact": exact, "rss": rss, "allocations": [first_allocations, off.allocations]}), flush=True)
+import os
+os._exit(0)  # the answer is out: skip the interpreter's teardown of torch and the torch._dynamo AdamW pulled in (~1 s)
 """
 
 
