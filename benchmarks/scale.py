@@ -489,9 +489,7 @@ async def _one_run(
     finally:
         if client is not None:
             await client.close()
-        for g in gates:
-            await asyncio.to_thread(g.stop)
-        await asyncio.to_thread(orch.stop)
+        await asyncio.gather(*(asyncio.to_thread(c.stop) for c in [*gates, orch]))
 
 
 def _summary(runs: list[dict]) -> dict:
