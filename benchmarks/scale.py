@@ -531,11 +531,9 @@ def _floors(runs: list[dict], switches: int, progress) -> dict:
     spread_s = largest["acquire_phases_ms_p50"].get("sleep", 0.0) / 1000
     out: dict = {"spread_ms": spread_s * 1000, "switches": switches, "runs": []}
     for transport in ("grpc", "tcp"):
-        at = {}
-        for n in (ns[0], ns[-1]):
-            progress(f"floor: {transport}, N={n}, answers spread over {spread_s * 1000:.0f} ms")
-            at[n] = stream_floor.measure(n, switches, spread_s, transport)
-            out["runs"].append(at[n])
+        progress(f"floor: {transport}, N={ns[0]} and N={ns[-1]}, answers spread over {spread_s * 1000:.0f} ms")
+        at = {r["samplers"]: r for r in stream_floor.measure_each(tuple({ns[0], ns[-1]}), switches, spread_s, transport)}
+        out["runs"].extend(at.values())
         if ns[-1] > ns[0]:
             out[f"{transport}_marginal_cpu_ms_per_sampler"] = (
                 at[ns[-1]]["cpu_ms_per_switch"] - at[ns[0]]["cpu_ms_per_switch"]

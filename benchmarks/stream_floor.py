@@ -163,23 +163,44 @@ async def _switches(streams: list, commands: list, one, switches: int) -> float:
 
 def measure(samplers: int, switches: int, spread_s: float, transport: str = "grpc") -> dict:
     """Run the servers in a child process and the client here; returns the figures (module doc)."""
+    return measure_each((samplers,), switches, spread_s, transport)[0]
+
+
+def measure_each(samplers: tuple[int, ...], switches: int, spread_s: float, transport: str = "grpc") -> list[dict]:
+    """:func:`measure` at each N of ``samplers``, one after the other, against one child process serving
+    ``max(samplers)`` do-nothing servers: each measurement streams to the first N of them (the others sit idle in
+    that process and cost the measured client nothing), so the child starts once, not once per N. Raises
+    RuntimeError when the servers did not start."""
+    most = max(samplers)
     server = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.stream_floor", "--serve", "--samplers", str(samplers), "--spread-ms",
+        [sys.executable, "-m", "benchmarks.stream_floor", "--serve", "--samplers", str(most), "--spread-ms",
          str(spread_s * 1000), "--transport", transport],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    out = []
     try:
         assert server.stdout is not None
         ports = [int(p) for p in server.stdout.readline().split()]
-        if len(ports) != samplers:
+        if len(ports) != most:
             raise RuntimeError(
-                f"stream floor: the servers did not start: got {len(ports)} ports of {samplers} (too many for this "
+                f"stream floor: the servers did not start: got {len(ports)} ports of {most} (too many for this "
                 "machine's open-file limit or memory? try fewer --samplers)"
             )
         client = _client_grpc if transport == "grpc" else _client_tcp
-        cpu = asyncio.run(client(ports, switches))
+        for n in samplers:
+            cpu = asyncio.run(client(ports[:n], switches))
+            out.append(
+                {
+                    "transport": transport,
+                    "samplers": n,
+                    "switches": switches,
+                    "spread_ms": spread_s * 1000,
+                    "cpu_ms_per_switch": cpu * 1000 / switches,
+                    "cpu_ms_per_sampler_switch": cpu * 1000 / switches / n,
+                }
+            )
     finally:
         if server.stdin is not None:
             server.stdin.close()
@@ -188,14 +209,7 @@ def measure(samplers: int, switches: int, spread_s: float, transport: str = "grp
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    return {
-        "transport": transport,
-        "samplers": samplers,
-        "switches": switches,
-        "spread_ms": spread_s * 1000,
-        "cpu_ms_per_switch": cpu * 1000 / switches,
-        "cpu_ms_per_sampler_switch": cpu * 1000 / switches / samplers,
-    }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
