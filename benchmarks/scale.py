@@ -27,7 +27,8 @@ CPU taken out). Writes JSON, a PNG of the curves and a text summary beside ``--o
 Floors in the same run (:mod:`benchmarks.stream_floor`): after the runs, a client that does nothing but send each
 sampler the orchestrator's two commands per switch (sleep, wake) on one stream each, to do-nothing servers that
 answer spread over the sleep phase the largest one-gate run measured (as the engines' answers arrived there), at
-N = 1 and the largest N, over grpc.aio (the orchestrator's library) and over plain asyncio TCP. The summary's
+N = 1 and the largest N (one server process per transport serves both), over grpc.aio (the orchestrator's
+library) and over plain asyncio TCP. The summary's
 ``floor_marginal_cpu_ms_per_sampler`` gives each floor's (cpu at the largest N - cpu at N = 1) / (N - 1), and
 ``ratio_marginal_to_grpc_floor`` the orchestrator's marginal over grpc.aio's (1.0: nothing above the two commands).
 ``--no-floor`` skips them.
