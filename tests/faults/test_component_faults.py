@@ -96,7 +96,7 @@ async def _requests(pool, n: int) -> list:
 
 async def test_sidecar_killed_mid_sleep_fails_the_acquire_then_the_group_repairs_itself(stack):
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
-    stack["orch"].actions.start_rpc_timeout_s = 1.5  # how long a call to the dead sidecar waits (6 s by default)
+    stack["orch"].actions.start_rpc_timeout_s = 1.0  # how long a call to the dead sidecar waits (6 s by default)
     engines[0].sleep_delay_s = 1.0  # its sidecar is killed while this sleep runs (the other's returns at once)
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))
     await _until(lambda: any(p == "/sleep" for _, p, _ in engines[0].calls), what="the sleep call")
