@@ -171,10 +171,10 @@ async def test_engine_killed_stays_out_of_service_and_comes_back_when_restarted(
 async def test_slow_control_plane_delays_the_switch_but_loses_nothing(stack):
     engines, client, pool, addrs = stack["engines"], stack["client"], stack["pool"], stack["addrs"]
     for e in engines:
-        e.sleep_delay_s = e.wake_delay_s = 1.0
+        e.sleep_delay_s = e.wake_delay_s = 0.5
     t = asyncio.get_running_loop().time()
     await client.acquire(timeout_sec=60)
-    assert asyncio.get_running_loop().time() - t >= 1.0
+    assert asyncio.get_running_loop().time() - t >= 0.5
     waiting = [asyncio.create_task(pool.admit()) for _ in range(20)]
     await asyncio.sleep(0.2)
     assert not any(w.done() for w in waiting)
