@@ -10,7 +10,8 @@ as context manager and decorator. Configuration falls back to the environment:
 ``LLMD_TIMESLICE_TOKEN(_FILE)``. A refused token raises :class:`AuthError`, whose message says where the
 client took its token from (or where it looked when it found none).
 Calls are retried on UNAVAILABLE (service config on the upstream service
-name, exponential back-off, 5 attempts).
+name, exponential back-off, 5 attempts); ``channel_options`` take precedence over the client's own
+(``[("grpc.enable_retries", 0)]``: one attempt).
 
 A ``state`` offloader (e.g. :class:`~llmd_timeslice.client.torch_offload.TorchStateOffloader`)
 passed to ``on_accelerators`` is restored right after the grant and offloaded right before the
@@ -193,7 +194,8 @@ _SERVICE_CONFIG = json.dumps(
 
 
 def _channel_options(extra: list | None) -> list:
-    return [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1), *(extra or [])]
+    # gRPC takes the first of two options with the same name: the caller's come first, so they win.
+    return [*(extra or []), ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
 
 
 def _defaults(target, job_id, group_id):
@@ -469,7 +471,7 @@ class TimeSliceOrchestratorClient(_JobAndGroup):
         target: orchestrator ``host:port`` (default ``$TIMESLICE_ORCH_ADDR`` or 127.0.0.1:50051).
         job_id: this job's id (default ``$TIMESLICE_JOB_ID``).
         group_id: default group (default ``$TIMESLICE_TRAINER_GROUP``).
-        channel_options: extra gRPC channel options.
+        channel_options: extra gRPC channel options; they take precedence over the client's own (its retries).
         token: bearer token (default from ``LLMD_TIMESLICE_TOKEN(_FILE)``): the control token, or this job's own
             token where the orchestrator has per-job tokens.
         tls_files: mutual TLS (default: from ``LLMD_TIMESLICE_TLS_*_FILE``, see :mod:`llmd_timeslice.tls`).

@@ -60,6 +60,9 @@ class TermLeaseLock(LeaseLock):
         super().__init__(name, namespace, identity)
         self.api_instance = client.CoordinationV1Api(api_client)
         self.stopped = threading.Event()
+        self.calling = threading.Lock()
+        """Held while one of the library's calls (``get``, ``create``, ``update``) runs: once :attr:`stopped` is set and
+        this lock taken, the election thread writes the Lease no more (its next call raises)."""
         self.term = 0
         """``leaseTransitions + 1`` of the Lease this candidate last wrote as holder (0: never held)."""
         self.observed_holder: str | None = None
@@ -74,6 +77,18 @@ class TermLeaseLock(LeaseLock):
             raise ElectionStopped
 
     def get(self, name, namespace):
+        with self.calling:
+            return self._get(name, namespace)
+
+    def create(self, name, namespace, election_record):
+        with self.calling:
+            return self._create(name, namespace, election_record)
+
+    def update(self, name, namespace, updated_record):
+        with self.calling:
+            return self._update(name, namespace, updated_record)
+
+    def _get(self, name, namespace):
         self._check()
         try:
             lease = self.api_instance.read_namespaced_lease(name, namespace, _request_timeout=self.request_timeout_s)
@@ -89,7 +104,7 @@ class TermLeaseLock(LeaseLock):
                 self.on_observed(record.holder_identity)
         return ok, record
 
-    def create(self, name, namespace, election_record):
+    def _create(self, name, namespace, election_record):
         self._check()
         body = client.V1Lease(metadata={"name": name}, spec=self.get_lease_spec(election_record))
         body.spec.lease_transitions = 0
@@ -103,7 +118,7 @@ class TermLeaseLock(LeaseLock):
         self.term = int(self.lease_reference.spec.lease_transitions or 0) + 1
         return True
 
-    def update(self, name, namespace, updated_record):
+    def _update(self, name, namespace, updated_record):
         self._check()
         ref = self.lease_reference
         if ref is None:
@@ -276,8 +291,10 @@ class LeaderElector:
         return self.lock.term
 
     async def stop(self, release: bool = False) -> None:
-        """Stop campaigning or leading; with ``release`` (and leading), then hand the Lease back (after the election
-        thread ended, so that no renewal in flight writes it again: at most a retry period later).
+        """Stop campaigning or leading; with ``release`` (and leading), then hand the Lease back, once no Lease call of
+        the election thread is in flight (at most one call's timeout, ``renew_deadline_s``), so that no renewal writes
+        it again; not waiting for the thread's sleep between renewals (up to ``retry_period_s``): its next call raises
+        :class:`ElectionStopped`.
 
         Without ``release`` nothing waits for the election thread: it ends at its next call of the lock
         (:class:`ElectionStopped`) or when the call in flight returns. A deposed leader cut off from the API server
@@ -286,11 +303,13 @@ class LeaderElector:
         if not release:
             self._api.close()  # idle connections only: a call in flight ends by itself
             return
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, self.retry_period_s + self.renew_deadline_s + 1.0)
-        alive = self._thread is not None and self._thread.is_alive()
-        if release and self.leading.is_set() and not self.lost.is_set() and not alive:
-            released = await asyncio.to_thread(self.lock.release)
-            log.info("%s released the Lease: %s", self.identity, released)
-        if not alive:
+        idle = await asyncio.to_thread(self.lock.calling.acquire, True, self.renew_deadline_s + 1.0)
+        try:
+            if idle and self.leading.is_set() and not self.lost.is_set():
+                released = await asyncio.to_thread(self.lock.release)
+                log.info("%s released the Lease: %s", self.identity, released)
+        finally:
+            if idle:
+                self.lock.calling.release()
+        if idle:
             self._api.close()

@@ -62,3 +62,36 @@ def test_error_info_round_trips_and_ignores_other_domains_and_garbage():
 
 def test_old_error_names_are_aliases_of_the_one_spelling():
     assert LockOrderError is LockOrderViolation and TimesliceConfigError is TimeSliceConfigError
+
+
+async def test_the_callers_channel_options_win_over_the_clients_own_retries():
+    """``channel_options=[("grpc.enable_retries", 0)]``: one attempt, where the client's own service config retries
+    UNAVAILABLE 5 times (it used to put the caller's options after its own, and gRPC takes the first)."""
+    from grpc import aio
+
+    from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
+
+    attempts = []
+
+    class Unavailable(grpc.GenericRpcHandler):
+        def service(self, details):
+            async def refuse(request, context):
+                attempts.append(details.method)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "not the leader")
+
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    srv = aio.server()
+    srv.add_generic_rpc_handlers((Unavailable(),))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    client = AsyncTimeSliceOrchestratorClient(
+        f"127.0.0.1:{port}", job_id="job", group_id="g0", token="s3cret", channel_options=[("grpc.enable_retries", 0)]
+    )
+    try:
+        with pytest.raises(OrchestratorUnavailable, match="not the leader"):
+            await client.acquire(timeout_sec=5)
+        assert len(attempts) == 1, attempts
+    finally:
+        await client.close()
+        await srv.stop(None)

@@ -1,5 +1,6 @@
-"""Faults of the parts a phase switch talks to, with the sidecars as real processes (killed with SIGKILL):
-a sidecar dying mid-sleep, an engine dying while asleep or while waking, and a slow control plane. For each:
+"""Faults of the parts a phase switch talks to, with the sidecars as real processes where a test kills (SIGKILL) or
+freezes (SIGSTOP) one (``sidecar_processes``), else in this process (a Python start less each): a sidecar dying
+mid-sleep, an engine dying while asleep or while waking, and a slow control plane. For each:
 what the trainer and the clients see (an error with the reason, or completion; never a hang), that no
 request is delivered to a sleeping engine, and that the group comes back without a human once the part is
 back (the orchestrator's repair loop)."""
@@ -16,6 +17,8 @@ from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from llmd_timeslice.snapshot.backends.vllm import VllmBackend
+from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.cli import CliProcess
 from tests.support.fake_engines import FakeVllm
 from tests.support.waits import until as _until
@@ -34,12 +37,24 @@ class Sidecar(CliProcess):
 
 
 @pytest.fixture
-async def stack(tmp_path):
+def sidecar_processes() -> bool:
+    """Whether the stack's sidecars run as processes (``@pytest.mark.parametrize("sidecar_processes", [True])``: a
+    test that kills or freezes one); else they serve in this process (``SidecarServer``, as the CLI builds it)."""
+    return False
+
+
+@pytest.fixture
+async def stack(tmp_path, sidecar_processes):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     ports = [port_for.select_random(), port_for.select_random()]
     engines = [FakeVllm(port=p).start() for p in ports]
-    sidecars = [Sidecar(f"s{i}", e.url, str(token_file), tmp_path) for i, e in enumerate(engines)]
+    sidecars: list = [
+        Sidecar(f"s{i}", e.url, str(token_file), tmp_path)
+        if sidecar_processes
+        else SidecarServer({f"s{i}": VllmBackend(e.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+        for i, e in enumerate(engines)
+    ]
     st: dict = {"engines": engines, "ports": ports, "sidecars": sidecars}
     try:  # whatever was started is stopped, also when the set-up fails half-way
         await asyncio.gather(*(s.start() for s in sidecars))
@@ -79,7 +94,10 @@ async def stack(tmp_path):
         if "orch" in st:
             await st["orch"].stop()
         for s in st["sidecars"]:
-            s.stop()
+            if isinstance(s, SidecarServer):
+                await s.stop()
+            else:
+                s.stop()
         for e in st["engines"]:
             e.stop()
 
@@ -94,11 +112,11 @@ async def _requests(pool, n: int) -> list:
     return out
 
 
+@pytest.mark.parametrize("sidecar_processes", [True], ids=["sidecar_processes"])
 async def test_sidecar_killed_mid_sleep_fails_the_acquire_then_the_group_repairs_itself(stack):
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
-    stack["orch"].actions.start_rpc_timeout_s = 1.5  # how long a call to the dead sidecar waits (6 s by default)
-    for e in engines:
-        e.sleep_delay_s = 1.0
+    stack["orch"].actions.start_rpc_timeout_s = 1.0  # how long a call to the dead sidecar waits (6 s by default)
+    engines[0].sleep_delay_s = 1.0  # its sidecar is killed while this sleep runs (the other's returns at once)
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))
     await _until(lambda: any(p == "/sleep" for _, p, _ in engines[0].calls), what="the sleep call")
     sidecars[0].kill()
@@ -118,6 +136,7 @@ async def test_sidecar_killed_mid_sleep_fails_the_acquire_then_the_group_repairs
     await _until(lambda: set(pool.serving()) == set(addrs), what="repair")
     assert engines[0].level == 0
     assert sum(e.completions_while_asleep for e in engines) == 0
+    engines[0].sleep_delay_s = 0
     await client.acquire(timeout_sec=30)
     await client.release()
 
@@ -152,10 +171,10 @@ async def test_engine_killed_stays_out_of_service_and_comes_back_when_restarted(
 async def test_slow_control_plane_delays_the_switch_but_loses_nothing(stack):
     engines, client, pool, addrs = stack["engines"], stack["client"], stack["pool"], stack["addrs"]
     for e in engines:
-        e.sleep_delay_s = e.wake_delay_s = 1.0
+        e.sleep_delay_s = e.wake_delay_s = 0.5
     t = asyncio.get_running_loop().time()
     await client.acquire(timeout_sec=60)
-    assert asyncio.get_running_loop().time() - t >= 1.0
+    assert asyncio.get_running_loop().time() - t >= 0.5
     waiting = [asyncio.create_task(pool.admit()) for _ in range(20)]
     await asyncio.sleep(0.2)
     assert not any(w.done() for w in waiting)
@@ -195,6 +214,7 @@ async def test_orchestrator_restart_mid_switch_rolls_back_and_the_group_serves_a
     assert sum(e.completions_while_asleep for e in engines) == 0
 
 
+@pytest.mark.parametrize("sidecar_processes", [True], ids=["sidecar_processes"])
 async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_probed_it_while_dead(stack):
     """The engine audit keeps calling a dead sidecar, which grows gRPC's reconnect back-off (to 120 s by default):
     found by tests/local/test_stack_up.py, the first switch after the sidecar came back failed fast with UNAVAILABLE.
@@ -219,6 +239,7 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
     await _until(lambda: set(pool.serving()) == set(addrs), what="serving again")
 
 
+@pytest.mark.parametrize("sidecar_processes", [True], ids=["sidecar_processes"])
 async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_acquire_then_comes_back(stack):
     """A sidecar frozen (SIGSTOP) mid-sleep for longer than the group's sleep deadline (set to 3 s here): the
     orchestrator's reachability probe (sidecar_stream.py: after 2 s without an answer, a call the frozen sidecar does

@@ -29,8 +29,8 @@ from tests.support.waits import until
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(120)]
 TOKEN = "t"
 CLIENTS = 8
-LOAD_S = 2.5
-KILL_AT_S = 0.8
+LOAD_S = 2.0
+KILL_AT_S = 0.6
 
 
 class Sidecar(CliProcess):

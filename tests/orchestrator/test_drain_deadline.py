@@ -18,6 +18,7 @@ from llmd_timeslice.snapshot.backends.vllm import VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
 from tests.support.fake_engines import FakeVllm
 from tests.support.router import start_router
+from tests.support.waits import until
 
 pytestmark = pytest.mark.envoy
 
@@ -68,7 +69,9 @@ async def test_request_still_travelling_at_the_drain_deadline_gets_a_retryable_5
     slow_picker_stack,
 ):
     engine, addr, orch, router, client = slow_picker_stack
-    pool = router.pool()
+    pool, picker_path = router.pool(), router.picker_proxy
+    assert picker_path is not None
+    late_before = picker_path.delivered_late
     async with httpx.AsyncClient(timeout=30) as c:
         req = asyncio.create_task(
             c.post(
@@ -86,7 +89,9 @@ async def test_request_still_travelling_at_the_drain_deadline_gets_a_retryable_5
     assert r.status_code == 503, r.text
     assert r.headers[protocol.REASON_HEADER] == "drain_deadline" and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "drain_deadline"
-    await asyncio.sleep(PICKER_DELAY_S + 0.5)  # the picker's late answer has reached Envoy by now
+    # The picker's late answer has reached Envoy (nothing held back any more), and Envoy had 0.5 s to act on it.
+    await until(lambda: picker_path.delivered_late > late_before and picker_path.held_back == 0, what="the late answer")
+    await asyncio.sleep(0.5)
     assert engine.paths().count("/v1/completions") == 0, "the cut request reached the engine"
     assert engine.completions_while_asleep == 0
     assert pool.in_flight([addr])[addr] == 0 and pool.live == 0
@@ -99,6 +104,8 @@ async def test_response_already_flowing_at_the_drain_deadline_completes_on_the_e
     """The other half of the rule: a request whose response has started is not cut; the sleep (mode=wait) lets it end."""
     engine, _addr, orch, router, client = slow_picker_stack
     pool = router.pool()
+    assert router.picker_proxy is not None
+    router.picker_proxy.delay_s = 0  # a picker answering at once: the response starts before the drain
     engine.completion_delay_s = 2.0  # the stream's headers are out at once, its last event 2 s later (past the deadline)
     async with httpx.AsyncClient(timeout=30) as c:
         async with c.stream(

@@ -13,7 +13,7 @@ from kubernetes.leaderelection.leaderelectionrecord import LeaderElectionRecord
 
 from llmd_timeslice.discovery.kubernetes import make_api_client
 from llmd_timeslice.domain.inventory import Inventory
-from llmd_timeslice.orchestrator.election import LeaderElector, TermLeaseLock, check_timings
+from llmd_timeslice.orchestrator.election import ElectionStopped, LeaderElector, TermLeaseLock, check_timings
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from tests.support.kube_api import FakeKubeApi
 from tests.support.tcp_proxy import TcpProxy
@@ -79,6 +79,21 @@ async def test_a_released_lease_goes_to_the_follower_with_a_higher_term(apiserve
         assert apiserver.lease("ml", "orch")["leaseTransitions"] == 1
     finally:
         await b.stop()
+
+
+async def test_a_releasing_leader_hands_the_lease_back_without_waiting_out_its_retry_period(apiserver):
+    """The election thread sleeps ``retry_period_s`` between renewals (15 s here); a stop with release waits only
+    for a Lease call in flight, not for that sleep (it used to join the thread: a SIGTERMed orchestrator took up to
+    a retry period to exit), and the thread writes the Lease no more after the release."""
+    slow = {"lease_duration_s": 30, "renew_deadline_s": 20, "retry_period_s": 15}
+    a = LeaderElector(make_api_client(host=apiserver.url), "ml", "orch", "a", **slow)
+    a.start()
+    assert await asyncio.wait_for(a.wait_leading(), 10) == 1
+    await until(lambda: not a.lock.calling.locked(), what="the renewal done, the thread asleep")
+    await asyncio.wait_for(a.stop(release=True), 10)  # a bound below the retry period, not a speed target
+    assert not apiserver.lease("ml", "orch").get("holderIdentity"), "released"
+    with pytest.raises(ElectionStopped):
+        a.lock.get("orch", "ml")  # the thread's next call, after its sleep
 
 
 async def test_a_leader_whose_lease_is_taken_loses_it(apiserver):

@@ -12,6 +12,10 @@ class TcpProxy:
     def __init__(self, target_host: str, target_port: int, delay_s: float = 0.0) -> None:
         self.target = (target_host, target_port)
         self.delay_s = delay_s
+        self.held_back = 0
+        """Chunks from the target being held back now (``delay_s``)."""
+        self.delivered_late = 0
+        """Chunks from the target held back and then passed on (or dropped: cut, black-holed) so far."""
         self.port = 0
         self.mode = "pass"  # pass | blackhole | refuse
         self._server: asyncio.base_events.Server | None = None
@@ -47,14 +51,19 @@ class TcpProxy:
         async def send() -> None:
             while (item := await queue.get()) is not None:
                 due, data = item
-                await asyncio.sleep(max(0.0, due - loop.time()))
-                if self.mode == "pass" and writer not in self._dead:
-                    writer.write(data)
-                    await writer.drain()
+                try:
+                    await asyncio.sleep(max(0.0, due - loop.time()))
+                    if self.mode == "pass" and writer not in self._dead:
+                        writer.write(data)
+                        await writer.drain()
+                finally:
+                    self.held_back -= 1
+                    self.delivered_late += 1
 
         sender = asyncio.create_task(send())
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
+                self.held_back += 1
                 queue.put_nowait((loop.time() + self.delay_s, data))
             queue.put_nowait(None)
             await sender
