@@ -304,7 +304,11 @@ class Stack:
             "endpoints": self.endpoints(),
             "workdir": str(self.workdir),
             "components": sup.snapshot() if sup else [],
-            **({"node": self.part.node, "address": self.part.address} if self.part else {}),
+            **(
+                {"node": self.part.node, "address": self.part.address, "stale_after_s": self.sf.stack.node_stale_after_s}
+                if self.part
+                else {}
+            ),
         }
         tmp = self.workdir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -430,20 +434,14 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
     try:
         if live_table:
             with Live(_table(stack, sup), console=console, refresh_per_second=2, transient=False) as live:
-                while not stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), 1.0)
-                    if stack.part and down_requested(stack.shared_workdir, started):
-                        stop.set()  # `down -f` on some node: every node stops its part
+
+                def refresh() -> None:
                     live.update(_table(stack, sup))
                     stack.write_state(sup, "running")
+
+                await _run_until_stop(stack, stop, started, refresh)
         else:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                if stack.part and down_requested(stack.shared_workdir, started):
-                    stop.set()
-                stack.write_state(sup, "running")
+            await _run_until_stop(stack, stop, started, lambda: stack.write_state(sup, "running"))
     finally:
         if sup.fatal is not None:
             console.print(f"[red]llmd-timeslice up: {escape(str(sup.fatal))}[/red]", highlight=False)
@@ -455,6 +453,27 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
         stack.write_state(sup, "failed" if sup.fatal is not None else "stopped")
         console.print(f"stack stopped in {time.monotonic() - t:.1f} s; nothing of it is left running")
     return 1 if sup.fatal is not None else 0
+
+
+STATE_REFRESH_S = 1.0
+"""How often a running ``up`` rewrites its ``stack.json`` (and its live table), in seconds."""
+DOWN_POLL_S = 0.2
+"""Across nodes: how often a running ``up`` looks for ``down -f``'s marker in the shared workdir, in seconds."""
+
+
+async def _run_until_stop(stack: Stack, stop: asyncio.Event, started_unix_s: float, refresh: Callable[[], None]) -> None:
+    """While the stack runs: ``refresh`` every :data:`STATE_REFRESH_S`; across nodes, ``down -f``'s marker (written
+    after ``started_unix_s``) looked for every :data:`DOWN_POLL_S` sets ``stop``. Returns once ``stop`` is set."""
+    tick = DOWN_POLL_S if stack.part else STATE_REFRESH_S
+    next_refresh = time.monotonic() + STATE_REFRESH_S
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tick)
+        if stack.part and down_requested(stack.shared_workdir, started_unix_s):
+            stop.set()  # `down -f` on some node: every node stops its part
+        if not stop.is_set() and time.monotonic() >= next_refresh:
+            refresh()
+            next_refresh = time.monotonic() + STATE_REFRESH_S
 
 
 async def _stop(stack: Stack, sup: Supervisor) -> None:
