@@ -1,9 +1,9 @@
 """``llmd-timeslice up | down | status -f STACK.yaml``: run the local stack as a supervised service.
 
 ``up`` starts, in stages: the vLLM engines the file asks for (in parallel), one snapshot sidecar per
-engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING), the gate (and,
-with ``gate_edge: ext_proc``, the picker) and Envoy; prints what to connect to; shows a live status table;
-restarts children that die.
+engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING) together with the gate
+(ready once it has the orchestrator's state; and, with ``gate_edge: ext_proc``, the picker), then Envoy; prints
+what to connect to; shows a live status table; restarts children that die.
 It keeps ``WORKDIR/stack.json`` current (pids, states, endpoints) for ``status`` and ``down`` from another
 shell, and writes each component's log to ``WORKDIR/logs/<name>.log``.
 
@@ -88,11 +88,13 @@ def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
     return probe
 
 
-def grpc_health_probe(target: str) -> Callable[[], Awaitable[bool]]:
+def grpc_health_probe(target: str, service: str = "") -> Callable[[], Awaitable[bool]]:
+    """A readiness probe: the gRPC health service ``service`` at ``target`` answers SERVING within 2 s."""
+
     async def probe() -> bool:
         async with grpc.aio.insecure_channel(target) as ch:
             stub = health_pb2_grpc.HealthStub(ch)  # its stubs (types-grpcio-health-checking) declare no methods
-            r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)  # type: ignore[attr-defined]
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)  # type: ignore[attr-defined]
             return r.status == health_pb2.HealthCheckResponse.SERVING
 
     return probe
@@ -175,7 +177,7 @@ class Stack:
 
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
-        from llmd_timeslice.protocol import ENVOY_ID_ENV
+        from llmd_timeslice.protocol import ENVOY_ID_ENV, GATE_READINESS_SERVICE
         from llmd_timeslice.router.envoy_config import write_bootstrap
         from llmd_timeslice.router.envoy_launcher import envoy_binary, fresh_envoy_id
 
@@ -256,13 +258,15 @@ class Stack:
         cmds.write_objectives()
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
         # entries must never end a request the route may still be serving (docs/gate.md, "Completions"): both
-        # come from StackCommands.
+        # come from StackCommands. The gate starts beside the orchestrator (it reconnects until the orchestrator
+        # listens) and is ready once it applied the orchestrator's first state snapshot: its readiness service.
         gate = ChildSpec(
             "gate",
             cmds.gate().argv(),
             self.logdir / "gate.log",
             p.gate_ext_proc,
-            probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
+            probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}", GATE_READINESS_SERVICE),
+            start_timeout_s=orch.start_timeout_s,  # its readiness waits for the orchestrator
             listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics),
         )
         picker_cmd = cmds.picker()  # None on the fast path: the gate picks the endpoint, no picker process
@@ -291,7 +295,7 @@ class Stack:
             listen=(p.router, p.router_admin),
             env_factory=lambda: {**os.environ, ENVOY_ID_ENV: fresh_envoy_id()},
         )  # a new id per process
-        stages = [engines, sidecars, [orch], [gate, *pickers], [envoy]]
+        stages = [engines, sidecars, [orch, gate, *pickers], [envoy]]
         return [st for st in stages if st]
 
     # ------------------------------------------------------------------ state file
