@@ -223,11 +223,10 @@ async def test_a_sidecar_black_holed_after_its_stream_opened_fails_the_command_w
     srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
     await srv.start()
     proxy = await TcpProxy("127.0.0.1", srv.port).start()
-    acts = GrpcSwitchActions(GateHub(), token=TOKEN, start_rpc_timeout_s=1.0)
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN, start_rpc_timeout_s=1.0, probe_after_s=0.3)
     sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), proxy.address, "s")
     try:
         cfg = acts._config(1)
-        acts._operation_stream(sampler).probe_after_s = 0.3
         engine.sleep_delay_s = 1.0  # longer than probe_after_s: probed, answered, waited for
         op = await acts._operation(sampler, "g", "sleep", cfg)
         assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
