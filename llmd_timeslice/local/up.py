@@ -76,7 +76,8 @@ TINY_MODEL_DIR = "tiny-llama"
 
 
 def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
-    """A readiness probe: ``GET url`` answers 200 within 2 s. Called 5 times a second while a child starts."""
+    """A readiness probe: ``GET url`` answers 200 within 2 s. Called 20 times a second during a child's first
+    3 s, then 5 times a second (:func:`~llmd_timeslice.local.supervisor.probe_interval`)."""
     # A plain-http URL needs no TLS context: at 5 probes a second per starting child, httpx's default one per client
     # (the certifi bundle loaded each time) was most of what `up` itself spent.
     verify = verify_for(url)
