@@ -85,7 +85,7 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
+        time.sleep(0.1)
 
 
 def test_two_nodes_serve_through_the_heads_router_and_down_from_the_engine_node_stops_both(tmp_path, two_nodes):

@@ -64,7 +64,7 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def _stack_file(tmp_path: Path, name: str, ports: dict, sidecar_port: int, engine_url: str) -> Path:
