@@ -519,12 +519,11 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             finally:
                 events.put_nowait(None)
 
-        self._op_streams.add(events)  # before the open completes: a stop from then on ends this stream too
+        await context.send_initial_metadata(())  # the caller's open completes: this sidecar takes commands
+        reader = loop.create_task(read_commands())
+        self._op_streams.add(events)  # a stop ends the stream once its operations are answered
         closing = False
-        reader = None
         try:
-            await context.send_initial_metadata(())  # the caller's open completes: this sidecar takes commands
-            reader = loop.create_task(read_commands())
             while (event := await events.get()) is not None:
                 if event is _STREAM_CLOSING:
                     closing = True
@@ -535,14 +534,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     break
         finally:
             self._op_streams.discard(events)
-            if reader is not None:
-                reader.cancel()
-
-    def close_operation_streams(self) -> None:
-        """The sidecar stops: each ``RunOperations`` stream ends (status OK) once every operation started from it was
-        answered, at once when none runs, instead of holding the server's stop grace."""
-        for events in self._op_streams:
-            events.put_nowait(_STREAM_CLOSING)
+            reader.cancel()
 
     async def GetServedWeightVersion(self, request, context):  # noqa: N802
         """Project extension (snapshot_ext.proto): the label the job's engine reports now, from the engine."""
@@ -698,12 +690,15 @@ class SidecarServer:
         log.info("sidecar %s:%d jobs=%s", self.host, self.port, sorted(self.servicer.backends))
 
     async def stop(self, operation_grace_s: float = 5.0) -> None:
-        """Stop serving; operations in flight get ``operation_grace_s`` seconds to finish, then are cancelled
-        (their engines are left as the interrupted step left them), before the backends' clients close."""
-        if self._server is not None:  # new calls refused at once; calls in flight get 1 s, an idle stream none
+        """Stop serving: new calls refused, calls in flight get 1 s; each ``RunOperations`` stream ends (status OK) once
+        every operation started from it was answered (at once when none runs). Operations in flight get
+        ``operation_grace_s`` seconds to finish, then are cancelled (their engines are left as the interrupted step
+        left them), before the backends' clients close."""
+        if self._server is not None:
             stopping = asyncio.ensure_future(self._server.stop(1.0))
             await asyncio.sleep(0)
-            self.servicer.close_operation_streams()
+            for events in self.servicer._op_streams:
+                events.put_nowait(_STREAM_CLOSING)
             await stopping
         await self.servicer.finish_operations(operation_grace_s)
         await self.servicer.resolver.close()

@@ -292,7 +292,7 @@ async def test_a_stopping_sidecar_ends_an_idle_stream_at_once_and_one_with_an_op
             xpb.OperationCommand(command_id=7, snapshot=spb.SnapshotRequest(job_id="s", backend_config=acts._config(1)))
         )
         await until(lambda: srv.servicer.operations, 10, "the sleep started")
-        assert len(srv.servicer._op_streams) == 2
+        await until(lambda: len(srv.servicer._op_streams) == 2, 10, "both streams open on the sidecar")
         await srv.stop()
         assert await idle.code() == grpc.StatusCode.OK, await idle.details()
         event = await busy.read()
