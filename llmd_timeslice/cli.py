@@ -86,6 +86,8 @@ def orchestrator(settings: OrchestratorSettings, token_file: Path | None) -> Non
             require_job_tokens=s.require_job_tokens,
             tls_files=tls.from_env(),
             engine_audit_interval_s=s.engine_audit_interval_s,
+            sidecar_call_timeout_s=s.sidecar_call_timeout_s,
+            sidecar_probe_after_s=s.sidecar_probe_after_s,
             upstream_compat_port=s.upstream_compat_port,
             upstream_compat_allowed_peers=tuple(s.upstream_compat_allowed_peers),
             placement=CheckSettings(s.placement_plan, s.placement_check_interval_s, s.replan_gap, s.replan_gain),

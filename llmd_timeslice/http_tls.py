@@ -17,6 +17,6 @@ def _tls_context() -> ssl.SSLContext:
 def verify_for(url: str) -> ssl.SSLContext | bool:
     """httpx's ``verify`` for a client of ``url``: False for ``http://`` (no TLS on the connection), else the
     process's one verifying context. httpx builds a new context for every client by default, loading the CA bundle
-    each time (once per sampler in a sidecar host, 5 times a second per starting child in ``up``'s probes; its cost:
+    each time (once per sampler in a sidecar host, up to 20 times a second per starting child in ``up``'s probes; its cost:
     docs/benchmarks.md#code-figures)."""
     return _tls_context() if url.startswith("https://") else False

@@ -22,6 +22,9 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 commit 1e46715cf4e1, ``pkg/epp/metadata/consts.go``, ``ObjectiveKey``; :mod:`llmd_timeslice.domain.objectives`)."""
 
 # Project names (not upstream).
+GATE_READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
+"""The gate's gRPC health service name that turns SERVING once its first state snapshot from the orchestrator is
+applied (``""``: SERVING while the process serves at all)."""
 POOL_METADATA_KEY = "x-llmd-timeslice-pool"
 """gRPC initial metadata key that Envoy sends with each ext_proc stream (grpc_service.initial_metadata)."""
 MIN_WEIGHT_VERSION_HEADER = "x-llmd-timeslice-min-weight-version"

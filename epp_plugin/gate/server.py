@@ -38,10 +38,11 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_state_pb2_grpc as st
 from llmd_timeslice.config import GateSettings, Port
 from llmd_timeslice.domain.objectives import ObjectiveEntry, Objectives, PoolPriorities, load_objectives_file
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
+from llmd_timeslice.protocol import GATE_READINESS_SERVICE
 
 log = logging.getLogger(__name__)
 
-READINESS_SERVICE = "llmd_timeslice.v1alpha1.GateReadiness"
+READINESS_SERVICE = GATE_READINESS_SERVICE
 """gRPC health service name that turns SERVING once the first state snapshot is applied."""
 
 

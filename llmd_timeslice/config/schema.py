@@ -409,6 +409,21 @@ class OrchestratorSettings(_Section):
         "every this many seconds; one that restarted on its own (initial weights again) or sleeps while serving is "
         "taken out of service and woken again at the group's weight version. 0: off.",
     )
+    sidecar_call_timeout_s: Duration = Field(
+        6.0,
+        ge=0.5,
+        le=300,
+        description="Deadline of the call that starts a sleep or wake on a sidecar (waiting for its connection), and "
+        "of the health call that checks a sidecar silent on a command for `sidecar_probe_after_s`: a dead or cut-off "
+        "sidecar fails the switch after about the sum of the two.",
+    )
+    sidecar_probe_after_s: Duration = Field(
+        2.0,
+        ge=0.1,
+        le=60,
+        description="A command to a sidecar without an answer after this long gets a health call checking that the "
+        "sidecar is reachable, and again this often while it waits.",
+    )
     placement_plan: Path | None = Field(
         None,
         description="A plan written by `llmd-timeslice plan` (plan.json): its predicted duty cycle and slowdowns are "

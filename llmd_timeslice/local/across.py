@@ -36,7 +36,15 @@ NODES_FILE = "nodes.json"
 STATE_FILE = "stack.json"
 """Each node's state in ``WORKDIR/nodes/<node>/``, refreshed every second while its ``up`` runs."""
 STALE_AFTER_S = 10.0
-"""A running node refreshes its state every second; older than this it is shown as unreachable."""
+"""A running node refreshes its state every second; older than this it is shown as unreachable (the default of
+``stack.node_stale_after_s``, which each node writes into its state as ``stale_after_s``)."""
+
+
+def is_stale(state: Mapping, now: float) -> bool:
+    """Whether a node's ``stack.json`` (``state``) is older than the bound its own ``up`` wrote there
+    (``stale_after_s``; :data:`STALE_AFTER_S` if absent); ``now`` in unix seconds."""
+    bound = float(state.get("stale_after_s", STALE_AFTER_S))
+    return now - float(state.get("updated_unix_s", 0)) > bound
 
 
 def node_address(node: str) -> str:
@@ -124,7 +132,7 @@ def run_id(env: Mapping[str, str] | None = None) -> str | None:
 def current_record(workdir: Path, env: Mapping[str, str] | None = None) -> dict | None:
     """The head's ``nodes.json`` if it is this run's, else None (not written yet, or left by an earlier run in the
     same workdir, whose stack file may have been another): written by a task of this ``srun`` step, or by a head
-    whose ``up`` is starting or running now (its state refreshed within :data:`STALE_AFTER_S`)."""
+    whose ``up`` is starting or running now (its state not stale: :func:`is_stale`)."""
     record = read_nodes_file(workdir)
     if record is None:
         return None
@@ -135,7 +143,7 @@ def current_record(workdir: Path, env: Mapping[str, str] | None = None) -> dict 
         state = json.loads((workdir / "nodes" / record["head"] / STATE_FILE).read_text())
     except (OSError, ValueError, KeyError):
         return None
-    fresh = time.time() - float(state.get("updated_unix_s", 0)) <= STALE_AFTER_S
+    fresh = not is_stale(state, time.time())
     return record if fresh and state.get("phase") in ("starting", "running") else None
 
 

@@ -1,10 +1,10 @@
 """``status -f`` and ``down -f`` of a stack across nodes, from any node, over the shared workdir.
 
 Each node's ``up`` keeps ``WORKDIR/nodes/<node>/stack.json`` current (every second while running: phase, components,
-``updated_unix_s``). ``down -f`` on any node writes ``WORKDIR/down-requested``; every node's ``up`` sees it within a
-second (:func:`down_requested`), stops its part and writes phase ``stopped`` after checking its own processes are
+``updated_unix_s``). ``down -f`` on any node writes ``WORKDIR/down-requested``; every node's ``up`` sees it within
+0.2 s (:func:`down_requested`), stops its part and writes phase ``stopped`` after checking its own processes are
 gone; ``down`` waits until every node that ran reports that. ``status -f`` shows every node's table. A node whose
-state has not been refreshed for :data:`STALE_AFTER_S` is shown as ``unreachable`` (dead, frozen or its
+state has not been refreshed for ``stack.node_stale_after_s`` is shown as ``unreachable`` (dead, frozen or its
 filesystem cut off).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmd_timeslice.local.across import STALE_AFTER_S, STATE_FILE, read_nodes_file
+from llmd_timeslice.local.across import STATE_FILE, is_stale, read_nodes_file
 from llmd_timeslice.status import table
 
 DOWN_FILE = "down-requested"
@@ -43,7 +43,7 @@ def node_states(shared_workdir: Path) -> dict[str, dict]:
 
 
 def _phase(state: dict, now: float) -> str:
-    if state.get("phase") in ("starting", "running", "stopping") and now - state.get("updated_unix_s", 0) > STALE_AFTER_S:
+    if state.get("phase") in ("starting", "running", "stopping") and is_stale(state, now):
         return f"unreachable (no update for {now - state.get('updated_unix_s', 0):.0f} s)"
     return str(state.get("phase"))
 
@@ -91,7 +91,7 @@ def request_down(shared_workdir: Path, console: Console, timeout_s: float) -> in
             }
             if all(p.startswith("unreachable") for p in left.values()) or time.monotonic() > deadline:
                 break
-            time.sleep(0.3)
+            time.sleep(0.1)
     for node, st in node_states(shared_workdir).items():
         console.print(f"node {node}: {_phase(st, time.time())}")
     if left:

@@ -107,14 +107,17 @@ def host_problem(host: str) -> str | None:
 
 def port_problems(ports: list[tuple[str, str, int]]) -> list[str]:
     """One line per port that cannot be bound: ``(where, host, port)`` in, e.g.
-    ``port 8080 (stack.ports.router) on 127.0.0.1 is in use by pid 4242 (envoy -c ...)`` out."""
+    ``port 8080 (stack.ports.router) on 127.0.0.1 is in use by pid 4242 (envoy -c ...)`` out. The holders of every
+    port in use come from one scan of the system's sockets (:func:`listeners_on`), not one scan per port."""
+    errors = [(where, host, port, bind_error(host, port)) for where, host, port in ports]
+    in_use = [port for _, _, port, exc in errors if exc is not None and exc.errno == errno.EADDRINUSE]
+    holders = listeners_on(in_use) if in_use else {}
     out = []
-    for where, host, port in ports:
-        exc = bind_error(host, port)
+    for where, host, port, exc in errors:
         if exc is None:
             continue
         if exc.errno == errno.EADDRINUSE:
-            who = ", ".join(h.describe() for h in listeners(port)) or "a socket of no visible process (closing?)"
+            who = ", ".join(h.describe() for h in holders[port]) or "a socket of no visible process (closing?)"
             out.append(f"port {port} ({where}) on {host} is in use by {who}")
         else:
             out.append(f"port {port} ({where}) on {host} cannot be bound: {exc.strerror or exc}")

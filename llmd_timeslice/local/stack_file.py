@@ -124,6 +124,13 @@ class StackSettings(_Strict):
     head_node: str | int = Field(
         0, description="Node of the control plane (orchestrator, gate, Envoy): a hostname or an index (default: the first)."
     )
+    node_stale_after_s: float = Field(
+        10.0,
+        ge=3,
+        le=3600,
+        description="Across nodes: a node whose `up` has not refreshed its state (every second) for this many seconds "
+        "is shown as unreachable by `status -f` and `down -f`.",
+    )
     upstream_compat_allowed_peers: list[Annotated[str, AfterValidator(check_network)]] = Field(
         ["127.0.0.1", "::1"],
         description="Source addresses or CIDRs admitted on `ports.orchestrator_upstream` (default: this machine only).",

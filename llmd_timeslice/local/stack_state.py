@@ -83,7 +83,7 @@ def run_down(
     with console.status(f"stopping the stack (pid {pid}) ..."):
         deadline = time.monotonic() + timeout_s
         while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
     if alive(pid):
         console.print(f"[red]the stack (pid {pid}) did not stop within {timeout_s:g} s; killing it and its children[/red]")
         with contextlib.suppress(ProcessLookupError):

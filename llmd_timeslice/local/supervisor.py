@@ -102,6 +102,19 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+PROBE_EVERY_S = 0.2
+"""Seconds between two readiness probes of a starting child, once it has started for :data:`PROBE_FAST_FOR_S`."""
+PROBE_FAST_EVERY_S = 0.05
+"""Seconds between two probes during a child's first :data:`PROBE_FAST_FOR_S`: our components are ready within a
+second or two, and each stage waits for its slowest child's probe, so a long interval is wait added to every start."""
+PROBE_FAST_FOR_S = 3.0
+
+
+def probe_interval(starting_for_s: float) -> float:
+    """Seconds to the next readiness probe of a child that has been starting for ``starting_for_s`` seconds."""
+    return PROBE_FAST_EVERY_S if starting_for_s < PROBE_FAST_FOR_S else PROBE_EVERY_S
+
+
 USAGE_ERROR_EXIT = 2
 """Exit code of a usage error (a bad flag or setting: click, argparse and ``llmd-timeslice`` itself)."""
 
@@ -212,7 +225,7 @@ class Supervisor:
                     f"{spec.name} was not ready within {spec.start_timeout_s:g} s; last lines of "
                     f"{spec.log_path}:\n{_tail(spec.log_path)}"
                 )
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(probe_interval(time.monotonic() - c.started_at))
 
     async def _owns_ports(self, c: Child) -> bool:
         """True when each of the child's ports has a listener in its process group; raises a permanent

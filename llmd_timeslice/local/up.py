@@ -1,9 +1,9 @@
 """``llmd-timeslice up | down | status -f STACK.yaml``: run the local stack as a supervised service.
 
 ``up`` starts, in stages: the vLLM engines the file asks for (in parallel), one snapshot sidecar per
-engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING), the gate (and,
-with ``gate_edge: ext_proc``, the picker) and Envoy; prints what to connect to; shows a live status table;
-restarts children that die.
+engine, the orchestrator (which wakes and verifies every sampler, then publishes it SERVING) together with the gate
+(ready once it has the orchestrator's state; and, with ``gate_edge: ext_proc``, the picker), then Envoy; prints
+what to connect to; shows a live status table; restarts children that die.
 It keeps ``WORKDIR/stack.json`` current (pids, states, endpoints) for ``status`` and ``down`` from another
 shell, and writes each component's log to ``WORKDIR/logs/<name>.log``.
 
@@ -76,7 +76,8 @@ TINY_MODEL_DIR = "tiny-llama"
 
 
 def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
-    """A readiness probe: ``GET url`` answers 200 within 2 s. Called 5 times a second while a child starts."""
+    """A readiness probe: ``GET url`` answers 200 within 2 s. Called 20 times a second during a child's first
+    3 s, then 5 times a second (:func:`~llmd_timeslice.local.supervisor.probe_interval`)."""
     # A plain-http URL needs no TLS context: at 5 probes a second per starting child, httpx's default one per client
     # (the certifi bundle loaded each time) was most of what `up` itself spent.
     verify = verify_for(url)
@@ -88,11 +89,13 @@ def http_probe(url: str) -> Callable[[], Awaitable[bool]]:
     return probe
 
 
-def grpc_health_probe(target: str) -> Callable[[], Awaitable[bool]]:
+def grpc_health_probe(target: str, service: str = "") -> Callable[[], Awaitable[bool]]:
+    """A readiness probe: the gRPC health service ``service`` at ``target`` answers SERVING within 2 s."""
+
     async def probe() -> bool:
         async with grpc.aio.insecure_channel(target) as ch:
             stub = health_pb2_grpc.HealthStub(ch)  # its stubs (types-grpcio-health-checking) declare no methods
-            r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)  # type: ignore[attr-defined]
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)  # type: ignore[attr-defined]
             return r.status == health_pb2.HealthCheckResponse.SERVING
 
     return probe
@@ -175,7 +178,7 @@ class Stack:
 
     def prepare(self, progress=lambda msg: None) -> list[list[ChildSpec]]:
         """Write the token, inventory and Envoy bootstrap; build tiny models if asked; return the stages."""
-        from llmd_timeslice.protocol import ENVOY_ID_ENV
+        from llmd_timeslice.protocol import ENVOY_ID_ENV, GATE_READINESS_SERVICE
         from llmd_timeslice.router.envoy_config import write_bootstrap
         from llmd_timeslice.router.envoy_launcher import envoy_binary, fresh_envoy_id
 
@@ -256,13 +259,15 @@ class Stack:
         cmds.write_objectives()
         # Hold, then the longest generation, must fit the route timeout; the gate's age rule for lost access-log
         # entries must never end a request the route may still be serving (docs/gate.md, "Completions"): both
-        # come from StackCommands.
+        # come from StackCommands. The gate starts beside the orchestrator (it reconnects until the orchestrator
+        # listens) and is ready once it applied the orchestrator's first state snapshot: its readiness service.
         gate = ChildSpec(
             "gate",
             cmds.gate().argv(),
             self.logdir / "gate.log",
             p.gate_ext_proc,
-            probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}"),
+            probe=grpc_health_probe(f"{h}:{p.gate_ext_proc}", GATE_READINESS_SERVICE),
+            start_timeout_s=orch.start_timeout_s,  # its readiness waits for the orchestrator
             listen=(p.gate_ext_proc, p.gate_authz, p.gate_control, p.gate_metrics),
         )
         picker_cmd = cmds.picker()  # None on the fast path: the gate picks the endpoint, no picker process
@@ -291,7 +296,7 @@ class Stack:
             listen=(p.router, p.router_admin),
             env_factory=lambda: {**os.environ, ENVOY_ID_ENV: fresh_envoy_id()},
         )  # a new id per process
-        stages = [engines, sidecars, [orch], [gate, *pickers], [envoy]]
+        stages = [engines, sidecars, [orch, gate, *pickers], [envoy]]
         return [st for st in stages if st]
 
     # ------------------------------------------------------------------ state file
@@ -304,7 +309,11 @@ class Stack:
             "endpoints": self.endpoints(),
             "workdir": str(self.workdir),
             "components": sup.snapshot() if sup else [],
-            **({"node": self.part.node, "address": self.part.address} if self.part else {}),
+            **(
+                {"node": self.part.node, "address": self.part.address, "stale_after_s": self.sf.stack.node_stale_after_s}
+                if self.part
+                else {}
+            ),
         }
         tmp = self.workdir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -430,20 +439,14 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
     try:
         if live_table:
             with Live(_table(stack, sup), console=console, refresh_per_second=2, transient=False) as live:
-                while not stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), 1.0)
-                    if stack.part and down_requested(stack.shared_workdir, started):
-                        stop.set()  # `down -f` on some node: every node stops its part
+
+                def refresh() -> None:
                     live.update(_table(stack, sup))
                     stack.write_state(sup, "running")
+
+                await _run_until_stop(stack, stop, started, refresh)
         else:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                if stack.part and down_requested(stack.shared_workdir, started):
-                    stop.set()
-                stack.write_state(sup, "running")
+            await _run_until_stop(stack, stop, started, lambda: stack.write_state(sup, "running"))
     finally:
         if sup.fatal is not None:
             console.print(f"[red]llmd-timeslice up: {escape(str(sup.fatal))}[/red]", highlight=False)
@@ -455,6 +458,27 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
         stack.write_state(sup, "failed" if sup.fatal is not None else "stopped")
         console.print(f"stack stopped in {time.monotonic() - t:.1f} s; nothing of it is left running")
     return 1 if sup.fatal is not None else 0
+
+
+STATE_REFRESH_S = 1.0
+"""How often a running ``up`` rewrites its ``stack.json`` (and its live table), in seconds."""
+DOWN_POLL_S = 0.2
+"""Across nodes: how often a running ``up`` looks for ``down -f``'s marker in the shared workdir, in seconds."""
+
+
+async def _run_until_stop(stack: Stack, stop: asyncio.Event, started_unix_s: float, refresh: Callable[[], None]) -> None:
+    """While the stack runs: ``refresh`` every :data:`STATE_REFRESH_S`; across nodes, ``down -f``'s marker (written
+    after ``started_unix_s``) looked for every :data:`DOWN_POLL_S` sets ``stop``. Returns once ``stop`` is set."""
+    tick = DOWN_POLL_S if stack.part else STATE_REFRESH_S
+    next_refresh = time.monotonic() + STATE_REFRESH_S
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tick)
+        if stack.part and down_requested(stack.shared_workdir, started_unix_s):
+            stop.set()  # `down -f` on some node: every node stops its part
+        if not stop.is_set() and time.monotonic() >= next_refresh:
+            refresh()
+            next_refresh = time.monotonic() + STATE_REFRESH_S
 
 
 async def _stop(stack: Stack, sup: Supervisor) -> None:

@@ -51,6 +51,7 @@ from llmd_timeslice.domain.group_settings import MAX_DEADLINE_S, GroupSpec, Samp
 from llmd_timeslice.domain.switches import EngineReading, JobState, SamplerStepFailed, StepFault, SwitchRecord
 from llmd_timeslice.orchestrator.gate_hub import GateHub
 from llmd_timeslice.orchestrator.sidecar_stream import (
+    PROBE_AFTER_S,
     OperationRefused,
     OperationStream,
     Probe,
@@ -113,7 +114,10 @@ class GrpcSwitchActions(SwitchActions):
         token: bearer token for the sidecars (None: no auth).
         operation_timeout_s: most seconds one sleep or wake may take before the switch fails.
         start_rpc_timeout_s: deadline (seconds) of the call that starts a sleep or wake on a sidecar, which waits
-            for the channel to be ready: a dead sidecar fails the switch after this long (``START_RPC_TIMEOUT_S``).
+            for the channel to be ready: a dead sidecar fails the switch after this long (``START_RPC_TIMEOUT_S``);
+            also the deadline of the reachability probe of a command without an answer.
+        probe_after_s: seconds after which a command without an answer gets that probe, and again this often
+            (``PROBE_AFTER_S``; sidecar_stream.py).
         labeler: optional serving-label hook (None: gates only).
         tls_files: mutual TLS for the sidecar channels (None: plain TCP).
     """
@@ -128,8 +132,10 @@ class GrpcSwitchActions(SwitchActions):
         labeler: ServingLabeler | None = None,
         tls_files: tls.TlsFiles | None = None,
         start_rpc_timeout_s: float = START_RPC_TIMEOUT_S,
+        probe_after_s: float = PROBE_AFTER_S,
     ) -> None:
         self._tls = tls_files
+        self.probe_after_s = probe_after_s
         self.hub = hub
         self.labeler = labeler
         self._token = token
@@ -182,6 +188,7 @@ class GrpcSwitchActions(SwitchActions):
                 self._md,
                 self.start_rpc_timeout_s,
                 probe=self._reachable(target),
+                probe_after_s=self.probe_after_s,
                 on_unreachable=lambda: self._retire_channel(target),
             )
         stream.open_timeout_s = self.start_rpc_timeout_s

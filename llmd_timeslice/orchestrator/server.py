@@ -21,7 +21,7 @@ from llmd_timeslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_
 from llmd_timeslice.domain.group_settings import SchedulingPolicy
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.grpc_server import SERVER_OPTIONS
-from llmd_timeslice.orchestrator.actions import GrpcSwitchActions, ServingLabeler
+from llmd_timeslice.orchestrator.actions import START_RPC_TIMEOUT_S, GrpcSwitchActions, ServingLabeler
 from llmd_timeslice.orchestrator.clock import Clock
 from llmd_timeslice.orchestrator.errors import StateConflict
 from llmd_timeslice.orchestrator.gate_hub import GateHub
@@ -39,6 +39,7 @@ from llmd_timeslice.orchestrator.service import (
     WeightVersionServicer,
     export_switch,
 )
+from llmd_timeslice.orchestrator.sidecar_stream import PROBE_AFTER_S
 from llmd_timeslice.orchestrator.switch import SwitchActions
 from llmd_timeslice.orchestrator.upstream_listener import PeerAllowList, describe
 from llmd_timeslice.orchestrator.upstream_listener import interceptors as peer_interceptors
@@ -118,6 +119,9 @@ class OrchestratorServer:
         clock: time for leases, repair and audit (default: the event loop's).
         placement: the placement plan to check against the measured profiles, and how often (None: profiles are
             recorded and served, no plan is checked; docs/placement.md).
+        sidecar_call_timeout_s, sidecar_probe_after_s: seconds; the default actions' deadline of a call starting a
+            sleep or wake (and of a reachability probe), and when a command without an answer is probed
+            (``GrpcSwitchActions``'s ``start_rpc_timeout_s`` and ``probe_after_s``).
         election: leader election of the replicas (None: this replica always serves, commands carry no term).
             With it, ``start()`` serves the health check (NOT_SERVING) and refuses every other call with
             UNAVAILABLE until this replica leads, then restores the state from ``state_store`` and serves;
@@ -144,6 +148,8 @@ class OrchestratorServer:
         upstream_compat_port: int | None = None,
         upstream_compat_allowed_peers: tuple[str, ...] = (),
         placement: CheckSettings | None = None,
+        sidecar_call_timeout_s: float = START_RPC_TIMEOUT_S,
+        sidecar_probe_after_s: float = PROBE_AFTER_S,
     ) -> None:
         self.inventory = inventory
         self.upstream_compat_port = upstream_compat_port
@@ -156,7 +162,14 @@ class OrchestratorServer:
         self.port = port
         self.token = token
         self.hub = GateHub()
-        self.actions = actions or GrpcSwitchActions(self.hub, token, labeler=labeler, tls_files=tls_files)
+        self.actions = actions or GrpcSwitchActions(
+            self.hub,
+            token,
+            labeler=labeler,
+            tls_files=tls_files,
+            start_rpc_timeout_s=sidecar_call_timeout_s,
+            probe_after_s=sidecar_probe_after_s,
+        )
         self.orchestrator = Orchestrator(inventory.group_specs(), self.actions, on_switch=export_switch, clock=clock)
         self.hub.on_endpoint_failure = self.orchestrator.audit_endpoint
         self.hub.on_hold_pressure = self.orchestrator.hold_pressure

@@ -187,6 +187,9 @@ class WakeFailures:
     failed: str | None = None
 
 
+_STREAM_CLOSING = xpb.OperationEvent()  # put on each open RunOperations stream's queue at a stop (by identity)
+
+
 class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOperationsServiceServicer):
     """Servicer for one pod's jobs.
 
@@ -227,6 +230,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._timeout = operation_timeout_s
         self._tasks: set[asyncio.Task] = set()
+        self._op_streams: set[asyncio.Queue] = set()  # the event queue of each open RunOperations stream
         self.last_resolution: dict[str, str] = {}  # job id -> source of its last operation's backend
         self.accelerator_reader: AcceleratorReader | None = nvml_accelerators()
         self.highest_term = 0
@@ -492,6 +496,7 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
         leaves those in flight running (a caller that reconnects reads them with GetOperation)."""
         events: asyncio.Queue[xpb.OperationEvent | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        unanswered = 0  # operations started from this stream whose event is not sent yet
 
         def answer(command_id: int, op: Operation) -> None:
             events.put_nowait(
@@ -508,16 +513,27 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
                     except Refused as exc:
                         events.put_nowait(xpb.OperationEvent(command_id=cmd.command_id, refused=exc.to_pb()))
                         continue
+                    nonlocal unanswered
+                    unanswered += 1
                     op.on_done(loop, functools.partial(answer, cmd.command_id, op))
             finally:
                 events.put_nowait(None)
 
         await context.send_initial_metadata(())  # the caller's open completes: this sidecar takes commands
         reader = loop.create_task(read_commands())
+        self._op_streams.add(events)  # a stop ends the stream once its operations are answered
+        closing = False
         try:
             while (event := await events.get()) is not None:
-                yield event
+                if event is _STREAM_CLOSING:
+                    closing = True
+                else:
+                    unanswered -= event.HasField("result")
+                    yield event
+                if closing and unanswered == 0:  # the sidecar stops: nothing more to answer here
+                    break
         finally:
+            self._op_streams.discard(events)
             reader.cancel()
 
     async def GetServedWeightVersion(self, request, context):  # noqa: N802
@@ -674,9 +690,15 @@ class SidecarServer:
         log.info("sidecar %s:%d jobs=%s", self.host, self.port, sorted(self.servicer.backends))
 
     async def stop(self, operation_grace_s: float = 5.0) -> None:
-        """Stop serving; operations in flight get ``operation_grace_s`` seconds to finish, then are cancelled
-        (their engines are left as the interrupted step left them), before the backends' clients close."""
+        """Stop serving: new calls refused, calls in flight get 1 s; each ``RunOperations`` stream ends (status OK) once
+        every operation started from it was answered (at once when none runs). Operations in flight get
+        ``operation_grace_s`` seconds to finish, then are cancelled (their engines are left as the interrupted step
+        left them), before the backends' clients close."""
         if self._server is not None:
-            await self._server.stop(1.0)
+            stopping = asyncio.ensure_future(self._server.stop(1.0))
+            await asyncio.sleep(0)
+            for events in self.servicer._op_streams:
+                events.put_nowait(_STREAM_CLOSING)
+            await stopping
         await self.servicer.finish_operations(operation_grace_s)
         await self.servicer.resolver.close()

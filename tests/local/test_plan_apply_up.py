@@ -65,7 +65,7 @@ def test_a_plan_applied_to_a_stack_file_starts_with_up_and_serves(tmp_path):
         deadline = time.monotonic() + 120
         while _state(workdir).get("phase") != "running":
             assert up.poll() is None and time.monotonic() < deadline, (tmp_path / "up.out").read_text()
-            time.sleep(0.3)
+            time.sleep(0.1)
         ep = _state(workdir)["endpoints"]
         body = {"model": SERVED_MODEL_NAME, "prompt": "the quick brown", "max_tokens": 4}
         resp = httpx.post(f"{ep['router']}/v1/completions", json=body, timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
@@ -569,3 +570,35 @@ def test_a_token_file_that_does_not_exist_is_created_0600_and_said_so(tmp_path):
     Stack(load_stack_file(f), tmp_path, workdir=tmp_path / "work").prepare()
     assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 24
     assert [p.name for p in token.parent.iterdir()] == ["token"], "no temporary file is left beside it"
+
+
+async def test_the_gate_starts_beside_the_orchestrator_and_is_ready_only_once_it_has_the_orchestrators_state(tmp_path):
+    """`up` starts the gate in the orchestrator's stage (not after it: one Python start-up less on the way to a
+    running stack), so its readiness probe asks the gate's readiness service, SERVING only once the orchestrator's
+    first state snapshot was applied: Envoy, the next stage, never starts in front of a gate without state."""
+    from epp_plugin.gate.server import GateConfig, GateServer
+    from llmd_timeslice.local.up import Stack
+    from tests.conftest import free_port
+
+    d = _base()
+    port = free_port()
+    d["stack"]["ports"] = {"gate_ext_proc": port}
+    d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": "http://127.0.0.1:7001"}]
+    stages = Stack(load_stack_file(_write(tmp_path, d)), tmp_path, workdir=tmp_path / "wd").prepare()
+    assert [[c.name for c in st] for st in stages] == [["sidecar-ext"], ["orchestrator", "gate"], ["envoy"]]
+    (gate_spec,) = [c for c in stages[1] if c.name == "gate"]
+    assert gate_spec.probe is not None
+    # a gate whose orchestrator does not answer yet: it serves, but has no state
+    gate = GateServer(GateConfig(host="127.0.0.1", ext_proc_port=port, control_port=0, orchestrator=f"127.0.0.1:{free_port()}"))
+    await gate.start()
+    try:
+        assert not await gate_spec.probe(), "ready before it had the orchestrator's state"
+        gate._synced()  # what the subscription calls once the orchestrator's first snapshot is applied
+        for _ in range(100):  # the readiness update runs in a task of the gate's
+            if await gate_spec.probe():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the gate was not ready once it had the orchestrator's state")
+    finally:
+        await gate.stop()

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmd_timeslice.local.across import STALE_AFTER_S
-
 pytestmark = [pytest.mark.nodes, pytest.mark.envoy, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +85,7 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
+        time.sleep(0.1)
 
 
 def test_two_nodes_serve_through_the_heads_router_and_down_from_the_engine_node_stops_both(tmp_path, two_nodes):
@@ -170,11 +168,22 @@ def _completions(ns: str, router: str, n: int, timeout_s: float = 5) -> int:
     return int(r.stdout.strip() or 0)
 
 
+STALE_AFTER_S = 4.0
+"""The frozen-node test's ``stack.node_stale_after_s``: 3 s above the state refresh (every second), a margin for a
+loaded machine."""
+
+
 def test_a_frozen_node_shows_unreachable_and_is_back_in_service_once_continued(tmp_path, two_nodes):
     (ns0, a0), (ns1, a1) = two_nodes
     workdir = tmp_path / "wd"
     stack = {
-        "stack": {"name": "two", "workdir": str(workdir), "max_hold_s": 20, "nodes": [a0, a1]},
+        "stack": {
+            "name": "two",
+            "workdir": str(workdir),
+            "max_hold_s": 20,
+            "nodes": [a0, a1],
+            "node_stale_after_s": STALE_AFTER_S,
+        },
         "groups": [{"group_id": "g", "drain_timeout_s": 5}],
         "engines": [
             {"name": "s0", "group": "g", "node": 0, "sidecar_port": 9100, "url": f"http://{a0}:8001"},
@@ -204,7 +213,9 @@ def test_a_frozen_node_shows_unreachable_and_is_back_in_service_once_continued(t
         frozen = subprocess.run(["ip", "netns", "pids", ns1], capture_output=True, text=True, check=True).stdout.split()
         for pid in frozen:  # every process of the engine node stops, as a node that hangs
             os.kill(int(pid), 19)  # SIGSTOP
-        # until its record is older than the state refresh bound (10 s) the other nodes judge it by
+        # until its record is older than the bound the other nodes judge it by (stack.node_stale_after_s, which the
+        # node wrote into its record; the default is 10 s)
+        assert json.loads((workdir / "nodes" / a1 / "stack.json").read_text())["stale_after_s"] == STALE_AFTER_S
         _wait(lambda: time.time() - _node_updated(workdir, a1) > STALE_AFTER_S + 0.3, 30, "the frozen node's record stale")
         st = _run_in(ns0, [*CLI, "status", "-f", str(f)])
         assert f"node {a1}: unreachable" in st.stdout and f"node {a0} (head): running" in st.stdout, st.stdout

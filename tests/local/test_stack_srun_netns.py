@@ -47,7 +47,7 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def test_srun_starts_each_nodes_part_serves_through_the_head_and_scancel_stops_every_node(tmp_path, cluster):

@@ -41,7 +41,7 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def _slurm_env(nodes: NamespaceNodes, i: int) -> dict[str, str]:
@@ -61,8 +61,10 @@ def _slurm_env(nodes: NamespaceNodes, i: int) -> dict[str, str]:
 class ThreeNodes:
     """The stack file, the fake engines and each node's ``up``."""
 
-    def __init__(self, nodes: NamespaceNodes, tmp: Path, completion_delay_s: float = 0.0) -> None:
-        self.nodes, self.tmp = nodes, tmp
+    def __init__(
+        self, nodes: NamespaceNodes, tmp: Path, completion_delay_s: float = 0.0, env: dict[str, str] | None = None
+    ) -> None:
+        self.nodes, self.tmp, self.env = nodes, tmp, env or {}
         self.workdir = tmp / "wd"
         h = nodes.hostnames
         self.engine_urls = [f"http://{h[i]}:8001" for i in (1, 2)]
@@ -94,7 +96,7 @@ class ThreeNodes:
         self.ups[i] = self.nodes.popen(
             i,
             [*CLI, "up", "-f", str(self.file), "--no-live"],
-            env=_slurm_env(self.nodes, i),
+            env={**_slurm_env(self.nodes, i), **self.env},
             stdout=self.logs[i],
             stderr=subprocess.STDOUT,
         )
@@ -125,6 +127,10 @@ class ThreeNodes:
                 p.wait(10)
         for lg in self.logs:
             lg.close()
+
+
+ORCH_ENV = "LLMD_TIMESLICE_ORCHESTRATOR__SIDECAR_"
+"""Environment of the orchestrator's sidecar settings (``orchestrator.sidecar_*``, docs/configuration.md)."""
 
 
 def _load(st: ThreeNodes, tmp: Path, name: str):
@@ -211,9 +217,12 @@ def test_a_node_cut_off_under_load_fails_no_request_that_had_not_reached_it_and_
     """Engine node 2's cable out under load: requests that had reached it are lost (ended within the connections'
     keepalive, ~5 s, not the route timeout); every other one is served, those sent to it first retried on node 1
     after a 1 s connect timeout. An acquire meanwhile does not wait on its unreachable sidecar past the probe's bound
-    and names it; the group serves on node 1 again at once. The cable back in: the node rejoins and an acquire
-    sleeps both nodes again."""
-    st = ThreeNodes(nodes, tmp_path, completion_delay_s=0.3)
+    (here 1 + 3 s: the orchestrator's sidecar settings) and names it; the group serves on node 1 again at once. The
+    cable back in: the node rejoins and an acquire sleeps both nodes again."""
+    # the orchestrator's sidecar deadlines, shorter than their defaults (a probe after 2 s, answered within 6 s)
+    st = ThreeNodes(
+        nodes, tmp_path, completion_delay_s=0.3, env={f"{ORCH_ENV}CALL_TIMEOUT_S": "3", f"{ORCH_ENV}PROBE_AFTER_S": "1"}
+    )
     h = nodes.hostnames
     token, orch = str(st.workdir / "control-token"), f"{h[0]}:50051"
     try:
@@ -238,6 +247,7 @@ def test_a_node_cut_off_under_load_fails_no_request_that_had_not_reached_it_and_
         got = st.client("acquire", orch, token, "g", "20")
         assert not got["granted"] and got["took_s"] < 15, got
         assert f"sidecar {nodes.addresses[2]}:9100" in got["error"] and "unreachable" in got["error"], got
+        assert "did not answer a call within 3 s" in got["error"], got  # the orchestrator's setting, from `up`'s env
         served = st.client("serve", st.router, "3")
         assert served["ok"] == 3, served  # node 1 woke again after the failed switch
 

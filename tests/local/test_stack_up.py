@@ -61,7 +61,7 @@ def _wait(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
+        time.sleep(0.1)
 
 
 def _component(state: dict, name: str) -> dict:

@@ -243,3 +243,28 @@ async def test_after_exit_runs_once_the_group_is_gone_before_each_restart_and_at
     finally:
         await sup.stop()
     assert gone == [True, True] and not runtime.exists()
+
+
+async def test_a_starting_child_is_probed_often_in_its_first_seconds_then_less_often(tmp_path):
+    """Each stage of `up` waits for its slowest child's probe: probes every 0.05 s during a child's first 3 s (our
+    components are ready within a second or two), then every 0.2 s (a vLLM loading for minutes is not probed 20
+    times a second). A child whose probe answers on its third call is ready after three probes."""
+    from llmd_timeslice.local.supervisor import PROBE_EVERY_S, PROBE_FAST_EVERY_S, probe_interval
+
+    assert probe_interval(0.0) == probe_interval(2.9) == PROBE_FAST_EVERY_S == 0.05
+    assert probe_interval(3.0) == probe_interval(600.0) == PROBE_EVERY_S == 0.2
+    calls = 0
+
+    async def third_time() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= 3
+
+    sup = Supervisor(
+        [[ChildSpec("c", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "c.log", probe=third_time)]]
+    )
+    try:
+        await sup.start()
+        assert sup.child("c").state == "ready" and calls == 3
+    finally:
+        await sup.stop()

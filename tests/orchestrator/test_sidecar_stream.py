@@ -223,11 +223,10 @@ async def test_a_sidecar_black_holed_after_its_stream_opened_fails_the_command_w
     srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
     await srv.start()
     proxy = await TcpProxy("127.0.0.1", srv.port).start()
-    acts = GrpcSwitchActions(GateHub(), token=TOKEN, start_rpc_timeout_s=1.0)
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN, start_rpc_timeout_s=1.0, probe_after_s=0.3)
     sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), proxy.address, "s")
     try:
         cfg = acts._config(1)
-        acts._operation_stream(sampler).probe_after_s = 0.3
         engine.sleep_delay_s = 1.0  # longer than probe_after_s: probed, answered, waited for
         op = await acts._operation(sampler, "g", "sleep", cfg)
         assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
@@ -272,4 +271,34 @@ async def test_a_sidecar_reachable_again_after_a_cut_is_reached_at_once_not_over
         await acts.close()
         await proxy.stop()
         await srv.stop()
+        engine.stop()
+
+
+async def test_a_stopping_sidecar_ends_an_idle_stream_at_once_and_one_with_an_operation_in_flight_after_its_event():
+    """A sidecar's stop (its node's `down`) does not hold for the orchestrator's long-lived operation streams: an idle
+    one ends with status OK, not cancelled at the server's grace; one whose sleep is in flight first gets that
+    operation's event, then ends OK."""
+    engine = FakeVllm(sleep_delay_s=0.3).start()
+    srv = SidecarServer({"s": VllmBackend(engine.url, idle_timeout_s=1)}, port=0, token=TOKEN)
+    await srv.start()
+    acts = GrpcSwitchActions(GateHub(), token=TOKEN)
+    stub = acts._stubs(f"127.0.0.1:{srv.port}")[1]
+    try:
+        idle = stub.RunOperations(metadata=acts._md)
+        busy = stub.RunOperations(metadata=acts._md)
+        await idle.initial_metadata()
+        await busy.initial_metadata()
+        await busy.write(
+            xpb.OperationCommand(command_id=7, snapshot=spb.SnapshotRequest(job_id="s", backend_config=acts._config(1)))
+        )
+        await until(lambda: srv.servicer.operations, 10, "the sleep started")
+        await until(lambda: len(srv.servicer._op_streams) == 2, 10, "both streams open on the sidecar")
+        await srv.stop()
+        assert await idle.code() == grpc.StatusCode.OK, await idle.details()
+        event = await busy.read()
+        assert event.command_id == 7 and event.result.operation.status == spb.OPERATION_STATUS_COMPLETE, event
+        assert await busy.read() is grpc.aio.EOF and await busy.code() == grpc.StatusCode.OK
+        assert engine.level == 1
+    finally:
+        await acts.close()
         engine.stop()

@@ -70,6 +70,20 @@ async def _load(router: str, out: Path, stop: Path, concurrency: int) -> None:
     lines.close()
 
 
+def _wait_held(router: str, timeout_s: float = 30) -> None:
+    """Until the gate of ``router``'s stack (its metrics on the stack's default port) holds a request of the default
+    pool, or ``timeout_s`` passed."""
+    from urllib.parse import urlparse
+
+    from llmd_timeslice.local.stack_file import StackPorts
+    from tests.support.prometheus import sample
+
+    metrics = f"http://{urlparse(router).hostname}:{StackPorts().gate_metrics}/metrics"
+    deadline = time.monotonic() + timeout_s
+    while (sample(metrics, "llmd_timeslice_gate_held", pool="default") or 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def trainer(orch: str, token_file: str, group: str, router: str, engines: list[str]) -> dict:
     from llmd_timeslice.client.client import TimeSliceOrchestratorClient
 
@@ -94,7 +108,7 @@ def trainer(orch: str, token_file: str, group: str, router: str, engines: list[s
         rec["asleep_while_held"] = {u: c.get(f"{u}/is_sleeping").json()["is_sleeping"] for u in engines}
         t = threading.Thread(target=send)
         t.start()
-        time.sleep(1.0)  # the request is held at the gate meanwhile
+        _wait_held(router)  # the request is held at the gate meanwhile (unless answered: recorded below)
         rec["answered_while_held"] = dict(held)
         released = time.monotonic()
         client.release()
