@@ -1,19 +1,17 @@
 """The snapshot sidecar: upstream ``SnapshotAgentService`` + the project's ``WaitOperation``.
 
-One sidecar per pod serves the jobs of that pod (a vLLM server, usually one job). Snapshot and
-Restore return an operation id at once (upstream semantics) and run the backend in the
-background; ``GetOperation`` reads the result and ``WaitOperation`` (project extension) returns
-as soon as the operation ends, so the orchestrator waits on an event instead of polling.
-``RunOperations`` (project extension, the orchestrator's path) carries both on one long-lived
-stream: a command starts an operation, one event answers it when it ended (2 messages per
-operation instead of 2 unary calls: docs/decisions/sidecar-operation-stream.md).
+One sidecar per pod serves the jobs of that pod (a vLLM server, usually one job). Snapshot and Restore return an
+operation id at once (upstream semantics) and run the backend in the background; ``GetOperation`` reads the result
+and ``WaitOperation`` (project extension) returns as soon as the operation ends. ``RunOperations`` (project extension,
+the orchestrator's path) carries both on one long-lived stream: a command starts an operation, one event answers it
+when it ended (docs/decisions/sidecar-operation-stream.md).
 
 Job states follow the Snapshot Agent's vocabulary: RUNNING, TRANSITIONING, SAVED, FAULTED; every change goes through
 the table of :mod:`llmd_timeslice.snapshot.job_states`.
 
-The backend of each operation is resolved per request (:mod:`llmd_timeslice.snapshot.resolve`):
-explicit request config, then a workload registered on ``WorkloadChannel``
-(:mod:`llmd_timeslice.snapshot.channel`), then the pod's annotations, then the job's default.
+The backend of each operation is resolved per request (:mod:`llmd_timeslice.snapshot.resolve`): explicit request
+config, then a workload registered on ``WorkloadChannel`` (:mod:`~llmd_timeslice.snapshot.channel`), then the pod's
+annotations, then the job's default.
 """
 
 from __future__ import annotations
@@ -536,6 +534,11 @@ class SnapshotSidecar(pb_grpc.SnapshotAgentServiceServicer, xpb_grpc.SnapshotOpe
             self._op_streams.discard(events)
             reader.cancel()
 
+    def end_operation_streams(self) -> None:
+        """Each open ``RunOperations`` stream ends (status OK) once its operations are answered (a stop)."""
+        for events in self._op_streams:
+            events.put_nowait(_STREAM_CLOSING)
+
     async def GetServedWeightVersion(self, request, context):  # noqa: N802
         """Project extension (snapshot_ext.proto): the label the job's engine reports now, from the engine."""
         if not request.job_id:
@@ -665,15 +668,8 @@ class SidecarServer:
         max_identical_wake_failures: int = 3,
         hung_after_s: float = 5.0,
     ) -> None:
-        self.servicer = SnapshotSidecar(
-            backends,
-            operation_timeout_s,
-            annotations,
-            command_timeout_s,
-            backend_kwargs,
-            max_identical_wake_failures,
-            hung_after_s,
-        )
+        limits = (command_timeout_s, backend_kwargs, max_identical_wake_failures, hung_after_s)
+        self.servicer = SnapshotSidecar(backends, operation_timeout_s, annotations, *limits)
         self.host, self.port, self.token = host, port, token
         self.tls = tls_files
         self._server: aio.Server | None = None
@@ -697,8 +693,7 @@ class SidecarServer:
         if self._server is not None:
             stopping = asyncio.ensure_future(self._server.stop(1.0))
             await asyncio.sleep(0)
-            for events in self.servicer._op_streams:
-                events.put_nowait(_STREAM_CLOSING)
+            self.servicer.end_operation_streams()
             await stopping
         await self.servicer.finish_operations(operation_grace_s)
         await self.servicer.resolver.close()
