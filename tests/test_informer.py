@@ -162,6 +162,7 @@ async def test_before_round_pauses_until_a_resource_is_named_and_reset_lists_it_
         assert not kube.seen("GET") and not inf.synced
         chosen.append(pods)
         await until(lambda: inf.synced and _names(inf) == {"s0"}, 10, "listed once a resource is named")
+        await until(lambda: kube.watches_open == 1, 10, "the round's watch open")  # else the bump below ends nothing
         again.set()
         kube.end_watches()  # the next round begins
         await until(lambda: inf.synced and inf.relists == 2, 10, "listed again after the reset")

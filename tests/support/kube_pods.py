@@ -82,6 +82,7 @@ class FakeKube:
         self.requests: list[dict] = []
         self.cond = threading.Condition()
         self.generation = 0  # bump to end every open watch stream
+        self.watches_open = 0  # watch streams past their start (a generation bump ends each of them)
         self.stopping = False
         self._server: QuietHTTPServer | None = None
 
@@ -239,6 +240,7 @@ class FakeKube:
                         )
                         self.wfile.write(b"0\r\n\r\n")
                         return
+                    fake.watches_open += 1
                 try:
                     while True:
                         with fake.cond:
@@ -269,6 +271,9 @@ class FakeKube:
                                 self._chunk({"type": kind, "object": pod})
                 except (BrokenPipeError, ConnectionResetError, OSError):
                     return
+                finally:
+                    with fake.cond:
+                        fake.watches_open -= 1
 
             def do_PATCH(self):
                 url = urlparse(self.path)
