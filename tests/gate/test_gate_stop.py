@@ -34,19 +34,13 @@ async def _stop_gate(stack: RouterStack) -> None:
     await asyncio.wait_for(stack.gate.stop(LONG_GRACE_S), LONG_GRACE_S / 3)
 
 
-async def test_a_gate_with_envoy_connected_and_no_request_open_stops_without_waiting_out_its_grace(router):
-    stack, up = router
-    async with httpx.AsyncClient(timeout=10) as c:
-        r = await c.get(stack.url + "/v1/completions")
-        assert r.status_code == 200 and r.json()["served_by"] == up.address
-    await until(lambda: stack.gate._ext_proc.open_streams == 0, 10, "the request's ext_proc stream ended")
-    await _stop_gate(stack)
-
-
-async def test_a_request_on_its_engine_when_the_gate_stops_completes_within_the_grace(router):
+async def test_a_request_on_its_engine_when_the_gate_stops_completes_and_envoys_own_streams_do_not_hold_the_stop(router):
+    """The stop waits for the request's response headers (its ext_proc stream), then returns well before the grace:
+    the endpoint-discovery and access-log streams Envoy keeps open (ext_authz-pick, every chain's access log) do not
+    count."""
     stack, up = router
     async with httpx.AsyncClient(timeout=30) as c:
-        call = asyncio.create_task(c.get(stack.url + "/v1/late_headers?delay_ms=1500"))
+        call = asyncio.create_task(c.get(stack.url + "/v1/late_headers?delay_ms=1000"))
         await until(lambda: up.hits == 1, 10, "the request reached its engine")
         stopping = asyncio.create_task(_stop_gate(stack))
         r = await call
