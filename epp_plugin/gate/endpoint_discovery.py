@@ -84,6 +84,8 @@ class EndpointDirectory(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
     Args:
         pools: pool name -> state (shared with the edges and the subscription); pools added later are seen on the
             next change of any pool.
+
+    ``ack_wait_s``: seconds :meth:`wait_known` waits by default (:data:`ACK_WAIT_S`).
     """
 
     def __init__(self, pools: Mapping[str, PoolState]) -> None:
@@ -94,6 +96,7 @@ class EndpointDirectory(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
         self._streams: set[_Stream] = set()
         self._nonces = itertools.count(1)
         self.streams_total = 0
+        self.ack_wait_s = ACK_WAIT_S
 
     def refresh(self) -> None:
         """Recompute the endpoint set (called by the pools on every state change); a new set is a new version."""
@@ -111,8 +114,10 @@ class EndpointDirectory(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
         want = set(addresses)
         return all(want <= s.acked for s in self._streams)
 
-    async def wait_known(self, addresses: tuple[str, ...], timeout_s: float = ACK_WAIT_S) -> bool:
-        """Wait until :meth:`known` (at most ``timeout_s`` seconds); returns whether it is."""
+    async def wait_known(self, addresses: tuple[str, ...], timeout_s: float | None = None) -> bool:
+        """Wait until :meth:`known` (at most ``timeout_s`` seconds, :attr:`ack_wait_s` if None); returns whether it
+        is."""
+        timeout_s = self.ack_wait_s if timeout_s is None else timeout_s
         if self.known(addresses):
             return True
         try:

@@ -72,7 +72,7 @@ async def test_hold_expired_the_sdk_alone_gives_up_after_two_retries_the_helper_
 
     monkeypatch.setattr(HoldExpired, "retry_after_s", 1)  # the gate's 5 s: the same attempts, 10 s longer
     addr = engine.url.removeprefix("http://")
-    stack = await start_router(artifacts, [addr], max_hold_s=0.2)  # each held attempt expires after 0.2 s
+    stack = await start_router(artifacts, [addr], max_hold_s=0.1)  # each held attempt expires after 0.1 s
     try:
         stack.pool().set_states([(addr, EndpointState.ASLEEP, 0)])
         statuses: list[int] = []

@@ -15,8 +15,9 @@ turn any answer into its own 500, which is not the case under test.
 
 What is rewritten for the run, and only that: listener and admin ports (free loopback ones), the gate clusters'
 endpoints, the EPP clusters' endpoints (the picker, plaintext: the chart's EPP serves TLS), and the gate filter's
-timeout (1 s instead of the hold limit, so a stall costs a second, not ten minutes: the timeout's own value is
-checked in tests/manifests/test_gateway_routes.py and test_istio_fast_path.py).
+timeout (0.5 s instead of the hold limit, so a stall costs half a second, not ten minutes: the timeout's own value is
+checked in tests/manifests/test_gateway_routes.py and test_istio_fast_path.py). The dead and the stalled gate are
+tried at once, each on its own Envoy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,7 +54,7 @@ from tests.support.router import PickerProcess
 
 pytestmark = pytest.mark.envoy
 
-GATE_TIMEOUT_S = 1.0
+GATE_TIMEOUT_S = 0.5
 RETRYABLE = {503}
 """What a client may retry: every gate filter sets ``status_on_error: 503``; a 403 (ext_authz's hard-coded answer on
 1.37.0) or 500 (ext_proc's default) would end the request for good."""
@@ -102,7 +104,7 @@ def _at(cluster: dict, port: int) -> None:
 
 def for_run(boot: dict, gate_port: int, epp_port: int = 1) -> tuple[dict, int, int]:
     """``boot`` on free loopback ports, its gate clusters at ``gate_port``, its EPP clusters at ``epp_port``, the gate
-    timeout 1 s. Returns the bootstrap, the client listener's port and the admin port."""
+    timeout ``GATE_TIMEOUT_S``. Returns the bootstrap, the client listener's port and the admin port."""
     boot = copy.deepcopy(boot)
     gate = _gate_filter(boot)
     tc = gate["typed_config"]
@@ -173,7 +175,7 @@ def running_envoy(version: str, boot: dict, admin_port: int, workdir: Path) -> I
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, f"Envoy {version} not ready in 30 s"
-            time.sleep(0.1)
+            time.sleep(0.02)
         yield
     finally:
         proc.terminate()
@@ -236,20 +238,27 @@ def epp_port(tmp_path_factory):
 def test_a_dead_or_stalled_gate_gives_a_retryable_status_on_the_variants_envoy(variant, tmp_path, epp_port):
     version = gen.ENVOY_VERSIONS[variant]
     dead_port = port_for.select_random()  # nobody listens there
-    with silent_gate() as stalled_port:
-        for case, gate_port in (("dead", dead_port), ("stalled", stalled_port)):
-            boot, client_port, admin = for_run(variant_bootstraps()[variant], gate_port, epp_port)
-            with running_envoy(version, boot, admin, tmp_path):
-                t0 = time.monotonic()
-                r = _request(client_port)
-                took = time.monotonic() - t0
-            assert r.status_code in RETRYABLE, (
-                f"{variant} on Envoy {version}, {case} gate: {r.status_code} {r.headers} {r.text[:200]!r}"
-            )
-            assert took < GATE_TIMEOUT_S + 10, f"{variant} {case}: {took:.1f} s"
-            assert r.headers.get("x-llmd-timeslice-reason") == "gate_unavailable" and r.headers.get("retry-after"), (
-                f"{variant} {case}: a retryable refusal names its reason and when to retry: {r.headers}"
-            )
+    bootstrap = variant_bootstraps()[variant]
+
+    def answer(case: str, gate_port: int) -> tuple[httpx.Response, float]:
+        boot, client_port, admin = for_run(bootstrap, gate_port, epp_port)
+        (tmp_path / case).mkdir()
+        with running_envoy(version, boot, admin, tmp_path / case):
+            t0 = time.monotonic()
+            r = _request(client_port)
+            return r, time.monotonic() - t0
+
+    with silent_gate() as stalled_port, ThreadPoolExecutor(2) as pool:
+        cases = {case: pool.submit(answer, case, port) for case, port in (("dead", dead_port), ("stalled", stalled_port))}
+        answers = {case: f.result() for case, f in cases.items()}
+    for case, (r, took) in answers.items():
+        assert r.status_code in RETRYABLE, (
+            f"{variant} on Envoy {version}, {case} gate: {r.status_code} {r.headers} {r.text[:200]!r}"
+        )
+        assert took < GATE_TIMEOUT_S + 10, f"{variant} {case}: {took:.1f} s"
+        assert r.headers.get("x-llmd-timeslice-reason") == "gate_unavailable" and r.headers.get("retry-after"), (
+            f"{variant} {case}: a retryable refusal names its reason and when to retry: {r.headers}"
+        )
 
 
 def test_envoy_1_37_0_really_answers_403_for_a_failed_http_ext_authz_check(tmp_path, epp_port):

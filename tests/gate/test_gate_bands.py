@@ -225,7 +225,8 @@ async def test_hold_pressure_is_sent_at_the_first_held_request_then_every_quarte
         pool.set_states([(E, A, 0)])
         plain = asyncio.create_task(pool.admit())
         canary = asyncio.create_task(pool.admit(0, pool.objective("canary")))
-        await asyncio.sleep(0.5)
+        await _until(lambda: pool.held == 2, 5, "plain and canary held")
+        await asyncio.sleep(0.3)  # more than a period (0.25 s)
         assert orch.pressure() == [], "bands without a hold deadline send nothing"
         loop = asyncio.get_running_loop()
         held_at = loop.time()
@@ -235,7 +236,7 @@ async def test_hold_pressure_is_sent_at_the_first_held_request_then_every_quarte
         assert first_at - held_at < 0.2 or first.oldest_held_s < 0.2, "sent at the first held request, not at the next tick"
         assert (first.pool, first.band, first.objective, first.hold_deadline_s) == ("default", 10, "eval", 0.5)
         assert first.held == 2 and 0 <= first.oldest_held_s < 0.2
-        await asyncio.sleep(1.0)
+        await _until(lambda: len(orch.pressure()) >= 4, 5, "four HoldPressure messages while held")
         pool.set_states([(E, S, 0)])
         await asyncio.gather(plain, *evals)
         await _until(lambda: orch.pressure()[-1][1].held == 0, 2, "the last HoldPressure with held = 0")
@@ -253,7 +254,7 @@ async def test_hold_pressure_is_sent_at_the_first_held_request_then_every_quarte
         assert [p.oldest_held_s for _, p in sent[:-1]] == sorted(p.oldest_held_s for _, p in sent[:-1])
         assert sent[-1][1].band == 10 and sent[-1][1].hold_deadline_s == 0.5
         n = len(sent)
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.4)  # more than a period
         assert len(orch.pressure()) == n, "nothing more once the band holds none"
         assert canary.done()
     finally:

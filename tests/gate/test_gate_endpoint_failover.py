@@ -12,6 +12,7 @@ import httpx
 import port_for
 import pytest
 
+from epp_plugin.gate.endpoint_discovery import ACK_WAIT_S, EndpointDirectory
 from epp_plugin.gate.pool_state import EndpointState as S
 from epp_plugin.gate.pool_state import PoolState
 from epp_plugin.gate.server import GateConfig, GateServer
@@ -146,10 +147,12 @@ async def test_an_endpoint_failure_report_without_an_address_is_refused_with_a_c
 
 async def test_the_gate_lists_fallbacks_only_to_an_envoy_that_takes_its_endpoints_by_eds():
     """An Envoy rendered before EDS (ORIGINAL_DST cluster, no ``x-llmd-timeslice-eds`` on its checks) gets one address,
-    as ORIGINAL_DST reads one; with the header, the ordered list (here after waiting ``ACK_WAIT_S`` for an EDS stream
-    that never comes)."""
+    as ORIGINAL_DST reads one; with the header, the ordered list (here after waiting ``ack_wait_s``, 0.2 s instead of
+    ``ACK_WAIT_S``, for an EDS stream that never comes)."""
     gate = GateServer(GateConfig(ext_proc_port=0, authz_port=0, control_port=0))
     await gate.start()
+    assert gate.directory is not None and gate.directory.ack_wait_s == ACK_WAIT_S
+    gate.directory.ack_wait_s = 0.2
     gate.pools["default"].set_states([(A, S.SERVING, 0), (B, S.SERVING, 0)])
     pick = {protocol.POOL_HEADER: "default", protocol.PICK_HEADER: protocol.PICK_LEAST_IN_FLIGHT}
     try:
@@ -161,6 +164,18 @@ async def test_the_gate_lists_fallbacks_only_to_an_envoy_that_takes_its_endpoint
             assert r.status_code == 200 and sorted(r.headers[protocol.DESTINATION_HEADER].split(",")) == [A, B]
     finally:
         await gate.stop()
+
+
+async def test_the_directorys_ack_wait_is_its_default_wait_for_an_eds_stream():
+    """``wait_known`` without a timeout waits the directory's ``ack_wait_s`` (``ACK_WAIT_S`` unless set), then says
+    the endpoints are unknown (no EDS stream acked them)."""
+    directory = EndpointDirectory({})
+    assert directory.ack_wait_s == ACK_WAIT_S
+    directory.ack_wait_s = 0.1
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await asyncio.wait_for(directory.wait_known((A,)), ACK_WAIT_S) is False
+    assert loop.time() - t0 >= 0.09, "returned before its ack_wait_s"
 
 
 @pytest.mark.envoy

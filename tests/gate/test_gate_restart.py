@@ -76,6 +76,36 @@ def _gate(artifacts, orch_port: int, ports: tuple[int, int, int]) -> CliProcess:
     return CliProcess(cmd.args(), control_port, artifacts / "gate.log")
 
 
+async def _held(control_port: int) -> int:
+    """Requests the gate process on ``control_port`` holds now (its control service's pool status)."""
+    import grpc
+
+    from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2_grpc as gpb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{control_port}") as ch:
+        status = await gpb_grpc.GateControlServiceStub(ch).GetPoolStatus(
+            gpb.GetPoolStatusRequest(pool="default"), metadata=(("authorization", "Bearer tok"),), timeout=5
+        )
+    return status.held
+
+
+async def _until_held(control_port: int, n: int, what: str, waiting: list[asyncio.Task], timeout_s: float = 30.0) -> None:
+    """Wait until the gate process holds ``n`` requests, or one of ``waiting`` is answered (the caller asserts)."""
+    deadline = time.monotonic() + timeout_s
+    while (held := await _held(control_port)) != n and not any(t.done() for t in waiting):
+        assert time.monotonic() < deadline, f"{what}: the gate holds {held}, not {n}"
+        await asyncio.sleep(0.05)
+
+
+def _refused_5xx(envoy: EnvoyProcess) -> int:
+    """The 5xx answers Envoy's listener sent so far (admin stats)."""
+    for line in envoy.stats(r"^http\.inference\.downstream_rq_5xx$").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "http.inference.downstream_rq_5xx":
+            return int(value)
+    return 0
+
+
 def _is_gate_unavailable(r: httpx.Response) -> bool:
     return (
         r.status_code == 503
@@ -111,12 +141,12 @@ async def test_gate_killed_while_holding_loses_no_held_request_and_restart_resyn
     try:
         async with httpx.AsyncClient(timeout=30) as c, rollouts.async_http_client() as rc:
             # One request in flight (a slow stream), then the endpoint sleeps and one request is held.
-            async with c.stream("GET", envoy.url + "/v1/stream?chunks=6&gap_ms=300") as streaming:
+            async with c.stream("GET", envoy.url + "/v1/stream?chunks=10&gap_ms=120") as streaming:
                 await orch.hub.publish("default", [(up.address, gpb.ENDPOINT_STATE_ASLEEP, 0)])
                 hits = up.hits
                 held = asyncio.create_task(c.get(envoy.url + "/v1/completions"))
                 held_rollout = asyncio.create_task(rc.get(envoy.url + "/v1/completions"))
-                await asyncio.sleep(1.5)
+                await _until_held(control_port, 2, "both requests held before the gate is killed", [held, held_rollout])
                 assert not held.done() and not held_rollout.done()
                 os.kill(gate.proc.pid, signal.SIGKILL)
                 if edge == "ext_authz":
@@ -146,8 +176,8 @@ async def test_gate_killed_while_holding_loses_no_held_request_and_restart_resyn
             await gate.start()
             await _until_ready(control_port)
             fresh = asyncio.create_task(c.get(envoy.url + "/v1/completions"))  # the restarted gate resyncs: ASLEEP -> held
-            await asyncio.sleep(1.5)
             waiting = [fresh, held_rollout] + ([held, during] if edge == "ext_authz" else [])
+            await _until_held(control_port, len(waiting), "every waiting request held again by the restarted gate", waiting)
             early = [t.result() for t in waiting if t.done()]
             assert not early, (
                 "after resync the endpoint is still ASLEEP: requests must be held, got "
@@ -194,7 +224,11 @@ async def test_gate_down_longer_than_envoy_waits_is_a_retryable_refusal_that_rol
             if edge == "ext_authz":
                 assert r.json()["error"]["type"] == GATE_UNAVAILABLE, r.text
             pending = asyncio.create_task(rc.post(envoy.url + "/v1/completions", json={"prompt": "x"}))
-            await asyncio.sleep(1.5)
+            deadline = time.monotonic() + 30
+            while await asyncio.to_thread(_refused_5xx, envoy) < 2:  # the rollout's first try refused too
+                assert time.monotonic() < deadline, "the rollout's first try was never answered"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # its answer reached TimeSliceRollouts, which waits retry-after (1 s) to repeat
             assert not pending.done(), "TimeSliceRollouts repeats gate_unavailable"
             gate = GateServer(GateConfig(ext_proc_port=ports[0], authz_port=ports[1], control_port=0))
             await gate.start()

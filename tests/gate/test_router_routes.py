@@ -18,7 +18,7 @@ import pytest
 
 from epp_plugin.gate.pool_state import EndpointState
 from llmd_timeslice.router.envoy_config import ADMIN_PATHS_UNDER_API, API_PREFIX, EnvoyRouterConfig, render_bootstrap
-from llmd_timeslice.router.envoy_launcher import envoy_binary
+from llmd_timeslice.router.envoy_launcher import POLL_S, EnvoyProcess, envoy_binary
 from tests.support.fake_engines import FakeVllm
 from tests.support.router import start_router
 
@@ -127,7 +127,7 @@ def _start_envoy(boot: dict, where) -> subprocess.Popen:
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.02)
     proc.kill()
     raise AssertionError(f"Envoy on {where} did not become ready")
 
@@ -135,7 +135,8 @@ def _start_envoy(boot: dict, where) -> subprocess.Popen:
 def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its_traffic(artifacts):
     """Envoy 1.40 binds listeners with SO_REUSEPORT by default: a second Envoy on the same port would start and take
     a share of the requests. The rendered router listener turns it off (the second line of defence behind `up`'s
-    port check). Control: with Envoy's default on both, the second Envoy binds and stays up (so this test can fail)."""
+    port check). Control: with Envoy's default on both, the second Envoy binds and becomes ready (so this test can
+    fail)."""
 
     def boot(port: int, reuse: bool | None = None) -> dict:
         b = render_bootstrap(
@@ -164,11 +165,44 @@ def test_a_second_envoy_on_the_routers_port_fails_to_bind_instead_of_sharing_its
     port = port_for.select_random()
     first = _start_envoy(boot(port, True), artifacts / "first-default.json")
     try:
-        with pytest.raises(subprocess.TimeoutExpired):  # still running after 3 s: it bound the same port
-            subprocess.run(_envoy(boot(port, True), artifacts / "second-default.json"), capture_output=True, timeout=3)
+        second = _start_envoy(boot(port, True), artifacts / "second-default.json")  # ready: it bound the same port
+        try:
+            assert second.poll() is None, "the second Envoy with SO_REUSEPORT on both must run"
+        finally:
+            second.terminate()
+            second.wait(10)
     finally:
         first.terminate()
         first.wait(10)
+
+
+def test_an_envoy_process_checks_its_start_and_its_stop_every_poll_s(artifacts, monkeypatch):
+    """``start()`` returns once the admin ``/ready`` answers, ``stop()`` once the process exited; each waits in steps
+    of ``POLL_S`` (mirakuru's own 0.1 s added a tenth of a second to every start and stop)."""
+    import mirakuru.base
+
+    sleeps: list[float] = []
+    sleep = time.sleep
+
+    def recording(s: float) -> None:
+        sleeps.append(s)
+        sleep(s)
+
+    monkeypatch.setattr(mirakuru.base.time, "sleep", recording)
+    cfg = EnvoyRouterConfig(
+        listen_port=port_for.select_random(),
+        admin_port=port_for.select_random(),
+        gate_port=None,
+        epp_port=port_for.select_random(),
+    )
+    envoy = EnvoyProcess(cfg, artifacts)
+    envoy.start()
+    proc = envoy._exec.process  # type: ignore[union-attr]
+    assert proc is not None
+    assert httpx.get(f"http://127.0.0.1:{cfg.admin_port}/ready", timeout=5).status_code == 200
+    envoy.stop()
+    assert proc.poll() is not None and envoy.pid is None, "stop() returns once Envoy exited"
+    assert sleeps and set(sleeps) == {POLL_S}, sleeps
 
 
 def test_envoy_validate_reports_envoys_reason_in_one_line(tmp_path):
