@@ -173,7 +173,8 @@ async def test_a_restarted_sidecar_gets_a_new_stream_and_a_dead_one_fails_after_
 
 async def test_a_sidecar_stopping_with_an_operation_in_flight_fails_it_as_a_sidecar_fault(sidecar):
     engine, srv, acts, sampler = sidecar
-    engine.sleep_delay_s = 3.0
+    # In flight when the server stops (at once, below); the left-behind operation ends with it (finish_operations).
+    engine.sleep_delay_s = 1.0
     sleep = asyncio.create_task(acts._operation(sampler, "g", "sleep", acts._config(1)))
     while not srv.servicer.operations:
         await asyncio.sleep(0.02)
