@@ -426,9 +426,18 @@ def test_on_both_groups_takes_trainer_then_sampler_group(loop_thread):
 
 
 def test_unreachable_orchestrator_is_reported_as_such():
-    from llmd_timeslice.client import OrchestratorUnavailable
+    """After the client's own retries of UNAVAILABLE (its 5 attempts; their back-off shortened to 0.05-0.1 s by the
+    caller's service config: ~3 s with the client's; tests/client/test_client_error_reasons.py runs it as it comes)."""
+    import json
 
-    c = TimeSliceOrchestratorClient("127.0.0.1:1", job_id="j", group_id="g", token="x")
+    from llmd_timeslice.client import OrchestratorUnavailable
+    from llmd_timeslice.client import client as client_module
+
+    config = json.loads(client_module._SERVICE_CONFIG)
+    config["methodConfig"][0]["retryPolicy"].update(initialBackoff="0.05s", maxBackoff="0.1s")
+    c = TimeSliceOrchestratorClient(
+        "127.0.0.1:1", job_id="j", group_id="g", token="x", channel_options=[("grpc.service_config", json.dumps(config))]
+    )
     with pytest.raises(OrchestratorUnavailable, match="unreachable"):
         c.acquire(timeout_sec=5)
     c.close()
