@@ -228,7 +228,7 @@ async def test_a_sidecar_black_holed_after_its_stream_opened_fails_the_command_w
     sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), proxy.address, "s")
     try:
         cfg = acts._config(1)
-        engine.sleep_delay_s = 1.0  # longer than probe_after_s: probed, answered, waited for
+        engine.sleep_delay_s = 0.6  # twice probe_after_s: probed, answered, waited for
         op = await acts._operation(sampler, "g", "sleep", cfg)
         assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
         proxy.blackhole()
