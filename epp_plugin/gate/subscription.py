@@ -59,6 +59,10 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Each session's channel connects anew: by default channels to one target share a subchannel, whose reconnect
+    # back-off (1 s, x1.6, up to 5 s) outlives the session that grew it, so after a partition healed the next session
+    # failed fast (UNAVAILABLE) until that back-off ran out, on top of the gate's own wait (RECONNECT_FIRST_S ...).
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 RESYNCS = Counter("llmd_timeslice_gate_resyncs_total", "Full snapshots applied (first connect and every reconnect).")
 RESUBSCRIBES = Counter(

@@ -44,7 +44,13 @@ def sidecar_processes() -> bool:
 
 
 @pytest.fixture
-async def stack(tmp_path, sidecar_processes):
+def orchestrator_settings() -> dict:
+    """Keyword arguments of the stack's ``OrchestratorServer`` (a test overrides them with ``parametrize``)."""
+    return {}
+
+
+@pytest.fixture
+async def stack(tmp_path, sidecar_processes, orchestrator_settings):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     ports = [port_for.select_random(), port_for.select_random()]
@@ -75,7 +81,7 @@ async def stack(tmp_path, sidecar_processes):
                 ]
             }
         )
-        orch = st["orch"] = OrchestratorServer(inv, port=0, token=TOKEN)
+        orch = st["orch"] = OrchestratorServer(inv, port=0, token=TOKEN, **orchestrator_settings)
         await orch.start()
         orch.orchestrator.start_repair(first_s=0.5, max_s=2.0)  # quick retries for the test (no audit)
         gate = st["gate"] = GateServer(
@@ -239,27 +245,33 @@ async def test_a_restarted_sidecar_is_reached_at_once_after_the_engine_audit_pro
     await _until(lambda: set(pool.serving()) == set(addrs), what="serving again")
 
 
+# The probe of a command without an answer after 1 s (2 s by default), which the frozen sidecar must answer within
+# 1.5 s (6 s by default): the live sidecar answers its sleep (0.5 s) before it is probed, or the probe at once.
+FROZEN_SIDECAR_SETTINGS = {"sidecar_probe_after_s": 1.0, "sidecar_call_timeout_s": 1.5}
+
+
+@pytest.mark.parametrize("orchestrator_settings", [FROZEN_SIDECAR_SETTINGS], ids=["probe1s"])
 @pytest.mark.parametrize("sidecar_processes", [True], ids=["sidecar_processes"])
 async def test_sidecar_frozen_mid_sleep_past_the_operation_deadline_fails_the_acquire_then_comes_back(stack):
     """A sidecar frozen (SIGSTOP) mid-sleep for longer than the group's sleep deadline (set to 3 s here): the
-    orchestrator's reachability probe (sidecar_stream.py: after 2 s without an answer, a call the frozen sidecar does
-    not answer within ``start_rpc_timeout_s``, 2 s here) fails the acquire with the reason instead of hanging until the
-    sleep deadline plus its RPC margin; no request reaches a sleeping engine, and after SIGCONT the group serves on
-    both samplers again by itself (repair) and the next acquire works."""
+    orchestrator's reachability probe (sidecar_stream.py: after ``sidecar_probe_after_s`` without an answer, a call
+    the frozen sidecar does not answer within ``sidecar_call_timeout_s``; 1 + 1.5 s here) fails the acquire with the
+    reason instead of hanging until the sleep deadline plus its RPC margin; no request reaches a sleeping engine, and
+    after SIGCONT the group serves on both samplers again by itself (repair) and the next acquire works."""
     import os
     import signal
 
     engines, sidecars, client, pool, addrs = stack["engines"], stack["sidecars"], stack["client"], stack["pool"], stack["addrs"]
     g = stack["orch"].orchestrator.groups["g"]
     g.spec.sleep_deadline_s = 3.0  # the group's sleep deadline (issue 38 §2)
-    stack["orch"].actions.start_rpc_timeout_s = 2.0  # the probe's deadline (6 s by default)
     for e in engines:
         e.sleep_delay_s = 0.5
     acquire = asyncio.create_task(client.acquire(timeout_sec=60))
     await _until(lambda: any(p == "/sleep" for _, p, _ in engines[0].calls), what="the sleep call")
     os.kill(sidecars[0].proc.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(LeaseError, match="ABORTED"):
+        # The probe's verdict (not the sleep deadline's): ~2.5 s after the freeze.
+        with pytest.raises(LeaseError, match=r"ABORTED: .* did not answer a call within 1\.5 s while the operation ran"):
             await asyncio.wait_for(acquire, 60)
     finally:
         os.kill(sidecars[0].proc.pid, signal.SIGCONT)

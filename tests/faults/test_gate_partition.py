@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from epp_plugin.gate import subscription
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient
 from llmd_timeslice.orchestrator.server import OrchestratorServer
@@ -23,7 +24,7 @@ TOKEN = "t"
 async def _stack(stale_after_s: float):
     engine, addr, sidecar, inv = await one_sampler(TOKEN)
     orch = OrchestratorServer(inv, port=0, token=TOKEN)
-    orch.hub.ack_timeout_s = 1.0
+    orch.hub.ack_timeout_s = 0.5  # a gate that has not acked a drain by then is lost (5 s by default)
     await orch.start()
     proxy = await TcpProxy("127.0.0.1", orch.port).start()
     gate = GateServer(
@@ -56,7 +57,10 @@ async def _watch(engine, pool, marks: dict) -> None:
 
 
 @pytest.mark.parametrize("cut", ["blackhole", "reset"])
-async def test_partitioned_gate_holds_before_its_engine_sleeps_and_recovers_after_heal(cut):
+async def test_partitioned_gate_holds_before_its_engine_sleeps_and_recovers_after_heal(cut, monkeypatch):
+    # The gate's reconnect back-off cap, scaled down like its stale_after_s: its tries while the proxy refuses them
+    # back off (0.2 s, doubling), and with the 5 s cap the one after the heal came up to ~1.5 s later.
+    monkeypatch.setattr(subscription, "RECONNECT_MAX_S", 0.5)
     engine, addr, sidecar, orch, proxy, gate, client = await _stack(stale_after_s=1.0)
     pool = gate.pools["default"]
     marks: dict = {}
@@ -110,7 +114,7 @@ async def test_restarted_orchestrator_waits_for_gates_it_knew_before_sleeping_en
     orch = OrchestratorServer(inv, port=0, token=TOKEN, state_store=store)
     await orch.start()
     proxy = await TcpProxy("127.0.0.1", orch.port).start()
-    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN, stale_after_s=1.5))
+    gate = GateServer(GateConfig(ext_proc_port=0, control_port=0, orchestrator=proxy.address, token=TOKEN, stale_after_s=1.0))
     await gate.start()
     await asyncio.wait_for(gate.subscription.connected.wait(), 10)
     pool = gate.pools["default"]

@@ -7,11 +7,13 @@ import asyncio
 import port_for
 import pytest
 
+from epp_plugin.gate import subscription
 from epp_plugin.gate.pool_state import EndpointState
 from epp_plugin.gate.server import GateConfig, GateServer
 from llmd_timeslice.api.llmd_timeslice.v1alpha1 import gate_control_pb2 as gpb
 from llmd_timeslice.domain.inventory import Inventory
 from llmd_timeslice.orchestrator.server import OrchestratorServer
+from tests.support.tcp_proxy import TcpProxy
 from tests.support.waits import until as _until
 
 INV = Inventory.model_validate({"groups": [{"group_id": "g"}]})
@@ -87,6 +89,33 @@ async def test_gate_keeps_last_known_state_while_orchestrator_is_down_and_resync
         )
     finally:
         await gate.stop()
+        await orch.stop()
+
+
+async def test_every_retry_of_a_lost_state_stream_dials_the_orchestrator_anew(monkeypatch, caplog):
+    """A session's channel does not share its connection with the sessions before it: with gRPC's shared subchannel,
+    a retry while that subchannel backed off (1 s, growing) failed at once without dialling, so the first session after
+    a healed partition came up to that back-off late, on top of the gate's own waits (``RECONNECT_FIRST_S`` doubling
+    up to ``RECONNECT_MAX_S``). Here: each failed session is one refused connection at the proxy."""
+    monkeypatch.setattr(subscription, "RECONNECT_FIRST_S", 0.05)  # the gate's waits: 0.05, 0.1, 0.1, ... s
+    monkeypatch.setattr(subscription, "RECONNECT_MAX_S", 0.1)
+    orch = await _orchestrator()
+    proxy = await TcpProxy("127.0.0.1", orch.port).start()
+    gate = await _gate(proxy.port)  # through the proxy: 127.0.0.1:<proxy port>
+    try:
+        caplog.set_level("WARNING", logger=subscription.__name__)
+        proxy.cut()
+
+        def lost() -> int:  # sessions ended since the cut: the synced one the cut reset, then the failed retries
+            return sum("state stream to" in r.getMessage() and " lost: " in r.getMessage() for r in caplog.records)
+
+        await _until(lambda: lost() >= 6, what="six lost sessions")
+        assert proxy.refused >= lost() - 2, f"{lost()} sessions lost, {proxy.refused} connections dialled"
+        proxy.heal()
+        await _until(lambda: gate.subscription.connected.is_set(), what="the gate back on the state stream")
+    finally:
+        await gate.stop()
+        await proxy.stop()
         await orch.stop()
 
 

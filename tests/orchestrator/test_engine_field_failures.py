@@ -155,8 +155,15 @@ async def test_engine_that_answers_nonsense_after_a_wake_fails_the_probe_and_is_
     assert eng.level == 0 and "/collective_rpc" in eng.paths()
 
 
+def quick_repair(orch: OrchestratorServer) -> None:
+    """The repair's back-off from 0.5 s (2 s by default), doubling to 2 s; the engine audit as it was."""
+    core = orch.orchestrator
+    core.start_repair(first_s=0.5, max_s=2.0, audit_interval_s=core.audit_interval_s)
+
+
 async def test_a_sampler_answering_nonsense_after_wake_stays_out_of_service_then_is_repaired(group):
     engines, addrs, orch, gate, client = group
+    quick_repair(orch)
     pool = gate.pools["default"]
     await client.acquire(timeout_sec=30)
     engines[0].garble_next_wake = True  # every health check passes: awake, 200s, choices; only the tokens are wrong
@@ -166,7 +173,7 @@ async def test_a_sampler_answering_nonsense_after_wake_stays_out_of_service_then
     await _until(lambda: addrs[0] in g.sampler_errors, what="the error recorded")
     assert "answers the probe prompts differently" in g.sampler_errors[addrs[0]], g.sampler_errors
     assert pool.endpoints[addrs[0]].state is EndpointState.ASLEEP
-    # The repair loop (2 s back-off) restores it: weights reloaded, probe matches, SERVING again.
+    # The repair loop (its first back-off: 0.5 s) restores it: weights reloaded, probe matches, SERVING again.
     await _until(lambda: set(pool.serving()) == set(addrs), timeout_s=15, what="the repaired sampler serving")
     assert not engines[0].garbled
 

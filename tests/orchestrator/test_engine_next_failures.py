@@ -25,7 +25,7 @@ from llmd_timeslice.snapshot.backends.base import BackendError, EngineDead, Engi
 from llmd_timeslice.snapshot.backends.sglang import SglangBackend
 from llmd_timeslice.snapshot.backends.vllm import ProbeMismatch, VllmBackend
 from llmd_timeslice.snapshot.server import SidecarServer
-from tests.orchestrator.test_engine_field_failures import backend, fake_vllm, group  # noqa: F401 - pytest fixtures
+from tests.orchestrator.test_engine_field_failures import backend, fake_vllm, group, quick_repair  # noqa: F401 - pytest fixtures
 from tests.orchestrator.test_weight_sync import _audited_sampler_at_v1
 from tests.support.fake_engines import FakeSglang
 from tests.support.waits import until as _until
@@ -84,6 +84,7 @@ async def test_a_wake_that_leaves_the_scheduler_paused_is_not_reported_done(fake
 
 async def test_a_sampler_left_paused_after_a_wake_is_never_published_serving_and_serves_once_resumed(group):  # noqa: F811
     engines, addrs, orch, gate, client = group
+    quick_repair(orch)
     pool = gate.pools["default"]
     await client.acquire(timeout_sec=30)
     engines[0].pause_after_next_wake = True
@@ -94,7 +95,7 @@ async def test_a_sampler_left_paused_after_a_wake_is_never_published_serving_and
     assert "scheduler is paused" in g.sampler_errors[addrs[0]], g.sampler_errors
     assert pool.endpoints[addrs[0]].state is not EndpointState.SERVING
     assert engines[0].completions_while_asleep == 0, "no request routed to the paused engine"
-    httpx.post(engines[0].url + "/resume")  # the other client resumes it: the repair loop (2 s back-off) serves it
+    httpx.post(engines[0].url + "/resume")  # the other client resumes it: the repair loop (quick_repair) serves it
     await _until(lambda: set(pool.serving()) == set(addrs), timeout_s=15, what="the resumed sampler serving")
 
 
@@ -131,6 +132,7 @@ async def test_engine_core_dying_while_asleep_is_read_as_a_dead_engine_by_the_au
 
 async def test_a_dead_engine_core_while_asleep_is_found_at_the_wake_and_repaired_once_the_engine_restarts(group):  # noqa: F811
     engines, addrs, orch, gate, client = group
+    quick_repair(orch)
     pool = gate.pools["default"]
     await client.acquire(timeout_sec=30)
     engines[0].core_dead = True  # died while the trainer held the accelerators

@@ -173,7 +173,8 @@ async def test_a_restarted_sidecar_gets_a_new_stream_and_a_dead_one_fails_after_
 
 async def test_a_sidecar_stopping_with_an_operation_in_flight_fails_it_as_a_sidecar_fault(sidecar):
     engine, srv, acts, sampler = sidecar
-    engine.sleep_delay_s = 3.0
+    # In flight when the server stops (at once, below); the left-behind operation ends with it (finish_operations).
+    engine.sleep_delay_s = 1.0
     sleep = asyncio.create_task(acts._operation(sampler, "g", "sleep", acts._config(1)))
     while not srv.servicer.operations:
         await asyncio.sleep(0.02)
@@ -227,7 +228,7 @@ async def test_a_sidecar_black_holed_after_its_stream_opened_fails_the_command_w
     sampler = SamplerEndpoint("default", engine.url.removeprefix("http://"), proxy.address, "s")
     try:
         cfg = acts._config(1)
-        engine.sleep_delay_s = 1.0  # longer than probe_after_s: probed, answered, waited for
+        engine.sleep_delay_s = 0.6  # twice probe_after_s: probed, answered, waited for
         op = await acts._operation(sampler, "g", "sleep", cfg)
         assert op.status == spb.OPERATION_STATUS_COMPLETE and engine.level == 1
         proxy.blackhole()

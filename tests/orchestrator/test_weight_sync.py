@@ -22,6 +22,7 @@ from llmd_timeslice.api.llmd_timeslice.v1alpha1 import weights_pb2
 from llmd_timeslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as spb
 from llmd_timeslice.client import AsyncTimeSliceOrchestratorClient, LeaseError, TimeSliceOrchestratorClient
 from llmd_timeslice.domain.inventory import Inventory
+from llmd_timeslice.orchestrator.phases import GroupPhase
 from llmd_timeslice.orchestrator.server import OrchestratorServer
 from llmd_timeslice.snapshot.backends.base import BackendError, SuspendMode
 from llmd_timeslice.snapshot.backends.vllm import VllmBackend
@@ -556,7 +557,7 @@ async def _audited_sampler_at_v1(tmp_path, audit_interval_s: float):
     await gate.start()
     client = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{orch.port}", job_id="trainer", group_id="g", token=TOKEN)
     st = types.SimpleNamespace(
-        engine=engine, addr=addr, pool=gate.pools["default"], g=orch.orchestrator.groups["g"], client=client
+        engine=engine, addr=addr, pool=gate.pools["default"], g=orch.orchestrator.groups["g"], client=client, orch=orch
     )
     try:
         await asyncio.wait_for(gate.subscription.connected.wait(), 10)
@@ -642,11 +643,15 @@ async def test_engine_that_dies_while_serving_is_taken_out_of_service_and_comes_
     before = unreachable._value.get()
     async with _audited_sampler_at_v1(tmp_path, 0.3) as st:
         engine, addr, pool, g = st.engine, st.addr, st.pool, st.g
+        # The repair's back-off starts at 30 s: longer than the test waits below, so only the audit's reading of the
+        # engine that answers again can repair it in time (and its log line says so).
+        st.orch.orchestrator.start_repair(first_s=30.0, max_s=60.0, audit_interval_s=0.3)
         port = int(addr.rsplit(":", 1)[1])
         engine.kill()
         await _until(lambda: pool.serving() == (), timeout_s=5)
         await _until(lambda: unreachable._value.get() == before + 1 and addr in g.sampler_errors, timeout_s=5)
-        await asyncio.sleep(3)  # the repair's back-off grows (2 s, 4 s, ...) while the engine stays down
+        # The repair the audit started at once failed (the engine is down: its load too); the back-off runs.
+        await _until(lambda: g.phase is GroupPhase.OUT_OF_SERVICE, timeout_s=10, what="the first repair failed")
         with caplog.at_level(logging.WARNING, logger="llmd_timeslice.orchestrator.group"):
             engine = st.engine = FakeVllm(port=port).start()  # the engine is back (its initial weights)
             # the gate serves the engine as soon as it is verified; the group records the repair's outcome after

@@ -18,6 +18,8 @@ class TcpProxy:
         """Chunks from the target held back and then passed on (or dropped: cut, black-holed) so far."""
         self.port = 0
         self.mode = "pass"  # pass | blackhole | refuse
+        self.refused = 0
+        """Connections accepted and closed at once (``cut``: refused) so far."""
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._dead: set[asyncio.StreamWriter] = set()  # connections left black-holed by heal(keep_dead=True)
@@ -73,6 +75,7 @@ class TcpProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.mode == "refuse":
+            self.refused += 1
             writer.close()
             return
         try:
