@@ -30,11 +30,13 @@ def nodes():
     n.close()
 
 
-def _phase(workdir: Path, node: str) -> str | None:
+def _phase(workdir: Path, node: str, since_unix_s: float = 0.0) -> str | None:
+    """``node``'s phase as its ``up`` last wrote it, if that was after ``since_unix_s`` (None: not written since)."""
     try:
-        return json.loads((workdir / "nodes" / node / "stack.json").read_text()).get("phase")
+        state = json.loads((workdir / "nodes" / node / "stack.json").read_text())
     except (OSError, ValueError):
         return None
+    return state.get("phase") if state.get("updated_unix_s", 0) > since_unix_s else None
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:
@@ -153,7 +155,9 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
     """Issue 41's bar: serving through the head's router, a trainer's acquire putting the engines on both nodes to
     sleep and its yield waking them, a killed engine node failing no request that had not reached it, the node's
     return, and `down` from an engine node leaving no process on any node."""
-    st = ThreeNodes(nodes, tmp_path, completion_delay_s=0.3)
+    # the gate leaves an endpoint Envoy could not connect to out of its picks for 1 s (default 5 s): the killed
+    # node is tried again (a refused connection, retried on node 1) until it serves again
+    st = ThreeNodes(nodes, tmp_path, completion_delay_s=0.3, env={"LLMD_TIMESLICE_GATE__FAILED_ENDPOINT_HOLD_S": "1"})
     h = nodes.hostnames
     try:
         st.wait_running()
@@ -175,7 +179,7 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
         load, out, stop = _load(st, tmp_path, "kill")
         nodes.kill(2)
         killed_at = time.time()
-        _wait(lambda: _after(out, killed_at + 2, 12), 60, "the load going on after the kill")
+        _wait(lambda: _after(out, killed_at + 1, 12), 60, "the load going on after the kill")
         stop.touch()
         assert load.wait(60) == 0
         records = _records(out)
@@ -185,7 +189,7 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
             f"a request that never reached the killed node failed: {failed}"
         )
         assert len(failed) <= 4, failed  # at most what was in flight there: 4 clients
-        assert all(r["status"] == 200 for r in records if r["t0"] > killed_at + 2), "the other node serves"
+        assert all(r["status"] == 200 for r in records if r["t0"] > killed_at + 1), "the other node serves"
         print(f"killed node: {len(records)} requests, {len(failed)} failed, each in flight on it")
 
         # the node returns (a new srun step on it): its engine and its part start again and rejoin by themselves
@@ -193,9 +197,9 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
         st.engines[2] = nodes.popen(2, [sys.executable, "-m", "tests.support.fake_engine_process", "8001", "0",
                                         nodes.addresses[2], str(st.received[2])])  # fmt: skip
         before = len(st.received[2].read_text().split())
-        t0 = time.monotonic()
+        t0, restarted_at = time.monotonic(), time.time()
         st.start_up(2)
-        _wait(lambda: _phase(st.workdir, h[2]) == "running", 60, "node 2's part running again")
+        _wait(lambda: _phase(st.workdir, h[2], restarted_at) == "running", 60, "node 2's part running again")
         back = st.client("serve-until", st.router, "2", str(st.received[2]), str(before), "60")
         assert back["done"], f"node 2 not serving again: {back}"
         print(f"node 2 back in service {time.monotonic() - t0:.1f} s after its `up` started again")
