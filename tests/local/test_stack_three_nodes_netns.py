@@ -237,7 +237,7 @@ def test_a_node_cut_off_under_load_fails_no_request_that_had_not_reached_it_and_
         load, out, stop = _load(st, tmp_path, "cut")
         nodes.cut(2)
         cut_at = time.time()
-        _wait(lambda: _after(out, cut_at + 3, 12), 90, "the load going on after the cut")
+        _wait(lambda: _after(out, cut_at + 2, 12), 90, "the load going on after the cut")
         stop.touch()
         assert load.wait(60) == 0
         records = _records(out)

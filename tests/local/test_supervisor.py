@@ -30,7 +30,7 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
     pidfile = tmp_path / "grandchild.pid"
     family = ChildSpec("family", ["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"], tmp_path / "family.log", stop_grace_s=2)
     events: list[tuple[str, str]] = []
-    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)), backoff_s=0.25)
+    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)), backoff_s=0.1)
     await sup.start()
     try:
         first = sup.child("web").pid
@@ -38,10 +38,10 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
         await _until(lambda: sup.child("web").restarts == 1 and sup.child("web").state == "ready")
         assert sup.child("web").pid != first
         assert sup.child("web").last_exit == "signal SIGKILL"
-        assert any(n == "web" and "restarting in 0.25 s" in m for n, m in events)
+        assert any(n == "web" and "restarting in 0.1 s" in m for n, m in events)
         os.kill(sup.child("web").pid, signal.SIGKILL)  # dies again at once: the delay doubles
         await _until(lambda: sup.child("web").restarts == 2 and sup.child("web").state == "ready")
-        assert any(n == "web" and "restarting in 0.5 s" in m for n, m in events)
+        assert any(n == "web" and "restarting in 0.2 s" in m for n, m in events)
         await _until(pidfile.exists)
         grandchild = int(pidfile.read_text())
         assert alive(grandchild)
