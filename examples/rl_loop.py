@@ -7,7 +7,8 @@ Per iteration: a rollout batch through the router (asking for the latest weight 
 trainer acquires the sampler group (samplers drain and sleep), trains, and yields. With ``--model-dir``
 (a Hugging Face model directory, e.g. the stack's ``.llmd-timeslice/cpu/tiny-llama``) it really trains
 that model one step with ``transformers`` and publishes the new weights as version N+1, which the
-samplers load before serving again; without it, training is a sleep and no version is published.
+samplers load before serving again; without it, training is a sleep (``--step-s``, default 1 s) and no version is
+published.
 
 Router, orchestrator and token file: the flags, else the variables of the export line ``up`` prints
 (``LLMD_TIMESLICE_ROUTER_URL``, ``TIMESLICE_ORCH_ADDR``, ``LLMD_TIMESLICE_TOKEN_FILE``), else the running stack
@@ -56,9 +57,9 @@ def rollout(router: str, model: str, min_version: int) -> list[dict]:
     return out
 
 
-def train_step(model_dir: Path | None, state: dict) -> None:
+def train_step(model_dir: Path | None, state: dict, step_s: float = 1.0) -> None:
     if model_dir is None:
-        time.sleep(1.0)  # stands in for a training step
+        time.sleep(step_s)  # stands in for a training step
         return
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--model-dir", type=Path, help="train this model for real and publish its weights")
     ap.add_argument("--weights-dir", type=Path, default=Path("rl-weights"), help="where weight versions are written")
+    ap.add_argument("--step-s", type=float, default=1.0, help="without --model-dir: seconds the stand-in training step sleeps")
     a = ap.parse_args(argv)
     try:
         eps = find_stack.from_args(a)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             weights = None
             try:
-                train_step(a.model_dir, state)
+                train_step(a.model_dir, state, a.step_s)
                 if a.model_dir is not None:
                     weights = save_weight_version(state["model"], a.weights_dir, next_version)
             except BaseException:

@@ -63,12 +63,6 @@ class GateConfig(GateSettings):
         description="Objectives and priority bands (the `objectives` file, read; None: the objective header is "
         "ignored unless `objectives_from_kubernetes`).",
     )
-    failed_endpoint_hold_s: float = Field(
-        5.0,
-        ge=0,
-        description="Seconds an endpoint Envoy could not connect to is left out of the gate's picks and subset hints "
-        "unless the orchestrator publishes a new state for it first (0: until it does).",
-    )
 
     @model_validator(mode="after")
     def _priorities_fit(self) -> GateConfig:

@@ -209,6 +209,12 @@ class GateSettings(_Section):
     default_pool: str = Field("default", min_length=1, description="Pool for ext_proc streams without pool metadata.")
     accept_new_pools: bool = Field(True, description="Create a pool when the orchestrator first names it.")
     max_held: int = Field(10_000, ge=1, description="Most requests held per pool; more get 429 `hold_queue_full`.")
+    failed_endpoint_hold_s: Duration = Field(
+        5.0,
+        ge=0,
+        description="Seconds an endpoint Envoy could not connect to is left out of the gate's picks and subset hints "
+        "unless the orchestrator publishes a new state for it first (0: until it does).",
+    )
     max_hold_s: Duration = Field(
         600.0, gt=0, le=3600, description="Most time a request is held, then 503 `hold_expired` (Envoy caps at 3600 s)."
     )

@@ -199,23 +199,40 @@ class Supervisor:
         c.state = "starting"
 
     async def _wait_ready(self, c: Child) -> None:
+        if c.proc is None or c.proc.returncode is not None:
+            raise await self._exit_failure(c)
+        # The child's exit ends a probe in flight: a probe that hangs (e.g. on another process's socket listening on
+        # the child's port, which never answers) would otherwise hold the exit's report back by its own timeout.
+        exited = asyncio.ensure_future(c.proc.wait())
+        try:
+            await self._probe_until_ready(c, exited)
+        finally:
+            exited.cancel()
+
+    async def _probe_until_ready(self, c: Child, exited: asyncio.Future) -> None:
         spec = c.spec
         deadline = time.monotonic() + spec.start_timeout_s
         while True:
-            if c.proc is None or c.proc.returncode is not None:
+            if c.proc is None or c.proc.returncode is not None or exited.done():
                 raise await self._exit_failure(c)
             if spec.probe is None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(c.proc.wait()), spec.settle_s)
+                    await asyncio.wait_for(asyncio.shield(exited), spec.settle_s)
                 if c.proc.returncode is None and await self._owns_ports(c):
                     c.state = "ready"
                     c.ready_event.set()
                     return
                 continue
+            probe = asyncio.ensure_future(spec.probe())
             try:
-                answered = await spec.probe()
-            except Exception:
-                answered = False
+                await asyncio.wait({probe, exited}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not probe.done():  # the child exited meanwhile (the loop's top says why), or this wait was cancelled
+                    probe.cancel()
+                    await asyncio.wait({probe})
+            if exited.done():
+                continue
+            answered = not probe.cancelled() and probe.exception() is None and probe.result()
             if answered and await self._owns_ports(c):
                 c.state = "ready"
                 c.ready_event.set()

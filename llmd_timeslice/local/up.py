@@ -397,6 +397,7 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
     stack.workdir.mkdir(parents=True, exist_ok=True)
     sup: Supervisor | None = None
     events: list[str] = []
+    phase = "starting"
 
     def on_fatal(exc: StartFailed) -> None:  # a component failed for good after the start: stop the stack
         stop.set()
@@ -408,6 +409,8 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
         failure = any(w in msg for w in ("exited", "failed"))
         if not live_table or (sup is not None and not sup.stopping and failure):
             console.print(f"[red]{escape(line)}[/red]" if failure else escape(line), highlight=False)
+        if sup is not None and not sup.stopping:  # `status` and `down` see each start, exit and restart at once
+            stack.write_state(sup, phase)
 
     try:
         with console.status("preparing ...") as st:
@@ -434,7 +437,8 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
             stack.write_state(sup, "failed")
         return 1
     _print_endpoints(console, stack)
-    stack.write_state(sup, "running")
+    phase = "running"
+    stack.write_state(sup, phase)
     started = time.time()
     try:
         if live_table:
@@ -461,7 +465,8 @@ async def _up(stack: Stack, console: Console, live_table: bool) -> int:
 
 
 STATE_REFRESH_S = 1.0
-"""How often a running ``up`` rewrites its ``stack.json`` (and its live table), in seconds."""
+"""How often a running ``up`` rewrites its ``stack.json`` (and its live table), in seconds; it is also written at
+each component's start, exit and restart."""
 DOWN_POLL_S = 0.2
 """Across nodes: how often a running ``up`` looks for ``down -f``'s marker in the shared workdir, in seconds."""
 

@@ -45,6 +45,17 @@ async def test_a_failed_endpoint_leaves_the_picks_until_its_state_changes_or_its
     assert not pool.mark_failed("10.9.9.9:1", 1), "an unknown endpoint is not marked"
 
 
+def test_the_failed_endpoint_hold_is_a_gate_setting(monkeypatch):
+    """`gate.failed_endpoint_hold_s` (default 5 s) from the environment (as `up`'s children inherit it), a duration."""
+    from epp_plugin.gate.server import GateConfig
+    from llmd_timeslice.config.sources import load_config
+
+    assert GateConfig(ext_proc_port=0, control_port=0).failed_endpoint_hold_s == 5.0
+    monkeypatch.setenv("LLMD_TIMESLICE_GATE__FAILED_ENDPOINT_HOLD_S", "1500ms")
+    cfg = GateConfig.from_settings(load_config(None).gate, token=None)
+    assert cfg.failed_endpoint_hold_s == 1.5
+
+
 def test_the_gate_picking_config_routes_by_the_gates_list_and_never_to_an_endpoint_it_did_not_name():
     boot = render_bootstrap(EnvoyRouterConfig(1, 2, 3, None, authz_port=5))
     [cluster] = [c for c in boot["static_resources"]["clusters"] if c["name"] == "endpoints"]

@@ -175,6 +175,62 @@ async def test_stop_wakes_engines_the_stack_did_not_start(tmp_path):
         engine.stop()
 
 
+async def test_up_writes_its_state_file_at_each_restart_not_only_at_its_refresh(tmp_path, monkeypatch):
+    """`status` and `down` read stack.json: a child's exit and restart show there when they happen, not at the next
+    periodic refresh (here never: an hour)."""
+    import asyncio
+    import contextlib
+    import io
+    import json
+    import os
+    import signal
+    import sys
+    from functools import partial
+
+    from rich.console import Console
+
+    from llmd_timeslice.local import up
+    from llmd_timeslice.local.supervisor import ChildSpec, Supervisor
+    from tests.support.waits import until
+
+    monkeypatch.setattr(up, "STATE_REFRESH_S", 3600.0)
+    monkeypatch.setattr(up, "Supervisor", partial(Supervisor, backoff_s=0.05))  # the restart's back-off: not 1 s
+    d = _base()
+    d["stack"]["workdir"] = str(tmp_path / "wd")
+    d["engines"] = [{"name": "ext", "group": "rollout-group", "sidecar_port": 9101, "url": "http://127.0.0.1:9"}]
+    stack = up.Stack(load_stack_file(_write(tmp_path, d)), tmp_path)
+    # plain children under the names the stop looks for, instead of the components
+    children = [
+        ChildSpec(name, [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / f"{name}.log", settle_s=0.1)
+        for name in ("orchestrator", "gate")
+    ]
+    monkeypatch.setattr(stack, "prepare", lambda progress: [children])
+
+    async def no_engine_to_wake() -> None:
+        return None
+
+    monkeypatch.setattr(stack, "wake_external_engines", no_engine_to_wake)
+
+    def gate() -> dict:
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            state = json.loads((stack.workdir / "stack.json").read_text())
+            return {"phase": state["phase"], **next(c for c in state["components"] if c["name"] == "gate")}
+        return {}
+
+    task = asyncio.ensure_future(up._up(stack, Console(file=io.StringIO()), live_table=False))
+    try:
+        await until(lambda: gate().get("phase") == "running" or task.done(), 30, "the stack running")
+        first = gate()["pid"]
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: gate().get("restarts") == 1 and gate()["state"] == "ready", 30, "the restart written")
+        assert gate()["phase"] == "running" and gate()["pid"] not in (None, first)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert gate()["phase"] == "stopped"
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -181,6 +181,8 @@ def test_second_stack_on_taken_ports_is_refused_naming_each_port_and_holder_and_
                 "fake",
                 "--iterations",
                 "1",
+                "--step-s",
+                "0.1",  # the stand-in training step: the group is held meanwhile, any length shows that
             ],
             env={**rl_env, **exported},
             capture_output=True,
@@ -274,7 +276,8 @@ def test_up_stopped_while_starting_exits_128_plus_the_signal_and_leaves_nothing(
     f.write_text(yaml.safe_dump(d))
     proc = subprocess.Popen([*CLI, "up", "-f", str(f), "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "up to start the engine")
+        _wait(lambda: (pid_file.exists() and pid_file.read_text().strip()) or proc.poll() is not None, 60, "the engine")
+        assert proc.poll() is None, proc.communicate()[0]  # `up` did not start the engine: say why, not after 60 s
         engine_pid = int(pid_file.read_text())
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)

@@ -30,11 +30,13 @@ def nodes():
     n.close()
 
 
-def _phase(workdir: Path, node: str) -> str | None:
+def _phase(workdir: Path, node: str, since_unix_s: float = 0.0) -> str | None:
+    """``node``'s phase as its ``up`` last wrote it, if that was after ``since_unix_s`` (None: not written since)."""
     try:
-        return json.loads((workdir / "nodes" / node / "stack.json").read_text()).get("phase")
+        state = json.loads((workdir / "nodes" / node / "stack.json").read_text())
     except (OSError, ValueError):
         return None
+    return state.get("phase") if state.get("updated_unix_s", 0) > since_unix_s else None
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:
@@ -153,12 +155,14 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
     """Issue 41's bar: serving through the head's router, a trainer's acquire putting the engines on both nodes to
     sleep and its yield waking them, a killed engine node failing no request that had not reached it, the node's
     return, and `down` from an engine node leaving no process on any node."""
-    st = ThreeNodes(nodes, tmp_path, completion_delay_s=0.3)
+    # the gate leaves an endpoint Envoy could not connect to out of its picks for 1 s (default 5 s): the killed
+    # node is tried again (a refused connection, retried on node 1) until it serves again
+    st = ThreeNodes(nodes, tmp_path, completion_delay_s=0.3, env={"LLMD_TIMESLICE_GATE__FAILED_ENDPOINT_HOLD_S": "1"})
     h = nodes.hostnames
     try:
         st.wait_running()
-        served = st.client("serve", st.router, "6")
-        assert served["ok"] == 6, served
+        served = st.client("serve", st.router, "4")
+        assert served["ok"] == 4, served
         assert all(st.received[i].read_text() for i in (1, 2)), "both engine nodes served"
         st_out = nodes.run(2, [*CLI, "status", "-f", str(st.file)])
         assert st_out.returncode == 0 and f"node {h[0]} (head): running" in st_out.stdout, st_out.stdout + st_out.stderr
@@ -175,7 +179,7 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
         load, out, stop = _load(st, tmp_path, "kill")
         nodes.kill(2)
         killed_at = time.time()
-        _wait(lambda: _after(out, killed_at + 2, 12), 60, "the load going on after the kill")
+        _wait(lambda: _after(out, killed_at + 1, 12), 60, "the load going on after the kill")
         stop.touch()
         assert load.wait(60) == 0
         records = _records(out)
@@ -185,7 +189,7 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
             f"a request that never reached the killed node failed: {failed}"
         )
         assert len(failed) <= 4, failed  # at most what was in flight there: 4 clients
-        assert all(r["status"] == 200 for r in records if r["t0"] > killed_at + 2), "the other node serves"
+        assert all(r["status"] == 200 for r in records if r["t0"] > killed_at + 1), "the other node serves"
         print(f"killed node: {len(records)} requests, {len(failed)} failed, each in flight on it")
 
         # the node returns (a new srun step on it): its engine and its part start again and rejoin by themselves
@@ -193,11 +197,11 @@ def test_three_nodes_serve_sleep_and_wake_both_engine_nodes_lose_nothing_to_a_ki
         st.engines[2] = nodes.popen(2, [sys.executable, "-m", "tests.support.fake_engine_process", "8001", "0",
                                         nodes.addresses[2], str(st.received[2])])  # fmt: skip
         before = len(st.received[2].read_text().split())
-        t0 = time.monotonic()
+        t0, restarted_at = time.monotonic(), time.time()
         st.start_up(2)
-        _wait(lambda: _phase(st.workdir, h[2]) == "running", 60, "node 2's part running again")
-        _wait(lambda: st.client("serve", st.router, "2")["ok"] == 2 and len(st.received[2].read_text().split()) > before,
-              60, "node 2 serving again")  # fmt: skip
+        _wait(lambda: _phase(st.workdir, h[2], restarted_at) == "running", 60, "node 2's part running again")
+        back = st.client("serve-until", st.router, "2", str(st.received[2]), str(before), "60")
+        assert back["done"], f"node 2 not serving again: {back}"
         print(f"node 2 back in service {time.monotonic() - t0:.1f} s after its `up` started again")
 
         # `down` from engine node 1 stops every node's part; nothing is left on any node
@@ -217,11 +221,14 @@ def test_a_node_cut_off_under_load_fails_no_request_that_had_not_reached_it_and_
     """Engine node 2's cable out under load: requests that had reached it are lost (ended within the connections'
     keepalive, ~5 s, not the route timeout); every other one is served, those sent to it first retried on node 1
     after a 1 s connect timeout. An acquire meanwhile does not wait on its unreachable sidecar past the probe's bound
-    (here 1 + 3 s: the orchestrator's sidecar settings) and names it; the group serves on node 1 again at once. The
+    (here 0.5 + 3 s: the orchestrator's sidecar settings) and names it; the group serves on node 1 again at once. The
     cable back in: the node rejoins and an acquire sleeps both nodes again."""
-    # the orchestrator's sidecar deadlines, shorter than their defaults (a probe after 2 s, answered within 6 s)
+    # the orchestrator's sidecar deadlines, shorter than their defaults (a probe after 2 s, answered within 6 s). Not
+    # under 3 s: the wake after the failed switch reconnects to the cut node with gRPC's back-off (attempts ~1 s and
+    # ~2.6 s after the failure) and the cable is back ~1.3 s after it, so a shorter deadline fails that wake and the
+    # node rejoins only at the repair, 2 s later
     st = ThreeNodes(
-        nodes, tmp_path, completion_delay_s=0.3, env={f"{ORCH_ENV}CALL_TIMEOUT_S": "3", f"{ORCH_ENV}PROBE_AFTER_S": "1"}
+        nodes, tmp_path, completion_delay_s=0.3, env={f"{ORCH_ENV}CALL_TIMEOUT_S": "3", f"{ORCH_ENV}PROBE_AFTER_S": "0.5"}
     )
     h = nodes.hostnames
     token, orch = str(st.workdir / "control-token"), f"{h[0]}:50051"
@@ -230,7 +237,7 @@ def test_a_node_cut_off_under_load_fails_no_request_that_had_not_reached_it_and_
         load, out, stop = _load(st, tmp_path, "cut")
         nodes.cut(2)
         cut_at = time.time()
-        _wait(lambda: _after(out, cut_at + 3, 12), 90, "the load going on after the cut")
+        _wait(lambda: _after(out, cut_at + 2, 12), 90, "the load going on after the cut")
         stop.touch()
         assert load.wait(60) == 0
         records = _records(out)
@@ -255,8 +262,8 @@ def test_a_node_cut_off_under_load_fails_no_request_that_had_not_reached_it_and_
         nodes.restore(2)
         t0 = time.monotonic()
         before = len(st.received[2].read_text().split())
-        _wait(lambda: st.client("serve", st.router, "2")["ok"] == 2 and len(st.received[2].read_text().split()) > before,
-              60, "node 2 serving again after its cable came back")  # fmt: skip
+        back = st.client("serve-until", st.router, "2", str(st.received[2]), str(before), "60")
+        assert back["done"], f"node 2 not serving again after its cable came back: {back}"
         print(f"cut node rejoined {time.monotonic() - t0:.1f} s after its cable came back")
         turn = st.client("trainer", orch, token, "g", st.router, *st.engine_urls)
         assert turn["asleep_while_held"] == dict.fromkeys(st.engine_urls, True), turn

@@ -30,7 +30,7 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
     pidfile = tmp_path / "grandchild.pid"
     family = ChildSpec("family", ["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"], tmp_path / "family.log", stop_grace_s=2)
     events: list[tuple[str, str]] = []
-    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)), backoff_s=0.25)
+    sup = Supervisor([[web], [family]], on_event=lambda n, m: events.append((n, m)), backoff_s=0.1)
     await sup.start()
     try:
         first = sup.child("web").pid
@@ -38,10 +38,10 @@ async def test_dead_child_is_restarted_with_backoff_and_stop_leaves_nothing(tmp_
         await _until(lambda: sup.child("web").restarts == 1 and sup.child("web").state == "ready")
         assert sup.child("web").pid != first
         assert sup.child("web").last_exit == "signal SIGKILL"
-        assert any(n == "web" and "restarting in 0.25 s" in m for n, m in events)
+        assert any(n == "web" and "restarting in 0.1 s" in m for n, m in events)
         os.kill(sup.child("web").pid, signal.SIGKILL)  # dies again at once: the delay doubles
         await _until(lambda: sup.child("web").restarts == 2 and sup.child("web").state == "ready")
-        assert any(n == "web" and "restarting in 0.5 s" in m for n, m in events)
+        assert any(n == "web" and "restarting in 0.2 s" in m for n, m in events)
         await _until(pidfile.exists)
         grandchild = int(pidfile.read_text())
         assert alive(grandchild)
@@ -82,6 +82,34 @@ async def test_child_not_ready_in_time_fails_the_start(tmp_path):
     with pytest.raises(StartFailed, match=r"never was not ready within 0\.5 s"):
         await sup.start()
     assert not alive(sup.child("never").proc.pid)
+
+
+async def test_a_child_that_exits_while_its_probe_hangs_fails_the_start_at_its_exit(tmp_path):
+    """A probe that never returns (e.g. one connected to another process's socket on the child's port, which accepts
+    and never answers) does not hold the exit's report back: the child's exit ends the probe in flight (cancelled)
+    and the start fails naming the exit code and the log. Before, the start waited for the probe's own timeout."""
+    probes: list[str] = []
+
+    async def hangs() -> bool:
+        probes.append("started")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            probes.append("cancelled")
+            raise
+        return True
+
+    dies = ChildSpec(
+        "dies",
+        [sys.executable, "-c", "import sys, time; time.sleep(0.3); print('bind failed'); sys.exit(1)"],
+        tmp_path / "dies.log",
+        probe=hangs,
+        start_timeout_s=300,
+    )
+    sup = Supervisor([[dies]])
+    with pytest.raises(StartFailed, match=r"(?s)dies exited with code 1 while starting.*bind failed"):
+        await sup.start()
+    assert probes == ["started", "cancelled"], "one probe, ended by the exit"
 
 
 def _http_server(port: int) -> list[str]:
@@ -155,14 +183,14 @@ async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_p
         listen=(port,),
     )
     fatal: list[StartFailed] = []
-    sup = Supervisor([[web]], backoff_s=0.5, on_fatal=fatal.append)
+    sup = Supervisor([[web]], backoff_s=0.2, on_fatal=fatal.append)
     await sup.start()
     squatter = None
     try:
         os.kill(sup.child("web").pid, signal.SIGKILL)
         if case == "port_taken_meanwhile":
             # Taken by this process before the supervisor's event loop (this test's) runs again, so before its restart
-            # (a server process of its own took longer than the 0.5 s back-off to start under load).
+            # (a server process of its own took longer than the 0.2 s back-off to start under load).
             squatter = bind_when_free(port, 10)
         await _until(lambda: bool(fatal), 20)
         assert sup.child("web").state == "failed" and sup.child("web").restarts == 1
@@ -171,7 +199,7 @@ async def test_restart_that_cannot_succeed_is_given_up_not_retried_forever(tmp_p
             assert f"port {port} is held by pid {os.getpid()}" in msg, msg
         else:
             assert "exited with code 2 while starting (a usage error" in msg and "No such option: --colour" in msg, msg
-        await asyncio.sleep(1.5)  # more than the next back-off (1 s): nothing restarts it
+        await asyncio.sleep(1.0)  # 2.5 times the next back-off (0.4 s): nothing restarts it
         assert sup.child("web").restarts == 1 and len(fatal) == 1
     finally:
         await sup.stop()

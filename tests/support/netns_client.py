@@ -3,6 +3,11 @@ reachable only from inside the nodes' network, so the test starts these as proce
 
 ``python -m tests.support.netns_client serve ROUTER N``
     N completions one after another; prints ``{"ok": k, "answers": [...]}``.
+``python -m tests.support.netns_client serve-until ROUTER N RECEIVED_FILE BEFORE TIMEOUT_S``
+    ``serve ROUTER N`` again and again (every 0.1 s) until all N are answered 200 *and* the engine whose received
+    prompts ``RECEIVED_FILE`` lists (one per line, written by tests/support/fake_engine_process.py) got more than
+    ``BEFORE``, or ``TIMEOUT_S`` passed; prints the last round's record with ``done`` and ``rounds`` added. One
+    process for a wait that a test would otherwise poll with a ``serve`` process per round.
 ``python -m tests.support.netns_client load ROUTER OUT STOP_FILE CONCURRENCY``
     CONCURRENCY clients, each sending completions one after another until ``STOP_FILE`` exists; every request's
     prompt is unique (``req-<client>-<n>``) and its outcome one JSON line in ``OUT``
@@ -46,6 +51,17 @@ def serve(router: str, n: int) -> dict:
             except httpx.HTTPError as exc:
                 answers.append({"status": None, "error": repr(exc)})
     return {"ok": sum(a["status"] == 200 for a in answers), "answers": answers}
+
+
+def serve_until(router: str, n: int, received: Path, before: int, timeout_s: float) -> dict:
+    deadline, rounds = time.monotonic() + timeout_s, 0
+    while True:
+        rec, rounds = serve(router, n), rounds + 1
+        got = len(received.read_text().split()) if received.exists() else 0
+        done = rec["ok"] == n and got > before
+        if done or time.monotonic() > deadline:
+            return {**rec, "done": done, "rounds": rounds, "received": got}
+        time.sleep(0.1)
 
 
 async def _load(router: str, out: Path, stop: Path, concurrency: int) -> None:
@@ -144,6 +160,8 @@ def main(argv: list[str]) -> None:
     cmd, args = argv[0], argv[1:]
     if cmd == "serve":
         print(json.dumps(serve(args[0], int(args[1]))))
+    elif cmd == "serve-until":
+        print(json.dumps(serve_until(args[0], int(args[1]), Path(args[2]), int(args[3]), float(args[4]))))
     elif cmd == "load":
         asyncio.run(_load(args[0], Path(args[1]), Path(args[2]), int(args[3])))
     elif cmd == "trainer":
