@@ -109,7 +109,7 @@ demo: setup-demo
 	$(VENV)/bin/llmd-timeslice demo --out demo-out
 
 # The tests in TEST_WORKERS processes (pytest-xdist): most of them wait on sockets, timers and child processes,
-# so 2 cores keep 4 busy (6 took as long here, with 12 % more CPU). The tests sharing the session's vLLM
+# so 2 cores keep 4 busy (5 took as long here on 2026-12-06, 6 as long with 12 % more CPU). The tests sharing the session's vLLM
 # server run in one of them, in order (tests/conftest.py). The type checker runs beside them, niced: the tests keep
 # 2 cores busy for their first ~100 s, and mypy (~11 s of CPU from a cold cache) then fills the idle time of the
 # last minute, when most tests wait on timers (its report is printed after pytest's; either failing fails the
