@@ -128,10 +128,13 @@ def token_hint(token_file: Path | None) -> str:
 
 
 def _refusal(exc: grpc.RpcError, token_file: Path | None) -> str:
-    """``CODE: details``, and for a token refused the hint of :func:`token_hint`."""
+    """``CODE: details``, with a hint: for a token refused that of :func:`token_hint`, for nothing answering where
+    to find a stack's addresses."""
     text = f"{exc.code().name}: {exc.details()}"
     if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         text += f" ({token_hint(token_file)})"
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+        text += " (is a stack running? `status -f STACK.yaml` reads a stack's own addresses; or pass --orchestrator)"
     return text
 
 

@@ -90,6 +90,12 @@ def error_text(exc: yaml.YAMLError) -> str:
     return "not valid YAML: " + " ".join(str(exc).split())
 
 
+def not_text(exc: UnicodeDecodeError) -> str:
+    """One line for a file that is not UTF-8 text (a binary file, another encoding): the first bad byte and its
+    offset (bytes from the start)."""
+    return f"not a text file (UTF-8): byte {exc.object[exc.start]:#04x} at offset {exc.start}"
+
+
 # ------------------------------------------------------------------ validation errors of a file's model
 def model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     """The model whose fields are valid at ``loc`` (field names from ``root``; list indices and map keys of a

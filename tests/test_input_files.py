@@ -65,6 +65,14 @@ def test_an_empty_file_is_refused_alike_by_config_check_and_up(tmp_path, text):
     assert check == up == f"{f}: the file is empty: nothing to check or start (see examples/cpu-stack.yaml)"
 
 
+def test_a_binary_file_is_one_line_naming_it_and_its_first_bad_byte(tmp_path):
+    f = tmp_path / "model.safetensors"  # a file given by mistake
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\xff\x00")
+    want = f"{f}: not a text file (UTF-8): byte 0x89 at offset 0"
+    for args in (["config", "check", str(f)], ["up", "-f", str(f)], ["status", "-f", str(f)], ["down", "-f", str(f)]):
+        assert _one_line(run_cli(*args)) == want, args
+
+
 @pytest.mark.parametrize(
     ("text", "first"),
     [

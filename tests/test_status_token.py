@@ -3,6 +3,7 @@ where the token it sent came from), whether no token, a wrong file or the variab
 
 from __future__ import annotations
 
+import port_for
 import pytest
 from rich.console import Console
 
@@ -36,3 +37,10 @@ def test_status_with_a_refused_token_names_the_token_file_flag(orchestrator, tmp
     assert print_status(orchestrator, [], token_file, console) == 1
     text = console.export_text()
     assert "UNAUTHENTICATED" in text and expected in text, text
+
+
+def test_status_with_nothing_listening_says_where_a_stacks_addresses_are():
+    console = Console(record=True, width=400)
+    assert print_status(f"127.0.0.1:{port_for.select_random()}", [], None, console) == 1
+    text = console.export_text()
+    assert "UNAVAILABLE" in text and "is a stack running? `status -f STACK.yaml`" in text, text

@@ -105,7 +105,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
     """The mapping a configuration file holds (YAML or JSON), its top-level keys checked.
 
     Raises:
-        ConfigError: unreadable, not YAML, not a mapping, or a top-level key that is neither a section nor
+        ConfigError: unreadable, not UTF-8 text, not YAML, not a mapping, or a top-level key that is neither a section nor
             ``token_file`` (with a suggestion when one is close).
     """
     source = str(path)
@@ -113,6 +113,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([yaml_files.not_text(exc)], source) from None
     try:
         data = yaml_files.load(text)
     except yaml.YAMLError as exc:

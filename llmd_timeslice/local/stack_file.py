@@ -493,7 +493,10 @@ def load_stack_file(path: str | os.PathLike, port_offset: int | None = None) -> 
 
 
 def _load(path: Path, port_offset: int | None) -> StackFile:
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise StackError([yaml_files.not_text(exc)]) from None
     try:
         data = yaml_files.load(text)
     except yaml.YAMLError as exc:
