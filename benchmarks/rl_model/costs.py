@@ -136,33 +136,20 @@ def make_strategy(name: str, inp: dict[str, Input], model_b: float, group_size: 
             Component(f"{role} {what}: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",)),
         ]
 
-    def vllm_sleep(polled: bool) -> list[Component]:
-        raw = v["vllm_sleep_fixed_s"] + by.sampler_weights / vllm_bw
+    def vllm_step(what: str, polled: bool) -> list[Component]:
+        """vLLM's level-1 ``what`` ("sleep" or "wake"): fixed + weights at the sleep/wake bandwidth, and with
+        ``polled`` the wait to the next 1 s operation poll."""
+        raw = v[f"vllm_{what}_fixed_s"] + by.sampler_weights / vllm_bw
         out = [
             Component(
-                "sampler vLLM level-1 sleep (fixed + weights/15 GB/s)",
+                f"sampler vLLM level-1 {what} (fixed + weights/15 GB/s)",
                 raw,
-                ("vllm_sleep_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"),
+                (f"vllm_{what}_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"),
             )
         ]
         if polled:
             out.append(
-                Component("sampler sleep: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",))
-            )
-        return out
-
-    def vllm_wake(polled: bool) -> list[Component]:
-        raw = v["vllm_wake_fixed_s"] + by.sampler_weights / vllm_bw
-        out = [
-            Component(
-                "sampler vLLM level-1 wake (fixed + weights/15 GB/s)",
-                raw,
-                ("vllm_wake_fixed_s", "vllm_sleep_wake_gbps", "weight_bytes_per_param"),
-            )
-        ]
-        if polled:
-            out.append(
-                Component("sampler wake: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",))
+                Component(f"sampler {what}: 1 s operation poll", _poll(raw, v["operation_poll_s"]) - raw, ("operation_poll_s",))
             )
         return out
 
@@ -172,12 +159,12 @@ def make_strategy(name: str, inp: dict[str, Input], model_b: float, group_size: 
         def suspend(role):
             if role == "sampler":
                 drain = [Component("sampler drain: readiness probe + metric polling", v["probe_drain_s"], ("probe_drain_s",))]
-                return drain + (vllm_sleep(True) if sleep_samplers else ckpt("sampler", "checkpoint"))
+                return drain + (vllm_step("sleep", True) if sleep_samplers else ckpt("sampler", "checkpoint"))
             return ckpt("trainer", "checkpoint")
 
         def resume(role):
             if role == "sampler" and sleep_samplers:
-                return vllm_wake(True)
+                return vllm_step("wake", True)
             return ckpt(role, "restore")
 
         return Strategy(name, suspend, resume)
@@ -201,7 +188,7 @@ def make_strategy(name: str, inp: dict[str, Input], model_b: float, group_size: 
             if role == "sampler":
                 return [
                     Component("sampler drain: gate drain barrier (event)", v["ts_drain_s"], ("ts_drain_s",)),
-                    *vllm_sleep(False),
+                    *vllm_step("sleep", False),
                     Component("sampler sleep verification + control (sidecar)", v["ts_sleep_control_s"], ("ts_sleep_control_s",)),
                 ]
             copy = Component(
@@ -217,7 +204,7 @@ def make_strategy(name: str, inp: dict[str, Input], model_b: float, group_size: 
         def resume(role):
             if role == "sampler":
                 return [
-                    *vllm_wake(False),
+                    *vllm_step("wake", False),
                     Component(
                         "sampler wake verification + control (probe completion, SERVING)",
                         v["ts_wake_control_s"],
