@@ -79,61 +79,53 @@ def istio_ext_proc_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | N
         "listener": {"filterChain": {"filter": {**hcm_match["filter"], "subFilter": {"name": EPP_FILTER_NAME}}}},
     }
     pools = {s.pool: s.route, **(extra_pools or {})}
-    return {
-        "apiVersion": "networking.istio.io/v1alpha3",
-        "kind": "EnvoyFilter",
-        "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
-        "spec": {
-            # The Gateway's pods: Istio labels them with the Gateway API name.
-            "workloadSelector": {"labels": {"gateway.networking.k8s.io/gateway-name": s.gateway}},
-            "configPatches": [
-                {
-                    # 1. The gate's ext_proc, inserted BEFORE the EPP's ext_proc that Istio adds for an
-                    #    InferencePool backend (filter name envoy.filters.http.ext_proc).
-                    "applyTo": "HTTP_FILTER",
-                    "match": copy.deepcopy(epp_match),
-                    "patch": {"operation": "INSERT_BEFORE", "value": gate},
-                },
-                {
-                    # 2. Istio's EPP filter forwards only envoy.lb: add the subset hint namespace
-                    #    (MERGE appends to the repeated field).
-                    "applyTo": "HTTP_FILTER",
-                    "match": copy.deepcopy(epp_match),
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {
-                            "name": EPP_FILTER_NAME,
-                            "typed_config": {
-                                "@type": EXT_PROC_TYPE,
-                                "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
-                            },
+    return _envoy_filter(
+        s.gateway,
+        [
+            {
+                # 1. The gate's ext_proc, inserted BEFORE the EPP's ext_proc that Istio adds for an
+                #    InferencePool backend (filter name envoy.filters.http.ext_proc).
+                "applyTo": "HTTP_FILTER",
+                "match": copy.deepcopy(epp_match),
+                "patch": {"operation": "INSERT_BEFORE", "value": gate},
+            },
+            {
+                # 2. Istio's EPP filter forwards only envoy.lb: add the subset hint namespace
+                #    (MERGE appends to the repeated field).
+                "applyTo": "HTTP_FILTER",
+                "match": copy.deepcopy(epp_match),
+                "patch": {
+                    "operation": "MERGE",
+                    "value": {
+                        "name": EPP_FILTER_NAME,
+                        "typed_config": {
+                            "@type": EXT_PROC_TYPE,
+                            "metadata_options": {"forwarding_namespaces": {"untyped": [protocol.SUBSET_HINT_NAMESPACE]}},
                         },
                     },
                 },
-                {
-                    # 3. A held request sends no bytes: raise the stream idle timeout above hold + generation.
-                    #    A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
-                    "applyTo": "NETWORK_FILTER",
-                    "match": {"context": "GATEWAY", "listener": {"filterChain": copy.deepcopy(hcm_match)}},
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {
-                            "name": "envoy.filters.network.http_connection_manager",
-                            "typed_config": {
-                                "@type": HCM_TYPE,
-                                "stream_idle_timeout": _dur(s.request_timeout_s),
-                                "local_reply_config": {
-                                    "mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["istio-ext-proc"])
-                                },
-                            },
+            },
+            {
+                # 3. A held request sends no bytes: raise the stream idle timeout above hold + generation.
+                #    A gate that does not answer in time: 503, not ext_proc's 504 (gate_error_mappers).
+                "applyTo": "NETWORK_FILTER",
+                "match": {"context": "GATEWAY", "listener": {"filterChain": copy.deepcopy(hcm_match)}},
+                "patch": {
+                    "operation": "MERGE",
+                    "value": {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": HCM_TYPE,
+                            "stream_idle_timeout": _dur(s.request_timeout_s),
+                            "local_reply_config": {"mappers": gate_error_mappers("ext_proc", ENVOY_VERSIONS["istio-ext-proc"])},
                         },
                     },
                 },
-                # 4. Each pool's route tells the gate its pool.
-                *(istio_gate_route_patch(s, pool, route) for pool, route in pools.items()),
-            ],
-        },
-    }
+            },
+            # 4. Each pool's route tells the gate its pool.
+            *(istio_gate_route_patch(s, pool, route) for pool, route in pools.items()),
+        ],
+    )
 
 
 def istio_destinationrule(s: GuideSettings) -> dict:
@@ -367,69 +359,75 @@ def istio_fast_path_envoyfilter(s: GuideSettings, extra_pools: dict[str, str] | 
             "mappers": [*refusal_local_reply()["mappers"], *gate_error_mappers("ext_authz", ENVOY_VERSIONS["istio"])]
         },
     }
+    return _envoy_filter(
+        s.gateway,
+        [
+            {
+                # 1. Admission: the gate's HTTP ext_authz, BEFORE the EPP's ext_proc that Istio adds for an
+                #    InferencePool backend. A held request is a check not answered yet.
+                "applyTo": "HTTP_FILTER",
+                "match": _istio_filter_match(EPP_FILTER_NAME),
+                "patch": {"operation": "INSERT_BEFORE", "value": authz_filter(LOCAL_AUTHZ_CLUSTER, s.pool, s.max_hold_s)},
+            },
+            {
+                # 2. The gate's answer header becomes the subset hint (envoy.lb.subset_hint), between the two.
+                "applyTo": "HTTP_FILTER",
+                "match": _istio_filter_match(EPP_FILTER_NAME),
+                "patch": {"operation": "INSERT_BEFORE", "value": subset_hint_filter()},
+            },
+            _istio_epp_forwards_subset_hint(),  # 3.
+            {
+                # 4. The router logs each upstream start (the endpoint the EPP picked) to the gate.
+                "applyTo": "HTTP_FILTER",
+                "match": _istio_filter_match(router_merge["name"]),
+                "patch": {"operation": "MERGE", "value": router_merge},
+            },
+            {
+                # 5. Stream idle timeout, the access log of each request's end, the refusal mapper.
+                "applyTo": "NETWORK_FILTER",
+                "match": {"context": "GATEWAY", "listener": {"filterChain": _istio_hcm_match()}},
+                "patch": {
+                    "operation": "MERGE",
+                    "value": {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm_merge},
+                },
+            },
+            # 6. The gate of this pod, on loopback: its HTTP ext_authz port and its gRPC port (HTTP/2).
+            {
+                "applyTo": "CLUSTER",
+                "match": {"context": "GATEWAY"},
+                "patch": {"operation": "ADD", "value": authz_cluster(LOCAL_AUTHZ_CLUSTER, LOOPBACK, GATE_AUTHZ_PORT)},
+            },
+            {
+                "applyTo": "CLUSTER",
+                "match": {"context": "GATEWAY"},
+                "patch": {"operation": "ADD", "value": grpc_cluster(LOCAL_GATE_CLUSTER, LOOPBACK, GATE_EXT_PROC_PORT)},
+            },
+            # 7. Each pool's route names its pool in the check (defect 12: never one pool for all routes).
+            *(
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _istio_route_match(s, route),
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {
+                            "typed_per_filter_config": {
+                                AUTHZ_FILTER_NAME: authz_per_route(LOCAL_AUTHZ_CLUSTER, pool, s.max_hold_s)
+                            }
+                        },
+                    },
+                }
+                for pool, route in pools.items()
+            ),
+        ],
+    )
+
+
+def _envoy_filter(gateway: str, patches: list[dict]) -> dict:
+    """The EnvoyFilter ``llmd-timeslice-gate`` applying ``patches`` to the Gateway's pods (Istio labels them with the
+    Gateway API name)."""
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
         "metadata": {"name": "llmd-timeslice-gate", "labels": {"app.kubernetes.io/part-of": "llmd-timeslice"}},
-        "spec": {
-            "workloadSelector": {"labels": {"gateway.networking.k8s.io/gateway-name": s.gateway}},
-            "configPatches": [
-                {
-                    # 1. Admission: the gate's HTTP ext_authz, BEFORE the EPP's ext_proc that Istio adds for an
-                    #    InferencePool backend. A held request is a check not answered yet.
-                    "applyTo": "HTTP_FILTER",
-                    "match": _istio_filter_match(EPP_FILTER_NAME),
-                    "patch": {"operation": "INSERT_BEFORE", "value": authz_filter(LOCAL_AUTHZ_CLUSTER, s.pool, s.max_hold_s)},
-                },
-                {
-                    # 2. The gate's answer header becomes the subset hint (envoy.lb.subset_hint), between the two.
-                    "applyTo": "HTTP_FILTER",
-                    "match": _istio_filter_match(EPP_FILTER_NAME),
-                    "patch": {"operation": "INSERT_BEFORE", "value": subset_hint_filter()},
-                },
-                _istio_epp_forwards_subset_hint(),  # 3.
-                {
-                    # 4. The router logs each upstream start (the endpoint the EPP picked) to the gate.
-                    "applyTo": "HTTP_FILTER",
-                    "match": _istio_filter_match(router_merge["name"]),
-                    "patch": {"operation": "MERGE", "value": router_merge},
-                },
-                {
-                    # 5. Stream idle timeout, the access log of each request's end, the refusal mapper.
-                    "applyTo": "NETWORK_FILTER",
-                    "match": {"context": "GATEWAY", "listener": {"filterChain": _istio_hcm_match()}},
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm_merge},
-                    },
-                },
-                # 6. The gate of this pod, on loopback: its HTTP ext_authz port and its gRPC port (HTTP/2).
-                {
-                    "applyTo": "CLUSTER",
-                    "match": {"context": "GATEWAY"},
-                    "patch": {"operation": "ADD", "value": authz_cluster(LOCAL_AUTHZ_CLUSTER, LOOPBACK, GATE_AUTHZ_PORT)},
-                },
-                {
-                    "applyTo": "CLUSTER",
-                    "match": {"context": "GATEWAY"},
-                    "patch": {"operation": "ADD", "value": grpc_cluster(LOCAL_GATE_CLUSTER, LOOPBACK, GATE_EXT_PROC_PORT)},
-                },
-                # 7. Each pool's route names its pool in the check (defect 12: never one pool for all routes).
-                *(
-                    {
-                        "applyTo": "HTTP_ROUTE",
-                        "match": _istio_route_match(s, route),
-                        "patch": {
-                            "operation": "MERGE",
-                            "value": {
-                                "typed_per_filter_config": {
-                                    AUTHZ_FILTER_NAME: authz_per_route(LOCAL_AUTHZ_CLUSTER, pool, s.max_hold_s)
-                                }
-                            },
-                        },
-                    }
-                    for pool, route in pools.items()
-                ),
-            ],
-        },
+        "spec": {"workloadSelector": {"labels": {"gateway.networking.k8s.io/gateway-name": gateway}}, "configPatches": patches},
     }
