@@ -462,20 +462,16 @@ def _eg_ext_proc(ep: dict, name: str, cluster: str) -> dict:
     }
     cfg = {"@type": EXT_PROC_TYPE, "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": "10s"}}
     req, resp = ep["processingMode"].get("request"), ep["processingMode"].get("response")
-    if req is not None:
-        pm["request_header_mode"] = "SEND"
-        if "body" in req:
-            pm["request_body_mode"] = modes[req["body"]]
-            if pm["request_body_mode"] == "FULL_DUPLEX_STREAMED":
-                pm["request_trailer_mode"] = "SEND"
-    if resp is not None:
-        pm["response_header_mode"] = "SEND"
-        if "body" in resp:
-            pm["response_body_mode"] = modes[resp["body"]]
-            if pm["response_body_mode"] == "FULL_DUPLEX_STREAMED":
-                pm["response_trailer_mode"] = "SEND"
-        if resp.get("attributes"):
-            cfg["response_attributes"] = list(resp["attributes"])
+    for side, mode in (("request", req), ("response", resp)):
+        if mode is None:
+            continue
+        pm[f"{side}_header_mode"] = "SEND"
+        if "body" in mode:
+            pm[f"{side}_body_mode"] = modes[mode["body"]]
+            if pm[f"{side}_body_mode"] == "FULL_DUPLEX_STREAMED":
+                pm[f"{side}_trailer_mode"] = "SEND"
+    if resp is not None and resp.get("attributes"):
+        cfg["response_attributes"] = list(resp["attributes"])
     cfg["processing_mode"] = pm
     cfg["failure_mode_allow"] = ep.get("failOpen", False)
     cfg["message_timeout"] = ep["messageTimeout"]
