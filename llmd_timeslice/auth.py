@@ -45,6 +45,10 @@ class TokenFileMissing(TokenFileError, FileNotFoundError):
     """The token file does not exist."""
 
 
+class TokenFileNotText(TokenFileError):
+    """The token file is not UTF-8 text."""
+
+
 def load_token(token_file: str | os.PathLike | None = None, setting: str = "--token-file") -> str | None:
     """Token from ``token_file``, else ``$LLMD_TIMESLICE_TOKEN_FILE``, else ``$LLMD_TIMESLICE_TOKEN``.
 
@@ -53,7 +57,8 @@ def load_token(token_file: str | os.PathLike | None = None, setting: str = "--to
 
     Raises:
         TokenFileMissing: the token file does not exist (a ``FileNotFoundError``).
-        TokenFileError: it cannot be read otherwise (an ``OSError``: permission, a directory...).
+        TokenFileError: it cannot be read otherwise (an ``OSError``: permission, a directory...);
+            :class:`TokenFileNotText` when it is not UTF-8 text.
         ValueError: the token file is empty.
     """
     path = token_file
@@ -64,8 +69,10 @@ def load_token(token_file: str | os.PathLike | None = None, setting: str = "--to
             token = Path(path).read_text().strip()
         except FileNotFoundError as exc:
             raise TokenFileMissing(setting, path, exc) from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TokenFileError(setting, path, exc if isinstance(exc, OSError) else OSError(0, str(exc))) from None
+        except OSError as exc:
+            raise TokenFileError(setting, path, exc) from None
+        except UnicodeDecodeError as exc:
+            raise TokenFileNotText(setting, path, OSError(0, str(exc))) from None
         if not token:
             raise ValueError(f"{setting} {path}: the control-plane token file is empty")
         return token

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmd_timeslice import auth
 from llmd_timeslice.local.nodes import NodeError
 from llmd_timeslice.local.ports import host_problem
 from llmd_timeslice.local.stack_file import StackFile
@@ -61,13 +62,13 @@ def token_file_problem(path: Path) -> str | None:
     if path.is_dir():
         return "is a directory; name a file holding the token, or leave stack.token_file out (`up` generates one)"
     try:
-        text = path.read_text()
-    except FileNotFoundError:
+        auth.load_token(path)  # the reader every component uses
+    except auth.TokenFileMissing:
         return _MISSING
-    except OSError as exc:
-        return f"cannot read it ({exc.strerror or exc}); make it readable by this user"
-    except UnicodeDecodeError:
+    except auth.TokenFileNotText:
         return "is not text; write the token into it as one line"
-    if not text.strip():
+    except auth.TokenFileError as exc:
+        return f"cannot read it ({exc.strerror}); make it readable by this user"
+    except ValueError:
         return "the file is empty; write the token into it, or delete it and `up` creates one"
     return None
